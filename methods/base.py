@@ -1,0 +1,175 @@
+"""The KV method interface: a method is hyperparameters + a factory of per-layer cache objects.
+
+* `KVMethod` holds hyperparameters and prepared artefacts only; it is read-only during a run.
+* `KVLayer` holds the per-request, per-layer state (the kept K/V and whatever a method needs).
+  It never imports transformers: `harness.hf_adapter` bridges it to the model's cache and
+  attention seams, so a method file stays plain torch.
+
+Shapes: keys/values `(B, H_kv, T, D)`, query `(B, H_q, q_len, D)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from harness.errors import ConfigError
+
+AttentionFn = Callable[..., tuple[torch.Tensor, Any]]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a method can do; the runner refuses impossible combinations before loading weights."""
+
+    acts_during_decode: bool = True  # False: prefill-only compression
+    max_batch_size: int | None = 1  # eviction makes caches ragged; None = any
+    needs_attn_scores: bool = False  # computes attention probabilities itself
+    needs_prepare: bool = False  # offline artefacts (e.g. InfiniGen skewing)
+    modes: tuple[str, ...] = ("system",)  # subset of {"simulate", "system"}
+    offloads_kv: bool = False  # keeps the full K/V on the slow tier (harness.offload)
+    needs_rope: bool = False  # re-rotates keys (needs a rotary model)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a method may know about the model, available before weights load."""
+
+    num_layers: int
+    num_heads: int  # query heads H_q
+    num_kv_heads: int  # H_kv
+    head_dim: int  # D
+    max_positions: int
+    dtype: torch.dtype = torch.float32
+    rope_theta: float | None = None
+    model_type: str = "llama"
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (g = H_q / H_kv)."""
+        return self.num_heads // self.num_kv_heads
+
+    def kv_bytes_per_token(self, dtype: torch.dtype | None = None) -> int:
+        """Bytes of K and V for one token over all layers, in `dtype` (default: the model's)."""
+        itemsize = torch.empty((), dtype=dtype or self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+class KVLayer:
+    """Per-request, per-layer KV state. The default stores everything (the full cache).
+
+    Contract (checked by tests on eager attention and chunked prefill):
+      * `seen_tokens` counts every token ever given to `update` (positions never depend on how
+        many were evicted);
+      * `mask_sizes(q_len)` is called before `update` and describes what `update` will return:
+        `(kept + q_len, seen - kept)`;
+      * `update()` returns the K/V to attend over this step (kept + new).
+    """
+
+    def __init__(self, layer_idx: int, info: ModelInfo):
+        self.layer_idx = layer_idx
+        self.info = info
+        self.seen_tokens = 0
+        self.keys: torch.Tensor | None = None  # (B, H_kv, T, D)
+        self.values: torch.Tensor | None = None  # (B, H_kv, T, D)
+
+    # --- cache seam -------------------------------------------------------------------------
+    def update(self, keys: torch.Tensor, values: torch.Tensor, position_ids: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new K/V `(B, H_kv, q_len, D)` and return what attention sees this step."""
+        self.seen_tokens += keys.shape[-2]
+        if self.keys is None:
+            self.keys, self.values = keys, values
+        else:
+            self.keys = torch.cat([self.keys, keys], dim=-2)
+            self.values = torch.cat([self.values, values], dim=-2)
+        return self.keys, self.values
+
+    def kept_tokens(self) -> int:
+        """Tokens stored now (before the next update)."""
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def mask_sizes(self, q_len: int) -> tuple[int, int]:
+        kept = self.kept_tokens()
+        return kept + q_len, self.seen_tokens - kept
+
+    # --- attention seam ---------------------------------------------------------------------
+    def attend(self, module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               attention_mask: torch.Tensor | None, base: AttentionFn, **kwargs):
+        """Attention over what `update` returned; `base` is the model's own attention function."""
+        return base(module, query, keys, values, attention_mask, **kwargs)
+
+    # --- accounting -------------------------------------------------------------------------
+    def budget_tokens(self) -> int | None:
+        """Most tokens this layer may hold now under the method's budget (None: unbounded)."""
+        return None
+
+    def stats(self) -> dict[str, int]:
+        """Tokens and bytes really held by this layer now (per KV head, tokens are the max)."""
+        if self.keys is None:
+            return {"kv_tokens": 0, "kv_bytes": 0}
+        return {
+            "kv_tokens": int(self.keys.shape[-2]),
+            "kv_bytes": int(self.keys.nbytes + self.values.nbytes),
+        }
+
+
+@dataclass(kw_only=True)
+class KVMethod:
+    """Hyperparameters + prepared artefacts; per-request state lives in `KVLayer`s.
+
+    Subclasses are dataclasses whose fields are exactly the keys of `conf/method/<name>.yaml`
+    (plus `name`), each with its unit in the name (`*_tokens`, `*_ratio`, `*_bits`).
+    """
+
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities] = Capabilities()
+
+    def __post_init__(self) -> None:
+        for reason in self.check_hyperparameters():
+            raise ConfigError(reason)
+
+    @classmethod
+    def hyperparameter_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def hyperparameters(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def check_hyperparameters(self) -> list[str]:
+        """Reasons the hyperparameters alone are invalid, each naming its key (`method.x`)."""
+        return []
+
+    def validate(self, info: ModelInfo, runner: dict[str, Any]) -> list[str]:
+        """Reasons this method cannot run on this model/runner combination (before weights load)."""
+        reasons = []
+        batch = int(runner.get("batch_size", 1))
+        cap = self.capabilities.max_batch_size
+        if cap is not None and batch > cap:
+            reasons.append(f"runner.batch_size={batch} but method={self.name} supports at most {cap}")
+        mode = getattr(self, "mode", None)
+        if mode is not None and mode not in self.capabilities.modes:
+            reasons.append(f"method.mode={mode!r}; allowed for {self.name}: "
+                           f"{', '.join(self.capabilities.modes)}")
+        return reasons
+
+    def prepare(self, model, tokenizer, context: dict[str, Any]) -> dict[str, Any]:
+        """Offline step (idempotent; may cache artefacts on disk). Returns facts for metrics.json."""
+        return {}
+
+    def install(self, model) -> list[Any]:
+        """Optional hooks for the duration of a run; return handles with `.remove()`."""
+        return []
+
+    def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
+        """A fresh per-request state object for one decoder layer."""
+        return KVLayer(layer_idx, info)
+
+
+def require(condition: bool, message: str, reasons: list[str]) -> None:
+    """Append `message` to `reasons` when `condition` fails (small helper for check_*)."""
+    if not condition:
+        reasons.append(message)

@@ -1,0 +1,20 @@
+"""Full cache: every token's K/V kept, attention unchanged. The baseline every method is judged by.
+
+Its logits equal a plain transformers forward (tests/methods/test_full.py); it has no
+hyperparameters and no budget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from methods.base import Capabilities, KVMethod
+
+
+@dataclass(kw_only=True)
+class Full(KVMethod):
+    """Keep everything (no compression). Any batch size."""
+
+    name: ClassVar[str] = "full"
+    capabilities: ClassVar[Capabilities] = Capabilities(max_batch_size=None)
