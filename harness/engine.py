@@ -114,7 +114,8 @@ class Engine:
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         """Token ids with the tokenizer's own default for special tokens unless told otherwise."""
         kwargs = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
-        return self.tokenizer(text, **kwargs)["input_ids"]
+        # verbose=False: whole texts are tokenized once and cut afterwards (no length warning).
+        return self.tokenizer(text, verbose=False, **kwargs)["input_ids"]
 
     def stop_token_ids(self) -> set[int]:
         ids = set()

@@ -32,6 +32,7 @@ class Capabilities:
     modes: tuple[str, ...] = ("system",)  # subset of {"simulate", "system"}
     offloads_kv: bool = False  # keeps the full K/V on the slow tier (harness.offload)
     needs_rope: bool = False  # re-rotates keys (needs a rotary model)
+    bounds_positions: bool = False  # attends at in-cache positions, so streams may outrun max positions
 
 
 @dataclass(frozen=True)

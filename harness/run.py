@@ -1,0 +1,212 @@
+"""The runner: compose -> validate (no weights) -> load -> prepare -> evaluate -> write atomically.
+
+`run(cfg)` is the whole pipeline as a function (tests call it with a composed config);
+`main` is the Hydra entry point behind `python -m harness`.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from harness.errors import BudgetViolation, ConfigError
+
+log = logging.getLogger("harness")
+ATTN_IMPLS = ("sdpa", "eager")
+LOGGERS = ("none",)
+
+
+def _plain(node) -> dict[str, Any]:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
+
+
+def _split_name(group: str, node) -> tuple[str, dict[str, Any]]:
+    options = _plain(node)
+    name = options.pop("name", None)
+    if not name:
+        raise ConfigError(f"{group}.name is missing (conf/{group}/<choice>.yaml must set it)")
+    return str(name), options
+
+
+def check_runner(runner: dict[str, Any]) -> None:
+    def positive_int(key: str, allow_none: bool = False) -> None:
+        value = runner.get(key)
+        if value is None and allow_none:
+            return
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"runner.{key}={value!r} must be a positive integer")
+
+    positive_int("prefill_chunk_tokens")
+    positive_int("batch_size")
+    positive_int("threads", allow_none=True)
+    if runner.get("batch_size") != 1:
+        raise ConfigError(f"runner.batch_size={runner.get('batch_size')}: the tasks feed one "
+                          "sequence at a time for now; allowed: 1")
+    if runner.get("attn_impl") not in ATTN_IMPLS:
+        raise ConfigError(f"runner.attn_impl={runner.get('attn_impl')!r}; allowed: "
+                          f"{', '.join(ATTN_IMPLS)}")
+    if not isinstance(runner.get("seed"), int):
+        raise ConfigError(f"runner.seed={runner.get('seed')!r} must be an integer")
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "model"
+
+
+def output_dir(runner: dict[str, Any], task: str, model: dict[str, Any], method: str) -> Path:
+    if runner.get("output_dir"):
+        return Path(runner["output_dir"])
+    model_name = model["name"] if model["name"] != "hf" else _slug(str(model.get("name_or_path")))
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    return Path(runner.get("results_root") or "results") / task / model_name / method / stamp
+
+
+def seed_everything(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def run(cfg: DictConfig) -> Path:
+    """Run one (model, method, task) and return the result folder."""
+    from methods import build_method
+    from tasks import build_task
+
+    t_start = time.time()
+    runner = _plain(cfg.runner)
+    check_runner(runner)
+    method_name, method_opts = _split_name("method", cfg.method)
+    task_name, task_opts = _split_name("task", cfg.task)
+    model_cfg = _plain(cfg.model)
+    logger_name = _plain(cfg.logger).get("name")
+    if logger_name not in LOGGERS:
+        raise ConfigError(f"logger={logger_name!r}; allowed: {', '.join(LOGGERS)}")
+
+    method = build_method(method_name, **method_opts)
+    task = build_task(task_name, **task_opts)
+
+    import torch
+
+    from harness import hf_adapter, models
+    from harness.engine import Engine, EngineSettings
+    from harness.env import environment
+    from harness.profiling import peak_memory, reset_peak_memory
+    from harness.results import RunFolder, check_writable
+
+    spec = models.resolve_model(model_cfg)
+    info = hf_adapter.model_info(models.load_config(spec), spec.dtype)
+    reasons = method.validate(info, runner) + task.validate(info, method)
+    if reasons:
+        raise ConfigError("; ".join(reasons))
+    task.check_data()
+    out = output_dir(runner, task_name, model_cfg, method_name)
+    check_writable(out.parent)
+
+    if runner.get("threads"):
+        torch.set_num_threads(int(runner["threads"]))
+    seed_everything(int(runner["seed"]))
+    log.info("loading %s", spec.description)
+    model, tokenizer = models.load_model(spec, runner["attn_impl"])
+    prepared = method.prepare(model, tokenizer, {"model_spec": spec, "info": info})
+    handles = method.install(model)
+    engine = Engine(model, tokenizer, method, info, EngineSettings(
+        prefill_chunk_tokens=runner["prefill_chunk_tokens"], batch_size=runner["batch_size"],
+        check_budget=bool(runner.get("check_budget", True))))
+    reset_peak_memory(engine.device)
+    try:
+        result = task.evaluate(engine)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+    metrics = {
+        "accuracy": result.metrics,
+        "speed": engine.speed().as_dict(),
+        "memory": peak_memory(engine.device),
+        "kv": engine.ledger.summary(),
+        "model": {"name": spec.name, "description": spec.description, "source": spec.source,
+                  "dtype": str(spec.dtype).replace("torch.", ""), "device": str(engine.device),
+                  "num_layers": info.num_layers, "num_heads": info.num_heads,
+                  "num_kv_heads": info.num_kv_heads, "head_dim": info.head_dim,
+                  "max_positions": info.max_positions,
+                  "parameters": sum(p.numel() for p in model.parameters())},
+        "method": {"name": method_name, "hyperparameters": method.hyperparameters(),
+                   "capabilities": vars(method.capabilities) if hasattr(method.capabilities, "__dict__")
+                   else {}, "prepare": prepared},
+        "task": {"name": task_name, "options": task.options()},
+        "protocol": {**result.protocol, "prefill_chunk_tokens": runner["prefill_chunk_tokens"],
+                     "batch_size": runner["batch_size"], "attn_impl": runner["attn_impl"],
+                     "positions": "text positions, explicit position_ids", "seed": runner["seed"]},
+        "env": environment(Path(__file__).resolve().parents[1]),
+        "run": {"started": datetime.fromtimestamp(t_start).isoformat(timespec="seconds"),
+                "wall_s": round(time.time() - t_start, 3)},
+    }
+    folder = RunFolder(out)
+    try:
+        folder.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+        if result.samples:
+            folder.write_jsonl("samples.jsonl", result.samples)
+        folder.write_json("metrics.json", metrics)
+        final = folder.commit()
+    except BaseException:
+        folder.abandon()
+        raise
+    print(summary(metrics, final))
+    return final
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def summary(metrics: dict[str, Any], folder: Path) -> str:
+    acc = {k: v for k, v in metrics["accuracy"].items() if not isinstance(v, (list, dict))}
+    speed, mem, kv = metrics["speed"], metrics["memory"], metrics["kv"]
+    lines = [
+        f"kv-harness  task={metrics['task']['name']}  model={metrics['model']['name']}  "
+        f"method={metrics['method']['name']}",
+        "  accuracy  " + "  ".join(f"{k}={_fmt(v)}" for k, v in acc.items()),
+        f"  speed     prefill {_fmt(speed['prefill_ms_total'])} ms for {speed['prefill_tokens']} tok"
+        f" | decode {_fmt(speed['decode_ms_per_token_median'])} ms/tok median "
+        f"(p90 {_fmt(speed['decode_ms_per_token_p90'])}), {_fmt(speed['decode_tokens_per_s'])} tok/s",
+        f"  memory    {mem['kind']} {_fmt((mem['peak_bytes'] or 0) / 2**20)} MiB",
+    ]
+    if kv:
+        lines.append(f"  kv        {_fmt(kv['bytes_total'] / 2**20)} MiB held (full cache "
+                     f"{_fmt(kv['full_cache_bytes'] / 2**20)} MiB, compression "
+                     f"{_fmt(kv['compression_ratio'])}x), mean tokens/layer "
+                     f"{_fmt(sum(kv['tokens_per_layer']) / len(kv['tokens_per_layer']))}")
+    lines.append(f"  written   {folder}")
+    return "\n".join(lines)
+
+
+def report_error(exc: BaseException, debug: bool) -> int:
+    if debug:
+        raise exc
+    print(f"error: {exc}", file=sys.stderr)
+    return 2 if isinstance(exc, ConfigError) else 1
+
+
+def main_guarded(cfg: DictConfig) -> None:
+    debug = bool(OmegaConf.select(cfg, "runner.debug", default=False))
+    try:
+        run(cfg)
+    except (ConfigError, BudgetViolation) as exc:
+        sys.exit(report_error(exc, debug))
+    except KeyboardInterrupt:
+        print("interrupted: no result written (the run folder is only created when complete)",
+              file=sys.stderr)
+        sys.exit(130)

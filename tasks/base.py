@@ -1,0 +1,51 @@
+"""The task interface: options (a dataclass = conf/task/<name>.yaml) + `evaluate(engine)`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from harness.errors import ConfigError
+from methods.base import KVMethod, ModelInfo
+
+
+@dataclass
+class TaskResult:
+    metrics: dict[str, Any]  # accuracy-side numbers (ppl, acc, f1, ...)
+    samples: list[dict[str, Any]] = field(default_factory=list)  # one per prompt: id, prediction, ...
+    protocol: dict[str, Any] = field(default_factory=dict)  # how it was scored (recorded verbatim)
+
+
+@dataclass(kw_only=True)
+class Task:
+    name: ClassVar[str]
+    limit: int | None = None  # at most this many samples (None: all)
+
+    def __post_init__(self) -> None:
+        reasons = self.check_options()
+        if self.limit is not None and (not isinstance(self.limit, int) or self.limit <= 0):
+            reasons.append(f"task.limit={self.limit!r} must be a positive integer or null")
+        if reasons:
+            raise ConfigError(reasons[0])
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def options(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def check_options(self) -> list[str]:
+        """Reasons the options alone are invalid, each naming its key (`task.x`)."""
+        return []
+
+    def validate(self, info: ModelInfo, method: KVMethod) -> list[str]:
+        """Reasons this task cannot run with this model/method (checked before weights load)."""
+        return []
+
+    def check_data(self) -> None:
+        """Check that data files exist and are readable (before weights load); raise ConfigError."""
+
+    def evaluate(self, engine) -> TaskResult:
+        raise NotImplementedError

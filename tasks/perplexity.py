@@ -1,0 +1,125 @@
+"""Perplexity over a text, in two protocols.
+
+* `chunked` (GPTQ / InfiniGen recipe): tokenize once with the tokenizer's defaults, keep the first
+  `max_tokens`, cut into non-overlapping windows of `window_tokens`, score each window
+  independently with its first token as context only. Each window is a fresh request prefilled
+  in `runner.prefill_chunk_tokens` chunks, so a method acts at chunk boundaries only.
+* `streaming` (StreamingLLM's eval_long_ppl): feed tokens one at a time through the engine and the
+  method, scoring each next token. This is the mode in which eviction methods act on every step.
+  Also reports the NLL per `block_tokens` block (a curve).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from harness.progress import progress
+
+from methods.base import KVMethod, ModelInfo
+from tasks.base import Task, TaskResult
+from tasks.text_sources import TEXT_DATASETS, load_text
+
+MODES = ("chunked", "streaming")
+DEFAULT_MAX_TOKENS = 1024
+
+
+def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Negative log-likelihood per position: logits `(T, V)`, targets `(T,)` -> `(T,)` (fp32)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return -logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+@dataclass(kw_only=True)
+class Perplexity(Task):
+    name: ClassVar[str] = "perplexity"
+    dataset: str = "essays"  # wikitext2 | essays | pg19 | text_file
+    path: str | None = None  # a local text file (required for text_file; overrides the default copy)
+    data_dir: str | None = None  # folder with local copies (default: ../shared/data)
+    mode: str = "streaming"  # chunked | streaming
+    max_tokens: int | None = None  # tokens used from the text's start (None: min(1024, max positions))
+    window_tokens: int | None = None  # chunked: tokens per window (None: min(1024, max positions))
+    block_tokens: int = 256  # streaming mode: tokens per point of the NLL curve
+
+    def check_options(self) -> list[str]:
+        reasons = []
+        if self.dataset not in TEXT_DATASETS:
+            reasons.append(f"task.dataset={self.dataset!r}; allowed: {', '.join(TEXT_DATASETS)}")
+        if self.mode not in MODES:
+            reasons.append(f"task.mode={self.mode!r}; allowed: {', '.join(MODES)}")
+        if self.dataset == "text_file" and not self.path:
+            reasons.append("task.dataset=text_file needs task.path=<a UTF-8 text file>")
+        for key in ("max_tokens", "window_tokens", "block_tokens"):
+            value = getattr(self, key)
+            if key in ("max_tokens", "window_tokens") and value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 2:
+                reasons.append(f"task.{key}={value!r} must be an integer >= 2")
+        return reasons
+
+    def validate(self, info: ModelInfo, method: KVMethod) -> list[str]:
+        default = min(DEFAULT_MAX_TOKENS, info.max_positions or DEFAULT_MAX_TOKENS)
+        self.max_tokens = self.max_tokens or default
+        self.window_tokens = self.window_tokens or default
+        span = self.window_tokens if self.mode == "chunked" else self.max_tokens
+        key = "task.window_tokens" if self.mode == "chunked" else "task.max_tokens"
+        bounded = method.capabilities.bounds_positions and self.mode == "streaming"
+        if info.max_positions and span > info.max_positions and not bounded:
+            return [f"{key}={span} is longer than the model's max positions "
+                    f"({info.max_positions}); lower it (the text is not truncated for you)"]
+        return []
+
+    def check_data(self) -> None:
+        self._text = load_text(self.dataset, self.path, self.data_dir)
+
+    def _tokens(self, engine) -> torch.Tensor:
+        text = getattr(self, "_text", None) or load_text(self.dataset, self.path, self.data_dir)
+        ids = engine.encode(text)[: self.max_tokens or DEFAULT_MAX_TOKENS]
+        if len(ids) < 2:
+            raise ValueError(f"task.dataset={self.dataset}: fewer than 2 tokens to score")
+        return torch.tensor(ids, dtype=torch.long)
+
+    def evaluate(self, engine) -> TaskResult:
+        ids = self._tokens(engine)
+        if self.mode == "chunked":
+            nll, samples = self._chunked(engine, ids)
+        else:
+            nll, samples = self._streaming(engine, ids)
+        mean = float(nll.mean())
+        metrics = {"ppl": math.exp(mean), "nll_mean": mean, "tokens_scored": int(nll.numel()),
+                   "tokens_used": int(ids.numel())}
+        if self.mode == "streaming":
+            blocks = nll.split(self.block_tokens)
+            metrics["nll_per_block"] = [round(float(b.mean()), 5) for b in blocks]
+            metrics["block_tokens"] = self.block_tokens
+        protocol = {"mode": self.mode, "dataset": self.dataset, "max_tokens": self.max_tokens,
+                    "window_tokens": self.window_tokens if self.mode == "chunked" else None,
+                    "bos": bool(engine.tokenizer is not None and
+                                getattr(engine.tokenizer, "bos_token_id", None) == int(ids[0]))}
+        return TaskResult(metrics=metrics, samples=samples, protocol=protocol)
+
+    def _chunked(self, engine, ids: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
+        windows = [w for w in ids.split(self.window_tokens or DEFAULT_MAX_TOKENS) if w.numel() >= 2]
+        if self.limit:
+            windows = windows[: self.limit]
+        nlls, samples = [], []
+        for i, window in enumerate(progress(windows, "perplexity windows", "win")):
+            with engine.request() as req:
+                logits = req.prefill(window, all_logits=True)[0]
+            nll = token_nll(logits[:-1], window[1:].to(logits.device)).cpu()
+            nlls.append(nll)
+            samples.append({"id": i, "tokens": int(window.numel()), "nll_mean": float(nll.mean()),
+                            "ppl": math.exp(float(nll.mean()))})
+        return torch.cat(nlls), samples
+
+    def _streaming(self, engine, ids: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
+        nll = torch.empty(ids.numel() - 1)
+        device = engine.device
+        with engine.request() as req:
+            for t in progress(range(ids.numel() - 1), "streaming perplexity", "tok"):
+                logits = req.step(ids[t:t + 1].to(device))[0, -1]
+                nll[t] = token_nll(logits[None], ids[t + 1:t + 2].to(device))[0]
+        return nll, [{"id": 0, "tokens": int(ids.numel()), "nll_mean": float(nll.mean()),
+                      "ppl": math.exp(float(nll.mean()))}]

