@@ -45,12 +45,15 @@ class KVLedger:
             "tokens_per_layer": [s["kv_tokens"] for s in stats],
             "bytes_per_layer": [s["kv_bytes"] for s in stats],
             "budget_per_layer": budgets,
+            "selected_per_layer": [s.get("selected_tokens") for s in stats],
         }
         if check:
             for i, (s, b) in enumerate(zip(stats, budgets)):
-                if b is not None and s["kv_tokens"] > b:
+                used = s.get("selected_tokens", s["kv_tokens"])
+                what = "attends to" if "selected_tokens" in s else "holds"
+                if b is not None and used > b:
                     raise BudgetViolation(
-                        f"layer {i} holds {s['kv_tokens']} KV tokens but its budget is {b} "
+                        f"layer {i} {what} {used} KV tokens but its budget is {b} "
                         f"after {seen} tokens seen: the method does not enforce its budget")
         self.samples.append(sample)
         return sample
@@ -142,6 +145,8 @@ class Request:
         positions = positions.expand(ids.shape[0], -1)
         logits = hf_adapter.forward(self.engine.model, ids, positions, self.cache,
                                     logits_to_keep=0 if all_logits else 1)
+        for kv in self.cache.kv_layers:  # eviction happens after attention has used the tokens
+            kv.after_forward()
         self.pos += t
         return logits
 

@@ -116,16 +116,21 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 
 @contextlib.contextmanager
 def bind(model, cache: MethodCache) -> Iterator[MethodCache]:
-    """Bind each attention module to its request's KVLayer; always unbind, even on error."""
+    """Bind each attention module to its request's KVLayer; always restore what was bound before
+    (nothing, or an outer request's layers while a shadow request runs), even on error."""
     modules = attention_modules(model)
+    previous = [getattr(m, _BOUND_ATTR, None) for m in modules]
     try:
         for module, kv in zip(modules, cache.kv_layers):
             setattr(module, _BOUND_ATTR, kv)
         yield cache
     finally:
-        for module in modules:
-            if hasattr(module, _BOUND_ATTR):
-                delattr(module, _BOUND_ATTR)
+        for module, prev in zip(modules, previous):
+            if prev is None:
+                if hasattr(module, _BOUND_ATTR):
+                    delattr(module, _BOUND_ATTR)
+            else:
+                setattr(module, _BOUND_ATTR, prev)
 
 
 def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Cache | None,
@@ -160,7 +165,17 @@ def model_info(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> 
     )
 
 
-def rotary_embedding(model):
-    """The model's rotary embedding module (`rotary_emb(x, position_ids) -> (cos, sin)`)."""
+def rope_inv_freq(model) -> torch.Tensor | None:
+    """The model's RoPE inverse frequencies `(D/2,)` fp32 (None for a model without RoPE).
+
+    Taken from the model's own rotary embedding, so scaled variants (llama3, linear) are right.
+    Rotating a key rotated at p by angles delta*inv_freq gives the key rotated at p + delta.
+    """
     inner = getattr(model, "model", model)
-    return getattr(inner, "rotary_emb", None)
+    rotary = getattr(inner, "rotary_emb", None)
+    inv_freq = getattr(rotary, "inv_freq", None)
+    if inv_freq is None:
+        return None
+    if float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
+        raise ValueError("re-rotation assumes attention_scaling == 1 (plain RoPE frequencies)")
+    return inv_freq.detach().float().clone()

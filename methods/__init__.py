@@ -15,7 +15,7 @@ from methods.base import Capabilities, KVLayer, KVMethod
 
 __all__ = ["Capabilities", "KVLayer", "KVMethod", "available_methods", "build_method", "method_class"]
 
-_NOT_METHODS = {"base", "kernels"}
+_NOT_METHODS = {"base", "kernels", "rope", "scoring"}  # helper modules, not methods
 
 
 def available_methods() -> list[str]:

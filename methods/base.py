@@ -97,6 +97,16 @@ class KVLayer:
         kept = self.kept_tokens()
         return kept + q_len, self.seen_tokens - kept
 
+    def after_forward(self) -> None:
+        """Called by the engine after every model forward: evict here (attention has run)."""
+
+    def kept_positions(self) -> torch.Tensor:
+        """Text positions of the tokens attention used at the last step, `(B, H_kv, T)` (or (T,)).
+
+        Non-evicting layers keep every position; eviction/selection methods override this.
+        """
+        return torch.arange(self.kept_tokens())
+
     # --- attention seam ---------------------------------------------------------------------
     def attend(self, module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                attention_mask: torch.Tensor | None, base: AttentionFn, **kwargs):
@@ -109,7 +119,11 @@ class KVLayer:
         return None
 
     def stats(self) -> dict[str, int]:
-        """Tokens and bytes really held by this layer now (per KV head, tokens are the max)."""
+        """Tokens and bytes really held by this layer now (per KV head, tokens are the max).
+
+        Selection methods (which keep everything but attend to a subset) add `selected_tokens`:
+        the most tokens attended at one step; the budget is then checked against it.
+        """
         if self.keys is None:
             return {"kv_tokens": 0, "kv_bytes": 0}
         return {
@@ -137,6 +151,13 @@ class KVMethod:
     def hyperparameter_names(cls) -> list[str]:
         return [f.name for f in dataclasses.fields(cls)]
 
+    @classmethod
+    def lossless_hyperparameters(cls, seq_tokens: int) -> dict[str, Any]:
+        """Hyperparameters under which this method must equal the full cache exactly for
+        sequences of up to `seq_tokens` tokens (budget >= length). Checked for every method by
+        tests/methods/test_contract.py."""
+        return {}
+
     def hyperparameters(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
@@ -156,6 +177,10 @@ class KVMethod:
             reasons.append(f"method.mode={mode!r}; allowed for {self.name}: "
                            f"{', '.join(self.capabilities.modes)}")
         return reasons
+
+    def bounds_positions(self) -> bool:
+        """True when attention runs at in-cache positions, so a stream may outrun max positions."""
+        return self.capabilities.bounds_positions
 
     def prepare(self, model, tokenizer, context: dict[str, Any]) -> dict[str, Any]:
         """Offline step (idempotent; may cache artefacts on disk). Returns facts for metrics.json."""

@@ -65,7 +65,7 @@ class Perplexity(Task):
         self.window_tokens = self.window_tokens or default
         span = self.window_tokens if self.mode == "chunked" else self.max_tokens
         key = "task.window_tokens" if self.mode == "chunked" else "task.max_tokens"
-        bounded = method.capabilities.bounds_positions and self.mode == "streaming"
+        bounded = method.bounds_positions() and self.mode == "streaming"
         if info.max_positions and span > info.max_positions and not bounded:
             return [f"{key}={span} is longer than the model's max positions "
                     f"({info.max_positions}); lower it (the text is not truncated for you)"]

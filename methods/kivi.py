@@ -1,0 +1,188 @@
+"""KIVI: tuning-free asymmetric 2-bit KV-cache quantization.
+
+Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", ICML 2024,
+arXiv 2402.02750.
+
+Keys are quantized per channel, values per token, each with a full-precision residual of recent
+tokens (reference/methods.md §4.1, paper §3.3):
+
+* Keys: a quantized part (whole blocks of `residual_tokens`, each quantized per head-dim channel in
+  groups of `group_size` tokens) + a full-precision residual K_r. New keys go to K_r; when K_r
+  reaches `residual_tokens` tokens the block is quantized and K_r emptied. A prefill of n tokens
+  therefore quantizes floor(n/R)*R keys and keeps n mod R exact.
+* Values: the last `residual_tokens` values stay full precision (a FIFO); older ones are quantized
+  per token in groups of `group_size` head-dim channels, each token independently.
+* Attention: softmax([q Q(K)^T, q K_r^T]) [Q(V); V_r]. The token(s) of the current step are attended
+  exactly, before they are flushed into the quantized part (as the official code): during prefill
+  the prompt's own K/V are exact and only the stored cache is quantized; over a non-empty cache
+  (chunked prefill, decode) earlier tokens are seen through their stored, quantized form.
+
+Hyperparameters (units in the names):
+  k_bits, v_bits    bits per key / value code, in {2, 4, 8} (KIVI-2, KIVI-4; 8: near-lossless)
+  group_size        elements per quantization group: tokens for keys, head-dim channels for values
+                    (paper: G = 32); values use min(group_size, head_dim) channels, so a model with
+                    head_dim < group_size (stories260K: 8) quantizes each token's head as one group
+  residual_tokens   R, tokens kept in full precision (paper: R = 128; a multiple of group_size)
+
+Where this differs from the paper, deliberately:
+  * Dequantize-then-attend: the quantized part is unpacked to the compute dtype every step (Triton
+    kernel on CUDA or under TRITON_INTERPRET=1, torch on plain CPU) and the model's own attention
+    runs over it, instead of KIVI's fused CUDA gemv `cuda_bmm_fA_qB_outer`. Same numbers up to
+    summation order, but slower; the transient dequantized copy is not counted as held memory (it
+    is freed after the step), so `stats()` reports what the paper's layout holds.
+  * The residual is kept in the compute dtype (fp32 on CPU) rather than fp16, so that 8 bits with
+    R >= sequence length reproduces the full cache exactly; `stats()` counts its real bytes.
+  * Codes are packed 8/bits per uint8 byte (the official code packs into int32 words): same bytes,
+    and groups as small as head_dim 8 still pack; scale and zero point are fp16 as in the paper.
+  * Rounding is floor(x + 0.5) (half up) in both the kernel and the torch reference, so codes match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
+from methods.kernels import kivi_quant as kq
+
+
+@dataclass(kw_only=True)
+class KIVI(KVMethod):
+    """KIVI: per-channel keys, per-token values, a full-precision residual of recent tokens."""
+
+    name: ClassVar[str] = "kivi"
+    # Nothing is evicted and every sequence holds the same token count: batch-agnostic.
+    capabilities: ClassVar[Capabilities] = Capabilities(max_batch_size=None)
+
+    k_bits: int = 2
+    v_bits: int = 2
+    group_size: int = 32
+    residual_tokens: int = 128
+
+    def check_hyperparameters(self) -> list[str]:
+        reasons = []
+        allowed = ", ".join(map(str, kq.ALLOWED_BITS))
+        for key in ("k_bits", "v_bits"):
+            if getattr(self, key) not in kq.ALLOWED_BITS:
+                reasons.append(f"method.{key}={getattr(self, key)}; allowed: {allowed}")
+        if self.group_size <= 0:
+            reasons.append(f"method.group_size={self.group_size} must be a positive integer")
+        elif not reasons and (self.group_size * min(self.k_bits, self.v_bits)) % 8:
+            reasons.append(f"method.group_size={self.group_size}: a group of "
+                           f"{min(self.k_bits, self.v_bits)}-bit codes must fill whole bytes "
+                           f"(use a multiple of {8 // min(self.k_bits, self.v_bits)})")
+        if self.residual_tokens <= 0:
+            reasons.append(f"method.residual_tokens={self.residual_tokens} must be a positive "
+                           f"integer")
+        elif self.group_size > 0 and self.residual_tokens % self.group_size:
+            reasons.append(f"method.residual_tokens={self.residual_tokens} must be a multiple of "
+                           f"method.group_size={self.group_size} (keys are quantized in whole "
+                           f"groups)")
+        return reasons
+
+    @classmethod
+    def lossless_hyperparameters(cls, seq_tokens: int) -> dict[str, Any]:
+        """A residual covering the sequence: nothing is ever quantized, so K/V stay exact."""
+        group = cls.group_size
+        return {"residual_tokens": max(1, -(-seq_tokens // group)) * group}
+
+    def value_group_channels(self, head_dim: int) -> int:
+        """Head-dim channels per value group: group_size, clamped to head_dim."""
+        return min(self.group_size, head_dim)
+
+    def validate(self, info: ModelInfo, runner: dict[str, Any]) -> list[str]:
+        reasons = super().validate(info, runner)
+        channels = self.value_group_channels(info.head_dim)
+        if info.head_dim % channels:
+            reasons.append(f"method.group_size={self.group_size} does not divide head_dim="
+                           f"{info.head_dim} (values are quantized per token in groups of "
+                           f"head-dim channels)")
+        elif (channels * self.v_bits) % 8:
+            reasons.append(f"method.v_bits={self.v_bits}: value groups of {channels} channels "
+                           f"(head_dim={info.head_dim}) do not fill whole bytes")
+        return reasons
+
+    def make_layer(self, layer_idx: int, info: ModelInfo) -> "KIVILayer":
+        return KIVILayer(layer_idx, info, self)
+
+
+class KIVILayer(KVLayer):
+    """One layer's KIVI cache. Shapes: residuals `(B, H_kv, T, D)`; quantized keys are stored
+    transposed `(B, H_kv, D, T)` so their token groups lie along the last axis."""
+
+    def __init__(self, layer_idx: int, info: ModelInfo, method: KIVI):
+        super().__init__(layer_idx, info)
+        self.k_bits, self.v_bits = method.k_bits, method.v_bits
+        self.key_group_tokens = method.group_size
+        self.value_group_channels = method.value_group_channels(info.head_dim)
+        self.residual_tokens = method.residual_tokens
+        self.k_quant: kq.Quantized | None = None  # codes (B, H_kv, D, T_q * k_bits / 8)
+        self.v_quant: kq.Quantized | None = None  # codes (B, H_kv, T_q, D * v_bits / 8)
+        self.k_residual: torch.Tensor | None = None  # (B, H_kv, T_kr, D), T_kr < R between steps
+        self.v_residual: torch.Tensor | None = None  # (B, H_kv, T_vr, D), T_vr <= R
+
+    # --- sizes --------------------------------------------------------------------------------
+    @staticmethod
+    def _tokens(t: torch.Tensor | None) -> int:
+        return 0 if t is None else t.shape[-2]
+
+    def quantized_key_tokens(self) -> int:
+        return 0 if self.k_quant is None else self.k_quant.codes.shape[-1] * 8 // self.k_bits
+
+    def quantized_value_tokens(self) -> int:
+        return 0 if self.v_quant is None else self.v_quant.codes.shape[-2]
+
+    def kept_tokens(self) -> int:
+        return self.quantized_key_tokens() + self._tokens(self.k_residual)  # KIVI evicts nothing
+
+    # --- cache seam ---------------------------------------------------------------------------
+    def update(self, keys: torch.Tensor, values: torch.Tensor, position_ids: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.seen_tokens += keys.shape[-2]
+        if self.k_residual is None:
+            self.k_residual, self.v_residual = keys, values
+        else:
+            self.k_residual = torch.cat([self.k_residual, keys], -2)
+            self.v_residual = torch.cat([self.v_residual, values], -2)
+        # What attention sees: stored tokens as stored (dequantized), this step's tokens exact.
+        out_k, out_v = self.k_residual, self.v_residual
+        if self.k_quant is not None:
+            old = kq.dequantize(self.k_quant, self.k_bits, self.key_group_tokens, keys.dtype)
+            out_k = torch.cat([old.transpose(-1, -2), out_k], -2)
+        if self.v_quant is not None:
+            old = kq.dequantize(self.v_quant, self.v_bits, self.value_group_channels, values.dtype)
+            out_v = torch.cat([old, out_v], -2)
+        self._flush_keys()
+        self._flush_values()
+        return out_k, out_v
+
+    def _flush_keys(self) -> None:
+        """Quantize whole blocks of R residual keys, per channel in groups of G tokens."""
+        n = self._tokens(self.k_residual) // self.residual_tokens * self.residual_tokens
+        if n == 0:
+            return
+        block, self.k_residual = self.k_residual[..., :n, :], self.k_residual[..., n:, :]
+        quant = kq.quantize_pack(block.transpose(-1, -2), self.k_bits, self.key_group_tokens)
+        self.k_quant = quant if self.k_quant is None else self.k_quant.cat(quant, dim=-1)
+        # A view of the old residual would keep its whole storage alive: hold a compact copy.
+        self.k_residual = self.k_residual.clone()
+
+    def _flush_values(self) -> None:
+        """Quantize the values that fell out of the R-token FIFO, per token (each independent)."""
+        n = self._tokens(self.v_residual) - self.residual_tokens
+        if n <= 0:
+            return
+        old, self.v_residual = self.v_residual[..., :n, :], self.v_residual[..., n:, :].clone()
+        quant = kq.quantize_pack(old, self.v_bits, self.value_group_channels)
+        self.v_quant = quant if self.v_quant is None else self.v_quant.cat(quant, dim=-2)
+
+    # --- accounting ---------------------------------------------------------------------------
+    def budget_tokens(self) -> int | None:
+        return None  # KIVI compresses bytes, not tokens
+
+    def stats(self) -> dict[str, int]:
+        parts = (self.k_quant, self.v_quant, self.k_residual, self.v_residual)
+        held = sum(part.nbytes for part in parts if part is not None)
+        return {"kv_tokens": self.kept_tokens(), "kv_bytes": int(held)}

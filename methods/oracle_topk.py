@@ -1,0 +1,80 @@
+"""Top-k oracle: each query attends only to the true top-k keys by exact attention score.
+
+An upper bound for every budgeted selection method: at a given budget, no method that attends to
+k tokens per KV head can choose better tokens (by the attention mass it keeps) than the exact
+top-k of the current query's own scores. Nothing is evicted: the full K/V stays in the cache and
+the budget applies to the tokens attended per step (checked through `selected_tokens`), so memory
+is the full cache's — this is a selection bound, not a memory method.
+
+GQA: a KV head's score is the mean probability over its g query heads; the top-k set is chosen
+per KV head (as H2O and InfiniGen choose per KV head), then every query head of the group
+attends to that set, with the softmax renormalised over it. During a prefill chunk each row
+selects its own top-k among its causal keys, with k taken from the tokens seen at chunk end.
+
+Hyperparameters (same budget knobs as H2O):
+    budget_ratio: tokens attended per KV head as a fraction of tokens seen (default 0.2).
+    budget_tokens: a fixed number instead; takes precedence over budget_ratio.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
+from methods.h2o import budget_for, check_budget
+from methods.scoring import additive_mask, attention_with_probs, expand_kv, group_mean
+
+
+@dataclass(kw_only=True)
+class OracleTopK(KVMethod):
+    name: ClassVar[str] = "oracle_topk"
+    capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True)
+    budget_ratio: float | None = 0.2
+    budget_tokens: int | None = None
+
+    def check_hyperparameters(self) -> list[str]:
+        return check_budget(self.budget_ratio, self.budget_tokens)
+
+    @classmethod
+    def lossless_hyperparameters(cls, seq_tokens: int) -> dict:
+        return {"budget_tokens": seq_tokens}
+
+    def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
+        return OracleTopKLayer(layer_idx, info, self)
+
+
+class OracleTopKLayer(KVLayer):
+    def __init__(self, layer_idx: int, info: ModelInfo, method: OracleTopK):
+        super().__init__(layer_idx, info)
+        self.method = method
+        self.selected: torch.Tensor | None = None  # (B, H_kv, k) positions chosen at the last step
+        self.selected_count = 0
+
+    def budget_tokens(self) -> int:
+        return budget_for(self.seen_tokens, self.method.budget_ratio, self.method.budget_tokens)
+
+    def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
+        scaling = kwargs["scaling"]
+        b, h_kv, t, _ = keys.shape
+        q_len, groups = query.shape[2], query.shape[1] // h_kv
+        k = min(self.budget_tokens(), t)
+        scores = torch.matmul(query.float(), expand_kv(keys, groups).float().transpose(2, 3))
+        scores = scores * scaling + additive_mask(attention_mask, q_len, t, query.device)
+        kv_scores = group_mean(torch.softmax(scores, dim=-1), h_kv)  # (B, H_kv, q, T)
+        top = kv_scores.topk(k, dim=-1).indices  # (B, H_kv, q, k)
+        keep = torch.zeros_like(kv_scores, dtype=torch.bool).scatter_(-1, top, True)
+        keep = keep[:, :, None].expand(b, h_kv, groups, q_len, t).reshape(b, h_kv * groups, q_len, t)
+        out, _ = attention_with_probs(query, keys, values, attention_mask, scaling, keep=keep)
+        allowed = torch.isfinite(scores[:, :1])  # causal keys per row
+        self.selected_count = int(min(k, allowed.sum(-1).max()))
+        self.selected = top[:, :, -1]
+        return out, None
+
+    def stats(self) -> dict[str, int]:
+        return {**super().stats(), "selected_tokens": self.selected_count}
+
+    def kept_positions(self) -> torch.Tensor:
+        return self.selected if self.selected is not None else super().kept_positions()

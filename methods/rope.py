@@ -1,0 +1,22 @@
+"""RoPE re-rotation in HF's rotate-half layout (pure torch; no transformers import).
+
+Rotations compose: a key rotated at text position p, rotated again by delta, equals the key
+rotated at p + delta. Angles are computed in fp32 exactly as the model does (delta * inv_freq).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotate `x (..., T, D)` by `delta` positions (broadcastable to `(..., T)`), in fp32."""
+    angles = delta.to(torch.float32)[..., None] * inv_freq.to(x.device)  # (..., T, D/2)
+    angles = torch.cat((angles, angles), dim=-1)
+    xf = x.float()
+    return (xf * angles.cos() + rotate_half(xf) * angles.sin()).to(x.dtype)

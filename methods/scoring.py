@@ -1,0 +1,75 @@
+"""Attention with probabilities, and the selection helpers score-based methods share.
+
+Methods that rank tokens by attention (H2O, the top-k oracle, diagnostics) cannot use SDPA, which
+returns no probabilities; they call `attention_with_probs`, an eager attention that also returns
+the per-query-head probabilities. Shapes: query `(B, H_q, q, D)`, keys/values `(B, H_kv, T, D)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def expand_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """(B, H_kv, T, D) -> (B, H_kv * g, T, D): query head h reads KV head h // g."""
+    if groups == 1:
+        return x
+    b, h, t, d = x.shape
+    return x[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
+
+
+def causal_allowed(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """(q, T) bool: the last q keys are the queries themselves; everything before is the past."""
+    rows = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
+    return torch.arange(kv_len, device=device)[None, :] <= rows
+
+
+def additive_mask(attention_mask: torch.Tensor | None, q_len: int, kv_len: int,
+                  device: torch.device) -> torch.Tensor:
+    """A float mask broadcastable to (B, H, q, T) from whatever the model passed (None/bool/float).
+
+    The sdpa mask function returns None for an unpadded causal forward (causality implicit), so
+    causality is rebuilt here from the in-cache layout: past keys first, then the q new ones.
+    """
+    if attention_mask is None:
+        allowed = causal_allowed(q_len, kv_len, device)
+        return torch.zeros(q_len, kv_len, device=device).masked_fill(~allowed, float("-inf"))
+    mask = attention_mask[..., -kv_len:]
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, device=device).masked_fill(~mask, float("-inf"))
+    return mask.float()
+
+
+def attention_with_probs(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                         attention_mask: torch.Tensor | None, scaling: float,
+                         keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager attention returning `(out (B, q, H_q, D), probs (B, H_q, q, T) fp32)`.
+
+    `keep` (optional, broadcastable to (B, H_q, q, T) bool) further restricts which keys each
+    query may attend to (selection methods); the softmax renormalises over what is kept.
+    """
+    groups = query.shape[1] // keys.shape[1]
+    scores = torch.matmul(query.float(), expand_kv(keys, groups).float().transpose(2, 3)) * scaling
+    scores = scores + additive_mask(attention_mask, query.shape[2], keys.shape[2], query.device)
+    if keep is not None:
+        scores = scores.masked_fill(~keep, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs.to(values.dtype), expand_kv(values, groups))
+    return out.transpose(1, 2).contiguous().to(query.dtype), probs
+
+
+def group_mean(probs: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """(B, H_q, q, T) -> (B, H_kv, q, T): mean over the g query heads sharing a KV head.
+
+    GQA choice (H2O, oracle): a KV head's score is the mean probability its query heads give a
+    token, so one kept set per KV head serves the whole group (no repeat_kv of the cache).
+    """
+    b, h, q, t = probs.shape
+    return probs.view(b, num_kv_heads, h // num_kv_heads, q, t).mean(dim=2)
+
+
+def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Per-head gather along the token axis: x `(B, H, T, ...)`, index `(B, H, k)` -> `(B, H, k, ...)`."""
+    if x.dim() == 3:
+        return x.gather(2, index)
+    return x.gather(2, index[..., None].expand(*index.shape, x.shape[-1]))

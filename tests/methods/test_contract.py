@@ -1,0 +1,53 @@
+"""Every registered method: composes from its YAML, runs prefill + decode on eager and sdpa with
+chunked prefill, leaves the model pristine, and equals the full cache when its budget covers the
+sequence (one parametrized test over all methods; a new method is covered by adding its files)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from harness import hf_adapter
+from methods import available_methods, build_method, method_class
+from tests.conftest import PROJECT, make_engine
+
+METHODS = available_methods()
+
+
+def run_logits(model, method, ids, prefill_end, chunk):
+    engine = make_engine(model, method, chunk=chunk)
+    with engine.request() as req:
+        out = [req.prefill(ids[:, :prefill_end], all_logits=True)]
+        out += [req.step(ids[:, i]) for i in range(prefill_end, ids.shape[1])]
+    return torch.cat(out, 1), engine
+
+
+def test_every_method_has_yaml_and_test():
+    for name in METHODS:
+        conf = yaml.safe_load((PROJECT / "conf" / "method" / f"{name}.yaml").read_text())
+        assert conf.pop("name") == name
+        assert sorted(conf) == sorted(method_class(name).hyperparameter_names()), name
+        assert (PROJECT / "tests" / "methods" / f"test_{name}.py").is_file(), name
+        build_method(name, **conf)  # the defaults are valid
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("which", ["tiny", "stories"])
+@pytest.mark.parametrize("name", METHODS)
+def test_budget_covering_the_sequence_equals_full(name, which, attn, request):
+    model = request.getfixturevalue("tiny_model" if which == "tiny" else "stories")
+    model = model if which == "tiny" else model[0]
+    torch.manual_seed(3)
+    ids = torch.randint(3, 250, (1, 72))
+    hf_adapter.set_attention(model, attn)
+    try:
+        full, _ = run_logits(model, build_method("full"), ids, 56, chunk=24)
+        cls = method_class(name)
+        got, engine = run_logits(model, build_method(name, **cls.lossless_hyperparameters(72)),
+                                 ids, 56, chunk=24)
+    finally:
+        hf_adapter.set_attention(model, "sdpa")
+    assert (got - full).abs().max().item() <= 2e-5, name
+    assert not any(hasattr(m, "_kvh_layer") for m in hf_adapter.attention_modules(model))
+    assert engine.ledger.samples[-1]["tokens_per_layer"][0] > 0

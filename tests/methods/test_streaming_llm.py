@@ -1,0 +1,125 @@
+"""StreamingLLM invariants: sinks + window kept, keys at in-cache positions, the sink finding."""
+
+import math
+
+import pytest
+import torch
+
+from harness import hf_adapter
+from harness.errors import ConfigError
+from methods import build_method
+from methods.rope import rotate
+from tasks.perplexity import token_nll
+from tests.conftest import make_engine
+
+
+def stream(engine, ids, prefill=0):
+    """Prefill `prefill` tokens, then one token per step; returns per-token NLL and the request."""
+    nll = []
+    with engine.request() as req:
+        if prefill:
+            req.prefill(ids[:prefill])
+        for t in range(prefill, ids.numel() - 1):
+            logits = req.step(ids[t:t + 1])[0, -1]
+            nll.append(float(token_nll(logits[None], ids[t + 1:t + 2])[0]))
+            layer = req.cache.kv_layers[0]
+            seen, kept = layer.seen_tokens, layer.kept_tokens()
+            assert kept == min(seen, 2 + 6)
+            expected = list(range(min(2, seen))) + list(range(max(2, seen - 6), seen))
+            assert layer.positions.tolist() == expected
+        return nll, req
+
+
+@pytest.mark.parametrize("rerotate", [True, False])
+def test_sinks_and_window_always_present(tiny_model, rerotate):
+    method = build_method("streaming_llm", sink_tokens=2, window_tokens=6, rerotate=rerotate)
+    engine = make_engine(tiny_model, method, chunk=5)
+    torch.manual_seed(0)
+    stream(engine, torch.randint(3, 250, (40,)), prefill=11)
+    assert engine.ledger.samples[-1]["tokens_per_layer"] == [8, 8]
+    assert engine.ledger.samples[-1]["budget_per_layer"] == [8, 8]
+
+
+def layer0_keys_at(model, ids, positions):
+    """Layer-0 keys depend on the token alone: compute them directly, rotated at `positions`."""
+    attn = model.model.layers[0].self_attn
+    hidden = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids))
+    keys = attn.k_proj(hidden).view(1, ids.numel(), -1, attn.head_dim).transpose(1, 2)
+    inv_freq = hf_adapter.rope_inv_freq(model)
+    return rotate(keys, positions.float(), inv_freq)  # rotation from 0 == RoPE at `positions`
+
+
+@pytest.mark.parametrize("rerotate", [True, False])
+def test_kept_keys_equal_keys_computed_at_their_positions(tiny_model, rerotate):
+    torch.manual_seed(1)
+    ids = torch.randint(3, 250, (30,))
+    engine = make_engine(tiny_model, build_method("streaming_llm", sink_tokens=2, window_tokens=6,
+                                                  rerotate=rerotate), chunk=7)
+    with torch.no_grad(), engine.request() as req:
+        req.prefill(ids[:13])
+        for t in range(13, 30):
+            req.step(ids[t:t + 1])
+        layer = req.cache.kv_layers[0]
+        kept_tokens = ids[layer.positions]
+        slots = torch.arange(layer.kept_tokens()) if rerotate else layer.positions
+        expected = layer0_keys_at(tiny_model, kept_tokens[None], slots)
+        assert (layer.keys - expected).abs().max().item() < 1e-4
+    # and the model's own RoPE agrees with our rotation (text positions, nothing evicted)
+    with torch.no_grad():
+        inner = tiny_model.model
+        cos, sin = inner.rotary_emb(torch.zeros(1), torch.arange(5)[None])
+        attn = inner.layers[0].self_attn
+        h = inner.layers[0].input_layernorm(inner.embed_tokens(ids[None, :5]))
+        k = attn.k_proj(h).view(1, 5, -1, attn.head_dim).transpose(1, 2)
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+        _, k_hf = apply_rotary_pos_emb(k, k, cos, sin)
+        assert (k_hf - layer0_keys_at(tiny_model, ids[None, :5], torch.arange(5))).abs().max() < 1e-5
+
+
+def test_attention_sinks_help_smollm2(smollm2):
+    """The StreamingLLM finding, measured: SmolLM2 streaming PPL over 400 PG-19 tokens with a
+    32-token cache (scored once the cache is full): 4 sinks + 28 window = 59.0 vs a 32-token
+    window without sinks = 197.0. stories260K shows no such effect (window-only is *better*
+    there: 34.5 vs 38.7 at window 16 over 1500 tokens; it has no strong sink), so the finding is
+    asserted on SmolLM2, with a 1.5x margin (measured ratio 3.3x)."""
+    model, tok = smollm2
+    from tests.conftest import DATA, need_shared
+
+    need_shared(DATA)
+    text = (DATA / "pg19" / "pg19_firstbook.txt").read_text()
+    ids = torch.tensor(tok(text)["input_ids"][:400])
+
+    def ppl(**kw):
+        engine = make_engine(model, build_method("streaming_llm", **kw), tok)
+        nll = []
+        with engine.request() as req:
+            for t in range(ids.numel() - 1):
+                logits = req.step(ids[t:t + 1])[0, -1]
+                nll.append(float(token_nll(logits[None], ids[t + 1:t + 2])[0]))
+        return math.exp(sum(nll[64:]) / len(nll[64:]))  # once the cache is full
+
+    with_sinks = ppl(sink_tokens=4, window_tokens=28)
+    window_only = ppl(sink_tokens=0, window_tokens=32)
+    print(f"streaming PPL with sinks {with_sinks:.2f}, window only {window_only:.2f}")
+    assert window_only > 1.5 * with_sinks, (with_sinks, window_only)
+
+
+@pytest.mark.parametrize("kw, key", [
+    ({"sink_tokens": 10, "window_tokens": 4}, "method.sink_tokens=10 is larger than"),
+    ({"window_tokens": 0}, "method.window_tokens=0"),
+    ({"sink_tokens": -1}, "method.sink_tokens=-1"),
+    ({"budget_ratio": 1.5}, "method.budget_ratio=1.5 must be in (0, 1]"),
+    ({"window_tokens": None}, "method.window_tokens or method.budget_ratio"),
+    ({"rerotate": "yes"}, "method.rerotate"),
+])
+def test_bad_hyperparameters(kw, key):
+    with pytest.raises(ConfigError) as err:
+        build_method("streaming_llm", **kw)
+    assert key in str(err.value)
+
+
+def test_budget_ratio_sets_the_window(tiny_model):
+    engine = make_engine(tiny_model, build_method("streaming_llm", budget_ratio=0.25))
+    with engine.request() as req:
+        req.prefill(torch.arange(3, 103))
+        assert req.cache.kv_layers[0].kept_tokens() == 25
