@@ -16,6 +16,7 @@ from typing import Iterator
 import torch
 
 from harness import hf_adapter
+from harness.diagnostics import Diagnostics
 from harness.errors import BudgetViolation
 from harness.profiling import SpeedSummary, Timer
 from methods.base import KVMethod, ModelInfo
@@ -26,6 +27,7 @@ class EngineSettings:
     prefill_chunk_tokens: int = 512  # tokens per prefill forward (chunked prefill)
     batch_size: int = 1
     check_budget: bool = True  # raise BudgetViolation when a layer holds more than its budget
+    diagnostics_every: int = 0  # >0: fidelity diagnostics every N decode steps (shadow full cache)
 
 
 class KVLedger:
@@ -95,6 +97,8 @@ class Engine:
         self.timer = Timer(self.device)
         self.prefill_tokens = 0
         self.ledger = KVLedger(info)
+        every = self.settings.diagnostics_every
+        self.diagnostics = Diagnostics(every) if every else None
 
     @contextlib.contextmanager
     def request(self) -> Iterator["Request"]:
@@ -138,17 +142,32 @@ class Request:
     def __init__(self, engine: Engine, cache: hf_adapter.MethodCache):
         self.engine, self.cache = engine, cache
         self.pos = 0
+        self.decode_steps = 0
+        diag = engine.diagnostics
+        self.shadow = diag.shadow(engine.info) if diag is not None else None
 
-    def _forward(self, ids: torch.Tensor, all_logits: bool) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, all_logits: bool, sample: bool = False):
+        """One forward over the method's cache; then the method evicts. With `sample`, also
+        returns the positions each layer attended (read before eviction)."""
         t = ids.shape[1]
         positions = torch.arange(self.pos, self.pos + t, device=ids.device).unsqueeze(0)
         positions = positions.expand(ids.shape[0], -1)
         logits = hf_adapter.forward(self.engine.model, ids, positions, self.cache,
                                     logits_to_keep=0 if all_logits else 1)
+        attended = [kv.kept_positions().clone() for kv in self.cache.kv_layers] if sample else None
         for kv in self.cache.kv_layers:  # eviction happens after attention has used the tokens
             kv.after_forward()
         self.pos += t
-        return logits
+        return logits, attended
+
+    def _shadow_forward(self, ids: torch.Tensor, record: bool) -> torch.Tensor:
+        """The same tokens through the full-cache shadow (diagnostics only; not timed)."""
+        start = self.pos - ids.shape[1]
+        positions = torch.arange(start, self.pos, device=ids.device).unsqueeze(0)
+        for kv in self.shadow.kv_layers:
+            kv.record = record
+        with hf_adapter.bind(self.engine.model, self.shadow):
+            return hf_adapter.forward(self.engine.model, ids, positions, self.shadow, logits_to_keep=1)
 
     def _as_ids(self, tokens) -> torch.Tensor:
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.engine.device)
@@ -159,17 +178,29 @@ class Request:
         ids = self._as_ids(tokens)
         chunk = self.engine.settings.prefill_chunk_tokens
         outs = []
-        with self.engine.timer.region("prefill"):
-            for start in range(0, ids.shape[1], chunk):
-                outs.append(self._forward(ids[:, start:start + chunk], all_logits).float())
+        for start in range(0, ids.shape[1], chunk):
+            piece = ids[:, start:start + chunk]
+            with self.engine.timer.region("prefill"):
+                outs.append(self._forward(piece, all_logits)[0].float())
+            if self.shadow is not None:
+                self._shadow_forward(piece, record=False)
         self.engine.prefill_tokens += ids.numel()
         return torch.cat(outs, dim=1) if all_logits else outs[-1][:, -1:]
 
     def step(self, token) -> torch.Tensor:
         """One decode step: feed one token per sequence, return logits `(B, 1, V)`."""
         ids = self._as_ids(token).reshape(-1, 1)
+        diag = self.engine.diagnostics
+        sample = diag is not None and diag.sampled(self.decode_steps)
         with self.engine.timer.region("decode"):
-            return self._forward(ids, all_logits=False).float()
+            logits, attended = self._forward(ids, all_logits=False, sample=sample)
+            logits = logits.float()
+        self.decode_steps += 1
+        if self.shadow is not None:
+            full_logits = self._shadow_forward(ids, record=sample)
+            if sample:
+                diag.observe(logits, attended, self.shadow, full_logits)
+        return logits
 
     def generate(self, prompt, max_new_tokens: int, stop_ids: set[int] | None = None) -> list[int]:
         """Greedy decoding (batch 1): returns the new token ids, stopping after a stop token."""

@@ -53,6 +53,8 @@ def check_runner(runner: dict[str, Any]) -> None:
     if runner.get("attn_impl") not in ATTN_IMPLS:
         raise ConfigError(f"runner.attn_impl={runner.get('attn_impl')!r}; allowed: "
                           f"{', '.join(ATTN_IMPLS)}")
+    if runner.get("diagnostics"):
+        positive_int("diagnostics_every_steps")
     if not isinstance(runner.get("seed"), int):
         raise ConfigError(f"runner.seed={runner.get('seed')!r} must be an integer")
 
@@ -122,7 +124,8 @@ def run(cfg: DictConfig) -> Path:
     handles = method.install(model)
     engine = Engine(model, tokenizer, method, info, EngineSettings(
         prefill_chunk_tokens=runner["prefill_chunk_tokens"], batch_size=runner["batch_size"],
-        check_budget=bool(runner.get("check_budget", True))))
+        check_budget=bool(runner.get("check_budget", True)),
+        diagnostics_every=int(runner["diagnostics_every_steps"]) if runner.get("diagnostics") else 0))
     reset_peak_memory(engine.device)
     try:
         result = task.evaluate(engine)
@@ -152,9 +155,13 @@ def run(cfg: DictConfig) -> Path:
         "run": {"started": datetime.fromtimestamp(t_start).isoformat(timespec="seconds"),
                 "wall_s": round(time.time() - t_start, 3)},
     }
+    if engine.diagnostics is not None:
+        metrics["diagnostics"] = engine.diagnostics.summary()
     folder = RunFolder(out)
     try:
         folder.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+        if engine.diagnostics is not None:
+            folder.write_json("diagnostics.json", engine.diagnostics.arrays())
         if result.samples:
             folder.write_jsonl("samples.jsonl", result.samples)
         folder.write_json("metrics.json", metrics)
@@ -189,6 +196,10 @@ def summary(metrics: dict[str, Any], folder: Path) -> str:
                      f"{_fmt(kv['full_cache_bytes'] / 2**20)} MiB, compression "
                      f"{_fmt(kv['compression_ratio'])}x), mean tokens/layer "
                      f"{_fmt(sum(kv['tokens_per_layer']) / len(kv['tokens_per_layer']))}")
+    diag = metrics.get("diagnostics")
+    if diag and diag.get("steps_sampled"):
+        lines.append(f"  fidelity  attention recall {_fmt(diag['attention_recall_mean'])}, "
+                     f"KL(full||method) mean {_fmt(diag['kl_mean'])} over {diag['steps_sampled']} steps")
     lines.append(f"  written   {folder}")
     return "\n".join(lines)
 

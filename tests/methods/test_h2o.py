@@ -1,0 +1,93 @@
+"""H2O invariants: exactly its budget, exact accumulated scores, kept = top scores + recent."""
+
+import pytest
+import torch
+
+from harness import hf_adapter
+from harness.errors import ConfigError
+from methods import build_method
+from methods.h2o import H2OLayer
+from methods.scoring import group_mean
+from tests.conftest import make_engine
+
+
+def test_scores_are_the_accumulated_causal_attention(tiny_model):
+    """With nothing evicted, a token's score = the column sum of the causal attention matrix,
+    averaged over the query heads of its KV head (our documented GQA choice)."""
+    torch.manual_seed(0)
+    ids = torch.randint(3, 250, (1, 40))
+    engine = make_engine(tiny_model, build_method("h2o", budget_tokens=64), chunk=16)
+    with engine.request() as req:
+        req.prefill(ids[:, :30])
+        for t in range(30, 40):
+            req.step(ids[:, t])
+        scores = [kv.scores.clone() for kv in req.cache.kv_layers]
+    hf_adapter.set_attention(tiny_model, "eager")
+    try:
+        with torch.no_grad():
+            out = tiny_model(input_ids=ids, output_attentions=True)
+    finally:
+        hf_adapter.set_attention(tiny_model, "sdpa")
+    for layer, probs in enumerate(out.attentions):  # (B, H_q, T, T)
+        expected = group_mean(probs.float(), 2).sum(dim=2)
+        assert torch.allclose(scores[layer], expected, atol=1e-5)
+
+
+def test_keeps_exactly_its_budget_and_the_right_tokens(tiny_model, monkeypatch):
+    checked = []
+    original = H2OLayer.after_forward
+
+    def checking_after_forward(self):
+        scores, positions = self.scores.clone(), self.positions.clone()
+        kept, budget = self.kept_tokens(), self.budget_tokens()
+        original(self)
+        assert self.kept_tokens() == min(kept, budget)
+        if kept > budget:
+            recent = int(round(0.5 * budget))
+            # the most recent tokens are all kept
+            assert set(positions[0, 0, kept - recent:].tolist()) <= set(self.positions[0, 0].tolist())
+            # every kept older token scores at least as high as every evicted older token
+            for h in range(scores.shape[1]):
+                older = dict(zip(positions[0, h, :kept - recent].tolist(),
+                                 scores[0, h, :kept - recent].tolist()))
+                kept_old = [p for p in self.positions[0, h].tolist() if p in older]
+                evicted = [p for p in older if p not in kept_old]
+                assert len(kept_old) == budget - recent
+                if evicted:
+                    assert min(older[p] for p in kept_old) >= max(older[p] for p in evicted)
+            checked.append(kept)
+
+    monkeypatch.setattr(H2OLayer, "after_forward", checking_after_forward)
+    torch.manual_seed(1)
+    ids = torch.randint(3, 250, (1, 60))
+    engine = make_engine(tiny_model, build_method("h2o", budget_ratio=0.25), chunk=20)
+    with engine.request() as req:
+        req.prefill(ids[:, :40])
+        for t in range(40, 60):
+            req.step(ids[:, t])
+    assert len(checked) > 20  # eviction really happened, at prefill and while decoding
+    assert engine.ledger.samples[-1]["tokens_per_layer"] == [15, 15]  # 0.25 x 60
+
+
+def test_heads_keep_different_tokens(stories):
+    model, tok = stories
+    ids = torch.tensor(tok("Once upon a time there was a little dog. " * 12)["input_ids"][:120])
+    engine = make_engine(model, build_method("h2o", budget_tokens=24), tok)
+    with engine.request() as req:
+        req.prefill(ids)
+        pos = req.cache.kv_layers[2].positions[0]
+    assert pos.shape == (4, 24)
+    assert len({tuple(p.tolist()) for p in pos}) > 1  # per-KV-head selection
+
+
+@pytest.mark.parametrize("kw, key", [
+    ({"budget_ratio": 0.0}, "method.budget_ratio=0.0 must be in (0, 1]"),
+    ({"budget_ratio": 1.2}, "method.budget_ratio=1.2"),
+    ({"budget_tokens": -4}, "method.budget_tokens=-4 must be a positive integer"),
+    ({"recent_ratio": 2}, "method.recent_ratio=2"),
+    ({"budget_ratio": None}, "method.budget_ratio or method.budget_tokens"),
+])
+def test_bad_hyperparameters(kw, key):
+    with pytest.raises(ConfigError) as err:
+        build_method("h2o", **kw)
+    assert key in str(err.value)
