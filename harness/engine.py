@@ -18,6 +18,7 @@ import torch
 from harness import hf_adapter
 from harness.diagnostics import Diagnostics
 from harness.errors import BudgetViolation
+from harness.offload import Tier, TransferLedger
 from harness.profiling import SpeedSummary, Timer
 from methods.base import KVMethod, ModelInfo
 
@@ -28,6 +29,7 @@ class EngineSettings:
     batch_size: int = 1
     check_budget: bool = True  # raise BudgetViolation when a layer holds more than its budget
     diagnostics_every: int = 0  # >0: fidelity diagnostics every N decode steps (shadow full cache)
+    kv_offload: str = "none"  # none | cpu: the full K/V on the host tier, moved per step
 
 
 class KVLedger:
@@ -86,6 +88,33 @@ class KVLedger:
         }
 
 
+class AttentionDensity:
+    """Share of the causal attention entries really used at decode steps (InfiniGen's measure).
+
+    Per decode step and layer: attended tokens / tokens seen. `relative_kv_size` converts the
+    density to the fixed retain ratio with the same density, 1 - sqrt(1 - density), the x-axis of
+    the InfiniGen paper (methods.md §0.3), so per-step methods compare with fixed budgets.
+    """
+
+    def __init__(self):
+        self.attended = 0
+        self.causal = 0
+        self.fractions: list[float] = []
+
+    def add(self, attended: int, causal: int) -> None:
+        self.attended += attended
+        self.causal += causal
+        self.fractions.append(attended / causal)
+
+    def summary(self) -> dict:
+        if not self.causal:
+            return {}
+        density = self.attended / self.causal
+        return {"attention_density": round(density, 6),
+                "relative_kv_size": round(1 - (1 - min(density, 1.0)) ** 0.5, 6),
+                "attended_fraction_mean": round(sum(self.fractions) / len(self.fractions), 6)}
+
+
 class Engine:
     """Model + tokenizer + KV method + settings. Holds run-level speed and KV accounting."""
 
@@ -99,12 +128,18 @@ class Engine:
         self.ledger = KVLedger(info)
         every = self.settings.diagnostics_every
         self.diagnostics = Diagnostics(every) if every else None
+        self.transfers = TransferLedger(info.num_layers)
+        self.tier = Tier(self.device, self.transfers, offload=self.settings.kv_offload == "cpu")
+        self.density = AttentionDensity()
 
     @contextlib.contextmanager
     def request(self) -> Iterator["Request"]:
         """One sample: a fresh cache, bound for the duration, accounted when it ends."""
-        cache = hf_adapter.MethodCache(self.method, self.info)
-        with torch.inference_mode(), hf_adapter.bind(self.model, cache):
+        cache = hf_adapter.MethodCache(self.method, self.info, self.tier)
+        hooks = (hf_adapter.lookahead(self.model)
+                 if self.method.capabilities.lookahead or self.tier.offload
+                 else contextlib.nullcontext())
+        with torch.inference_mode(), hf_adapter.bind(self.model, cache), hooks:
             req = Request(self, cache)
             yield req
         if req.pos > 0:
@@ -155,6 +190,9 @@ class Request:
         logits = hf_adapter.forward(self.engine.model, ids, positions, self.cache,
                                     logits_to_keep=0 if all_logits else 1)
         attended = [kv.kept_positions().clone() for kv in self.cache.kv_layers] if sample else None
+        if t == 1:
+            for kv in self.cache.kv_layers:
+                self.engine.density.add(kv.attended_tokens(), kv.seen_tokens)
         for kv in self.cache.kv_layers:  # eviction happens after attention has used the tokens
             kv.after_forward()
         self.pos += t
@@ -178,6 +216,7 @@ class Request:
         ids = self._as_ids(tokens)
         chunk = self.engine.settings.prefill_chunk_tokens
         outs = []
+        self.engine.transfers.begin_step(decode=False)
         for start in range(0, ids.shape[1], chunk):
             piece = ids[:, start:start + chunk]
             with self.engine.timer.region("prefill"):
@@ -192,6 +231,7 @@ class Request:
         ids = self._as_ids(token).reshape(-1, 1)
         diag = self.engine.diagnostics
         sample = diag is not None and diag.sampled(self.decode_steps)
+        self.engine.transfers.begin_step(decode=True)
         with self.engine.timer.region("decode"):
             logits, attended = self._forward(ids, all_logits=False, sample=sample)
             logits = logits.float()

@@ -96,9 +96,34 @@ class _BridgeLayer(DynamicLayer):
 class MethodCache(Cache):
     """A transformers `Cache` whose layers are a method's fresh `KVLayer`s (one request)."""
 
-    def __init__(self, method: KVMethod, info: ModelInfo):
+    def __init__(self, method: KVMethod, info: ModelInfo, tier=None):
         self.kv_layers = [method.make_layer(i, info) for i in range(info.num_layers)]
+        for kv, nxt in zip(self.kv_layers, self.kv_layers[1:] + [None]):
+            kv.tier, kv.next_layer = tier, nxt
         super().__init__(layers=[_BridgeLayer(kv) for kv in self.kv_layers])
+
+
+def _lookahead_hook(module, args, kwargs):
+    layer: KVLayer | None = getattr(module, _BOUND_ATTR, None)
+    if layer is None:
+        return
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    positions = kwargs.get("position_ids")
+    layer.prefetch(hidden, positions, ahead=False)
+    if layer.next_layer is not None:
+        layer.next_layer.prefetch(hidden, positions, ahead=True)
+
+
+@contextlib.contextmanager
+def lookahead(model) -> Iterator[None]:
+    """Forward pre-hooks on every attention module: layer i's input reaches layers i and i+1."""
+    handles = [m.register_forward_pre_hook(_lookahead_hook, with_kwargs=True)
+               for m in attention_modules(model)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def attention_modules(model) -> list[torch.nn.Module]:

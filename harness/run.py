@@ -21,6 +21,7 @@ from harness.errors import BudgetViolation, ConfigError
 
 log = logging.getLogger("harness")
 ATTN_IMPLS = ("sdpa", "eager")
+KV_OFFLOADS = ("none", "cpu")
 LOGGERS = ("none",)
 
 
@@ -50,6 +51,9 @@ def check_runner(runner: dict[str, Any]) -> None:
     if runner.get("batch_size") != 1:
         raise ConfigError(f"runner.batch_size={runner.get('batch_size')}: the tasks feed one "
                           "sequence at a time for now; allowed: 1")
+    if runner.get("kv_offload", "none") not in KV_OFFLOADS:
+        raise ConfigError(f"runner.kv_offload={runner.get('kv_offload')!r}; allowed: "
+                          f"{', '.join(KV_OFFLOADS)}")
     if runner.get("attn_impl") not in ATTN_IMPLS:
         raise ConfigError(f"runner.attn_impl={runner.get('attn_impl')!r}; allowed: "
                           f"{', '.join(ATTN_IMPLS)}")
@@ -125,7 +129,8 @@ def run(cfg: DictConfig) -> Path:
     engine = Engine(model, tokenizer, method, info, EngineSettings(
         prefill_chunk_tokens=runner["prefill_chunk_tokens"], batch_size=runner["batch_size"],
         check_budget=bool(runner.get("check_budget", True)),
-        diagnostics_every=int(runner["diagnostics_every_steps"]) if runner.get("diagnostics") else 0))
+        diagnostics_every=int(runner["diagnostics_every_steps"]) if runner.get("diagnostics") else 0,
+        kv_offload=runner.get("kv_offload", "none")))
     reset_peak_memory(engine.device)
     try:
         result = task.evaluate(engine)
@@ -137,7 +142,8 @@ def run(cfg: DictConfig) -> Path:
         "accuracy": result.metrics,
         "speed": engine.speed().as_dict(),
         "memory": peak_memory(engine.device),
-        "kv": engine.ledger.summary(),
+        "kv": {**engine.ledger.summary(), **engine.density.summary()},
+        "transfer": {"kv_offload": runner.get("kv_offload", "none"), **engine.transfers.summary()},
         "model": {"name": spec.name, "description": spec.description, "source": spec.source,
                   "dtype": str(spec.dtype).replace("torch.", ""), "device": str(engine.device),
                   "num_layers": info.num_layers, "num_heads": info.num_heads,

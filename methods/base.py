@@ -33,6 +33,7 @@ class Capabilities:
     offloads_kv: bool = False  # keeps the full K/V on the slow tier (harness.offload)
     needs_rope: bool = False  # re-rotates keys (needs a rotary model)
     bounds_positions: bool = False  # attends at in-cache positions, so streams may outrun max positions
+    lookahead: bool = False  # wants prefetch(x_{i-1}) calls one layer ahead (InfiniGen, offload)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,8 @@ class KVLayer:
         self.seen_tokens = 0
         self.keys: torch.Tensor | None = None  # (B, H_kv, T, D)
         self.values: torch.Tensor | None = None  # (B, H_kv, T, D)
+        self.tier = None  # harness.offload.Tier of the request (placement, ledger, side stream)
+        self.next_layer: KVLayer | None = None  # the following layer of the same request
 
     # --- cache seam -------------------------------------------------------------------------
     def update(self, keys: torch.Tensor, values: torch.Tensor, position_ids: torch.Tensor | None
@@ -96,6 +99,17 @@ class KVLayer:
     def mask_sizes(self, q_len: int) -> tuple[int, int]:
         kept = self.kept_tokens()
         return kept + q_len, self.seen_tokens - kept
+
+    def prefetch(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None,
+                 ahead: bool) -> None:
+        """Called before this layer's attention (`ahead=False`, with this layer's input) and one
+        layer earlier (`ahead=True`, with the previous layer's attention input x_{i-1}), so a
+        method can speculate and start moving K/V while the previous layer still computes.
+        Only called for methods with `lookahead` or when the runner offloads the KV."""
+
+    def attended_tokens(self) -> int:
+        """Tokens the last decode step attended to (for the density / relative-KV-size figure)."""
+        return self.kept_tokens()
 
     def after_forward(self) -> None:
         """Called by the engine after every model forward: evict here (attention has run)."""
@@ -172,6 +186,9 @@ class KVMethod:
         cap = self.capabilities.max_batch_size
         if cap is not None and batch > cap:
             reasons.append(f"runner.batch_size={batch} but method={self.name} supports at most {cap}")
+        if runner.get("kv_offload", "none") == "cpu" and not self.capabilities.offloads_kv:
+            reasons.append(f"runner.kv_offload=cpu but method={self.name} cannot keep its KV on the "
+                           "host tier (it does not declare offloads_kv); use runner.kv_offload=none")
         mode = getattr(self, "mode", None)
         if mode is not None and mode not in self.capabilities.modes:
             reasons.append(f"method.mode={mode!r}; allowed for {self.name}: "

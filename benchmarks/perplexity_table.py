@@ -1,0 +1,78 @@
+"""Streaming-perplexity table across methods and budgets (one run per row, through the runner).
+
+    python benchmarks/perplexity_table.py --preset issue3 [--max-tokens 2048] [--dataset essays]
+
+Each row is a normal harness run (its folder under --results-root); the table is printed as
+markdown from the runs' metrics.json files: ppl, KV tokens/bytes held, compression vs the full
+cache, and decode ms/token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PRESETS = {
+    "issue3": [
+        ["method=full"],
+        *[["method=streaming_llm", "method.sink_tokens=4", f"method.window_tokens={w}"]
+          for w in (252, 508, 1020)],
+        *[["method=streaming_llm", "method.sink_tokens=0", f"method.window_tokens={w + 4}"]
+          for w in (252, 508, 1020)],
+        *[["method=h2o", f"method.budget_ratio={r}"] for r in (0.1, 0.2, 0.5)],
+        ["method=kivi", "method.k_bits=2", "method.v_bits=2"],
+        ["method=kivi", "method.k_bits=4", "method.v_bits=4"],
+        *[["method=oracle_topk", f"method.budget_ratio={r}"] for r in (0.1, 0.2, 0.5)],
+    ],
+}
+
+
+def label(overrides: list[str]) -> str:
+    return " ".join(o.replace("method.", "") for o in overrides).replace("method=", "")
+
+
+def row(metrics: dict, name: str) -> str:
+    acc, kv, speed = metrics["accuracy"], metrics["kv"], metrics["speed"]
+    tokens = sum(kv["tokens_per_layer"]) / len(kv["tokens_per_layer"])
+    return (f"| {name} | {acc['ppl']:.3f} | {tokens:.0f} | {kv['bytes_total'] / 2**20:.2f} | "
+            f"{kv['compression_ratio']:.2f}x | {speed['decode_ms_per_token_median']:.1f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="issue3", choices=sorted(PRESETS))
+    ap.add_argument("--model", default="smollm2_135m")
+    ap.add_argument("--dataset", default="essays")
+    ap.add_argument("--max-tokens", type=int, default=2048)
+    ap.add_argument("--results-root", default=str(ROOT / "results" / "ppl_table"))
+    ap.add_argument("--extra", nargs="*", default=[], help="more overrides for every run")
+    args = ap.parse_args()
+
+    from hydra import compose, initialize_config_dir
+
+    from harness.run import run
+
+    lines = [f"Streaming perplexity, {args.model}, {args.dataset}, first {args.max_tokens} tokens",
+             "", "| method | ppl | KV tokens/layer (end) | KV MiB (end) | compression | decode ms/tok |",
+             "|---|---|---|---|---|---|"]
+    for overrides in PRESETS[args.preset]:
+        common = [f"model={args.model}", "task=perplexity", "task.mode=streaming",
+                  f"task.dataset={args.dataset}", f"task.max_tokens={args.max_tokens}",
+                  f"runner.results_root={args.results_root}", *args.extra]
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=common + overrides)
+        folder = run(cfg)
+        lines.append(row(json.loads((folder / "metrics.json").read_text()), label(overrides)))
+        print("\n".join(lines), flush=True)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Full offload (FlexGen-style baseline): every token's K/V on the host, the whole layer fetched
+to the compute device at every decode step.
+
+Sheng et al., "FlexGen", ICML 2023, arXiv 2303.06865; InfiniGen's speed baseline (Fig. 14,
+`--percent 100 0 0 100 100 0`: weights on the GPU, KV cache on the CPU, attention on the GPU).
+The fetch of layer i is issued at layer i-1's attention input and runs on a side stream while
+layer i-1 computes (FlexGen's overlap); `prefetch=false` fetches each layer only when it is
+reached, which is InfiniGen's paper setting for this baseline (`--overlap false`). Attention is
+exact: its logits equal the full cache's. Bytes moved per decode step = the whole KV.
+
+Hyperparameters:
+    prefetch: overlap the next layer's fetch with the current layer's compute (default true).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from harness.offload import HostKVStore
+from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
+
+
+@dataclass(kw_only=True)
+class FullOffload(KVMethod):
+    name: ClassVar[str] = "full_offload"
+    capabilities: ClassVar[Capabilities] = Capabilities(max_batch_size=None, offloads_kv=True,
+                                                        lookahead=True)
+    prefetch: bool = True
+
+    def check_hyperparameters(self) -> list[str]:
+        if not isinstance(self.prefetch, bool):
+            return [f"method.prefetch={self.prefetch!r}; allowed: true, false"]
+        return []
+
+    def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
+        return FullOffloadLayer(layer_idx, info, self)
+
+
+class FullOffloadLayer(KVLayer):
+    def __init__(self, layer_idx: int, info: ModelInfo, method: FullOffload):
+        super().__init__(layer_idx, info)
+        self.method = method
+        self.store: HostKVStore | None = None
+        self.pending = None  # (Transfer, Transfer) of this step's fetch
+
+    def prefetch(self, hidden_states, position_ids, ahead: bool) -> None:
+        if hidden_states.shape[1] != 1 or self.store is None or self.pending is not None:
+            return
+        if ahead and not self.method.prefetch:
+            return
+        self.pending = self.store.fetch()
+
+    def update(self, keys, values, position_ids):
+        if self.store is None:
+            self.store = HostKVStore(self.tier, self.layer_idx)
+        past = self.pending or (self.store.fetch() if self.store.length else None)
+        self.pending = None
+        self.seen_tokens += keys.shape[-2]
+        self.store.append(keys, values)
+        if past is None:
+            return keys, values
+        past_k, past_v = past[0].wait(), past[1].wait()
+        return torch.cat([past_k, keys], dim=2), torch.cat([past_v, values], dim=2)
+
+    def kept_tokens(self) -> int:
+        return 0 if self.store is None else self.store.length
+
+    def stats(self) -> dict[str, int]:
+        return {"kv_tokens": self.kept_tokens(),
+                "kv_bytes": 0 if self.store is None else self.store.nbytes()}
