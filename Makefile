@@ -20,8 +20,10 @@ $(STAMP): requirements.lock pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $@
 
+# The default demo: InfiniGen on the embedded SmolLM2, streaming perplexity (~2-3 min on 2 cores).
+RUN_ARGS ?= method=infinigen
 run: setup
-	$(PY) -m harness $(ARGS)
+	$(PY) -m harness $(RUN_ARGS) $(ARGS)
 
 test: setup
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline \

@@ -48,6 +48,7 @@ class KVLedger:
             "seen_tokens": seen,
             "tokens_per_layer": [s["kv_tokens"] for s in stats],
             "bytes_per_layer": [s["kv_bytes"] for s in stats],
+            "device_bytes_per_layer": [s.get("kv_bytes_device", s["kv_bytes"]) for s in stats],
             "budget_per_layer": budgets,
             "selected_per_layer": [s.get("selected_tokens") for s in stats],
         }
@@ -69,6 +70,7 @@ class KVLedger:
         layers = len(self.samples[0]["tokens_per_layer"])
         mean = lambda key, i: sum(s[key][i] for s in self.samples) / n  # noqa: E731
         bytes_total = [sum(s["bytes_per_layer"]) for s in self.samples]
+        device_total = [sum(s["device_bytes_per_layer"]) for s in self.samples]
         seen = [s["seen_tokens"] for s in self.samples]
         full_bytes = [t * self.info.kv_bytes_per_token() for t in seen]
         budgets = [s["budget_per_layer"] for s in self.samples]
@@ -80,6 +82,7 @@ class KVLedger:
             "bytes_per_layer": [round(mean("bytes_per_layer", i), 1) for i in range(layers)],
             "bytes_total": round(sum(bytes_total) / n, 1),
             "bytes_total_max": max(bytes_total),
+            "bytes_device_total": round(sum(device_total) / n, 1),
             "budget_tokens": ([round(sum((b[i] or 0) for b in budgets) / n, 3) for i in range(layers)]
                               if has_budget else None),
             "full_cache_bytes": round(sum(full_bytes) / n, 1),

@@ -18,6 +18,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from harness.errors import BudgetViolation, ConfigError
+from harness.projection import project
 
 log = logging.getLogger("harness")
 ATTN_IMPLS = ("sdpa", "eager")
@@ -163,6 +164,9 @@ def run(cfg: DictConfig) -> Path:
     }
     if engine.diagnostics is not None:
         metrics["diagnostics"] = engine.diagnostics.summary()
+    projected = project(_plain(cfg.hardware), metrics["speed"], metrics["transfer"])
+    if projected is not None:
+        metrics["projected"] = projected
     folder = RunFolder(out)
     try:
         folder.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))

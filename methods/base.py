@@ -136,7 +136,9 @@ class KVLayer:
         """Tokens and bytes really held by this layer now (per KV head, tokens are the max).
 
         Selection methods (which keep everything but attend to a subset) add `selected_tokens`:
-        the most tokens attended at one step; the budget is then checked against it.
+        the most tokens attended at one step; the budget is then checked against it. Methods
+        holding part of their state on the host tier add `kv_bytes_device` (the compute-device
+        share of `kv_bytes`).
         """
         if self.keys is None:
             return {"kv_tokens": 0, "kv_bytes": 0}

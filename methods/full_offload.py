@@ -70,4 +70,5 @@ class FullOffloadLayer(KVLayer):
 
     def stats(self) -> dict[str, int]:
         return {"kv_tokens": self.kept_tokens(),
-                "kv_bytes": 0 if self.store is None else self.store.nbytes()}
+                "kv_bytes": 0 if self.store is None else self.store.nbytes(),
+                "kv_bytes_device": 0}  # fetched copies are transient (freed after the step)

@@ -15,7 +15,10 @@ Follows the paper's Alg. 1 and the real-drop cache, with these deliberate choice
     long prefill drops many tokens at once and decoding evicts as the budget allows; the paper's
     "20 %" = 10 % heavy + 10 % recent is `budget_ratio=0.2, recent_ratio=0.5`;
   * the "global statistics" mask variant of the official lm-eval code (which sums attention from
-    future rows, a non-causal oracle) is never used.
+    future rows, a non-causal oracle) is never used;
+  * with `runner.kv_offload=cpu` the kept K/V live on the host tier and the whole kept set is
+    fetched every decode step, one layer ahead (the FlexGen+H2O baseline of InfiniGen's Fig. 14);
+    scores and positions stay on the compute device, eviction compacts the host store.
 
 Hyperparameters:
     budget_ratio: kept tokens per layer and KV head as a fraction of tokens seen (default 0.2).
@@ -58,7 +61,7 @@ def budget_for(seen: int, budget_ratio: float | None, budget_tokens: int | None,
 @dataclass(kw_only=True)
 class H2O(KVMethod):
     name: ClassVar[str] = "h2o"
-    capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True, offloads_kv=True)
     budget_ratio: float | None = 0.2
     budget_tokens: int | None = None
     recent_ratio: float = 0.5
@@ -86,6 +89,16 @@ class H2OLayer(KVLayer):
         self.method = method
         self.scores: torch.Tensor | None = None  # (B, H_kv, T) accumulated attention, fp32
         self.positions: torch.Tensor | None = None  # (B, H_kv, T) text positions
+        self.store = None  # HostKVStore when the runner offloads the KV
+        self.pending = None  # (Transfer, Transfer) prefetched kept set
+
+    def offloaded(self) -> bool:
+        return self.tier is not None and self.tier.offload
+
+    def prefetch(self, hidden_states, position_ids, ahead: bool) -> None:
+        if (self.offloaded() and hidden_states.shape[1] == 1 and self.store is not None
+                and self.store.length and self.pending is None):
+            self.pending = self.store.fetch()
 
     def update(self, keys, values, position_ids):
         b, h, q_len, _ = keys.shape
@@ -97,7 +110,21 @@ class H2OLayer(KVLayer):
         else:
             self.scores = torch.cat([self.scores, new_scores], dim=2)
             self.positions = torch.cat([self.positions, new_pos], dim=2)
-        return super().update(keys, values, position_ids)
+        if not self.offloaded():
+            return super().update(keys, values, position_ids)
+        from harness.offload import HostKVStore
+
+        self.store = self.store or HostKVStore(self.tier, self.layer_idx)
+        past = self.pending or (self.store.fetch() if self.store.length else None)
+        self.pending = None
+        self.seen_tokens += q_len
+        self.store.append(keys, values)
+        if past is None:
+            return keys, values
+        return (torch.cat([past[0].wait(), keys], dim=2), torch.cat([past[1].wait(), values], dim=2))
+
+    def kept_tokens(self) -> int:
+        return 0 if self.positions is None else self.positions.shape[-1]
 
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
         out, probs = attention_with_probs(query, keys, values, attention_mask, kwargs["scaling"])
@@ -118,10 +145,19 @@ class H2OLayer(KVLayer):
         recent_idx = torch.arange(kept - recent, kept, device=device).expand(b, h, recent)
         heavy_idx = self.scores[:, :, : kept - recent].topk(heavy, dim=-1).indices.sort(-1).values
         index = torch.cat([heavy_idx, recent_idx], dim=-1)  # (B, H_kv, budget), in cache order
-        self.keys = gather_tokens(self.keys, index)
-        self.values = gather_tokens(self.values, index)
+        if self.offloaded():
+            self.store.keep(index)
+        else:
+            self.keys = gather_tokens(self.keys, index)
+            self.values = gather_tokens(self.values, index)
         self.scores = gather_tokens(self.scores, index)
         self.positions = gather_tokens(self.positions, index)
 
     def kept_positions(self) -> torch.Tensor:
         return self.positions
+
+    def stats(self) -> dict[str, int]:
+        if not self.offloaded():
+            return super().stats()
+        held = 0 if self.store is None else self.store.nbytes()
+        return {"kv_tokens": self.kept_tokens(), "kv_bytes": held, "kv_bytes_device": 0}

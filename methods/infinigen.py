@@ -62,6 +62,7 @@ import torch
 
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
 from methods._infinigen_prep import SkewingArtefacts, calibration_file, prepare_skewing
+from methods.kernels import sparse_attention
 from methods.rope import rotate
 from methods.scoring import attention_with_probs, expand_kv, gather_tokens
 
@@ -286,6 +287,13 @@ class InfiniGenLayer(KVLayer):
             return base(module, query, keys, values, None, **kwargs)
         if self.system:  # fetched rows + the new token
             return base(module, query, keys, values, None, **kwargs)
+        if sparse_attention.use_triton(query):  # gather in the kernel: no (B, H, T) keep-mask
+            selected = self.selected.to(keys.device)  # unique top-k slots, all < the new slot
+            index = torch.cat([selected, torch.full_like(selected[..., :1], keys.shape[2] - 1)], 2)
+            self._attended = index.shape[2]
+            out = sparse_attention.sparse_decode_attention(query[:, :, 0], keys, values, index,
+                                                           kwargs["scaling"])
+            return out[:, None], None  # (B, 1, H_q, D), as attention_with_probs returns
         keep = torch.zeros(keys.shape[0], keys.shape[1], keys.shape[2], dtype=torch.bool,
                            device=keys.device)
         keep.scatter_(2, self.selected.to(keys.device), True)
@@ -344,7 +352,8 @@ class InfiniGenLayer(KVLayer):
         held = self.store.nbytes() if self.store is not None else (
             0 if self.keys is None else self.keys.nbytes + self.values.nbytes)
         partial = 0 if self.partial_keys is None else self.partial_keys.nbytes
-        out = {"kv_tokens": self.stored(), "kv_bytes": held + partial}
+        out = {"kv_tokens": self.stored(), "kv_bytes": held + partial,
+               "kv_bytes_device": partial + (0 if self.system else held)}
         if not self.dense and self._decode_selected is not None:
             out["selected_tokens"] = self._decode_selected
         return out

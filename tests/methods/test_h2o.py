@@ -91,3 +91,25 @@ def test_bad_hyperparameters(kw, key):
     with pytest.raises(ConfigError) as err:
         build_method("h2o", **kw)
     assert key in str(err.value)
+
+
+def test_offloaded_h2o_equals_resident_and_moves_the_kept_set(tiny_model):
+    """runner.kv_offload=cpu: same logits, kept set fetched every decode step (FlexGen+H2O)."""
+    from harness import hf_adapter
+    from harness.engine import Engine, EngineSettings
+
+    ids = torch.randint(3, 250, (1, 50), generator=torch.Generator().manual_seed(3))
+    info = hf_adapter.model_info(tiny_model.config)
+    outs = {}
+    for offload in ("none", "cpu"):
+        engine = Engine(tiny_model, None, build_method("h2o", budget_tokens=12), info,
+                        EngineSettings(prefill_chunk_tokens=16, kv_offload=offload))
+        with engine.request() as req:
+            logits = [req.prefill(ids[:, :30], all_logits=True)]
+            logits += [req.step(ids[:, t]) for t in range(30, 50)]
+        outs[offload] = (torch.cat(logits, 1), engine)
+    assert (outs["none"][0] - outs["cpu"][0]).abs().max().item() < 1e-5
+    ledger = outs["cpu"][1].transfers
+    row = 2 * 2 * 16 * 4 * 2  # K+V, 2 KV heads, head_dim 16, fp32, 2 layers
+    assert ledger.step_h2d == [12 * row] * 20  # the 12-token kept set, every step
+    assert outs["none"][1].transfers.bytes_h2d == 0
