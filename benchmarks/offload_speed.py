@@ -1,0 +1,134 @@
+"""Decode speed and bytes moved with the KV on the host tier: full offload vs InfiniGen (+ H2O).
+
+For each context length: prefill a prompt (essay text, or random ids for a random model), then
+decode `--new-tokens` greedily; methods alternate A/B/A/B over `--rounds`. Prints decode tok/s
+(median), host->device bytes per decode step, exposed transfer ms per step, and ratios to
+full_offload measured in the same run. Writes a JSON summary with `--json`.
+
+    python benchmarks/offload_speed.py --contexts 2048 4096 --new-tokens 16
+    python benchmarks/offload_speed.py --model random_llama_1b --device cuda --contexts 8192 16384
+
+`random_llama_1b` is a randomly initialised Llama with Llama-3.2-1B's shapes (16 layers, hidden
+2048, 32 query / 8 KV heads, head_dim 64), built in code: for speed only (its outputs mean
+nothing), for machines where no real >= 1B checkpoint can be loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from harness import hf_adapter, models  # noqa: E402
+from harness.engine import Engine, EngineSettings  # noqa: E402
+from methods import build_method  # noqa: E402
+
+METHODS = {
+    "full_offload": ("full_offload", {}, "none"),
+    "infinigen": ("infinigen", {}, "none"),
+    "h2o_offload": ("h2o", {"budget_ratio": 0.2}, "cpu"),
+}
+
+
+def random_llama_1b(device: str, dtype: torch.dtype, max_positions: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
+                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                         max_position_embeddings=max_positions, rope_theta=500000.0)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    hf_adapter.set_attention(model, "sdpa")
+    return model, None
+
+
+def load(args):
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    if args.model == "random_llama_1b":
+        return random_llama_1b(args.device, dtype, max(args.contexts) + args.new_tokens + 8)
+    spec = models.resolve_model({"name": args.model, "device": args.device, "dtype": args.dtype})
+    return models.load_model(spec, "sdpa")
+
+
+def prompt_ids(tokenizer, vocab: int, length: int) -> list[int]:
+    if tokenizer is None:
+        return torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(1)).tolist()
+    from tasks.text_sources import load_essays
+
+    return tokenizer(load_essays(), verbose=False)["input_ids"][:length]
+
+
+def measure(model, tok, info, name: str, ids: list[int], new_tokens: int) -> dict:
+    method_name, kw, offload = METHODS[name]
+    method = build_method(method_name, **kw)
+    calib = None if tok is not None else torch.tensor(ids[:2048])
+    method.prepare(model, tok, {"info": info, "calibration_ids": calib})
+    engine = Engine(model, tok, method, info, EngineSettings(prefill_chunk_tokens=2048,
+                                                             kv_offload=offload))
+    with engine.request() as req:
+        req.generate(ids, max_new_tokens=new_tokens, stop_ids=set())
+    decode = engine.timer.values("decode")
+    t = engine.transfers.summary()
+    steps = t["decode_steps"] or 1
+    return {"decode_tok_s": len(decode) / (sum(decode) / 1e3),
+            "bytes_per_step": t["bytes_per_decode_step"],
+            "exposed_ms_per_step": engine.transfers.exposed_ms / steps,
+            "density": engine.density.summary().get("attended_fraction_mean")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2_135m")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096])
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--methods", nargs="+", default=list(METHODS))
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    model, tok = load(args)
+    info = hf_adapter.model_info(model.config, next(model.parameters()).dtype)
+    summary = {"model": args.model, "device": args.device, "dtype": args.dtype, "contexts": {}}
+    t0 = time.time()
+    for ctx in args.contexts:
+        ids = prompt_ids(tok, model.config.vocab_size, ctx)
+        runs: dict[str, list[dict]] = {m: [] for m in args.methods}
+        for _ in range(args.rounds):
+            for name in args.methods:  # alternate methods within each round
+                runs[name].append(measure(model, tok, info, name, ids, args.new_tokens))
+        rows = {}
+        for name, results in runs.items():
+            rows[name] = {k: statistics.median(r[k] for r in results if r[k] is not None)
+                          if any(r[k] is not None for r in results) else None for k in results[0]}
+        base = rows.get("full_offload")
+        print(f"\ncontext {len(ids)} tokens, {args.new_tokens} new, {args.model} on {args.device}")
+        print(f"{'method':14} {'tok/s':>8} {'MB/step':>9} {'exposed ms':>11} {'x tok/s':>8} {'x bytes':>8}")
+        for name, r in rows.items():
+            ratio_s = r["decode_tok_s"] / base["decode_tok_s"] if base else float("nan")
+            ratio_b = (r["bytes_per_step"] / base["bytes_per_step"]
+                       if base and base["bytes_per_step"] else float("nan"))
+            r.update(speedup_vs_full_offload=ratio_s, bytes_vs_full_offload=ratio_b)
+            print(f"{name:14} {r['decode_tok_s']:8.2f} {r['bytes_per_step'] / 1e6:9.3f} "
+                  f"{r['exposed_ms_per_step']:11.3f} {ratio_s:8.3f} {ratio_b:8.3f}")
+        summary["contexts"][str(len(ids))] = rows
+    summary["wall_s"] = round(time.time() - t0, 1)
+    if args.json:
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
