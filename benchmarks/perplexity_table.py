@@ -31,7 +31,18 @@ PRESETS = {
         ["method=kivi", "method.k_bits=4", "method.v_bits=4"],
         *[["method=oracle_topk", f"method.budget_ratio={r}"] for r in (0.1, 0.2, 0.5)],
     ],
+    # InfiniGen (issue 4): alpha sweep at budget 0.2, the skewing ablation, and baselines matched
+    # to InfiniGen alpha=5's measured attention density ("@density" rows are resolved at run time).
+    "issue4": [
+        ["method=full"],
+        *[["method=infinigen", f"method.alpha={a}", "method.budget_ratio=0.2"] for a in (4.0, 5.0, 6.0)],
+        ["method=infinigen", "method.alpha=5.0", "method.budget_ratio=0.2", "method.skewing=false"],
+        ["method=oracle_topk", "method.budget_ratio=0.2"],
+        ["method=h2o", "@density"],
+        ["method=oracle_topk", "@density"],
+    ],
 }
+DENSITY_SOURCE = "infinigen alpha=5.0 budget_ratio=0.2"
 
 
 def label(overrides: list[str]) -> str:
@@ -42,7 +53,8 @@ def row(metrics: dict, name: str) -> str:
     acc, kv, speed = metrics["accuracy"], metrics["kv"], metrics["speed"]
     tokens = sum(kv["tokens_per_layer"]) / len(kv["tokens_per_layer"])
     return (f"| {name} | {acc['ppl']:.3f} | {tokens:.0f} | {kv['bytes_total'] / 2**20:.2f} | "
-            f"{kv['compression_ratio']:.2f}x | {speed['decode_ms_per_token_median']:.1f} |")
+            f"{kv['compression_ratio']:.2f}x | {kv.get('attention_density', 1.0):.4f} | "
+            f"{kv.get('relative_kv_size', 1.0):.4f} | {speed['decode_ms_per_token_median']:.1f} |")
 
 
 def main() -> None:
@@ -60,16 +72,22 @@ def main() -> None:
     from harness.run import run
 
     lines = [f"Streaming perplexity, {args.model}, {args.dataset}, first {args.max_tokens} tokens",
-             "", "| method | ppl | KV tokens/layer (end) | KV MiB (end) | compression | decode ms/tok |",
-             "|---|---|---|---|---|---|"]
+             "", "| method | ppl | KV tokens/layer (end) | KV MiB (end) | compression | "
+             "attention density | relative KV size | decode ms/tok |", "|---|---|---|---|---|---|---|---|"]
+    densities: dict[str, float] = {}
     for overrides in PRESETS[args.preset]:
+        if "@density" in overrides:  # match InfiniGen's measured density (attended fraction)
+            ratio = round(densities[DENSITY_SOURCE], 4)
+            overrides = [o for o in overrides if o != "@density"] + [f"method.budget_ratio={ratio}"]
         common = [f"model={args.model}", "task=perplexity", "task.mode=streaming",
                   f"task.dataset={args.dataset}", f"task.max_tokens={args.max_tokens}",
                   f"runner.results_root={args.results_root}", *args.extra]
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
             cfg = compose(config_name="config", overrides=common + overrides)
         folder = run(cfg)
-        lines.append(row(json.loads((folder / "metrics.json").read_text()), label(overrides)))
+        metrics = json.loads((folder / "metrics.json").read_text())
+        densities[label(overrides)] = metrics["kv"].get("attention_density", 1.0)
+        lines.append(row(metrics, label(overrides)))
         print("\n".join(lines), flush=True)
     print("\n".join(lines))
 
