@@ -10,3 +10,8 @@ class ConfigError(ValueError):
 
 class BudgetViolation(RuntimeError):
     """A KV method held more tokens than its declared budget, or silently did nothing."""
+
+
+class UnsupportedCombination(ConfigError):
+    """A valid setting this method cannot take (e.g. a budget for the full cache): a sweep skips
+    the combination with a one-line reason instead of failing."""

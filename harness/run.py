@@ -17,8 +17,9 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness.errors import BudgetViolation, ConfigError
+from harness.errors import BudgetViolation, ConfigError, UnsupportedCombination
 from harness.projection import project
+from harness.sweep import config_hash, find_complete, multirun_job, record_status
 
 log = logging.getLogger("harness")
 ATTN_IMPLS = ("sdpa", "eager")
@@ -102,6 +103,7 @@ def run(cfg: DictConfig) -> Path:
 
     method = build_method(method_name, **method_opts)
     task = build_task(task_name, **task_opts)
+    identity = config_hash(cfg)
 
     import torch
 
@@ -119,6 +121,11 @@ def run(cfg: DictConfig) -> Path:
     task.check_data()
     out = output_dir(runner, task_name, model_cfg, method_name)
     check_writable(out.parent)
+    if runner.get("skip_existing"):
+        done = find_complete(out.parent if not runner.get("output_dir") else out.parent, identity)
+        if done is not None:
+            print(f"skipped: a complete result for this config ({identity}) exists at {done}")
+            return done
 
     if runner.get("threads"):
         torch.set_num_threads(int(runner["threads"]))
@@ -160,7 +167,8 @@ def run(cfg: DictConfig) -> Path:
                      "positions": "text positions, explicit position_ids", "seed": runner["seed"]},
         "env": environment(Path(__file__).resolve().parents[1]),
         "run": {"started": datetime.fromtimestamp(t_start).isoformat(timespec="seconds"),
-                "wall_s": round(time.time() - t_start, 3)},
+                "wall_s": round(time.time() - t_start, 3), "config_hash": identity,
+                "status": "ok"},
     }
     if engine.diagnostics is not None:
         metrics["diagnostics"] = engine.diagnostics.summary()
@@ -221,13 +229,38 @@ def report_error(exc: BaseException, debug: bool) -> int:
     return 2 if isinstance(exc, ConfigError) else 1
 
 
-def main_guarded(cfg: DictConfig) -> None:
-    debug = bool(OmegaConf.select(cfg, "runner.debug", default=False))
+def _overrides() -> list[str]:
     try:
-        run(cfg)
-    except (ConfigError, BudgetViolation) as exc:
-        sys.exit(report_error(exc, debug))
+        from hydra.core.hydra_config import HydraConfig
+
+        return list(HydraConfig.get().overrides.task)
+    except Exception:
+        return []
+
+
+def main_guarded(cfg: DictConfig) -> None:
+    """Single run: one clear line and a non-zero exit on error. Sweep member: record the outcome
+    (ok / skipped / failed) and return, so the other members go on."""
+    debug = bool(OmegaConf.select(cfg, "runner.debug", default=False))
+    sweeping = multirun_job() is not None
+    try:
+        folder = run(cfg)
+        record_status("ok", str(folder), _overrides())
+    except UnsupportedCombination as exc:
+        if not sweeping:
+            sys.exit(report_error(exc, debug))
+        print(f"skipped: {exc}")
+        record_status("skipped", str(exc), _overrides())
     except KeyboardInterrupt:
         print("interrupted: no result written (the run folder is only created when complete)",
               file=sys.stderr)
         sys.exit(130)
+    except Exception as exc:  # noqa: BLE001 - every failure is reported in one line
+        if debug:
+            raise
+        if not sweeping:
+            if isinstance(exc, (ConfigError, BudgetViolation)):
+                sys.exit(report_error(exc, debug))
+            raise
+        print(f"failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        record_status("failed", f"{type(exc).__name__}: {exc}", _overrides())

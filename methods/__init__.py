@@ -10,11 +10,12 @@ import importlib
 import pkgutil
 from pathlib import Path
 
-from harness.errors import ConfigError
+from harness.errors import ConfigError, UnsupportedCombination
 from methods.base import Capabilities, KVLayer, KVMethod
 
 __all__ = ["Capabilities", "KVLayer", "KVMethod", "available_methods", "build_method", "method_class"]
 
+SHARED_KNOBS = ("budget_ratio", "budget_tokens")  # declared for every method (conf/method/_shared.yaml)
 _NOT_METHODS = {"base", "kernels", "rope", "scoring"}  # helper modules, not methods
 
 
@@ -39,7 +40,12 @@ def build_method(name: str, **hyperparameters) -> KVMethod:
     """Instantiate a method; unknown or invalid hyperparameters raise ConfigError naming the key."""
     cls = method_class(name)
     allowed = cls.hyperparameter_names()
+    # Shared sweep knobs (conf/method/_shared.yaml) arrive as null for methods without them.
+    hyperparameters = {k: v for k, v in hyperparameters.items() if k in allowed or v is not None}
     unknown = sorted(set(hyperparameters) - set(allowed))
+    if unknown and unknown[0] in SHARED_KNOBS:
+        raise UnsupportedCombination(
+            f"method={name} does not take method.{unknown[0]} (it has no such knob)")
     if unknown:
         raise ConfigError(
             f"method.{unknown[0]} is not a hyperparameter of method={name}; "
