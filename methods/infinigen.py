@@ -69,6 +69,13 @@ from methods.scoring import attention_with_probs, expand_kv, gather_tokens
 EVICTIONS = ("counter", "lru", "fifo")
 
 
+def _use_kernel(query: torch.Tensor) -> bool:
+    """The Triton sparse-attention kernel serves simulate-mode decode on CUDA. On CPU the
+    interpreter would be exact but ~100 ms a call, so model-level CPU runs keep the torch path
+    (the kernel has its own tests, and one InfiniGen test forces it through the interpreter)."""
+    return query.is_cuda and sparse_attention.use_triton(query)
+
+
 @dataclass(kw_only=True)
 class InfiniGen(KVMethod):
     name: ClassVar[str] = "infinigen"
@@ -287,7 +294,7 @@ class InfiniGenLayer(KVLayer):
             return base(module, query, keys, values, None, **kwargs)
         if self.system:  # fetched rows + the new token
             return base(module, query, keys, values, None, **kwargs)
-        if sparse_attention.use_triton(query):  # gather in the kernel: no (B, H, T) keep-mask
+        if _use_kernel(query):  # gather in the kernel: no (B, H, T) keep-mask
             selected = self.selected.to(keys.device)  # unique top-k slots, all < the new slot
             index = torch.cat([selected, torch.full_like(selected[..., :1], keys.shape[2] - 1)], 2)
             self._attended = index.shape[2]

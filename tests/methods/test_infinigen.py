@@ -190,3 +190,15 @@ def test_bad_hyperparameters(kw, key):
     with pytest.raises(ConfigError) as err:
         build_method("infinigen", **kw)
     assert key in str(err.value)
+
+
+def test_simulate_through_the_triton_kernel_equals_system(tiny4, cache_dir, monkeypatch):
+    """Force the sparse-attention kernel (Triton interpreter on CPU) into simulate mode."""
+    import methods.infinigen as ig
+    from methods.kernels import sparse_attention
+
+    monkeypatch.setattr(ig, "_use_kernel", sparse_attention.use_triton)
+    ids = torch.randint(3, 250, (1, 44), generator=torch.Generator().manual_seed(6))
+    sim, _ = run(tiny4, build_method("infinigen", mode="simulate"), ids, 40)
+    sys_, _ = run(tiny4, build_method("infinigen", mode="system"), ids, 40)
+    assert (sim - sys_).abs().max().item() < 1e-4
