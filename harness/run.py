@@ -18,13 +18,13 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from harness.errors import BudgetViolation, ConfigError, UnsupportedCombination
+from harness.loggers import LOGGERS, log_run
 from harness.projection import project
 from harness.sweep import config_hash, find_complete, multirun_job, record_status
 
 log = logging.getLogger("harness")
 ATTN_IMPLS = ("sdpa", "eager")
 KV_OFFLOADS = ("none", "cpu")
-LOGGERS = ("none",)
 
 
 def _plain(node) -> dict[str, Any]:
@@ -182,6 +182,12 @@ def run(cfg: DictConfig) -> Path:
             folder.write_json("diagnostics.json", engine.diagnostics.arrays())
         if result.samples:
             folder.write_jsonl("samples.jsonl", result.samples)
+        job = multirun_job()
+        logged = log_run(_plain(cfg.logger), folder.staging, OmegaConf.to_container(cfg, resolve=True),
+                         metrics, result.samples, job[0].name if job else None)
+        if logged:
+            metrics["logger"] = {**logged, "dir": logged["dir"].replace(str(folder.staging),
+                                                                        str(out))}
         folder.write_json("metrics.json", metrics)
         final = folder.commit()
     except BaseException:

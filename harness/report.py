@@ -1,0 +1,229 @@
+"""Collect runs into one table and draw the trade-off plots.
+
+    python -m harness.report <results dir or glob> [<more> ...] [--out DIR]
+
+Reads only `metrics.json` files (a run *is* its folder). Writes `report.md`, `report.csv` and
+PNG plots into --out (default `<first dir>/_report`):
+  * accuracy_vs_kv_size.png   task metric vs relative KV size, one line per method (Fig. 11 view)
+  * decode_ms_vs_context.png  decode ms/token vs context length, per method
+  * nll_curve.png             streaming NLL per block over tokens, per run
+  * bytes_per_step.png        host->device bytes per decode step, per run
+  * ruler_heatmap.png         RULER single-needle accuracy, depth x length (when present)
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import io
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from harness.results import write_text_atomic
+
+COLUMNS = ["run", "model", "method", "budget", "task", "metric", "value", "relative_kv_size",
+           "decode_tok_s", "decode_ms", "kv_bytes", "bytes_per_step"]
+# Main metric per task, and whether higher is better (the first scalar found is used otherwise).
+MAIN_METRIC = {"perplexity": ("ppl", False), "longbench": ("average", True),
+               "ruler": ("average", True), "xsum": ("rougeL", True),
+               "multiturn": ("accuracy", True), "lm_eval": ("acc_mean", True)}
+BUDGET_KEYS = ("budget_ratio", "budget_tokens", "window_tokens", "sink_tokens", "alpha",
+               "k_bits", "v_bits", "pool_capacity", "skewing", "mode")
+
+
+def find_runs(patterns: list[str]) -> list[Path]:
+    files: set[Path] = set()
+    for pattern in patterns:
+        path = Path(pattern)
+        if path.is_dir():
+            candidates = path.rglob("metrics.json")
+        else:
+            candidates = (Path(p) for p in glob.glob(pattern, recursive=True))
+            candidates = (p / "metrics.json" if p.is_dir() else p for p in candidates)
+        for f in candidates:
+            if f.name == "metrics.json" and f.is_file() and not any(
+                    part.startswith((".", "_")) for part in f.parent.parts[-4:]):
+                files.add(f)
+    return sorted(files)
+
+
+def budget_label(hyper: dict[str, Any]) -> str:
+    return " ".join(f"{k}={hyper[k]}" for k in BUDGET_KEYS if hyper.get(k) is not None)
+
+
+def main_metric(metrics: dict) -> tuple[str, float | None]:
+    acc = metrics.get("accuracy", {})
+    key, _ = MAIN_METRIC.get(metrics["task"]["name"], (None, True))
+    if key in acc and isinstance(acc[key], (int, float)):
+        return key, float(acc[key])
+    for k, v in acc.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return k, float(v)
+    return "", None
+
+
+def relative_kv_size(metrics: dict) -> float | None:
+    """InfiniGen's density-based size when the method attends to a subset; else bytes held vs
+    the full cache (quantization, eviction)."""
+    kv = metrics.get("kv", {})
+    by_bytes = (1 / kv["compression_ratio"]) if kv.get("compression_ratio") else None
+    density = kv.get("relative_kv_size")
+    if density is not None and density < 0.999:
+        return min(density, by_bytes) if by_bytes is not None else density
+    return by_bytes
+
+
+def row(path: Path, metrics: dict, root: Path | None) -> dict[str, Any]:
+    speed, kv, transfer = metrics.get("speed", {}), metrics.get("kv", {}), metrics.get("transfer", {})
+    name, value = main_metric(metrics)
+    return {
+        "run": str(path.parent.relative_to(root)) if root and root in path.parents else str(path.parent),
+        "model": metrics["model"]["name"], "method": metrics["method"]["name"],
+        "budget": budget_label(metrics["method"].get("hyperparameters", {})),
+        "task": metrics["task"]["name"], "metric": name, "value": value,
+        "relative_kv_size": relative_kv_size(metrics),
+        "decode_tok_s": speed.get("decode_tokens_per_s"),
+        "decode_ms": speed.get("decode_ms_per_token_median"),
+        "kv_bytes": kv.get("bytes_total"), "bytes_per_step": transfer.get("bytes_per_decode_step"),
+        "_metrics": metrics,
+    }
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)
+
+
+def markdown(rows: list[dict]) -> str:
+    out = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    out += ["| " + " | ".join(_fmt(r[c]) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
+def to_csv(rows: list[dict]) -> str:
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=COLUMNS, extrasaction="ignore")
+    writer.writeheader()
+    writer.writerows(rows)
+    return buf.getvalue()
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    tmp.replace(path)
+
+
+def plots(rows: list[dict], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["value"] is not None and r["relative_kv_size"] is not None:
+            groups.setdefault((r["task"], r["model"], r["metric"]), []).append(r)
+    if groups:
+        fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)
+        for ax, ((task, model, metric), rs) in zip(axes[0], sorted(groups.items())):
+            for method in sorted({r["method"] for r in rs}):
+                pts = sorted((r["relative_kv_size"], r["value"]) for r in rs if r["method"] == method)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=method)
+            ax.set(title=f"{task} on {model}", xlabel="relative KV size (1 = full cache)",
+                   ylabel=metric)
+            ax.legend(fontsize=8)
+        _save(fig, out / "accuracy_vs_kv_size.png")
+        plt.close(fig)
+        made.append(out / "accuracy_vs_kv_size.png")
+
+    timed = [r for r in rows if r["decode_ms"] is not None]
+    if timed:
+        fig, ax = plt.subplots(figsize=(6, 4.5))
+        for method in sorted({r["method"] for r in timed}):
+            pts = sorted((r["_metrics"].get("kv", {}).get("seen_tokens_mean", 0), r["decode_ms"])
+                         for r in timed if r["method"] == method)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=method)
+        ax.set(title="Decode latency vs context", xlabel="context length (tokens)",
+               ylabel="decode ms/token (median)")
+        ax.legend(fontsize=8)
+        _save(fig, out / "decode_ms_vs_context.png")
+        plt.close(fig)
+        made.append(out / "decode_ms_vs_context.png")
+
+    curves = [r for r in rows if r["_metrics"].get("accuracy", {}).get("nll_per_block")]
+    if curves:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for r in curves:
+            acc = r["_metrics"]["accuracy"]
+            block = acc.get("block_tokens", 256)
+            nll = acc["nll_per_block"]
+            ax.plot([(i + 1) * block for i in range(len(nll))], nll, ".-",
+                    label=f"{r['method']} {r['budget']}".strip())
+        ax.set(title="Streaming NLL per block", xlabel="tokens", ylabel="mean NLL (nats/token)")
+        ax.legend(fontsize=7)
+        _save(fig, out / "nll_curve.png")
+        plt.close(fig)
+        made.append(out / "nll_curve.png")
+
+    moved = [r for r in rows if r["bytes_per_step"]]
+    if moved:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        labels = [f"{r['method']}\n{r['budget']}".strip() for r in moved]
+        ax.bar(range(len(moved)), [r["bytes_per_step"] / 2**20 for r in moved])
+        ax.set_xticks(range(len(moved)), labels, fontsize=7)
+        ax.set(title="Host-to-device bytes per decode step", ylabel="MiB per step")
+        _save(fig, out / "bytes_per_step.png")
+        plt.close(fig)
+        made.append(out / "bytes_per_step.png")
+
+    grids = [r for r in rows if r["_metrics"].get("accuracy", {}).get("niah_single_grid")]
+    if grids:
+        fig, axes = plt.subplots(1, len(grids), figsize=(5 * len(grids), 4), squeeze=False)
+        for ax, r in zip(axes[0], grids):
+            grid = r["_metrics"]["accuracy"]["niah_single_grid"]
+            im = ax.imshow(grid["accuracy"], vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+            ax.set_xticks(range(len(grid["lengths"])), grid["lengths"])
+            ax.set_yticks(range(len(grid["depths"])), grid["depths"])
+            ax.set(title=f"needle: {r['method']} {r['model']}", xlabel="context length (tokens)",
+                   ylabel="needle depth (%)")
+            fig.colorbar(im, ax=ax, label="accuracy (%)")
+        _save(fig, out / "ruler_heatmap.png")
+        plt.close(fig)
+        made.append(out / "ruler_heatmap.png")
+    return made
+
+
+def build_report(patterns: list[str], out: Path | None = None) -> tuple[list[dict], Path, list[Path]]:
+    files = find_runs(patterns)
+    if not files:
+        raise SystemExit(f"error: no metrics.json found under {' '.join(patterns)}")
+    first = Path(patterns[0]) if Path(patterns[0]).is_dir() else None
+    out = out or (first / "_report" if first else Path("results") / "_report")
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [row(f, json.loads(f.read_text()), first) for f in files]
+    rows.sort(key=lambda r: (r["task"], r["model"], r["method"], r["budget"]))
+    write_text_atomic(out / "report.md", markdown(rows))
+    write_text_atomic(out / "report.csv", to_csv(rows))
+    return rows, out, plots(rows, out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m harness.report", description=__doc__.splitlines()[0])
+    ap.add_argument("paths", nargs="+", help="results folders or globs of run folders")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    rows, out, made = build_report(args.paths, args.out)
+    sys.stdout.write(markdown(rows))
+    print(f"\n{len(rows)} runs -> {out / 'report.md'}, {out / 'report.csv'}, "
+          f"{len(made)} plots: {', '.join(p.name for p in made)}")
+
+
+if __name__ == "__main__":
+    main()

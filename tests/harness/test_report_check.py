@@ -1,0 +1,91 @@
+"""Report (table + plots) and regression gates, on a small results tree built here."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness import check, report
+
+
+def fake_run(root: Path, method: str, ppl: float, tok_s: float, budget=None, started="2026-11-29T10:00:00",
+             task="perplexity", extra_acc=None, density=None) -> Path:
+    folder = root / task / "stories260k" / method / f"{method}-{budget}-{started[11:13]}"
+    folder.mkdir(parents=True)
+    hyper = {} if budget is None else {"budget_ratio": budget}
+    metrics = {
+        "accuracy": {"ppl": ppl, "nll_per_block": [4.0, 3.9, 3.8], "block_tokens": 100,
+                     **(extra_acc or {})},
+        "speed": {"decode_tokens_per_s": tok_s, "decode_ms_per_token_median": 1000 / tok_s},
+        "kv": {"compression_ratio": 1 / (budget or 1.0), "bytes_total": 1000.0 * (budget or 1.0),
+               "seen_tokens_mean": 300.0, **({"relative_kv_size": density} if density else {})},
+        "transfer": {"bytes_per_decode_step": 500.0 * (budget or 1.0)},
+        "model": {"name": "stories260k"}, "method": {"name": method, "hyperparameters": hyper},
+        "task": {"name": task}, "run": {"started": started},
+    }
+    (folder / "metrics.json").write_text(json.dumps(metrics))
+    return folder
+
+
+@pytest.fixture
+def tree(tmp_path):
+    fake_run(tmp_path, "full", 50.0, 100.0)
+    fake_run(tmp_path, "h2o", 55.0, 90.0, budget=0.2)
+    fake_run(tmp_path, "h2o", 52.0, 85.0, budget=0.5)
+    grid = {"depths": [0, 50, 100], "lengths": [256, 512], "accuracy": [[100, 0], [50, 50], [0, 100]]}
+    fake_run(tmp_path, "full", 0.0, 100.0, task="ruler", extra_acc={"average": 40.0,
+                                                                    "niah_single_grid": grid})
+    return tmp_path
+
+
+def test_report_table_values_and_plots(tree, tmp_path):
+    rows, out, made = report.build_report([str(tree)], tmp_path / "out")
+    h2o = [r for r in rows if r["method"] == "h2o" and r["task"] == "perplexity"]
+    assert sorted(r["value"] for r in h2o) == [52.0, 55.0]
+    assert sorted(round(r["relative_kv_size"], 3) for r in h2o) == [0.2, 0.5]
+    csv_text = (out / "report.csv").read_text()
+    assert csv_text.splitlines()[0].startswith("run,model,method,budget,task,metric,value")
+    assert "budget_ratio=0.2" in (out / "report.md").read_text()
+    names = {p.name for p in made}
+    assert names == {"accuracy_vs_kv_size.png", "decode_ms_vs_context.png", "nll_curve.png",
+                     "bytes_per_step.png", "ruler_heatmap.png"}
+    for p in made:
+        assert p.stat().st_size > 5000 and p.read_bytes()[:4] == b"\x89PNG"
+
+
+THRESHOLDS = """
+thresholds:
+  - {model: stories260k, method: full, task: perplexity, metric: accuracy.ppl, max: 51}
+  - {model: stories260k, method: h2o, task: perplexity, metric: accuracy.ppl, max: 56,
+     hyperparameters: {budget_ratio: 0.2}}
+  - {model: stories260k, method: h2o, task: perplexity, metric: speed.decode_tokens_per_s,
+     ratio_to_method: full, min: 0.8, hyperparameters: {budget_ratio: 0.2}}
+"""
+
+
+def test_gate_passes_then_catches_an_injected_regression(tree, tmp_path, capsys):
+    gate = tmp_path / "gate.yaml"
+    gate.write_text(THRESHOLDS)
+    assert check.main([str(tree), "--against", str(gate)]) == 0
+    # inject: a newer h2o run whose perplexity got worse and whose decode got 2x slower
+    fake_run(tree, "h2o", 70.0, 45.0, budget=0.2, started="2026-11-29T11:00:00")
+    assert check.main([str(tree), "--against", str(gate)]) == 1
+    out = capsys.readouterr().out
+    assert "REGRESSION: above max" in out and "REGRESSION: below min" in out
+
+
+def test_a_gate_that_matches_nothing_fails(tree, tmp_path):
+    gate = tmp_path / "gate.yaml"
+    gate.write_text("thresholds:\n  - {model: stories260k, method: kivi, task: perplexity, "
+                    "metric: accuracy.ppl, max: 60}\n")
+    results = check.check([json.loads(p.read_text()) for p in report.find_runs([str(tree)])],
+                          check.load_thresholds(gate))
+    assert results[0]["ok"] is False and results[0]["why"] == "matched no run"
+    assert check.main([str(tree), "--against", str(gate)]) == 1
+
+
+def test_bad_threshold_file(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("thresholds:\n  - {model: m, method: full, task: t}\n")
+    with pytest.raises(SystemExit, match="lacks metric"):
+        check.load_thresholds(bad)
