@@ -1,0 +1,118 @@
+"""Sweeps end to end (Hydra multirun through the CLI): skipped combinations, failing members,
+resume after kill -9, submitit_local, experiment presets, W&B offline, determinism."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from harness.run import run
+from tests.conftest import PROJECT, STORIES, need_shared
+
+BASE = ["model=stories260k", "task.max_tokens=60", "task.dataset=pg19"]
+
+
+def cli(*args, timeout=300, **popen):
+    env = dict(os.environ, HYDRA_FULL_ERROR="0", WANDB_MODE="offline")
+    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=PROJECT, env=env,
+                          capture_output=True, text=True, timeout=timeout, **popen)
+
+
+def complete_runs(root: Path) -> list[Path]:
+    return sorted(p.parent for p in root.rglob("metrics.json") if "_sweeps" not in p.parts)
+
+
+@pytest.fixture(autouse=True)
+def _stories():
+    need_shared(STORIES)
+
+
+def test_sweep_skips_what_a_method_cannot_take_and_reports_failures(tmp_path):
+    proc = cli("-m", "method=full,h2o", "method.budget_ratio=0.2", "task.dataset=pg19,text_file",
+               *BASE[:2], f"runner.results_root={tmp_path}")
+    # full x budget: skipped (2); h2o x pg19: ok; h2o x text_file without a path: failed
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    summary = json.loads(next(tmp_path.glob("_sweeps/*/summary.json")).read_text())
+    assert summary["counts"] == {"ok": 1, "skipped": 2, "failed": 1}
+    failed = [m for m in summary["members"] if m["status"] == "failed"][0]
+    assert "task.dataset=text_file needs task.path" in failed["detail"]
+    assert "1 ok, 2 skipped, 1 failed" in proc.stdout
+    assert len(complete_runs(tmp_path)) == 1
+
+
+def test_kill_9_then_rerun_resumes(tmp_path):
+    args = ["-m", "method=full,h2o,streaming_llm,oracle_topk", *BASE, "runner.skip_existing=true",
+            f"runner.results_root={tmp_path}"]
+    env = dict(os.environ, HYDRA_FULL_ERROR="0")
+    proc = subprocess.Popen([sys.executable, "-m", "harness", *args], cwd=PROJECT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.time() + 240
+    while len(complete_runs(tmp_path)) < 1 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = complete_runs(tmp_path)
+    assert 1 <= len(before) < 4, "the kill should land mid-sweep"
+    again = cli(*args)
+    assert again.returncode == 0, again.stderr[-2000:]
+    after = complete_runs(tmp_path)
+    assert len(after) == 4 and set(before) <= set(after)  # finished runs reused, not redone
+    assert again.stdout.count("skipped: a complete result") == len(before)
+    for folder in after:
+        json.loads((folder / "metrics.json").read_text())  # every result parses
+    leftovers = [p for p in tmp_path.rglob("*partial*") if p.is_dir()]
+    assert all(not (p / "metrics.json").exists() for p in leftovers)
+
+
+def test_submitit_local_launcher(tmp_path):
+    proc = cli("-m", "hydra/launcher=submitit_local", "method=full,h2o", *BASE,
+               f"runner.results_root={tmp_path}", f"hydra.sweep.dir={tmp_path}/_sweeps/s")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(complete_runs(tmp_path)) == 2
+
+
+def test_experiment_presets_compose():
+    for path in sorted((PROJECT / "conf" / "experiment").glob("*.yaml")):
+        with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
+            cfg = compose("config", [f"experiment={path.stem}"], return_hydra_config=True)
+        assert cfg.model.name and cfg.task.name, path.name
+
+
+def test_slurm_launcher_config_composes():
+    with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
+        cfg = compose("config", ["hydra/launcher=slurm"], return_hydra_config=True)
+    assert cfg.hydra.launcher._target_.endswith("SlurmLauncher")
+    assert cfg.hydra.launcher.gpus_per_node == 1 and cfg.hydra.launcher.timeout_min == 240
+
+
+def _cfg(*overrides):
+    with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
+        return compose("config", list(overrides))
+
+
+def test_same_config_twice_gives_identical_accuracy(tmp_path):
+    a = run(_cfg(*BASE, "method=h2o", f"runner.results_root={tmp_path}/a"))
+    b = run(_cfg(*BASE, "method=h2o", f"runner.results_root={tmp_path}/b"))
+    ma, mb = (json.loads((x / "metrics.json").read_text()) for x in (a, b))
+    assert ma["accuracy"] == mb["accuracy"]
+    assert ma["run"]["config_hash"] == mb["run"]["config_hash"]
+    assert ma["env"]["git"].keys() == {"commit", "dirty"} and ma["protocol"]["seed"] == 0
+
+
+def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    out = run(_cfg(*BASE, "logger=wandb", f"runner.results_root={tmp_path}"))
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["logger"]["mode"] == "offline"
+    runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(runs) == 1
+    blob = runs[0].read_bytes()
+    assert b"accuracy/ppl" in blob and json.dumps(metrics["accuracy"]["ppl"]).encode() in blob
+    assert b"nll_per_block" in blob and b"kv_tokens_per_layer" in blob
