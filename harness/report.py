@@ -188,7 +188,8 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
         fig, axes = plt.subplots(1, len(grids), figsize=(5 * len(grids), 4), squeeze=False)
         for ax, r in zip(axes[0], grids):
             grid = r["_metrics"]["accuracy"]["niah_single_grid"]
-            im = ax.imshow(grid["accuracy"], vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+            cells = [[float("nan") if v is None else v for v in line] for line in grid["accuracy"]]
+            im = ax.imshow(cells, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")  # NaN: no sample
             ax.set_xticks(range(len(grid["lengths"])), grid["lengths"])
             ax.set_yticks(range(len(grid["depths"])), grid["depths"])
             ax.set(title=f"needle: {r['method']} {r['model']}", xlabel="context length (tokens)",

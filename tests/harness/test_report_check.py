@@ -32,7 +32,7 @@ def tree(tmp_path):
     fake_run(tmp_path, "full", 50.0, 100.0)
     fake_run(tmp_path, "h2o", 55.0, 90.0, budget=0.2)
     fake_run(tmp_path, "h2o", 52.0, 85.0, budget=0.5)
-    grid = {"depths": [0, 50, 100], "lengths": [256, 512], "accuracy": [[100, 0], [50, 50], [0, 100]]}
+    grid = {"depths": [0, 50, 100], "lengths": [256, 512], "accuracy": [[100, 0], [50, None], [0, 100]]}
     fake_run(tmp_path, "full", 0.0, 100.0, task="ruler", extra_acc={"average": 40.0,
                                                                     "niah_single_grid": grid})
     return tmp_path
