@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum
 export OMP_WAIT_POLICY ?= PASSIVE
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test gate bench clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,19 @@ run: setup
 test: setup
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline \
 		$(PY) -m pytest $(PYTEST_ARGS)
+
+# CI regression gate: a short CPU sweep on stories260K and SmolLM2, then the thresholds.
+GATE_DIR ?= results/ci_gate
+gate: setup
+	rm -rf $(GATE_DIR)
+	$(PY) -m harness -m model=stories260k task.dataset=pg19 task.max_tokens=400 \
+		method=full,h2o,kivi,oracle_topk,infinigen,full_offload \
+		runner.results_root=$(GATE_DIR) hydra.sweep.dir=$(GATE_DIR)/_sweeps/stories
+	$(PY) -m harness model=stories260k task.dataset=pg19 task.max_tokens=400 method=streaming_llm \
+		method.window_tokens=124 runner.results_root=$(GATE_DIR)
+	$(PY) -m harness -m model=smollm2_135m task.max_tokens=256 method=full,h2o,infinigen \
+		runner.results_root=$(GATE_DIR) hydra.sweep.dir=$(GATE_DIR)/_sweeps/smollm2
+	$(PY) -m harness.check $(GATE_DIR) --against conf/regression/ci.yaml
 
 bench: setup
 	$(PY) benchmarks/decode_vs_hf.py
