@@ -15,3 +15,7 @@ class BudgetViolation(RuntimeError):
 class UnsupportedCombination(ConfigError):
     """A valid setting this method cannot take (e.g. a budget for the full cache): a sweep skips
     the combination with a one-line reason instead of failing."""
+
+
+class OutputError(ConfigError):
+    """Results could not be written (disk full, permissions); nothing partial is left."""

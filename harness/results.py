@@ -61,13 +61,36 @@ def check_writable(folder: Path) -> None:
         raise ConfigError(f"runner.output_dir: cannot write under {folder} ({exc.strerror})") from None
 
 
+def remove_stale_staging(folder: Path) -> None:
+    """Remove staging folders left by killed runs (kill -9): their owning process is gone."""
+    for path in folder.glob(".*.partial-*"):
+        try:
+            pid = int(path.name.split(".partial-")[1].split("-")[0])
+        except (IndexError, ValueError):
+            continue
+        if not _alive(pid):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class RunFolder:
     """Stage a run's files in a temp folder, then move it into place in one rename."""
 
     def __init__(self, final: Path):
         self.final = final
         final.parent.mkdir(parents=True, exist_ok=True)
-        self.staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-", dir=final.parent))
+        remove_stale_staging(final.parent)
+        self.staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-{os.getpid()}-",
+                                             dir=final.parent))
 
     def write_json(self, name: str, data: Any) -> None:
         write_json_atomic(self.staging / name, data)

@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness.errors import BudgetViolation, ConfigError, UnsupportedCombination
+from harness.errors import BudgetViolation, ConfigError, OutputError, UnsupportedCombination
 from harness.loggers import LOGGERS, log_run
 from harness.projection import project
 from harness.sweep import config_hash, find_complete, multirun_job, record_status
@@ -175,7 +175,10 @@ def run(cfg: DictConfig) -> Path:
     projected = project(_plain(cfg.hardware), metrics["speed"], metrics["transfer"])
     if projected is not None:
         metrics["projected"] = projected
-    folder = RunFolder(out)
+    try:
+        folder = RunFolder(out)
+    except OSError as exc:
+        raise OutputError(f"runner.output_dir: cannot create {out} ({exc.strerror or exc})") from None
     try:
         folder.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         if engine.diagnostics is not None:
@@ -190,6 +193,10 @@ def run(cfg: DictConfig) -> Path:
                                                                         str(out))}
         folder.write_json("metrics.json", metrics)
         final = folder.commit()
+    except OSError as exc:  # disk full, permissions: nothing half-written is left behind
+        folder.abandon()
+        raise OutputError(f"writing results to {out} failed ({exc.strerror or exc}); nothing was "
+                          "written and any previous result there is untouched") from None
     except BaseException:
         folder.abandon()
         raise
