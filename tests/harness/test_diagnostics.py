@@ -5,7 +5,6 @@ import json
 import torch
 
 from methods import build_method
-from tests.conftest import make_engine
 from harness.engine import Engine, EngineSettings
 from harness import hf_adapter
 

@@ -2,7 +2,6 @@
 chunked prefill, leaves the model pristine, and equals the full cache when its budget covers the
 sequence (one parametrized test over all methods; a new method is covered by adding its files)."""
 
-from pathlib import Path
 
 import pytest
 import torch
