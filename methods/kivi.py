@@ -35,6 +35,11 @@ Where this differs from the paper, deliberately:
   * Codes are packed 8/bits per uint8 byte (the official code packs into int32 words): same bytes,
     and groups as small as head_dim 8 still pack; scale and zero point are fp16 as in the paper.
   * Rounding is floor(x + 0.5) (half up) in both the kernel and the torch reference, so codes match.
+
+With `runner.kv_offload=cpu` the quantized part lives on the host tier and is fetched (codes,
+scales, zeros) every decode step, one layer ahead, then dequantized on the device: the
+FlexGen+INT4 baseline of InfiniGen's Fig. 14 (`--compress-cache`); the small full-precision
+residual stays on the device.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ class KIVI(KVMethod):
 
     name: ClassVar[str] = "kivi"
     # Nothing is evicted and every sequence holds the same token count: batch-agnostic.
-    capabilities: ClassVar[Capabilities] = Capabilities(max_batch_size=None)
+    capabilities: ClassVar[Capabilities] = Capabilities(max_batch_size=None, offloads_kv=True)
 
     k_bits: int = 2
     v_bits: int = 2
@@ -122,6 +127,37 @@ class KIVILayer(KVLayer):
         self.v_quant: kq.Quantized | None = None  # codes (B, H_kv, T_q, D * v_bits / 8)
         self.k_residual: torch.Tensor | None = None  # (B, H_kv, T_kr, D), T_kr < R between steps
         self.v_residual: torch.Tensor | None = None  # (B, H_kv, T_vr, D), T_vr <= R
+        self.pending: list | None = None  # in-flight host->device copies of the quantized parts
+
+    # --- host tier (runner.kv_offload=cpu) ----------------------------------------------------
+    def offloaded(self) -> bool:
+        return self.tier is not None and self.tier.offload
+
+    def prefetch(self, hidden_states, position_ids, ahead: bool) -> None:
+        if self.offloaded() and hidden_states.shape[1] == 1 and self.pending is None:
+            self.pending = self._fetch()
+
+    def _fetch(self) -> list:
+        parts = [q for q in (self.k_quant, self.v_quant) if q is not None]
+        return [[self.tier.to_device(self.layer_idx, t) for t in q] for q in parts]
+
+    def _quantized_for_attention(self) -> tuple[kq.Quantized | None, kq.Quantized | None]:
+        """The quantized parts on the compute device (fetched from the host when offloaded)."""
+        if not self.offloaded():
+            return self.k_quant, self.v_quant
+        pending, self.pending = self.pending or self._fetch(), None
+        fetched = iter(kq.Quantized(*(t.wait() for t in q)) for q in pending)
+        return (next(fetched) if self.k_quant is not None else None,
+                next(fetched) if self.v_quant is not None else None)
+
+    def _store(self, held: kq.Quantized | None, new: kq.Quantized, dim: int) -> kq.Quantized:
+        if self.offloaded():  # newly quantized blocks go to the host once (device -> host)
+            self.tier.ledger.d2h(new.nbytes)
+            new = kq.Quantized(*(t.to("cpu") for t in new))
+        out = new if held is None else held.cat(new, dim=dim)
+        if self.offloaded() and self.tier.cuda:
+            out = kq.Quantized(*(t.pin_memory() for t in out))
+        return out
 
     # --- sizes --------------------------------------------------------------------------------
     @staticmethod
@@ -148,11 +184,12 @@ class KIVILayer(KVLayer):
             self.v_residual = torch.cat([self.v_residual, values], -2)
         # What attention sees: stored tokens as stored (dequantized), this step's tokens exact.
         out_k, out_v = self.k_residual, self.v_residual
-        if self.k_quant is not None:
-            old = kq.dequantize(self.k_quant, self.k_bits, self.key_group_tokens, keys.dtype)
+        k_quant, v_quant = self._quantized_for_attention()
+        if k_quant is not None:
+            old = kq.dequantize(k_quant, self.k_bits, self.key_group_tokens, keys.dtype)
             out_k = torch.cat([old.transpose(-1, -2), out_k], -2)
-        if self.v_quant is not None:
-            old = kq.dequantize(self.v_quant, self.v_bits, self.value_group_channels, values.dtype)
+        if v_quant is not None:
+            old = kq.dequantize(v_quant, self.v_bits, self.value_group_channels, values.dtype)
             out_v = torch.cat([old, out_v], -2)
         self._flush_keys()
         self._flush_values()
@@ -165,7 +202,7 @@ class KIVILayer(KVLayer):
             return
         block, self.k_residual = self.k_residual[..., :n, :], self.k_residual[..., n:, :]
         quant = kq.quantize_pack(block.transpose(-1, -2), self.k_bits, self.key_group_tokens)
-        self.k_quant = quant if self.k_quant is None else self.k_quant.cat(quant, dim=-1)
+        self.k_quant = self._store(self.k_quant, quant, dim=-1)
         # A view of the old residual would keep its whole storage alive: hold a compact copy.
         self.k_residual = self.k_residual.clone()
 
@@ -176,7 +213,7 @@ class KIVILayer(KVLayer):
             return
         old, self.v_residual = self.v_residual[..., :n, :], self.v_residual[..., n:, :].clone()
         quant = kq.quantize_pack(old, self.v_bits, self.value_group_channels)
-        self.v_quant = quant if self.v_quant is None else self.v_quant.cat(quant, dim=-2)
+        self.v_quant = self._store(self.v_quant, quant, dim=-2)
 
     # --- accounting ---------------------------------------------------------------------------
     def budget_tokens(self) -> int | None:
@@ -185,4 +222,7 @@ class KIVILayer(KVLayer):
     def stats(self) -> dict[str, int]:
         parts = (self.k_quant, self.v_quant, self.k_residual, self.v_residual)
         held = sum(part.nbytes for part in parts if part is not None)
-        return {"kv_tokens": self.kept_tokens(), "kv_bytes": int(held)}
+        out = {"kv_tokens": self.kept_tokens(), "kv_bytes": int(held)}
+        if self.offloaded():
+            out["kv_bytes_device"] = int(sum(p.nbytes for p in parts[2:] if p is not None))
+        return out

@@ -294,3 +294,31 @@ def test_runner_rejects_bad_bits_before_loading(monkeypatch):
                       overrides=["model=stories260k", "method=kivi", "method.k_bits=3"])
     with pytest.raises(ConfigError, match=r"^method.k_bits=3; allowed: 2, 4, 8$"):
         run(cfg)
+
+
+def test_offloaded_kivi_equals_resident_and_moves_the_packed_bytes(tiny_model):
+    """runner.kv_offload=cpu (FlexGen+INT4): same logits; each decode step fetches exactly the
+    quantized part (codes + fp16 scales/zeros), not fp K/V."""
+    from harness import hf_adapter
+    from harness.engine import Engine, EngineSettings
+    from methods import build_method
+
+    ids = torch.randint(3, 250, (1, 110), generator=torch.Generator().manual_seed(5))
+    info = hf_adapter.model_info(tiny_model.config)
+    runs = {}
+    for offload in ("none", "cpu"):
+        method = build_method("kivi", k_bits=4, v_bits=4, group_size=32, residual_tokens=32)
+        engine = Engine(tiny_model, None, method, info,
+                        EngineSettings(prefill_chunk_tokens=64, kv_offload=offload))
+        with engine.request() as req:
+            logits = [req.prefill(ids[:, :70], all_logits=True)]
+            logits += [req.step(ids[:, t]) for t in range(70, 110)]
+            quantized = sum((kv.k_quant.nbytes if kv.k_quant else 0) +
+                            (kv.v_quant.nbytes if kv.v_quant else 0) for kv in req.cache.kv_layers)
+        runs[offload] = (torch.cat(logits, 1), engine, quantized)
+    assert torch.equal(runs["none"][0], runs["cpu"][0])
+    ledger = runs["cpu"][1].transfers
+    assert runs["none"][1].transfers.bytes_h2d == 0
+    assert len(ledger.step_h2d) == 40 and all(b > 0 for b in ledger.step_h2d)
+    # the last step fetched what was quantized before it (at most the final quantized size)
+    assert 0 < ledger.step_h2d[-1] <= runs["cpu"][2]
