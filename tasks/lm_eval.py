@@ -1,0 +1,146 @@
+"""lm-eval tasks (COPA, PIQA, WinoGrande, OpenBookQA, RTE, LAMBADA, ...) through the KV method.
+
+`lm_eval.simple_evaluate` runs with our `kvharness` LM (`harness.lm_eval.KVHarnessLM`) over the
+runner's Engine, so every request is prefilled and scored through the configured KV method. With
+`offline: true` (default) the tasks are our offline YAMLs (`tasks/lm_eval_tasks/`, written by
+`harness.lm_eval.tasks.offline_task_dir` for `data_dir`): lm-eval's own task definitions (the
+standard names and prompts, via `include`) over the local copies in ../shared/data, loaded with
+`TaskManager(include_path=..., include_defaults=False)`. With `offline: false`, any lm-eval task
+name is accepted and its data comes from the Hugging Face hub (needs network).
+
+Protocol choices (recorded in metrics.json):
+  * `num_fewshot: 5` by default, as in the InfiniGen and H2O papers (which ran lm-eval 0.3).
+    Offline there is no training split: few-shot examples are drawn from the evaluated split with
+    the evaluated document left out (lm-eval's own rule when the few-shot split is the test
+    split), with lm-eval's default few-shot seed (1234). 0-shot prompts equal lm-eval's exactly.
+  * `scoring: stepwise` by default: the context is prefilled through the method (in
+    `runner.prefill_chunk_tokens` chunks), then each answer token is one decode step, so methods
+    that act per step (eviction, selection) act between answer tokens as in generation.
+    `chunked` scores the answer in one pass over the compressed cache (faster; the method acts
+    on the context only). With the full cache both equal lm-eval's `hf` model to ~1e-5.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from tasks.base import Task, TaskResult
+
+SCORING = ("stepwise", "chunked")
+DEFAULT_FEWSHOT_SEED = 1234  # lm-eval's default fewshot_random_seed: prompts match lm-eval runs
+
+
+@dataclass(kw_only=True)
+class LMEval(Task):
+    name: ClassVar[str] = "lm_eval"
+    names: list[str] = field(default_factory=lambda: ["copa"])  # lm-eval task names
+    num_fewshot: int | None = 5  # examples per prompt (null: each task's own default, 0 here)
+    scoring: str = "stepwise"  # stepwise | chunked
+    data_dir: str | None = None  # local copies (default ../shared/data)
+    offline: bool = True  # true: our offline YAMLs only; false: lm-eval's own tasks (hub data)
+    seed: int = DEFAULT_FEWSHOT_SEED  # few-shot sampling seed (lm-eval's default)
+
+    def check_options(self) -> list[str]:
+        reasons = []
+        names = self.names
+        if isinstance(names, str):
+            names = self.names = [n for n in names.split(",") if n]
+        if (not isinstance(names, (list, tuple)) or not names
+                or not all(isinstance(n, str) and n for n in names)):
+            reasons.append(f"task.names={self.names!r} must be a non-empty list of lm-eval task "
+                           "names, e.g. [copa,piqa]")
+        else:
+            self.names = list(names)
+        if self.num_fewshot is not None and (not isinstance(self.num_fewshot, int)
+                                             or isinstance(self.num_fewshot, bool)
+                                             or self.num_fewshot < 0):
+            reasons.append(f"task.num_fewshot={self.num_fewshot!r} must be an integer >= 0 or null")
+        if self.scoring not in SCORING:
+            reasons.append(f"task.scoring={self.scoring!r}; allowed: {', '.join(SCORING)}")
+        if not isinstance(self.offline, bool):
+            reasons.append(f"task.offline={self.offline!r} must be true or false")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            reasons.append(f"task.seed={self.seed!r} must be an integer")
+        if not reasons and self.offline:
+            from harness.lm_eval.tasks import TASK_FILES
+
+            unknown = [n for n in self.names if n not in TASK_FILES]
+            if unknown:
+                reasons.append(f"task.names: {unknown[0]!r} has no offline copy; allowed with "
+                               f"task.offline=true: {', '.join(TASK_FILES)}")
+        return reasons
+
+    def check_data(self) -> None:
+        if self.offline:
+            from harness.lm_eval.tasks import check_task_data, offline_task_dir
+
+            check_task_data(self.names, self.data_dir)
+            self._task_dir = offline_task_dir(self.data_dir)
+
+    def _task_manager(self):
+        from lm_eval.tasks import TaskManager
+
+        if not self.offline:
+            return TaskManager()
+        from harness.lm_eval.tasks import offline_task_dir
+
+        folder = getattr(self, "_task_dir", None) or offline_task_dir(self.data_dir)
+        return TaskManager(include_path=str(folder), include_defaults=False)
+
+    def evaluate(self, engine) -> TaskResult:
+        import lm_eval
+        from lm_eval import simple_evaluate
+
+        from harness.lm_eval import KVHarnessLM
+
+        lm = KVHarnessLM(engine, scoring=self.scoring)
+        out = simple_evaluate(model=lm, tasks=list(self.names), num_fewshot=self.num_fewshot,
+                              limit=self.limit, task_manager=self._task_manager(),
+                              log_samples=True, fewshot_random_seed=self.seed)
+        metrics, samples = summarize(out, self.names)
+        shots = {n: out["n-shot"].get(n) for n in self.names}
+        protocol = {
+            "lm_eval_version": getattr(lm_eval, "__version__", None),
+            "tasks": list(self.names), "num_fewshot": shots, "fewshot_seed": self.seed,
+            "scoring": self.scoring, "limit": self.limit, "offline": self.offline,
+            "task_versions": {n: out["versions"].get(n) for n in self.names},
+            "prompts": "lm-eval's own task definitions" + (
+                " (included) over local copies; few-shot examples from the evaluated split, "
+                "the evaluated document left out" if self.offline else " (hub data)"),
+            "max_length_tokens": lm.max_length,
+        }
+        return TaskResult(metrics=metrics, samples=samples, protocol=protocol)
+
+
+def summarize(out: dict[str, Any], names: list[str]) -> tuple[dict[str, Any], list[dict]]:
+    """lm-eval's output -> flat metrics `<task>/<metric>` (+ stderr, samples), per-doc samples."""
+    metrics: dict[str, Any] = {}
+    accs = []
+    for name in names:
+        for key, value in out["results"][name].items():
+            metric, _, filt = key.partition(",")
+            if filt != "none" or not isinstance(value, (int, float)):
+                continue  # the alias, and "N/A" stderrs
+            metrics[f"{name}/{metric}"] = float(value)
+        metrics[f"{name}/samples"] = int(out["n-samples"][name]["effective"])
+        if f"{name}/acc" in metrics:
+            accs.append(metrics[f"{name}/acc"])
+    if len(accs) > 1:
+        metrics["acc_mean"] = sum(accs) / len(accs)
+    samples = []
+    for name in names:
+        for s in out["samples"][name]:
+            lls = [float(r[0]) for r in s["filtered_resps"]]
+            row = {"task": name, "doc_id": s["doc_id"], "target": s["target"]}
+            if len(lls) > 1:  # multiple choice: the answer is the most likely choice
+                row["prediction"] = max(range(len(lls)), key=lls.__getitem__)
+                row["loglikelihoods"] = lls
+            else:  # loglikelihood task: whether greedy decoding produces the target
+                row["prediction_is_greedy"] = bool(s["filtered_resps"][0][1])
+                row["loglikelihood"] = lls[0]
+            for metric in ("acc", "acc_norm"):
+                if metric in s:
+                    row[metric] = float(s[metric])
+            samples.append(row)
+    return metrics, samples
