@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=2048)
     ap.add_argument("--results-root", default=str(ROOT / "results" / "ppl_table"))
     ap.add_argument("--extra", nargs="*", default=[], help="more overrides for every run")
+    ap.add_argument("--start", type=int, default=0, help="skip the preset's first N rows")
     args = ap.parse_args()
 
     from hydra import compose, initialize_config_dir
@@ -75,7 +76,7 @@ def main() -> None:
              "", "| method | ppl | KV tokens/layer (end) | KV MiB (end) | compression | "
              "attention density | relative KV size | decode ms/tok |", "|---|---|---|---|---|---|---|---|"]
     densities: dict[str, float] = {}
-    for overrides in PRESETS[args.preset]:
+    for overrides in PRESETS[args.preset][args.start:]:
         if "@density" in overrides:  # match InfiniGen's measured density (attended fraction)
             ratio = round(densities[DENSITY_SOURCE], 4)
             overrides = [o for o in overrides if o != "@density"] + [f"method.budget_ratio={ratio}"]
