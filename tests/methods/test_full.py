@@ -65,7 +65,11 @@ def test_full_has_no_budget_and_counts_bytes(tiny_model):
 
 
 def test_unknown_hyperparameter_is_rejected():
-    from harness.errors import ConfigError
+    from harness.errors import ConfigError, UnsupportedCombination
 
-    with pytest.raises(ConfigError, match="method.budget_tokens is not a hyperparameter"):
+    with pytest.raises(ConfigError, match="method.window_tokens is not a hyperparameter"):
+        build_method("full", window_tokens=3)
+    # a shared sweep knob (conf/method/_shared.yaml): refused as a combination, not a typo
+    with pytest.raises(UnsupportedCombination, match="method=full does not take method.budget_tokens"):
         build_method("full", budget_tokens=3)
+    assert build_method("full", budget_tokens=None).name == "full"  # null = not set
