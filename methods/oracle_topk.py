@@ -76,5 +76,8 @@ class OracleTopKLayer(KVLayer):
     def stats(self) -> dict[str, int]:
         return {**super().stats(), "selected_tokens": self.selected_count}
 
+    def attended_tokens(self) -> int:
+        return self.selected_count
+
     def kept_positions(self) -> torch.Tensor:
         return self.selected if self.selected is not None else super().kept_positions()

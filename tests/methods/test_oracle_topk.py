@@ -18,6 +18,9 @@ def test_selects_the_exact_top_k_and_nothing_else(tiny_model):
             assert layer.selected_count == 7 and layer.selected.shape == (1, 2, 7)
     assert engine.ledger.samples[-1]["selected_per_layer"] == [7, 7]
     assert engine.ledger.samples[-1]["tokens_per_layer"] == [50, 50]  # nothing evicted
+    # density counts what was attended: 7 of T at each of the 20 decode steps, both layers
+    expected = sum(7 / t for t in range(31, 51)) / 20
+    assert abs(engine.density.summary()["attended_fraction_mean"] - expected) < 1e-6
 
 
 def test_attention_matches_manual_topk(tiny_model, monkeypatch):
