@@ -214,7 +214,22 @@ class KVMethod:
         return KVLayer(layer_idx, info)
 
 
-def require(condition: bool, message: str, reasons: list[str]) -> None:
-    """Append `message` to `reasons` when `condition` fails (small helper for check_*)."""
-    if not condition:
-        reasons.append(message)
+def check_budget(budget_ratio, budget_tokens) -> list[str]:
+    """Shared budget checks: a positive token count, or a ratio in (0, 1]."""
+    if budget_tokens is not None:
+        if not isinstance(budget_tokens, int) or isinstance(budget_tokens, bool) or budget_tokens <= 0:
+            return [f"method.budget_tokens={budget_tokens!r} must be a positive integer"]
+        return []
+    if budget_ratio is None:
+        return ["method.budget_ratio or method.budget_tokens must be set"]
+    if not isinstance(budget_ratio, (int, float)) or not 0 < budget_ratio <= 1:
+        return [f"method.budget_ratio={budget_ratio!r} must be in (0, 1]"]
+    return []
+
+
+def budget_for(seen: int, budget_ratio: float | None, budget_tokens: int | None,
+               minimum: int = 1) -> int:
+    """Tokens allowed after `seen` tokens (tokens take precedence over the ratio)."""
+    if budget_tokens is not None:
+        return budget_tokens
+    return max(minimum, int(budget_ratio * seen))

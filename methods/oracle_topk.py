@@ -23,8 +23,7 @@ from typing import ClassVar
 
 import torch
 
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
-from methods.h2o import budget_for, check_budget
+from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for, check_budget
 from methods.scoring import additive_mask, attention_with_probs, expand_kv, group_mean
 
 
