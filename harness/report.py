@@ -32,6 +32,8 @@ MAIN_METRIC = {"perplexity": ("ppl", False), "longbench": ("average", True),
                "multiturn": ("accuracy", True), "lm_eval": ("acc_mean", True)}
 BUDGET_KEYS = ("budget_ratio", "budget_tokens", "window_tokens", "sink_tokens", "alpha",
                "k_bits", "v_bits", "pool_capacity", "skewing", "mode")
+# Knobs that move a method along the KV-size axis; the others name separate curves (variants).
+AXIS_KEYS = {"budget_ratio", "budget_tokens", "window_tokens", "alpha", "k_bits", "v_bits"}
 
 
 def find_runs(patterns: list[str]) -> list[Path]:
@@ -52,6 +54,13 @@ def find_runs(patterns: list[str]) -> list[Path]:
 
 def budget_label(hyper: dict[str, Any]) -> str:
     return " ".join(f"{k}={hyper[k]}" for k in BUDGET_KEYS if hyper.get(k) is not None)
+
+
+def series_label(method: str, hyper: dict[str, Any]) -> str:
+    """One curve per method variant: the method plus its non-axis knobs (e.g. sink_tokens=0)."""
+    variant = " ".join(f"{k}={hyper[k]}" for k in BUDGET_KEYS
+                       if k not in AXIS_KEYS and hyper.get(k) is not None)
+    return f"{method} {variant}".strip()
 
 
 def main_metric(metrics: dict) -> tuple[str, float | None]:
@@ -83,6 +92,7 @@ def row(path: Path, metrics: dict, root: Path | None) -> dict[str, Any]:
         "run": str(path.parent.relative_to(root)) if root and root in path.parents else str(path.parent),
         "model": metrics["model"]["name"], "method": metrics["method"]["name"],
         "budget": budget_label(metrics["method"].get("hyperparameters", {})),
+        "series": series_label(metrics["method"]["name"], metrics["method"].get("hyperparameters", {})),
         "task": metrics["task"]["name"], "metric": name, "value": value,
         "relative_kv_size": relative_kv_size(metrics),
         "decode_tok_s": speed.get("decode_tokens_per_s"),
@@ -133,9 +143,9 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     if groups:
         fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)
         for ax, ((task, model, metric), rs) in zip(axes[0], sorted(groups.items())):
-            for method in sorted({r["method"] for r in rs}):
-                pts = sorted((r["relative_kv_size"], r["value"]) for r in rs if r["method"] == method)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=method)
+            for series in sorted({r["series"] for r in rs}):
+                pts = sorted((r["relative_kv_size"], r["value"]) for r in rs if r["series"] == series)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=series)
             ax.set(title=f"{task} on {model}", xlabel="relative KV size (1 = full cache)",
                    ylabel=metric)
             ax.legend(fontsize=8)
@@ -146,10 +156,10 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     timed = [r for r in rows if r["decode_ms"] is not None]
     if timed:
         fig, ax = plt.subplots(figsize=(6, 4.5))
-        for method in sorted({r["method"] for r in timed}):
+        for series in sorted({r["series"] for r in timed}):
             pts = sorted((r["_metrics"].get("kv", {}).get("seen_tokens_mean", 0), r["decode_ms"])
-                         for r in timed if r["method"] == method)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=method)
+                         for r in timed if r["series"] == series)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o", label=series)
         ax.set(title="Decode latency vs context", xlabel="context length (tokens)",
                ylabel="decode ms/token (median)")
         ax.legend(fontsize=8)
