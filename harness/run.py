@@ -226,11 +226,17 @@ def summary(metrics: dict[str, Any], folder: Path) -> str:
         lines.append(f"  kv        {_fmt(kv['bytes_total'] / 2**20)} MiB held (full cache "
                      f"{_fmt(kv['full_cache_bytes'] / 2**20)} MiB, compression "
                      f"{_fmt(kv['compression_ratio'])}x), mean tokens/layer "
-                     f"{_fmt(sum(kv['tokens_per_layer']) / len(kv['tokens_per_layer']))}")
+                     f"{_fmt(sum(kv['tokens_per_layer']) / len(kv['tokens_per_layer']))}"
+                     + (f"; on the compute device {_fmt(kv['bytes_device_total'] / 2**20)} MiB"
+                        if kv.get("bytes_device_total") != kv["bytes_total"] else ""))
     diag = metrics.get("diagnostics")
     if diag and diag.get("steps_sampled"):
         lines.append(f"  fidelity  attention recall {_fmt(diag['attention_recall_mean'])}, "
                      f"KL(full||method) mean {_fmt(diag['kl_mean'])} over {diag['steps_sampled']} steps")
+    moved = metrics.get("transfer", {}).get("bytes_per_decode_step")
+    if moved:
+        lines.append(f"  transfer  {_fmt(moved / 2**20)} MiB host->device per decode step, exposed "
+                     f"{_fmt(metrics['transfer']['exposed_ms'])} ms in total")
     lines.append(f"  written   {folder}")
     return "\n".join(lines)
 
