@@ -245,6 +245,40 @@ class Request:
                 diag.observe(logits, attended, self.shadow, full_logits)
         return logits
 
+    # --- rewinding (several continuations of one prefilled context) -------------------------
+    def snapshot(self) -> "RequestSnapshot | None":
+        """Clone the method's per-layer state and the position so the request can be rewound.
+
+        A method keeps its per-request state in its KVLayers: tensors are cloned; plain values,
+        the engine's method/info/tier and the request's own layers are kept by reference; any
+        other object (a host KV store, an in-flight transfer, prepared artefacts) makes the state
+        unforkable and None is returned (the caller then prefills again). Never with a
+        diagnostics shadow cache.
+        """
+        if self.shadow is not None:
+            return None
+        shared = self._shared_ids()
+        states = []
+        for kv in self.cache.kv_layers:
+            state = _clone_state(kv.__dict__, shared)
+            if state is _UNFORKABLE:
+                return None
+            states.append(state)
+        return RequestSnapshot(self.pos, self.decode_steps, states)
+
+    def restore(self, snapshot: "RequestSnapshot", consume: bool = False) -> None:
+        """Rewind to `snapshot` (`consume=True` hands its tensors over instead of cloning)."""
+        shared = self._shared_ids()
+        for kv, state in zip(self.cache.kv_layers, snapshot.states):
+            kv.__dict__.clear()
+            kv.__dict__.update(state if consume else _clone_state(state, shared))
+        self.pos, self.decode_steps = snapshot.pos, snapshot.decode_steps
+
+    def _shared_ids(self) -> set[int]:
+        engine = self.engine
+        refs = [engine.method, engine.info, engine.tier, *self.cache.kv_layers]
+        return {id(r) for r in refs}
+
     def generate(self, prompt, max_new_tokens: int, stop_ids: set[int] | None = None) -> list[int]:
         """Greedy decoding (batch 1): returns the new token ids, stopping after a stop token."""
         stop_ids = self.engine.stop_token_ids() if stop_ids is None else stop_ids
@@ -256,3 +290,31 @@ class Request:
             if token in stop_ids or len(out) >= max_new_tokens:
                 return out
             logits = self.step(token)
+
+
+@dataclass
+class RequestSnapshot:
+    pos: int
+    decode_steps: int
+    states: list[dict]  # one cloned KVLayer.__dict__ per layer
+
+
+_UNFORKABLE = object()
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+def _clone_state(value, shared: set[int]):
+    """A copy of a KV layer's state safe to mutate independently, or _UNFORKABLE."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, _PLAIN) or id(value) in shared:
+        return value
+    if isinstance(value, (list, tuple)):
+        items = [_clone_state(v, shared) for v in value]
+        if any(v is _UNFORKABLE for v in items):
+            return _UNFORKABLE
+        return items if isinstance(value, list) else tuple(items)
+    if type(value) is dict:
+        items = {k: _clone_state(v, shared) for k, v in value.items()}
+        return _UNFORKABLE if any(v is _UNFORKABLE for v in items.values()) else items
+    return _UNFORKABLE

@@ -333,7 +333,7 @@ class KVHarnessLM(TemplateLM):
             for j, continuation in enumerate(continuations if snapshot else continuations[:1]):
                 if j > 0:  # account the finished continuation as its own sample, then rewind
                     engine.ledger.record(req.cache, engine.settings.check_budget)
-                    self._restore(req, snapshot, consume=j == len(continuations) - 1)
+                    req.restore(snapshot, consume=j == len(continuations) - 1)
                 out.append(torch.cat([first] + self._continue(req, continuation)))
         if snapshot is None:  # the method's state cannot be snapshotted: prefill again
             out += [self._fresh_logits(context, c) for c in continuations[1:]]
@@ -349,42 +349,14 @@ class KVHarnessLM(TemplateLM):
         (HFLM-fitted) prefilled through the method, the continuation scored against its cache."""
         return self._fresh_logits(self._fit(context, continuation), continuation)
 
-    # A method keeps its per-request state in its KVLayers (methods/base.py). A snapshot clones
-    # that state: tensors are cloned; plain values, the engine's method/info/tier and the
-    # request's other layers (`next_layer`) are kept by reference; any other object (a host KV
-    # store, an in-flight transfer, ...) makes the state unforkable, and each continuation then
-    # prefills its context again. Requests with a diagnostics shadow cache are never forked.
-    def _shared_ids(self, req) -> set[int]:
-        engine = self.engine
-        refs = [engine.method, engine.info, getattr(engine, "tier", None), *req.cache.kv_layers]
-        return {id(r) for r in refs if r is not None}
-
-    def _snapshot(self, req) -> tuple[dict[str, int], list[dict]] | None:
-        shared = self._shared_ids(req)
-        states = [] if getattr(req, "shadow", None) is None else None
-        for kv in req.cache.kv_layers if states is not None else ():
-            state = _clone_state(kv.__dict__, shared)
-            if state is _UNFORKABLE:
-                states = None
-                break
-            states.append(state)
-        if states is None:
-            if not self._warned_unforkable:
-                log.info("kvharness: the state of method=%s cannot be snapshotted; each "
-                         "continuation prefills its context again", self.engine.method.name)
-                self._warned_unforkable = True
-            return None
-        counters = {k: getattr(req, k) for k in ("pos", "decode_steps") if hasattr(req, k)}
-        return counters, states
-
-    def _restore(self, req, snapshot: tuple[dict[str, int], list[dict]], consume: bool) -> None:
-        counters, states = snapshot
-        shared = self._shared_ids(req)
-        for kv, state in zip(req.cache.kv_layers, states):
-            kv.__dict__.clear()
-            kv.__dict__.update(state if consume else _clone_state(state, shared))
-        for key, value in counters.items():
-            setattr(req, key, value)
+    def _snapshot(self, req):
+        """The request's state for rewinding (`Request.snapshot`), or None (then re-prefill)."""
+        snapshot = req.snapshot()
+        if snapshot is None and not self._warned_unforkable:
+            log.info("kvharness: the state of method=%s cannot be snapshotted; each "
+                     "continuation prefills its context again", self.engine.method.name)
+            self._warned_unforkable = True
+        return snapshot
 
     def _answer(self, logits: torch.Tensor, continuation: list[int]) -> tuple[float, bool]:
         """(sum of continuation log-probs, whether greedy decoding would produce it)."""
@@ -462,27 +434,6 @@ class KVHarnessLM(TemplateLM):
                     break
                 logits = req.step(token)
         return cut_at_stop(self.tok_decode(new), stops)
-
-
-_UNFORKABLE = object()
-_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
-
-
-def _clone_state(value: Any, shared: set[int]) -> Any:
-    """A copy of a KV layer's state safe to mutate independently, or _UNFORKABLE."""
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, _PLAIN) or id(value) in shared:
-        return value
-    if isinstance(value, (list, tuple)):
-        items = [_clone_state(v, shared) for v in value]
-        if any(v is _UNFORKABLE for v in items):
-            return _UNFORKABLE
-        return type(value)(items) if isinstance(value, list) else tuple(items)
-    if type(value) is dict:
-        items = {k: _clone_state(v, shared) for k, v in value.items()}
-        return _UNFORKABLE if any(v is _UNFORKABLE for v in items.values()) else items
-    return _UNFORKABLE
 
 
 def cut_at_stop(text: str, stops: list[str]) -> str:

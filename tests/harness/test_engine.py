@@ -54,3 +54,22 @@ def test_bind_is_undone_even_on_error(tiny_model):
     except RuntimeError:
         pass
     assert not any(hasattr(m, "_kvh_layer") for m in tiny_model.model.layers)
+
+
+def test_snapshot_restore_rewinds_the_request(tiny_model):
+    """Rewinding to a snapshot replays a continuation bit for bit (an evicting method's state
+    included); a method holding a host store is not forkable and says so with None."""
+    ids = torch.randint(3, 250, (30,), generator=torch.Generator().manual_seed(0))
+    engine = make_engine(tiny_model, build_method("h2o", budget_tokens=8))
+    with engine.request() as req:
+        req.prefill(ids[:20])
+        snap = req.snapshot()
+        first = [req.step(t) for t in ids[20:25]]
+        req.restore(snap)
+        again = [req.step(t) for t in ids[20:25]]
+        assert req.pos == 25
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    offload = make_engine(tiny_model, build_method("full_offload"))
+    with offload.request() as req:
+        req.prefill(ids[:10])
+        assert req.snapshot() is None
