@@ -23,28 +23,21 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
 from methods.base import KVLayer, KVMethod, ModelInfo
+from methods.scoring import expand_kv
 
 ATTN_IMPLEMENTATIONS = {"sdpa": "kvh_sdpa", "eager": "kvh_eager"}
 _BOUND_ATTR = "_kvh_layer"
-
-
-def repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """(B, H_kv, T, D) -> (B, H_kv * groups, T, D), query-head order (head h uses KV head h // g)."""
-    if groups == 1:
-        return x
-    b, h, t, d = x.shape
-    return x[:, :, None].expand(b, h, groups, t, d).reshape(b, h * groups, t, d)
 
 
 def eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Generic eager attention (matches HF's eager bit for bit; HF's is not in the registry)."""
     groups = query.shape[1] // key.shape[1]
     scaling = module.scaling if scaling is None else scaling
-    scores = torch.matmul(query, repeat_kv(key, groups).transpose(2, 3)) * scaling
+    scores = torch.matmul(query, expand_kv(key, groups).transpose(2, 3)) * scaling
     if attention_mask is not None:
         scores = scores + attention_mask
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-    out = torch.matmul(probs, repeat_kv(value, groups)).transpose(1, 2).contiguous()
+    out = torch.matmul(probs, expand_kv(value, groups)).transpose(1, 2).contiguous()
     return out, probs
 
 

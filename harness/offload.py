@@ -181,6 +181,16 @@ class HostKVStore:
         self.values[:, :, :n] = kept_v
         self.length = n
 
+    def past_and_new(self, pending, keys: torch.Tensor, values: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What attention sees this step: the rows fetched earlier (`pending`, else all stored
+        rows fetched now) followed by the new K/V, which are then written to the host."""
+        past = pending or (self.fetch() if self.length else None)
+        self.append(keys, values)
+        if past is None:
+            return keys, values
+        return (torch.cat([past[0].wait(), keys], dim=2), torch.cat([past[1].wait(), values], dim=2))
+
     def nbytes(self) -> int:
         if self.keys is None:
             return 0

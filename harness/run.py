@@ -122,7 +122,7 @@ def run(cfg: DictConfig) -> Path:
     out = output_dir(runner, task_name, model_cfg, method_name)
     check_writable(out.parent)
     if runner.get("skip_existing"):
-        done = find_complete(out.parent if not runner.get("output_dir") else out.parent, identity)
+        done = find_complete(out.parent, identity)
         if done is not None:
             print(f"skipped: a complete result for this config ({identity}) exists at {done}")
             return done

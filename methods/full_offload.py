@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-import torch
 
 from harness.offload import HostKVStore
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
@@ -56,14 +55,9 @@ class FullOffloadLayer(KVLayer):
     def update(self, keys, values, position_ids):
         if self.store is None:
             self.store = HostKVStore(self.tier, self.layer_idx)
-        past = self.pending or (self.store.fetch() if self.store.length else None)
-        self.pending = None
+        pending, self.pending = self.pending, None
         self.seen_tokens += keys.shape[-2]
-        self.store.append(keys, values)
-        if past is None:
-            return keys, values
-        past_k, past_v = past[0].wait(), past[1].wait()
-        return torch.cat([past_k, keys], dim=2), torch.cat([past_v, values], dim=2)
+        return self.store.past_and_new(pending, keys, values)
 
     def kept_tokens(self) -> int:
         return 0 if self.store is None else self.store.length

@@ -33,6 +33,7 @@ from typing import ClassVar
 
 import torch
 
+from harness.offload import HostKVStore
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for, check_budget
 from methods.scoring import attention_with_probs, gather_tokens, group_mean
 
@@ -91,16 +92,10 @@ class H2OLayer(KVLayer):
             self.positions = torch.cat([self.positions, new_pos], dim=2)
         if not self.offloaded():
             return super().update(keys, values, position_ids)
-        from harness.offload import HostKVStore
-
         self.store = self.store or HostKVStore(self.tier, self.layer_idx)
-        past = self.pending or (self.store.fetch() if self.store.length else None)
-        self.pending = None
+        pending, self.pending = self.pending, None
         self.seen_tokens += q_len
-        self.store.append(keys, values)
-        if past is None:
-            return keys, values
-        return (torch.cat([past[0].wait(), keys], dim=2), torch.cat([past[1].wait(), values], dim=2))
+        return self.store.past_and_new(pending, keys, values)
 
     def kept_tokens(self) -> int:
         return 0 if self.positions is None else self.positions.shape[-1]

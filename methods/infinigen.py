@@ -60,8 +60,9 @@ from typing import ClassVar
 
 import torch
 
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
+from harness.offload import HostKVStore
 from methods._infinigen_prep import SkewingArtefacts, calibration_file, prepare_skewing
+from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
 from methods.kernels import sparse_attention
 from methods.rope import rotate
 from methods.scoring import attention_with_probs, expand_kv, gather_tokens
@@ -252,8 +253,6 @@ class InfiniGenLayer(KVLayer):
         return pending[0].wait(), pending[1].wait()
 
     def _append(self, keys, values):
-        from harness.offload import HostKVStore
-
         b, h, q_len, _ = keys.shape
         new_pos = torch.arange(self.seen_tokens - q_len, self.seen_tokens,
                                device=keys.device).expand(b, h, q_len)
