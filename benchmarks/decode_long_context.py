@@ -40,7 +40,7 @@ METHODS = {
 def measure(model, tok, info, name, ids, new_tokens):
     method_name, kw = METHODS[name]
     method = build_method(method_name, **kw)
-    method.prepare(model, tok, {"info": info})
+    hf_adapter.prepare(method, model, tok, info, data_dir=models.SHARED_DIR / "data")
     engine = Engine(model, tok, method, info, EngineSettings(prefill_chunk_tokens=1024))
     t0 = time.time()
     with engine.request() as req:

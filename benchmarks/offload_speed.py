@@ -72,7 +72,7 @@ def measure(model, tok, info, name: str, ids: list[int], new_tokens: int) -> dic
     method_name, kw, offload = METHODS[name]
     method = build_method(method_name, **kw)
     calib = None if tok is not None else torch.tensor(ids[:2048])
-    method.prepare(model, tok, {"info": info, "calibration_ids": calib})
+    hf_adapter.prepare(method, model, tok, info, calibration_ids=calib)
     engine = Engine(model, tok, method, info, EngineSettings(prefill_chunk_tokens=2048,
                                                              kv_offload=offload))
     with engine.request() as req:

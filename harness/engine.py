@@ -17,8 +17,8 @@ import torch
 
 from harness import hf_adapter
 from harness.diagnostics import Diagnostics
-from harness.errors import BudgetViolation
-from harness.offload import Tier, TransferLedger
+from kvcore.errors import BudgetViolation
+from kvcore.offload import Tier, TransferLedger
 from harness.profiling import SpeedSummary, Timer
 from methods.base import KVMethod, ModelInfo
 

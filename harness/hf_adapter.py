@@ -14,6 +14,8 @@ Seams used, all public in 5.24:
 from __future__ import annotations
 
 import contextlib
+import hashlib
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -22,7 +24,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from methods.base import KVLayer, KVMethod, ModelInfo
+from methods.base import KVLayer, KVMethod, ModelInfo, PrepareContext, Protocol
 from methods.scoring import expand_kv
 
 ATTN_IMPLEMENTATIONS = {"sdpa": "kvh_sdpa", "eager": "kvh_eager"}
@@ -89,10 +91,14 @@ class _BridgeLayer(DynamicLayer):
 class MethodCache(Cache):
     """A transformers `Cache` whose layers are a method's fresh `KVLayer`s (one request)."""
 
-    def __init__(self, method: KVMethod, info: ModelInfo, tier=None):
-        self.kv_layers = [method.make_layer(i, info) for i in range(info.num_layers)]
+    def __init__(self, method: KVMethod, info: ModelInfo, tier=None,
+                 protocol: Protocol | None = None):
+        protocol = protocol or Protocol()
+        dense = set(method.effective_dense_layers(info, protocol))
+        self.kv_layers = [method.make_dense_layer(i, info) if i in dense else method.make_layer(i, info)
+                          for i in range(info.num_layers)]
         for kv, nxt in zip(self.kv_layers, self.kv_layers[1:] + [None]):
-            kv.tier, kv.next_layer = tier, nxt
+            kv.tier, kv.next_layer, kv.protocol = tier, nxt, protocol
         super().__init__(layers=[_BridgeLayer(kv) for kv in self.kv_layers])
 
 
@@ -197,3 +203,77 @@ def rope_inv_freq(model) -> torch.Tensor | None:
     if float(getattr(rotary, "attention_scaling", 1.0)) != 1.0:
         raise ValueError("re-rotation assumes attention_scaling == 1 (plain RoPE frequencies)")
     return inv_freq.detach().float().clone()
+
+
+def query_projector(model):
+    """(layer, x (B, T, hidden)) -> pre-RoPE queries (B, H_q, T, D) with the model's own weights.
+
+    Fused projections (Phi-3's `qkv_proj`) are sliced to their query rows; biases (Qwen2) kept.
+    """
+    modules = attention_modules(model)
+
+    def project(layer_idx: int, x: torch.Tensor) -> torch.Tensor:
+        attn = modules[layer_idx]
+        head_dim = attn.head_dim
+        if hasattr(attn, "q_proj"):
+            q = attn.q_proj(x)
+        elif hasattr(attn, "qkv_proj"):
+            rows = attn.config.num_attention_heads * head_dim
+            q = torch.nn.functional.linear(x, attn.qkv_proj.weight[:rows],
+                                           None if attn.qkv_proj.bias is None
+                                           else attn.qkv_proj.bias[:rows])
+        else:
+            raise TypeError(f"{type(attn).__name__}: no q_proj or qkv_proj to speculate with")
+        b, t, _ = x.shape
+        return q.view(b, t, -1, head_dim).transpose(1, 2)
+
+    return project
+
+
+def fingerprint(model) -> str:
+    """Config + a strided sample of every query projection's weights (artefact cache keys)."""
+    h = hashlib.sha256(model.config.to_json_string().encode())
+    for module in attention_modules(model):
+        proj = getattr(module, "q_proj", None) or getattr(module, "qkv_proj")
+        w = proj.weight.detach().float().flatten()
+        h.update(w[:: max(1, w.numel() // 4096)].cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def capture_forward(model, info: ModelInfo):
+    """A callable running ids (T,) through fresh layers of a method, returning those layers."""
+
+    def capture(method: KVMethod, ids: torch.Tensor) -> list[KVLayer]:
+        cache = MethodCache(method, info)
+        device = next(model.parameters()).device
+        with torch.inference_mode(), bind(model, cache):
+            forward(model, ids[None].to(device), torch.arange(ids.numel(), device=device)[None],
+                    cache, logits_to_keep=1)
+        return cache.kv_layers
+
+    return capture
+
+
+def _plain_rope(model) -> torch.Tensor | None:
+    try:
+        return rope_inv_freq(model)
+    except ValueError:  # scaled attention (e.g. YaRN): re-rotating methods must refuse it
+        return None
+
+
+def prepare_context(model, tokenizer, info: ModelInfo | None = None, *,
+                    data_dir: Path | None = None, cache_dir: Path | None = None,
+                    calibration_ids: torch.Tensor | None = None) -> PrepareContext:
+    """What a method's `prepare` may know of the loaded model, as plain tensors and callables."""
+    info = info or model_info(model.config)
+    return PrepareContext(
+        info=info, tokenizer=tokenizer, device=next(model.parameters()).device,
+        fingerprint=fingerprint(model), rope_inv_freq=_plain_rope(model),
+        project_query=query_projector(model), capture=capture_forward(model, info),
+        vocab_size=int(getattr(model.config, "vocab_size", 0) or 256),
+        data_dir=data_dir, cache_dir=cache_dir, calibration_ids=calibration_ids)
+
+
+def prepare(method: KVMethod, model, tokenizer, info: ModelInfo | None = None, **extras) -> dict:
+    """Run `method.prepare` on a loaded model (the one call site pattern for runner and tests)."""
+    return method.prepare(prepare_context(model, tokenizer, info, **extras))

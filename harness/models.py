@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from harness.errors import ConfigError
+from kvcore.errors import ConfigError
 
 log = logging.getLogger(__name__)
 

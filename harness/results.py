@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
-from harness.errors import ConfigError
+from kvcore.errors import ConfigError
 
 
 def _clean(value: Any) -> Any:

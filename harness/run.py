@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness.errors import BudgetViolation, ConfigError, OutputError, UnsupportedCombination
+from kvcore.errors import BudgetViolation, ConfigError, OutputError, UnsupportedCombination
 from harness.loggers import LOGGERS, log_run
 from harness.projection import project
 from harness.sweep import config_hash, find_complete, multirun_job, record_status
@@ -132,7 +132,7 @@ def run(cfg: DictConfig) -> Path:
     seed_everything(int(runner["seed"]))
     log.info("loading %s", spec.description)
     model, tokenizer = models.load_model(spec, runner["attn_impl"])
-    prepared = method.prepare(model, tokenizer, {"model_spec": spec, "info": info})
+    prepared = hf_adapter.prepare(method, model, tokenizer, info, data_dir=models.SHARED_DIR / "data")
     handles = method.install(model)
     engine = Engine(model, tokenizer, method, info, EngineSettings(
         prefill_chunk_tokens=runner["prefill_chunk_tokens"], batch_size=runner["batch_size"],

@@ -10,7 +10,7 @@ import importlib
 import pkgutil
 from pathlib import Path
 
-from harness.errors import ConfigError, UnsupportedCombination
+from kvcore.errors import ConfigError, UnsupportedCombination
 from methods.base import Capabilities, KVLayer, KVMethod
 
 __all__ = ["Capabilities", "KVLayer", "KVMethod", "available_methods", "build_method", "method_class"]

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from harness.errors import ConfigError
+from kvcore.errors import ConfigError
 from methods.base import KVLayer, KVMethod, ModelInfo
 
 log = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ FORMAT_VERSION = 1
 class SkewingArtefacts:
     skew: torch.Tensor  # (L, H_kv, d, d) fp32, orthogonal per head (identity without skewing)
     columns: torch.Tensor  # (L, H_kv, k) partial columns chosen on the calibration text
-    q_proj: list  # per layer: the model's query projection module (speculation uses W_q[i])
+    project_query: object  # (layer, x (B, T, hidden)) -> (B, H_q, T, D): W_q[i] x (speculation)
     inv_freq: torch.Tensor  # (d/2,) RoPE frequencies
     k: int
 
@@ -76,37 +76,26 @@ class _CaptureMethod(KVMethod):
         return _Capture(layer_idx, info)
 
 
-def calibration_ids(method, tokenizer, info: ModelInfo, context) -> torch.Tensor:
-    if context.get("calibration_ids") is not None:
-        return torch.as_tensor(context["calibration_ids"])[: method.calibration_tokens]
+def calibration_ids(method, ctx) -> torch.Tensor:
+    if ctx.calibration_ids is not None:
+        return torch.as_tensor(ctx.calibration_ids)[: method.calibration_tokens]
+    info = ctx.info
     limit = min(method.calibration_tokens, info.max_positions or method.calibration_tokens)
-    if tokenizer is None:  # a model built in code (tests) has no tokenizer: seeded random tokens
+    if ctx.tokenizer is None:  # a model built in code (tests) has no tokenizer: seeded random tokens
         log.warning("infinigen: no tokenizer, calibrating on %d seeded random token ids", limit)
-        vocab = getattr(context.get("model_config"), "vocab_size", None) or 256
-        return torch.randint(3, vocab, (limit,), generator=torch.Generator().manual_seed(0))
-    path = calibration_file(method)
-    ids = tokenizer(path.read_text(encoding="utf-8"), verbose=False)["input_ids"]
+        return torch.randint(3, ctx.vocab_size, (limit,), generator=torch.Generator().manual_seed(0))
+    path = calibration_file(method, ctx.data_dir)
+    ids = ctx.tokenizer(path.read_text(encoding="utf-8"), verbose=False)["input_ids"]
     return torch.tensor(ids[:limit])
 
 
-def calibration_file(method) -> Path:
-    from harness.models import SHARED_DIR
-
-    path = Path(method.calibration_path or SHARED_DIR / "data" / "pg19" / "pg19_firstbook.txt")
-    if not path.is_file():
+def calibration_file(method, data_dir: Path | None) -> Path:
+    default = None if data_dir is None else Path(data_dir) / "pg19" / "pg19_firstbook.txt"
+    path = Path(method.calibration_path) if method.calibration_path else default
+    if path is None or not path.is_file():
         raise ConfigError(f"method.calibration_path={path}: no such file (InfiniGen's skewing "
                           "calibration text; the default is PG-19's first book in ../shared/data)")
     return path
-
-
-def _model_fingerprint(model) -> str:
-    h = hashlib.sha256(model.config.to_json_string().encode())
-    from harness.hf_adapter import attention_modules
-
-    for module in attention_modules(model):
-        w = module.q_proj.weight.detach().float().flatten()
-        h.update(w[:: max(1, w.numel() // 4096)].cpu().numpy().tobytes())
-    return h.hexdigest()[:16]
 
 
 def _tensor_hash(*tensors: torch.Tensor) -> str:
@@ -116,17 +105,12 @@ def _tensor_hash(*tensors: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def compute(model, info: ModelInfo, ids: torch.Tensor, skewing: bool, k: int):
-    from harness import hf_adapter
-
-    cache = hf_adapter.MethodCache(_CaptureMethod(), info)
-    with torch.inference_mode(), hf_adapter.bind(model, cache):
-        device = next(model.parameters()).device
-        hf_adapter.forward(model, ids[None].to(device), torch.arange(ids.numel(), device=device)[None],
-                           cache, logits_to_keep=1)
+def compute(ctx, ids: torch.Tensor, skewing: bool, k: int):
+    info = ctx.info
+    layers = ctx.capture(_CaptureMethod(), ids)
     skews, cols = [], []
     g, d = info.group_size, info.head_dim
-    for layer in cache.kv_layers:
+    for layer in layers:
         q = layer.query.reshape(info.num_kv_heads, g * ids.numel(), d)  # (H_kv, g*n, d)
         k_heads = layer.keys[0].float()  # (H_kv, n, d)
         if skewing:
@@ -139,31 +123,32 @@ def compute(model, info: ModelInfo, ids: torch.Tensor, skewing: bool, k: int):
     return torch.stack(skews), torch.stack(cols)
 
 
-def prepare_skewing(method, model, tokenizer, context) -> tuple[SkewingArtefacts, dict]:
-    from harness import hf_adapter
-
-    info = context.get("info") or hf_adapter.model_info(model.config)
+def prepare_skewing(method, ctx) -> tuple[SkewingArtefacts, dict]:
+    info = ctx.info
+    if ctx.rope_inv_freq is None:
+        raise ConfigError("method=infinigen speculates post-RoPE queries: this model has no plain "
+                          "RoPE (none or a scaled variant)")
     k = max(1, int(info.head_dim * method.partial_ratio))
-    ids = calibration_ids(method, tokenizer, info, {**context, "model_config": model.config})
+    ids = calibration_ids(method, ctx)
     key = hashlib.sha256(json.dumps({
-        "v": FORMAT_VERSION, "model": _model_fingerprint(model), "skewing": method.skewing,
+        "v": FORMAT_VERSION, "model": ctx.fingerprint, "skewing": method.skewing,
         "k": k, "ids": hashlib.sha256(ids.numpy().tobytes()).hexdigest()}).encode()).hexdigest()[:24]
-    root = Path(method.cache_dir or os.environ.get("KVH_CACHE_DIR") or
+    root = Path(method.cache_dir or ctx.cache_dir or os.environ.get("KVH_CACHE_DIR") or
                 Path.home() / ".cache" / "kv-harness") / "infinigen"
     path = root / f"{key}.pt"
     t0 = time.time()
     loaded = _load(path, info, k)
     if loaded is None:
-        skew, cols = compute(model, info, ids, method.skewing, k)
+        skew, cols = compute(ctx, ids, method.skewing, k)
         _save(path, skew, cols)
         status = "computed"
     else:
         skew, cols = loaded
         status = "loaded"
-    device = next(model.parameters()).device
+    device = ctx.device
     art = SkewingArtefacts(skew=skew.to(device), columns=cols.to(device),
-                           q_proj=[m.q_proj for m in hf_adapter.attention_modules(model)],
-                           inv_freq=hf_adapter.rope_inv_freq(model).to(device), k=k)
+                           project_query=ctx.project_query,
+                           inv_freq=ctx.rope_inv_freq.to(device), k=k)
     facts = {"skewing_artefacts": status, "artefact_path": str(path), "partial_columns": k,
              "calibration_tokens": int(ids.numel()), "prepare_s": round(time.time() - t0, 3)}
     return art, facts

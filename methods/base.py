@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 import torch
 
-from harness.errors import ConfigError
+from kvcore.errors import ConfigError
 
 AttentionFn = Callable[..., tuple[torch.Tensor, Any]]
 
@@ -30,10 +31,33 @@ class Capabilities:
     needs_attn_scores: bool = False  # computes attention probabilities itself
     needs_prepare: bool = False  # offline artefacts (e.g. InfiniGen skewing)
     modes: tuple[str, ...] = ("system",)  # subset of {"simulate", "system"}
-    offloads_kv: bool = False  # keeps the full K/V on the slow tier (harness.offload)
+    offloads_kv: bool = False  # keeps the full K/V on the slow tier (kvcore.offload)
     needs_rope: bool = False  # re-rotates keys (needs a rotary model)
     bounds_positions: bool = False  # attends at in-cache positions, so streams may outrun max positions
     lookahead: bool = False  # wants prefetch(x_{i-1}) calls one layer ahead (InfiniGen, offload)
+    compresses: bool = True  # False for the references (full, full_offload): never "inactive"
+    prefill_modes: tuple[str, ...] = ("dense", "sparse")  # protocols it can honour (Protocol)
+    needs_prefill: bool = False  # compresses only what a prompt prefill left (SnapKV-like)
+    sparse_prefill_chunked: bool = False  # honours prefill=sparse inside multi-token chunks
+
+
+PREFILL_MODES = ("dense", "sparse")
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """How every method of a comparison is run (runner.*), the same for all of them.
+
+    dense_layers: layers left uncompressed (the full cache, attended in full) for every method;
+        the effective set also holds a method's own structural dense layers (`own_dense_layers`).
+    prefill: "dense" = prompt rows attend the whole prompt, the method compresses after each
+        chunk; "sparse" = every prompt row attends under the method's budget, exactly as a decode
+        step would (the engine feeds the prompt one token at a time unless the method declares a
+        faster equivalent with `Capabilities.sparse_prefill_chunked`).
+    """
+
+    dense_layers: tuple[int, ...] = ()
+    prefill: str = "dense"
 
 
 @dataclass(frozen=True)
@@ -60,6 +84,29 @@ class ModelInfo:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
 
 
+@dataclass
+class PrepareContext:
+    """Everything a method's offline `prepare` may use, built by the runner (harness.hf_adapter).
+
+    A method file never loads models or touches transformers; what it needs of the loaded model
+    arrives here as plain tensors and callables.
+    """
+
+    info: ModelInfo
+    tokenizer: Any | None  # None for models built in code (tests)
+    device: torch.device
+    fingerprint: str  # identifies the config and weights (artefact cache keys)
+    rope_inv_freq: torch.Tensor | None  # (D/2,) fp32, the model's own (scaled) frequencies
+    # (layer, x (B, T, hidden)) -> pre-RoPE queries (B, H_q, T, D), bias included
+    project_query: Callable[[int, torch.Tensor], torch.Tensor]
+    # one forward of ids (T,) through fresh layers of `method` (bound like any request); the layers
+    capture: Callable[["KVMethod", torch.Tensor], list["KVLayer"]]
+    vocab_size: int
+    data_dir: Path | None = None  # the shared data folder (default calibration texts), if present
+    cache_dir: Path | None = None  # root for cached artefacts (None: ~/.cache/kv-harness)
+    calibration_ids: torch.Tensor | None = None  # benchmarks may hand calibration tokens directly
+
+
 class KVLayer:
     """Per-request, per-layer KV state. The default stores everything (the full cache).
 
@@ -77,8 +124,9 @@ class KVLayer:
         self.seen_tokens = 0
         self.keys: torch.Tensor | None = None  # (B, H_kv, T, D)
         self.values: torch.Tensor | None = None  # (B, H_kv, T, D)
-        self.tier = None  # harness.offload.Tier of the request (placement, ledger, side stream)
+        self.tier = None  # kvcore.offload.Tier of the request (placement, ledger, side stream)
         self.next_layer: KVLayer | None = None  # the following layer of the same request
+        self.protocol = Protocol()  # set by the cache: the run's dense layers and prefill mode
 
     # --- cache seam -------------------------------------------------------------------------
     def update(self, keys: torch.Tensor, values: torch.Tensor, position_ids: torch.Tensor | None
@@ -113,6 +161,10 @@ class KVLayer:
 
     def after_forward(self) -> None:
         """Called by the engine after every model forward: evict here (attention has run)."""
+
+    def on_prefill_end(self) -> None:
+        """Called once after each prompt has been fed in full (whatever the chunking), before the
+        first decode step: prefill-time compressors (SnapKV-like) act here."""
 
     def kept_positions(self) -> torch.Tensor:
         """Text positions of the tokens attention used at the last step, `(B, H_kv, T)` (or (T,)).
@@ -201,7 +253,7 @@ class KVMethod:
         """True when attention runs at in-cache positions, so a stream may outrun max positions."""
         return self.capabilities.bounds_positions
 
-    def prepare(self, model, tokenizer, context: dict[str, Any]) -> dict[str, Any]:
+    def prepare(self, ctx: PrepareContext) -> dict[str, Any]:
         """Offline step (idempotent; may cache artefacts on disk). Returns facts for metrics.json."""
         return {}
 
@@ -212,6 +264,20 @@ class KVMethod:
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         """A fresh per-request state object for one decoder layer."""
         return KVLayer(layer_idx, info)
+
+    def own_dense_layers(self, info: ModelInfo) -> tuple[int, ...]:
+        """Layers this method itself leaves dense (e.g. InfiniGen's first layers); they join
+        runner.dense_layers and are recorded in metrics.json's protocol."""
+        return ()
+
+    def make_dense_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
+        """The per-request state of a dense layer (protocol): the full cache by default. A method
+        whose dense layers must still do something (offload, prefetch) overrides this."""
+        return KVLayer(layer_idx, info)
+
+    def effective_dense_layers(self, info: ModelInfo, protocol: Protocol) -> tuple[int, ...]:
+        """The effective dense layers: the protocol's and the method's own, sorted."""
+        return tuple(sorted(set(protocol.dense_layers) | set(self.own_dense_layers(info))))
 
 
 def check_budget(budget_ratio, budget_tokens) -> list[str]:

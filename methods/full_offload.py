@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 
-from harness.offload import HostKVStore
+from kvcore.offload import HostKVStore
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
 
 

@@ -33,7 +33,7 @@ from typing import ClassVar
 
 import torch
 
-from harness.offload import HostKVStore
+from kvcore.offload import HostKVStore
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for, check_budget
 from methods.scoring import attention_with_probs, gather_tokens, group_mean
 

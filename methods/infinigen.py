@@ -25,7 +25,7 @@ reference/methods.md §1. Components:
   top-n' tokens. Thresholds are per head (the official Llama simulation used head 0's max for
   every head: `head0_threshold=true` reproduces it).
 * Dense layers (`dense_layers`, default 0 and 1) always use the full KV.
-* `mode=system`: the full K/V lives in a host store (harness.offload); the selected rows are
+* `mode=system`: the full K/V lives in a host store (kvcore.offload); the selected rows are
   gathered on the host and copied to the device on a side stream while layer i-1 computes; layer i
   waits on the copy's event and attends over the fetched rows + the new token.
   `mode=simulate` keeps the full K/V on the device and masks the attention to the same selection
@@ -60,7 +60,7 @@ from typing import ClassVar
 
 import torch
 
-from harness.offload import HostKVStore
+from kvcore.offload import HostKVStore
 from methods._infinigen_prep import SkewingArtefacts, calibration_file, prepare_skewing
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
 from methods.kernels import sparse_attention
@@ -129,10 +129,11 @@ class InfiniGen(KVMethod):
         if info.rope_theta is None:
             reasons.append(f"method=infinigen supports RoPE models (Llama family); "
                            f"{info.model_type} has no rope_theta")
-        try:
-            calibration_file(self)
-        except Exception as exc:  # ConfigError naming method.calibration_path
-            reasons.append(str(exc))
+        if self.calibration_path:  # the default text is located at prepare (runner's data dir)
+            try:
+                calibration_file(self, None)
+            except Exception as exc:  # ConfigError naming method.calibration_path
+                reasons.append(str(exc))
         if any(i >= info.num_layers for i in self.dense_layers):
             reasons.append(f"method.dense_layers={self.dense_layers} names a layer >= the model's "
                            f"{info.num_layers} layers")
@@ -142,14 +143,24 @@ class InfiniGen(KVMethod):
     def lossless_hyperparameters(cls, seq_tokens: int) -> dict:
         return {"alpha": 1e9, "budget_ratio": 1.0, "mode": "simulate"}
 
-    def prepare(self, model, tokenizer, context) -> dict:
-        self._art, facts = prepare_skewing(self, model, tokenizer, context)
+    def prepare(self, ctx) -> dict:
+        self._art, facts = prepare_skewing(self, ctx)
         return facts
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         if self._art is None:
             raise RuntimeError("infinigen: call prepare(model, tokenizer, ...) first")
         return InfiniGenLayer(layer_idx, info, self)
+
+    def own_dense_layers(self, info: ModelInfo) -> tuple[int, ...]:
+        # Layer 0 has no previous layer to speculate from; the rest are the paper's choice.
+        return tuple(sorted({0, *self.dense_layers}))
+
+    def make_dense_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
+        # Dense layers still keep their K/V on the host tier and prefetch it whole (system mode).
+        layer = self.make_layer(layer_idx, info)
+        layer.dense = True
+        return layer
 
 
 class InfiniGenLayer(KVLayer):
@@ -191,7 +202,7 @@ class InfiniGenLayer(KVLayer):
         """Indices `(B, H_kv, n')` of stored tokens layer i will need, from x_{i-1} `(B, 1, hidden)`."""
         art, i, info = self.art, self.layer_idx, self.info
         b = x.shape[0]
-        q = art.q_proj[i](x).view(b, 1, info.num_heads, info.head_dim).transpose(1, 2)
+        q = art.project_query(i, x)  # (B, H_q, 1, D) pre-RoPE
         pos = (position_ids if position_ids is not None else torch.tensor([[self.seen_tokens]]))
         q = rotate(q, pos.to(q.device).view(b, 1, 1), art.inv_freq)  # RoPE at the current position
         groups = info.group_size

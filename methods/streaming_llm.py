@@ -29,6 +29,7 @@ from typing import ClassVar
 
 import torch
 
+from kvcore.errors import ConfigError
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
 from methods.rope import rotate
 
@@ -78,10 +79,11 @@ class StreamingLLM(KVMethod):
     def bounds_positions(self) -> bool:
         return self.rerotate
 
-    def prepare(self, model, tokenizer, context) -> dict:
-        from harness.hf_adapter import rope_inv_freq
-
-        self._inv_freq = rope_inv_freq(model) if self.rerotate else None
+    def prepare(self, ctx) -> dict:
+        if self.rerotate and ctx.rope_inv_freq is None:
+            raise ConfigError("method=streaming_llm with method.rerotate=true needs plain RoPE "
+                              "(this model has none or a scaled variant); use method.rerotate=false")
+        self._inv_freq = ctx.rope_inv_freq if self.rerotate else None
         return {}
 
     def total_tokens(self, seen: int) -> int:

@@ -10,7 +10,7 @@ import importlib
 import pkgutil
 from pathlib import Path
 
-from harness.errors import ConfigError
+from kvcore.errors import ConfigError
 from tasks.base import Task, TaskResult
 
 __all__ = ["Task", "TaskResult", "available_tasks", "build_task"]

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from harness.errors import ConfigError
+from kvcore.errors import ConfigError
 from methods.base import KVMethod, ModelInfo
 
 

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from harness.errors import ConfigError
+from kvcore.errors import ConfigError
 from harness.metrics import METRICS
 from harness.progress import progress
 from methods.base import KVMethod, ModelInfo

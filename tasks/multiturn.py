@@ -32,7 +32,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from harness.errors import ConfigError
+from kvcore.errors import ConfigError
 from harness.progress import progress
 from methods.base import KVMethod, ModelInfo
 from tasks.base import Task, TaskResult

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar
 
-from harness.errors import ConfigError
+from kvcore.errors import ConfigError
 from harness.progress import progress
 from methods.base import KVMethod, ModelInfo
 from tasks.base import Task, TaskResult

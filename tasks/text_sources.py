@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator
 
-from harness.errors import ConfigError
+from kvcore.errors import ConfigError
 from harness.models import SHARED_DIR
 
 TEXT_DATASETS = ("wikitext2", "essays", "pg19", "text_file")

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from harness.errors import ConfigError
+from kvcore.errors import ConfigError
 from harness.metrics import rouge_scores
 from harness.progress import progress
 from tasks.base import Task, TaskResult

@@ -60,7 +60,7 @@ def smollm2():
 def make_engine(model, method, tokenizer=None, chunk=512, check_budget=True) -> Engine:
     """An engine as the runner builds it (prepare() included), for tests."""
     info = hf_adapter.model_info(model.config)
-    method.prepare(model, tokenizer, {"info": info})
+    hf_adapter.prepare(method, model, tokenizer, info, data_dir=DATA)
     return Engine(model, tokenizer, method, info,
                   EngineSettings(prefill_chunk_tokens=chunk, check_budget=check_budget))
 

@@ -19,7 +19,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from lm_eval.__main__ import cli_evaluate  # noqa: E402
 
 import harness.lm_eval  # noqa: E402,F401  (registers the kvharness model)
-from harness.errors import ConfigError  # noqa: E402
+from kvcore.errors import ConfigError  # noqa: E402
 
 
 def main() -> None:

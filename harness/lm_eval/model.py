@@ -33,7 +33,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, resolve_max_length
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
-from harness.errors import ConfigError
+from kvcore.errors import ConfigError
 from harness.progress import progress
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ def build_engine(model: str, method: str = "full", prefill_chunk_tokens: int = 5
     if threads:
         torch.set_num_threads(int(threads))
     loaded, tokenizer = models.load_model(spec, attn_impl)
-    kv_method.prepare(loaded, tokenizer, {"model_spec": spec, "info": info})
+    hf_adapter.prepare(kv_method, loaded, tokenizer, info, data_dir=models.SHARED_DIR / "data")
     handles = kv_method.install(loaded)
     engine = Engine(loaded, tokenizer, kv_method, info, EngineSettings(
         prefill_chunk_tokens=prefill_chunk_tokens, batch_size=1, check_budget=check_budget))

@@ -24,7 +24,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from harness.errors import ConfigError
+from kvcore.errors import ConfigError
 from harness.models import PROJECT_ROOT, SHARED_DIR, default_cache_dir
 
 TEMPLATE_DIR = PROJECT_ROOT / "tasks" / "lm_eval_tasks"

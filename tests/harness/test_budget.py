@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from harness.errors import BudgetViolation
+from kvcore.errors import BudgetViolation
 from methods.base import KVLayer, KVMethod
 from tests.conftest import make_engine
 

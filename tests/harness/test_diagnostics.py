@@ -11,7 +11,7 @@ from harness import hf_adapter
 
 def diag_run(model, method, ids, every=4):
     info = hf_adapter.model_info(model.config)
-    method.prepare(model, None, {})
+    hf_adapter.prepare(method, model, None)
     engine = Engine(model, None, method, info, EngineSettings(diagnostics_every=every))
     with engine.request() as req:
         req.prefill(ids[:20])

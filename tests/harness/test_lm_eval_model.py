@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from harness.errors import ConfigError
+from kvcore.errors import ConfigError
 from harness.lm_eval import KVHarnessLM, offline_task_dir
 from methods import build_method, method_class
 from tests.conftest import DATA, PROJECT, STORIES, make_engine, need_shared

@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from harness import models
-from harness.errors import ConfigError
+from kvcore.errors import ConfigError
 from harness.run import run
 from tests.conftest import PROJECT, STORIES, need_shared
 

@@ -65,7 +65,7 @@ def test_full_has_no_budget_and_counts_bytes(tiny_model):
 
 
 def test_unknown_hyperparameter_is_rejected():
-    from harness.errors import ConfigError, UnsupportedCombination
+    from kvcore.errors import ConfigError, UnsupportedCombination
 
     with pytest.raises(ConfigError, match="method.window_tokens is not a hyperparameter"):
         build_method("full", window_tokens=3)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from harness import hf_adapter
-from harness.errors import ConfigError
+from kvcore.errors import ConfigError
 from methods import build_method
 from methods.h2o import H2OLayer
 from methods.scoring import group_mean

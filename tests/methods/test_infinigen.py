@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from harness import hf_adapter
-from harness.errors import ConfigError
+from kvcore.errors import ConfigError
 from methods import build_method
 from methods._infinigen_prep import skewing_from
 from methods.infinigen import InfiniGenLayer
@@ -152,9 +152,9 @@ def test_pool_capacity_bounds_the_host_pool(tiny4, cache_dir):
 
 def test_artefacts_round_trip_and_corrupt_cache_is_rebuilt(tiny4, cache_dir, caplog):
     first = build_method("infinigen")
-    facts1 = first.prepare(tiny4, None, {})
+    facts1 = hf_adapter.prepare(first, tiny4, None)
     second = build_method("infinigen")
-    facts2 = second.prepare(tiny4, None, {})
+    facts2 = hf_adapter.prepare(second, tiny4, None)
     assert (facts1["skewing_artefacts"], facts2["skewing_artefacts"]) == ("computed", "loaded")
     assert torch.equal(first._art.skew, second._art.skew)
     assert torch.equal(first._art.columns, second._art.columns)
@@ -164,7 +164,7 @@ def test_artefacts_round_trip_and_corrupt_cache_is_rebuilt(tiny4, cache_dir, cap
         f.write(b"\x00" * 64)
     third = build_method("infinigen")
     with caplog.at_level(logging.WARNING):
-        facts3 = third.prepare(tiny4, None, {})
+        facts3 = hf_adapter.prepare(third, tiny4, None)
     assert facts3["skewing_artefacts"] == "computed"
     assert "rebuilding" in caplog.text
     assert torch.equal(third._art.skew, first._art.skew)
@@ -172,7 +172,7 @@ def test_artefacts_round_trip_and_corrupt_cache_is_rebuilt(tiny4, cache_dir, cap
 
 def test_no_skewing_ablation_uses_identity(tiny4, cache_dir):
     method = build_method("infinigen", skewing=False)
-    method.prepare(tiny4, None, {})
+    hf_adapter.prepare(method, tiny4, None)
     assert torch.equal(method._art.skew[0, 0], torch.eye(16))
 
 

@@ -11,7 +11,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from harness import models
-from harness.errors import ConfigError
+from kvcore.errors import ConfigError
 from harness.run import run
 from methods import build_method
 from methods.base import ModelInfo

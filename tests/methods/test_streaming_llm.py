@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from harness import hf_adapter
-from harness.errors import ConfigError
+from kvcore.errors import ConfigError
 from methods import build_method
 from methods.rope import rotate
 from tasks.perplexity import token_nll

@@ -6,7 +6,7 @@ import json
 import pytest
 from hydra import compose, initialize_config_dir
 
-from harness.errors import ConfigError
+from kvcore.errors import ConfigError
 from harness.lm_eval.tasks import TASK_FILES, offline_task_dir
 from harness.run import run
 from tests.conftest import DATA, PROJECT, STORIES, need_shared

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 
 from harness import hf_adapter, models
 from harness.engine import Request
-from harness.errors import ConfigError
+from kvcore.errors import ConfigError
 from harness.metrics import rouge_l_score
 from harness.run import run
 from methods import build_method

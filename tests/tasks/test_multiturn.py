@@ -3,7 +3,7 @@ order with answers kept in the cache, segments equal to the chat template's own 
 
 import pytest
 
-from harness.errors import ConfigError
+from kvcore.errors import ConfigError
 from methods import build_method
 from methods.base import ModelInfo
 from tasks import build_task

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from harness.errors import ConfigError
+from kvcore.errors import ConfigError
 from methods import build_method
 from tasks import build_task
 from tests.conftest import make_engine

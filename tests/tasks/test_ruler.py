@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from harness.errors import ConfigError
+from kvcore.errors import ConfigError
 from methods import build_method
 from methods.base import ModelInfo
 from tasks import build_task

@@ -7,7 +7,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from harness.engine import Request
-from harness.errors import ConfigError
+from kvcore.errors import ConfigError
 from harness.metrics import rouge_scores
 from harness.run import run
 from methods import build_method
