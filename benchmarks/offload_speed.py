@@ -83,7 +83,7 @@ def measure(model, tok, info, name: str, ids: list[int], new_tokens: int) -> dic
     return {"decode_tok_s": len(decode) / (sum(decode) / 1e3),
             "bytes_per_step": t["bytes_per_decode_step"],
             "exposed_ms_per_step": engine.transfers.exposed_ms / steps,
-            "density": engine.density.summary().get("attended_fraction_mean")}
+            "density": engine.attended.summary().get("attended_fraction_sparse_layers")}
 
 
 def main() -> None:

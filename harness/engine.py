@@ -16,11 +16,11 @@ from typing import Iterator
 import torch
 
 from harness import hf_adapter
+from harness.accounting import AttendedFraction, KVLedger
 from harness.diagnostics import Diagnostics
-from kvcore.errors import BudgetViolation
-from kvcore.offload import Tier, TransferLedger
 from harness.profiling import SpeedSummary, Timer
-from methods.base import KVMethod, ModelInfo
+from kvcore.offload import Tier, TransferLedger
+from methods.base import KVMethod, ModelInfo, Protocol
 
 
 @dataclass(frozen=True)
@@ -30,92 +30,7 @@ class EngineSettings:
     check_budget: bool = True  # raise BudgetViolation when a layer holds more than its budget
     diagnostics_every: int = 0  # >0: fidelity diagnostics every N decode steps (shadow full cache)
     kv_offload: str = "none"  # none | cpu: the full K/V on the host tier, moved per step
-
-
-class KVLedger:
-    """KV tokens/bytes per layer, recorded at the end of each request (sample)."""
-
-    def __init__(self, info: ModelInfo):
-        self.info = info
-        self.samples: list[dict] = []
-
-    def record(self, cache: hf_adapter.MethodCache, check: bool) -> dict:
-        layers = cache.kv_layers
-        stats = [kv.stats() for kv in layers]
-        budgets = [kv.budget_tokens() for kv in layers]
-        seen = layers[0].seen_tokens
-        sample = {
-            "seen_tokens": seen,
-            "tokens_per_layer": [s["kv_tokens"] for s in stats],
-            "bytes_per_layer": [s["kv_bytes"] for s in stats],
-            "device_bytes_per_layer": [s.get("kv_bytes_device", s["kv_bytes"]) for s in stats],
-            "budget_per_layer": budgets,
-            "selected_per_layer": [s.get("selected_tokens") for s in stats],
-        }
-        if check:
-            for i, (s, b) in enumerate(zip(stats, budgets)):
-                used = s.get("selected_tokens", s["kv_tokens"])
-                what = "attends to" if "selected_tokens" in s else "holds"
-                if b is not None and used > b:
-                    raise BudgetViolation(
-                        f"layer {i} {what} {used} KV tokens but its budget is {b} "
-                        f"after {seen} tokens seen: the method does not enforce its budget")
-        self.samples.append(sample)
-        return sample
-
-    def summary(self) -> dict:
-        if not self.samples:
-            return {}
-        n = len(self.samples)
-        layers = len(self.samples[0]["tokens_per_layer"])
-        mean = lambda key, i: sum(s[key][i] for s in self.samples) / n  # noqa: E731
-        bytes_total = [sum(s["bytes_per_layer"]) for s in self.samples]
-        device_total = [sum(s["device_bytes_per_layer"]) for s in self.samples]
-        seen = [s["seen_tokens"] for s in self.samples]
-        full_bytes = [t * self.info.kv_bytes_per_token() for t in seen]
-        budgets = [s["budget_per_layer"] for s in self.samples]
-        has_budget = any(b is not None for bl in budgets for b in bl)
-        return {
-            "samples": n,
-            "seen_tokens_mean": sum(seen) / n,
-            "tokens_per_layer": [round(mean("tokens_per_layer", i), 3) for i in range(layers)],
-            "bytes_per_layer": [round(mean("bytes_per_layer", i), 1) for i in range(layers)],
-            "bytes_total": round(sum(bytes_total) / n, 1),
-            "bytes_total_max": max(bytes_total),
-            "bytes_device_total": round(sum(device_total) / n, 1),
-            "budget_tokens": ([round(sum((b[i] or 0) for b in budgets) / n, 3) for i in range(layers)]
-                              if has_budget else None),
-            "full_cache_bytes": round(sum(full_bytes) / n, 1),
-            "compression_ratio": (round(sum(full_bytes) / sum(bytes_total), 4)
-                                  if sum(bytes_total) else None),
-        }
-
-
-class AttentionDensity:
-    """Share of the causal attention entries really used at decode steps (InfiniGen's measure).
-
-    Per decode step and layer: attended tokens / tokens seen. `relative_kv_size` converts the
-    density to the fixed retain ratio with the same density, 1 - sqrt(1 - density), the x-axis of
-    the InfiniGen paper (methods.md §0.3), so per-step methods compare with fixed budgets.
-    """
-
-    def __init__(self):
-        self.attended = 0
-        self.causal = 0
-        self.fractions: list[float] = []
-
-    def add(self, attended: int, causal: int) -> None:
-        self.attended += attended
-        self.causal += causal
-        self.fractions.append(attended / causal)
-
-    def summary(self) -> dict:
-        if not self.causal:
-            return {}
-        density = self.attended / self.causal
-        return {"attention_density": round(density, 6),
-                "relative_kv_size": round(1 - (1 - min(density, 1.0)) ** 0.5, 6),
-                "attended_fraction_mean": round(sum(self.fractions) / len(self.fractions), 6)}
+    protocol: Protocol = Protocol()  # dense layers and prefill mode, the same for every method
 
 
 class Engine:
@@ -133,12 +48,13 @@ class Engine:
         self.diagnostics = Diagnostics(every) if every else None
         self.transfers = TransferLedger(info.num_layers)
         self.tier = Tier(self.device, self.transfers, offload=self.settings.kv_offload == "cpu")
-        self.density = AttentionDensity()
+        self.dense_layers = method.effective_dense_layers(info, self.settings.protocol)
+        self.attended = AttendedFraction(info.num_layers, self.dense_layers)
 
     @contextlib.contextmanager
     def request(self) -> Iterator["Request"]:
         """One sample: a fresh cache, bound for the duration, accounted when it ends."""
-        cache = hf_adapter.MethodCache(self.method, self.info, self.tier)
+        cache = hf_adapter.MethodCache(self.method, self.info, self.tier, self.settings.protocol)
         hooks = (hf_adapter.lookahead(self.model)
                  if self.method.capabilities.lookahead or self.tier.offload
                  else contextlib.nullcontext())
@@ -146,7 +62,13 @@ class Engine:
             req = Request(self, cache)
             yield req
         if req.pos > 0:
-            self.ledger.record(cache, self.settings.check_budget)
+            self.ledger.record(cache.kv_layers, self.settings.check_budget)
+
+    def prefill_chunk(self) -> int:
+        sparse = self.settings.protocol.prefill == "sparse"
+        if sparse and not self.method.capabilities.sparse_prefill_chunked:
+            return 1
+        return self.settings.prefill_chunk_tokens
 
     def speed(self) -> SpeedSummary:
         return SpeedSummary(
@@ -184,20 +106,23 @@ class Request:
         diag = engine.diagnostics
         self.shadow = diag.shadow(engine.info) if diag is not None else None
 
-    def _forward(self, ids: torch.Tensor, all_logits: bool, sample: bool = False):
-        """One forward over the method's cache; then the method evicts. With `sample`, also
-        returns the positions each layer attended (read before eviction)."""
+    def _forward(self, ids: torch.Tensor, all_logits: bool, sample: bool = False,
+                 decode: bool = False):
+        """One forward over the method's cache; then the method evicts and every layer's budget is
+        checked. With `sample`, also returns the positions each layer attended (read before
+        eviction). Only `decode` steps enter the attended-fraction accounting."""
         t = ids.shape[1]
         positions = torch.arange(self.pos, self.pos + t, device=ids.device).unsqueeze(0)
         positions = positions.expand(ids.shape[0], -1)
         logits = hf_adapter.forward(self.engine.model, ids, positions, self.cache,
                                     logits_to_keep=0 if all_logits else 1)
         attended = [kv.kept_positions().clone() for kv in self.cache.kv_layers] if sample else None
-        if t == 1:
-            for kv in self.cache.kv_layers:
-                self.engine.density.add(kv.attended_tokens(), kv.seen_tokens)
+        if decode:
+            self.engine.attended.add_step(self.cache.kv_layers)
         for kv in self.cache.kv_layers:  # eviction happens after attention has used the tokens
             kv.after_forward()
+        if self.engine.settings.check_budget:
+            self.engine.ledger.check_step(self.cache.kv_layers)
         self.pos += t
         return logits, attended
 
@@ -215,9 +140,14 @@ class Request:
         return ids.unsqueeze(0) if ids.dim() == 1 else ids
 
     def prefill(self, tokens, all_logits: bool = False) -> torch.Tensor:
-        """Feed a prompt `(B, T)` in chunks. Returns logits `(B, T, V)` or, by default, `(B, 1, V)`."""
+        """Feed a prompt `(B, T)` in chunks, then tell every layer the prompt is over. Returns
+        logits `(B, T, V)` or, by default, `(B, 1, V)`.
+
+        Protocol `prefill="sparse"`: every prompt row must attend under the method's budget, so
+        the prompt goes one token at a time (each row is then exactly a decode step of the method)
+        unless the method honours sparse rows inside a chunk itself."""
         ids = self._as_ids(tokens)
-        chunk = self.engine.settings.prefill_chunk_tokens
+        chunk = self.engine.prefill_chunk()
         outs = []
         self.engine.transfers.begin_step(decode=False)
         for start in range(0, ids.shape[1], chunk):
@@ -227,6 +157,8 @@ class Request:
             if self.shadow is not None:
                 self._shadow_forward(piece, record=False)
         self.engine.prefill_tokens += ids.numel()
+        for kv in self.cache.kv_layers:
+            kv.on_prefill_end()
         return torch.cat(outs, dim=1) if all_logits else outs[-1][:, -1:]
 
     def step(self, token) -> torch.Tensor:
@@ -236,7 +168,7 @@ class Request:
         sample = diag is not None and diag.sampled(self.decode_steps)
         self.engine.transfers.begin_step(decode=True)
         with self.engine.timer.region("decode"):
-            logits, attended = self._forward(ids, all_logits=False, sample=sample)
+            logits, attended = self._forward(ids, all_logits=False, sample=sample, decode=True)
             logits = logits.float()
         self.decode_steps += 1
         if self.shadow is not None:
@@ -300,7 +232,7 @@ class RequestSnapshot:
 
 
 _UNFORKABLE = object()
-_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, Protocol)  # immutable
 
 
 def _clone_state(value, shared: set[int]):

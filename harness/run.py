@@ -21,10 +21,14 @@ from kvcore.errors import BudgetViolation, ConfigError, OutputError, Unsupported
 from harness.loggers import LOGGERS, log_run
 from harness.projection import project
 from harness.sweep import config_hash, find_complete, multirun_job, record_status
+from methods.base import PREFILL_MODES, Protocol
 
 log = logging.getLogger("harness")
 ATTN_IMPLS = ("sdpa", "eager")
 KV_OFFLOADS = ("none", "cpu")
+ACCOUNTING = ("harness.accounting: held = bytes on every tier / full cache in the model dtype; "
+              "attended = tokens attended / tokens seen at decode steps, ratio of sums, sparse "
+              "layers = all but the effective dense layers")
 
 
 def _plain(node) -> dict[str, Any]:
@@ -63,6 +67,47 @@ def check_runner(runner: dict[str, Any]) -> None:
         positive_int("diagnostics_every_steps")
     if not isinstance(runner.get("seed"), int):
         raise ConfigError(f"runner.seed={runner.get('seed')!r} must be an integer")
+    dense = runner.get("dense_layers")
+    if dense is not None and (not isinstance(dense, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in dense)):
+        raise ConfigError(f"runner.dense_layers={dense!r} must be a list of layer indices >= 0 "
+                          "(e.g. [0,1]) or []")
+    if runner.get("prefill", "dense") not in PREFILL_MODES:
+        raise ConfigError(f"runner.prefill={runner.get('prefill')!r}; allowed: "
+                          f"{', '.join(PREFILL_MODES)}")
+
+
+def protocol_from(runner: dict[str, Any]) -> Protocol:
+    return Protocol(dense_layers=tuple(runner.get("dense_layers") or ()),
+                    prefill=runner.get("prefill", "dense"))
+
+
+def protocol_reasons(method, task, info, protocol: Protocol) -> list[str]:
+    """Method x task x protocol combinations that cannot give a real result (before weights)."""
+    caps, reasons = method.capabilities, []
+    beyond = [i for i in protocol.dense_layers if i >= info.num_layers]
+    if beyond:
+        reasons.append(f"runner.dense_layers={list(protocol.dense_layers)} names layer(s) {beyond} "
+                       f"but the model has {info.num_layers} layers")
+    if protocol.prefill not in caps.prefill_modes:
+        reasons.append(f"runner.prefill={protocol.prefill} but method={method.name} can only run "
+                       f"with runner.prefill={'|'.join(caps.prefill_modes)}")
+    phases = task.phases()
+    if (caps.needs_prefill or not caps.acts_during_decode) and "prefill" not in phases:
+        reasons.append(f"method={method.name} compresses only at prefill, but task={task.name} "
+                       "(with these options) feeds every token as a decode step: the method would "
+                       "never act")
+    return reasons
+
+
+def engine_settings(runner: dict[str, Any]):
+    from harness.engine import EngineSettings
+
+    return EngineSettings(
+        prefill_chunk_tokens=runner["prefill_chunk_tokens"], batch_size=runner["batch_size"],
+        check_budget=bool(runner.get("check_budget", True)),
+        diagnostics_every=int(runner["diagnostics_every_steps"]) if runner.get("diagnostics") else 0,
+        kv_offload=runner.get("kv_offload", "none"), protocol=protocol_from(runner))
 
 
 def _slug(text: str) -> str:
@@ -108,14 +153,15 @@ def run(cfg: DictConfig) -> Path:
     import torch
 
     from harness import hf_adapter, models
-    from harness.engine import Engine, EngineSettings
+    from harness.engine import Engine
     from harness.env import environment
     from harness.profiling import peak_memory, reset_peak_memory
     from harness.results import RunFolder, check_writable
 
     spec = models.resolve_model(model_cfg)
     info = hf_adapter.model_info(models.load_config(spec), spec.dtype)
-    reasons = method.validate(info, runner) + task.validate(info, method)
+    reasons = (method.validate(info, runner) + task.validate(info, method)
+               + protocol_reasons(method, task, info, protocol_from(runner)))
     if reasons:
         raise ConfigError("; ".join(reasons))
     task.check_data()
@@ -134,11 +180,7 @@ def run(cfg: DictConfig) -> Path:
     model, tokenizer = models.load_model(spec, runner["attn_impl"])
     prepared = hf_adapter.prepare(method, model, tokenizer, info, data_dir=models.SHARED_DIR / "data")
     handles = method.install(model)
-    engine = Engine(model, tokenizer, method, info, EngineSettings(
-        prefill_chunk_tokens=runner["prefill_chunk_tokens"], batch_size=runner["batch_size"],
-        check_budget=bool(runner.get("check_budget", True)),
-        diagnostics_every=int(runner["diagnostics_every_steps"]) if runner.get("diagnostics") else 0,
-        kv_offload=runner.get("kv_offload", "none")))
+    engine = Engine(model, tokenizer, method, info, engine_settings(runner))
     reset_peak_memory(engine.device)
     try:
         result = task.evaluate(engine)
@@ -150,7 +192,7 @@ def run(cfg: DictConfig) -> Path:
         "accuracy": result.metrics,
         "speed": engine.speed().as_dict(),
         "memory": peak_memory(engine.device),
-        "kv": {**engine.ledger.summary(), **engine.density.summary()},
+        "kv": kv_figures(engine, method),
         "transfer": {"kv_offload": runner.get("kv_offload", "none"), **engine.transfers.summary()},
         "model": {"name": spec.name, "description": spec.description, "source": spec.source,
                   "dtype": str(spec.dtype).replace("torch.", ""), "device": str(engine.device),
@@ -162,7 +204,10 @@ def run(cfg: DictConfig) -> Path:
                    "capabilities": vars(method.capabilities) if hasattr(method.capabilities, "__dict__")
                    else {}, "prepare": prepared},
         "task": {"name": task_name, "options": task.options()},
-        "protocol": {**result.protocol, "prefill_chunk_tokens": runner["prefill_chunk_tokens"],
+        "protocol": {**result.protocol, "dense_layers": list(engine.dense_layers),
+                     "dense_layers_runner": list(runner.get("dense_layers") or []),
+                     "prefill": engine.settings.protocol.prefill, "accounting": ACCOUNTING,
+                     "prefill_chunk_tokens": runner["prefill_chunk_tokens"],
                      "batch_size": runner["batch_size"], "attn_impl": runner["attn_impl"],
                      "positions": "text positions, explicit position_ids", "seed": runner["seed"]},
         "env": environment(Path(__file__).resolve().parents[1]),
@@ -204,6 +249,14 @@ def run(cfg: DictConfig) -> Path:
     return final
 
 
+def kv_figures(engine, method) -> dict[str, Any]:
+    """The one accounting (harness.accounting) of what the method held and attended."""
+    from harness.accounting import activity
+
+    kv = {**engine.ledger.summary(), **engine.attended.summary()}
+    return {**kv, **activity(method.capabilities.compresses, kv)}
+
+
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
@@ -229,6 +282,14 @@ def summary(metrics: dict[str, Any], folder: Path) -> str:
                      f"{_fmt(sum(kv['tokens_per_layer']) / len(kv['tokens_per_layer']))}"
                      + (f"; on the compute device {_fmt(kv['bytes_device_total'] / 2**20)} MiB"
                         if kv.get("bytes_device_total") != kv["bytes_total"] else ""))
+    if kv.get("attended_fraction_sparse_layers") is not None or kv.get("held_ratio") is not None:
+        proto = metrics["protocol"]
+        lines.append(f"  protocol  dense layers {proto['dense_layers'] or 'none'}, prefill "
+                     f"{proto['prefill']} | held {_fmt(kv.get('held_ratio'))} of the full cache, "
+                     f"attended {_fmt(kv.get('attended_fraction_sparse_layers'))} (sparse layers, "
+                     f"decode steps)")
+    if kv.get("method_active") is False:
+        lines.append(f"  INACTIVE  the method did not act: {kv['inactive_reason']}")
     diag = metrics.get("diagnostics")
     if diag and diag.get("steps_sampled"):
         lines.append(f"  fidelity  attention recall {_fmt(diag['attention_recall_mean'])}, "
@@ -239,6 +300,17 @@ def summary(metrics: dict[str, Any], folder: Path) -> str:
                      f"{_fmt(metrics['transfer']['exposed_ms'])} ms in total")
     lines.append(f"  written   {folder}")
     return "\n".join(lines)
+
+
+def _inactive_reason(folder: Path) -> str | None:
+    """A complete run whose method did not act is recorded as "inactive", never as plain ok."""
+    import json
+
+    try:
+        kv = json.loads((Path(folder) / "metrics.json").read_text()).get("kv", {})
+    except (OSError, ValueError):
+        return None
+    return f"{folder}: {kv.get('inactive_reason')}" if kv.get("method_active") is False else None
 
 
 def report_error(exc: BaseException, debug: bool) -> int:
@@ -264,7 +336,8 @@ def main_guarded(cfg: DictConfig) -> None:
     sweeping = multirun_job() is not None
     try:
         folder = run(cfg)
-        record_status("ok", str(folder), _overrides())
+        inactive = _inactive_reason(folder)
+        record_status("inactive" if inactive else "ok", inactive or str(folder), _overrides())
     except UnsupportedCombination as exc:
         if not sweeping:
             sys.exit(report_error(exc, debug))

@@ -96,8 +96,10 @@ class SweepSummary(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
         statuses = read_statuses(sweep_dir)
-        counts = {s: sum(1 for x in statuses if x["status"] == s) for s in ("ok", "skipped", "failed")}
+        counts = {s: sum(1 for x in statuses if x["status"] == s)
+                  for s in ("ok", "inactive", "skipped", "failed")}
         print(f"\nsweep {sweep_dir}: {len(statuses)} members, {counts['ok']} ok, "
+              f"{counts['inactive']} inactive (the method did not act), "
               f"{counts['skipped']} skipped, {counts['failed']} failed")
         for s in statuses:
             if s["status"] != "ok":

@@ -44,6 +44,11 @@ class Task:
         """Reasons this task cannot run with this model/method (checked before weights load)."""
         return []
 
+    def phases(self) -> frozenset[str]:
+        """The engine phases this task's tokens go through ("prefill": prompts; "decode": one
+        token at a time), so the runner refuses a method that would never act on it."""
+        return frozenset({"prefill", "decode"})
+
     def check_data(self) -> None:
         """Check that data files exist and are readable (before weights load); raise ConfigError."""
 

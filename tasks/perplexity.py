@@ -71,6 +71,10 @@ class Perplexity(Task):
                     f"({info.max_positions}); lower it (the text is not truncated for you)"]
         return []
 
+    def phases(self) -> frozenset[str]:
+        # streaming feeds every token as a decode step; chunked prefills each window with all logits
+        return frozenset({"decode"} if self.mode == "streaming" else {"prefill"})
+
     def check_data(self) -> None:
         self._text = load_text(self.dataset, self.path, self.data_dir)
 

@@ -43,7 +43,8 @@ DEFAULT_MAX_GEN_TOKS = 256  # as HFLM
 # model_args consumed by the model group (the rest are LM options or method hyperparameters)
 MODEL_KEYS = ("name_or_path", "path", "dtype", "cache_dir")
 LM_KEYS = ("method", "scoring", "prefill_chunk_tokens", "attn_impl", "max_length", "max_gen_toks",
-           "check_budget", "threads", "share_context", "batch_size", "max_batch_size", "device")
+           "check_budget", "threads", "share_context", "batch_size", "max_batch_size", "device",
+           "runner_dense_layers", "runner_prefill")
 
 
 def parse_value(value: Any) -> Any:
@@ -105,13 +106,15 @@ def _model_device(device: str | None) -> str:
 def build_engine(model: str, method: str = "full", prefill_chunk_tokens: int = 512,
                  attn_impl: str = "sdpa", check_budget: bool = True, device: str | None = None,
                  threads: int | None = None, model_options: dict[str, Any] | None = None,
-                 method_options: dict[str, Any] | None = None):
+                 method_options: dict[str, Any] | None = None, dense_layers: Any = None,
+                 prefill: str = "dense"):
     """Load a model and a KV method into an Engine, as the runner does (validation first).
 
     Returns (engine, the method's hook handles, the model's description)."""
     from harness import hf_adapter, models
-    from harness.engine import Engine, EngineSettings
-    from harness.run import ATTN_IMPLS
+    from harness.engine import Engine
+    from harness.run import (ATTN_IMPLS, check_runner, engine_settings, protocol_from,
+                             protocol_reasons)
     from methods import build_method
 
     if attn_impl not in ATTN_IMPLS:
@@ -120,9 +123,12 @@ def build_engine(model: str, method: str = "full", prefill_chunk_tokens: int = 5
     spec = models.resolve_model({"name": model, "device": _model_device(device),
                                  **(model_options or {})})
     info = hf_adapter.model_info(models.load_config(spec), spec.dtype)
-    runner = {"batch_size": 1, "prefill_chunk_tokens": prefill_chunk_tokens,
-              "attn_impl": attn_impl}
-    reasons = kv_method.validate(info, runner)
+    runner = {"batch_size": 1, "prefill_chunk_tokens": prefill_chunk_tokens, "seed": 0,
+              "attn_impl": attn_impl, "check_budget": check_budget,
+              "dense_layers": _layer_list(dense_layers), "prefill": prefill}
+    check_runner(runner)
+    reasons = kv_method.validate(info, runner) + protocol_reasons(
+        kv_method, _LoglikelihoodTask(), info, protocol_from(runner))
     if reasons:
         raise ConfigError("; ".join(reasons))
     if threads:
@@ -130,9 +136,35 @@ def build_engine(model: str, method: str = "full", prefill_chunk_tokens: int = 5
     loaded, tokenizer = models.load_model(spec, attn_impl)
     hf_adapter.prepare(kv_method, loaded, tokenizer, info, data_dir=models.SHARED_DIR / "data")
     handles = kv_method.install(loaded)
-    engine = Engine(loaded, tokenizer, kv_method, info, EngineSettings(
-        prefill_chunk_tokens=prefill_chunk_tokens, batch_size=1, check_budget=check_budget))
+    engine = Engine(loaded, tokenizer, kv_method, info, engine_settings(runner))
     return engine, handles, spec.description
+
+
+class _LoglikelihoodTask:
+    """lm-eval's requests prefill a context, then score or generate token by token."""
+
+    name = "lm_eval"
+
+    def phases(self) -> frozenset[str]:
+        return frozenset({"prefill", "decode"})
+
+
+def _layer_list(value: Any) -> list[int]:
+    """runner_dense_layers from model_args ("0;1": lm-eval splits model_args on commas)."""
+    if value is None or value == "":
+        return []
+    if isinstance(value, int) and not isinstance(value, bool):
+        return [value]
+    if isinstance(value, str):
+        try:
+            return [int(v) for v in value.replace(";", " ").split()]
+        except ValueError:
+            raise ConfigError(f"kvharness runner_dense_layers={value!r} must be layer indices "
+                              "separated by ';' (e.g. runner_dense_layers=0;1)") from None
+    if isinstance(value, (list, tuple)):
+        return list(value)
+    raise ConfigError(f"kvharness runner_dense_layers={value!r} must be layer indices separated "
+                      "by ';'")
 
 
 @register_model("kvharness")
@@ -145,12 +177,15 @@ class KVHarnessLM(TemplateLM):
                  max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, check_budget: bool = True,
                  threads: int | None = None, share_context: bool = True,
                  batch_size: int | str | None = 1, max_batch_size: int | None = None,
-                 device: str | None = None, **options: Any):
+                 device: str | None = None, runner_dense_layers: Any = None,
+                 runner_prefill: str = "dense", **options: Any):
         """`engine`: an existing Engine (model, tokenizer and KV method fixed by it), or None to
         load one from `model` (+ name_or_path, path, dtype, cache_dir), `method` (default full)
         and the method's hyperparameters (any other keyword), as lm-eval's --model_args give
         them. `scoring`: chunked | stepwise (see the module docstring). `share_context`: one
-        context prefill per group of requests with the same context (results are identical)."""
+        context prefill per group of requests with the same context (results are identical).
+        `runner_dense_layers` ("0;1") and `runner_prefill` (dense | sparse) are the run protocol,
+        as runner.dense_layers / runner.prefill of the runner."""
         super().__init__()
         _check_batch(batch_size, max_batch_size)
         scoring = parse_value(scoring)
@@ -174,7 +209,7 @@ class KVHarnessLM(TemplateLM):
                 _positive_int("prefill_chunk_tokens", parse_value(prefill_chunk_tokens)),
                 str(parse_value(attn_impl)), bool(parse_value(check_budget)), device,
                 _positive_int("threads", parse_value(threads), allow_none=True),
-                model_options, options)
+                model_options, options, runner_dense_layers, str(parse_value(runner_prefill)))
         elif model is not None or method is not None or options:
             extra = [k for k, v in (("model", model), ("method", method)) if v is not None]
             raise ConfigError(f"kvharness: {', '.join(extra + sorted(options))} given together "
@@ -332,7 +367,7 @@ class KVHarnessLM(TemplateLM):
             snapshot = self._snapshot(req)
             for j, continuation in enumerate(continuations if snapshot else continuations[:1]):
                 if j > 0:  # account the finished continuation as its own sample, then rewind
-                    engine.ledger.record(req.cache, engine.settings.check_budget)
+                    engine.ledger.record(req.cache.kv_layers, engine.settings.check_budget)
                     req.restore(snapshot, consume=j == len(continuations) - 1)
                 out.append(torch.cat([first] + self._continue(req, continuation)))
         if snapshot is None:  # the method's state cannot be snapshotted: prefill again

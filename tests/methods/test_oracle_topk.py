@@ -18,9 +18,11 @@ def test_selects_the_exact_top_k_and_nothing_else(tiny_model):
             assert layer.selected_count == 7 and layer.selected.shape == (1, 2, 7)
     assert engine.ledger.samples[-1]["selected_per_layer"] == [7, 7]
     assert engine.ledger.samples[-1]["tokens_per_layer"] == [50, 50]  # nothing evicted
-    # density counts what was attended: 7 of T at each of the 20 decode steps, both layers
-    expected = sum(7 / t for t in range(31, 51)) / 20
-    assert abs(engine.density.summary()["attended_fraction_mean"] - expected) < 1e-6
+    # the attended fraction counts what was attended: 7 of T at each of the 20 decode steps
+    expected = 7 * 20 / sum(range(31, 51))
+    summary = engine.attended.summary()
+    assert abs(summary["attended_fraction_all_layers"] - expected) < 1e-6
+    assert summary["attended_fraction_per_layer"] == [round(expected, 6)] * 2
 
 
 def test_attention_matches_manual_topk(tiny_model, monkeypatch):
