@@ -4,7 +4,8 @@
 
 Reads only `metrics.json` files (a run *is* its folder). Writes `report.md`, `report.csv` and
 PNG plots into --out (default `<first dir>/_report`):
-  * accuracy_vs_kv_size.png   task metric vs relative KV size, one line per method (Fig. 11 view)
+  * accuracy_vs_kv_held.png   task metric vs KV held (bytes on every tier / full cache), per variant
+  * accuracy_vs_attended.png  task metric vs attended fraction (sparse layers, decode steps)
   * decode_ms_vs_context.png  decode ms/token vs context length, per method
   * nll_curve.png             streaming NLL per block over tokens, per run
   * bytes_per_step.png        host->device bytes per decode step, per run
@@ -24,16 +25,18 @@ from typing import Any
 
 from harness.results import write_text_atomic
 
-COLUMNS = ["run", "model", "method", "budget", "task", "metric", "value", "relative_kv_size",
-           "decode_tok_s", "decode_ms", "kv_bytes", "bytes_per_step"]
+COLUMNS = ["run", "model", "method", "budget", "protocol", "task", "metric", "value", "active",
+           "kv_held", "attended_fraction", "paper_relative_kv_size", "decode_tok_s", "decode_ms",
+           "kv_bytes", "bytes_per_step"]
+# The two axes, both defined once in harness.accounting and computed the same way for every run.
+AXES = {"kv_held": ("accuracy_vs_kv_held.png",
+                    "KV held (bytes on every tier / full cache in the model dtype)"),
+        "attended_fraction": ("accuracy_vs_attended.png",
+                              "attended fraction (sparse layers, decode steps)")}
 # Main metric per task, and whether higher is better (the first scalar found is used otherwise).
 MAIN_METRIC = {"perplexity": ("ppl", False), "longbench": ("average", True),
                "ruler": ("average", True), "xsum": ("rougeL", True),
                "multiturn": ("accuracy", True), "lm_eval": ("acc_mean", True)}
-BUDGET_KEYS = ("budget_ratio", "budget_tokens", "window_tokens", "sink_tokens", "alpha",
-               "k_bits", "v_bits", "pool_capacity", "skewing", "mode")
-# Knobs that move a method along the KV-size axis; the others name separate curves (variants).
-AXIS_KEYS = {"budget_ratio", "budget_tokens", "window_tokens", "alpha", "k_bits", "v_bits"}
 
 
 def find_runs(patterns: list[str]) -> list[Path]:
@@ -52,15 +55,24 @@ def find_runs(patterns: list[str]) -> list[Path]:
     return sorted(files)
 
 
-def budget_label(hyper: dict[str, Any]) -> str:
-    return " ".join(f"{k}={hyper[k]}" for k in BUDGET_KEYS if hyper.get(k) is not None)
+def _knobs(method: dict[str, Any], group: str) -> str:
+    """The method's own declaration (metrics.json method.axis_keys / variant_keys) of which knobs
+    move it along an axis and which name a variant: the report names no method's knobs."""
+    hyper = method.get("hyperparameters", {})
+    return " ".join(f"{k}={hyper[k]}" for k in method.get(group, []) if hyper.get(k) is not None)
 
 
-def series_label(method: str, hyper: dict[str, Any]) -> str:
-    """One curve per method variant: the method plus its non-axis knobs (e.g. sink_tokens=0)."""
-    variant = " ".join(f"{k}={hyper[k]}" for k in BUDGET_KEYS
-                       if k not in AXIS_KEYS and hyper.get(k) is not None)
-    return f"{method} {variant}".strip()
+def protocol_label(metrics: dict) -> str:
+    proto = metrics.get("protocol", {})
+    dense = proto.get("dense_layers")
+    return f"dense={dense if dense else '[]'} prefill={proto.get('prefill', '?')}"
+
+
+def series_label(metrics: dict) -> str:
+    """One curve per method variant and protocol: points of different protocols never join."""
+    method = metrics["method"]
+    return f"{method['name']} {_knobs(method, 'variant_keys')} [{protocol_label(metrics)}]".replace(
+        "  ", " ")
 
 
 def main_metric(metrics: dict) -> tuple[str, float | None]:
@@ -74,15 +86,10 @@ def main_metric(metrics: dict) -> tuple[str, float | None]:
     return "", None
 
 
-def relative_kv_size(metrics: dict) -> float | None:
-    """InfiniGen's density-based size when the method attends to a subset; else bytes held vs
-    the full cache (quantization, eviction)."""
-    kv = metrics.get("kv", {})
-    by_bytes = (1 / kv["compression_ratio"]) if kv.get("compression_ratio") else None
-    density = kv.get("relative_kv_size")
-    if density is not None and density < 0.999:
-        return min(density, by_bytes) if by_bytes is not None else density
-    return by_bytes
+def kv_held(kv: dict) -> float | None:
+    if kv.get("held_ratio") is not None:
+        return kv["held_ratio"]
+    return 1 / kv["compression_ratio"] if kv.get("compression_ratio") else None  # same definition
 
 
 def row(path: Path, metrics: dict, root: Path | None) -> dict[str, Any]:
@@ -91,10 +98,13 @@ def row(path: Path, metrics: dict, root: Path | None) -> dict[str, Any]:
     return {
         "run": str(path.parent.relative_to(root)) if root and root in path.parents else str(path.parent),
         "model": metrics["model"]["name"], "method": metrics["method"]["name"],
-        "budget": budget_label(metrics["method"].get("hyperparameters", {})),
-        "series": series_label(metrics["method"]["name"], metrics["method"].get("hyperparameters", {})),
+        "budget": " ".join(filter(None, (_knobs(metrics["method"], "axis_keys"),
+                                         _knobs(metrics["method"], "variant_keys")))),
+        "protocol": protocol_label(metrics), "series": series_label(metrics),
         "task": metrics["task"]["name"], "metric": name, "value": value,
-        "relative_kv_size": relative_kv_size(metrics),
+        "active": {True: "yes", False: "INACTIVE", None: "reference"}.get(kv.get("method_active")),
+        "kv_held": kv_held(kv), "attended_fraction": kv.get("attended_fraction_sparse_layers"),
+        "paper_relative_kv_size": kv.get("paper_relative_kv_size"),
         "decode_tok_s": speed.get("decode_tokens_per_s"),
         "decode_ms": speed.get("decode_ms_per_token_median"),
         "kv_bytes": kv.get("bytes_total"), "bytes_per_step": transfer.get("bytes_per_decode_step"),
@@ -129,30 +139,36 @@ def _save(fig, path: Path) -> None:
     tmp.replace(path)
 
 
+def _accuracy_plot(plt, rows: list[dict], axis: str, out: Path) -> Path | None:
+    """Task metric vs one named axis, one curve per method variant and protocol."""
+    filename, xlabel = AXES[axis]
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["value"] is not None and r[axis] is not None:
+            groups.setdefault((r["task"], r["model"], r["metric"]), []).append(r)
+    if not groups:
+        return None
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)
+    for ax, ((task, model, metric), rs) in zip(axes[0], sorted(groups.items())):
+        for series in sorted({r["series"] for r in rs}):
+            pts = sorted((r[axis], r["value"]) for r in rs if r["series"] == series)
+            inactive = any(r["active"] == "INACTIVE" for r in rs if r["series"] == series)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-" if not inactive else "x:",
+                    label=series + (" (INACTIVE runs)" if inactive else ""))
+        ax.set(title=f"{task} on {model}", xlabel=xlabel, ylabel=metric)
+        ax.legend(fontsize=7)
+    _save(fig, out / filename)
+    plt.close(fig)
+    return out / filename
+
+
 def plots(rows: list[dict], out: Path) -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    made = []
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        if r["value"] is not None and r["relative_kv_size"] is not None:
-            groups.setdefault((r["task"], r["model"], r["metric"]), []).append(r)
-    if groups:
-        fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)
-        for ax, ((task, model, metric), rs) in zip(axes[0], sorted(groups.items())):
-            for series in sorted({r["series"] for r in rs}):
-                pts = sorted((r["relative_kv_size"], r["value"]) for r in rs if r["series"] == series)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=series)
-            ax.set(title=f"{task} on {model}", xlabel="relative KV size (1 = full cache)",
-                   ylabel=metric)
-            ax.legend(fontsize=8)
-        _save(fig, out / "accuracy_vs_kv_size.png")
-        plt.close(fig)
-        made.append(out / "accuracy_vs_kv_size.png")
-
+    made = [path for axis in AXES if (path := _accuracy_plot(plt, rows, axis, out))]
     timed = [r for r in rows if r["decode_ms"] is not None]
     if timed:
         fig, ax = plt.subplots(figsize=(6, 4.5))

@@ -178,7 +178,8 @@ def run(cfg: DictConfig) -> Path:
     seed_everything(int(runner["seed"]))
     log.info("loading %s", spec.description)
     model, tokenizer = models.load_model(spec, runner["attn_impl"])
-    prepared = hf_adapter.prepare(method, model, tokenizer, info, data_dir=models.SHARED_DIR / "data")
+    prepared = (hf_adapter.prepare(method, model, tokenizer, info, data_dir=models.SHARED_DIR / "data")
+                if method.capabilities.needs_prepare else {})
     handles = method.install(model)
     engine = Engine(model, tokenizer, method, info, engine_settings(runner))
     reset_peak_memory(engine.device)
@@ -201,12 +202,16 @@ def run(cfg: DictConfig) -> Path:
                   "max_positions": info.max_positions,
                   "parameters": sum(p.numel() for p in model.parameters())},
         "method": {"name": method_name, "hyperparameters": method.hyperparameters(),
+                   "axis_keys": list(method.axis_keys), "variant_keys": list(method.variant_keys),
                    "capabilities": vars(method.capabilities) if hasattr(method.capabilities, "__dict__")
                    else {}, "prepare": prepared},
         "task": {"name": task_name, "options": task.options()},
         "protocol": {**result.protocol, "dense_layers": list(engine.dense_layers),
                      "dense_layers_runner": list(runner.get("dense_layers") or []),
                      "prefill": engine.settings.protocol.prefill, "accounting": ACCOUNTING,
+                     "attention_kernel": ("the method's own eager attention with probabilities "
+                                          "(needs_attn_scores)" if method.capabilities.needs_attn_scores
+                                          else runner["attn_impl"]),
                      "prefill_chunk_tokens": runner["prefill_chunk_tokens"],
                      "batch_size": runner["batch_size"], "attn_impl": runner["attn_impl"],
                      "positions": "text positions, explicit position_ids", "seed": runner["seed"]},

@@ -210,6 +210,10 @@ class KVMethod:
 
     name: ClassVar[str]
     capabilities: ClassVar[Capabilities] = Capabilities()
+    # Which knobs move the method along a size axis, and which name a separate variant (curve):
+    # recorded in metrics.json so reports and gates never name a method's knobs themselves.
+    axis_keys: ClassVar[tuple[str, ...]] = ("budget_ratio", "budget_tokens")
+    variant_keys: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         for reason in self.check_hyperparameters():

@@ -37,7 +37,8 @@ from methods.rope import rotate
 @dataclass(kw_only=True)
 class StreamingLLM(KVMethod):
     name: ClassVar[str] = "streaming_llm"
-    capabilities: ClassVar[Capabilities] = Capabilities(needs_rope=True, bounds_positions=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(needs_rope=True, bounds_positions=True,
+                                                        needs_prepare=True)
     sink_tokens: int = 4
     window_tokens: int | None = 508
     budget_ratio: float | None = None

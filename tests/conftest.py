@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random GQA Llamas built in code, stories260K and SmolLM2 (offline)."""
 
+import dataclasses
 import os
 
 # Before torch/triton load: passive OpenMP waits (2-core machines), Triton kernels run in the
@@ -57,12 +58,15 @@ def smollm2():
     return models.load_model(spec)
 
 
-def make_engine(model, method, tokenizer=None, chunk=512, check_budget=True) -> Engine:
+def make_engine(model, method, tokenizer=None, chunk=512, check_budget=True,
+                protocol=None) -> Engine:
     """An engine as the runner builds it (prepare() included), for tests."""
     info = hf_adapter.model_info(model.config)
     hf_adapter.prepare(method, model, tokenizer, info, data_dir=DATA)
-    return Engine(model, tokenizer, method, info,
-                  EngineSettings(prefill_chunk_tokens=chunk, check_budget=check_budget))
+    settings = EngineSettings(prefill_chunk_tokens=chunk, check_budget=check_budget)
+    if protocol is not None:
+        settings = dataclasses.replace(settings, protocol=protocol)
+    return Engine(model, tokenizer, method, info, settings)
 
 
 @pytest.fixture

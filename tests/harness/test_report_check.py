@@ -9,8 +9,9 @@ from harness import check, report
 
 
 def fake_run(root: Path, method: str, ppl: float, tok_s: float, budget=None, started="2026-11-29T10:00:00",
-             task="perplexity", extra_acc=None, density=None) -> Path:
-    folder = root / task / "stories260k" / method / f"{method}-{budget}-{started[11:13]}"
+             task="perplexity", extra_acc=None, density=None, dense_layers=()) -> Path:
+    folder = (root / task / "stories260k" / method
+              / f"{method}-{budget}-{started[11:13]}-{len(dense_layers)}")
     folder.mkdir(parents=True)
     hyper = {} if budget is None else {"budget_ratio": budget}
     metrics = {
@@ -18,9 +19,12 @@ def fake_run(root: Path, method: str, ppl: float, tok_s: float, budget=None, sta
                      **(extra_acc or {})},
         "speed": {"decode_tokens_per_s": tok_s, "decode_ms_per_token_median": 1000 / tok_s},
         "kv": {"compression_ratio": 1 / (budget or 1.0), "bytes_total": 1000.0 * (budget or 1.0),
-               "seen_tokens_mean": 300.0, **({"relative_kv_size": density} if density else {})},
+               "held_ratio": budget or 1.0, "seen_tokens_mean": 300.0,
+               "attended_fraction_sparse_layers": density},
+        "protocol": {"dense_layers": list(dense_layers), "prefill": "dense"},
         "transfer": {"bytes_per_decode_step": 500.0 * (budget or 1.0)},
-        "model": {"name": "stories260k"}, "method": {"name": method, "hyperparameters": hyper},
+        "model": {"name": "stories260k"}, "method": {"name": method, "hyperparameters": hyper,
+                                                      "axis_keys": ["budget_ratio"], "variant_keys": []},
         "task": {"name": task}, "run": {"started": started},
     }
     (folder / "metrics.json").write_text(json.dumps(metrics))
@@ -30,8 +34,8 @@ def fake_run(root: Path, method: str, ppl: float, tok_s: float, budget=None, sta
 @pytest.fixture
 def tree(tmp_path):
     fake_run(tmp_path, "full", 50.0, 100.0)
-    fake_run(tmp_path, "h2o", 55.0, 90.0, budget=0.2)
-    fake_run(tmp_path, "h2o", 52.0, 85.0, budget=0.5)
+    fake_run(tmp_path, "h2o", 55.0, 90.0, budget=0.2, density=0.21)
+    fake_run(tmp_path, "h2o", 52.0, 85.0, budget=0.5, density=0.51)
     grid = {"depths": [0, 50, 100], "lengths": [256, 512], "accuracy": [[100, 0], [50, None], [0, 100]]}
     fake_run(tmp_path, "full", 0.0, 100.0, task="ruler", extra_acc={"average": 40.0,
                                                                     "niah_single_grid": grid})
@@ -42,15 +46,26 @@ def test_report_table_values_and_plots(tree, tmp_path):
     rows, out, made = report.build_report([str(tree)], tmp_path / "out")
     h2o = [r for r in rows if r["method"] == "h2o" and r["task"] == "perplexity"]
     assert sorted(r["value"] for r in h2o) == [52.0, 55.0]
-    assert sorted(round(r["relative_kv_size"], 3) for r in h2o) == [0.2, 0.5]
+    assert sorted(r["kv_held"] for r in h2o) == [0.2, 0.5]
+    assert sorted(r["attended_fraction"] for r in h2o) == [0.21, 0.51]
     csv_text = (out / "report.csv").read_text()
-    assert csv_text.splitlines()[0].startswith("run,model,method,budget,task,metric,value")
+    assert csv_text.splitlines()[0].startswith("run,model,method,budget,protocol,task,metric,value")
     assert "budget_ratio=0.2" in (out / "report.md").read_text()
     names = {p.name for p in made}
-    assert names == {"accuracy_vs_kv_size.png", "decode_ms_vs_context.png", "nll_curve.png",
-                     "bytes_per_step.png", "ruler_heatmap.png"}
+    assert names == {"accuracy_vs_kv_held.png", "accuracy_vs_attended.png",
+                     "decode_ms_vs_context.png", "nll_curve.png", "bytes_per_step.png",
+                     "ruler_heatmap.png"}
     for p in made:
         assert p.stat().st_size > 5000 and p.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_curves_never_join_runs_of_different_protocols(tmp_path):
+    """The same method and budget under other dense layers is another curve, labelled so."""
+    fake_run(tmp_path, "h2o", 55.0, 90.0, budget=0.2, density=0.21)
+    fake_run(tmp_path, "h2o", 50.0, 90.0, budget=0.2, density=0.21, dense_layers=(0, 1))
+    rows, _, _ = report.build_report([str(tmp_path)], tmp_path / "out")
+    assert sorted(r["series"] for r in rows) == ["h2o [dense=[0, 1] prefill=dense]",
+                                                 "h2o [dense=[] prefill=dense]"]
 
 
 THRESHOLDS = """

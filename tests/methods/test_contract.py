@@ -37,6 +37,24 @@ def test_every_method_has_yaml_and_test():
         build_method(name, **conf)  # the defaults are valid
 
 
+def test_declared_capabilities_match_the_code():
+    """Capabilities are read by the runner, so they must be true: a method with its own
+    `prepare` declares needs_prepare (the runner skips prepare otherwise), one that keeps the
+    full cache as a reference declares compresses=False, every prefill mode is a known one."""
+    from methods.base import PREFILL_MODES, KVMethod
+
+    for name in METHODS:
+        cls = method_class(name)
+        caps = cls.capabilities
+        assert (cls.prepare is not KVMethod.prepare) == caps.needs_prepare, name
+        assert set(caps.prefill_modes) <= set(PREFILL_MODES) and caps.prefill_modes, name
+        if caps.needs_prefill:
+            assert not caps.acts_during_decode, name
+        fields = set(cls.hyperparameter_names())
+        assert set(cls.axis_keys) | set(cls.variant_keys) <= fields | {"budget_ratio",
+                                                                       "budget_tokens"}, name
+
+
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("which", ["tiny", "stories"])
 @pytest.mark.parametrize("name", METHODS)
