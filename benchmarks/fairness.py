@@ -65,6 +65,8 @@ def main() -> None:
     for name in names:
         rows[name] = run_one(common, [f"method={name}", f"method.budget_ratio={args.budget_ratio}"])
     oracles: dict[float, dict] = {}
+    if "oracle_topk" in rows:  # the oracle's own run is the oracle at its density
+        oracles[rows["oracle_topk"]["kv"]["attended_fraction_sparse_layers"]] = rows["oracle_topk"]
     for metrics in [m for n, m in rows.items() if n != "full"]:
         f = metrics["kv"]["attended_fraction_sparse_layers"]
         near = [k for k in oracles if abs(k - f) <= MATCH_TOLERANCE / 2]
