@@ -44,6 +44,12 @@ class Task:
         """Reasons this task cannot run with this model/method (checked before weights load)."""
         return []
 
+    def check_prompts(self, tokenizer, info: ModelInfo, method: KVMethod) -> list[str]:
+        """Reasons the prompts cannot be built (too short for their parts, ...), found with the
+        tokenizer alone, before weights load. The runner loads the tokenizer only for tasks
+        that override this."""
+        return []
+
     def check_data(self) -> None:
         """Check that data files exist and are readable (before weights load); raise ConfigError."""
 
