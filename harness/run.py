@@ -218,9 +218,11 @@ def run(cfg: DictConfig) -> Path:
         folder.abandon()
         raise
     print(summary(metrics, final))
-    if metrics.get("logger", {}).get("mode") == "offline":  # wandb's own hint names the staging
-        print(f"wandb: offline run in {metrics['logger']['dir']}; upload it with: "
-              f"wandb sync {metrics['logger']['dir']}")
+    logged = metrics.get("logger", {})
+    if logged.get("mode") == "offline":
+        print(f"wandb: offline run in {logged['dir']}; upload it with: wandb sync {logged['dir']}")
+    elif logged.get("url"):
+        print(f"wandb: {logged['url']}")
     return final
 
 

@@ -179,6 +179,13 @@ class SweepSummary(Callback):
     non-zero if any member failed."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            self._start(config)
+        except ConfigError as exc:  # Hydra turns a callback's Exception into a warning and goes on
+            print(f"error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    def _start(self, config: DictConfig) -> None:
         task_overrides = list(config.hydra.overrides.task)
         pinned = OmegaConf.select(config, "runner.output_dir") or any(
             o.split("=", 1)[0].lstrip("+~") == "runner.output_dir" for o in task_overrides)
@@ -221,7 +228,8 @@ class SweepSummary(Callback):
               f"{counts['skipped']} skipped, {counts['failed']} failed")
         for s in statuses:
             if s["status"] != "ok":
-                print(f"  [{s['status']}] #{s['job']} {' '.join(s.get('overrides', []))}: {s['detail']}")
+                job = f"#{s['job']} " if isinstance(s["job"], int) else ""
+                print(f"  [{s['status']}] {job}{' '.join(s.get('overrides', []))}: {s['detail']}")
         write_json_atomic(sweep_dir / "summary.json", {"counts": counts, "members": statuses})
         if counts["failed"]:
             sys.exit(1)
