@@ -15,6 +15,7 @@ def fake_run(root: Path, method: str, ppl: float, tok_s: float, budget=None, sta
     folder.mkdir(parents=True)
     hyper = {} if budget is None else {"budget_ratio": budget}
     metrics = {
+        "schema_version": 1,
         "accuracy": {"ppl": ppl, "nll_per_block": [4.0, 3.9, 3.8], "block_tokens": 100,
                      **(extra_acc or {})},
         "speed": {"decode_tokens_per_s": tok_s, "decode_ms_per_token_median": 1000 / tok_s},
@@ -23,9 +24,12 @@ def fake_run(root: Path, method: str, ppl: float, tok_s: float, budget=None, sta
                "attended_fraction_sparse_layers": density},
         "protocol": {"dense_layers": list(dense_layers), "prefill": "dense"},
         "transfer": {"bytes_per_decode_step": 500.0 * (budget or 1.0)},
+        "memory": {}, "env": {},
         "model": {"name": "stories260k"}, "method": {"name": method, "hyperparameters": hyper,
                                                       "axis_keys": ["budget_ratio"], "variant_keys": []},
-        "task": {"name": task}, "run": {"started": started},
+        "task": {"name": task, "options": {}},
+        "run": {"started": started, "config_hash": f"{method}{budget}{started}{dense_layers}",
+                "status": "ok"},
     }
     (folder / "metrics.json").write_text(json.dumps(metrics))
     return folder
