@@ -45,7 +45,7 @@ def _number(value: Any) -> bool:
 
 def _entry_problem(e: Any) -> str:
     if not isinstance(e, dict):
-        return f"is a {type(e).__name__}, not a mapping"
+        return f"must be a mapping (got {e!r})"
     unknown = sorted(str(k) for k in e if k not in ALLOWED)
     if unknown:
         return f"has unknown key {unknown[0]!r}; allowed: {', '.join(ALLOWED)}"

@@ -226,8 +226,8 @@ class SweepSummary(Callback):
         counts = {s: sum(1 for x in statuses if x["status"] == s)
                   for s in ("ok", "inactive", "skipped", "failed")}
         print(f"\nsweep {sweep_dir}: {len(statuses)} members, {counts['ok']} ok, "
-              f"{counts['inactive']} inactive (the method did not act), "
-              f"{counts['skipped']} skipped, {counts['failed']} failed")
+              f"{counts['skipped']} skipped, {counts['failed']} failed, "
+              f"{counts['inactive']} inactive (complete, but the method did not act)")
         for s in statuses:
             if s["status"] != "ok":
                 job = f"#{s['job']} " if isinstance(s["job"], int) else ""
