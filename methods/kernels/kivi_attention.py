@@ -67,10 +67,20 @@ class KIVICache(NamedTuple):
         return self.quantized_key_tokens() + self.k_res.shape[-2]
 
 
-def _unpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Packed uint8 `(..., n_bytes)` -> codes `(..., n_bytes * 8 / bits)` as uint8."""
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-    return ((codes[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)
+_UNPACK_TABLES: dict[tuple, torch.Tensor] = {}
+
+
+def _unpack(codes: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """Packed uint8 `(..., n_bytes)` -> code values `(..., n_bytes * 8 / bits)` in `dtype`.
+
+    One table lookup per byte (a 256-row table of its 8/bits codes): on CPU this is one pass,
+    several times faster than shifting and masking a broadcast uint8 tensor."""
+    key = (bits, dtype, codes.device)
+    if key not in _UNPACK_TABLES:
+        shifts = torch.arange(0, 8, bits, device=codes.device)
+        table = (torch.arange(256, device=codes.device)[:, None] >> shifts) & ((1 << bits) - 1)
+        _UNPACK_TABLES[key] = table.to(dtype)  # (256, 8 / bits)
+    return torch.nn.functional.embedding(codes.int(), _UNPACK_TABLES[key]).flatten(-2)
 
 
 def _dequant_block(q: Quantized, bits: int, group: int, start: int, end: int, axis_tokens_last: bool,
@@ -84,10 +94,8 @@ def _dequant_block(q: Quantized, bits: int, group: int, start: int, end: int, ax
         zero = q.zero[..., start // group: end // group]
     else:  # values: whole token rows
         codes, scale, zero = (t[..., start:end, :] for t in q)
-    x = _unpack(codes, bits).to(dtype)
-    x = x.unflatten(-1, (-1, group))  # (..., n_groups, group)
-    x = torch.addcmul(zero.to(dtype)[..., None], x, scale.to(dtype)[..., None])
-    return x.flatten(-2)
+    x = _unpack(codes, bits, dtype).unflatten(-1, (-1, group))  # (..., n_groups, group)
+    return torch.addcmul(zero.to(dtype)[..., None], x, scale.to(dtype)[..., None]).flatten(-2)
 
 
 def decode_attention_torch(query: torch.Tensor, cache: KIVICache, scaling: float,
