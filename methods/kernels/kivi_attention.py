@@ -205,8 +205,9 @@ def _splits(bh: int, tokens: int, block_t: int, device: torch.device) -> int:
 
 
 def decode_attention_triton(query: torch.Tensor, cache: KIVICache, scaling: float,
-                            splits: int | None = None, block_t: int = 32) -> torch.Tensor:
-    """Fused kernel: `query (B, H_q, 1, D)` -> `(B, H_q, 1, D)`."""
+                            splits: int | None = None, block_t: int | None = None) -> torch.Tensor:
+    """Fused kernel: `query (B, H_q, 1, D)` -> `(B, H_q, 1, D)`. A tile holds g x D x BLOCK_T
+    products in registers, so BLOCK_T shrinks as heads per group and head_dim grow."""
     b, hq, _, d = query.shape
     h = cache.k_res.shape[1]
     g = hq // h
@@ -224,10 +225,11 @@ def decode_attention_triton(query: torch.Tensor, cache: KIVICache, scaling: floa
     q = query.reshape(b, hq, d)
     if q.stride(-1) != 1:
         q = q.contiguous()
+    g_p2, d_p2 = triton.next_power_of_2(g), triton.next_power_of_2(d)
+    block_t = block_t or max(16, min(64, 8192 // (g_p2 * d_p2)))
     splits = splits or _splits(b * h, t, block_t, query.device)
     per_split = triton.cdiv(triton.cdiv(t, splits), block_t) * block_t
     splits = triton.cdiv(t, per_split)
-    g_p2, d_p2 = triton.next_power_of_2(g), triton.next_power_of_2(d)
     m = torch.empty(b * h, splits, g_p2, dtype=torch.float32, device=query.device)
     l_sum = torch.empty_like(m)
     acc = torch.empty(b * h, splits, g_p2, d_p2, dtype=torch.float32, device=query.device)
