@@ -122,22 +122,50 @@ class KVLayer:
         self.layer_idx = layer_idx
         self.info = info
         self.seen_tokens = 0
-        self.keys: torch.Tensor | None = None  # (B, H_kv, T, D)
-        self.values: torch.Tensor | None = None  # (B, H_kv, T, D)
+        # Preallocated storage `(B, H_kv, capacity, D)` with amortised growth: a decode step writes
+        # its row in place instead of concatenating (copying) the whole cache. The valid rows are
+        # exposed as `self.keys` / `self.values` (views); assigning them re-seats the buffer.
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+        self._key_rows = 0
+        self._value_rows = 0
         self.tier = None  # kvcore.offload.Tier of the request (placement, ledger, side stream)
         self.next_layer: KVLayer | None = None  # the following layer of the same request
         self.protocol = Protocol()  # set by the cache: the run's dense layers and prefill mode
+
+    # --- stored K/V (the default storage; subclasses read and assign these) -------------------
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The stored keys `(B, H_kv, T, D)`: a view of the valid rows of the buffer."""
+        return None if self._key_buffer is None else self._key_buffer[:, :, : self._key_rows]
+
+    @keys.setter
+    def keys(self, tensor: torch.Tensor | None) -> None:
+        # The assigned tensor becomes the buffer as is (no copy); its capacity is its length, so
+        # the next append grows into a fresh buffer and never writes into the caller's tensor.
+        self._key_buffer, self._key_rows = tensor, 0 if tensor is None else tensor.shape[-2]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """The stored values `(B, H_kv, T, D)`: a view of the valid rows of the buffer."""
+        return None if self._value_buffer is None else self._value_buffer[:, :, : self._value_rows]
+
+    @values.setter
+    def values(self, tensor: torch.Tensor | None) -> None:
+        self._value_buffer, self._value_rows = tensor, 0 if tensor is None else tensor.shape[-2]
+
+    def allocated_kv_bytes(self) -> int:
+        """Bytes of the K/V buffers including their unused capacity."""
+        return sum(b.nbytes for b in (self._key_buffer, self._value_buffer) if b is not None)
 
     # --- cache seam -------------------------------------------------------------------------
     def update(self, keys: torch.Tensor, values: torch.Tensor, position_ids: torch.Tensor | None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new K/V `(B, H_kv, q_len, D)` and return what attention sees this step."""
         self.seen_tokens += keys.shape[-2]
-        if self.keys is None:
-            self.keys, self.values = keys, values
-        else:
-            self.keys = torch.cat([self.keys, keys], dim=-2)
-            self.values = torch.cat([self.values, values], dim=-2)
+        self._key_buffer, self._key_rows = append_rows(self._key_buffer, self._key_rows, keys)
+        self._value_buffer, self._value_rows = append_rows(self._value_buffer, self._value_rows,
+                                                           values)
         return self.keys, self.values
 
     def kept_tokens(self) -> int:
@@ -193,11 +221,37 @@ class KVLayer:
         share of `kv_bytes`).
         """
         if self.keys is None:
-            return {"kv_tokens": 0, "kv_bytes": 0}
+            return {"kv_tokens": 0, "kv_bytes": 0, "kv_bytes_allocated": 0}
         return {
             "kv_tokens": int(self.keys.shape[-2]),
-            "kv_bytes": int(self.keys.nbytes + self.values.nbytes),
+            "kv_bytes": int(self.keys.nbytes + self.values.nbytes),  # valid rows only
+            "kv_bytes_allocated": int(self.allocated_kv_bytes()),
         }
+
+
+GROWTH_MIN_ROWS = 256  # smallest buffer / headroom: a short decode never reallocates
+
+
+def grown_capacity(rows_needed: int) -> int:
+    """Rows to allocate for `rows_needed`: 1.5x (at least +256), rounded up to 256, so growing
+    one row at a time costs O(1) amortised copies per row and at most ~50% unused capacity."""
+    want = rows_needed + max(GROWTH_MIN_ROWS, rows_needed // 2)
+    return -(-want // GROWTH_MIN_ROWS) * GROWTH_MIN_ROWS
+
+
+def append_rows(buffer: torch.Tensor | None, rows: int, new: torch.Tensor
+                ) -> tuple[torch.Tensor, int]:
+    """Write `new (B, H, t, D)` after the first `rows` rows (dim 2) of `buffer`, growing it
+    when full; returns the (possibly new) buffer and the new row count."""
+    t = new.shape[-2]
+    if buffer is None or rows + t > buffer.shape[-2]:
+        b, h, _, d = new.shape
+        grown = new.new_empty((b, h, grown_capacity(rows + t), d))
+        if rows:
+            grown[:, :, :rows].copy_(buffer[:, :, :rows])
+        buffer = grown
+    buffer[:, :, rows:rows + t].copy_(new)
+    return buffer, rows + t
 
 
 @dataclass(kw_only=True)
