@@ -20,7 +20,7 @@ compaction of K, V, positions and state, the budget that the engine checks after
 Budget rule (the one rule of every method, methods/base.py): `budget_tokens`, when set, takes
 precedence over `budget_ratio` (a fraction of the tokens seen so far).
 
-Storage is preallocated per layer (`TokenSlots`, amortised growth), so a decode step costs no copy
+Storage is preallocated per layer (`append_tokens`, amortised growth), so a decode step costs no copy
 of the cache: the new token is written at the end, and when exactly one token must go (the steady
 state of a per-step method) the last slot moves into the evicted slot, per KV head. The cache is
 therefore *not* in text order; nothing depends on it: attention over old tokens is order-free (a
@@ -59,55 +59,50 @@ class BudgetedMethod(KVMethod):
         """Tokens one layer keeps after `seen` tokens under a uniform allocation."""
         return budget_for(seen, self.budget_ratio, self.budget_tokens, minimum=self.min_budget_tokens)
 
-    def layer_budget(self, layer_idx: int, seen: int) -> int:
-        """Per-layer allocation hook: tokens layer `layer_idx` keeps (uniform by default)."""
+    def layer_budget(self, layer_idx: int, num_layers: int, seen: int) -> int:
+        """Per-layer allocation hook: tokens layer `layer_idx` of `num_layers` keeps after `seen`
+        tokens (uniform by default; PyramidKV's pyramid, SqueezeAttention's clusters)."""
         return self.total_tokens(seen)
 
 
-class TokenSlots:
-    """Aligned per-token buffers `(B, H_kv, capacity, ...)`: K, V, positions and a method's state."""
+# Aligned per-token buffers `(B, H_kv, capacity, ...)` (K, V, positions and a method's state) are
+# a plain dict of tensors + a length on the layer, so `Request.snapshot` can clone them.
+def append_tokens(buffers: dict[str, torch.Tensor], length: int, new: dict[str, torch.Tensor]) -> int:
+    """Write each `(B, H_kv, q, ...)` tensor after the first `length` tokens (amortised growth);
+    returns the new length."""
+    q = next(iter(new.values())).shape[2]
+    need = length + q
+    for name, x in new.items():
+        buf = buffers.get(name)
+        if buf is None or buf.shape[2] < need:
+            cap = max(need, 2 * (0 if buf is None else buf.shape[2]))
+            grown = x.new_empty(*x.shape[:2], cap, *x.shape[3:])
+            if buf is not None:
+                grown[:, :, :length] = buf[:, :, :length]
+            buffers[name] = buf = grown
+        buf[:, :, length:need] = x
+    return need
 
-    def __init__(self):
-        self.buffers: dict[str, torch.Tensor] = {}
-        self.length = 0
 
-    def append(self, new: dict[str, torch.Tensor]) -> None:
-        """Write each `(B, H_kv, q, ...)` tensor after the current tokens (amortised growth)."""
-        q = next(iter(new.values())).shape[2]
-        need = self.length + q
-        for name, x in new.items():
-            buf = self.buffers.get(name)
-            if buf is None or buf.shape[2] < need:
-                cap = max(need, 2 * (0 if buf is None else buf.shape[2]))
-                grown = x.new_empty(*x.shape[:2], cap, *x.shape[3:])
-                if buf is not None:
-                    grown[:, :, : self.length] = buf[:, :, : self.length]
-                self.buffers[name] = buf = grown
-            buf[:, :, self.length:need] = x
-        self.length = need
+def keep_tokens(buffers: dict[str, torch.Tensor], length: int, index: torch.Tensor) -> int:
+    """Keep the tokens at `index (B, H_kv, k)` per head, in that order, in fresh fitted buffers (a
+    long prompt compressed to its budget frees its memory; one slot of decode headroom)."""
+    k = index.shape[-1]
+    for name, buf in buffers.items():
+        kept = gather_tokens(buf[:, :, :length], index)
+        buffers[name] = kept.new_empty(*kept.shape[:2], k + 1, *kept.shape[3:])
+        buffers[name][:, :, :k] = kept
+    return k
 
-    def view(self, name: str) -> torch.Tensor:
-        return self.buffers[name][:, :, : self.length]
 
-    def keep(self, index: torch.Tensor, names=None) -> None:
-        """Keep the tokens at `index (B, H_kv, k)` per head, in that order (fresh, fitted buffers:
-        a long prompt compressed to its budget frees its memory; one slot of decode headroom)."""
-        k = index.shape[-1]
-        for name in names or list(self.buffers):
-            kept = gather_tokens(self.view(name), index)
-            buf = kept.new_empty(*kept.shape[:2], k + 1, *kept.shape[3:])
-            buf[:, :, :k] = kept
-            self.buffers[name] = buf
-        self.length = k
-
-    def drop_one(self, slot: torch.Tensor) -> None:
-        """Evict one token per head, `slot (B, H_kv)`: the last token moves into its place."""
-        last = self.length - 1
-        for buf in self.buffers.values():
-            src = buf[:, :, last:last + 1].clone()  # one token; it may overlap its target
-            index = slot[:, :, None].reshape(*slot.shape, 1, *([1] * (buf.dim() - 3)))
-            buf.scatter_(2, index.expand(*src.shape), src)
-        self.length = last
+def drop_one_token(buffers: dict[str, torch.Tensor], length: int, slot: torch.Tensor) -> int:
+    """Evict one token per head, `slot (B, H_kv)`: the last token moves into its place."""
+    last = length - 1
+    for buf in buffers.values():
+        src = buf[:, :, last:last + 1].clone()  # one token; it may overlap its target
+        index = slot.reshape(*slot.shape, 1, *([1] * (buf.dim() - 3)))
+        buf.scatter_(2, index.expand(*src.shape), src)
+    return last
 
 
 class EvictionLayer(KVLayer):
@@ -118,7 +113,8 @@ class EvictionLayer(KVLayer):
     def __init__(self, layer_idx: int, info: ModelInfo, method: BudgetedMethod):
         super().__init__(layer_idx, info)
         self.method = method
-        self.slots = TokenSlots()
+        self.buffers: dict[str, torch.Tensor] = {}  # per-token buffers, see append_tokens
+        self.kept_count = 0  # tokens kept
         self.positions: torch.Tensor | None = None  # (B, H_kv, T) text positions of kept tokens
         self.store: HostKVStore | None = None  # the kept K/V on the host tier (runner.kv_offload=cpu)
         self.pending = None  # (Transfer, Transfer): the kept set prefetched one layer ahead
@@ -139,7 +135,7 @@ class EvictionLayer(KVLayer):
 
     def state(self, name: str) -> torch.Tensor:
         """A per-token state of the kept tokens, `(B, H_kv, T, ...)` (a view: add to it in place)."""
-        return self.slots.view(name)
+        return self.buffers[name][:, :, : self.kept_count]
 
     # --- cache seam -------------------------------------------------------------------------
     def offloaded(self) -> bool:
@@ -156,30 +152,33 @@ class EvictionLayer(KVLayer):
         new = {"positions": text_pos.expand(b, h, q), **self.new_state(b, h, q, keys.device)}
         self.seen_tokens += q
         if self.offloaded():
-            self.slots.append(new)
+            self.kept_count = append_tokens(self.buffers, self.kept_count, new)
             self._views()
             self.store = self.store or HostKVStore(self.tier, self.layer_idx)
             pending, self.pending = self.pending, None
             return self.store.past_and_new(pending, keys, values)
-        self.slots.append({"keys": keys, "values": values, **new})
+        self.kept_count = append_tokens(self.buffers, self.kept_count, {"keys": keys, "values": values, **new})
         self._views()
         return self.keys, self.values
 
     def _views(self) -> None:
-        self.positions = self.slots.view("positions")
-        if "keys" in self.slots.buffers:
-            self.keys, self.values = self.slots.view("keys"), self.slots.view("values")
+        self.positions = self.state("positions")
+        if "keys" in self.buffers:
+            self.keys, self.values = self.state("keys"), self.state("values")
 
     def kept_tokens(self) -> int:
-        return self.slots.length
+        return self.kept_count
 
     def kept_positions(self) -> torch.Tensor:
         return self.positions if self.positions is not None else super().kept_positions()
 
     # --- eviction ---------------------------------------------------------------------------
+    def budget(self) -> int:
+        return self.method.layer_budget(self.layer_idx, self.info.num_layers, self.seen_tokens)
+
     def allowed_tokens(self) -> int | None:
         if self.compress_at == "forward":
-            return self.method.layer_budget(self.layer_idx, self.seen_tokens)
+            return self.budget()
         if self.granted is None:  # the prompt is held in full until it is over
             return None
         kept, seen = self.granted
@@ -187,11 +186,11 @@ class EvictionLayer(KVLayer):
 
     def after_forward(self) -> None:
         if self.compress_at == "forward":
-            self.compress_to(self.method.layer_budget(self.layer_idx, self.seen_tokens))
+            self.compress_to(self.budget())
 
     def on_prefill_end(self) -> None:
         if self.compress_at == "prefill_end":
-            self.compress_to(self.method.layer_budget(self.layer_idx, self.seen_tokens))
+            self.compress_to(self.budget())
             self.granted = (self.kept_tokens(), self.seen_tokens)
 
     def compress_to(self, budget: int) -> None:
@@ -206,12 +205,12 @@ class EvictionLayer(KVLayer):
             guard |= self.positions >= self.seen_tokens - recent
         scores = scores.masked_fill(guard, float("inf"))
         if kept - budget == 1 and not self.offloaded():
-            self.slots.drop_one(scores.argmin(dim=-1))  # (B, H_kv): no copy of the cache
+            self.kept_count = drop_one_token(self.buffers, self.kept_count, scores.argmin(dim=-1))
         else:
             index = scores.topk(budget, dim=-1).indices.sort(dim=-1).values  # (B, H_kv, budget)
             if self.offloaded():
                 self.store.keep(index)
-            self.slots.keep(index)
+            self.kept_count = keep_tokens(self.buffers, self.kept_count, index)
         self._views()
 
     # --- accounting -------------------------------------------------------------------------

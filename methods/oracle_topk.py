@@ -56,7 +56,7 @@ class OracleTopKLayer(KVLayer):
     def allowed_tokens(self) -> int | None:
         if self.dense_rows:  # the protocol lets dense prompt rows attend every causal key
             return None
-        return self.method.layer_budget(self.layer_idx, self.seen_tokens)
+        return self.method.layer_budget(self.layer_idx, self.info.num_layers, self.seen_tokens)
 
     def update(self, keys, values, position_ids):
         self.in_prompt = self.in_prompt or keys.shape[2] > 1
