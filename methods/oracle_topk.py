@@ -13,9 +13,9 @@ attends to that set, with the softmax renormalised over it.
 Prefill follows the run protocol (`runner.prefill`): "dense" = prompt rows attend every causal
 key (as every evicting method's prompt does); "sparse" = each prompt row selects its own top-k
 among its causal keys, inside multi-token chunks (per-row masks; k from the tokens seen at chunk
-end), so the engine need not feed the prompt one token at a time. A forward is a prompt forward
-until `on_prefill_end`; afterwards single-token forwards are decode steps (a later multi-token
-forward starts a new prompt).
+end), so the engine need not feed the prompt one token at a time. A multi-token forward starts a
+prompt and `on_prefill_end` ends it (its last chunk may be one token); other single-token
+forwards are decode steps (a prompt fed only in one-token chunks selects like decode steps).
 
 Hyperparameters (the one budget rule, methods/base.py):
     budget_ratio: tokens attended per KV head as a fraction of tokens seen (default 0.2).
@@ -50,7 +50,7 @@ class OracleTopKLayer(KVLayer):
         self.method = method
         self.selected: torch.Tensor | None = None  # (B, H_kv, k) positions chosen at the last step
         self.selected_count = 0
-        self.in_prompt = True  # until on_prefill_end; a multi-token forward starts a prompt
+        self.in_prompt = False  # a multi-token forward starts a prompt, on_prefill_end ends it
         self.dense_rows = False  # the last forward attended densely (a prompt, prefill=dense)
 
     def allowed_tokens(self) -> int | None:
