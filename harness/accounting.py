@@ -52,13 +52,13 @@ class KVLedger:
     def check_step(self, layers) -> None:
         """After every forward: each layer within its budget now (cheap: no tensor work)."""
         for i, kv in enumerate(layers):
-            budget = kv.budget_tokens()
+            budget = kv.allowed_tokens()
             if budget is not None:
                 check_layer_budget(i, kv.stats(), budget, kv.seen_tokens)
 
     def record(self, layers, check: bool) -> dict:
         stats = [kv.stats() for kv in layers]
-        budgets = [kv.budget_tokens() for kv in layers]
+        budgets = [kv.allowed_tokens() for kv in layers]
         seen = layers[0].seen_tokens
         sample = {
             "seen_tokens": seen,

@@ -208,8 +208,9 @@ class KVLayer:
         return base(module, query, keys, values, attention_mask, **kwargs)
 
     # --- accounting -------------------------------------------------------------------------
-    def budget_tokens(self) -> int | None:
-        """Most tokens this layer may hold now under the method's budget (None: unbounded)."""
+    def allowed_tokens(self) -> int | None:
+        """Most tokens this layer may hold (or, for selection methods, attend) now under the
+        method's budget; None: unbounded. Checked by the engine after every forward."""
         return None
 
     def stats(self) -> dict[str, int]:
@@ -338,6 +339,12 @@ class KVMethod:
         return tuple(sorted(set(protocol.dense_layers) | set(self.own_dense_layers(info))))
 
 
+# The one budget rule of every method (methods.eviction.BudgetedMethod, README "Budgets"): the
+# config knobs are `budget_tokens` (tokens per layer and KV head) and `budget_ratio` (a fraction of
+# the tokens seen so far); when `budget_tokens` is set it takes precedence over `budget_ratio`, so
+# a sweep can set either without nulling the other. A method's own size knobs (StreamingLLM's
+# `window_tokens`) apply only when both are null. The per-layer figure a layer reports is
+# `KVLayer.allowed_tokens()`.
 def check_budget(budget_ratio, budget_tokens) -> list[str]:
     """Shared budget checks: a positive token count, or a ratio in (0, 1]."""
     if budget_tokens is not None:

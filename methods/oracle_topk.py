@@ -8,10 +8,16 @@ is the full cache's — this is a selection bound, not a memory method.
 
 GQA: a KV head's score is the mean probability over its g query heads; the top-k set is chosen
 per KV head (as H2O and InfiniGen choose per KV head), then every query head of the group
-attends to that set, with the softmax renormalised over it. During a prefill chunk each row
-selects its own top-k among its causal keys, with k taken from the tokens seen at chunk end.
+attends to that set, with the softmax renormalised over it.
 
-Hyperparameters (same budget knobs as H2O):
+Prefill follows the run protocol (`runner.prefill`): "dense" = prompt rows attend every causal
+key (as every evicting method's prompt does); "sparse" = each prompt row selects its own top-k
+among its causal keys, inside multi-token chunks (per-row masks; k from the tokens seen at chunk
+end), so the engine need not feed the prompt one token at a time. A multi-token forward starts a
+prompt and `on_prefill_end` ends it (its last chunk may be one token); other single-token
+forwards are decode steps (a prompt fed only in one-token chunks selects like decode steps).
+
+Hyperparameters (the one budget rule, methods/base.py):
     budget_ratio: tokens attended per KV head as a fraction of tokens seen (default 0.2).
     budget_tokens: a fixed number instead; takes precedence over budget_ratio.
 """
@@ -23,23 +29,16 @@ from typing import ClassVar
 
 import torch
 
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for, check_budget
+from methods.base import Capabilities, KVLayer, ModelInfo
+from methods.eviction import BudgetedMethod
 from methods.scoring import additive_mask, attention_with_probs, expand_kv, group_mean
 
 
 @dataclass(kw_only=True)
-class OracleTopK(KVMethod):
+class OracleTopK(BudgetedMethod):
     name: ClassVar[str] = "oracle_topk"
-    capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True)
-    budget_ratio: float | None = 0.2
-    budget_tokens: int | None = None
-
-    def check_hyperparameters(self) -> list[str]:
-        return check_budget(self.budget_ratio, self.budget_tokens)
-
-    @classmethod
-    def lossless_hyperparameters(cls, seq_tokens: int) -> dict:
-        return {"budget_tokens": seq_tokens}
+    capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True,
+                                                        sparse_prefill_chunked=True)
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         return OracleTopKLayer(layer_idx, info, self)
@@ -51,15 +50,30 @@ class OracleTopKLayer(KVLayer):
         self.method = method
         self.selected: torch.Tensor | None = None  # (B, H_kv, k) positions chosen at the last step
         self.selected_count = 0
+        self.in_prompt = False  # a multi-token forward starts a prompt, on_prefill_end ends it
+        self.dense_rows = False  # the last forward attended densely (a prompt, prefill=dense)
 
-    def budget_tokens(self) -> int:
-        return budget_for(self.seen_tokens, self.method.budget_ratio, self.method.budget_tokens)
+    def allowed_tokens(self) -> int | None:
+        if self.dense_rows:  # the protocol lets dense prompt rows attend every causal key
+            return None
+        return self.method.layer_budget(self.layer_idx, self.info.num_layers, self.seen_tokens)
+
+    def update(self, keys, values, position_ids):
+        self.in_prompt = self.in_prompt or keys.shape[2] > 1
+        return super().update(keys, values, position_ids)
+
+    def on_prefill_end(self) -> None:
+        self.in_prompt = False
 
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
+        self.dense_rows = self.in_prompt and self.protocol.prefill == "dense"
+        if self.dense_rows:
+            self.selected_count = keys.shape[2]
+            return base(module, query, keys, values, attention_mask, **kwargs)
         scaling = kwargs["scaling"]
         b, h_kv, t, _ = keys.shape
         q_len, groups = query.shape[2], query.shape[1] // h_kv
-        k = min(self.budget_tokens(), t)
+        k = min(self.allowed_tokens(), t)
         scores = torch.matmul(query.float(), expand_kv(keys, groups).float().transpose(2, 3))
         scores = scores * scaling + additive_mask(attention_mask, q_len, t, query.device)
         kv_scores = group_mean(torch.softmax(scores, dim=-1), h_kv)  # (B, H_kv, q, T)

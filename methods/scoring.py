@@ -46,16 +46,29 @@ def attention_with_probs(query: torch.Tensor, keys: torch.Tensor, values: torch.
     """Eager attention returning `(out (B, q, H_q, D), probs (B, H_q, q, T) fp32)`.
 
     `keep` (optional, broadcastable to (B, H_q, q, T) bool) further restricts which keys each
-    query may attend to (selection methods); the softmax renormalises over what is kept.
+    query may attend to (selection methods); the softmax renormalises over what is kept. The g
+    query heads of a KV head are stacked as rows against that head's keys, so the cache is never
+    expanded to H_q heads (no g-fold copy per step).
     """
-    groups = query.shape[1] // keys.shape[1]
-    scores = torch.matmul(query.float(), expand_kv(keys, groups).float().transpose(2, 3)) * scaling
-    scores = scores + additive_mask(attention_mask, query.shape[2], keys.shape[2], query.device)
+    b, h_q, q, d = query.shape
+    h_kv, t = keys.shape[1], keys.shape[2]
+    groups = h_q // h_kv
+    rows = query.float().reshape(b, h_kv, groups * q, d)
+    scores = torch.matmul(rows, keys.float().transpose(2, 3)).view(b, h_kv, groups, q, t) * scaling
+    scores = scores + _grouped(additive_mask(attention_mask, q, t, query.device), h_kv, groups)
     if keep is not None:
-        scores = scores.masked_fill(~keep, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs.to(values.dtype), expand_kv(values, groups))
-    return out.transpose(1, 2).contiguous().to(query.dtype), probs
+        scores = scores.masked_fill(~_grouped(keep, h_kv, groups), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # (B, H_kv, g, q, T)
+    out = torch.matmul(probs.view(b, h_kv, groups * q, t).to(values.dtype), values)
+    out = out.view(b, h_q, q, d).transpose(1, 2).contiguous().to(query.dtype)
+    return out, probs.view(b, h_q, q, t)
+
+
+def _grouped(mask: torch.Tensor, h_kv: int, groups: int) -> torch.Tensor:
+    """A mask broadcastable to (B, H_q, q, T) as one broadcastable to (B, H_kv, g, q, T)."""
+    if mask.dim() < 4 or mask.shape[1] == 1:
+        return mask.unsqueeze(-3)
+    return mask.unflatten(1, (h_kv, groups))
 
 
 def group_mean(probs: torch.Tensor, num_kv_heads: int) -> torch.Tensor:

@@ -9,7 +9,7 @@ from tests.conftest import make_engine
 
 
 class _ClaimsButKeepsAll(KVLayer):
-    def budget_tokens(self):
+    def allowed_tokens(self):
         return 8  # declares 8, evicts nothing: the silent no-op this field has seen too often
 
 
@@ -21,7 +21,7 @@ class _Broken(KVMethod):
 
 
 class _SelectsTooMany(KVLayer):
-    def budget_tokens(self):
+    def allowed_tokens(self):
         return 4
 
     def stats(self):

@@ -83,3 +83,29 @@ def test_oracle_beats_h2o_on_streaming_nll(stories):
     oracle = nll(build_method("oracle_topk", budget_ratio=0.1))
     h2o = nll(build_method("h2o", budget_ratio=0.1))
     assert full <= oracle + 0.02 and oracle < h2o, (full, oracle, h2o)
+
+
+def _prompt_logits(model, method, ids, prefill, chunk):
+    from harness import hf_adapter
+    from harness.engine import Engine, EngineSettings
+    from methods.base import Protocol
+
+    info = hf_adapter.model_info(model.config)
+    engine = Engine(model, None, method, info, EngineSettings(
+        prefill_chunk_tokens=chunk, protocol=Protocol(prefill=prefill)))
+    with engine.request() as req:
+        return req.prefill(ids, all_logits=True)
+
+
+def test_prefill_follows_the_protocol(tiny_model):
+    """dense: prompt rows attend every causal key (= the full cache); sparse: each row attends its
+    own top-k, and chunks (per-row masks) equal feeding the prompt one token at a time."""
+    torch.manual_seed(3)
+    ids = torch.randint(3, 250, (1, 40))
+    oracle = build_method("oracle_topk", budget_tokens=6)
+    full = _prompt_logits(tiny_model, build_method("full"), ids, "dense", 16)
+    assert torch.allclose(_prompt_logits(tiny_model, oracle, ids, "dense", 16), full, atol=1e-5)
+    sparse = _prompt_logits(tiny_model, oracle, ids, "sparse", 16)
+    one_by_one = _prompt_logits(tiny_model, oracle, ids, "sparse", 1)
+    assert torch.allclose(sparse, one_by_one, atol=1e-5)
+    assert not torch.allclose(sparse[:, 8:], full[:, 8:], atol=1e-3)  # it really selects
