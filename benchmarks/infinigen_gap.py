@@ -32,7 +32,8 @@ def parse_variant(spec: str) -> tuple[str, dict]:
     kwargs = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        kwargs[key] = value if value == "@" else json.loads(value) if value[:1] in "[{" else _scalar(value)
+        structured = value[:1] in "[{"
+        kwargs[key] = value if value == "@" else json.loads(value) if structured else _scalar(value)
     return name, kwargs
 
 
@@ -66,7 +67,8 @@ def run_one(model, tok, info, ids, name, kwargs, dense, every, data_dir):
             nll[t] = token_nll(logits[None], ids[t + 1:t + 2])[0]
     wall = time.time() - t0
     frac = engine.attended.summary()
-    out = {"variant": name + (":" + ",".join(f"{k}={v}" for k, v in kwargs.items()) if kwargs else ""),
+    label = ",".join(f"{k}={v}" for k, v in kwargs.items())
+    out = {"variant": name + (":" + label if label else ""),
            "ppl": math.exp(float(nll.mean())),
            "attended_sparse": frac["attended_fraction_sparse_layers"],
            "attended_per_layer": frac["attended_fraction_per_layer"], "wall_s": round(wall, 1)}
@@ -121,7 +123,8 @@ def main() -> None:
                            if i not in args.dense_layers)[:3]
             worst = " ".join(f"L{i}:{v:.3f}" for v, i in order)
         print(f"| {r['variant']} | {r['ppl']:.3f} | {r['attended_sparse']:.4f} | "
-              f"{r.get('recall_sparse', float('nan')):.4f} | {r.get('kl_mean', float('nan')):.4f} | "
+              f"{r.get('recall_sparse', float('nan')):.4f} | "
+              f"{r.get('kl_mean', float('nan')):.4f} | "
               f"{worst} | {r['wall_s']} |", flush=True)
         results.append(r)
     if args.json:

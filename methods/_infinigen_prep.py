@@ -55,7 +55,8 @@ class SkewingArtefacts:
 
     def columns(self, layer: int) -> torch.Tensor:
         """The calibration's partial columns `(H_kv, k_u)` (padding repeats a chosen column)."""
-        return column_choice(self.q_energy[layer], self.k_energy[layer], self.k, self.column_score)[0]
+        q_e, k_e = self.q_energy[layer], self.k_energy[layer]
+        return column_choice(q_e, k_e, self.k, self.column_score)[0]
 
     def energies_from(self, query: torch.Tensor, keys: torch.Tensor, layer: int
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,7 +69,8 @@ class SkewingArtefacts:
 
 def energies(q_group: torch.Tensor, k_heads: torch.Tensor, skew: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(H_kv, g*n, d) queries, (H_kv, n, d) keys, (H_kv, d, d) skew -> sum |QA|, sum |KA| (H_kv, d)."""
+    """(H_kv, g*n, d) queries, (H_kv, n, d) keys, (H_kv, d, d) skew -> sum |QA|, sum |KA|,
+    each (H_kv, d)."""
     q_e = torch.einsum("hnd,hde->hne", q_group, skew).abs().sum(1)
     k_e = torch.einsum("hnd,hde->hne", k_heads, skew).abs().sum(1)
     return q_e, k_e
@@ -88,7 +90,8 @@ def column_choice(q_energy: torch.Tensor, k_energy: torch.Tensor, k: int, score:
     mask = torch.zeros(q_energy.shape, dtype=torch.bool, device=q_energy.device)
     mask.scatter_(-1, top_q, True).scatter_(-1, k_energy.topk(k, dim=-1).indices, True)
     width = int(mask.sum(-1).max())
-    order = torch.sort(mask.float(), dim=-1, descending=True, stable=True).indices[..., :width]  # chosen first
+    # chosen columns first (a stable sort keeps them in index order)
+    order = torch.sort(mask.float(), dim=-1, descending=True, stable=True).indices[..., :width]
     weight = mask.gather(-1, order).float()
     cols = torch.where(weight.bool(), order, order[..., :1])  # padding repeats a chosen column
     return cols, weight
@@ -138,7 +141,8 @@ def calibration_ids(method, ctx) -> torch.Tensor:
         return torch.randint(3, ctx.vocab_size, (want,), generator=torch.Generator().manual_seed(0))
     else:
         path = calibration_file(method, ctx.data_dir)
-        ids = torch.tensor(ctx.tokenizer(path.read_text(encoding="utf-8"), verbose=False)["input_ids"])
+        text = path.read_text(encoding="utf-8")
+        ids = torch.tensor(ctx.tokenizer(text, verbose=False)["input_ids"])
         source = f"method.calibration_path={path}"
     least = min_calibration_tokens(info)
     if ids.numel() < least:

@@ -138,12 +138,13 @@ class InfiniGen(KVMethod):
         for key in ("skewing", "shared_count", "head0_threshold"):
             if not isinstance(getattr(self, key), bool):
                 r.append(f"method.{key}={getattr(self, key)!r} must be true or false")
-        if not isinstance(self.dense_layers, (list, tuple)) or not all(
-                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in self.dense_layers):
-            r.append(f"method.dense_layers={self.dense_layers!r} must be a list of layer indices >= 0")
-        if (not isinstance(self.calibration_tokens, int) or isinstance(self.calibration_tokens, bool)
-                or self.calibration_tokens < 16):
-            r.append(f"method.calibration_tokens={self.calibration_tokens!r} must be an integer >= 16")
+        index = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+        layers = self.dense_layers
+        if not isinstance(layers, (list, tuple)) or not all(index(i) and i >= 0 for i in layers):
+            r.append(f"method.dense_layers={layers!r} must be a list of layer indices >= 0")
+        if not index(self.calibration_tokens) or self.calibration_tokens < 16:
+            r.append(f"method.calibration_tokens={self.calibration_tokens!r} must be an integer "
+                     ">= 16")
         return r
 
     def validate(self, info: ModelInfo, runner) -> list[str]:

@@ -407,7 +407,8 @@ def test_speculation_multiplies_only_the_partial_columns(tiny4, cache_dir):
     part = method._art.partial_map(2)
     assert part.shape == (info.num_kv_heads, info.head_dim, k)
     cols = method._art.columns(2)
-    assert torch.equal(part, method._art.skew[2].gather(2, cols[:, None].expand(-1, info.head_dim, -1)))
+    picked = method._art.skew[2].gather(2, cols[:, None].expand(-1, info.head_dim, -1))
+    assert torch.equal(part, picked)
 
 
 # --- calibration robustness (issue 15) ----------------------------------------------------------
@@ -434,7 +435,8 @@ def test_calibration_text_shorter_than_the_count_is_refused(smollm2, tmp_path, c
     path.write_text("word " * 300)  # ~300 tokens: enough for the SVD, fewer than 2048
     method = build_method("infinigen", calibration_path=str(path))
     assert method.validate(hf_adapter.model_info(model.config), {}) == []
-    with pytest.raises(ConfigError, match=r"method.calibration_tokens=2048 but .* has only \d+ tokens"):
+    with pytest.raises(ConfigError,
+                       match=r"method.calibration_tokens=2048 but .* has only \d+ tokens"):
         hf_adapter.prepare(method, model, tok)
 
 
@@ -450,7 +452,8 @@ def test_unwritable_cache_dir_is_refused_before_load(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     reasons = build_method("infinigen", cache_dir=str(blocker / "sub")).validate(_info(), {})
-    assert len(reasons) == 1 and reasons[0].startswith("method.cache_dir") and "is a file" in reasons[0]
+    assert len(reasons) == 1 and reasons[0].startswith("method.cache_dir")
+    assert "is a file" in reasons[0]
     if Path("/proc/self").is_dir():  # read-only for every user, root included
         reasons = build_method("infinigen", cache_dir="/proc/kvh-cache").validate(_info(), {})
         assert len(reasons) == 1 and "not writable" in reasons[0]
