@@ -33,17 +33,18 @@ COLUMN_SCORES = ("q", "qk_union")
 
 @dataclass
 class SkewingArtefacts:
-    skew: torch.Tensor  # (L, H_kv, d, d) fp32, orthogonal per head (identity without skewing)
-    q_energy: torch.Tensor  # (L, H_kv, d) sum |Q A| over the calibration tokens and group heads
-    k_energy: torch.Tensor  # (L, H_kv, d) sum |K A|
+    skew: torch.Tensor  # (L, H_s, d, d) fp32, orthogonal per head (identity without skewing)
+    q_energy: torch.Tensor  # (L, H_s, d) sum |Q A| over the calibration tokens (and group heads)
+    k_energy: torch.Tensor  # (L, H_s, d) sum |K A|
     project_query: object  # (layer, x (B, T, hidden)) -> (B, H_q, T, D): W_q[i] x (speculation)
     inv_freq: torch.Tensor  # (d/2,) RoPE frequencies
     k: int  # columns per criterion: int(d * partial_ratio)
     column_score: str  # q | qk_union
+    # H_s: skewing heads, H_kv (one A per KV head, shared by its group) or H_q (one per query head)
 
     def partial_map(self, layer: int, q_energy: torch.Tensor | None = None,
                     k_energy: torch.Tensor | None = None) -> torch.Tensor:
-        """A restricted to the partial columns, `(H_kv, d, k_u)`: q_rot @ it gives the skewed
+        """A restricted to the partial columns, `(H_s, d, k_u)`: q_rot @ it gives the skewed
         partial query directly (no d x d product per step). Padded columns (heads whose union
         is smaller than the widest head's) are zero, so they add nothing to a score."""
         q_e = self.q_energy[layer] if q_energy is None else q_energy
@@ -54,7 +55,7 @@ class SkewingArtefacts:
         return picked * weight[:, None, :]
 
     def columns(self, layer: int) -> torch.Tensor:
-        """The calibration's partial columns `(H_kv, k_u)` (padding repeats a chosen column)."""
+        """The calibration's partial columns `(H_s, k_u)` (padding repeats a chosen column)."""
         q_e, k_e = self.q_energy[layer], self.k_energy[layer]
         return column_choice(q_e, k_e, self.k, self.column_score)[0]
 
@@ -62,9 +63,10 @@ class SkewingArtefacts:
                       ) -> tuple[torch.Tensor, torch.Tensor]:
         """Column energies of a prompt's own queries `(B, H_q, n, d)` and keys `(B, H_kv, n, d)`
         (the official system chooses columns at prefill; batch element 0, as it does)."""
-        h_kv, d = keys.shape[1], keys.shape[-1]
-        q = query[0].float().reshape(h_kv, -1, d)  # group's heads stacked
-        return energies(q, keys[0].float(), self.skew[layer].to(q.device))
+        heads, d = self.skew.shape[1], keys.shape[-1]
+        q = query[0].float().reshape(heads, -1, d)  # (H_s, g_s * n, d): a group's heads stacked
+        k = keys[0].float().repeat_interleave(heads // keys.shape[1], dim=0)  # (H_s, n, d)
+        return energies(q, k, self.skew[layer].to(q.device))
 
 
 def energies(q_group: torch.Tensor, k_heads: torch.Tensor, skew: torch.Tensor
@@ -224,19 +226,24 @@ def _tensor_hash(*tensors: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def compute(ctx, ids: torch.Tensor, skewing: bool):
-    """Skewing matrices and column energies for every layer: (L, H_kv, d, d), 2 x (L, H_kv, d)."""
+def skew_heads(method, info: ModelInfo) -> int:
+    """H_s: one skewing matrix per KV head (shared by its g query heads) or per query head."""
+    return info.num_heads if method.skew_per == "query_head" else info.num_kv_heads
+
+
+def compute(ctx, ids: torch.Tensor, skewing: bool, heads: int):
+    """Skewing matrices and column energies for every layer: (L, H_s, d, d), 2 x (L, H_s, d)."""
     info = ctx.info
     layers = ctx.capture(_CaptureMethod(), ids)
     skews, q_energies, k_energies = [], [], []
-    g, d = info.group_size, info.head_dim
+    d = info.head_dim
     for layer in layers:
-        q = layer.query.reshape(info.num_kv_heads, g * ids.numel(), d).cpu()  # (H_kv, g*n, d)
-        k_heads = layer.keys[0].float().cpu()  # (H_kv, n, d)
+        q = layer.query.reshape(heads, -1, d).cpu()  # (H_s, g_s * n, d): group heads stacked
+        k_heads = layer.keys[0].float().cpu().repeat_interleave(heads // info.num_kv_heads, 0)
         if skewing:
-            skew = torch.stack([skewing_from(q[j], k_heads[j]) for j in range(info.num_kv_heads)])
+            skew = torch.stack([skewing_from(q[j], k_heads[j]) for j in range(heads)])
         else:
-            skew = torch.eye(d).expand(info.num_kv_heads, d, d).clone()
+            skew = torch.eye(d).expand(heads, d, d).clone()
         q_e, k_e = energies(q, k_heads, skew)
         skews.append(skew)
         q_energies.append(q_e)
@@ -253,12 +260,14 @@ def prepare_skewing(method, ctx) -> tuple[SkewingArtefacts, dict]:
     ids = calibration_ids(method, ctx)
     key = hashlib.sha256(json.dumps({
         "v": FORMAT_VERSION, "model": ctx.fingerprint, "skewing": method.skewing,
-        "ids": hashlib.sha256(ids.numpy().tobytes()).hexdigest()}).encode()).hexdigest()[:24]
+        "skew_per": method.skew_per, "ids": hashlib.sha256(ids.numpy().tobytes()).hexdigest(),
+    }).encode()).hexdigest()[:24]
     path = artefact_root(method, ctx.cache_dir) / f"{key}.pt"
     t0 = time.time()
-    loaded = _load(path, info)
+    heads = skew_heads(method, info)
+    loaded = _load(path, info, heads)
     if loaded is None:
-        tensors = compute(ctx, ids, method.skewing)
+        tensors = compute(ctx, ids, method.skewing, heads)
         _save(path, *tensors)
         status = "computed"
     else:
@@ -298,13 +307,13 @@ def _save(path: Path, skew: torch.Tensor, q_energy: torch.Tensor, k_energy: torc
         Path(tmp).unlink(missing_ok=True)
 
 
-def _load(path: Path, info: ModelInfo):
+def _load(path: Path, info: ModelInfo, skew_heads: int):
     if not path.is_file():
         return None
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
         skew, q_e, k_e = payload["skew"], payload["q_energy"], payload["k_energy"]
-        heads = (info.num_layers, info.num_kv_heads)
+        heads = (info.num_layers, skew_heads)
         shape_ok = (tuple(skew.shape) == (*heads, info.head_dim, info.head_dim)
                     and tuple(q_e.shape) == tuple(k_e.shape) == (*heads, info.head_dim))
         if shape_ok and payload.get("sha256") == _tensor_hash(skew, q_e, k_e):

@@ -58,6 +58,8 @@ Hyperparameters:
     group_reduce: max | mean | prob_mean (GQA: query-head scores -> KV-head score).
     shared_count: one fetch count for all heads (official) or one per KV head.
     speculation_input: previous (x_{i-1}, the design) | own (x_i, ablation).
+    skew_per: kv_head (one A per KV head, the group's queries stacked) | query_head (one A per
+        query head: the partial key cache is then kept per query head, g times larger).
     head0_threshold: reproduce the official Llama simulation's head-0 threshold quirk.
     calibration_path: text file for skewing (default: PG-19 first book from the data folder).
     calibration_tokens: tokens of it used (default 2048; a shorter text is refused).
@@ -110,6 +112,7 @@ class InfiniGen(KVMethod):
     group_reduce: str = "max"
     shared_count: bool = True
     speculation_input: str = "previous"
+    skew_per: str = "kv_head"
     head0_threshold: bool = False
     calibration_path: str | None = None
     calibration_tokens: int = 2048
@@ -131,7 +134,8 @@ class InfiniGen(KVMethod):
                 r.append(f"method.{key}={value!r} must be in (0, 1]")
         choices = {"eviction": EVICTIONS, "mode": self.capabilities.modes,
                    "partial_index": ("calibration", "prefill"), "column_score": COLUMN_SCORES,
-                   "group_reduce": GROUP_REDUCES, "speculation_input": ("previous", "own")}
+                   "group_reduce": GROUP_REDUCES, "speculation_input": ("previous", "own"),
+                   "skew_per": ("kv_head", "query_head")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 r.append(f"method.{key}={getattr(self, key)!r}; allowed: {', '.join(allowed)}")
@@ -193,7 +197,7 @@ class InfiniGenLayer(KVLayer):
         self.dense = layer_idx in method.dense_layers or layer_idx == 0
         self.system = method.mode == "system"
         self.store = None  # HostKVStore (system mode)
-        self._pk: torch.Tensor | None = None  # (B, H_kv, capacity, k_u) partial keys, device
+        self._pk: torch.Tensor | None = None  # (B, H_s, capacity, k_u) partial keys, device
         self._pk_len = 0
         self.positions: torch.Tensor | None = None  # (B, H_kv, T) text positions stored
         self.counter: torch.Tensor | None = None  # (B, H_kv, T) times selected
@@ -202,7 +206,7 @@ class InfiniGenLayer(KVLayer):
         self.counts: torch.Tensor | None = None  # (B, H_kv) how many of them are used (device)
         self.fetched: torch.Tensor | None = None  # (B, H_kv, n_max) slots moved (system mode)
         self.pending = None  # (Transfer, Transfer)
-        self._map: torch.Tensor | None = None  # (H_kv, d, k_u) A[:, cols] / sqrt(d) of this request
+        self._map: torch.Tensor | None = None  # (H_s, d, k_u) A[:, cols] / sqrt(d) of this request
         self.step = 0
         self._attended = 0  # tokens attended at the last forward (int, or a device tensor)
         self._decode_budget: int | None = None  # cap of the last sparse decode step + new token
@@ -240,13 +244,14 @@ class InfiniGenLayer(KVLayer):
         `(B, H_kv)`, from an attention input `(B, 1, hidden)`. No host sync: both stay on device."""
         art, info, m = self.art, self.info, self.m
         b, h_kv, g = x.shape[0], info.num_kv_heads, info.group_size
+        h_s = self.query_map().shape[0]  # skewing heads: H_kv, or H_q (skew_per=query_head)
         q = art.project_query(self.layer_idx, x)  # (B, H_q, 1, D) pre-RoPE
         pos = (position_ids if position_ids is not None
                else torch.full((b, 1), self.seen_tokens, device=q.device))
         q = rotate(q, pos.to(q.device).view(b, 1, 1), art.inv_freq)  # RoPE at the current position
-        q_partial = q.float().view(b, h_kv, g, -1) @ self.query_map()  # (B, H_kv, g, k_u)
-        scores = q_partial @ self.partial_keys().transpose(2, 3)  # (B, H_kv, g, T)
-        scores = self.group_scores(scores)  # (B, H_kv, T)
+        q_partial = q.float().view(b, h_s, -1, q.shape[-1]) @ self.query_map()  # (B, H_s, ., k_u)
+        scores = q_partial @ self.partial_keys().transpose(2, 3)  # (B, H_s, H_q / H_s, T)
+        scores = self.group_scores(scores.view(b, h_kv, g, -1))  # (B, H_kv, T)
         top = scores.amax(-1, keepdim=True)
         if m.head0_threshold:
             top = top[:, :1].expand_as(top)
@@ -343,7 +348,9 @@ class InfiniGenLayer(KVLayer):
     def _append_partial(self, keys):
         if self.m.partial_index == "prefill" and self._map is None and keys.shape[2] > 1:
             return  # the prompt's columns are chosen in attend(); keys are added there
-        part = keys.float() @ self.query_map() * math.sqrt(self.info.head_dim)  # (B, H_kv, t, k_u)
+        qmap = self.query_map()  # (H_s, d, k_u)
+        keys = expand_kv(keys.float(), qmap.shape[0] // keys.shape[1])  # (B, H_s, t, d)
+        part = keys @ qmap * math.sqrt(self.info.head_dim)  # (B, H_s, t, k_u)
         b, h, t, width = part.shape
         if self._pk is None or self._pk_len + t > self._pk.shape[2]:  # amortised growth
             grown = part.new_empty(b, h, max(256, 2 * (self._pk_len + t)), width)
@@ -427,7 +434,9 @@ class InfiniGenLayer(KVLayer):
         self.counter = gather_tokens(self.counter, index)
         self.last_used = gather_tokens(self.last_used, index)
         if self._pk is not None:
-            kept = gather_tokens(self.partial_keys(), index.to(self._pk.device))
+            per_kv = index.to(self._pk.device)  # (B, H_kv, T - n) -> the skewing heads
+            kept = gather_tokens(self.partial_keys(),
+                                 per_kv.repeat_interleave(self._pk.shape[1] // index.shape[1], 1))
             self._pk[:, :, : t - n] = kept
             self._pk_len = t - n
         if self.system:

@@ -323,7 +323,10 @@ def test_per_head_count(tiny4, cache_dir):
 
 
 @pytest.mark.parametrize("kw", [{"column_score": "q"}, {"group_reduce": "prob_mean"},
-                                {"speculation_input": "own"}, {"partial_index": "prefill"}])
+                                {"speculation_input": "own"}, {"partial_index": "prefill"},
+                                {"skew_per": "query_head"},
+                                {"skew_per": "query_head", "partial_index": "prefill",
+                                 "pool_capacity": 0.7}])
 def test_system_equals_simulate_for_each_option(tiny4, cache_dir, kw):
     ids = torch.randint(3, 250, (1, 100), generator=torch.Generator().manual_seed(9))
     sim, _ = run(tiny4, build_method("infinigen", mode="simulate", **kw), ids, 48)
@@ -457,3 +460,17 @@ def test_unwritable_cache_dir_is_refused_before_load(tmp_path):
     if Path("/proc/self").is_dir():  # read-only for every user, root included
         reasons = build_method("infinigen", cache_dir="/proc/kvh-cache").validate(_info(), {})
         assert len(reasons) == 1 and "not writable" in reasons[0]
+
+
+def test_per_query_head_skewing(tiny4, cache_dir):
+    """`skew_per=query_head`: one A per query head (its own queries' SVD), partial keys per query
+    head; with every column and the layer's own input the scores are the exact logits."""
+    method = build_method("infinigen", skew_per="query_head", partial_ratio=1.0, alpha=1e9,
+                          budget_ratio=0.25)
+    chosen, q, keys, layer, info = _own_input_step(tiny4, method)
+    assert method._art.skew.shape[1] == info.num_heads
+    assert layer.partial_keys().shape[1] == info.num_heads
+    logits = q.float() @ keys.float().repeat_interleave(info.group_size, 1).transpose(2, 3)
+    per_kv = logits[:, :, 0].view(1, info.num_kv_heads, info.group_size, -1).amax(2)
+    want = per_kv.topk(int(0.25 * per_kv.shape[-1]), dim=-1).indices.sort(-1).values
+    assert torch.equal(chosen, want)
