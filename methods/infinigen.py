@@ -464,7 +464,7 @@ class InfiniGenLayer(KVLayer):
         chosen = gather_tokens(self.positions, slots)
         return torch.cat([chosen, self.positions[:, :, -1:]], dim=2)
 
-    def budget_tokens(self) -> int | None:
+    def allowed_tokens(self) -> int | None:
         """The fetch cap of the last sparse decode step (None for dense layers / no decode)."""
         return None if self.dense else self._decode_budget
 

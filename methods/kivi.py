@@ -243,7 +243,7 @@ class KIVILayer(KVLayer):
         self.v_quant = self._store(self.v_quant, quant, dim=-2)
 
     # --- accounting ---------------------------------------------------------------------------
-    def budget_tokens(self) -> int | None:
+    def allowed_tokens(self) -> int | None:
         return None  # KIVI compresses bytes, not tokens
 
     def stats(self) -> dict[str, int]:

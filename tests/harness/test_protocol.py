@@ -118,7 +118,7 @@ def test_a_method_that_did_not_act_is_flagged(tmp_path):
 class _OverBudgetMidway(KVLayer):
     """Within budget when the request ends, over it for a few steps in between."""
 
-    def budget_tokens(self):
+    def allowed_tokens(self):
         return 12
 
     def after_forward(self):
