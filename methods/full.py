@@ -17,4 +17,4 @@ class Full(KVMethod):
     """Keep everything (no compression). Any batch size."""
 
     name: ClassVar[str] = "full"
-    capabilities: ClassVar[Capabilities] = Capabilities(max_batch_size=None)
+    capabilities: ClassVar[Capabilities] = Capabilities(max_batch_size=None, compresses=False)

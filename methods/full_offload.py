@@ -26,7 +26,7 @@ from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
 class FullOffload(KVMethod):
     name: ClassVar[str] = "full_offload"
     capabilities: ClassVar[Capabilities] = Capabilities(max_batch_size=None, offloads_kv=True,
-                                                        lookahead=True)
+                                                        lookahead=True, compresses=False)
     prefetch: bool = True
 
     def check_hyperparameters(self) -> list[str]:

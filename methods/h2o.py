@@ -41,7 +41,8 @@ from methods.scoring import attention_with_probs, gather_tokens, group_mean
 @dataclass(kw_only=True)
 class H2O(KVMethod):
     name: ClassVar[str] = "h2o"
-    capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True, offloads_kv=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True, offloads_kv=True,
+                                                        selects_tokens=True)
     budget_ratio: float | None = 0.2
     budget_tokens: int | None = None
     recent_ratio: float = 0.5

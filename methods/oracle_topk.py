@@ -30,7 +30,7 @@ from methods.scoring import additive_mask, attention_with_probs, expand_kv, grou
 @dataclass(kw_only=True)
 class OracleTopK(KVMethod):
     name: ClassVar[str] = "oracle_topk"
-    capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True, selects_tokens=True)
     budget_ratio: float | None = 0.2
     budget_tokens: int | None = None
 

@@ -37,7 +37,8 @@ from methods.rope import rotate
 @dataclass(kw_only=True)
 class StreamingLLM(KVMethod):
     name: ClassVar[str] = "streaming_llm"
-    capabilities: ClassVar[Capabilities] = Capabilities(needs_rope=True, bounds_positions=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(needs_rope=True, bounds_positions=True,
+                                                        selects_tokens=True)
     sink_tokens: int = 4
     window_tokens: int | None = 508
     budget_ratio: float | None = None
@@ -69,12 +70,8 @@ class StreamingLLM(KVMethod):
     def lossless_hyperparameters(cls, seq_tokens: int) -> dict:
         return {"sink_tokens": 4, "window_tokens": seq_tokens}
 
-    def validate(self, info: ModelInfo, runner) -> list[str]:
-        reasons = super().validate(info, runner)
-        if self.rerotate and info.rope_theta is None:
-            reasons.append(f"method.rerotate=true needs a RoPE model; {info.model_type} has none "
-                           "(use method.rerotate=false)")
-        return reasons
+    def needs_rope(self) -> bool:
+        return self.rerotate
 
     def bounds_positions(self) -> bool:
         return self.rerotate
