@@ -39,9 +39,18 @@ class Capabilities:
     prefill_modes: tuple[str, ...] = ("dense", "sparse")  # protocols it can honour (Protocol)
     needs_prefill: bool = False  # compresses only what a prompt prefill left (SnapKV-like)
     sparse_prefill_chunked: bool = False  # honours prefill=sparse inside multi-token chunks
+    # Attends to a subset of the tokens seen (eviction or selection). Refused on sliding-window
+    # layers: the window already bounds the cache, and the model's window mask assumes the cache
+    # holds the most recent tokens contiguously, so an evicted or selected set would be misplaced.
+    selects_tokens: bool = False
+    kv_layouts: tuple[str, ...] = ("heads",)  # cache layouts it can hold (ModelInfo.kv_layout)
 
 
 PREFILL_MODES = ("dense", "sparse")
+# RoPE variants whose rotation by delta positions is `delta * inv_freq` with unit attention
+# scaling, so stored keys can be re-rotated (methods.rope); yarn/longrope scale cos/sin and
+# dynamic changes the frequencies with the length.
+REROTATABLE_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True)
@@ -70,8 +79,15 @@ class ModelInfo:
     head_dim: int  # D
     max_positions: int
     dtype: torch.dtype = torch.float32
-    rope_theta: float | None = None
+    rope_theta: float | None = None  # None: the model has no RoPE
     model_type: str = "llama"
+    rope_type: str = "default"  # transformers' rope_type (default, linear, llama3, yarn, ...)
+    rotary_ratio: float = 1.0  # share of head_dim that RoPE rotates (partial_rotary_factor)
+    sliding_window_tokens: int | None = None  # the window of the sliding-window layers
+    sliding_window_layers: tuple[int, ...] = ()  # layers whose attention is masked to the window
+    # "heads": K and V of shape (B, H_kv, T, D) per layer; "latent": an MLA-style cache
+    # (DeepSeek-V2/V3: compressed latent + decoupled RoPE key, not per-head K/V).
+    kv_layout: str = "heads"
 
     @property
     def group_size(self) -> int:
@@ -285,6 +301,19 @@ class KVMethod:
         tests/methods/test_contract.py."""
         return {}
 
+    @classmethod
+    def compressing_hyperparameters(cls, seq_tokens: int) -> dict[str, Any]:
+        """Hyperparameters under which this method really compresses a sequence of `seq_tokens`
+        tokens (well below the length), for the contract test's compressing case. Default: the
+        shared budget knob at about a sixth of the sequence; a method without one overrides this
+        (or compresses under its defaults)."""
+        names = cls.hyperparameter_names()
+        if "budget_tokens" in names:
+            return {"budget_tokens": max(4, seq_tokens // 6)}
+        if "budget_ratio" in names:
+            return {"budget_ratio": 0.2}
+        return {}
+
     def hyperparameters(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
@@ -306,7 +335,35 @@ class KVMethod:
         if mode is not None and mode not in self.capabilities.modes:
             reasons.append(f"method.mode={mode!r}; allowed for {self.name}: "
                            f"{', '.join(self.capabilities.modes)}")
+        return reasons + self.architecture_reasons(info)
+
+    def architecture_reasons(self, info: ModelInfo) -> list[str]:
+        """Reasons this model's architecture cannot be served, from capabilities alone."""
+        caps, model = self.capabilities, info.model_type
+        if info.kv_layout not in caps.kv_layouts:
+            return [f"method={self.name} needs per-head K/V caches (B, H_kv, T, D); {model} "
+                    f"caches a {info.kv_layout!r} layout (multi-head latent attention)"]
+        reasons = []
+        if self.needs_rope():
+            if info.rope_theta is None:
+                reasons.append(f"method={self.name} applies RoPE itself and needs a RoPE model; "
+                               f"{model} has none")
+            elif info.rope_type not in REROTATABLE_ROPE_TYPES or info.rotary_ratio != 1:
+                reasons.append(f"method={self.name} applies plain RoPE over the whole head itself; "
+                               f"{model} uses rope_type={info.rope_type} on "
+                               f"{info.rotary_ratio:g} of each head (allowed: "
+                               f"{', '.join(REROTATABLE_ROPE_TYPES)} on the whole head)")
+        if caps.selects_tokens and info.sliding_window_layers:
+            reasons.append(f"method={self.name} evicts or selects tokens, but {model} has "
+                           f"sliding-window attention ({info.sliding_window_tokens} tokens on "
+                           f"{len(info.sliding_window_layers)} of {info.num_layers} layers): the "
+                           "window already bounds those caches and its mask assumes the most "
+                           "recent tokens, contiguous")
         return reasons
+
+    def needs_rope(self) -> bool:
+        """True when this configuration rotates keys or queries itself (re-rotation, speculation)."""
+        return self.capabilities.needs_rope
 
     def bounds_positions(self) -> bool:
         """True when attention runs at in-cache positions, so a stream may outrun max positions."""

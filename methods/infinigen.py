@@ -98,7 +98,7 @@ class InfiniGen(KVMethod):
     name: ClassVar[str] = "infinigen"
     capabilities: ClassVar[Capabilities] = Capabilities(
         needs_prepare=True, modes=("system", "simulate"), offloads_kv=True, lookahead=True,
-        needs_rope=True)
+        needs_rope=True, selects_tokens=True)
     alpha: float = 5.0
     partial_ratio: float = 0.2
     budget_ratio: float = 0.2
@@ -153,9 +153,6 @@ class InfiniGen(KVMethod):
 
     def validate(self, info: ModelInfo, runner) -> list[str]:
         reasons = super().validate(info, runner)
-        if info.rope_theta is None:
-            reasons.append(f"method=infinigen supports RoPE models (Llama family); "
-                           f"{info.model_type} has no rope_theta")
         reasons += calibration_reasons(self, info)
         if any(i >= info.num_layers for i in self.dense_layers):
             reasons.append(f"method.dense_layers={self.dense_layers} names a layer >= the model's "

@@ -96,6 +96,11 @@ class KIVI(KVMethod):
         group = cls.group_size
         return {"residual_tokens": max(1, -(-seq_tokens // group)) * group}
 
+    @classmethod
+    def compressing_hyperparameters(cls, seq_tokens: int) -> dict[str, Any]:
+        """Small groups and residual, so most of a short sequence is stored quantized."""
+        return {"group_size": 8, "residual_tokens": 8}
+
     def value_group_channels(self, head_dim: int) -> int:
         """Head-dim channels per value group: group_size, clamped to head_dim."""
         return min(self.group_size, head_dim)

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random GQA Llamas built in code, stories260K and SmolLM2 (offline)."""
+"""Shared fixtures: tiny random models built in code (a GQA Llama and the other families of
+tests/models.py), stories260K and SmolLM2 (offline)."""
 
 import dataclasses
 import os
@@ -43,6 +44,22 @@ def need_shared(path: Path) -> None:
 @pytest.fixture(scope="session")
 def tiny_model():
     return models.tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def family_models():
+    """`get(family, layers)`: the session's tiny random model of a family (tests/models.py),
+    built once per (family, layers)."""
+    from tests.models import tiny_family_model
+
+    built = {}
+
+    def get(family: str, layers: int = 2):
+        if (family, layers) not in built:
+            built[family, layers] = tiny_family_model(family, layers)
+        return built[family, layers]
+
+    return get
 
 
 @pytest.fixture(scope="session")

@@ -153,7 +153,7 @@ def test_residual_bookkeeping(torch_path):
         assert torch.equal(out_k[..., -1:, :], k[..., t:t + 1, :])  # the new token exactly
         assert sizes(layer) == (n // R * R, n % R, n - R, R)
         assert layer.seen_tokens == layer.kept_tokens() == layer.stats()["kv_tokens"] == n
-    assert layer.budget_tokens() is None
+    assert layer.allowed_tokens() is None
 
 
 def test_prefill_sees_exact_kv_and_later_chunks_see_the_stored_cache(torch_path):
