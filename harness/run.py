@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import random
-import re
 import sys
 import time
 from datetime import datetime
@@ -65,14 +64,9 @@ def check_runner(runner: dict[str, Any]) -> None:
         raise ConfigError(f"runner.seed={runner.get('seed')!r} must be an integer")
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "model"
-
-
-def output_dir(runner: dict[str, Any], task: str, model: dict[str, Any], method: str) -> Path:
+def output_dir(runner: dict[str, Any], task: str, model_name: str, method: str) -> Path:
     if runner.get("output_dir"):
         return Path(runner["output_dir"])
-    model_name = model["name"] if model["name"] != "hf" else _slug(str(model.get("name_or_path")))
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
     return Path(runner.get("results_root") or "results") / task / model_name / method / stamp
 
@@ -114,12 +108,14 @@ def run(cfg: DictConfig) -> Path:
     from harness.results import RunFolder, check_writable
 
     spec = models.resolve_model(model_cfg)
-    info = hf_adapter.model_info(models.load_config(spec), spec.dtype)
+    config = models.load_config(spec)
+    spec = models.identify(spec, config)  # model=hf: <folder or hub id>-<config hash>
+    info = hf_adapter.model_info(config, spec.dtype)
     reasons = method.validate(info, runner) + task.validate(info, method)
     if reasons:
         raise ConfigError("; ".join(reasons))
     task.check_data()
-    out = output_dir(runner, task_name, model_cfg, method_name)
+    out = output_dir(runner, task_name, spec.name, method_name)
     check_writable(out.parent)
     if runner.get("skip_existing"):
         done = find_complete(out.parent, identity)
@@ -153,6 +149,7 @@ def run(cfg: DictConfig) -> Path:
         "kv": {**engine.ledger.summary(), **engine.density.summary()},
         "transfer": {"kv_offload": runner.get("kv_offload", "none"), **engine.transfers.summary()},
         "model": {"name": spec.name, "description": spec.description, "source": spec.source,
+                  "config_hash": spec.extra.get("identity", {}).get("config_hash"),
                   "dtype": str(spec.dtype).replace("torch.", ""), "device": str(engine.device),
                   "num_layers": info.num_layers, "num_heads": info.num_heads,
                   "num_kv_heads": info.num_kv_heads, "head_dim": info.head_dim,
