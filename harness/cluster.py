@@ -9,9 +9,10 @@ hydra_plugins/kvh_slurm/, where Hydra requires it). Two failure modes become one
   recorded as failed in `<sweep dir>/status/` with SLURM's state, so the sweep summary reports it
   and the other members' results still count, instead of one traceback ending the sweep.
 
-submitit learns that a job ended from `sacct`; on a cluster without job accounting (slurmdbd)
-`sacct` cannot answer and a cancelled job would be waited on forever, so the launcher says so
-before submitting.
+submitit learns that a job ended from `sacct`, which misses some ends: an array task cancelled
+while pending leaves no accounting record, and without slurmdbd `sacct` cannot answer at all. So
+the launcher also reads `squeue` (`queue_states`, `ended_in_queue`): a job that ended there or left
+the queue without a result is reported after `ENDED_GRACE_S`, never waited on forever.
 """
 
 from __future__ import annotations

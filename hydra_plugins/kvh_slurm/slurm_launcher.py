@@ -42,9 +42,7 @@ class SlurmLauncher(_Base):
         sweep_dir.mkdir(parents=True, exist_ok=True)
         if accounting_disabled():
             print("warning: this cluster has no job accounting (sacct: accounting storage is "
-                  "disabled): submitit cannot see a job that is cancelled or killed before it "
-                  "writes its result and will wait for it; finished jobs are collected normally",
-                  file=sys.stderr)
+                  "disabled): job ends are read from squeue only", file=sys.stderr)
         log.info(f"Submitit '{self._EXECUTOR}' sweep output dir : {sweep_dir}")
         job_params = []
         for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
@@ -61,10 +59,11 @@ class SlurmLauncher(_Base):
         for job, (overrides, _, num, _, _) in zip(jobs, job_params):
             try:
                 if job.job_id in ended:
-                    raise UncompletedJobError(f"no result; SLURM says: {ended[job.job_id]}")
+                    raise UncompletedJobError("no result file; squeue says it ended")
                 returns.append(job.results()[0])
             except UncompletedJobError as exc:  # cancelled, killed, timed out, or it raised
-                detail = (f"SLURM job {job.job_id} ended ({job.state}) before writing a result: "
+                state = ended.get(job.job_id) or job.state
+                detail = (f"SLURM job {job.job_id} ended ({state}) before writing a result: "
                           f"{str(exc).splitlines()[0]} (log: {job.paths.stdout})")
                 print(f"failed: member #{num}: {detail}", file=sys.stderr)
                 record_unfinished(sweep_dir, num, filter_overrides(overrides), detail)
