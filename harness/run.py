@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import random
-import re
 import sys
 import time
 from datetime import datetime
@@ -127,14 +126,9 @@ def engine_settings(runner: dict[str, Any]):
         kv_offload=runner.get("kv_offload", "none"), protocol=protocol_from(runner))
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "model"
-
-
-def output_dir(runner: dict[str, Any], task: str, model: dict[str, Any], method: str) -> Path:
+def output_dir(runner: dict[str, Any], task: str, model_name: str, method: str) -> Path:
     if runner.get("output_dir"):
         return Path(runner["output_dir"])
-    model_name = model["name"] if model["name"] != "hf" else _slug(str(model.get("name_or_path")))
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
     return Path(runner.get("results_root") or "results") / task / model_name / method / stamp
 
@@ -176,14 +170,16 @@ def run(cfg: DictConfig) -> Path:
     from harness.results import RunFolder
 
     spec = models.resolve_model(model_cfg)
-    info = hf_adapter.model_info(models.load_config(spec), spec.dtype)
+    config = models.load_config(spec)
+    spec = models.identify(spec, config)  # model=hf: <folder or hub id>-<config hash>
+    info = hf_adapter.model_info(config, spec.dtype)
     reasons = (method.validate(info, runner) + task.validate(info, method)
                + protocol_reasons(method, task, info, protocol_from(runner)))
     if reasons:
         raise ConfigError("; ".join(reasons))
     task.check_data()
     check_prompts(task, spec, info, method)
-    out = output_dir(runner, task_name, model_cfg, method_name)
+    out = output_dir(runner, task_name, spec.name, method_name)
     done = resolve_output(runner, out, identity)  # refuses a path it must not replace
     if done is not None:
         print(f"skipped: a complete result for this config ({identity}) exists at {done}")
@@ -212,6 +208,7 @@ def run(cfg: DictConfig) -> Path:
         "kv": kv_figures(engine, method),
         "transfer": {"kv_offload": runner.get("kv_offload", "none"), **engine.transfers.summary()},
         "model": {"name": spec.name, "description": spec.description, "source": spec.source,
+                  "config_hash": spec.extra.get("identity", {}).get("config_hash"),
                   "dtype": str(spec.dtype).replace("torch.", ""), "device": str(engine.device),
                   "num_layers": info.num_layers, "num_heads": info.num_heads,
                   "num_kv_heads": info.num_kv_heads, "head_dim": info.head_dim,
