@@ -161,3 +161,15 @@ def test_bad_hyperparameters_name_the_key(tiny_model):
     info = hf_adapter.model_info(tiny_model.config)
     reasons = build_method("quest", dense_layers=[5]).validate(info, {})
     assert any("method.dense_layers" in r for r in reasons)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_kernel_on_cuda_equals_reference(dtype):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 32, 128, generator=g).to(dtype).cuda()  # Llama-3-8B heads: 32 / 8
+    low, high = page_bounds(torch.randn(2, 8, 16 * 300 - 5, 128, generator=g).to(dtype).cuda(), 16)
+    for reduce in quest_pages.REDUCTIONS:
+        got = quest_pages.page_scores(q, low, high, reduce)
+        want = quest_pages.page_scores_ref(q, low, high, reduce)
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-3)

@@ -197,3 +197,24 @@ def test_capabilities_refuse_sparse_prefill_and_check_keys(tiny_model):
     no_rope = ModelInfo(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, max_positions=64)
     assert any("RoPE" in r for r in method.validate(no_rope, {}))
     assert method.rank_of(info) == round(0.15625 * 2 * 16)
+
+
+@pytest.mark.gpu
+def test_host_tier_on_cuda_gives_the_cpu_result():
+    """On CUDA the values sit in pinned host memory and the selected rows come back on the side
+    stream; the rebuilt keys and fetched values equal the CPU layer's."""
+    torch.manual_seed(4)
+    pre, values = torch.randn(1, 2, 80, 16), torch.randn(1, 2, 80, 16)
+    out = []
+    for device in ("cpu", "cuda"):
+        method = build_method("shadowkv", budget_tokens=64, rank=8)
+        layer, inv_freq = bare_layer(method, h_kv=2, d=16)
+        layer.tier = Tier(torch.device(device), TransferLedger(1), offload=True)
+        post = rotate(pre, torch.arange(80).float(), inv_freq).to(device)
+        feed_prompt(layer, post, values.to(device))
+        assert layer.host.values.device.type == "cpu"
+        assert layer.host.values.is_pinned() == (device == "cuda")
+        rows = chunk_rows(torch.tensor([[[1, 4], [0, 2]]], device=device), 8)
+        out.append([t.cpu() for t in layer._reconstruct(rows)])
+    assert torch.allclose(out[0][0], out[1][0], atol=1e-4)
+    assert torch.equal(out[0][1], out[1][1])
