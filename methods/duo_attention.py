@@ -78,7 +78,7 @@ def check_headwise_knobs(method) -> list[str]:
 @dataclass(kw_only=True)
 class DuoAttention(KVMethod):
     name: ClassVar[str] = "duo_attention"
-    capabilities: ClassVar[Capabilities] = Capabilities(needs_prepare=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(needs_prepare=True, selects_tokens=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("budget_ratio", "retrieval_head_ratio")
 
     retrieval_head_ratio: float = 0.5

@@ -60,7 +60,7 @@ from methods.scoring import gather_tokens
 @dataclass(kw_only=True)
 class Quest(KVMethod):
     name: ClassVar[str] = "quest"
-    capabilities: ClassVar[Capabilities] = Capabilities()
+    capabilities: ClassVar[Capabilities] = Capabilities(selects_tokens=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("page_size", "group_reduce")
     budget_ratio: float | None = 0.2
     budget_tokens: int | None = None

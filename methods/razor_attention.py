@@ -48,7 +48,7 @@ from methods.duo_attention import check_headwise_knobs
 @dataclass(kw_only=True)
 class RazorAttention(KVMethod):
     name: ClassVar[str] = "razor_attention"
-    capabilities: ClassVar[Capabilities] = Capabilities(needs_prepare=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(needs_prepare=True, selects_tokens=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("budget_ratio", "compression_ratio")
     compensate: ClassVar[bool] = True
 

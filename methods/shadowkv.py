@@ -81,7 +81,8 @@ from methods.scoring import gather_tokens
 class ShadowKV(KVMethod):
     name: ClassVar[str] = "shadowkv"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        needs_prepare=True, offloads_kv=True, needs_rope=True, prefill_modes=("dense",))
+        needs_prepare=True, offloads_kv=True, needs_rope=True, prefill_modes=("dense",),
+        selects_tokens=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("rank", "rank_ratio", "chunk_size")
     budget_ratio: float | None = 0.2
     budget_tokens: int | None = None
