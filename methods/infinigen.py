@@ -99,6 +99,10 @@ class InfiniGen(KVMethod):
     capabilities: ClassVar[Capabilities] = Capabilities(
         needs_prepare=True, modes=("system", "simulate"), offloads_kv=True, lookahead=True,
         needs_rope=True, selects_tokens=True)
+    axis_keys: ClassVar[tuple[str, ...]] = ("alpha", "budget_ratio")
+    variant_keys: ClassVar[tuple[str, ...]] = (
+        "partial_ratio", "dense_layers", "pool_capacity", "mode", "skewing", "column_score",
+        "group_reduce", "shared_count", "speculation_input", "skew_per")
     alpha: float = 5.0
     partial_ratio: float = 0.2
     budget_ratio: float = 0.2

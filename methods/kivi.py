@@ -64,6 +64,8 @@ class KIVI(KVMethod):
     # Nothing is evicted and every sequence holds the same token count: batch-agnostic.
     capabilities: ClassVar[Capabilities] = Capabilities(max_batch_size=None, offloads_kv=True)
 
+    axis_keys: ClassVar[tuple[str, ...]] = ("k_bits", "v_bits")
+    variant_keys: ClassVar[tuple[str, ...]] = ("group_size", "residual_tokens")
     k_bits: int = 2
     v_bits: int = 2
     group_size: int = 32

@@ -48,6 +48,7 @@ class SnapKV(BudgetedMethod):
     capabilities: ClassVar[Capabilities] = Capabilities(
         needs_attn_scores=True, acts_during_decode=False, needs_prefill=True, prefill_modes=("dense",),
         selects_tokens=True)
+    variant_keys: ClassVar[tuple[str, ...]] = ("window_tokens", "kernel_tokens", "pooling")
     window_tokens: int = 32
     kernel_tokens: int = 7
     pooling: str = "max"

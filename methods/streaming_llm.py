@@ -46,6 +46,8 @@ class StreamingLLM(BudgetedMethod):
     name: ClassVar[str] = "streaming_llm"
     capabilities: ClassVar[Capabilities] = Capabilities(needs_rope=True, bounds_positions=True,
                                                         needs_prepare=True, selects_tokens=True)
+    axis_keys: ClassVar[tuple[str, ...]] = ("window_tokens", "budget_ratio")
+    variant_keys: ClassVar[tuple[str, ...]] = ("sink_tokens", "rerotate")
     sink_tokens: int = 4
     window_tokens: int | None = 508
     budget_ratio: float | None = None
