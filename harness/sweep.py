@@ -174,6 +174,17 @@ def group_options(group: str, conf: Path = CONF) -> list[str]:
     return sorted(p.stem for p in (conf / group).glob("*.yaml") if not p.stem.startswith("_"))
 
 
+def config_groups() -> str:
+    """`--help`'s list of choices (the template in conf/config.yaml): Hydra's own list would
+    offer `_`-prefixed fragments such as method=_shared, which are not choices."""
+    return "\n".join(f"{p.name}: {', '.join(group_options(p.name))}" for p in sorted(CONF.iterdir())
+                     if p.is_dir() and p.name != "hydra" and group_options(p.name))
+
+
+# Registered on import: every process that runs a member (submitit's too) imports this module.
+OmegaConf.register_new_resolver("kvh_config_groups", config_groups, replace=True)
+
+
 class SweepSummary(Callback):
     """Checks a multirun before it starts; prints ok/skipped/failed counts after it, and exits
     non-zero if any member failed."""
