@@ -292,11 +292,13 @@ def check_out(out: Path) -> None:
         foreign = sorted(p.name for p in out.iterdir()
                          if p.name not in REPORT_NAMES and not p.name.startswith("."))
         if foreign:
-            raise ConfigError(f"--out {out} holds files that are not a report ({', '.join(foreign[:3])}"
-                              f"{' ...' if len(foreign) > 3 else ''}); choose a new or empty folder")
+            raise ConfigError(f"--out {out} holds files that are not a report "
+                              f"({', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}); "
+                              "choose a new or empty folder")
 
 
-def build_report(patterns: list[str], out: Path | None = None) -> tuple[list[dict], Path, list[Path]]:
+def build_report(patterns: list[str], out: Path | None = None
+                 ) -> tuple[list[dict], Path, list[Path]]:
     """Rows, the output folder and the plots made. ConfigError (bad paths, no valid run)."""
     first = Path(patterns[0]) if Path(patterns[0]).is_dir() else None
     out = out or (first / "_report" if first else Path("results") / "_report")

@@ -84,18 +84,21 @@ def check_output_dir(path: Path, overwrite: bool) -> None:
     previous run without `runner.overwrite=true`. An empty folder is fine."""
     key = f"runner.output_dir={path}"
     if path.name in ("", ".", ".."):
-        raise ConfigError(f"{key}: must name the run folder itself (it ends in {path.name or '/'!r})")
+        raise ConfigError(f"{key}: must name the run folder itself "
+                          f"(it ends in {path.name or '/'!r})")
     if path.is_symlink() or (path.exists() and not path.is_dir()):
-        raise ConfigError(f"{key} is a file (or a link), not a folder; nothing was changed. Allowed: a new or "
-                          "empty folder, or a previous run of this harness with runner.overwrite=true")
+        raise ConfigError(f"{key} is a file (or a link), not a folder; nothing was changed. "
+                          "Allowed: a new or empty folder, or a previous run of this harness "
+                          "with runner.overwrite=true")
     if path.is_dir() and any(path.iterdir()):
         foreign = not_ours(path)
         if foreign:
             raise ConfigError(f"{key} is a non-empty folder that is not a run of this harness "
                               f"({foreign}); nothing was changed. Choose a new or empty folder")
         if not overwrite:
-            raise ConfigError(f"{key} holds a previous run; pass runner.overwrite=true to replace "
-                              "it (runner.skip_existing=true reuses it when the config is the same)")
+            raise ConfigError(f"{key} holds a previous run; pass runner.overwrite=true to "
+                              "replace it (runner.skip_existing=true reuses it when the config "
+                              "is the same)")
     check_writable(path.parent)
 
 

@@ -154,14 +154,17 @@ def claim_sweep_dir(base: Path) -> Path:
     raise ConfigError(f"hydra.sweep.dir: could not create a new folder next to {base}")
 
 
-def unknown_choices(overrides: list[str], conf: Path = CONF) -> list[tuple[int, str, list[str], list[str]]]:
+def unknown_choices(overrides: list[str], conf: Path = CONF
+                    ) -> list[tuple[int, str, list[str], list[str]]]:
     """(index, group, known, unknown) for each swept config group with unknown choices."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     out = []
     for i, override in enumerate(OverridesParser.create().parse_overrides(overrides)):
         group = override.key_or_group
-        if not override.is_sweep_override() or group.startswith("hydra") or not (conf / group).is_dir():
+        swept_group = (override.is_sweep_override() and not group.startswith("hydra")
+                       and (conf / group).is_dir())
+        if not swept_group:
             continue
         values = list(override.sweep_string_iterator())
         bad = [v for v in values if v.startswith("_") or not (conf / group / f"{v}.yaml").is_file()]
@@ -172,6 +175,17 @@ def unknown_choices(overrides: list[str], conf: Path = CONF) -> list[tuple[int, 
 
 def group_options(group: str, conf: Path = CONF) -> list[str]:
     return sorted(p.stem for p in (conf / group).glob("*.yaml") if not p.stem.startswith("_"))
+
+
+def config_groups() -> str:
+    """`--help`'s list of choices (the template in conf/config.yaml): Hydra's own list would
+    offer `_`-prefixed fragments such as method=_shared, which are not choices."""
+    return "\n".join(f"{p.name}: {', '.join(group_options(p.name))}" for p in sorted(CONF.iterdir())
+                     if p.is_dir() and p.name != "hydra" and group_options(p.name))
+
+
+# Registered on import: every process that runs a member (submitit's too) imports this module.
+OmegaConf.register_new_resolver("kvh_config_groups", config_groups, replace=True)
 
 
 class SweepSummary(Callback):
@@ -198,7 +212,8 @@ class SweepSummary(Callback):
             if not known:
                 raise ConfigError(f"{group}={','.join(bad)}: no known choice left to sweep; "
                                   f"allowed: {', '.join(group_options(group))}")
-        explicit = any(o.split("=", 1)[0] == "hydra.sweep.dir" for o in config.hydra.overrides.hydra)
+        explicit = any(o.split("=", 1)[0] == "hydra.sweep.dir"
+                       for o in config.hydra.overrides.hydra)
         sweep_dir = Path(config.hydra.sweep.dir)
         if explicit:
             if (sweep_dir / "status").is_dir() and any((sweep_dir / "status").iterdir()):
@@ -215,10 +230,10 @@ class SweepSummary(Callback):
                 config.hydra.overrides.task[i] = f"{group}={','.join(known)}"
         for k, (_, group, _, bad) in enumerate(unknown):
             for j, value in enumerate(bad):
+                choice = f"{group}={value}"
                 write_json_atomic(sweep_dir / "status" / f"unknown-{k}-{j}.json", {
-                    "job": f"{group}={value}", "status": "failed", "overrides": [f"{group}={value}"],
-                    "detail": f"{group}={value} is unknown; allowed: {', '.join(group_options(group))}",
-                    "pid": os.getpid()})
+                    "job": choice, "status": "failed", "overrides": [choice], "pid": os.getpid(),
+                    "detail": f"{choice} is unknown; allowed: {', '.join(group_options(group))}"})
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)

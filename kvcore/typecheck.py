@@ -58,7 +58,7 @@ def matches(value: Any, tp: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if isinstance(tp, type):
         return isinstance(value, tp)
-    return True  # an annotation we cannot check (a forward reference, a protocol): not ours to refuse
+    return True  # an annotation we cannot check (a forward reference): not ours to refuse
 
 
 def describe(tp: Any) -> str:

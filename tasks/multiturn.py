@@ -164,7 +164,8 @@ class MultiTurn(Task):
                 if need > context:
                     return [self._context_too_small(context, need)]
             planned = context + self.turn_cost_tokens(fmt)
-            if info.max_positions and planned > info.max_positions and not method.bounds_positions():
+            limit = info.max_positions
+            if limit and planned > limit and not method.bounds_positions():
                 return [self._too_long(context, planned, info.max_positions)]
         except ConfigError as exc:
             return [str(exc)]

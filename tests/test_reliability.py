@@ -406,3 +406,9 @@ def test_hydra_errors_are_one_line_exit_2(args, expect, tmp_path):
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
     assert expect in proc.stderr and "_shared" not in proc.stderr.split("allowed:")[-1]
     assert not list(tmp_path.iterdir())
+
+
+def test_help_offers_no_fragment(tmp_path):
+    proc = _cli("--help")
+    assert proc.returncode == 0
+    assert "method: full, full_offload, h2o" in proc.stdout and "_shared" not in proc.stdout
