@@ -259,7 +259,16 @@ def stop(root: Path, timeout_s: float = 20) -> None:
                 time.sleep(0.1)
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+            _reap(pid)
         (Path(root) / "pid" / f"{name}.pid").unlink(missing_ok=True)
+
+
+def _reap(pid: int) -> None:
+    """Collect the exit status of a daemon we started ourselves (mariadbd), so it leaves no zombie."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass  # not our child (the SLURM daemons fork away)
 
 
 def main() -> int:
