@@ -85,8 +85,9 @@ class ModelInfo:
     rotary_ratio: float = 1.0  # share of head_dim that RoPE rotates (partial_rotary_factor)
     sliding_window_tokens: int | None = None  # the window of the sliding-window layers
     sliding_window_layers: tuple[int, ...] = ()  # layers whose attention is masked to the window
-    # "heads": K and V of shape (B, H_kv, T, D) per layer; "latent": an MLA-style cache
-    # (DeepSeek-V2/V3: compressed latent + decoupled RoPE key, not per-head K/V).
+    # "heads": K and V of shape (B, H_kv, T, D) per layer; "latent": multi-head latent attention
+    # (DeepSeek-V2/V3), whose cache holds what its attention chooses (transformers 5.24: the
+    # no-RoPE key part per head and the shared RoPE key part), not K and V heads.
     kv_layout: str = "heads"
 
     @property

@@ -68,5 +68,9 @@ def tiny_family_model(family: str, layers: int = 2, seed: int = 0, attn: str = "
     config = family_config(family, layers)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # transformers initialises biases to zero: make Qwen2's q/k/v ones count
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(0.0, 0.5)
     hf_adapter.set_attention(model, attn)
     return model

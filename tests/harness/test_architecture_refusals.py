@@ -1,0 +1,106 @@
+"""Architectures a method cannot serve are refused by the runner before any weights load, with one
+line naming the method and the architecture fact (ModelInfo from the config alone)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from harness import models
+from harness.run import run
+from kvcore.errors import ConfigError
+from tests.conftest import PROJECT
+from tests.models import deepseek_v2_config, family_config
+
+
+def cfg_for(*overrides):
+    with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+@pytest.fixture
+def no_weight_loading(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("weights were loaded")
+    monkeypatch.setattr(models, "load_model", refuse)
+
+
+def model_folder(tmp_path, config):
+    """A model folder as the runner checks it: config.json + a weights file never read here."""
+    folder = tmp_path / "model"
+    config.save_pretrained(folder)
+    (folder / "model.safetensors").write_bytes(b"")
+    return folder
+
+
+def no_rope_config():
+    from transformers import GPT2Config
+
+    return GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=512, vocab_size=256)
+
+
+def rope_variant(family, **rope):
+    config = family_config(family)
+    config.rope_parameters = {**config.rope_parameters, **rope}
+    return config
+
+
+REFUSED = [  # (config, method overrides, fragment of the one-line reason)
+    (lambda: family_config("mistral"), ["method=h2o"], "method=h2o evicts or selects tokens, but "
+                                                      "mistral has sliding-window attention"),
+    (lambda: family_config("mistral"), ["method=streaming_llm"], "sliding-window attention"),
+    (lambda: family_config("mistral"), ["method=oracle_topk"], "sliding-window attention"),
+    (lambda: family_config("mistral"), ["method=infinigen"], "sliding-window attention"),
+    (no_rope_config, ["method=streaming_llm"], "method=streaming_llm applies RoPE itself and "
+                                               "needs a RoPE model; gpt2 has none"),
+    (no_rope_config, ["method=infinigen"], "method=infinigen applies RoPE itself"),
+    (lambda: rope_variant("phi3", partial_rotary_factor=0.5), ["method=streaming_llm"],
+     "phi3 uses rope_type=default on 0.5 of each head"),
+    (lambda: rope_variant("llama", rope_type="yarn", factor=4.0,
+                          original_max_position_embeddings=128),
+     ["method=infinigen"], "llama uses rope_type=yarn"),
+    (deepseek_v2_config, ["method=full"], "caches a 'latent' layout (multi-head latent attention)"),
+    (deepseek_v2_config, ["method=kivi"], "method=kivi needs per-head K/V caches"),
+    (deepseek_v2_config, ["method=h2o"], "method=h2o needs per-head K/V caches"),
+]
+
+
+@pytest.mark.parametrize("config, overrides, message", REFUSED)
+def test_refused_before_weights_in_one_line(config, overrides, message, no_weight_loading,
+                                            tmp_path):
+    folder = model_folder(tmp_path, config())
+    results = tmp_path / "results"
+    with pytest.raises(ConfigError) as err:
+        run(cfg_for("model=hf", f"model.name_or_path={folder}", *overrides,
+                    f"runner.results_root={results}"))
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+    assert not results.exists()
+
+
+@pytest.mark.parametrize("config, overrides", [
+    (no_rope_config, ["method=streaming_llm", "method.rerotate=false"]),  # no re-rotation
+    (no_rope_config, ["method=h2o"]),
+    (lambda: family_config("mistral"), ["method=kivi"]),  # keeps every token: the mask holds
+    (lambda: family_config("qwen2"), ["method=h2o"]),  # sliding_window set but unused (layer_types)
+])
+def test_servable_architectures_reach_weight_loading(config, overrides, no_weight_loading,
+                                                     tmp_path):
+    folder = model_folder(tmp_path, config())
+    with pytest.raises(AssertionError, match="weights were loaded"):
+        run(cfg_for("model=hf", f"model.name_or_path={folder}", *overrides,
+                    f"runner.results_root={tmp_path / 'results'}"))
+
+
+def test_cli_refusal_is_one_line_and_exits_nonzero(tmp_path):
+    folder = model_folder(tmp_path, family_config("mistral"))
+    env = dict(os.environ, HYDRA_FULL_ERROR="0")
+    proc = subprocess.run([sys.executable, "-m", "harness", "model=hf", "method=h2o",
+                           f"model.name_or_path={folder}", f"runner.results_root={tmp_path / 'r'}"],
+                          cwd=PROJECT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "sliding-window attention" in lines[0], proc.stderr
+    assert not (tmp_path / "r").exists()

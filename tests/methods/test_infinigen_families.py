@@ -1,0 +1,90 @@
+"""InfiniGen's basic correctness over the model families (tests/models.py): its speculation
+reads each family's own query projection (Qwen2's biases, Phi-3's fused qkv_proj, Gemma's
+head_dim != hidden / heads) and RoPE frequencies (Qwen2's theta 1e6) through hf_adapter.
+
+Mistral is refused (sliding-window layers; see tests/harness/test_architecture_refusals.py)."""
+
+import pytest
+import torch
+
+from harness import hf_adapter
+from methods import build_method
+from methods.scoring import expand_kv
+from tests.conftest import make_engine
+from tests.models import FAMILIES
+
+SERVED = [f for f in FAMILIES if f != "mistral"]
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVH_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def run(model, method, ids, prefill, chunk=16):
+    engine = make_engine(model, method, chunk=chunk)
+    with engine.request() as req:
+        out = [req.prefill(ids[:, :prefill], all_logits=True)]
+        out += [req.step(ids[:, t]) for t in range(prefill, ids.shape[1])]
+    return torch.cat(out, 1), engine
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_system_equals_simulate(family, family_models, cache_dir):
+    model = family_models(family, 3)  # layers 0 and 1 dense, layer 2 speculated
+    ids = torch.randint(3, 250, (1, 64), generator=torch.Generator().manual_seed(1))
+    sim, _ = run(model, build_method("infinigen", mode="simulate"), ids, 40)
+    sys_, engine = run(model, build_method("infinigen", mode="system"), ids, 40)
+    assert (sim - sys_).abs().max().item() < 1e-4
+    assert engine.transfers.bytes_h2d > 0
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_large_alpha_full_budget_equals_full_in_system_mode(family, family_models, cache_dir):
+    model = family_models(family, 3)
+    ids = torch.randint(3, 250, (1, 56), generator=torch.Generator().manual_seed(2))
+    full, _ = run(model, build_method("full"), ids, 40)
+    got, _ = run(model, build_method("infinigen", alpha=1e9, budget_ratio=1.0), ids, 40)
+    assert (got - full).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_speculation_from_own_input_with_all_columns_selects_the_true_top_tokens(
+        family, family_models, cache_dir):
+    """partial_ratio=1: the skewed partial score is q . k exactly (A is orthogonal). Fed layer
+    2's own input, speculation must pick the top tokens of the query the model itself used
+    (captured at attention: bias, fused projection, RoPE theta and head_dim all the model's)."""
+    model = family_models(family, 3)
+    info = hf_adapter.model_info(model.config)
+    method = build_method("infinigen", partial_ratio=1.0, alpha=1e9, budget_ratio=0.25,
+                          mode="simulate")
+    engine = make_engine(model, method)
+    ids = torch.randint(3, 250, (1, 41), generator=torch.Generator().manual_seed(3))
+    seen = {}
+
+    def grab_input(module, args, kwargs):
+        seen["x"], seen["pos"] = kwargs["hidden_states"], kwargs["position_ids"]
+
+    handle = hf_adapter.attention_modules(model)[2].register_forward_pre_hook(grab_input,
+                                                                              with_kwargs=True)
+    try:
+        with engine.request() as req:
+            req.prefill(ids[:, :40])
+            layer = req.cache.kv_layers[2]
+            attend = layer.attend
+
+            def grab_query(module, query, *args, **kwargs):
+                seen["q"] = query
+                return attend(module, query, *args, **kwargs)
+
+            layer.attend = grab_query
+            req.step(ids[:, 40])
+            chosen = layer.speculate(seen["x"], seen["pos"])
+            keys = layer.keys  # (1, H_kv, 41, D): simulate mode keeps them on the device
+    finally:
+        handle.remove()
+    logits = (seen["q"].float() @ expand_kv(keys, info.group_size).float().transpose(2, 3))[:, :, 0]
+    per_kv = logits.view(1, info.num_kv_heads, info.group_size, 41).amax(2)
+    expected = per_kv.topk(int(0.25 * 41), dim=-1).indices.sort(-1).values
+    assert torch.equal(chosen, expected)
