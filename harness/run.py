@@ -110,7 +110,8 @@ def protocol_reasons(method, task, info, protocol: Protocol) -> list[str]:
                        f"with runner.prefill={'|'.join(caps.prefill_modes)}")
     phases = task.phases()
     if (caps.needs_prefill or not caps.acts_during_decode) and "prefill" not in phases:
-        reasons.append(f"method={method.name} compresses only at prefill, but task={task.name} "
+        reasons.append(f"method={method.name} compresses only over a prefilled prompt, but "
+                       f"task={task.name} "
                        "(with these options) feeds every token as a decode step: the method would "
                        "never act")
     return reasons

@@ -37,7 +37,7 @@ class Capabilities:
     lookahead: bool = False  # wants prefetch(x_{i-1}) calls one layer ahead (InfiniGen, offload)
     compresses: bool = True  # False for the references (full, full_offload): never "inactive"
     prefill_modes: tuple[str, ...] = ("dense", "sparse")  # protocols it can honour (Protocol)
-    needs_prefill: bool = False  # compresses only what a prompt prefill left (SnapKV-like)
+    needs_prefill: bool = False  # compresses only over a prefilled prompt (SnapKV, ShadowKV)
     sparse_prefill_chunked: bool = False  # honours prefill=sparse inside multi-token chunks
     # Attends to a subset of the tokens seen (eviction or selection). Refused on sliding-window
     # layers: the window already bounds the cache, and the model's window mask assumes the cache

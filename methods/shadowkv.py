@@ -82,6 +82,7 @@ class ShadowKV(KVMethod):
     name: ClassVar[str] = "shadowkv"
     capabilities: ClassVar[Capabilities] = Capabilities(
         needs_prepare=True, offloads_kv=True, needs_rope=True, prefill_modes=("dense",),
+        needs_prefill=True,
         selects_tokens=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("rank", "rank_ratio", "chunk_size")
     budget_ratio: float | None = 0.2

@@ -87,7 +87,7 @@ def test_refusals_name_the_knob_before_weights(monkeypatch, no_weight_loading, t
     monkeypatch.setattr(methods, "build_method", lambda name, **kw: (
         _PrefillOnly() if name == "full" else real(name, **kw)))
     base = ["model=stories260k", "task.max_tokens=100", f"runner.results_root={tmp_path}"]
-    with pytest.raises(ConfigError, match="compresses only at prefill, but task=perplexity"):
+    with pytest.raises(ConfigError, match="compresses only over a prefilled prompt, but task=perplexity"):
         run(cfg_for(*base))
     with pytest.raises(ConfigError, match=r"runner.prefill=sparse but method=prefill_only_for_test"):
         run(cfg_for(*base, "task.mode=chunked", "runner.prefill=sparse"))
