@@ -80,6 +80,7 @@ class DuoAttention(KVMethod):
     name: ClassVar[str] = "duo_attention"
     capabilities: ClassVar[Capabilities] = Capabilities(needs_prepare=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("budget_ratio", "retrieval_head_ratio")
+    compensate: ClassVar[bool] = False  # streaming heads drop evicted tokens (Razor folds them)
 
     retrieval_head_ratio: float = 0.5
     sink_tokens: int = 64
@@ -122,8 +123,6 @@ class DuoAttention(KVMethod):
             return stream_budget_slots(seen, self.budget_ratio, self._retrieval_fraction,
                                        self.sink_tokens + 1)
         return self.sink_tokens + self.window_tokens
-
-    compensate: ClassVar[bool] = False
 
     def prepare(self, ctx) -> dict:
         info = ctx.info

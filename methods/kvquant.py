@@ -21,8 +21,9 @@ Spec, as the official simulation (`llama_simquant.py`, `simquant_module_quantize
     "-1%", `--sparsity-threshold 0.99`) are kept exactly in fp16 in a sparse list (token index
     int32, head*channel int16, value fp16 = 8 bytes each). With outlier_ratio = 0 the range is
     min-max (official: without `--include_sparse`).
-  * `first_fp16_tokens`: the first N tokens kept exact (official `--first_few_fp16`; the NeurIPS
-    version keeps the attention-sink token, N = 1: our default).
+  * `first_fp16_tokens`: the first N tokens kept exact (official `--first_few_fp16`, off by
+    default in the code, "e.g. 5" in the README, 1 for the DBRX checkpoints). Default here: 1, the
+    attention-sink token (our choice for any model, not tuned here; 0 = the code's default).
   * As in the official simulation, a token's own K/V are quantized before it attends.
 Bits: `k_bits`, `v_bits` in {2, 3, 4}; codes are packed as a little-endian bit stream per token
 (b bits per element, D * b / 8 bytes per head vector; at 2 and 4 bits this is KIVI's byte layout,
