@@ -121,7 +121,7 @@ class DuoAttention(KVMethod):
     def stream_slots(self, seen: int) -> int:
         if self.budget_ratio is not None:
             return stream_budget_slots(seen, self.budget_ratio, self._retrieval_fraction,
-                                       self.sink_tokens + 1)
+                                       1)
         return self.sink_tokens + self.window_tokens
 
     def prepare(self, ctx) -> dict:
