@@ -26,7 +26,8 @@ Budget and accounting. Tokens per layer are reported as the *mean over KV heads*
 (rounded up), not the max: a retrieval head holds everything by design, so the max would always be
 the full length. With `budget_ratio` r, the fraction of the full cache held over all KV heads of the
 model is r: with f = the realised retrieval-head fraction, each streaming head may hold
-floor((r - f) / (1 - f) * seen) slots (at least sinks + 1). Each layer's budget is its own mean
+floor((r - f) / (1 - f) * seen) slots (at least 1, 2 with a compensation token; the sinks are
+capped by the slots, so the ratio holds even when it leaves room for fewer than `sink_tokens`). Each layer's budget is its own mean
 under that rule, and `check_step` compares held with it after every forward.
 """
 
@@ -225,6 +226,7 @@ class HeadwiseLayer(KVLayer):
         self.s_positions = torch.empty(0, dtype=torch.long)  # (T_s,)
         self.comp_keys = self.comp_values = None  # (B, H_s, 1, D) mean of the dropped tokens
         self.comp_count = 0  # |D|: tokens the compensation token stands for
+        self.s_sinks = 0  # sinks kept at the last eviction (fewer than sink_tokens if slots are few)
         self._extra_mask = None  # (H_kv, S) additive mask for this step's attention
         self._attended_slots = 0
 
@@ -271,7 +273,7 @@ class HeadwiseLayer(KVLayer):
                 out_k[:, s, :s_slots], out_v[:, s, :s_slots] = old_k, old_v
             hidden[s, s_slots:before] = True
             if self.comp_count:
-                bias[s, self.method.sink_tokens] = math.log(self.comp_count)
+                bias[s, self.s_sinks] = math.log(self.comp_count)
             self.s_keys = self._append(self.s_keys, keys[:, s])
             self.s_values = self._append(self.s_values, values[:, s])
             self.s_positions = torch.cat([self.s_positions, text_pos])
@@ -289,7 +291,7 @@ class HeadwiseLayer(KVLayer):
         """(B, H_s, slots, D): sinks, then the compensation token (if any), then the window."""
         if not self.comp_count:
             return self.s_keys, self.s_values
-        n = self.method.sink_tokens
+        n = self.s_sinks
         k = torch.cat([self.s_keys[:, :, :n], self.comp_keys, self.s_keys[:, :, n:]], dim=-2)
         v = torch.cat([self.s_values[:, :, :n], self.comp_values, self.s_values[:, :, n:]], dim=-2)
         return k, v
@@ -314,8 +316,9 @@ class HeadwiseLayer(KVLayer):
         allowed = self.method.stream_slots(self.seen_tokens)
         if self._s_slots() <= allowed:
             return
-        sinks = min(self.method.sink_tokens, allowed)
         comp = 1 if self.method.compensate else 0
+        sinks = min(self.method.sink_tokens, allowed - comp)
+        self.s_sinks = sinks
         window = max(0, allowed - sinks - comp)
         held = self.s_keys.shape[-2]
         drop = slice(sinks, held - window)

@@ -80,6 +80,7 @@ class DuoAttention(KVMethod):
     name: ClassVar[str] = "duo_attention"
     capabilities: ClassVar[Capabilities] = Capabilities(needs_prepare=True, selects_tokens=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("budget_ratio", "retrieval_head_ratio")
+    compensate: ClassVar[bool] = False  # streaming heads drop evicted tokens (Razor folds them)
 
     retrieval_head_ratio: float = 0.5
     sink_tokens: int = 64
@@ -120,10 +121,8 @@ class DuoAttention(KVMethod):
     def stream_slots(self, seen: int) -> int:
         if self.budget_ratio is not None:
             return stream_budget_slots(seen, self.budget_ratio, self._retrieval_fraction,
-                                       self.sink_tokens + 1)
+                                       1)
         return self.sink_tokens + self.window_tokens
-
-    compensate: ClassVar[bool] = False
 
     def prepare(self, ctx) -> dict:
         info = ctx.info

@@ -13,16 +13,18 @@ Spec, as the official simulation (`llama_simquant.py`, `simquant_module_quantize
     cache post-RoPE keys: they are rotated back by their positions (methods/rope.py, fp32), quantized,
     and re-rotated at their positions when attention reads them (the deployment kernels
     dequantize, then apply RoPE).
-  * Values are quantized per token (per KV head vector), with thresholds computed online from the
-    vector's own quantiles (`dynamicquantization=True`), scale/zero stored in fp16 per vector.
+  * Values are quantized per token (over the whole v_proj output of the token, all KV heads, as
+    the official hook), with thresholds computed online from the token's own quantiles
+    (`dynamicquantization=True`), scale/zero stored in fp16 per token.
   * NUQ datatype: one codebook per layer and tensor (keys, values), 2^bits centroids from k-means
     on the normalised, outlier-free calibration activations (`prepare`, cached on disk).
   * Dense-and-sparse: elements outside the thresholds (`outlier_ratio` of them; 0.01 = the paper's
     "-1%", `--sparsity-threshold 0.99`) are kept exactly in fp16 in a sparse list (token index
     int32, head*channel int16, value fp16 = 8 bytes each). With outlier_ratio = 0 the range is
     min-max (official: without `--include_sparse`).
-  * `first_fp16_tokens`: the first N tokens kept exact (official `--first_few_fp16`; the NeurIPS
-    version keeps the attention-sink token, N = 1: our default).
+  * `first_fp16_tokens`: the first N tokens kept exact (official `--first_few_fp16`, off by
+    default in the code, "e.g. 5" in the README, 1 for the DBRX checkpoints). Default here: 1, the
+    attention-sink token (our choice for any model, not tuned here; 0 = the code's default).
   * As in the official simulation, a token's own K/V are quantized before it attends.
 Bits: `k_bits`, `v_bits` in {2, 3, 4}; codes are packed as a little-endian bit stream per token
 (b bits per element, D * b / 8 bytes per head vector; at 2 and 4 bits this is KIVI's byte layout,
@@ -282,7 +284,8 @@ class KVQuant(KVMethod):
             for i, layer in enumerate(layers):
                 k = rotate(layer.keys[0].float().cpu(), -pos, ctx.rope_inv_freq)  # (H_kv, T, D)
                 keys[i].append(k.transpose(0, 1).half())
-                values[i].append(layer.values[0].float().cpu().reshape(-1, info.head_dim).half())
+                v = layer.values[0].float().cpu().transpose(0, 1)  # (T, H_kv, D)
+                values[i].append(v.reshape(v.shape[0], -1).half())  # per token: v_proj output
         out = {"kz": [], "ks": [], "kc": [], "vc": []}
         for i in range(info.num_layers):
             k = torch.cat(keys[i]).float()  # (N, H_kv, D)
@@ -290,7 +293,7 @@ class KVQuant(KVMethod):
             zero, scale = ((upper + lower) / 2)[..., 0].half(), ((upper - lower) / 2)[..., 0].half()
             kn = (k - zero.float()) / _safe(scale.float())
             out["kc"].append(kmeans_1d(kn[kn.abs() <= 1], 1 << self.k_bits, seed=i))
-            v = torch.cat(values[i]).float()  # (N * H_kv, D)
+            v = torch.cat(values[i]).float()  # (N, H_kv * D)
             vz, vs, _ = _value_normalise(v, self.outlier_ratio)
             vn = (v - vz) / _safe(vs)
             out["vc"].append(kmeans_1d(vn[vn.abs() <= 1], 1 << self.v_bits, seed=i))
@@ -324,7 +327,7 @@ def _value_normalise(v: torch.Tensor, outlier_ratio: float):
 # --------------------------------------------------------------------------------------------
 class KVQuantLayer(KVLayer):
     """One layer: packed key/value codes per token `(B, H_kv, T, D * bits / 8)`, value zero/scale
-    `(B, H_kv, T, 1)` fp16, sparse outliers, and the exact first tokens `(B, H_kv, T_0, D)`."""
+    `(B, 1, T, 1)` fp16, sparse outliers, and the exact first tokens `(B, H_kv, T_0, D)`."""
 
     def __init__(self, layer_idx: int, info: ModelInfo, method: KVQuant):
         super().__init__(layer_idx, info)
@@ -337,7 +340,7 @@ class KVQuantLayer(KVLayer):
         self.constants_bytes = cal.layer_bytes()
         self.exact_k = self.exact_v = None  # (B, H_kv, T_0, D) first tokens, compute dtype
         self.k_codes = self.v_codes = None  # (B, H_kv, T_q, D * bits / 8) uint8
-        self.v_zero = self.v_scale = None  # (B, H_kv, T_q, 1) fp16
+        self.v_zero = self.v_scale = None  # (B, 1, T_q, 1) fp16, per token
         # sparse outliers, COO (token position int32, head * D + channel int16, value fp16)
         self.outliers: dict[str, tuple | None] = {"k": None, "v": None}
 
@@ -352,8 +355,13 @@ class KVQuantLayer(KVLayer):
         return pack_bits(codes, self.method.k_bits), self._sparse(pre, outliers, positions)
 
     def _quantize_values(self, values: torch.Tensor, positions: torch.Tensor):
+        """Per token over all KV heads (the official hook sits on the v_proj output)."""
         v = values.float()
-        zero, scale, outliers = _value_normalise(v, self.method.outlier_ratio)
+        b, h, t, d = v.shape
+        per_token = v.transpose(1, 2).reshape(b, t, h * d)
+        zero, scale, outliers = _value_normalise(per_token, self.method.outlier_ratio)
+        zero, scale = zero[:, None], scale[:, None]  # (B, 1, T, 1)
+        outliers = outliers.reshape(b, t, h, d).transpose(1, 2)
         codes = nearest_centroid((v - zero) / _safe(scale), self.value_codebook.float())
         return (pack_bits(codes, self.method.v_bits), zero.half(), scale.half(),
                 self._sparse(v, outliers, positions))

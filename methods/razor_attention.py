@@ -94,7 +94,7 @@ class RazorAttention(KVMethod):
         """N0 + L_h + 1 (the compensation token), or the share under `budget_ratio`."""
         if self.budget_ratio is not None:
             return stream_budget_slots(seen, self.budget_ratio, self._retrieval_fraction,
-                                       self.sink_tokens + 2)
+                                       2)
         window = max(self.min_window_tokens, int(seen / self.compression_ratio))
         return self.sink_tokens + window + 1
 

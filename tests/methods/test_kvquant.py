@@ -107,6 +107,8 @@ def test_on_a_model_error_falls_with_bits_and_bytes_are_counted(tiny_model, tmp_
         with torch.no_grad(), engine.request() as req:
             errs[bits] = (req.prefill(ids, all_logits=True) - want).abs().max().item()
             held = req.cache.kv_layers[0].stats()["kv_bytes"]
+            # one value zero/scale per token over both KV heads (the v_proj output)
+            assert req.cache.kv_layers[0].v_scale.shape == (1, 1, 64, 1)
         full_bytes = 2 * 64 * 2 * 16 * 4  # K and V, 64 tokens, 2 KV heads, D 16, fp32
         assert held < full_bytes * (bits / 32 + 0.2)
     assert errs[4] < errs[3] < errs[2], errs
