@@ -107,7 +107,8 @@ def main() -> None:
                       f"(load {os.getloadavg()[0]:.1f})", flush=True)
         rows = {name: {"decode_ms": statistics.median(r["decode_ms"] for r in rs),
                        "decode_ms_rounds": [r["decode_ms"] for r in rs],
-                       "kv_bytes": rs[-1]["kv_bytes"], "kv_bytes_vs_full": rs[-1]["kv_bytes_vs_full"]}
+                       "kv_bytes": rs[-1]["kv_bytes"],
+                       "kv_bytes_vs_full": rs[-1]["kv_bytes_vs_full"]}
                 for name, rs in runs.items()}
         load = (load_before + os.getloadavg()[0]) / 2
         print(f"\ncontext {ctx} tokens + {args.new_tokens} new, {args.model}, {args.rounds} "
