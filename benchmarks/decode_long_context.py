@@ -103,9 +103,12 @@ def main() -> None:
                 override = METHODS[name][2]
                 ids = essays[: min(ctx, override) if override else ctx]
                 runs[name].append(measure(model, tok, info, methods[name], ids, args.new_tokens))
+                print(f"  {ctx} {name}: {runs[name][-1]['decode_ms']:.2f} ms/token "
+                      f"(load {os.getloadavg()[0]:.1f})", flush=True)
         rows = {name: {"decode_ms": statistics.median(r["decode_ms"] for r in rs),
                        "decode_ms_rounds": [r["decode_ms"] for r in rs],
-                       "kv_bytes": rs[-1]["kv_bytes"], "kv_bytes_vs_full": rs[-1]["kv_bytes_vs_full"]}
+                       "kv_bytes": rs[-1]["kv_bytes"],
+                       "kv_bytes_vs_full": rs[-1]["kv_bytes_vs_full"]}
                 for name, rs in runs.items()}
         load = (load_before + os.getloadavg()[0]) / 2
         print(f"\ncontext {ctx} tokens + {args.new_tokens} new, {args.model}, {args.rounds} "

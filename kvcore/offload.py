@@ -232,7 +232,8 @@ class HostKVStore:
         self.append(keys, values)
         if past is None:
             return keys, values
-        return (torch.cat([past[0].wait(), keys], dim=2), torch.cat([past[1].wait(), values], dim=2))
+        return (torch.cat([past[0].wait(), keys], dim=2),
+                torch.cat([past[1].wait(), values], dim=2))
 
     def nbytes(self) -> int:
         if self.keys is None:

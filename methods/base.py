@@ -236,7 +236,8 @@ class KVLayer:
         Selection methods (which keep everything but attend to a subset) add `selected_tokens`:
         the most tokens attended at one step; the budget is then checked against it. Methods
         holding part of their state on the host tier add `kv_bytes_device` (the compute-device
-        share of `kv_bytes`).
+        share of `kv_bytes`). `kv_bytes` counts the valid tokens only; layers with preallocated
+        storage add `kv_bytes_allocated` (including unused capacity).
         """
         if self.keys is None:
             return {"kv_tokens": 0, "kv_bytes": 0, "kv_bytes_allocated": 0}

@@ -83,8 +83,8 @@ def _unpack(codes: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.nn.functional.embedding(codes.int(), _UNPACK_TABLES[key]).flatten(-2)
 
 
-def _dequant_block(q: Quantized, bits: int, group: int, start: int, end: int, axis_tokens_last: bool,
-                   dtype: torch.dtype) -> torch.Tensor:
+def _dequant_block(q: Quantized, bits: int, group: int, start: int, end: int,
+                   axis_tokens_last: bool, dtype: torch.dtype) -> torch.Tensor:
     """Dequantize tokens [start, end) only. Keys (tokens last): `(B, H, D, end-start)`; values:
     `(B, H, end-start, D)`."""
     if axis_tokens_last:  # keys: token groups along the last axis

@@ -337,7 +337,8 @@ def packed_cache(t_qk, t_kr, t_qv, b=1, h=2, d=16, k_bits=2, v_bits=2, k_group=3
     from methods.kernels.kivi_attention import KIVICache
 
     k, v = keys_and_values(t_qk + t_kr, b=b, h=h, d=d, seed=seed)
-    k_quant = kq.quantize_pack_ref(k[..., :t_qk, :].transpose(-1, -2), k_bits, k_group) if t_qk else None
+    k_quant = (kq.quantize_pack_ref(k[..., :t_qk, :].transpose(-1, -2), k_bits, k_group)
+               if t_qk else None)
     v_quant = kq.quantize_pack_ref(v[..., :t_qv, :], v_bits, v_group) if t_qv else None
     return KIVICache(k_quant, v_quant, k[..., t_qk:, :].to(dtype), v[..., t_qv:, :].to(dtype),
                      k_bits, v_bits, k_group, v_group)
