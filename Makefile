@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum
 export OMP_WAIT_POLICY ?= PASSIVE
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test gate bench clean
+.PHONY: setup run test test-slurm gate bench clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,12 @@ run: setup
 test: setup
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline \
 		$(PY) -m pytest $(PYTEST_ARGS)
+
+# Sweeps on a real one-node SLURM cluster started in a temp dir (needs root and
+# `apt-get install slurm-wlm slurmdbd munge mariadb-server-core mariadb-client-core`).
+test-slurm: setup
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline \
+		$(PY) -m pytest -m slurm tests/slurm $(PYTEST_ARGS)
 
 # CI regression gate: a short CPU sweep on stories260K and SmolLM2, then the thresholds.
 GATE_DIR ?= results/ci_gate

@@ -3,9 +3,12 @@
 Same model, same prompt (the first `--prompt-tokens` of the essays), same number of new tokens,
 greedy, runs alternated A/B/A/B... Decode tokens/s is measured per token on both sides: the engine
 times each decode step; for `generate`, a streamer timestamps every new token, and decode time is
-from the first generated token to the last. Prints medians and the ratio (goal >= 0.95).
+from the first generated token to the last. Prints medians and the ratio. Goals: >= 0.95 at 2K;
+>= 1.2 at 8K (issue 11: the engine's default cache writes each step in place, transformers'
+DynamicCache concatenates the whole cache every step).
 
-    python benchmarks/decode_vs_hf.py [--prompt-tokens 2048] [--new-tokens 32] [--rounds 3]
+    python benchmarks/decode_vs_hf.py --context 2048 [--new-tokens 32] [--rounds 3]
+    python benchmarks/decode_vs_hf.py --context 8192
 """
 
 from __future__ import annotations
@@ -62,7 +65,8 @@ def engine_decode_tps(engine: Engine, ids: torch.Tensor, new_tokens: int) -> tup
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2_135m")
-    ap.add_argument("--prompt-tokens", type=int, default=2048)
+    ap.add_argument("--context", "--prompt-tokens", dest="context", type=int, default=2048,
+                    help="prompt tokens (capped at the model's max positions - new tokens)")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
@@ -71,7 +75,8 @@ def main() -> None:
     model, tok = models.load_model(spec, "sdpa")
     info = hf_adapter.model_info(model.config)
     engine = Engine(model, tok, build_method("full"), info, EngineSettings(prefill_chunk_tokens=4096))
-    ids = torch.tensor(tok(load_essays(), verbose=False)["input_ids"][: args.prompt_tokens])[None]
+    context = min(args.context, info.max_positions - args.new_tokens)
+    ids = torch.tensor(tok(load_essays(), verbose=False)["input_ids"][:context])[None]
     ids = ids.to(engine.device)
 
     hf, ours = [], []
@@ -90,7 +95,8 @@ def main() -> None:
     print(f"median decode tok/s: generate {statistics.median(hf):.2f}, "
           f"engine {statistics.median(ours):.2f}")
     print(f"engine / generate decode tokens/s ratio: median {statistics.median(ratios):.3f} "
-          f"(min {min(ratios):.3f}, max {max(ratios):.3f}; goal >= 0.95)")
+          f"(min {min(ratios):.3f}, max {max(ratios):.3f}; goal >= "
+          f"{1.2 if ids.shape[1] >= 8000 else 0.95})")
 
 
 if __name__ == "__main__":

@@ -31,17 +31,25 @@ PRESETS = {
         ["method=kivi", "method.k_bits=4", "method.v_bits=4"],
         *[["method=oracle_topk", f"method.budget_ratio={r}"] for r in (0.1, 0.2, 0.5)],
     ],
-    # InfiniGen (issue 4): alpha sweep at budget 0.2, the skewing ablation, and baselines matched
-    # to InfiniGen alpha=5's measured attention density ("@density" rows are resolved at run time).
+    # InfiniGen (issue 4, re-measured like-for-like per issue 10): every row runs with the same
+    # protocol dense layers (InfiniGen's 0 and 1, `runner.dense_layers=[0,1]`, added by main()),
+    # and "@density" rows take the sparse-layer attended fraction measured for InfiniGen's
+    # defaults, so the oracle and H2O attend as much as InfiniGen does where it selects.
     "issue4": [
         ["method=full"],
-        *[["method=infinigen", f"method.alpha={a}", "method.budget_ratio=0.2"] for a in (4.0, 5.0, 6.0)],
+        *[["method=infinigen", f"method.alpha={a}", "method.budget_ratio=0.2"]
+          for a in (4.0, 5.0, 6.0)],
         ["method=infinigen", "method.alpha=5.0", "method.budget_ratio=0.2", "method.skewing=false"],
+        ["method=infinigen", "method.alpha=5.0", "method.budget_ratio=0.2",
+         "method.column_score=q"],
+        ["method=infinigen", "method.alpha=5.0", "method.budget_ratio=0.2",
+         "method.group_reduce=prob_mean"],
         ["method=oracle_topk", "method.budget_ratio=0.2"],
         ["method=h2o", "@density"],
         ["method=oracle_topk", "@density"],
     ],
 }
+PROTOCOL = {"issue4": ["runner.dense_layers=[0,1]"]}
 DENSITY_SOURCE = "infinigen alpha=5.0 budget_ratio=0.2"
 
 
@@ -52,9 +60,11 @@ def label(overrides: list[str]) -> str:
 def row(metrics: dict, name: str) -> str:
     acc, kv, speed = metrics["accuracy"], metrics["kv"], metrics["speed"]
     tokens = sum(kv["tokens_per_layer"]) / len(kv["tokens_per_layer"])
+    fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
     return (f"| {name} | {acc['ppl']:.3f} | {tokens:.0f} | {kv['bytes_total'] / 2**20:.2f} | "
-            f"{kv['compression_ratio']:.2f}x | {kv.get('attention_density', 1.0):.4f} | "
-            f"{kv.get('relative_kv_size', 1.0):.4f} | {speed['decode_ms_per_token_median']:.1f} |")
+            f"{fmt(kv.get('held_ratio'))} | {fmt(kv.get('attended_fraction_sparse_layers'))} | "
+            f"{fmt(kv.get('attended_fraction_all_layers'))} | "
+            f"{speed['decode_ms_per_token_median']:.1f} |")
 
 
 def main() -> None:
@@ -73,21 +83,24 @@ def main() -> None:
     from harness.run import run
 
     lines = [f"Streaming perplexity, {args.model}, {args.dataset}, first {args.max_tokens} tokens",
-             "", "| method | ppl | KV tokens/layer (end) | KV MiB (end) | compression | "
-             "attention density | relative KV size | decode ms/tok |", "|---|---|---|---|---|---|---|---|"]
+             f"protocol: {' '.join(PROTOCOL.get(args.preset, [])) or 'runner defaults'}",
+             "", "| method | ppl | KV tokens/layer (end) | KV MiB (end) | KV held | "
+             "attended (sparse layers) | attended (all layers) | decode ms/tok |",
+             "|---|---|---|---|---|---|---|---|"]
     densities: dict[str, float] = {}
     for overrides in PRESETS[args.preset][args.start:]:
-        if "@density" in overrides:  # match InfiniGen's measured density (attended fraction)
+        if "@density" in overrides:  # InfiniGen's measured attended fraction in sparse layers
             ratio = round(densities[DENSITY_SOURCE], 4)
             overrides = [o for o in overrides if o != "@density"] + [f"method.budget_ratio={ratio}"]
         common = [f"model={args.model}", "task=perplexity", "task.mode=streaming",
                   f"task.dataset={args.dataset}", f"task.max_tokens={args.max_tokens}",
-                  f"runner.results_root={args.results_root}", *args.extra]
+                  f"runner.results_root={args.results_root}", *PROTOCOL.get(args.preset, []),
+                  *args.extra]
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
             cfg = compose(config_name="config", overrides=common + overrides)
         folder = run(cfg)
         metrics = json.loads((folder / "metrics.json").read_text())
-        densities[label(overrides)] = metrics["kv"].get("attention_density", 1.0)
+        densities[label(overrides)] = metrics["kv"].get("attended_fraction_sparse_layers") or 1.0
         lines.append(row(metrics, label(overrides)))
         print("\n".join(lines), flush=True)
     print("\n".join(lines))

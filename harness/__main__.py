@@ -2,6 +2,7 @@
 
 import os
 import signal
+import sys
 
 # Before torch loads: OpenMP's active spin-wait makes 2-core machines ~25x slower under any
 # contention (stack.md §3). A user's explicit setting wins.
@@ -9,20 +10,74 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import hydra  # noqa: E402
+from hydra.errors import HydraException  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
+from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from harness.run import main_guarded  # noqa: E402
+from kvcore.errors import ConfigError  # noqa: E402
+
+BAD_INPUT_EXIT = 2
 
 
 def _terminate(signum, frame):  # SIGTERM unwinds like Ctrl-C: staging removed, nothing partial
     raise KeyboardInterrupt
 
 
+def install_signal_handlers() -> None:
+    """Ctrl-C and SIGTERM both unwind through the run's cleanup. SIGINT is installed explicitly:
+    a process started with SIGINT ignored (`nohup ... &`, some CI runners) inherits the ignore and
+    Python then leaves it ignored."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _terminate)
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    signal.signal(signal.SIGTERM, _terminate)
     main_guarded(cfg)
 
 
+def one_line(exc: BaseException) -> str:
+    """Hydra's multi-line messages as one line; `_`-prefixed fragments are never offered."""
+    raw = str(exc).splitlines()
+    lines = [ln.strip() for ln in raw if ln.strip()
+             and not ln.strip().startswith(("See https://", "Set the environment"))]
+    if not lines:
+        return type(exc).__name__
+    head = lines[0].removeprefix("In 'config': ")
+    override = getattr(exc, "override", None)  # OverrideParseException
+    if override:
+        head = f"override {override!r} cannot be parsed: {head}"
+    for i, line in enumerate(raw):
+        if line.strip().startswith("Available options"):
+            options = []
+            for option in raw[i + 1:]:
+                if not option.startswith("\t"):
+                    break
+                if not option.strip().startswith("_"):
+                    options.append(option.strip())
+            return f"{head}; allowed: {', '.join(options)}"
+    text = ": ".join([head, *lines[1:2]])
+    cause = exc.__cause__
+    if cause is not None and str(cause).strip() and str(cause).splitlines()[0] not in text:
+        text += f": {str(cause).strip().splitlines()[0]}"
+    return text
+
+
+def cli() -> None:
+    """Hydra-level errors (unknown group option, override syntax, a refused sweep) print one line
+    and exit 2, like the runner's own; HYDRA_FULL_ERROR=1 or runner.debug=true show tracebacks."""
+    install_signal_handlers()
+    full = os.environ.get("HYDRA_FULL_ERROR") == "1" or "runner.debug=true" in sys.argv
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its own report
+    try:
+        main()
+    except (HydraException, OmegaConfBaseException, ConfigError) as exc:
+        if full:
+            raise
+        print(f"error: {one_line(exc)}", file=sys.stderr)
+        sys.exit(BAD_INPUT_EXIT)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

@@ -10,45 +10,86 @@ With `ratio_to_method`, the value checked is metric / the same metric of that me
 same model and task found in the same results (the most recent one), so speed gates are ratios
 measured on one machine. An entry that matches no run is itself a failure: a gate that checks
 nothing must not pass. With several matching runs, the most recent one is checked.
+
+The thresholds file is checked strictly (unknown keys such as a misspelled `mxa:` are errors, a
+bound must be a number, min <= max). Runs are read through the metrics schema; a corrupt one is
+skipped with a warning naming it. Exit codes: 0 all within bounds, 1 a regression (or a check
+that matched nothing), 2 bad input (thresholds file, paths) — so CI can tell them apart.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from harness.report import find_runs
+from harness.report import find_runs, load_runs
+from harness.schema import lookup
+from kvcore.errors import ConfigError
 
 REQUIRED = ("model", "method", "task", "metric")
+STRING_KEYS = ("model", "method", "task", "metric", "ratio_to_method")
+ALLOWED = (*REQUIRED, "min", "max", "ratio_to_method", "hyperparameters")
+REGRESSION_EXIT, BAD_INPUT_EXIT = 1, 2
+
+__all__ = ["check", "load_thresholds", "lookup", "main", "table"]
 
 
-def lookup(metrics: dict, dotted: str) -> Any:
-    node: Any = metrics
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _entry_problem(e: Any) -> str:
+    if not isinstance(e, dict):
+        return f"must be a mapping (got {e!r})"
+    unknown = sorted(str(k) for k in e if k not in ALLOWED)
+    if unknown:
+        return f"has unknown key {unknown[0]!r}; allowed: {', '.join(ALLOWED)}"
+    missing = [k for k in REQUIRED if k not in e]
+    if missing:
+        return f"lacks {', '.join(missing)}"
+    for key in STRING_KEYS:
+        if key in e and (not isinstance(e[key], str) or not e[key]):
+            return f"{key}={e[key]!r} must be a non-empty string"
+    if "min" not in e and "max" not in e:
+        return "needs min and/or max"
+    for key in ("min", "max"):
+        if key in e and not _number(e[key]):
+            return f"{key}={e[key]!r} must be a number"
+    if "min" in e and "max" in e and e["min"] > e["max"]:
+        return f"min={e['min']} is above max={e['max']}: no value could pass"
+    if "hyperparameters" in e and not isinstance(e["hyperparameters"], dict):
+        return f"hyperparameters={e['hyperparameters']!r} must be a mapping"
+    return ""
 
 
 def load_thresholds(path: Path) -> list[dict]:
+    """The entries of a thresholds file; ConfigError naming the file (and entry) otherwise."""
     if not path.is_file():
-        raise SystemExit(f"error: --against {path}: no such file")
-    data = yaml.safe_load(path.read_text()) or {}
-    entries = data.get("thresholds")
+        raise ConfigError(f"--against {path}: no such file")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--against {path}: unreadable ({exc})") from None
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        line = f" (line {where.line + 1})" if where is not None else ""
+        raise ConfigError(f"{path}: not valid YAML{line}: "
+                          f"{getattr(exc, 'problem', None) or exc}") from None
+    if not isinstance(data, dict) or set(data) != {"thresholds"}:
+        got = sorted(map(str, data)) if isinstance(data, dict) else type(data).__name__
+        raise ConfigError(f"{path}: must be a mapping with one key, 'thresholds:' (got {got})")
+    entries = data["thresholds"]
     if not isinstance(entries, list) or not entries:
-        raise SystemExit(f"error: {path}: needs a non-empty list under 'thresholds:'")
+        raise ConfigError(f"{path}: needs a non-empty list under 'thresholds:'")
     for i, e in enumerate(entries):
-        missing = [k for k in REQUIRED if k not in e]
-        if missing:
-            raise SystemExit(f"error: {path}: thresholds[{i}] lacks {', '.join(missing)}")
-        if "min" not in e and "max" not in e:
-            raise SystemExit(f"error: {path}: thresholds[{i}] needs min and/or max")
+        problem = _entry_problem(e)
+        if problem:
+            raise ConfigError(f"{path}: thresholds[{i}] {problem}")
     return entries
 
 
@@ -76,15 +117,16 @@ def check(runs: list[dict], entries: list[dict]) -> list[dict]:
             results.append(res)
             continue
         value = lookup(chosen, e["metric"])
-        if value is None:
-            res["why"] = f"{e['metric']} missing in the run"
+        if not _number(value):
+            res["why"] = (f"{e['metric']} missing in the run" if value is None
+                          else f"{e['metric']}={value!r} is not a number")
             results.append(res)
             continue
         if e.get("ratio_to_method"):
             ref = _latest([m for m in runs if _matches(m, e["model"], e["ratio_to_method"],
                                                        e["task"], None)])
             ref_value = lookup(ref, e["metric"]) if ref else None
-            if not ref_value:
+            if not _number(ref_value) or ref_value == 0:
                 res["why"] = f"no {e['ratio_to_method']} run to compare with"
                 results.append(res)
                 continue
@@ -112,14 +154,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("results", nargs="+")
     ap.add_argument("--against", type=Path, required=True)
     args = ap.parse_args(argv)
-    entries = load_thresholds(args.against)
-    runs = [json.loads(f.read_text()) for f in find_runs(args.results)]
+    try:
+        entries = load_thresholds(args.against)
+        runs = [metrics for _, metrics in load_runs(find_runs(args.results))]
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return BAD_INPUT_EXIT
     results = check(runs, entries)
     print(table(results))
     failed = [r for r in results if not r["ok"]]
     print(f"\nregression gate: {len(results) - len(failed)} checks within bounds, "
           f"{len(failed)} regressed")
-    return 1 if failed else 0
+    return REGRESSION_EXIT if failed else 0
 
 
 if __name__ == "__main__":

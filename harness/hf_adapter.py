@@ -176,7 +176,9 @@ def model_info(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> 
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     rope = getattr(config, "rope_parameters", None) or {}
-    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    rope = rope if isinstance(rope, dict) else {}
+    theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
+    window, sliding = _sliding_window(config)
     return ModelInfo(
         num_layers=config.num_hidden_layers,
         num_heads=heads,
@@ -184,9 +186,34 @@ def model_info(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> 
         head_dim=head_dim,
         max_positions=getattr(config, "max_position_embeddings", 0) or 0,
         dtype=dtype,
-        rope_theta=theta if theta is not None else getattr(config, "rope_theta", None),
+        rope_theta=theta,
         model_type=getattr(config, "model_type", "unknown"),
+        rope_type=str(rope.get("rope_type", "default")),
+        rotary_ratio=float(rope.get("partial_rotary_factor",
+                                    getattr(config, "partial_rotary_factor", None) or 1.0)),
+        sliding_window_tokens=window,
+        sliding_window_layers=sliding,
+        kv_layout="latent" if getattr(config, "kv_lora_rank", None) else "heads",
     )
+
+
+def _sliding_window(config: PretrainedConfig) -> tuple[int | None, tuple[int, ...]]:
+    """(window, layers it masks). `layer_types` (Qwen2, Gemma2/3) names the sliding layers;
+    without it a set `sliding_window` applies to every layer (Mistral, Phi-3) unless
+    `use_sliding_window` is false. A window as long as the positions never masks anything."""
+    window = getattr(config, "sliding_window", None)
+    layers = config.num_hidden_layers
+    max_positions = getattr(config, "max_position_embeddings", 0) or 0
+    if not window or (max_positions and window >= max_positions):
+        return None, ()
+    types = getattr(config, "layer_types", None)
+    if types:
+        sliding = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    elif getattr(config, "use_sliding_window", True) is False:
+        sliding = ()
+    else:
+        sliding = tuple(range(layers))
+    return (int(window), sliding) if sliding else (None, ())
 
 
 def rope_inv_freq(model) -> torch.Tensor | None:

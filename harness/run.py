@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import random
-import re
 import sys
 import time
 from datetime import datetime
@@ -20,7 +19,8 @@ from omegaconf import DictConfig, OmegaConf
 from kvcore.errors import BudgetViolation, ConfigError, OutputError, UnsupportedCombination
 from harness.loggers import LOGGERS, log_run
 from harness.projection import project
-from harness.sweep import config_hash, find_complete, multirun_job, record_status
+from harness.schema import stamp
+from harness.sweep import config_hash, group_options, multirun_job, record_status, resolve_output
 from methods.base import PREFILL_MODES, Protocol
 
 log = logging.getLogger("harness")
@@ -38,9 +38,19 @@ def _plain(node) -> dict[str, Any]:
 def _split_name(group: str, node) -> tuple[str, dict[str, Any]]:
     options = _plain(node)
     name = options.pop("name", None)
-    if not name:
-        raise ConfigError(f"{group}.name is missing (conf/{group}/<choice>.yaml must set it)")
+    if not name:  # e.g. method=_shared: a fragment the choices include, not a choice
+        raise ConfigError(f"{group}={_choice(group)!r} is not a {group} (its config sets no "
+                          f"{group}.name); allowed: {', '.join(group_options(group))}")
     return str(name), options
+
+
+def _choice(group: str) -> str:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        return str(HydraConfig.get().runtime.choices.get(group))
+    except Exception:  # composed outside the CLI (tests)
+        return "?"
 
 
 def check_runner(runner: dict[str, Any]) -> None:
@@ -75,6 +85,12 @@ def check_runner(runner: dict[str, Any]) -> None:
     if runner.get("prefill", "dense") not in PREFILL_MODES:
         raise ConfigError(f"runner.prefill={runner.get('prefill')!r}; allowed: "
                           f"{', '.join(PREFILL_MODES)}")
+    for key in ("check_budget", "debug", "diagnostics", "skip_existing", "overwrite"):
+        if not isinstance(runner.get(key, False), bool):
+            raise ConfigError(f"runner.{key}={runner.get(key)!r} must be a boolean (true or false)")
+    for key in ("output_dir", "results_root"):
+        if runner.get(key) is not None and not isinstance(runner[key], str):
+            raise ConfigError(f"runner.{key}={runner[key]!r} must be a path (a string)")
 
 
 def protocol_from(runner: dict[str, Any]) -> Protocol:
@@ -110,14 +126,9 @@ def engine_settings(runner: dict[str, Any]):
         kv_offload=runner.get("kv_offload", "none"), protocol=protocol_from(runner))
 
 
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_") or "model"
-
-
-def output_dir(runner: dict[str, Any], task: str, model: dict[str, Any], method: str) -> Path:
+def output_dir(runner: dict[str, Any], task: str, model_name: str, method: str) -> Path:
     if runner.get("output_dir"):
         return Path(runner["output_dir"])
-    model_name = model["name"] if model["name"] != "hf" else _slug(str(model.get("name_or_path")))
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
     return Path(runner.get("results_root") or "results") / task / model_name / method / stamp
 
@@ -156,29 +167,31 @@ def run(cfg: DictConfig) -> Path:
     from harness.engine import Engine
     from harness.env import environment
     from harness.profiling import peak_memory, reset_peak_memory
-    from harness.results import RunFolder, check_writable
+    from harness.results import RunFolder
 
     spec = models.resolve_model(model_cfg)
-    info = hf_adapter.model_info(models.load_config(spec), spec.dtype)
+    config = models.load_config(spec)
+    spec = models.identify(spec, config)  # model=hf: <folder or hub id>-<config hash>
+    info = hf_adapter.model_info(config, spec.dtype)
     reasons = (method.validate(info, runner) + task.validate(info, method)
                + protocol_reasons(method, task, info, protocol_from(runner)))
     if reasons:
         raise ConfigError("; ".join(reasons))
     task.check_data()
-    out = output_dir(runner, task_name, model_cfg, method_name)
-    check_writable(out.parent)
-    if runner.get("skip_existing"):
-        done = find_complete(out.parent, identity)
-        if done is not None:
-            print(f"skipped: a complete result for this config ({identity}) exists at {done}")
-            return done
+    check_prompts(task, spec, info, method)
+    out = output_dir(runner, task_name, spec.name, method_name)
+    done = resolve_output(runner, out, identity)  # refuses a path it must not replace
+    if done is not None:
+        print(f"skipped: a complete result for this config ({identity}) exists at {done}")
+        return done
 
     if runner.get("threads"):
         torch.set_num_threads(int(runner["threads"]))
     seed_everything(int(runner["seed"]))
     log.info("loading %s", spec.description)
     model, tokenizer = models.load_model(spec, runner["attn_impl"])
-    prepared = hf_adapter.prepare(method, model, tokenizer, info, data_dir=models.SHARED_DIR / "data")
+    prepared = (hf_adapter.prepare(method, model, tokenizer, info, data_dir=models.SHARED_DIR / "data")
+                if method.capabilities.needs_prepare else {})
     handles = method.install(model)
     engine = Engine(model, tokenizer, method, info, engine_settings(runner))
     reset_peak_memory(engine.device)
@@ -195,18 +208,23 @@ def run(cfg: DictConfig) -> Path:
         "kv": kv_figures(engine, method),
         "transfer": {"kv_offload": runner.get("kv_offload", "none"), **engine.transfers.summary()},
         "model": {"name": spec.name, "description": spec.description, "source": spec.source,
+                  "config_hash": spec.extra.get("identity", {}).get("config_hash"),
                   "dtype": str(spec.dtype).replace("torch.", ""), "device": str(engine.device),
                   "num_layers": info.num_layers, "num_heads": info.num_heads,
                   "num_kv_heads": info.num_kv_heads, "head_dim": info.head_dim,
                   "max_positions": info.max_positions,
                   "parameters": sum(p.numel() for p in model.parameters())},
         "method": {"name": method_name, "hyperparameters": method.hyperparameters(),
+                   "axis_keys": list(method.axis_keys), "variant_keys": list(method.variant_keys),
                    "capabilities": vars(method.capabilities) if hasattr(method.capabilities, "__dict__")
                    else {}, "prepare": prepared},
         "task": {"name": task_name, "options": task.options()},
         "protocol": {**result.protocol, "dense_layers": list(engine.dense_layers),
                      "dense_layers_runner": list(runner.get("dense_layers") or []),
                      "prefill": engine.settings.protocol.prefill, "accounting": ACCOUNTING,
+                     "attention_kernel": ("the method's own eager attention with probabilities "
+                                          "(needs_attn_scores)" if method.capabilities.needs_attn_scores
+                                          else runner["attn_impl"]),
                      "prefill_chunk_tokens": runner["prefill_chunk_tokens"],
                      "batch_size": runner["batch_size"], "attn_impl": runner["attn_impl"],
                      "positions": "text positions, explicit position_ids", "seed": runner["seed"]},
@@ -220,6 +238,7 @@ def run(cfg: DictConfig) -> Path:
     projected = project(_plain(cfg.hardware), metrics["speed"], metrics["transfer"])
     if projected is not None:
         metrics["projected"] = projected
+    metrics = stamp(metrics)
     try:
         folder = RunFolder(out)
     except OSError as exc:
@@ -236,8 +255,8 @@ def run(cfg: DictConfig) -> Path:
         if logged:
             metrics["logger"] = {**logged, "dir": logged["dir"].replace(str(folder.staging),
                                                                         str(out))}
-        folder.write_json("metrics.json", metrics)
-        final = folder.commit()
+        folder.write_json("metrics.json", stamp(metrics))
+        final = folder.commit(overwrite=bool(runner.get("overwrite")))
     except OSError as exc:  # disk full, permissions: nothing half-written is left behind
         folder.abandon()
         raise OutputError(f"writing results to {out} failed ({exc.strerror or exc}); nothing was "
@@ -246,6 +265,11 @@ def run(cfg: DictConfig) -> Path:
         folder.abandon()
         raise
     print(summary(metrics, final))
+    logged = metrics.get("logger", {})
+    if logged.get("mode") == "offline":
+        print(f"wandb: offline run in {logged['dir']}; upload it with: wandb sync {logged['dir']}")
+    elif logged.get("url"):
+        print(f"wandb: {logged['url']}")
     return final
 
 
@@ -255,6 +279,30 @@ def kv_figures(engine, method) -> dict[str, Any]:
 
     kv = {**engine.ledger.summary(), **engine.attended.summary()}
     return {**kv, **activity(method.capabilities.compresses, kv)}
+
+
+def check_prompts(task, spec, info, method) -> None:
+    """Task checks that need the tokenizer (prompt sizes), before any weights load."""
+    from tasks import Task
+
+    if type(task).check_prompts is Task.check_prompts:
+        return
+    tokenizer = _tokenizer(spec)
+    if tokenizer is None:
+        return  # load_model reports why the tokenizer cannot load, before reading weights
+    reasons = task.check_prompts(tokenizer, info, method)
+    if reasons:
+        raise ConfigError("; ".join(reasons))
+
+
+def _tokenizer(spec):
+    from transformers import AutoTokenizer
+
+    source = spec.extra.get("converted_dir") if spec.kind == "gguf" else spec.source
+    try:  # a GGUF model not converted yet has no tokenizer folder: checked during evaluation
+        return AutoTokenizer.from_pretrained(source) if source else None
+    except Exception:  # noqa: BLE001 - load_model reports any tokenizer failure in one line
+        return None
 
 
 def _fmt(value: Any) -> str:

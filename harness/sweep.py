@@ -7,7 +7,12 @@
   only appears once complete, so a killed run leaves nothing that looks finished).
 * In a Hydra multirun each member writes `<sweep dir>/status/<job>.json` (ok / skipped / failed,
   with the one-line reason); `SweepSummary` (a Hydra callback) prints the counts at the end and
-  makes the sweep exit non-zero when a member failed.
+  makes the sweep exit non-zero when a member failed or ended without reporting.
+* `SweepSummary.on_multirun_start`, before any member runs: refuses `runner.output_dir` (every
+  member would write the same folder), gives the sweep a folder of its own (`_sweeps/<time>` is
+  created exclusively; a second sweep in the same second gets `<time>-2`), refuses a sweep folder
+  already holding an earlier sweep's statuses, and takes unknown choices of a config group out of
+  the sweep (`method=full,nosuch,h2o`), recording each as a failed member with its one-line reason.
 """
 
 from __future__ import annotations
@@ -20,12 +25,17 @@ from pathlib import Path
 from typing import Any
 
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from harness.results import write_json_atomic
+from harness.results import check_output_dir, check_writable, write_json_atomic
+from harness.schema import SchemaError, load
+from kvcore.errors import ConfigError
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
 
 # Keys that say where or how a run is written or shown, not what it computes.
-_NOT_IDENTITY = {"runner": ("output_dir", "results_root", "debug", "skip_existing", "threads"),
+_NOT_IDENTITY = {"runner": ("output_dir", "results_root", "debug", "skip_existing", "overwrite",
+                            "threads"),
                  "logger": None, "hydra": None}
 
 
@@ -41,16 +51,41 @@ def config_hash(cfg: DictConfig) -> str:
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
+def run_hash(folder: Path) -> str | None:
+    """The config hash of the complete run in `folder` (None: not a complete run)."""
+    try:
+        return load(folder / "metrics.json")["run"]["config_hash"]
+    except SchemaError:
+        return None
+
+
 def find_complete(search_dir: Path, identity: str) -> Path | None:
-    """A complete run folder (metrics.json present) whose config hash is `identity`."""
+    """A complete run folder (a valid metrics.json) under `search_dir` whose hash is `identity`."""
     if not search_dir.is_dir():
         return None
     for metrics in sorted(search_dir.glob("*/metrics.json")):
-        try:
-            if json.loads(metrics.read_text()).get("run", {}).get("config_hash") == identity:
-                return metrics.parent
-        except (OSError, ValueError):
-            continue  # unreadable: not complete
+        if run_hash(metrics.parent) == identity:
+            return metrics.parent
+    return None
+
+
+def resolve_output(runner: dict[str, Any], out: Path, identity: str) -> Path | None:
+    """Before weights load: the complete run to reuse (`runner.skip_existing`), or None after
+    checking that `out` may be written. An explicit `runner.output_dir` is reused only when it
+    holds a complete run of this very config, and replaced only under `runner.overwrite=true`."""
+    explicit = bool(runner.get("output_dir"))
+    if explicit and multirun_job() is not None:
+        raise ConfigError("runner.output_dir cannot be used with a sweep (-m): every member would "
+                          "write the same folder")
+    if runner.get("skip_existing"):
+        done = (out if run_hash(out) == identity else None) if explicit else \
+            find_complete(out.parent, identity)
+        if done is not None:
+            return done
+    if explicit:
+        check_output_dir(out, bool(runner.get("overwrite")))
+    else:
+        check_writable(out.parent)
     return None
 
 
@@ -81,17 +116,124 @@ def record_status(status: str, detail: str, overrides: list[str] | None = None) 
 
 
 def read_statuses(sweep_dir: Path) -> list[dict[str, Any]]:
-    out = []
+    """Every member's status; a member Hydra started (it made `<sweep dir>/<job>/`) that wrote
+    none ended without reporting (killed, or an exit inside the member) and counts as failed."""
+    out, seen = [], set()
     for path in sorted((sweep_dir / "status").glob("*.json")):
         try:
-            out.append(json.loads(path.read_text()))
+            status = json.loads(path.read_text())
         except (OSError, ValueError):
-            out.append({"job": path.stem, "status": "failed", "detail": "unreadable status"})
+            status = {"job": path.stem, "status": "failed", "detail": "unreadable status"}
+        out.append(status)
+        seen.add(str(status.get("job")))
+    started = sorted((int(p.name) for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()),
+                     ) if sweep_dir.is_dir() else []
+    for num in started:
+        if str(num) not in seen:
+            out.append({"job": num, "status": "failed", "overrides": [],
+                        "detail": "the member ended without reporting a status (killed?)"})
     return out
 
 
+def _quote(text: str) -> str:
+    """A Hydra override value that stays one literal string."""
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def claim_sweep_dir(base: Path) -> Path:
+    """Create a sweep folder no other sweep has: `base`, else `base-2`, `base-3`, ... (mkdir is
+    atomic, so two sweeps started in the same second cannot share one)."""
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 10_000):
+        path = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise ConfigError(f"hydra.sweep.dir: could not create a new folder next to {base}")
+
+
+def unknown_choices(overrides: list[str], conf: Path = CONF
+                    ) -> list[tuple[int, str, list[str], list[str]]]:
+    """(index, group, known, unknown) for each swept config group with unknown choices."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    out = []
+    for i, override in enumerate(OverridesParser.create().parse_overrides(overrides)):
+        group = override.key_or_group
+        swept_group = (override.is_sweep_override() and not group.startswith("hydra")
+                       and (conf / group).is_dir())
+        if not swept_group:
+            continue
+        values = list(override.sweep_string_iterator())
+        bad = [v for v in values if v.startswith("_") or not (conf / group / f"{v}.yaml").is_file()]
+        if bad:
+            out.append((i, group, [v for v in values if v not in bad], bad))
+    return out
+
+
+def group_options(group: str, conf: Path = CONF) -> list[str]:
+    return sorted(p.stem for p in (conf / group).glob("*.yaml") if not p.stem.startswith("_"))
+
+
+def config_groups() -> str:
+    """`--help`'s list of choices (the template in conf/config.yaml): Hydra's own list would
+    offer `_`-prefixed fragments such as method=_shared, which are not choices."""
+    return "\n".join(f"{p.name}: {', '.join(group_options(p.name))}" for p in sorted(CONF.iterdir())
+                     if p.is_dir() and p.name != "hydra" and group_options(p.name))
+
+
+# Registered on import: every process that runs a member (submitit's too) imports this module.
+OmegaConf.register_new_resolver("kvh_config_groups", config_groups, replace=True)
+
+
 class SweepSummary(Callback):
-    """Prints ok/skipped/failed counts after a multirun; non-zero exit if any member failed."""
+    """Checks a multirun before it starts; prints ok/skipped/failed counts after it, and exits
+    non-zero if any member failed."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        try:
+            self._start(config)
+        except ConfigError as exc:  # Hydra turns a callback's Exception into a warning and goes on
+            print(f"error: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+
+    def _start(self, config: DictConfig) -> None:
+        task_overrides = list(config.hydra.overrides.task)
+        pinned = OmegaConf.select(config, "runner.output_dir") or any(
+            o.split("=", 1)[0].lstrip("+~") == "runner.output_dir" for o in task_overrides)
+        if pinned:
+            raise ConfigError("runner.output_dir cannot be used with a sweep (-m): every member "
+                              "would write the same folder. Drop it: each member gets its own "
+                              "folder under runner.results_root")
+        unknown = unknown_choices(task_overrides)
+        for _, group, known, bad in unknown:
+            if not known:
+                raise ConfigError(f"{group}={','.join(bad)}: no known choice left to sweep; "
+                                  f"allowed: {', '.join(group_options(group))}")
+        explicit = any(o.split("=", 1)[0] == "hydra.sweep.dir"
+                       for o in config.hydra.overrides.hydra)
+        sweep_dir = Path(config.hydra.sweep.dir)
+        if explicit:
+            if (sweep_dir / "status").is_dir() and any((sweep_dir / "status").iterdir()):
+                raise ConfigError(f"hydra.sweep.dir={sweep_dir} already holds an earlier sweep's "
+                                  "member statuses; give each sweep its own folder (or leave "
+                                  "hydra.sweep.dir unset)")
+        else:
+            sweep_dir = claim_sweep_dir(sweep_dir)
+        with read_write(config.hydra), open_dict(config.hydra):
+            config.hydra.sweep.dir = str(sweep_dir)
+            if not explicit:  # members compose their config again: they must see the same folder
+                config.hydra.overrides.hydra.append(f"hydra.sweep.dir={_quote(str(sweep_dir))}")
+            for i, group, known, _ in unknown:
+                config.hydra.overrides.task[i] = f"{group}={','.join(known)}"
+        for k, (_, group, _, bad) in enumerate(unknown):
+            for j, value in enumerate(bad):
+                choice = f"{group}={value}"
+                write_json_atomic(sweep_dir / "status" / f"unknown-{k}-{j}.json", {
+                    "job": choice, "status": "failed", "overrides": [choice], "pid": os.getpid(),
+                    "detail": f"{choice} is unknown; allowed: {', '.join(group_options(group))}"})
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = Path(config.hydra.sweep.dir)
@@ -99,11 +241,12 @@ class SweepSummary(Callback):
         counts = {s: sum(1 for x in statuses if x["status"] == s)
                   for s in ("ok", "inactive", "skipped", "failed")}
         print(f"\nsweep {sweep_dir}: {len(statuses)} members, {counts['ok']} ok, "
-              f"{counts['inactive']} inactive (the method did not act), "
-              f"{counts['skipped']} skipped, {counts['failed']} failed")
+              f"{counts['skipped']} skipped, {counts['failed']} failed, "
+              f"{counts['inactive']} inactive (complete, but the method did not act)")
         for s in statuses:
             if s["status"] != "ok":
-                print(f"  [{s['status']}] #{s['job']} {' '.join(s.get('overrides', []))}: {s['detail']}")
+                job = f"#{s['job']} " if isinstance(s["job"], int) else ""
+                print(f"  [{s['status']}] {job}{' '.join(s.get('overrides', []))}: {s['detail']}")
         write_json_atomic(sweep_dir / "summary.json", {"counts": counts, "members": statuses})
         if counts["failed"]:
             sys.exit(1)

@@ -1,11 +1,19 @@
 """The tiered KV store: full K/V on the slow tier, only what a method selects moves to compute.
 
 * `HostKVStore`: one layer's K/V on the host — pinned memory when computing on CUDA (so copies
-  can be asynchronous), plain CPU tensors otherwise. New rows are written device-to-host; selected
-  rows are gathered on the host into a staging buffer and copied host-to-device on a side stream.
-* `Transfer`: an in-flight copy; the consumer calls `wait()` (an event wait on CUDA, measured as
-  *exposed* transfer time), so a prefetch issued one layer ahead overlaps that layer's compute.
+  can be asynchronous), plain CPU tensors otherwise. Stored token-major `(T, B, H_kv, D)`, so the
+  whole layer (`fetch()`) is one contiguous pinned block; selected rows (`fetch(index)`) are
+  gathered on the host into a contiguous pinned staging buffer. Either is copied host-to-device on
+  the tier's side stream and handed to attention as a `(B, H_kv, T, D)` view.
+* `Transfer`: an in-flight copy; the consumer calls `wait()`: the *consuming stream* waits on the
+  copy's event (the host never blocks), so a prefetch issued one layer ahead overlaps that layer's
+  compute. The stall is timed with events on the consuming stream (*exposed* transfer time) and
+  read back only when the ledger is summarised.
 * `TransferLedger`: bytes per direction per layer per decode step, number of copies, exposed ms.
+
+Every host-to-device copy goes through `Tier.to_device`, which refuses a non-contiguous source
+(and, on CUDA, an unpinned one): `.to(device, non_blocking=True)` on such a tensor silently goes
+through pageable memory and blocks the host.
 
 On a CPU-only machine the same code path runs: host-to-host copies, done synchronously (there is
 no second engine to overlap with), and every copy's time counts as exposed.
@@ -29,13 +37,30 @@ class TransferLedger:
     bytes_d2h: int = 0
     copies_h2d: int = 0
     copies_d2h: int = 0
-    exposed_ms: float = 0.0
+    exposed_ms_resolved: float = 0.0  # exposed ms of copies already read back
     h2d_per_layer: list[int] = field(default_factory=list)
     step_h2d: list[int] = field(default_factory=list)  # bytes host->device of each decode step
     in_decode: bool = False
 
     def __post_init__(self) -> None:
         self.h2d_per_layer = [0] * self.num_layers
+        self.stalls: list = []  # (start, end) CUDA timing events around waits, not yet read
+
+    def add_exposed_ms(self, ms: float) -> None:
+        self.exposed_ms_resolved += ms
+
+    def add_stall(self, start, end) -> None:
+        self.stalls.append((start, end))
+
+    @property
+    def exposed_ms(self) -> float:
+        """Total time consumers waited for copies. Reads back pending CUDA timings (this waits
+        for them: call it between or after steps, never inside one)."""
+        for start, end in self.stalls:
+            end.synchronize()
+            self.exposed_ms_resolved += start.elapsed_time(end)
+        self.stalls.clear()
+        return self.exposed_ms_resolved
 
     def begin_step(self, decode: bool) -> None:
         self.in_decode = decode
@@ -80,12 +105,20 @@ class Tier:
         return torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
 
     def to_device(self, layer: int, host: torch.Tensor) -> "Transfer":
-        """Start a host-to-device copy of `host` (pinned on CUDA); returns the in-flight transfer."""
+        """Start a host-to-device copy of `host` (contiguous; pinned on CUDA) on the side stream;
+        returns the in-flight transfer."""
+        if not host.is_contiguous():
+            raise ValueError(f"layer {layer}: host-to-device copy of a non-contiguous tensor "
+                             f"{tuple(host.shape)} (it would be staged through pageable memory)")
+        if self.cuda and not host.is_pinned():
+            raise ValueError(f"layer {layer}: host-to-device copy from unpinned memory "
+                             f"{tuple(host.shape)} (it would block the host)")
         self.ledger.h2d(layer, host.nbytes)
         if not self.cuda:
             t0 = time.perf_counter()
             out = host.clone()  # host-to-host: the CPU stand-in for the PCIe copy
             return Transfer(self, out, None, (time.perf_counter() - t0) * 1e3)
+        # the copy may read host rows the current stream's earlier work wrote (D2H appends)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             out = host.to(self.device, non_blocking=True)
@@ -99,52 +132,55 @@ class Transfer:
         self.tier, self.tensor, self.event, self.cpu_ms = tier, tensor, event, cpu_ms
 
     def wait(self) -> torch.Tensor:
-        """Make the current stream wait for the copy; the wait itself is the exposed time."""
+        """Make the consuming (current) stream wait for the copy; the host does not block. The
+        stall is bracketed by timing events on that stream (exposed time, read back later)."""
         if self.event is None:
-            self.tier.ledger.exposed_ms += self.cpu_ms
+            self.tier.ledger.add_exposed_ms(self.cpu_ms)
             return self.tensor
         current = torch.cuda.current_stream(self.tier.device)
-        if not self.event.query():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(current)
-            current.wait_event(self.event)
-            end.record(current)
-            end.synchronize()
-            self.tier.ledger.exposed_ms += start.elapsed_time(end)
-        else:
-            current.wait_event(self.event)
-        self.tensor.record_stream(current)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(current)
+        current.wait_event(self.event)
+        end.record(current)
+        self.tier.ledger.add_stall(start, end)
+        self.tensor.record_stream(current)  # allocated on the side stream, used on this one
         return self.tensor
 
 
 class HostKVStore:
-    """One layer's K/V on the host, `(B, H_kv, T, D)` with amortised growth."""
+    """One layer's K/V on the host, token-major `(capacity, B, H_kv, D)` with amortised growth:
+    the valid rows `[:length]` are one contiguous block. Methods see `(B, H_kv, T, D)`."""
 
     def __init__(self, tier: Tier, layer_idx: int):
         self.tier, self.layer_idx = tier, layer_idx
-        self.keys: torch.Tensor | None = None
+        self.keys: torch.Tensor | None = None  # (capacity, B, H_kv, D)
         self.values: torch.Tensor | None = None
         self.length = 0
         self._written = None  # CUDA event: device->host writes done (host reads must wait)
 
     def _host_ready(self) -> None:
+        """Host-side reads (gather, growth, compaction) need the queued device->host writes."""
         if self._written is not None:
             self._written.synchronize()
             self._written = None
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write new rows (device -> host); counted in the ledger as device-to-host bytes."""
+        """Write new rows `(B, H_kv, t, D)` (device -> host); counted as device-to-host bytes."""
         b, h, t, d = keys.shape
-        if self.keys is None or self.length + t > self.keys.shape[2]:
+        if self.keys is None or self.length + t > self.keys.shape[0]:
+            self._host_ready()
             cap = max(256, 2 * (self.length + t))
-            grown_k = self.tier.host_tensor((b, h, cap, d), keys.dtype)
-            grown_v = self.tier.host_tensor((b, h, cap, d), values.dtype)
+            grown_k = self.tier.host_tensor((cap, b, h, d), keys.dtype)
+            grown_v = self.tier.host_tensor((cap, b, h, d), values.dtype)
             if self.keys is not None:
-                grown_k[:, :, : self.length] = self.keys[:, :, : self.length]
-                grown_v[:, :, : self.length] = self.values[:, :, : self.length]
+                grown_k[: self.length] = self.keys[: self.length]
+                grown_v[: self.length] = self.values[: self.length]
             self.keys, self.values = grown_k, grown_v
-        self.keys[:, :, self.length:self.length + t].copy_(keys, non_blocking=self.tier.cuda)
-        self.values[:, :, self.length:self.length + t].copy_(values, non_blocking=self.tier.cuda)
+        # token-major rows: the permuted source is made contiguous on its own device first
+        self.keys[self.length:self.length + t].copy_(keys.permute(2, 0, 1, 3),
+                                                     non_blocking=self.tier.cuda)
+        self.values[self.length:self.length + t].copy_(values.permute(2, 0, 1, 3),
+                                                       non_blocking=self.tier.cuda)
         self.tier.ledger.d2h(keys.nbytes + values.nbytes)
         self.length += t
         if self.tier.cuda:
@@ -152,33 +188,40 @@ class HostKVStore:
             self._written.record(torch.cuda.current_stream(self.tier.device))
 
     def all_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+        """The stored K/V as `(B, H_kv, T, D)` views of the host buffers."""
+        return (self.keys[: self.length].permute(1, 2, 0, 3),
+                self.values[: self.length].permute(1, 2, 0, 3))
+
+    def _gather(self, index: torch.Tensor, out_k=None, out_v=None):
+        """Rows `index (B, H_kv, n)` per head, token-major `(n, B, H_kv, D)` (contiguous)."""
+        index = index.to("cpu")  # the host gathers: selection indices must be on the host
+        gather = index.permute(2, 0, 1)[..., None].expand(*index.permute(2, 0, 1).shape,
+                                                          self.keys.shape[-1])
+        keys = torch.gather(self.keys[: self.length], 0, gather, out=out_k)
+        values = torch.gather(self.values[: self.length], 0, gather, out=out_v)
+        return keys, values
 
     def fetch(self, index: torch.Tensor | None = None) -> tuple["Transfer", "Transfer"]:
-        """Start moving rows to the device: all of them, or `index (B, H_kv, n)` per head
-        (gathered on the host into a staging buffer first)."""
+        """Start moving rows to the device: all of them (one contiguous pinned block), or
+        `index (B, H_kv, n)` per head (gathered on the host into a contiguous pinned staging
+        buffer first). `wait()` on the transfers gives `(B, H_kv, n, D)` views."""
         self._host_ready()
-        keys, values = self.all_rows()
-        if index is not None:
-            index = index.to("cpu")
-            gather = index[..., None].expand(*index.shape, keys.shape[-1])
-            staged_k = self.tier.host_tensor(gather.shape, keys.dtype)
-            staged_v = self.tier.host_tensor(gather.shape, values.dtype)
-            torch.gather(keys, 2, gather, out=staged_k)
-            torch.gather(values, 2, gather, out=staged_v)
-            keys, values = staged_k, staged_v
-        return (self.tier.to_device(self.layer_idx, keys),
-                self.tier.to_device(self.layer_idx, values))
+        if index is None:
+            keys, values = self.keys[: self.length], self.values[: self.length]
+        else:
+            shape = (index.shape[-1], *self.keys.shape[1:])
+            keys, values = self._gather(index, self.tier.host_tensor(shape, self.keys.dtype),
+                                        self.tier.host_tensor(shape, self.values.dtype))
+        return (_HeadMajor(self.tier.to_device(self.layer_idx, keys)),
+                _HeadMajor(self.tier.to_device(self.layer_idx, values)))
 
     def keep(self, index: torch.Tensor) -> None:
         """Compact the store to `index (B, H_kv, n)` per head (pool eviction; host-side only)."""
         self._host_ready()
-        keys, values = self.all_rows()
-        gather = index.to("cpu")[..., None].expand(*index.shape, keys.shape[-1])
-        kept_k, kept_v = keys.gather(2, gather), values.gather(2, gather)
+        kept_k, kept_v = self._gather(index)
         n = index.shape[-1]
-        self.keys[:, :, :n] = kept_k
-        self.values[:, :, :n] = kept_v
+        self.keys[:n] = kept_k
+        self.values[:n] = kept_v
         self.length = n
 
     def past_and_new(self, pending, keys: torch.Tensor, values: torch.Tensor
@@ -194,4 +237,14 @@ class HostKVStore:
     def nbytes(self) -> int:
         if self.keys is None:
             return 0
-        return 2 * self.keys[:, :, : self.length].nbytes
+        return 2 * self.keys[: self.length].nbytes
+
+
+class _HeadMajor:
+    """A transfer of token-major rows `(n, B, H_kv, D)`, waited on as a `(B, H_kv, n, D)` view."""
+
+    def __init__(self, transfer: Transfer):
+        self.transfer = transfer
+
+    def wait(self) -> torch.Tensor:
+        return self.transfer.wait().permute(1, 2, 0, 3)

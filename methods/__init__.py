@@ -11,6 +11,7 @@ import pkgutil
 from pathlib import Path
 
 from kvcore.errors import ConfigError, UnsupportedCombination
+from kvcore.typecheck import check_types
 from methods.base import Capabilities, KVLayer, KVMethod
 
 __all__ = ["Capabilities", "KVLayer", "KVMethod", "available_methods", "build_method", "method_class"]
@@ -37,7 +38,8 @@ def method_class(name: str) -> type[KVMethod]:
 
 
 def build_method(name: str, **hyperparameters) -> KVMethod:
-    """Instantiate a method; unknown or invalid hyperparameters raise ConfigError naming the key."""
+    """Instantiate a method; unknown, mistyped or invalid hyperparameters raise ConfigError
+    naming the key."""
     cls = method_class(name)
     allowed = cls.hyperparameter_names()
     # Shared sweep knobs (conf/method/_shared.yaml) arrive as null for methods without them.
@@ -51,4 +53,7 @@ def build_method(name: str, **hyperparameters) -> KVMethod:
             f"method.{unknown[0]} is not a hyperparameter of method={name}; "
             f"allowed: {', '.join(allowed) or '(none)'}"
         )
+    # Types first, for every method alike (from the dataclass annotations), so that a knob of the
+    # wrong type is refused here instead of being recorded as if it had been used.
+    check_types(cls, hyperparameters, "method")
     return cls(**hyperparameters)

@@ -1,11 +1,13 @@
-"""InfiniGen's offline step: skewing matrices and partial columns, cached on disk.
+"""InfiniGen's offline step: skewing matrices and column energies, cached on disk.
 
 One forward over the calibration tokens captures every layer's post-RoPE Q and K (through a
 capturing cache bound to the model, like any request). Per layer and KV head (GQA, methods.md
 §1.9): Q_j = the g query heads of the group stacked (g*n x d), K_j (n x d); A_j = V of the SVD of
-Q_j, columns ordered by ascending sigma_q * sigma_k. Partial columns: top k of sum |Q_j A_j|.
-Artefacts are saved atomically and validated (shapes + content hash) when loaded; a corrupt file
-is rebuilt with a warning.
+Q_j, columns ordered by ascending sigma_q * sigma_k. Column energies sum |Q_j A_j| and sum |K_j A_j|
+are stored; the partial columns are chosen from them at load time (`column_choice`): the top k by
+|QA| (the official system) or the union of the top k by |QA| and by |KA| (the official Llama
+accuracy setup, k to 2k columns). Artefacts are saved atomically and validated (shapes + content
+hash) when loaded; a corrupt file is rebuilt with a warning.
 """
 
 from __future__ import annotations
@@ -25,29 +27,76 @@ from kvcore.errors import ConfigError
 from methods.base import KVLayer, KVMethod, ModelInfo
 
 log = logging.getLogger(__name__)
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+COLUMN_SCORES = ("q", "qk_union")
 
 
 @dataclass
 class SkewingArtefacts:
-    skew: torch.Tensor  # (L, H_kv, d, d) fp32, orthogonal per head (identity without skewing)
-    columns: torch.Tensor  # (L, H_kv, k) partial columns chosen on the calibration text
+    skew: torch.Tensor  # (L, H_s, d, d) fp32, orthogonal per head (identity without skewing)
+    q_energy: torch.Tensor  # (L, H_s, d) sum |Q A| over the calibration tokens (and group heads)
+    k_energy: torch.Tensor  # (L, H_s, d) sum |K A|
     project_query: object  # (layer, x (B, T, hidden)) -> (B, H_q, T, D): W_q[i] x (speculation)
     inv_freq: torch.Tensor  # (d/2,) RoPE frequencies
-    k: int
+    k: int  # columns per criterion: int(d * partial_ratio)
+    column_score: str  # q | qk_union
+    # H_s: skewing heads, H_kv (one A per KV head, shared by its group) or H_q (one per query head)
 
-    def columns_from(self, query: torch.Tensor, layer: int) -> torch.Tensor:
-        """Partial columns from a prompt's own queries `(B, H_q, n, d)` (the official system)."""
-        b, h_q, n, d = query.shape
-        h_kv = self.skew.shape[1]
-        q = query[0].float().reshape(h_kv, h_q // h_kv * n, d)  # group's heads stacked
-        return column_choice(q, self.skew[layer].to(q.device), self.k)
+    def partial_map(self, layer: int, q_energy: torch.Tensor | None = None,
+                    k_energy: torch.Tensor | None = None) -> torch.Tensor:
+        """A restricted to the partial columns, `(H_s, d, k_u)`: q_rot @ it gives the skewed
+        partial query directly (no d x d product per step). Padded columns (heads whose union
+        is smaller than the widest head's) are zero, so they add nothing to a score."""
+        q_e = self.q_energy[layer] if q_energy is None else q_energy
+        k_e = self.k_energy[layer] if k_energy is None else k_energy
+        cols, weight = column_choice(q_e, k_e, self.k, self.column_score)
+        skew = self.skew[layer].to(cols.device)
+        picked = skew.gather(2, cols[:, None, :].expand(-1, skew.shape[1], -1))
+        return picked * weight[:, None, :]
+
+    def columns(self, layer: int) -> torch.Tensor:
+        """The calibration's partial columns `(H_s, k_u)` (padding repeats a chosen column)."""
+        q_e, k_e = self.q_energy[layer], self.k_energy[layer]
+        return column_choice(q_e, k_e, self.k, self.column_score)[0]
+
+    def energies_from(self, query: torch.Tensor, keys: torch.Tensor, layer: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Column energies of a prompt's own queries `(B, H_q, n, d)` and keys `(B, H_kv, n, d)`
+        (the official system chooses columns at prefill; batch element 0, as it does)."""
+        heads, d = self.skew.shape[1], keys.shape[-1]
+        q = query[0].float().reshape(heads, -1, d)  # (H_s, g_s * n, d): a group's heads stacked
+        k = keys[0].float().repeat_interleave(heads // keys.shape[1], dim=0)  # (H_s, n, d)
+        return energies(q, k, self.skew[layer].to(q.device))
 
 
-def column_choice(q_group: torch.Tensor, skew: torch.Tensor, k: int) -> torch.Tensor:
-    """(H_kv, g*n, d) queries, (H_kv, d, d) skew -> (H_kv, k) columns by sum |Q A|."""
-    energy = torch.einsum("hnd,hde->hne", q_group, skew).abs().sum(1)
-    return energy.topk(k, dim=-1).indices.sort(-1).values
+def energies(q_group: torch.Tensor, k_heads: torch.Tensor, skew: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(H_kv, g*n, d) queries, (H_kv, n, d) keys, (H_kv, d, d) skew -> sum |QA|, sum |KA|,
+    each (H_kv, d)."""
+    q_e = torch.einsum("hnd,hde->hne", q_group, skew).abs().sum(1)
+    k_e = torch.einsum("hnd,hde->hne", k_heads, skew).abs().sum(1)
+    return q_e, k_e
+
+
+def column_choice(q_energy: torch.Tensor, k_energy: torch.Tensor, k: int, score: str
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partial columns `(H, k_u)` and their 0/1 weights `(H, k_u)` from energies `(H, d)`.
+
+    `q`: the top k by |QA| (k_u = k, all weights 1). `qk_union`: top k by |QA| united with the
+    top k by |KA|; k_u = the widest head's union, narrower heads padded with weight-0 entries.
+    """
+    top_q = q_energy.topk(k, dim=-1).indices
+    if score == "q":
+        cols = top_q.sort(-1).values
+        return cols, torch.ones(cols.shape, device=cols.device)
+    mask = torch.zeros(q_energy.shape, dtype=torch.bool, device=q_energy.device)
+    mask.scatter_(-1, top_q, True).scatter_(-1, k_energy.topk(k, dim=-1).indices, True)
+    width = int(mask.sum(-1).max())
+    # chosen columns first (a stable sort keeps them in index order)
+    order = torch.sort(mask.float(), dim=-1, descending=True, stable=True).indices[..., :width]
+    weight = mask.gather(-1, order).float()
+    cols = torch.where(weight.bool(), order, order[..., :1])  # padding repeats a chosen column
+    return cols, weight
 
 
 def skewing_from(q_group: torch.Tensor, k_head: torch.Tensor) -> torch.Tensor:
@@ -76,17 +125,35 @@ class _CaptureMethod(KVMethod):
         return _Capture(layer_idx, info)
 
 
+def min_calibration_tokens(info: ModelInfo) -> int:
+    """Fewer calibration tokens than head_dim leave the SVD of a KV head's keys (n x d) rank
+    deficient, so part of the skewing basis would be arbitrary."""
+    return max(16, info.head_dim)
+
+
 def calibration_ids(method, ctx) -> torch.Tensor:
-    if ctx.calibration_ids is not None:
-        return torch.as_tensor(ctx.calibration_ids)[: method.calibration_tokens]
+    """The calibration token ids: exactly `calibration_tokens` of them, or a ConfigError (never
+    silently fewer)."""
     info = ctx.info
-    limit = min(method.calibration_tokens, info.max_positions or method.calibration_tokens)
-    if ctx.tokenizer is None:  # a model built in code (tests) has no tokenizer: seeded random tokens
-        log.warning("infinigen: no tokenizer, calibrating on %d seeded random token ids", limit)
-        return torch.randint(3, ctx.vocab_size, (limit,), generator=torch.Generator().manual_seed(0))
-    path = calibration_file(method, ctx.data_dir)
-    ids = ctx.tokenizer(path.read_text(encoding="utf-8"), verbose=False)["input_ids"]
-    return torch.tensor(ids[:limit])
+    want = calibration_budget(method, info)
+    if ctx.calibration_ids is not None:
+        ids, source = torch.as_tensor(ctx.calibration_ids), "the calibration ids given"
+    elif ctx.tokenizer is None:  # a model built in code (tests) has no tokenizer: seeded random ids
+        log.warning("infinigen: no tokenizer, calibrating on %d seeded random token ids", want)
+        return torch.randint(3, ctx.vocab_size, (want,), generator=torch.Generator().manual_seed(0))
+    else:
+        path = calibration_file(method, ctx.data_dir)
+        text = path.read_text(encoding="utf-8")
+        ids = torch.tensor(ctx.tokenizer(text, verbose=False)["input_ids"])
+        source = f"method.calibration_path={path}"
+    least = min_calibration_tokens(info)
+    if ids.numel() < least:
+        raise ConfigError(f"{source}: {ids.numel()} tokens; InfiniGen's skewing needs at least "
+                          f"{least} (head_dim) calibration tokens")
+    if ids.numel() < want:
+        raise ConfigError(f"method.calibration_tokens={want} but {source} has only {ids.numel()} "
+                          f"tokens: lower method.calibration_tokens or give a longer text")
+    return ids[:want]
 
 
 def calibration_file(method, data_dir: Path | None) -> Path:
@@ -98,6 +165,60 @@ def calibration_file(method, data_dir: Path | None) -> Path:
     return path
 
 
+def calibration_budget(method, info: ModelInfo) -> int:
+    """Calibration tokens used: `calibration_tokens`, or the model's positions when it has fewer
+    (one forward cannot be longer). The cut is logged and recorded in the prepare facts
+    (`calibration_tokens_requested`); a text shorter than the count is refused instead."""
+    want = method.calibration_tokens
+    if info.max_positions and want > info.max_positions:
+        log.warning("infinigen: method.calibration_tokens=%d exceeds the model's %d positions; "
+                    "calibrating on %d tokens", want, info.max_positions, info.max_positions)
+        return info.max_positions
+    return want
+
+
+def calibration_reasons(method, info: ModelInfo) -> list[str]:
+    """Checks that need no tokenizer, before weights load: the file exists and is not too short
+    (a text of b bytes has at most b + 1 tokens, the +1 for a BOS)."""
+    reasons = []
+    if method.calibration_path:  # the default text is located at prepare (runner's data dir)
+        try:
+            path = calibration_file(method, None)
+        except ConfigError as exc:
+            return reasons + [str(exc)]
+        size, least = path.stat().st_size, min_calibration_tokens(info)
+        if size + 1 < least:
+            what = "is empty" if size == 0 else f"has {size} bytes"
+            reasons.append(f"method.calibration_path={path} {what}; InfiniGen's skewing needs at "
+                           f"least {least} (head_dim) calibration tokens")
+    return reasons
+
+
+def artefact_root(method, cache_dir: Path | None = None) -> Path:
+    return Path(method.cache_dir or cache_dir or os.environ.get("KVH_CACHE_DIR") or
+                Path.home() / ".cache" / "kv-harness") / "infinigen"
+
+
+def cache_dir_reason(method) -> str | None:
+    """Why the artefact cache cannot be written (checked before weights load), or None.
+
+    Tries a real temporary file in the nearest existing folder (permission bits alone say
+    nothing for root or on read-only mounts); creates nothing that stays."""
+    root = artefact_root(method)
+    probe = root
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    key = "method.cache_dir" if method.cache_dir else "the artefact cache (method.cache_dir)"
+    if not probe.is_dir():
+        return f"{key}: {root} is not a folder that can be created ({probe} is a file)"
+    try:
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as exc:
+        return f"{key}: {root} is not writable ({exc.strerror or exc}); set method.cache_dir"
+    return None
+
+
 def _tensor_hash(*tensors: torch.Tensor) -> str:
     h = hashlib.sha256()
     for t in tensors:
@@ -105,22 +226,29 @@ def _tensor_hash(*tensors: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def compute(ctx, ids: torch.Tensor, skewing: bool, k: int):
+def skew_heads(method, info: ModelInfo) -> int:
+    """H_s: one skewing matrix per KV head (shared by its g query heads) or per query head."""
+    return info.num_heads if method.skew_per == "query_head" else info.num_kv_heads
+
+
+def compute(ctx, ids: torch.Tensor, skewing: bool, heads: int):
+    """Skewing matrices and column energies for every layer: (L, H_s, d, d), 2 x (L, H_s, d)."""
     info = ctx.info
     layers = ctx.capture(_CaptureMethod(), ids)
-    skews, cols = [], []
-    g, d = info.group_size, info.head_dim
+    skews, q_energies, k_energies = [], [], []
+    d = info.head_dim
     for layer in layers:
-        q = layer.query.reshape(info.num_kv_heads, g * ids.numel(), d)  # (H_kv, g*n, d)
-        k_heads = layer.keys[0].float()  # (H_kv, n, d)
+        q = layer.query.reshape(heads, -1, d).cpu()  # (H_s, g_s * n, d): group heads stacked
+        k_heads = layer.keys[0].float().cpu().repeat_interleave(heads // info.num_kv_heads, 0)
         if skewing:
-            skew = torch.stack([skewing_from(q[j].cpu(), k_heads[j].cpu())
-                                for j in range(info.num_kv_heads)])
+            skew = torch.stack([skewing_from(q[j], k_heads[j]) for j in range(heads)])
         else:
-            skew = torch.eye(d).expand(info.num_kv_heads, d, d).clone()
+            skew = torch.eye(d).expand(heads, d, d).clone()
+        q_e, k_e = energies(q, k_heads, skew)
         skews.append(skew)
-        cols.append(column_choice(q.cpu(), skew, k))
-    return torch.stack(skews), torch.stack(cols)
+        q_energies.append(q_e)
+        k_energies.append(k_e)
+    return torch.stack(skews), torch.stack(q_energies), torch.stack(k_energies)
 
 
 def prepare_skewing(method, ctx) -> tuple[SkewingArtefacts, dict]:
@@ -132,34 +260,46 @@ def prepare_skewing(method, ctx) -> tuple[SkewingArtefacts, dict]:
     ids = calibration_ids(method, ctx)
     key = hashlib.sha256(json.dumps({
         "v": FORMAT_VERSION, "model": ctx.fingerprint, "skewing": method.skewing,
-        "k": k, "ids": hashlib.sha256(ids.numpy().tobytes()).hexdigest()}).encode()).hexdigest()[:24]
-    root = Path(method.cache_dir or ctx.cache_dir or os.environ.get("KVH_CACHE_DIR") or
-                Path.home() / ".cache" / "kv-harness") / "infinigen"
-    path = root / f"{key}.pt"
+        "skew_per": method.skew_per, "ids": hashlib.sha256(ids.numpy().tobytes()).hexdigest(),
+    }).encode()).hexdigest()[:24]
+    path = artefact_root(method, ctx.cache_dir) / f"{key}.pt"
     t0 = time.time()
-    loaded = _load(path, info, k)
+    heads = skew_heads(method, info)
+    loaded = _load(path, info, heads)
     if loaded is None:
-        skew, cols = compute(ctx, ids, method.skewing, k)
-        _save(path, skew, cols)
+        tensors = compute(ctx, ids, method.skewing, heads)
+        _save(path, *tensors)
         status = "computed"
     else:
-        skew, cols = loaded
+        tensors = loaded
         status = "loaded"
     device = ctx.device
-    art = SkewingArtefacts(skew=skew.to(device), columns=cols.to(device),
-                           project_query=ctx.project_query,
-                           inv_freq=ctx.rope_inv_freq.to(device), k=k)
+    skew, q_e, k_e = (t.to(device) for t in tensors)
+    art = SkewingArtefacts(skew=skew, q_energy=q_e, k_energy=k_e, project_query=ctx.project_query,
+                           inv_freq=ctx.rope_inv_freq.to(device), k=k,
+                           column_score=method.column_score)
+    widths = [art.columns(i).shape[-1] for i in range(info.num_layers)]
     facts = {"skewing_artefacts": status, "artefact_path": str(path), "partial_columns": k,
-             "calibration_tokens": int(ids.numel()), "prepare_s": round(time.time() - t0, 3)}
+             "partial_columns_per_head_max": max(widths),
+             "partial_columns_per_head_mean": round(sum(
+                 float(column_choice(q_e[i], k_e[i], k, method.column_score)[1].sum(-1).mean())
+                 for i in range(info.num_layers)) / info.num_layers, 3),
+             "calibration_tokens": int(ids.numel()),
+             "calibration_tokens_requested": method.calibration_tokens,
+             "prepare_s": round(time.time() - t0, 3)}
     return art, facts
 
 
-def _save(path: Path, skew: torch.Tensor, cols: torch.Tensor) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"version": FORMAT_VERSION, "skew": skew, "columns": cols,
-               "sha256": _tensor_hash(skew, cols)}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+def _save(path: Path, skew: torch.Tensor, q_energy: torch.Tensor, k_energy: torch.Tensor) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    except OSError as exc:
+        raise ConfigError(f"method.cache_dir: cannot write InfiniGen artefacts under {path.parent} "
+                          f"({exc.strerror or exc})") from None
     os.close(fd)
+    payload = {"version": FORMAT_VERSION, "skew": skew, "q_energy": q_energy, "k_energy": k_energy,
+               "sha256": _tensor_hash(skew, q_energy, k_energy)}
     try:
         torch.save(payload, tmp)
         os.replace(tmp, path)
@@ -167,17 +307,17 @@ def _save(path: Path, skew: torch.Tensor, cols: torch.Tensor) -> None:
         Path(tmp).unlink(missing_ok=True)
 
 
-def _load(path: Path, info: ModelInfo, k: int):
+def _load(path: Path, info: ModelInfo, skew_heads: int):
     if not path.is_file():
         return None
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
-        skew, cols = payload["skew"], payload["columns"]
-        shape_ok = (tuple(skew.shape) == (info.num_layers, info.num_kv_heads, info.head_dim,
-                                          info.head_dim)
-                    and tuple(cols.shape) == (info.num_layers, info.num_kv_heads, k))
-        if shape_ok and payload.get("sha256") == _tensor_hash(skew, cols):
-            return skew, cols
+        skew, q_e, k_e = payload["skew"], payload["q_energy"], payload["k_energy"]
+        heads = (info.num_layers, skew_heads)
+        shape_ok = (tuple(skew.shape) == (*heads, info.head_dim, info.head_dim)
+                    and tuple(q_e.shape) == tuple(k_e.shape) == (*heads, info.head_dim))
+        if shape_ok and payload.get("sha256") == _tensor_hash(skew, q_e, k_e):
+            return skew, q_e, k_e
     except Exception as exc:  # unreadable file: treated like a corrupt one
         log.warning("infinigen artefacts %s unreadable (%s): rebuilding", path, exc)
         return None

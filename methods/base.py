@@ -39,9 +39,18 @@ class Capabilities:
     prefill_modes: tuple[str, ...] = ("dense", "sparse")  # protocols it can honour (Protocol)
     needs_prefill: bool = False  # compresses only what a prompt prefill left (SnapKV-like)
     sparse_prefill_chunked: bool = False  # honours prefill=sparse inside multi-token chunks
+    # Attends to a subset of the tokens seen (eviction or selection). Refused on sliding-window
+    # layers: the window already bounds the cache, and the model's window mask assumes the cache
+    # holds the most recent tokens contiguously, so an evicted or selected set would be misplaced.
+    selects_tokens: bool = False
+    kv_layouts: tuple[str, ...] = ("heads",)  # cache layouts it can hold (ModelInfo.kv_layout)
 
 
 PREFILL_MODES = ("dense", "sparse")
+# RoPE variants whose rotation by delta positions is `delta * inv_freq` with unit attention
+# scaling, so stored keys can be re-rotated (methods.rope); yarn/longrope scale cos/sin and
+# dynamic changes the frequencies with the length.
+REROTATABLE_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 @dataclass(frozen=True)
@@ -70,8 +79,15 @@ class ModelInfo:
     head_dim: int  # D
     max_positions: int
     dtype: torch.dtype = torch.float32
-    rope_theta: float | None = None
+    rope_theta: float | None = None  # None: the model has no RoPE
     model_type: str = "llama"
+    rope_type: str = "default"  # transformers' rope_type (default, linear, llama3, yarn, ...)
+    rotary_ratio: float = 1.0  # share of head_dim that RoPE rotates (partial_rotary_factor)
+    sliding_window_tokens: int | None = None  # the window of the sliding-window layers
+    sliding_window_layers: tuple[int, ...] = ()  # layers whose attention is masked to the window
+    # "heads": K and V of shape (B, H_kv, T, D) per layer; "latent": an MLA-style cache
+    # (DeepSeek-V2/V3: compressed latent + decoupled RoPE key, not per-head K/V).
+    kv_layout: str = "heads"
 
     @property
     def group_size(self) -> int:
@@ -122,22 +138,50 @@ class KVLayer:
         self.layer_idx = layer_idx
         self.info = info
         self.seen_tokens = 0
-        self.keys: torch.Tensor | None = None  # (B, H_kv, T, D)
-        self.values: torch.Tensor | None = None  # (B, H_kv, T, D)
+        # Preallocated storage `(B, H_kv, capacity, D)` with amortised growth: a decode step writes
+        # its row in place instead of concatenating (copying) the whole cache. The valid rows are
+        # exposed as `self.keys` / `self.values` (views); assigning them re-seats the buffer.
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+        self._key_rows = 0
+        self._value_rows = 0
         self.tier = None  # kvcore.offload.Tier of the request (placement, ledger, side stream)
         self.next_layer: KVLayer | None = None  # the following layer of the same request
         self.protocol = Protocol()  # set by the cache: the run's dense layers and prefill mode
+
+    # --- stored K/V (the default storage; subclasses read and assign these) -------------------
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The stored keys `(B, H_kv, T, D)`: a view of the valid rows of the buffer."""
+        return None if self._key_buffer is None else self._key_buffer[:, :, : self._key_rows]
+
+    @keys.setter
+    def keys(self, tensor: torch.Tensor | None) -> None:
+        # The assigned tensor becomes the buffer as is (no copy); its capacity is its length, so
+        # the next append grows into a fresh buffer and never writes into the caller's tensor.
+        self._key_buffer, self._key_rows = tensor, 0 if tensor is None else tensor.shape[-2]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """The stored values `(B, H_kv, T, D)`: a view of the valid rows of the buffer."""
+        return None if self._value_buffer is None else self._value_buffer[:, :, : self._value_rows]
+
+    @values.setter
+    def values(self, tensor: torch.Tensor | None) -> None:
+        self._value_buffer, self._value_rows = tensor, 0 if tensor is None else tensor.shape[-2]
+
+    def allocated_kv_bytes(self) -> int:
+        """Bytes of the K/V buffers including their unused capacity."""
+        return sum(b.nbytes for b in (self._key_buffer, self._value_buffer) if b is not None)
 
     # --- cache seam -------------------------------------------------------------------------
     def update(self, keys: torch.Tensor, values: torch.Tensor, position_ids: torch.Tensor | None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new K/V `(B, H_kv, q_len, D)` and return what attention sees this step."""
         self.seen_tokens += keys.shape[-2]
-        if self.keys is None:
-            self.keys, self.values = keys, values
-        else:
-            self.keys = torch.cat([self.keys, keys], dim=-2)
-            self.values = torch.cat([self.values, values], dim=-2)
+        self._key_buffer, self._key_rows = append_rows(self._key_buffer, self._key_rows, keys)
+        self._value_buffer, self._value_rows = append_rows(self._value_buffer, self._value_rows,
+                                                           values)
         return self.keys, self.values
 
     def kept_tokens(self) -> int:
@@ -194,11 +238,37 @@ class KVLayer:
         share of `kv_bytes`).
         """
         if self.keys is None:
-            return {"kv_tokens": 0, "kv_bytes": 0}
+            return {"kv_tokens": 0, "kv_bytes": 0, "kv_bytes_allocated": 0}
         return {
             "kv_tokens": int(self.keys.shape[-2]),
-            "kv_bytes": int(self.keys.nbytes + self.values.nbytes),
+            "kv_bytes": int(self.keys.nbytes + self.values.nbytes),  # valid rows only
+            "kv_bytes_allocated": int(self.allocated_kv_bytes()),
         }
+
+
+GROWTH_MIN_ROWS = 256  # smallest buffer / headroom: a short decode never reallocates
+
+
+def grown_capacity(rows_needed: int) -> int:
+    """Rows to allocate for `rows_needed`: 1.5x (at least +256), rounded up to 256, so growing
+    one row at a time costs O(1) amortised copies per row and at most ~50% unused capacity."""
+    want = rows_needed + max(GROWTH_MIN_ROWS, rows_needed // 2)
+    return -(-want // GROWTH_MIN_ROWS) * GROWTH_MIN_ROWS
+
+
+def append_rows(buffer: torch.Tensor | None, rows: int, new: torch.Tensor
+                ) -> tuple[torch.Tensor, int]:
+    """Write `new (B, H, t, D)` after the first `rows` rows (dim 2) of `buffer`, growing it
+    when full; returns the (possibly new) buffer and the new row count."""
+    t = new.shape[-2]
+    if buffer is None or rows + t > buffer.shape[-2]:
+        b, h, _, d = new.shape
+        grown = new.new_empty((b, h, grown_capacity(rows + t), d))
+        if rows:
+            grown[:, :, :rows].copy_(buffer[:, :, :rows])
+        buffer = grown
+    buffer[:, :, rows:rows + t].copy_(new)
+    return buffer, rows + t
 
 
 @dataclass(kw_only=True)
@@ -211,6 +281,10 @@ class KVMethod:
 
     name: ClassVar[str]
     capabilities: ClassVar[Capabilities] = Capabilities()
+    # Which knobs move the method along a size axis, and which name a separate variant (curve):
+    # recorded in metrics.json so reports and gates never name a method's knobs themselves.
+    axis_keys: ClassVar[tuple[str, ...]] = ("budget_ratio", "budget_tokens")
+    variant_keys: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         for reason in self.check_hyperparameters():
@@ -225,6 +299,19 @@ class KVMethod:
         """Hyperparameters under which this method must equal the full cache exactly for
         sequences of up to `seq_tokens` tokens (budget >= length). Checked for every method by
         tests/methods/test_contract.py."""
+        return {}
+
+    @classmethod
+    def compressing_hyperparameters(cls, seq_tokens: int) -> dict[str, Any]:
+        """Hyperparameters under which this method really compresses a sequence of `seq_tokens`
+        tokens (well below the length), for the contract test's compressing case. Default: the
+        shared budget knob at about a sixth of the sequence; a method without one overrides this
+        (or compresses under its defaults)."""
+        names = cls.hyperparameter_names()
+        if "budget_tokens" in names:
+            return {"budget_tokens": max(4, seq_tokens // 6)}
+        if "budget_ratio" in names:
+            return {"budget_ratio": 0.2}
         return {}
 
     def hyperparameters(self) -> dict[str, Any]:
@@ -248,7 +335,35 @@ class KVMethod:
         if mode is not None and mode not in self.capabilities.modes:
             reasons.append(f"method.mode={mode!r}; allowed for {self.name}: "
                            f"{', '.join(self.capabilities.modes)}")
+        return reasons + self.architecture_reasons(info)
+
+    def architecture_reasons(self, info: ModelInfo) -> list[str]:
+        """Reasons this model's architecture cannot be served, from capabilities alone."""
+        caps, model = self.capabilities, info.model_type
+        if info.kv_layout not in caps.kv_layouts:
+            return [f"method={self.name} needs per-head K/V caches (B, H_kv, T, D); {model} "
+                    f"caches a {info.kv_layout!r} layout (multi-head latent attention)"]
+        reasons = []
+        if self.needs_rope():
+            if info.rope_theta is None:
+                reasons.append(f"method={self.name} applies RoPE itself and needs a RoPE model; "
+                               f"{model} has none")
+            elif info.rope_type not in REROTATABLE_ROPE_TYPES or info.rotary_ratio != 1:
+                reasons.append(f"method={self.name} applies plain RoPE over the whole head itself; "
+                               f"{model} uses rope_type={info.rope_type} on "
+                               f"{info.rotary_ratio:g} of each head (allowed: "
+                               f"{', '.join(REROTATABLE_ROPE_TYPES)} on the whole head)")
+        if caps.selects_tokens and info.sliding_window_layers:
+            reasons.append(f"method={self.name} evicts or selects tokens, but {model} has "
+                           f"sliding-window attention ({info.sliding_window_tokens} tokens on "
+                           f"{len(info.sliding_window_layers)} of {info.num_layers} layers): the "
+                           "window already bounds those caches and its mask assumes the most "
+                           "recent tokens, contiguous")
         return reasons
+
+    def needs_rope(self) -> bool:
+        """True when this configuration rotates keys or queries itself (re-rotation, speculation)."""
+        return self.capabilities.needs_rope
 
     def bounds_positions(self) -> bool:
         """True when attention runs at in-cache positions, so a stream may outrun max positions."""

@@ -17,4 +17,5 @@ class Full(KVMethod):
     """Keep everything (no compression). Any batch size."""
 
     name: ClassVar[str] = "full"
-    capabilities: ClassVar[Capabilities] = Capabilities(max_batch_size=None)
+    axis_keys: ClassVar[tuple[str, ...]] = ()  # a reference: no size knob
+    capabilities: ClassVar[Capabilities] = Capabilities(max_batch_size=None, compresses=False)

@@ -25,8 +25,9 @@ from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
 @dataclass(kw_only=True)
 class FullOffload(KVMethod):
     name: ClassVar[str] = "full_offload"
+    axis_keys: ClassVar[tuple[str, ...]] = ()  # a reference: no size knob
     capabilities: ClassVar[Capabilities] = Capabilities(max_batch_size=None, offloads_kv=True,
-                                                        lookahead=True)
+                                                        lookahead=True, compresses=False)
     prefetch: bool = True
 
     def check_hyperparameters(self) -> list[str]:

@@ -45,8 +45,10 @@ from methods.scoring import attention_with_probs, group_mean
 @dataclass(kw_only=True)
 class H2O(BudgetedMethod):
     name: ClassVar[str] = "h2o"
-    capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True, offloads_kv=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True, offloads_kv=True,
+                                                        selects_tokens=True)
     min_budget_tokens: ClassVar[int] = 2  # one heavy hitter + one recent token
+    variant_keys: ClassVar[tuple[str, ...]] = ("recent_ratio",)
     recent_ratio: float = 0.5
 
     def check_hyperparameters(self) -> list[str]:

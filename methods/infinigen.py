@@ -4,40 +4,49 @@ Lee, Lee, Seo, Sim, "InfiniGen: Efficient Generative Inference of Large Language
 Dynamic KV Cache Management", OSDI 2024, arXiv 2406.19707. Spec, defaults and official-code quirks:
 reference/methods.md §1. Components:
 
-* Offline skewing (`prepare`): one forward over a calibration text (default the first 2048 tokens
-  of PG-19's first book, the official file) captures post-RoPE Q and K per layer; per KV head,
-  the SVD of the stacked query heads of its group (g*n x d) gives A = V_q, its columns ordered by
-  sigma_q * sigma_k (cosmetic: partial columns are chosen by magnitude). A is orthogonal, so
-  (QA)(KA)^T = QK^T; after skewing most of Q's energy sits in few columns. RoPE sits between the
-  projection and the dot product, so A is applied at run time to the rotated q and k (§1.9).
-  Partial columns per KV head: the top k = int(d * partial_ratio) columns by sum |Q A| over the
-  calibration tokens and the group's query heads (`partial_index=calibration`), or over the
-  request's own prompt at prefill (`partial_index=prefill`, the official system; falls back to
-  calibration when a request starts without a prefill, e.g. streaming perplexity). Artefacts are
-  cached on disk per model and settings (atomic write, validated by hash and shape on load).
-* Speculation (at layer i-1, for layer i >= first sparse layer): q = W_q[i] x_{i-1} (the full
-  projection; RoPE forbids folding A into W_q), rotated at the current position, skewed, its k
-  partial columns scored against layer i's partial key cache (skewed post-RoPE keys, k columns,
-  kept on the compute device and appended every step). GQA: scores of a group's query heads are
-  reduced by max to one score per KV head (`group_reduce`). Tokens with score > max - alpha are
-  counted per KV head; ONE count n' = mean over heads, capped at budget_ratio * T, is shared by
-  all heads (one fixed-size gather buffer: the official design); each KV head fetches its own
-  top-n' tokens. Thresholds are per head (the official Llama simulation used head 0's max for
-  every head: `head0_threshold=true` reproduces it).
-* Dense layers (`dense_layers`, default 0 and 1) always use the full KV.
+* Offline skewing (`prepare`, methods/_infinigen_prep.py): one forward over a calibration text
+  (default the first 2048 tokens of PG-19's first book, the official file) captures post-RoPE Q
+  and K per layer; per KV head, the SVD of the stacked query heads of its group (g*n x d) gives
+  A = V_q. A is orthogonal, so (QA)(KA)^T = QK^T; after skewing most of Q's energy sits in few
+  columns. RoPE sits between the projection and the dot product, so A is applied at run time to
+  the rotated q and k (§1.9). Partial columns per KV head (`column_score`): the union of the top
+  k = int(d * partial_ratio) columns by sum |QA| and by sum |KA| (`qk_union`, the default: the
+  official Llama setup, the only official path for RoPE models; k to 2k columns) or the top k by
+  |QA| alone (`q`, the official OPT speed system). Energies come from the calibration text
+  (`partial_index=calibration`) or the request's own prompt at prefill (`prefill`, the official
+  system; falls back to calibration when a request starts without a prefill).
+* Speculation (at layer i-1, for every sparse layer i): q = W_q[i] x_{i-1} (the full projection;
+  RoPE forbids folding A into W_q), rotated at the current position, times A[:, cols] (only the
+  partial columns: one (d x k) product per head, never the d x d skew), scored against layer i's
+  partial key cache (K A[:, cols], kept on the compute device and appended every step). GQA
+  (`group_reduce`): the g query heads' scores become one score per KV head by their max
+  (default) or mean logit, or by the log of the group mean of softmax probabilities
+  (`prob_mean`, the oracle's criterion; equal to the logit up to a constant when g = 1, so alpha
+  keeps its meaning). Tokens with score > max - alpha are counted per KV head; ONE count
+  n' = floor(mean over heads), capped at budget_ratio * T, is shared by all heads (the official
+  design: one fixed-size gather buffer; `shared_count=false` counts per head); each KV head
+  fetches its own top-n' tokens. Thresholds are per head (`head0_threshold=true` reproduces the
+  official Llama simulation's head-0 quirk). The step queues no host sync: counts and indices
+  stay on the device; system mode reads the count (one sync) only when it launches the host
+  gather, after layer i-1's attention kernels are queued (the copy then overlaps layer i-1's FFN).
+  `speculation_input=own` speculates from layer i's own input instead (an ablation that measures
+  the look-ahead's cost; it forfeits the overlap the design exists for).
+* Dense layers (`dense_layers`, default 0 and 1, joined with runner.dense_layers) always use the
+  full KV and never evict.
 * `mode=system`: the full K/V lives in a host store (kvcore.offload); the selected rows are
   gathered on the host and copied to the device on a side stream while layer i-1 computes; layer i
   waits on the copy's event and attends over the fetched rows + the new token.
   `mode=simulate` keeps the full K/V on the device and masks the attention to the same selection
   (how the paper measured accuracy); both give the same logits (tested).
-* CPU pool limit (`pool_capacity`, 1.0 = unlimited): past capacity * tokens seen, tokens are
-  evicted per KV head before new ones are kept: `counter` (the paper's: fewest past selections),
-  `lru` (oldest last selection) — both among the older half so new tokens are protected — or
-  `fifo`. Real eviction of the host pool (an extension: the official code only simulates it).
+* CPU pool limit (`pool_capacity`, 1.0 = unlimited; sparse layers only, as in the official
+  simulation): past capacity * tokens seen, tokens are evicted per KV head before new ones are
+  kept: `counter` (the paper's: fewest past selections), `lru` (oldest last selection) — both
+  among the older half so new tokens are protected — or `fifo`. Real eviction of the host pool
+  (an extension: the official code only simulates it).
 
 Hyperparameters:
     alpha: logit margin below the max that still counts as needed (Llama default 5; OPT 4).
-    partial_ratio: share of head_dim columns in the partial query/key (code 0.2; paper 0.3).
+    partial_ratio: k / head_dim, columns per criterion (code 0.2; paper 0.3).
     budget_ratio: cap on fetched tokens per step as a share of the context (default 0.2).
     dense_layers: layers that always use the full cache (default [0, 1]).
     pool_capacity: host pool size as a share of tokens seen (1.0 = unlimited).
@@ -45,10 +54,15 @@ Hyperparameters:
     mode: system | simulate.
     skewing: apply the skewing matrices (false = identity, for the Fig. 13 ablation).
     partial_index: calibration | prefill (where partial columns come from).
-    group_reduce: max | mean (GQA: query-head scores -> one KV-head score).
+    column_score: qk_union | q (how partial columns are ranked).
+    group_reduce: max | mean | prob_mean (GQA: query-head scores -> KV-head score).
+    shared_count: one fetch count for all heads (official) or one per KV head.
+    speculation_input: previous (x_{i-1}, the design) | own (x_i, ablation).
+    skew_per: kv_head (one A per KV head, the group's queries stacked) | query_head (one A per
+        query head: the partial key cache is then kept per query head, g times larger).
     head0_threshold: reproduce the official Llama simulation's head-0 threshold quirk.
     calibration_path: text file for skewing (default: PG-19 first book from the data folder).
-    calibration_tokens: tokens of it used (default 2048).
+    calibration_tokens: tokens of it used (default 2048; a shorter text is refused).
     cache_dir: where prepared artefacts are cached (default ~/.cache/kv-harness/infinigen).
 """
 
@@ -61,13 +75,15 @@ from typing import ClassVar
 import torch
 
 from kvcore.offload import HostKVStore
-from methods._infinigen_prep import SkewingArtefacts, calibration_file, prepare_skewing
+from methods._infinigen_prep import (COLUMN_SCORES, SkewingArtefacts, cache_dir_reason,
+                                     calibration_reasons, prepare_skewing)
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
 from methods.kernels import sparse_attention
 from methods.rope import rotate
-from methods.scoring import attention_with_probs, expand_kv, gather_tokens
+from methods.scoring import additive_mask, attention_with_probs, expand_kv, gather_tokens
 
 EVICTIONS = ("counter", "lru", "fifo")
+GROUP_REDUCES = ("max", "mean", "prob_mean")
 
 
 def _use_kernel(query: torch.Tensor) -> bool:
@@ -82,7 +98,11 @@ class InfiniGen(KVMethod):
     name: ClassVar[str] = "infinigen"
     capabilities: ClassVar[Capabilities] = Capabilities(
         needs_prepare=True, modes=("system", "simulate"), offloads_kv=True, lookahead=True,
-        needs_rope=True)
+        needs_rope=True, selects_tokens=True)
+    axis_keys: ClassVar[tuple[str, ...]] = ("alpha", "budget_ratio")
+    variant_keys: ClassVar[tuple[str, ...]] = (
+        "partial_ratio", "dense_layers", "pool_capacity", "mode", "skewing", "column_score",
+        "group_reduce", "shared_count", "speculation_input", "skew_per")
     alpha: float = 5.0
     partial_ratio: float = 0.2
     budget_ratio: float = 0.2
@@ -92,7 +112,11 @@ class InfiniGen(KVMethod):
     mode: str = "system"
     skewing: bool = True
     partial_index: str = "calibration"
+    column_score: str = "qk_union"
     group_reduce: str = "max"
+    shared_count: bool = True
+    speculation_input: str = "previous"
+    skew_per: str = "kv_head"
     head0_threshold: bool = False
     calibration_path: str | None = None
     calibration_tokens: int = 2048
@@ -105,38 +129,41 @@ class InfiniGen(KVMethod):
 
     def check_hyperparameters(self) -> list[str]:
         r = []
-        if not isinstance(self.alpha, (int, float)) or self.alpha <= 0:
+        number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731
+        if not number(self.alpha) or self.alpha <= 0:
             r.append(f"method.alpha={self.alpha!r} must be > 0 (a logit margin)")
-        if not isinstance(self.partial_ratio, (int, float)) or not 0 < self.partial_ratio <= 1:
-            r.append(f"method.partial_ratio={self.partial_ratio!r} must be in (0, 1]")
-        if not isinstance(self.budget_ratio, (int, float)) or not 0 < self.budget_ratio <= 1:
-            r.append(f"method.budget_ratio={self.budget_ratio!r} must be in (0, 1]")
-        if not isinstance(self.pool_capacity, (int, float)) or not 0 < self.pool_capacity <= 1:
-            r.append(f"method.pool_capacity={self.pool_capacity!r} must be in (0, 1]")
+        for key in ("partial_ratio", "budget_ratio", "pool_capacity"):
+            value = getattr(self, key)
+            if not number(value) or not 0 < value <= 1:
+                r.append(f"method.{key}={value!r} must be in (0, 1]")
         choices = {"eviction": EVICTIONS, "mode": self.capabilities.modes,
-                   "partial_index": ("calibration", "prefill"), "group_reduce": ("max", "mean")}
+                   "partial_index": ("calibration", "prefill"), "column_score": COLUMN_SCORES,
+                   "group_reduce": GROUP_REDUCES, "speculation_input": ("previous", "own"),
+                   "skew_per": ("kv_head", "query_head")}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 r.append(f"method.{key}={getattr(self, key)!r}; allowed: {', '.join(allowed)}")
-        if not all(isinstance(i, int) and i >= 0 for i in self.dense_layers):
-            r.append(f"method.dense_layers={self.dense_layers!r} must be layer indices >= 0")
-        if not isinstance(self.calibration_tokens, int) or self.calibration_tokens < 16:
-            r.append(f"method.calibration_tokens={self.calibration_tokens!r} must be >= 16")
+        for key in ("skewing", "shared_count", "head0_threshold"):
+            if not isinstance(getattr(self, key), bool):
+                r.append(f"method.{key}={getattr(self, key)!r} must be true or false")
+        index = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+        layers = self.dense_layers
+        if not isinstance(layers, (list, tuple)) or not all(index(i) and i >= 0 for i in layers):
+            r.append(f"method.dense_layers={layers!r} must be a list of layer indices >= 0")
+        if not index(self.calibration_tokens) or self.calibration_tokens < 16:
+            r.append(f"method.calibration_tokens={self.calibration_tokens!r} must be an integer "
+                     ">= 16")
         return r
 
     def validate(self, info: ModelInfo, runner) -> list[str]:
         reasons = super().validate(info, runner)
-        if info.rope_theta is None:
-            reasons.append(f"method=infinigen supports RoPE models (Llama family); "
-                           f"{info.model_type} has no rope_theta")
-        if self.calibration_path:  # the default text is located at prepare (runner's data dir)
-            try:
-                calibration_file(self, None)
-            except Exception as exc:  # ConfigError naming method.calibration_path
-                reasons.append(str(exc))
+        reasons += calibration_reasons(self, info)
         if any(i >= info.num_layers for i in self.dense_layers):
             reasons.append(f"method.dense_layers={self.dense_layers} names a layer >= the model's "
                            f"{info.num_layers} layers")
+        cache = cache_dir_reason(self)
+        if cache:
+            reasons.append(cache)
         return reasons
 
     @classmethod
@@ -171,17 +198,20 @@ class InfiniGenLayer(KVLayer):
         self.dense = layer_idx in method.dense_layers or layer_idx == 0
         self.system = method.mode == "system"
         self.store = None  # HostKVStore (system mode)
-        self.partial_keys: torch.Tensor | None = None  # (B, H_kv, T, k) on the compute device
+        self._pk: torch.Tensor | None = None  # (B, H_s, capacity, k_u) partial keys, device
+        self._pk_len = 0
         self.positions: torch.Tensor | None = None  # (B, H_kv, T) text positions stored
         self.counter: torch.Tensor | None = None  # (B, H_kv, T) times selected
         self.last_used: torch.Tensor | None = None  # (B, H_kv, T) decode step of last selection
-        self.selected: torch.Tensor | None = None  # (B, H_kv, n) this step's fetched slots
+        self.selected: torch.Tensor | None = None  # (B, H_kv, cap) slots, best first (device)
+        self.counts: torch.Tensor | None = None  # (B, H_kv) how many of them are used (device)
+        self.fetched: torch.Tensor | None = None  # (B, H_kv, n_max) slots moved (system mode)
         self.pending = None  # (Transfer, Transfer)
-        self.columns: torch.Tensor | None = None  # (H_kv, k) partial columns of this request
+        self._map: torch.Tensor | None = None  # (H_s, d, k_u) A[:, cols] / sqrt(d) of this request
         self.step = 0
-        self._attended = 0
-        self._decode_selected: int | None = None  # tokens attended at the last sparse decode step
-        self._decode_budget: int | None = None  # its cap: int(budget_ratio * T) + the new token
+        self._attended = 0  # tokens attended at the last forward (int, or a device tensor)
+        self._decode_budget: int | None = None  # cap of the last sparse decode step + new token
+        self._last_counts: torch.Tensor | None = None  # (B, H_kv) counts of the last sparse step
 
     # --- speculation (run one layer ahead) ---------------------------------------------------
     def prefetch(self, hidden_states, position_ids, ahead: bool) -> None:
@@ -191,46 +221,80 @@ class InfiniGenLayer(KVLayer):
             if self.system and (ahead or self.layer_idx == 0):
                 self.pending = self.store.fetch()
             return
-        if not ahead:
+        if ahead != (self.m.speculation_input == "previous"):
+            if not ahead:  # x_{i-1} never reached this layer (e.g. a hook-less caller)
+                self.launch_fetch()
             return
-        self.selected = self.speculate(hidden_states, position_ids)
-        self.touch(self.selected)
-        if self.system:
-            self.pending = self.store.fetch(self.selected)
+        self.selected, self.counts = self.speculate(hidden_states, position_ids)
+        self.touch(self.selected, self.counts)
+        if not ahead:  # own input: nothing is left to overlap with
+            self.launch_fetch()
 
-    def speculate(self, x: torch.Tensor, position_ids) -> torch.Tensor:
-        """Indices `(B, H_kv, n')` of stored tokens layer i will need, from x_{i-1} `(B, 1, hidden)`."""
-        art, i, info = self.art, self.layer_idx, self.info
-        b = x.shape[0]
-        q = art.project_query(i, x)  # (B, H_q, 1, D) pre-RoPE
-        pos = (position_ids if position_ids is not None else torch.tensor([[self.seen_tokens]]))
+    def launch_fetch(self) -> None:
+        """Start the host gather + copy of the speculated rows (system mode). Called once layer
+        i-1's attention kernels are queued (from its `attend`): the count is read here, the only
+        host sync of the step."""
+        if not self.system or self.selected is None or self.pending is not None:
+            return
+        n_max = int(self.counts.max())
+        self.fetched = self.selected[..., :n_max]
+        self.pending = self.store.fetch(self.fetched)
+
+    def speculate(self, x: torch.Tensor, position_ids) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots `(B, H_kv, cap)` of stored tokens best first, and how many of them layer i needs
+        `(B, H_kv)`, from an attention input `(B, 1, hidden)`. No host sync: both stay on device."""
+        art, info, m = self.art, self.info, self.m
+        b, h_kv, g = x.shape[0], info.num_kv_heads, info.group_size
+        h_s = self.query_map().shape[0]  # skewing heads: H_kv, or H_q (skew_per=query_head)
+        q = art.project_query(self.layer_idx, x)  # (B, H_q, 1, D) pre-RoPE
+        pos = (position_ids if position_ids is not None
+               else torch.full((b, 1), self.seen_tokens, device=q.device))
         q = rotate(q, pos.to(q.device).view(b, 1, 1), art.inv_freq)  # RoPE at the current position
-        groups = info.group_size
-        skew = art.skew[i].to(q.device).repeat_interleave(groups, dim=0)  # (H_q, d, d)
-        cols = self.partial_columns().repeat_interleave(groups, dim=0)  # (H_q, k)
-        q_partial = torch.einsum("bhqd,hde->bhqe", q.float(), skew)
-        q_partial = q_partial.gather(-1, cols[None, :, None, :].expand(b, -1, 1, -1))
-        keys = expand_kv(self.partial_keys, groups).float()  # (B, H_q, T, k)
-        scores = (q_partial @ keys.transpose(2, 3))[:, :, 0] / math.sqrt(info.head_dim)
-        scores = scores.view(b, info.num_kv_heads, groups, -1)
-        scores = scores.amax(2) if self.m.group_reduce == "max" else scores.mean(2)  # (B, H_kv, T)
+        q_partial = q.float().view(b, h_s, -1, q.shape[-1]) @ self.query_map()  # (B, H_s, ., k_u)
+        scores = q_partial @ self.partial_keys().transpose(2, 3)  # (B, H_s, H_q / H_s, T)
+        scores = self.group_scores(scores.view(b, h_kv, g, -1))  # (B, H_kv, T)
         top = scores.amax(-1, keepdim=True)
-        if self.m.head0_threshold:
+        if m.head0_threshold:
             top = top[:, :1].expand_as(top)
-        count = (scores > top - self.m.alpha).sum(-1).float().mean()
+        count = (scores > top - m.alpha).sum(-1)  # (B, H_kv)
         t = scores.shape[-1]
-        cap = max(1, int(self.m.budget_ratio * t))
-        n = max(1, min(int(count), cap, t))
-        self._decode_selected, self._decode_budget = n + 1, cap + 1
-        return scores.topk(n, dim=-1).indices.sort(-1).values
+        cap = max(1, min(t, int(m.budget_ratio * t)))
+        if m.shared_count:  # the official int(mean) over heads, one buffer size for all
+            count = count.float().mean().floor().long().expand(b, h_kv)
+        self._decode_budget = cap + 1
+        self._last_counts = count.clamp(1, cap)
+        return scores.topk(cap, dim=-1).indices, self._last_counts
 
-    def partial_columns(self) -> torch.Tensor:
-        return self.columns if self.columns is not None else self.art.columns[self.layer_idx]
+    def group_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """(B, H_kv, g, T) speculated logits -> (B, H_kv, T) one score per KV head."""
+        how = self.m.group_reduce
+        if how == "max":
+            return scores.amax(2)
+        if how == "mean":
+            return scores.mean(2)
+        # log of the group mean of softmax probabilities (the oracle's criterion)
+        log_probs = scores - scores.logsumexp(-1, keepdim=True)
+        return log_probs.logsumexp(2) - math.log(scores.shape[2])
 
-    def touch(self, index: torch.Tensor) -> None:
+    def query_map(self) -> torch.Tensor:
+        if self._map is None:
+            self._map = self.art.partial_map(self.layer_idx) / math.sqrt(self.info.head_dim)
+        return self._map
+
+    def partial_keys(self) -> torch.Tensor:
+        return self._pk[:, :, : self._pk_len]
+
+    def valid(self) -> torch.Tensor:
+        """(B, H_kv, cap) bool: which of `selected` are used this step."""
+        ranks = torch.arange(self.selected.shape[-1], device=self.selected.device)
+        return ranks < self.counts[..., None]
+
+    def touch(self, index: torch.Tensor, counts: torch.Tensor) -> None:
         self.step += 1
-        self.counter.scatter_add_(2, index, torch.ones_like(index, dtype=self.counter.dtype))
-        self.last_used.scatter_(2, index, torch.full_like(index, self.step, dtype=self.last_used.dtype))
+        used = self.valid()
+        self.counter.scatter_add_(2, index, used.to(self.counter.dtype))
+        stamp = torch.where(used, float(self.step), self.last_used.gather(2, index))
+        self.last_used.scatter_(2, index, stamp)
 
     # --- cache seam --------------------------------------------------------------------------
     def stored(self) -> int:
@@ -252,13 +316,12 @@ class InfiniGenLayer(KVLayer):
         """What this step attends to before the new tokens (system mode: fetched rows)."""
         if not self.system:
             return (self.keys, self.values) if self.keys is not None else None
+        if q_len == 1 and not self.dense:
+            self.launch_fetch()
         pending, self.pending = self.pending, None
         if pending is None and self.stored():  # prefill over a stored cache, or no speculation
-            if q_len == 1 and not self.dense and self.selected is not None:
-                pending = self.store.fetch(self.selected)
-            else:
-                pending = self.store.fetch()
-                self.selected = None
+            pending = self.store.fetch()
+            self.selected = self.fetched = None
         if pending is None:
             return None
         return pending[0].wait(), pending[1].wait()
@@ -284,47 +347,78 @@ class InfiniGenLayer(KVLayer):
             self._append_partial(keys)
 
     def _append_partial(self, keys):
-        if self.m.partial_index == "prefill" and self.columns is None and keys.shape[2] > 1:
+        if self.m.partial_index == "prefill" and self._map is None and keys.shape[2] > 1:
             return  # the prompt's columns are chosen in attend(); keys are added there
-        skewed = torch.einsum("bhtd,hde->bhte", keys.float(), self.art.skew[self.layer_idx].to(keys.device))
-        cols = self.partial_columns()
-        part = skewed.gather(-1, cols[None, :, None, :].expand(*skewed.shape[:3], -1))
-        self.partial_keys = part if self.partial_keys is None else torch.cat([self.partial_keys, part], 2)
+        qmap = self.query_map()  # (H_s, d, k_u)
+        keys = expand_kv(keys.float(), qmap.shape[0] // keys.shape[1])  # (B, H_s, t, d)
+        part = keys @ qmap * math.sqrt(self.info.head_dim)  # (B, H_s, t, k_u)
+        b, h, t, width = part.shape
+        if self._pk is None or self._pk_len + t > self._pk.shape[2]:  # amortised growth
+            grown = part.new_empty(b, h, max(256, 2 * (self._pk_len + t)), width)
+            if self._pk is not None:
+                grown[:, :, : self._pk_len] = self.partial_keys()
+            self._pk = grown
+        self._pk[:, :, self._pk_len:self._pk_len + t] = part
+        self._pk_len += t
 
     # --- attention seam ----------------------------------------------------------------------
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
+        out = self._attend(module, query, keys, values, attention_mask, base, **kwargs)
+        nxt = self.next_layer
+        if query.shape[2] == 1 and isinstance(nxt, InfiniGenLayer):
+            nxt.launch_fetch()  # this layer's kernels are queued: now the gather may sync
+        return out
+
+    def _attend(self, module, query, keys, values, attention_mask, base, **kwargs):
         q_len = query.shape[2]
         if q_len > 1:
-            if not self.dense and self.m.partial_index == "prefill" and self.columns is None:
-                self.columns = self.art.columns_from(query, self.layer_idx)
+            if not self.dense and self.m.partial_index == "prefill" and self._map is None:
+                q_e, k_e = self.art.energies_from(query, keys, self.layer_idx)
+                self._map = self.art.partial_map(self.layer_idx, q_e, k_e) / math.sqrt(
+                    self.info.head_dim)
                 self._append_partial(keys)
+            if attention_mask is not None and attention_mask.shape[-1] != keys.shape[2]:
+                # The model builds one mask from layer 0's sizes; a layer whose pool evicted
+                # holds fewer past tokens (dense layers never evict): its own causal mask.
+                attention_mask = additive_mask(None, q_len, keys.shape[2], query.device
+                                               ).to(query.dtype)[None, None]
             return base(module, query, keys, values, attention_mask, **kwargs)
         if self.dense or self.selected is None:
             self._attended = keys.shape[2]
             return base(module, query, keys, values, None, **kwargs)
+        self._attended = self.counts.float().mean() + 1  # device tensor; read after the step
         if self.system:  # fetched rows + the new token
-            return base(module, query, keys, values, None, **kwargs)
-        if _use_kernel(query):  # gather in the kernel: no (B, H, T) keep-mask
-            selected = self.selected.to(keys.device)  # unique top-k slots, all < the new slot
+            if self.m.shared_count:
+                return base(module, query, keys, values, None, **kwargs)
+            used = self.valid()[..., : self.fetched.shape[-1]]
+            keep = torch.cat([used, torch.ones_like(used[..., :1])], 2)  # the new token
+            return self._masked(query, keys, values, keep, kwargs["scaling"])
+        if _use_kernel(query) and self.m.shared_count:  # gather in the kernel: no keep-mask
+            n = int(self.counts.max())  # layer i-1's kernels are long queued
+            selected = self.selected[..., :n]  # unique top-k slots, all < the new slot
             index = torch.cat([selected, torch.full_like(selected[..., :1], keys.shape[2] - 1)], 2)
-            self._attended = index.shape[2]
             out = sparse_attention.sparse_decode_attention(query[:, :, 0], keys, values, index,
                                                            kwargs["scaling"])
             return out[:, None], None  # (B, 1, H_q, D), as attention_with_probs returns
-        keep = torch.zeros(keys.shape[0], keys.shape[1], keys.shape[2], dtype=torch.bool,
-                           device=keys.device)
-        keep.scatter_(2, self.selected.to(keys.device), True)
+        keep = torch.zeros(keys.shape[:3], dtype=torch.bool, device=keys.device)
+        keep.scatter_(2, self.selected, self.valid())
         keep[:, :, -1] = True  # the new token
-        self._attended = int(keep[0, 0].sum())
+        return self._masked(query, keys, values, keep, kwargs["scaling"])
+
+    @staticmethod
+    def _masked(query, keys, values, keep, scaling):
+        """Attention restricted to `keep (B, H_kv, T)` (shared by the KV head's query heads)."""
         keep = expand_kv(keep[..., None], query.shape[1] // keys.shape[1])[..., 0][:, :, None]
-        out, _ = attention_with_probs(query, keys, values, None, kwargs["scaling"], keep=keep)
+        out, _ = attention_with_probs(query, keys, values, None, scaling, keep=keep)
         return out, None
 
     def after_forward(self) -> None:
         limit = max(1, math.ceil(self.m.pool_capacity * self.seen_tokens))
-        if self.stored() > limit:
+        # dense layers never evict (the official simulation masks only speculating layers), and
+        # their counters stay zero, so counter/lru eviction there would be arbitrary
+        if not self.dense and self.stored() > limit:
             self._evict(self.stored() - limit)
-        self.selected = None
+        self.selected = self.counts = self.fetched = None
 
     def _evict(self, n: int) -> None:
         t = self.stored()
@@ -340,8 +434,12 @@ class InfiniGenLayer(KVLayer):
         self.positions = gather_tokens(self.positions, index)
         self.counter = gather_tokens(self.counter, index)
         self.last_used = gather_tokens(self.last_used, index)
-        if self.partial_keys is not None:
-            self.partial_keys = gather_tokens(self.partial_keys, index.to(self.partial_keys.device))
+        if self._pk is not None:
+            per_kv = index.to(self._pk.device)  # (B, H_kv, T - n) -> the skewing heads
+            kept = gather_tokens(self.partial_keys(),
+                                 per_kv.repeat_interleave(self._pk.shape[1] // index.shape[1], 1))
+            self._pk[:, :, : t - n] = kept
+            self._pk_len = t - n
         if self.system:
             self.store.keep(index)
         else:
@@ -352,25 +450,31 @@ class InfiniGenLayer(KVLayer):
     def kept_tokens(self) -> int:
         return self.stored()
 
-    def attended_tokens(self) -> int:
-        return self._attended
+    def attended_tokens(self) -> float:
+        """Tokens attended at the last step (mean over KV heads when counts differ per head)."""
+        value = self._attended
+        return float(value) if isinstance(value, torch.Tensor) else value
 
     def kept_positions(self) -> torch.Tensor:
         if self.selected is None:
             return self.positions if self.positions is not None else super().kept_positions()
-        chosen = gather_tokens(self.positions, self.selected.to(self.positions.device))
+        # Heads with fewer tokens than the widest (shared_count=false) repeat their best slot, so
+        # a mass-recall over these positions counts that token twice for them.
+        n_max = int(self.counts.max())
+        slots = torch.where(self.valid(), self.selected, self.selected[..., :1])[..., :n_max]
+        chosen = gather_tokens(self.positions, slots)
         return torch.cat([chosen, self.positions[:, :, -1:]], dim=2)
 
-    def budget_tokens(self) -> int | None:
+    def allowed_tokens(self) -> int | None:
         """The fetch cap of the last sparse decode step (None for dense layers / no decode)."""
         return None if self.dense else self._decode_budget
 
     def stats(self) -> dict[str, int]:
         held = self.store.nbytes() if self.store is not None else (
             0 if self.keys is None else self.keys.nbytes + self.values.nbytes)
-        partial = 0 if self.partial_keys is None else self.partial_keys.nbytes
+        partial = 0 if self._pk is None else self.partial_keys().nbytes
         out = {"kv_tokens": self.stored(), "kv_bytes": held + partial,
                "kv_bytes_device": partial + (0 if self.system else held)}
-        if not self.dense and self._decode_selected is not None:
-            out["selected_tokens"] = self._decode_selected
+        if not self.dense and self._last_counts is not None:
+            out["selected_tokens"] = int(self._last_counts.max()) + 1
         return out

@@ -30,7 +30,7 @@ from methods.eviction import BudgetedMethod, EvictionLayer
 @dataclass(kw_only=True)
 class KeyDiff(BudgetedMethod):
     name: ClassVar[str] = "keydiff"
-    capabilities: ClassVar[Capabilities] = Capabilities()
+    capabilities: ClassVar[Capabilities] = Capabilities(selects_tokens=True)
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         return KeyDiffLayer(layer_idx, info, self)

@@ -25,11 +25,13 @@ Hyperparameters (units in the names):
   residual_tokens   R, tokens kept in full precision (paper: R = 128; a multiple of group_size)
 
 Where this differs from the paper, deliberately:
-  * Dequantize-then-attend: the quantized part is unpacked to the compute dtype every step (Triton
-    kernel on CUDA or under TRITON_INTERPRET=1, torch on plain CPU) and the model's own attention
-    runs over it, instead of KIVI's fused CUDA gemv `cuda_bmm_fA_qB_outer`. Same numbers up to
-    summation order, but slower; the transient dequantized copy is not counted as held memory (it
-    is freed after the step), so `stats()` reports what the paper's layout holds.
+  * Decode attention runs straight from the packed cache (methods/kernels/kivi_attention.py): a
+    fused Triton kernel on CUDA (our own version of KIVI's `cuda_bmm_fA_qB_outer` gemv: codes
+    unpacked and dequantized in registers, online softmax, split-K), a blockwise torch path on
+    CPU; neither materialises the dequantized cache. Prefill chunks (and any step with an
+    attention mask or other attention options) dequantize the stored part and run the model's
+    own attention. `update()` therefore returns only the full-precision tails; `attend()` sees
+    the whole cache (`mask_sizes` describes all of it).
   * The residual is kept in the compute dtype (fp32 on CPU) rather than fp16, so that 8 bits with
     R >= sequence length reproduces the full cache exactly; `stats()` counts its real bytes.
   * Codes are packed 8/bits per uint8 byte (the official code packs into int32 words): same bytes,
@@ -51,6 +53,7 @@ import torch
 
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
 from methods.kernels import kivi_quant as kq
+from methods.kernels.kivi_attention import KIVICache, decode_attention, dequantize_cache
 
 
 @dataclass(kw_only=True)
@@ -61,6 +64,8 @@ class KIVI(KVMethod):
     # Nothing is evicted and every sequence holds the same token count: batch-agnostic.
     capabilities: ClassVar[Capabilities] = Capabilities(max_batch_size=None, offloads_kv=True)
 
+    axis_keys: ClassVar[tuple[str, ...]] = ("k_bits", "v_bits")
+    variant_keys: ClassVar[tuple[str, ...]] = ("group_size", "residual_tokens")
     k_bits: int = 2
     v_bits: int = 2
     group_size: int = 32
@@ -92,6 +97,11 @@ class KIVI(KVMethod):
         """A residual covering the sequence: nothing is ever quantized, so K/V stay exact."""
         group = cls.group_size
         return {"residual_tokens": max(1, -(-seq_tokens // group)) * group}
+
+    @classmethod
+    def compressing_hyperparameters(cls, seq_tokens: int) -> dict[str, Any]:
+        """Small groups and residual, so most of a short sequence is stored quantized."""
+        return {"group_size": 8, "residual_tokens": 8}
 
     def value_group_channels(self, head_dim: int) -> int:
         """Head-dim channels per value group: group_size, clamped to head_dim."""
@@ -128,6 +138,7 @@ class KIVILayer(KVLayer):
         self.k_residual: torch.Tensor | None = None  # (B, H_kv, T_kr, D), T_kr < R between steps
         self.v_residual: torch.Tensor | None = None  # (B, H_kv, T_vr, D), T_vr <= R
         self.pending: list | None = None  # in-flight host->device copies of the quantized parts
+        self.step_cache: KIVICache | None = None  # what this step's attention sees (set by update)
 
     # --- host tier (runner.kv_offload=cpu) ----------------------------------------------------
     def offloaded(self) -> bool:
@@ -176,24 +187,47 @@ class KIVILayer(KVLayer):
     # --- cache seam ---------------------------------------------------------------------------
     def update(self, keys: torch.Tensor, values: torch.Tensor, position_ids: torch.Tensor | None
                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens; returns the full-precision tails (keys, values) `(B, H_kv, n, D)`,
+        this step's tokens last. The whole cache attention sees (stored tokens as stored, i.e.
+        quantized, this step's tokens exact) is `self.step_cache`, consumed by `attend`."""
         self.seen_tokens += keys.shape[-2]
         if self.k_residual is None:
             self.k_residual, self.v_residual = keys, values
-        else:
+        else:  # the residual holds < R + q_len tokens: a small copy
             self.k_residual = torch.cat([self.k_residual, keys], -2)
             self.v_residual = torch.cat([self.v_residual, values], -2)
-        # What attention sees: stored tokens as stored (dequantized), this step's tokens exact.
-        out_k, out_v = self.k_residual, self.v_residual
         k_quant, v_quant = self._quantized_for_attention()
-        if k_quant is not None:
-            old = kq.dequantize(k_quant, self.k_bits, self.key_group_tokens, keys.dtype)
-            out_k = torch.cat([old.transpose(-1, -2), out_k], -2)
-        if v_quant is not None:
-            old = kq.dequantize(v_quant, self.v_bits, self.value_group_channels, values.dtype)
-            out_v = torch.cat([old, out_v], -2)
+        self.step_cache = KIVICache(k_quant, v_quant, self.k_residual, self.v_residual,
+                                    self.k_bits, self.v_bits, self.key_group_tokens,
+                                    self.value_group_channels)
         self._flush_keys()
         self._flush_values()
-        return out_k, out_v
+        return self.step_cache.k_res, self.step_cache.v_res
+
+    def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
+        """Decode rows: attention straight from the packed cache; anything else (or nothing
+        quantized yet): dequantize the stored part and run the model's own attention over the
+        whole cache, so with nothing quantized KIVI equals the full cache bit for bit."""
+        cache, self.step_cache = self.step_cache, None
+        quantized = cache.k_quant is not None or cache.v_quant is not None
+        if quantized and self._fused_applies(query, attention_mask, kwargs):
+            scaling = kwargs.get("scaling") or module.scaling
+            out = decode_attention(query, cache, scaling)  # (B, H_q, 1, D)
+            return out.transpose(1, 2).contiguous(), None  # as the base: (B, q_len, H_q, D)
+        keys, values = dequantize_cache(cache, query.dtype)
+        return base(module, query, keys, values, attention_mask, **kwargs)
+
+    @staticmethod
+    def _fused_applies(query, attention_mask, kwargs) -> bool:
+        """One query row, nothing masked, plain softmax attention (no softcap, sinks, window,
+        dropout, weights requested)."""
+        plain = all(not kwargs.get(k) for k in ("softcap", "s_aux", "sliding_window", "dropout",
+                                                 "output_attentions"))
+        return query.shape[2] == 1 and attention_mask is None and plain
+
+    def dequantized_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cache attention saw at the last update, dequantized `(B, H_kv, T, D)`."""
+        return dequantize_cache(self.step_cache, self.k_residual.dtype)
 
     def _flush_keys(self) -> None:
         """Quantize whole blocks of R residual keys, per channel in groups of G tokens."""
@@ -216,7 +250,7 @@ class KIVILayer(KVLayer):
         self.v_quant = self._store(self.v_quant, quant, dim=-2)
 
     # --- accounting ---------------------------------------------------------------------------
-    def budget_tokens(self) -> int | None:
+    def allowed_tokens(self) -> int | None:
         return None  # KIVI compresses bytes, not tokens
 
     def stats(self) -> dict[str, int]:

@@ -38,7 +38,8 @@ from methods.scoring import additive_mask, attention_with_probs, expand_kv, grou
 class OracleTopK(BudgetedMethod):
     name: ClassVar[str] = "oracle_topk"
     capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True,
-                                                        sparse_prefill_chunked=True)
+                                                        sparse_prefill_chunked=True,
+                                                        selects_tokens=True)
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         return OracleTopKLayer(layer_idx, info, self)

@@ -31,6 +31,7 @@ from methods.snapkv import SnapKV, SnapKVLayer
 @dataclass(kw_only=True)
 class PyramidKV(SnapKV):
     name: ClassVar[str] = "pyramidkv"
+    variant_keys: ClassVar[tuple[str, ...]] = ("window_tokens", "beta", "kernel_tokens", "pooling")
     window_tokens: int = 8
     beta: int = 20
 

@@ -38,7 +38,9 @@ from methods.scoring import attention_with_probs
 @dataclass(kw_only=True)
 class Scissorhands(BudgetedMethod):
     name: ClassVar[str] = "scissorhands"
-    capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True,
+                                                        selects_tokens=True)
+    variant_keys: ClassVar[tuple[str, ...]] = ("history_tokens", "recent_tokens")
     history_tokens: int = 100
     recent_tokens: int = 10
 

@@ -46,7 +46,9 @@ POOLINGS = ("max", "avg")
 class SnapKV(BudgetedMethod):
     name: ClassVar[str] = "snapkv"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        needs_attn_scores=True, acts_during_decode=False, needs_prefill=True, prefill_modes=("dense",))
+        needs_attn_scores=True, acts_during_decode=False, needs_prefill=True, prefill_modes=("dense",),
+        selects_tokens=True)
+    variant_keys: ClassVar[tuple[str, ...]] = ("window_tokens", "kernel_tokens", "pooling")
     window_tokens: int = 32
     kernel_tokens: int = 7
     pooling: str = "max"

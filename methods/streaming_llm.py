@@ -44,7 +44,10 @@ from methods.rope import rotate
 @dataclass(kw_only=True)
 class StreamingLLM(BudgetedMethod):
     name: ClassVar[str] = "streaming_llm"
-    capabilities: ClassVar[Capabilities] = Capabilities(needs_rope=True, bounds_positions=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(needs_rope=True, bounds_positions=True,
+                                                        needs_prepare=True, selects_tokens=True)
+    axis_keys: ClassVar[tuple[str, ...]] = ("window_tokens", "budget_ratio")
+    variant_keys: ClassVar[tuple[str, ...]] = ("sink_tokens", "rerotate")
     sink_tokens: int = 4
     window_tokens: int | None = 508
     budget_ratio: float | None = None
@@ -80,12 +83,8 @@ class StreamingLLM(BudgetedMethod):
     def lossless_hyperparameters(cls, seq_tokens: int) -> dict:
         return {"sink_tokens": 4, "window_tokens": seq_tokens}
 
-    def validate(self, info: ModelInfo, runner) -> list[str]:
-        reasons = super().validate(info, runner)
-        if self.rerotate and info.rope_theta is None:
-            reasons.append(f"method.rerotate=true needs a RoPE model; {info.model_type} has none "
-                           "(use method.rerotate=false)")
-        return reasons
+    def needs_rope(self) -> bool:
+        return self.rerotate
 
     def bounds_positions(self) -> bool:
         return self.rerotate

@@ -32,7 +32,8 @@ from methods.eviction import BudgetedMethod, EvictionLayer
 @dataclass(kw_only=True)
 class TOVA(BudgetedMethod):
     name: ClassVar[str] = "tova"
-    capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True,
+                                                        selects_tokens=True)
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         return TOVALayer(layer_idx, info, self)

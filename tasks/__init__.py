@@ -11,6 +11,7 @@ import pkgutil
 from pathlib import Path
 
 from kvcore.errors import ConfigError
+from kvcore.typecheck import check_types
 from tasks.base import Task, TaskResult
 
 __all__ = ["Task", "TaskResult", "available_tasks", "build_task"]
@@ -38,4 +39,5 @@ def build_task(name: str, **options) -> Task:
     if unknown:
         raise ConfigError(f"task.{unknown[0]} is not an option of task={name}; "
                           f"allowed: {', '.join(allowed)}")
+    check_types(cls, options, "task")  # from the dataclass annotations, for every task alike
     return cls(**options)

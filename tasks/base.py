@@ -49,6 +49,12 @@ class Task:
         token at a time), so the runner refuses a method that would never act on it."""
         return frozenset({"prefill", "decode"})
 
+    def check_prompts(self, tokenizer, info: ModelInfo, method: KVMethod) -> list[str]:
+        """Reasons the prompts cannot be built (too short for their parts, ...), found with the
+        tokenizer alone, before weights load. The runner loads the tokenizer only for tasks
+        that override this."""
+        return []
+
     def check_data(self) -> None:
         """Check that data files exist and are readable (before weights load); raise ConfigError."""
 

@@ -151,6 +151,28 @@ class MultiTurn(Task):
                     f"the model's {info.max_positions} max positions; lower them"]
         return []
 
+    def check_prompts(self, tokenizer, info: ModelInfo, method: KVMethod) -> list[str]:
+        """The context and turns fit (the failure would otherwise come after weights load):
+        the same checks as `evaluate`, on the smallest haystack of each conversation."""
+        fmt = PromptFormat(tokenizer, self.chat_template)
+        saved = self.context_tokens, getattr(self, "_context_defaulted", False)
+        try:
+            context = self.resolve_context_tokens(fmt, info.max_positions)
+            count = min(self.samples, self.limit) if self.limit else self.samples
+            for index in range(count):
+                need = len(self._make(fmt, index, 0).context_ids)
+                if need > context:
+                    return [self._context_too_small(context, need)]
+            planned = context + self.turn_cost_tokens(fmt)
+            limit = info.max_positions
+            if limit and planned > limit and not method.bounds_positions():
+                return [self._too_long(context, planned, info.max_positions)]
+        except ConfigError as exc:
+            return [str(exc)]
+        finally:
+            self.context_tokens, self._context_defaulted = saved
+        return []
+
     def check_data(self) -> None:
         self._words = load_haystack_words(self.haystack, self.data_dir)
 
@@ -174,34 +196,43 @@ class MultiTurn(Task):
         words = getattr(self, "_words", None)
         if words is None:
             words = self._words = load_haystack_words(self.haystack, self.data_dir)
-        keys, values, depths = self._draw(index)
-        needles = [NEEDLE.format(key=k, value=v) for k, v in zip(keys, values)]
-
-        def make(units: int) -> Dialogue:
-            d = Dialogue(fmt, haystack_with_needles(words, units, needles, depths), keys, values,
-                         depths, units)
-            d.context_ids = fmt.encode(d.context_text())
-            return d
-
         memo: dict[int, Dialogue] = {}
 
         def tokens(units: int) -> int:
             if units not in memo:
-                memo[units] = make(units)
+                memo[units] = self._make(fmt, index, units, words)
             return len(memo[units].context_ids)
 
         units = largest_fitting(tokens, context_tokens, 0)
         if units is None:
-            need = len(memo[0].context_ids)
-            if getattr(self, "_context_defaulted", False):
-                raise ConfigError(f"task.turns={self.turns} with task.max_new_tokens="
-                                  f"{self.max_new_tokens} leave {context_tokens} tokens for the "
-                                  f"context, but its {self.turns} needles and instruction alone "
-                                  f"take {need} tokens with this tokenizer; lower them")
-            raise ConfigError(f"task.context_tokens={context_tokens} is too small for "
-                              f"{self.turns} needles with this tokenizer: the needles and "
-                              f"instruction alone take {need} tokens")
+            raise ConfigError(self._context_too_small(context_tokens, len(memo[0].context_ids)))
         return memo[units]
+
+    def _make(self, fmt: PromptFormat, index: int, units: int, words=None) -> Dialogue:
+        """Conversation `index` with `units` haystack units, its context tokenized."""
+        if words is None:
+            words = getattr(self, "_words", None) or load_haystack_words(self.haystack,
+                                                                         self.data_dir)
+        keys, values, depths = self._draw(index)
+        needles = [NEEDLE.format(key=k, value=v) for k, v in zip(keys, values)]
+        d = Dialogue(fmt, haystack_with_needles(words, units, needles, depths), keys, values,
+                     depths, units)
+        d.context_ids = fmt.encode(d.context_text())
+        return d
+
+    def _context_too_small(self, context_tokens: int, need: int) -> str:
+        if getattr(self, "_context_defaulted", False):
+            return (f"task.turns={self.turns} with task.max_new_tokens={self.max_new_tokens} "
+                    f"leave {context_tokens} tokens for the context, but its {self.turns} needles "
+                    f"and instruction alone take {need} tokens with this tokenizer; lower them")
+        return (f"task.context_tokens={context_tokens} is too small for {self.turns} needles "
+                f"with this tokenizer: the needles and instruction alone take {need} tokens")
+
+    def _too_long(self, context_tokens: int, planned: int, limit: int) -> str:
+        return (f"task.context_tokens={context_tokens} plus {self.turns} turns (about "
+                f"{planned - context_tokens} tokens with task.max_new_tokens="
+                f"{self.max_new_tokens}) exceed the model's {limit} max positions; lower "
+                "task.context_tokens or task.turns")
 
     def turn_cost_tokens(self, fmt: PromptFormat) -> int:
         """Upper estimate of the tokens the turns add after the context (questions + answers)."""
@@ -237,10 +268,7 @@ class MultiTurn(Task):
         dialogues = self.dialogues(tok, limit)
         planned = self.context_tokens + self.turn_cost_tokens(dialogues[0].fmt)
         if limit and planned > limit and not bounded:
-            raise ConfigError(f"task.context_tokens={self.context_tokens} plus {self.turns} turns "
-                              f"(about {planned - self.context_tokens} tokens with "
-                              f"task.max_new_tokens={self.max_new_tokens}) exceed the model's "
-                              f"{limit} max positions; lower task.context_tokens or task.turns")
+            raise ConfigError(self._too_long(self.context_tokens, planned, limit))
         rows = []
         for i, d in enumerate(progress(dialogues, "multiturn", "conversation")):
             turns: list[dict[str, Any]] = []

@@ -560,6 +560,21 @@ class Ruler(Task):
                     f"{info.max_positions} max positions; allowed: lengths <= {info.max_positions}"]
         return []
 
+    def check_prompts(self, tokenizer, info: ModelInfo, method: KVMethod) -> list[str]:
+        """Every (sub-task, length) can hold its smallest prompt plus the generation (the
+        failure would otherwise come after weights load, when samples are built)."""
+        fmt = PromptFormat(tokenizer, self.chat_template)
+        reasons = []
+        for subtask, length in dict.fromkeys((c[0], c[1]) for c in self.cells()):
+            builder = self._builder(subtask, length, None if subtask != "niah_single" else
+                                    self.depths[0], fmt)
+            new_tokens = self.generation_tokens(subtask)
+            draft = builder(random.Random(f"ruler:{self.seed}:{subtask}:0"), builder.min_units)
+            need = len(fmt.encode(fmt.render(draft.user_text, draft.answer_prefix))) + new_tokens
+            if need > length:
+                reasons.append(_too_short(subtask, length, need, new_tokens, fmt))
+        return reasons[:1]
+
     def check_data(self) -> None:
         if any(family(s) == "niah" for s in self.subtasks):
             self._words = load_haystack_words(self.haystack, self.data_dir)
@@ -622,11 +637,7 @@ class Ruler(Task):
                 builder, units, memo = narrow[0], narrow[1], narrow[2]
         if units is None:
             need = len(make(builder.min_units)[2]) + new_tokens
-            raise ConfigError(f"task.lengths: {length} tokens is too short for sub-task {subtask} "
-                              f"with this tokenizer ({fmt.name} prompt): it needs at least {need} "
-                              f"tokens including {new_tokens} generated (task.max_new_tokens); "
-                              "raise the length, lower task.max_new_tokens or leave the sub-task "
-                              "out of task.subtasks")
+            raise ConfigError(_too_short(subtask, length, need, new_tokens, fmt))
         draft, text, ids = make(units)
         depth_tag = "" if depth is None else f"-d{depth:g}"
         return RulerSample(id=f"{subtask}-{length}{depth_tag}-{index}", subtask=subtask,
@@ -679,6 +690,13 @@ class Ruler(Task):
             "seed": self.seed,
         }
         return TaskResult(metrics=metrics, samples=rows, protocol=protocol)
+
+
+def _too_short(subtask: str, length: int, need: int, new_tokens: int, fmt: PromptFormat) -> str:
+    return (f"task.lengths: {length} tokens is too short for sub-task {subtask} with this "
+            f"tokenizer ({fmt.name} prompt): it needs at least {need} tokens including "
+            f"{new_tokens} generated (task.max_new_tokens); raise the length, lower "
+            "task.max_new_tokens or leave the sub-task out of task.subtasks")
 
 
 def _is_int(value: Any) -> bool:

@@ -1,5 +1,7 @@
-"""Shared fixtures: tiny random GQA Llamas built in code, stories260K and SmolLM2 (offline)."""
+"""Shared fixtures: tiny random models built in code (a GQA Llama and the other families of
+tests/models.py), stories260K and SmolLM2 (offline)."""
 
+import dataclasses
 import os
 
 # Before torch/triton load: passive OpenMP waits (2-core machines), Triton kernels run in the
@@ -45,6 +47,22 @@ def tiny_model():
 
 
 @pytest.fixture(scope="session")
+def family_models():
+    """`get(family, layers)`: the session's tiny random model of a family (tests/models.py),
+    built once per (family, layers)."""
+    from tests.models import tiny_family_model
+
+    built = {}
+
+    def get(family: str, layers: int = 2):
+        if (family, layers) not in built:
+            built[family, layers] = tiny_family_model(family, layers)
+        return built[family, layers]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def stories():
     need_shared(STORIES)
     spec = models.resolve_model({"name": "stories260k", "device": "cpu"})
@@ -57,12 +75,15 @@ def smollm2():
     return models.load_model(spec)
 
 
-def make_engine(model, method, tokenizer=None, chunk=512, check_budget=True) -> Engine:
+def make_engine(model, method, tokenizer=None, chunk=512, check_budget=True,
+                protocol=None) -> Engine:
     """An engine as the runner builds it (prepare() included), for tests."""
     info = hf_adapter.model_info(model.config)
     hf_adapter.prepare(method, model, tokenizer, info, data_dir=DATA)
-    return Engine(model, tokenizer, method, info,
-                  EngineSettings(prefill_chunk_tokens=chunk, check_budget=check_budget))
+    settings = EngineSettings(prefill_chunk_tokens=chunk, check_budget=check_budget)
+    if protocol is not None:
+        settings = dataclasses.replace(settings, protocol=protocol)
+    return Engine(model, tokenizer, method, info, settings)
 
 
 @pytest.fixture

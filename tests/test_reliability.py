@@ -168,7 +168,7 @@ def test_disk_full_while_writing_keeps_the_previous_result(tmp_path, monkeypatch
 
     monkeypatch.setattr(os, "fsync", full_disk)
     with pytest.raises(ConfigError, match="No space left on device.*nothing was written"):
-        run(cfg(*base, "method=h2o"))
+        run(cfg(*base, "method=h2o", "runner.overwrite=true"))
     assert (out / "metrics.json").read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["pinned"]  # no staging left behind
 
@@ -182,16 +182,23 @@ def test_crash_mid_run_leaves_previous_result(tmp_path, monkeypatch):
     before = (out / "metrics.json").read_bytes()
     monkeypatch.setattr(Perplexity, "evaluate", lambda self, engine: 1 / 0)
     with pytest.raises(ZeroDivisionError):
-        run(cfg(*base))
+        run(cfg(*base, "runner.overwrite=true"))
     assert (out / "metrics.json").read_bytes() == before
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as under `nohup ... &`: inherited by the child
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupted_run_leaves_no_partial_result(sig, tmp_path):
+    """The child starts with SIGINT ignored whatever the parent's state (a background job's
+    disposition): the CLI must install its own handler for Ctrl-C to unwind cleanly."""
     env = dict(os.environ, HYDRA_FULL_ERROR="0", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "harness", "task.max_tokens=1500",
                              f"runner.results_root={tmp_path}"], cwd=PROJECT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_ignore_sigint)
     deadline = time.time() + 120
     seen = ""
     while time.time() < deadline:  # wait until decoding has started
@@ -252,3 +259,156 @@ def models_rss() -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS")
+
+
+# --- issue 15: second pass -------------------------------------------------------------------
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """Loading weights fails the test: the error must come before."""
+    def refuse(*a, **k):
+        raise AssertionError("weights were loaded before the bad input was refused")
+
+    monkeypatch.setattr(models, "load_model", refuse)
+
+
+def early_cases(tmp: Path):
+    """(overrides, text the message must contain): refused before any weights load."""
+    st = "model=stories260k"
+    a_file = tmp / "a_file.txt"
+    a_file.write_text("mine")
+    return [
+        (["method=h2o", "method.budget_tokens=64", "method.budget_ratio=abc"],
+         "method.budget_ratio='abc' must be a number or null"),
+        (["method=infinigen", "method.skewing=maybe"], "method.skewing='maybe' must be a boolean"),
+        (["method=streaming_llm", "method.sink_tokens=true"], "method.sink_tokens=True must be an integer"),
+        (["method=streaming_llm", "method.budget_ratio=0.5", "method.sink_tokens=500",
+          "method.window_tokens=abc"], "method.window_tokens='abc' must be an integer or null"),
+        (["method=infinigen", "method.dense_layers=5"], "method.dense_layers=5 must be a list of integers"),
+        (["method=kivi", "method.group_size=abc"], "method.group_size='abc' must be an integer"),
+        (["method=kivi", "method.residual_tokens=128.0"], "method.residual_tokens=128.0 must be an integer"),
+        (["method=full_offload", "method.prefetch=1"], "method.prefetch=1 must be a boolean"),
+        ([st, "task.max_tokens=12.5"], "task.max_tokens=12.5 must be an integer or null"),
+        ([st, "task=ruler", "task.lengths=512"], "task.lengths=512 must be a list of integers"),
+        ([st, "task.dataset=7"], "task.dataset=7 must be a string"),
+        ([st, "runner.overwrite=maybe"], "runner.overwrite='maybe' must be a boolean"),
+        ([st, f"runner.output_dir={a_file}"], "is a file (or a link), not a folder"),
+        ([st, f"runner.output_dir={tmp}/sub/.."], "must name the run folder itself"),
+        ([st, "task=ruler", "task.lengths=[480]", "task.subtasks=[vt]", "task.max_new_tokens=8"],
+         "task.lengths: 480 tokens is too short for sub-task vt"),
+        ([st, "task=multiturn", "task.turns=3", "task.context_tokens=100"],
+         "task.context_tokens=100 is too small for 3 needles"),
+        ([st, "task=multiturn", "task.turns=4"], "task.turns=4 with task.max_new_tokens=32"),
+    ]
+
+
+@pytest.mark.parametrize("index", range(17))
+def test_refused_before_weights_load(index, tmp_path, no_weights):
+    cases_ = early_cases(tmp_path)
+    assert len(cases_) == 17
+    overrides, expected = cases_[index]
+    with pytest.raises(ConfigError) as err:
+        run(cfg(*overrides, f"runner.results_root={tmp_path / 'results'}"))
+    assert expected in str(err.value)
+    assert not list(tmp_path.rglob("metrics.json"))
+    assert (tmp_path / "a_file.txt").read_text() == "mine"
+
+
+def test_output_dir_never_replaces_a_users_folder(tmp_path, no_weights):
+    """A non-empty folder that is not a run of this harness (a user's folder, a results root)
+    is refused before weights load, and nothing in it moves."""
+    user = tmp_path / "mine"
+    (user / "sub").mkdir(parents=True)
+    (user / "keep").write_text("k")
+    with pytest.raises(ConfigError, match="not a run of this harness.*nothing was changed"):
+        run(cfg("model=stories260k", f"runner.output_dir={user}"))
+    assert sorted(p.name for p in user.iterdir()) == ["keep", "sub"]
+    assert (user / "keep").read_text() == "k"
+    assert [p.name for p in tmp_path.iterdir()] == ["mine"]  # nothing renamed or staged
+
+
+def test_output_dir_replaces_only_a_previous_run_on_request(tmp_path):
+    out = tmp_path / "pinned"
+    base = ["model=stories260k", "task.max_tokens=40", f"runner.output_dir={out}"]
+    first = json.loads((run(cfg(*base)) / "metrics.json").read_text())
+    with pytest.raises(ConfigError, match="holds a previous run; pass runner.overwrite=true"):
+        run(cfg(*base, "method=h2o"))
+    assert json.loads((out / "metrics.json").read_text()) == first
+    run(cfg(*base, "method=h2o", "runner.overwrite=true"))
+    assert json.loads((out / "metrics.json").read_text())["method"]["name"] == "h2o"
+    # a run folder a user added a file to is no longer only ours: never replaced
+    (out / "notes.txt").write_text("my notes")
+    with pytest.raises(ConfigError, match="not a run of this harness .*notes.txt"):
+        run(cfg(*base, "runner.overwrite=true"))
+    assert (out / "notes.txt").read_text() == "my notes"
+    # a results root holding runs is not a run either
+    root = tmp_path / "root"
+    run(cfg("model=stories260k", "task.max_tokens=40", f"runner.results_root={root}"))
+    with pytest.raises(ConfigError, match="not a run of this harness"):
+        run(cfg(*base[:2], f"runner.output_dir={root}", "runner.overwrite=true"))
+    assert len(list(root.rglob("metrics.json"))) == 1
+
+
+def test_empty_output_dir_is_used(tmp_path):
+    out = tmp_path / "empty"
+    out.mkdir()
+    assert run(cfg("model=stories260k", "task.max_tokens=40", f"runner.output_dir={out}")) == out
+    assert (out / "metrics.json").is_file()
+
+
+def test_skip_existing_with_output_dir_reuses_only_that_path(tmp_path, capsys):
+    base = ["model=stories260k", "task.max_tokens=40", "runner.skip_existing=true"]
+    sibling = run(cfg(*base, f"runner.output_dir={tmp_path / 'a'}"))
+    wanted = tmp_path / "b"
+    assert run(cfg(*base, f"runner.output_dir={wanted}")) == wanted  # not the sibling
+    assert (wanted / "metrics.json").is_file() and sibling != wanted
+    stamp = (wanted / "metrics.json").stat().st_mtime_ns
+    capsys.readouterr()
+    assert run(cfg(*base, f"runner.output_dir={wanted}")) == wanted  # same config: reused
+    assert "skipped: a complete result" in capsys.readouterr().out
+    assert (wanted / "metrics.json").stat().st_mtime_ns == stamp
+
+
+def test_results_get_the_users_umask(tmp_path):
+    old = os.umask(0o002)
+    try:
+        out = run(cfg("model=stories260k", "task.max_tokens=40", f"runner.results_root={tmp_path}"))
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o775
+    for name in ("metrics.json", "config.yaml", "samples.jsonl"):
+        assert (out / name).stat().st_mode & 0o777 == 0o664, name
+
+
+def test_metrics_follow_the_versioned_schema(tmp_path):
+    from harness import schema
+
+    out = run(cfg("model=stories260k", "task.max_tokens=40", f"runner.results_root={tmp_path}"))
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["schema_version"] == schema.SCHEMA_VERSION
+    assert list(metrics)[0] == "schema_version" and schema.problems(metrics) == []
+    del metrics["run"]["config_hash"]
+    assert schema.problems(metrics) == ["run.config_hash: missing"]
+
+
+@pytest.mark.parametrize("args, expect", [
+    (["logger=nosuch"], "error: Could not find 'logger/nosuch'; allowed: none, wandb"),
+    (["hardware=nosuch"], "error: Could not find 'hardware/nosuch'; allowed: h200_sxm"),
+    (["experiment=nosuch"], "error: Could not find 'experiment/nosuch'; allowed: "),
+    (["method.budget_ratio=["], "error: override 'method.budget_ratio=[' cannot be parsed"),
+    (["runner.nosuch=1"], "error: Could not override 'runner.nosuch'"),
+    (["method=_shared"], "error: method='_shared' is not a method"),
+    (["method=nosuch"], "error: Could not find 'method/nosuch'; allowed: full, "),
+])
+def test_hydra_errors_are_one_line_exit_2(args, expect, tmp_path):
+    proc = _cli(*args, f"runner.results_root={tmp_path}")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+    assert expect in proc.stderr and "_shared" not in proc.stderr.split("allowed:")[-1]
+    assert not list(tmp_path.iterdir())
+
+
+def test_help_offers_no_fragment(tmp_path):
+    proc = _cli("--help")
+    assert proc.returncode == 0
+    assert "method: full, full_offload, h2o" in proc.stdout and "_shared" not in proc.stdout

@@ -6,22 +6,31 @@ from pathlib import Path
 import pytest
 
 from harness import check, report
+from kvcore.errors import ConfigError
 
 
 def fake_run(root: Path, method: str, ppl: float, tok_s: float, budget=None, started="2026-11-29T10:00:00",
-             task="perplexity", extra_acc=None, density=None) -> Path:
-    folder = root / task / "stories260k" / method / f"{method}-{budget}-{started[11:13]}"
+             task="perplexity", extra_acc=None, density=None, dense_layers=()) -> Path:
+    folder = (root / task / "stories260k" / method
+              / f"{method}-{budget}-{started[11:13]}-{len(dense_layers)}")
     folder.mkdir(parents=True)
     hyper = {} if budget is None else {"budget_ratio": budget}
     metrics = {
+        "schema_version": 1,
         "accuracy": {"ppl": ppl, "nll_per_block": [4.0, 3.9, 3.8], "block_tokens": 100,
                      **(extra_acc or {})},
         "speed": {"decode_tokens_per_s": tok_s, "decode_ms_per_token_median": 1000 / tok_s},
         "kv": {"compression_ratio": 1 / (budget or 1.0), "bytes_total": 1000.0 * (budget or 1.0),
-               "seen_tokens_mean": 300.0, **({"relative_kv_size": density} if density else {})},
+               "held_ratio": budget or 1.0, "seen_tokens_mean": 300.0,
+               "attended_fraction_sparse_layers": density},
+        "protocol": {"dense_layers": list(dense_layers), "prefill": "dense"},
         "transfer": {"bytes_per_decode_step": 500.0 * (budget or 1.0)},
-        "model": {"name": "stories260k"}, "method": {"name": method, "hyperparameters": hyper},
-        "task": {"name": task}, "run": {"started": started},
+        "memory": {}, "env": {},
+        "model": {"name": "stories260k"}, "method": {"name": method, "hyperparameters": hyper,
+                                                      "axis_keys": ["budget_ratio"], "variant_keys": []},
+        "task": {"name": task, "options": {}},
+        "run": {"started": started, "config_hash": f"{method}{budget}{started}{dense_layers}",
+                "status": "ok"},
     }
     (folder / "metrics.json").write_text(json.dumps(metrics))
     return folder
@@ -30,8 +39,8 @@ def fake_run(root: Path, method: str, ppl: float, tok_s: float, budget=None, sta
 @pytest.fixture
 def tree(tmp_path):
     fake_run(tmp_path, "full", 50.0, 100.0)
-    fake_run(tmp_path, "h2o", 55.0, 90.0, budget=0.2)
-    fake_run(tmp_path, "h2o", 52.0, 85.0, budget=0.5)
+    fake_run(tmp_path, "h2o", 55.0, 90.0, budget=0.2, density=0.21)
+    fake_run(tmp_path, "h2o", 52.0, 85.0, budget=0.5, density=0.51)
     grid = {"depths": [0, 50, 100], "lengths": [256, 512], "accuracy": [[100, 0], [50, None], [0, 100]]}
     fake_run(tmp_path, "full", 0.0, 100.0, task="ruler", extra_acc={"average": 40.0,
                                                                     "niah_single_grid": grid})
@@ -42,15 +51,26 @@ def test_report_table_values_and_plots(tree, tmp_path):
     rows, out, made = report.build_report([str(tree)], tmp_path / "out")
     h2o = [r for r in rows if r["method"] == "h2o" and r["task"] == "perplexity"]
     assert sorted(r["value"] for r in h2o) == [52.0, 55.0]
-    assert sorted(round(r["relative_kv_size"], 3) for r in h2o) == [0.2, 0.5]
+    assert sorted(r["kv_held"] for r in h2o) == [0.2, 0.5]
+    assert sorted(r["attended_fraction"] for r in h2o) == [0.21, 0.51]
     csv_text = (out / "report.csv").read_text()
-    assert csv_text.splitlines()[0].startswith("run,model,method,budget,task,metric,value")
+    assert csv_text.splitlines()[0].startswith("run,model,method,budget,protocol,task,metric,value")
     assert "budget_ratio=0.2" in (out / "report.md").read_text()
     names = {p.name for p in made}
-    assert names == {"accuracy_vs_kv_size.png", "decode_ms_vs_context.png", "nll_curve.png",
-                     "bytes_per_step.png", "ruler_heatmap.png"}
+    assert names == {"accuracy_vs_kv_held.png", "accuracy_vs_attended.png",
+                     "decode_ms_vs_context.png", "nll_curve.png", "bytes_per_step.png",
+                     "ruler_heatmap.png"}
     for p in made:
         assert p.stat().st_size > 5000 and p.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_curves_never_join_runs_of_different_protocols(tmp_path):
+    """The same method and budget under other dense layers is another curve, labelled so."""
+    fake_run(tmp_path, "h2o", 55.0, 90.0, budget=0.2, density=0.21)
+    fake_run(tmp_path, "h2o", 50.0, 90.0, budget=0.2, density=0.21, dense_layers=(0, 1))
+    rows, _, _ = report.build_report([str(tmp_path)], tmp_path / "out")
+    assert sorted(r["series"] for r in rows) == ["h2o [dense=[0, 1] prefill=dense]",
+                                                 "h2o [dense=[] prefill=dense]"]
 
 
 THRESHOLDS = """
@@ -87,5 +107,100 @@ def test_a_gate_that_matches_nothing_fails(tree, tmp_path):
 def test_bad_threshold_file(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("thresholds:\n  - {model: m, method: full, task: t}\n")
-    with pytest.raises(SystemExit, match="lacks metric"):
+    with pytest.raises(ConfigError, match="lacks metric"):
         check.load_thresholds(bad)
+
+
+ENTRY = "{model: stories260k, method: full, task: perplexity, metric: accuracy.ppl"
+
+
+@pytest.mark.parametrize("text, expect", [
+    ("thresholds: [\n  - {a: 1", "not valid YAML"),
+    ("- " + ENTRY + ", max: 51}\n", "must be a mapping with one key, 'thresholds:' (got list)"),
+    ("thresholds: [1, 2]\n", "thresholds[0] must be a mapping (got 1)"),
+    ("thresholds:\n  - " + ENTRY + ", min: abc}\n", "thresholds[0] min='abc' must be a number"),
+    ("thresholds:\n  - " + ENTRY + ", mxa: 2}\n", "unknown key 'mxa'; allowed:"),
+    ("thresholds:\n  - " + ENTRY + ", max: 60, ratio_to_metod: full}\n", "unknown key 'ratio_to_metod'"),
+    ("thresholds:\n  - " + ENTRY + ", min: 60, max: 50}\n", "min=60 is above max=50"),
+    ("thresholds:\n  - " + ENTRY + ", max: true}\n", "max=True must be a number"),
+    ("thresholds:\n  - " + ENTRY + ", max: 60}\nthreshold: []\n", "(got ['threshold', 'thresholds'])"),
+    ("", "must be a mapping with one key"),
+])
+def test_bad_thresholds_exit_2_with_one_line(text, expect, tree, tmp_path, capsys):
+    gate = tmp_path / "gate.yaml"
+    gate.write_text(text)
+    assert check.main([str(tree), "--against", str(gate)]) == 2
+    err = capsys.readouterr().err
+    assert expect in err and len(err.strip().splitlines()) == 1 and err.startswith("error: ")
+
+
+def test_missing_paths_are_bad_input(tree, tmp_path, capsys):
+    gate = tmp_path / "gate.yaml"
+    gate.write_text(THRESHOLDS)
+    assert check.main([str(tree), "--against", str(tmp_path / "nope.yaml")]) == 2
+    assert check.main([str(tmp_path / "nope"), "--against", str(gate)]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
+
+
+def corrupt_runs(root: Path) -> list[Path]:
+    """A corrupt file, a key-less record, an unversioned one and a list, among good runs."""
+    bad = []
+    for name, text in (("corrupt", '{"accuracy": {"ppl": 1'), ("keyless", '{"accuracy": {}}'),
+                       ("old", json.dumps({"model": {"name": "x"}})), ("list", "[1, 2]")):
+        folder = root / "perplexity" / "stories260k" / "bad" / name
+        folder.mkdir(parents=True)
+        (folder / "metrics.json").write_text(text)
+        bad.append(folder / "metrics.json")
+    return bad
+
+
+def test_check_skips_corrupt_runs_with_a_warning(tree, tmp_path, capsys):
+    bad = corrupt_runs(tree)
+    gate = tmp_path / "gate.yaml"
+    gate.write_text(THRESHOLDS)
+    assert check.main([str(tree), "--against", str(gate)]) == 0
+    err = capsys.readouterr().err
+    for path in bad:
+        assert f"warning: skipped {path}" in err
+
+
+def test_report_skips_bad_runs_and_reports_the_rest(tree, tmp_path, capsys):
+    bad = corrupt_runs(tree)
+    assert report.main([str(tree), "--out", str(tmp_path / "out")]) == 0
+    captured = capsys.readouterr()
+    for path in bad:
+        assert f"warning: skipped {path}" in captured.err
+    assert "4 runs ->" in captured.out
+    assert len((tmp_path / "out" / "report.csv").read_text().splitlines()) == 5
+
+
+def test_report_reads_underscore_folders_not_hidden_ones(tmp_path):
+    fake_run(tmp_path / "_archive", "full", 50.0, 100.0)
+    fake_run(tmp_path / ".staging", "h2o", 55.0, 90.0, budget=0.2)
+    rows, _, _ = report.build_report([str(tmp_path)], tmp_path / "out")
+    assert [r["method"] for r in rows] == ["full"]
+
+
+def test_report_bad_input_exits_2_and_writes_nothing(tree, tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine")
+    assert report.main([str(tree), "--out", str(a_file)]) == 2
+    assert "is a file" in capsys.readouterr().err and a_file.read_text() == "mine"
+    users = tmp_path / "users"
+    users.mkdir()
+    (users / "notes.txt").write_text("n")
+    assert report.main([str(tree), "--out", str(users)]) == 2
+    assert "not a report (notes.txt)" in capsys.readouterr().err
+    assert sorted(p.name for p in users.iterdir()) == ["notes.txt"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert report.main([str(empty)]) == 2
+    assert "no runs to report under" in capsys.readouterr().err
+    assert not (empty / "_report").exists()  # nothing left behind
+    only_bad = tmp_path / "only_bad"
+    corrupt_runs(only_bad)
+    assert report.main([str(only_bad)]) == 2
+    assert "4 metrics.json, none valid" in capsys.readouterr().err
+    assert not (only_bad / "_report").exists()
+    assert report.main([str(tmp_path / "nope")]) == 2
+    assert "no such file or folder" in capsys.readouterr().err

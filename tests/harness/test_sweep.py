@@ -39,10 +39,10 @@ def test_sweep_skips_what_a_method_cannot_take_and_reports_failures(tmp_path):
     # full x budget: skipped (2); h2o x pg19: ok; h2o x text_file without a path: failed
     assert proc.returncode == 1, proc.stderr[-2000:]
     summary = json.loads(next(tmp_path.glob("_sweeps/*/summary.json")).read_text())
-    assert summary["counts"] == {"ok": 1, "skipped": 2, "failed": 1}
+    assert summary["counts"] == {"ok": 1, "inactive": 0, "skipped": 2, "failed": 1}
     failed = [m for m in summary["members"] if m["status"] == "failed"][0]
     assert "task.dataset=text_file needs task.path" in failed["detail"]
-    assert "1 ok, 2 skipped, 1 failed" in proc.stdout
+    assert "1 ok, 2 skipped, 1 failed, 0 inactive" in proc.stdout
     assert len(complete_runs(tmp_path)) == 1
 
 
@@ -106,13 +106,86 @@ def test_same_config_twice_gives_identical_accuracy(tmp_path):
     assert ma["env"]["git"].keys() == {"commit", "dirty"} and ma["protocol"]["seed"] == 0
 
 
-def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch):
+def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = run(_cfg(*BASE, "logger=wandb", f"runner.results_root={tmp_path}"))
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["logger"]["mode"] == "offline"
+    # the sync hint a user copies names the final folder, which exists (not the staging one)
+    printed = capfd.readouterr()
+    assert ".partial-" not in printed.out + printed.err
+    assert f"wandb sync {out}/wandb/offline-run-" in printed.out
+    assert Path(metrics["logger"]["dir"]).is_dir() and str(out) in metrics["logger"]["dir"]
     runs = list((out / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1
     blob = runs[0].read_bytes()
     assert b"accuracy/ppl" in blob and json.dumps(metrics["accuracy"]["ppl"]).encode() in blob
     assert b"nll_per_block" in blob and b"kv_tokens_per_layer" in blob
+
+
+def test_sweep_with_output_dir_is_refused_in_one_line(tmp_path):
+    proc = cli("-m", "method=full,h2o", *BASE, f"runner.output_dir={tmp_path}/pinned",
+               f"runner.results_root={tmp_path}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [
+        "error: runner.output_dir cannot be used with a sweep (-m): every member would write the "
+        "same folder. Drop it: each member gets its own folder under runner.results_root"]
+    assert not list(tmp_path.iterdir())
+
+
+def test_unknown_member_is_recorded_and_the_others_run(tmp_path):
+    proc = cli("-m", "method=full,nosuch,h2o", *BASE, f"runner.results_root={tmp_path}")
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    summary = json.loads(next(tmp_path.glob("_sweeps/*/summary.json")).read_text())
+    assert summary["counts"] == {"ok": 2, "inactive": 0, "skipped": 0, "failed": 1}
+    failed = [m for m in summary["members"] if m["status"] == "failed"][0]
+    assert failed["detail"].startswith("method=nosuch is unknown; allowed: full, full_offload")
+    assert "_shared" not in failed["detail"]
+    assert "3 members, 2 ok, 0 skipped, 1 failed" in proc.stdout
+    assert len(complete_runs(tmp_path)) == 2
+
+
+def test_two_sweeps_at_once_keep_their_own_folders(tmp_path):
+    """Started together (usually in the same second): each has its own folder and summary, and
+    the one with a failing member says so and exits non-zero."""
+    env = dict(os.environ, HYDRA_FULL_ERROR="0")
+    common = ["-m", *BASE[:2], f"runner.results_root={tmp_path}"]
+    procs = [subprocess.Popen([sys.executable, "-m", "harness", *common, *extra], cwd=PROJECT,
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for extra in (["method=full", "task.dataset=text_file"], ["method=h2o"])]
+    (bad_out, _), (good_out, good_err) = (p.communicate(timeout=300) for p in procs)
+    assert [p.returncode for p in procs] == [1, 0], good_err[-2000:]
+    assert "1 members, 0 ok, 0 skipped, 1 failed" in bad_out
+    assert "1 members, 1 ok, 0 skipped, 0 failed" in good_out
+    summaries = sorted(tmp_path.glob("_sweeps/*/summary.json"))
+    assert len(summaries) == 2
+
+
+def test_claimed_sweep_folders_are_unique(tmp_path):
+    from harness.sweep import claim_sweep_dir
+
+    base = tmp_path / "_sweeps" / "20261130-120000"
+    first, second = claim_sweep_dir(base), claim_sweep_dir(base)
+    assert first == base and second == base.with_name("20261130-120000-2")
+
+
+def test_explicit_sweep_folder_with_earlier_statuses_is_refused(tmp_path):
+    sweep = tmp_path / "s"
+    (sweep / "status").mkdir(parents=True)
+    (sweep / "status" / "0000.json").write_text('{"job": 0, "status": "failed", "detail": "old"}')
+    proc = cli("-m", "method=full", *BASE, f"runner.results_root={tmp_path}",
+               f"hydra.sweep.dir={sweep}")
+    assert proc.returncode == 2 and "already holds an earlier sweep's" in proc.stderr
+    assert not complete_runs(tmp_path)
+
+
+def test_a_member_that_reported_nothing_counts_as_failed(tmp_path):
+    from harness.sweep import read_statuses
+
+    for num in (0, 1):
+        (tmp_path / str(num)).mkdir()
+    (tmp_path / "status").mkdir()
+    (tmp_path / "status" / "0000.json").write_text('{"job": 0, "status": "ok", "detail": "x"}')
+    statuses = read_statuses(tmp_path)
+    assert [s["status"] for s in statuses] == ["ok", "failed"]
+    assert "without reporting" in statuses[1]["detail"]

@@ -1,6 +1,7 @@
 """InfiniGen: skewing, speculation math, system == simulate, pool eviction, artefact cache."""
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,7 +83,8 @@ def test_speculation_with_own_input_and_all_columns_is_exact(tiny4, cache_dir, m
             req.prefill(ids[:, :40])
             req.step(ids[:, 40])
             layer = req.cache.kv_layers[2]
-            chosen = layer.speculate(captured["x"], captured["pos"])  # layer 2's own input
+            slots, counts = layer.speculate(captured["x"], captured["pos"])  # layer 2's own input
+            chosen = slots[..., : int(counts.max())].sort(-1).values
             keys = layer.store.all_rows()[0]  # 41 stored tokens (the step's token included)
     finally:
         handle.remove()
@@ -119,7 +121,7 @@ def test_ledger_bytes_equal_the_formula(tiny4, cache_dir):
 def _layer_with(policy: str, counters, last_used):
     method = build_method("infinigen", eviction=policy, pool_capacity=0.5, mode="simulate")
     layer = InfiniGenLayer.__new__(InfiniGenLayer)
-    layer.m, layer.system, layer.partial_keys = method, False, None
+    layer.m, layer.system, layer._pk = method, False, None
     t = len(counters)
     layer.positions = torch.arange(t).view(1, 1, t)
     layer.counter = torch.tensor(counters, dtype=torch.float).view(1, 1, t)
@@ -147,7 +149,8 @@ def test_pool_eviction_policies(policy, evicted):
 def test_pool_capacity_bounds_the_host_pool(tiny4, cache_dir):
     ids = torch.randint(3, 250, (1, 60), generator=torch.Generator().manual_seed(5))
     _, engine = run(tiny4, build_method("infinigen", pool_capacity=0.5), ids, 40)
-    assert engine.ledger.samples[-1]["tokens_per_layer"] == [30, 30, 30, 30]
+    # dense layers 0 and 1 never evict (official: only speculating layers have a pool limit)
+    assert engine.ledger.samples[-1]["tokens_per_layer"] == [60, 60, 30, 30]
 
 
 def test_artefacts_round_trip_and_corrupt_cache_is_rebuilt(tiny4, cache_dir, caplog):
@@ -157,7 +160,8 @@ def test_artefacts_round_trip_and_corrupt_cache_is_rebuilt(tiny4, cache_dir, cap
     facts2 = hf_adapter.prepare(second, tiny4, None)
     assert (facts1["skewing_artefacts"], facts2["skewing_artefacts"]) == ("computed", "loaded")
     assert torch.equal(first._art.skew, second._art.skew)
-    assert torch.equal(first._art.columns, second._art.columns)
+    assert torch.equal(first._art.q_energy, second._art.q_energy)
+    assert torch.equal(first._art.k_energy, second._art.k_energy)
     path = facts1["artefact_path"]
     with open(path, "r+b") as f:
         f.seek(200)
@@ -202,3 +206,271 @@ def test_simulate_through_the_triton_kernel_equals_system(tiny4, cache_dir, monk
     sim, _ = run(tiny4, build_method("infinigen", mode="simulate"), ids, 40)
     sys_, _ = run(tiny4, build_method("infinigen", mode="system"), ids, 40)
     assert (sim - sys_).abs().max().item() < 1e-4
+
+
+# --- fidelity fixes (issue 10 §4) -------------------------------------------------------------
+
+def test_dense_layers_never_evict_and_keep_the_sink(tiny4, cache_dir):
+    """Counters stay zero in dense layers, so counter eviction there was arbitrary (it could
+    drop the sink token): only the speculating layers have a pool limit (official simulation)."""
+    ids = torch.randint(3, 250, (1, 60), generator=torch.Generator().manual_seed(5))
+    engine = make_engine(tiny4, build_method("infinigen", pool_capacity=0.5, mode="simulate"))
+    with engine.request() as req:
+        req.prefill(ids[:, :40])
+        for t in range(40, 60):
+            req.step(ids[:, t])
+        layers = req.cache.kv_layers
+        for dense in layers[:2]:
+            assert dense.positions[0, 0].tolist() == list(range(60))
+        for sparse in layers[2:]:
+            assert sparse.stored() == 30
+
+
+def test_qk_union_column_choice():
+    from methods._infinigen_prep import column_choice
+
+    q_e = torch.tensor([[9.0, 8, 7, 0, 0, 0, 0, 0], [9.0, 8, 7, 0, 0, 0, 0, 0]])
+    k_e = torch.tensor([[0.0, 0, 0, 0, 0, 9, 8, 7], [7.0, 9, 0, 0, 0, 0, 0, 8]])
+    cols, weight = column_choice(q_e, k_e, 3, "qk_union")
+    assert cols.shape == (2, 6)
+    assert sorted(cols[0].tolist()) == [0, 1, 2, 5, 6, 7] and weight[0].tolist() == [1.0] * 6
+    assert sorted(set(cols[1][weight[1].bool()].tolist())) == [0, 1, 2, 7]
+    assert weight[1].tolist() == [1, 1, 1, 1, 0, 0]  # the narrower head is padded with zeros
+    q_only, w = column_choice(q_e, k_e, 3, "q")
+    assert q_only.tolist() == [[0, 1, 2]] * 2 and w.tolist() == [[1.0] * 3] * 2
+
+
+def _own_input_step(model, method, prefill=40):
+    """Prefill, one step, and layer 2's speculation from its own input; returns what the test
+    needs to recompute the scores by hand."""
+    engine = make_engine(model, method)
+    ids = torch.randint(3, 250, (1, prefill + 1), generator=torch.Generator().manual_seed(3))
+    captured = {}
+    attn = model.model.layers[2].self_attn
+    handle = attn.register_forward_pre_hook(
+        lambda m, a, kw: captured.update(x=kw["hidden_states"], pos=kw["position_ids"]),
+        with_kwargs=True)
+    try:
+        with engine.request() as req:
+            req.prefill(ids[:, :prefill])
+            req.step(ids[:, prefill])
+            layer = req.cache.kv_layers[2]
+            slots, counts = layer.speculate(captured["x"], captured["pos"])
+            keys = layer.store.all_rows()[0] if layer.system else layer.keys
+    finally:
+        handle.remove()
+    from methods.rope import rotate
+
+    info = hf_adapter.model_info(model.config)
+    with torch.inference_mode():
+        q = attn.q_proj(captured["x"]).view(1, 1, info.num_heads, info.head_dim).transpose(1, 2)
+        q = rotate(q, captured["pos"].view(1, 1, 1), hf_adapter.rope_inv_freq(model))
+    return slots[..., : int(counts.max())].sort(-1).values, q, keys, layer, info
+
+
+def test_qk_union_speculates_over_the_union_columns(tiny4, cache_dir):
+    method = build_method("infinigen", column_score="qk_union", partial_ratio=0.25, alpha=1e9,
+                          budget_ratio=0.25)
+    chosen, q, keys, layer, info = _own_input_step(tiny4, method)
+    art = method._art
+    cols, weight = art.columns(2), art.partial_map(2).abs().sum(1) > 0  # (H_kv, k_u)
+    skew = art.skew[2]  # (H_kv, d, d)
+    g = info.group_size
+    expected = []
+    for h in range(info.num_kv_heads):
+        union = sorted(set(cols[h][weight[h]].tolist()))
+        assert info.head_dim // 4 <= len(union) <= 2 * (info.head_dim // 4)
+        a = skew[h][:, union]
+        qh = q[0, h * g:(h + 1) * g, 0].float() @ a  # (g, |U|)
+        kh = keys[0, h].float() @ a  # (T, |U|)
+        expected.append((qh @ kh.T).amax(0))
+    scores = torch.stack(expected)[None]
+    want = scores.topk(int(0.25 * scores.shape[-1]), dim=-1).indices.sort(-1).values
+    assert torch.equal(chosen, want)
+
+
+def test_prob_mean_selects_by_the_oracles_criterion(tiny4, cache_dir):
+    """With every column and layer i's own input, `group_reduce=prob_mean` ranks tokens by the
+    group mean of attention probabilities, exactly as oracle_topk does."""
+    method = build_method("infinigen", group_reduce="prob_mean", partial_ratio=1.0, alpha=1e9,
+                          budget_ratio=0.25)
+    chosen, q, keys, layer, info = _own_input_step(tiny4, method)
+    logits = (q.float() @ keys.float().repeat_interleave(info.group_size, 1).transpose(2, 3))
+    probs = torch.softmax(logits[:, :, 0] / info.head_dim ** 0.5, -1)  # (1, H_q, T)
+    kv_probs = probs.view(1, info.num_kv_heads, info.group_size, -1).mean(2)
+    want = kv_probs.topk(int(0.25 * kv_probs.shape[-1]), dim=-1).indices.sort(-1).values
+    assert torch.equal(chosen, want)
+    max_method = build_method("infinigen", partial_ratio=1.0, alpha=1e9, budget_ratio=0.25)
+    assert not torch.equal(_own_input_step(tiny4, max_method)[0], want)  # the criteria differ
+
+
+def test_per_head_count(tiny4, cache_dir):
+    """`shared_count=false`: each KV head fetches its own count; system == simulate."""
+    ids = torch.randint(3, 250, (1, 90), generator=torch.Generator().manual_seed(8))
+    kw = dict(shared_count=False, alpha=0.003, budget_ratio=1.0)  # a random model: flat logits
+    sim, _ = run(tiny4, build_method("infinigen", mode="simulate", **kw), ids, 48)
+    sys_, engine = run(tiny4, build_method("infinigen", mode="system", **kw), ids, 48)
+    assert (sim - sys_).abs().max().item() < 1e-4
+    method = build_method("infinigen", mode="simulate", **kw)
+    engine = make_engine(tiny4, method)
+    counts = []
+    with engine.request() as req:
+        req.prefill(ids[:, :48])
+        for t in range(48, 90):
+            req.step(ids[:, t])
+            counts.append(req.cache.kv_layers[3]._last_counts[0].tolist())
+    assert any(c[0] != c[1] for c in counts)  # heads differ at some step
+
+
+@pytest.mark.parametrize("kw", [{"column_score": "q"}, {"group_reduce": "prob_mean"},
+                                {"speculation_input": "own"}, {"partial_index": "prefill"},
+                                {"skew_per": "query_head"},
+                                {"skew_per": "query_head", "partial_index": "prefill",
+                                 "pool_capacity": 0.7}])
+def test_system_equals_simulate_for_each_option(tiny4, cache_dir, kw):
+    ids = torch.randint(3, 250, (1, 100), generator=torch.Generator().manual_seed(9))
+    sim, _ = run(tiny4, build_method("infinigen", mode="simulate", **kw), ids, 48)
+    sys_, _ = run(tiny4, build_method("infinigen", mode="system", **kw), ids, 48)
+    assert (sim - sys_).abs().max().item() < 1e-4
+
+
+def test_speculation_from_own_input_differs_from_lookahead(tiny4, cache_dir):
+    ids = torch.randint(3, 250, (1, 100), generator=torch.Generator().manual_seed(10))
+    ahead, _ = run(tiny4, build_method("infinigen", mode="simulate", budget_ratio=0.1), ids, 48)
+    own, _ = run(tiny4, build_method("infinigen", mode="simulate", budget_ratio=0.1,
+                                     speculation_input="own"), ids, 48)
+    assert (ahead - own).abs().max().item() > 1e-4
+
+
+# --- speculation cost (issue 11) ----------------------------------------------------------------
+
+class _SyncCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts tensor -> Python scalar conversions (.item(), int(t), bool(t)): host syncs on CUDA."""
+
+    SCALAR_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
+                    torch.ops.aten.is_nonzero.default)
+
+    def __init__(self):
+        super().__init__()
+        self.syncs = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.SCALAR_READS:
+            self.syncs.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode", ["system", "simulate"])
+def test_speculation_queues_no_host_sync(tiny4, cache_dir, mode):
+    method = build_method("infinigen", mode=mode)
+    engine = make_engine(tiny4, method)
+    ids = torch.randint(3, 250, (1, 41), generator=torch.Generator().manual_seed(3))
+    x = torch.randn(1, 1, tiny4.config.hidden_size)
+    with engine.request() as req:
+        req.prefill(ids[:, :40])
+        layer = req.cache.kv_layers[2]
+        with _SyncCounter() as counter:
+            layer.prefetch(x, torch.tensor([[40]]), ahead=True)  # speculation + counters
+        assert counter.syncs == [] and layer.pending is None  # nothing fetched yet
+        assert layer.selected.shape[-1] == int(0.2 * 40)
+
+
+def test_system_gather_starts_after_the_previous_layers_attention(tiny4, cache_dir, monkeypatch):
+    from kvcore.offload import HostKVStore
+
+    events = []
+    fetch, attend = HostKVStore.fetch, InfiniGenLayer._attend
+
+    def logged_fetch(store, index=None):
+        events.append(("fetch", store.layer_idx, index is not None))
+        return fetch(store, index)
+
+    def logged_attend(layer, *args, **kwargs):
+        events.append(("attend", layer.layer_idx))
+        return attend(layer, *args, **kwargs)
+
+    monkeypatch.setattr(HostKVStore, "fetch", logged_fetch)
+    monkeypatch.setattr(InfiniGenLayer, "_attend", logged_attend)
+    ids = torch.randint(3, 250, (1, 42), generator=torch.Generator().manual_seed(3))
+    engine = make_engine(tiny4, build_method("infinigen"))
+    with engine.request() as req:
+        req.prefill(ids[:, :40])
+        events.clear()
+        req.step(ids[:, 40])
+    for layer in (2, 3):
+        gather = events.index(("fetch", layer, True))
+        assert events.index(("attend", layer - 1)) < gather < events.index(("attend", layer))
+
+
+def test_speculation_multiplies_only_the_partial_columns(tiny4, cache_dir):
+    method = build_method("infinigen", column_score="q")
+    make_engine(tiny4, method)
+    info = hf_adapter.model_info(tiny4.config)
+    k = int(info.head_dim * 0.2)
+    part = method._art.partial_map(2)
+    assert part.shape == (info.num_kv_heads, info.head_dim, k)
+    cols = method._art.columns(2)
+    picked = method._art.skew[2].gather(2, cols[:, None].expand(-1, info.head_dim, -1))
+    assert torch.equal(part, picked)
+
+
+# --- calibration robustness (issue 15) ----------------------------------------------------------
+
+def _info(**kw):
+    from methods.base import ModelInfo
+
+    return ModelInfo(**{"num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "head_dim": 64,
+                        "max_positions": 4096, "rope_theta": 1e4, **kw})
+
+
+@pytest.mark.parametrize("text, words", [("", "is empty"), ("x", "has 1 bytes")])
+def test_empty_or_tiny_calibration_file_is_refused_before_load(tmp_path, cache_dir, text, words):
+    path = tmp_path / "calib.txt"
+    path.write_text(text)
+    reasons = build_method("infinigen", calibration_path=str(path)).validate(_info(), {})
+    assert len(reasons) == 1 and words in reasons[0] and "at least 64" in reasons[0]
+    assert "method.calibration_path" in reasons[0]
+
+
+def test_calibration_text_shorter_than_the_count_is_refused(smollm2, tmp_path, cache_dir):
+    model, tok = smollm2
+    path = tmp_path / "calib.txt"
+    path.write_text("word " * 300)  # ~300 tokens: enough for the SVD, fewer than 2048
+    method = build_method("infinigen", calibration_path=str(path))
+    assert method.validate(hf_adapter.model_info(model.config), {}) == []
+    with pytest.raises(ConfigError,
+                       match=r"method.calibration_tokens=2048 but .* has only \d+ tokens"):
+        hf_adapter.prepare(method, model, tok)
+
+
+def test_calibration_count_beyond_max_positions_is_reported(tiny4, cache_dir, caplog):
+    method = build_method("infinigen", calibration_tokens=8192)
+    with caplog.at_level(logging.WARNING):
+        facts = hf_adapter.prepare(method, tiny4, None)
+    assert (facts["calibration_tokens"], facts["calibration_tokens_requested"]) == (4096, 8192)
+    assert "exceeds the model's 4096 positions" in caplog.text
+
+
+def test_unwritable_cache_dir_is_refused_before_load(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    reasons = build_method("infinigen", cache_dir=str(blocker / "sub")).validate(_info(), {})
+    assert len(reasons) == 1 and reasons[0].startswith("method.cache_dir")
+    assert "is a file" in reasons[0]
+    if Path("/proc/self").is_dir():  # read-only for every user, root included
+        reasons = build_method("infinigen", cache_dir="/proc/kvh-cache").validate(_info(), {})
+        assert len(reasons) == 1 and "not writable" in reasons[0]
+
+
+def test_per_query_head_skewing(tiny4, cache_dir):
+    """`skew_per=query_head`: one A per query head (its own queries' SVD), partial keys per query
+    head; with every column and the layer's own input the scores are the exact logits."""
+    method = build_method("infinigen", skew_per="query_head", partial_ratio=1.0, alpha=1e9,
+                          budget_ratio=0.25)
+    chosen, q, keys, layer, info = _own_input_step(tiny4, method)
+    assert method._art.skew.shape[1] == info.num_heads
+    assert layer.partial_keys().shape[1] == info.num_heads
+    logits = q.float() @ keys.float().repeat_interleave(info.group_size, 1).transpose(2, 3)
+    per_kv = logits[:, :, 0].view(1, info.num_kv_heads, info.group_size, -1).amax(2)
+    want = per_kv.topk(int(0.25 * per_kv.shape[-1]), dim=-1).indices.sort(-1).values
+    assert torch.equal(chosen, want)

@@ -15,6 +15,7 @@ from kvcore.errors import ConfigError
 from harness.run import run
 from methods import build_method
 from methods.base import ModelInfo
+from methods.kernels import kivi_attention as ka  # imported here, under the interpreter (conftest)
 from methods.kernels import kivi_quant as kq
 from tests.conftest import PROJECT, STORIES, make_engine, need_shared
 
@@ -144,21 +145,25 @@ def test_residual_bookkeeping(torch_path):
     n = 75
     for t in range(75, 140):  # decode: K_r grows to R, then flushes; V_r is a FIFO of R
         assert layer.mask_sizes(1) == (n + 1, 0)
-        out_k, out_v = layer.update(k[..., t:t + 1, :], v[..., t:t + 1, :], None)
+        tail_k, _ = layer.update(k[..., t:t + 1, :], v[..., t:t + 1, :], None)
+        assert torch.equal(tail_k[..., -1:, :], k[..., t:t + 1, :])  # returned: the exact tail
+        out_k, out_v = layer.dequantized_kv()
         n += 1
         assert out_k.shape[-2] == out_v.shape[-2] == n  # every token attended (nothing evicted)
         assert torch.equal(out_k[..., -1:, :], k[..., t:t + 1, :])  # the new token exactly
         assert sizes(layer) == (n // R * R, n % R, n - R, R)
         assert layer.seen_tokens == layer.kept_tokens() == layer.stats()["kv_tokens"] == n
-    assert layer.budget_tokens() is None
+    assert layer.allowed_tokens() is None
 
 
 def test_prefill_sees_exact_kv_and_later_chunks_see_the_stored_cache(torch_path):
     layer = kivi_layer(k_bits=2, v_bits=2, group_size=8, residual_tokens=16)
     k, v = keys_and_values(60)
-    out_k, out_v = layer.update(k[..., :40, :], v[..., :40, :], None)
+    layer.update(k[..., :40, :], v[..., :40, :], None)
+    out_k, out_v = layer.dequantized_kv()
     assert torch.equal(out_k, k[..., :40, :]) and torch.equal(out_v, v[..., :40, :])
-    out_k, out_v = layer.update(k[..., 40:, :], v[..., 40:, :], None)  # chunk over a stored cache
+    layer.update(k[..., 40:, :], v[..., 40:, :], None)  # chunk over a stored cache
+    out_k, out_v = layer.dequantized_kv()
     assert torch.equal(out_k[..., 32:, :], k[..., 32:, :])  # K_r (8 exact) + the new chunk
     assert torch.equal(out_v[..., 24:, :], v[..., 24:, :])  # V_r (16 exact) + the new chunk
     stored_k = kq.dequantize_ref(kq.quantize_pack_ref(k[..., :32, :].transpose(-1, -2), 2, 8), 2, 8,
@@ -176,7 +181,8 @@ def test_layer_on_triton_equals_layer_on_torch(monkeypatch):
         if impl == "torch":
             monkeypatch.delenv("TRITON_INTERPRET")
         layer = kivi_layer(k_bits=4, v_bits=2, group_size=4, residual_tokens=8)
-        outs[impl] = [layer.update(k[..., a:b, :], v[..., a:b, :], None) for a, b in steps]
+        outs[impl] = [layer.update(k[..., a:b, :], v[..., a:b, :], None) and layer.dequantized_kv()
+                      for a, b in steps]
     for (tk, tv), (rk, rv) in zip(outs["triton"], outs["torch"]):
         torch.testing.assert_close(tk, rk, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(tv, rv, rtol=1e-6, atol=1e-6)
@@ -296,7 +302,7 @@ def test_runner_rejects_bad_bits_before_loading(monkeypatch):
         run(cfg)
 
 
-def test_offloaded_kivi_equals_resident_and_moves_the_packed_bytes(tiny_model):
+def test_offloaded_kivi_equals_resident_and_moves_the_packed_bytes(tiny_model, torch_path):
     """runner.kv_offload=cpu (FlexGen+INT4): same logits; each decode step fetches exactly the
     quantized part (codes + fp16 scales/zeros), not fp K/V."""
     from harness import hf_adapter
@@ -322,3 +328,88 @@ def test_offloaded_kivi_equals_resident_and_moves_the_packed_bytes(tiny_model):
     assert len(ledger.step_h2d) == 40 and all(b > 0 for b in ledger.step_h2d)
     # the last step fetched what was quantized before it (at most the final quantized size)
     assert 0 < ledger.step_h2d[-1] <= runs["cpu"][2]
+
+
+# --- decode attention from the packed cache (methods/kernels/kivi_attention.py) -------------------
+def packed_cache(t_qk, t_kr, t_qv, b=1, h=2, d=16, k_bits=2, v_bits=2, k_group=32, v_group=16,
+                 seed=0, dtype=torch.float32):
+    """A KIVI cache over T = t_qk + t_kr tokens, keys and values split at different tokens."""
+    from methods.kernels.kivi_attention import KIVICache
+
+    k, v = keys_and_values(t_qk + t_kr, b=b, h=h, d=d, seed=seed)
+    k_quant = kq.quantize_pack_ref(k[..., :t_qk, :].transpose(-1, -2), k_bits, k_group) if t_qk else None
+    v_quant = kq.quantize_pack_ref(v[..., :t_qv, :], v_bits, v_group) if t_qv else None
+    return KIVICache(k_quant, v_quant, k[..., t_qk:, :].to(dtype), v[..., t_qv:, :].to(dtype),
+                     k_bits, v_bits, k_group, v_group)
+
+
+def dense_reference(query, cache, scaling):
+    from methods.kernels.kivi_attention import dequantize_cache
+
+    keys, values = dequantize_cache(cache, torch.float32)
+    g = query.shape[1] // keys.shape[1]
+    return torch.nn.functional.scaled_dot_product_attention(
+        query.float(), keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1), scale=scaling)
+
+
+@pytest.mark.parametrize("segments", [(64, 10, 42), (96, 0, 80), (0, 20, 0), (32, 40, 72)])
+def test_torch_decode_path_is_exact_and_blockwise(segments, monkeypatch, torch_path):
+
+    cache = packed_cache(*segments)
+    query = torch.randn(1, 6, 1, 16, generator=torch.Generator().manual_seed(1))
+    blocks = []
+    real = ka._dequant_block
+    monkeypatch.setattr(ka, "_dequant_block", lambda *a: blocks.append(a[4] - a[3]) or real(*a))
+    got = ka.decode_attention(query, cache, 0.3)
+    torch.testing.assert_close(got, dense_reference(query, cache, 0.3), rtol=1e-5, atol=1e-6)
+    blocks.clear()
+    got_small = ka.decode_attention_torch(query, cache, 0.3, block_tokens=32)
+    torch.testing.assert_close(got_small, got, rtol=1e-5, atol=1e-6)
+    # scratch is bounded by the block, never the whole quantized cache
+    assert max(blocks, default=0) <= 32
+    assert len(blocks) == -(-segments[0] // 32) + -(-segments[2] // 32)
+
+
+@pytest.mark.parametrize("segments,splits", [((64, 10, 42), 3), ((32, 40, 72), 1), ((0, 20, 0), 2)])
+def test_fused_kernel_equals_torch_path(segments, splits):
+    """Triton kernel in the interpreter (small shapes): both quantized segments, the fp residual,
+    GQA g=3 (not a power of two), split-K partials merged."""
+
+    cache = packed_cache(*segments, k_bits=2, v_bits=4, v_group=8)
+    query = torch.randn(1, 6, 1, 16, generator=torch.Generator().manual_seed(2))
+    got = ka.decode_attention_triton(query, cache, 0.25, splits=splits, block_t=16)
+    want = ka.decode_attention_torch(query, cache, 0.25)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert ka.use_triton(query)  # TRITON_INTERPRET=1 (conftest): the dispatcher picks the kernel
+
+
+def test_layer_decode_uses_the_packed_path_and_matches_dequantize_then_attend(tiny_model,
+                                                                              torch_path,
+                                                                              monkeypatch):
+    from methods import kivi
+
+    ids = torch.randint(3, 250, (110,), generator=torch.Generator().manual_seed(3)).tolist()
+    method = build_method("kivi", k_bits=2, v_bits=2, group_size=16, residual_tokens=32)
+    calls = []
+    real = kivi.decode_attention
+    monkeypatch.setattr(kivi, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    fused = stream_logits(tiny_model, method, ids, prefill_tokens=80, chunk=32)
+    assert len(calls) == 30 * tiny_model.config.num_hidden_layers  # every decode step, every layer
+    monkeypatch.setattr(kivi.KIVILayer, "_fused_applies", staticmethod(lambda *a: False))
+    dense = stream_logits(tiny_model, method, ids, prefill_tokens=80, chunk=32)
+    torch.testing.assert_close(fused, dense, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fused_kernel_on_cuda_at_long_context(dtype):
+    """Llama-3-8B-like KV heads (8, g=4, D=128) over 32K tokens: compiled kernel == torch path."""
+
+    cache = packed_cache(32640, 100, 32612, b=1, h=8, d=128, k_group=32, v_group=32, dtype=dtype)
+    cache = ka.KIVICache(*(kq.Quantized(*(t.cuda() for t in x)) if isinstance(x, kq.Quantized)
+                           else x.cuda() if isinstance(x, torch.Tensor) else x for x in cache))
+    query = torch.randn(1, 32, 1, 128, device="cuda", dtype=dtype)
+    got = ka.decode_attention(query, cache, 128 ** -0.5)
+    want = ka.decode_attention_torch(query, cache, 128 ** -0.5)
+    assert got.is_cuda and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)

@@ -1,0 +1,154 @@
+"""DuoAttention: retrieval heads keep the full KV cache, streaming heads sinks + a recent window.
+
+Xiao, Tang, Zuo, Guo, Yang, Tang, Fu, Han, "DuoAttention: Efficient Long-Context LLM Inference with
+Retrieval and Streaming Heads", ICLR 2025, arXiv 2410.10819 (official code mit-han-lab/duo-attention;
+spec: reference/methods-2.md §7).
+
+Spec. One gate alpha per (layer, KV head), learned offline (distillation on synthetic passkey data,
+L1 penalty) and binarised at deployment: `threshold = quantile(alpha + U(0, 1e-6), sparsity)`,
+alpha >= threshold -> retrieval head, with sparsity = 1 - retrieval_head_ratio. Retrieval heads keep
+every token; streaming heads keep the first `sink_tokens` and the last `window_tokens`. After each
+forward (a prefill chunk or a decode step: every head attends its cache + the new tokens causally)
+the streaming heads are cut back to sinks + window. A one-shot prefill therefore lets streaming heads
+see the whole prompt (official behaviour, quirk 1); feed the prompt in chunks (runner chunking) or
+with `runner.prefill=sparse` to make them stream. Keys stay post-RoPE at their text positions.
+
+Head identification (recorded in `prepare`'s facts as `head_identification`):
+  * `learned_gates`: `pattern_path` given: the official pattern, a folder with
+    `full_attention_heads.tsv` (L rows, H_kv tab-separated gate values in [0, 1]) and `config.json`
+    (`sink_size`, `recent_size` of training; recorded, our knobs decide deployment), or the .tsv;
+  * `razor_probe` (training-free proxy, NOT DuoAttention's learned gates): no pattern is shipped for
+    SmolLM2/Qwen2/stories, so by default the heads are ranked by RazorAttention's echo/induction probe
+    on a repeated random-token sequence (methods/_headwise.py) and the top `retrieval_head_ratio` of
+    all (layer, KV head) pairs become retrieval heads (1 % of all heads from the echo ranking, the
+    rest from the induction ranking).
+
+Defaults (paper/README): `retrieval_head_ratio` 0.5 (the paper's GQA setting; 0.25 for MHA),
+`sink_tokens` 64 and `window_tokens` 256 (deployment, README and `scripts/longbench.sh`; training used
+128/256). `budget_ratio` (shared knob): the fraction of the full cache held over all KV heads of the
+model; the streaming window then scales with the sequence (see _headwise.py) and
+`retrieval_head_ratio` must be below it.
+
+Paper's numbers: memory down up to 2.55x (MHA) / 1.67x (GQA), decoding up to 2.18x / 1.50x faster,
+NIAH comparable to full attention at a 25 % (MHA) / 50 % (GQA) retrieval-head ratio.
+
+Deliberate deviations: the streaming heads are not permuted in the projection weights (the two
+head classes are stored as separate tensors per layer and assembled, with a per-head mask, for the
+model's own attention); attention runs over a transient padded view, so the speed-up is not
+reproduced, only the memory held. Sink/window are not rounded to 128-token blocks (the block-sparse
+training kernel's granularity).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from kvcore.errors import ConfigError
+from methods._headwise import (HeadwiseLayer, load_duo_pattern, probe_scores, select_retrieval,
+                               sparsify_gates, stream_budget_slots)
+from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
+
+PROXY_ECHO_HEAD_RATIO = 0.01  # razor_probe proxy: share of all heads taken from the echo ranking
+
+
+def check_headwise_knobs(method) -> list[str]:
+    """Checks shared by the head-wise methods, each naming its key."""
+    r = []
+    if not isinstance(method.sink_tokens, int) or method.sink_tokens < 0:
+        r.append(f"method.sink_tokens={method.sink_tokens!r} must be an integer >= 0")
+    ratio = method.retrieval_head_ratio
+    if not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+        r.append(f"method.retrieval_head_ratio={ratio!r} must be in [0, 1]")
+    if method.budget_tokens is not None:
+        r.append("method.budget_tokens is not supported by head-wise methods (their budget is a "
+                 "share of the whole cache): use method.budget_ratio")
+    b = method.budget_ratio
+    if b is not None:
+        if not isinstance(b, (int, float)) or not 0 < b <= 1:
+            r.append(f"method.budget_ratio={b!r} must be in (0, 1]")
+        elif isinstance(ratio, (int, float)) and ratio >= b and b < 1:
+            r.append(f"method.retrieval_head_ratio={ratio} must be below method.budget_ratio={b} "
+                     "(retrieval heads alone already hold that share of the cache)")
+    return r
+
+
+@dataclass(kw_only=True)
+class DuoAttention(KVMethod):
+    name: ClassVar[str] = "duo_attention"
+    capabilities: ClassVar[Capabilities] = Capabilities(needs_prepare=True, selects_tokens=True)
+    axis_keys: ClassVar[tuple[str, ...]] = ("budget_ratio", "retrieval_head_ratio")
+
+    retrieval_head_ratio: float = 0.5
+    sink_tokens: int = 64
+    window_tokens: int = 256
+    budget_ratio: float | None = None
+    budget_tokens: int | None = None
+    pattern_path: str | None = None
+    probe_period_tokens: int = 256
+    probe_seed: int = 0
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._retrieval: torch.Tensor | None = None  # (L, H_kv) bool
+        self._retrieval_fraction = 0.0
+
+    def check_hyperparameters(self) -> list[str]:
+        r = check_headwise_knobs(self)
+        if not isinstance(self.window_tokens, int) or self.window_tokens < 1:
+            r.append(f"method.window_tokens={self.window_tokens!r} must be a positive integer")
+        if not isinstance(self.probe_period_tokens, int) or self.probe_period_tokens < 2:
+            r.append(f"method.probe_period_tokens={self.probe_period_tokens!r} must be >= 2")
+        return r
+
+    @classmethod
+    def lossless_hyperparameters(cls, seq_tokens: int) -> dict[str, Any]:
+        return {"sink_tokens": 4, "window_tokens": seq_tokens}
+
+    def validate(self, info: ModelInfo, runner: dict[str, Any]) -> list[str]:
+        reasons = super().validate(info, runner)
+        if self.pattern_path:
+            try:
+                load_duo_pattern(self.pattern_path, info)
+            except ConfigError as exc:
+                reasons.append(str(exc))
+        return reasons
+
+    def stream_slots(self, seen: int) -> int:
+        if self.budget_ratio is not None:
+            return stream_budget_slots(seen, self.budget_ratio, self._retrieval_fraction,
+                                       self.sink_tokens + 1)
+        return self.sink_tokens + self.window_tokens
+
+    compensate: ClassVar[bool] = False
+
+    def prepare(self, ctx) -> dict:
+        info = ctx.info
+        n_heads = info.num_layers * info.num_kv_heads
+        if self.pattern_path:
+            gates, pattern_config = load_duo_pattern(self.pattern_path, info)
+            self._retrieval = sparsify_gates(gates, 1 - self.retrieval_head_ratio)
+            facts = {"head_identification": "learned_gates", "pattern_path": str(self.pattern_path),
+                     "pattern_training_config": pattern_config}
+        else:
+            echo, induction, facts = probe_scores(ctx, self.probe_period_tokens, self.probe_seed,
+                                                  self.cache_dir)
+            self._retrieval = select_retrieval(echo, induction,
+                                               round(self.retrieval_head_ratio * n_heads),
+                                               round(PROXY_ECHO_HEAD_RATIO * n_heads))
+            facts = {"head_identification": "razor_probe", **facts}
+        self._retrieval_fraction = float(self._retrieval.float().mean())
+        if self.budget_ratio is not None and self._retrieval_fraction >= self.budget_ratio < 1:
+            raise ConfigError(f"method.budget_ratio={self.budget_ratio}: the realised retrieval-"
+                              f"head fraction {self._retrieval_fraction:.3f} already exceeds it")
+        return {**facts, "retrieval_heads": int(self._retrieval.sum()),
+                "retrieval_head_fraction": round(self._retrieval_fraction, 6),
+                "retrieval_heads_per_layer": self._retrieval.sum(1).tolist()}
+
+    def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
+        if self._retrieval is None:
+            raise RuntimeError(f"{self.name}: call prepare(ctx) first (it identifies the heads)")
+        return HeadwiseLayer(layer_idx, info, self, self._retrieval[layer_idx])

@@ -1,0 +1,145 @@
+"""DuoAttention: the official gate thresholding, the pattern file, per-head kept sets, the budget,
+and the head-wise attention against a hand computation (shared with RazorAttention)."""
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from harness import hf_adapter
+from kvcore.errors import ConfigError
+from methods import build_method
+from methods._headwise import HeadwiseLayer, load_duo_pattern, select_retrieval, sparsify_gates
+from methods.base import ModelInfo
+from tests.conftest import make_engine
+
+INFO = ModelInfo(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, max_positions=512)
+
+
+def test_gate_threshold_hand_case():
+    """methods-2.md §7: alpha [[0.9, 0.1], [0.5, 0.2]], sparsity 0.5 -> quantile 0.35,
+    retrieval heads (0, 0) and (1, 0)."""
+    got = sparsify_gates(torch.tensor([[0.9, 0.1], [0.5, 0.2]]), 0.5)
+    assert got.tolist() == [[True, False], [True, False]]
+    assert sparsify_gates(torch.rand(3, 2), 1.0).sum() == 0
+    assert sparsify_gates(torch.rand(3, 2), 0.0).all()
+
+
+def test_union_rule_hand_case():
+    echo = torch.tensor([[0.9, 0.0], [0.1, 0.2]])
+    induction = torch.tensor([[0.0, 0.3], [0.8, 0.1]])
+    # one echo head (0, 0), then the best induction heads (1, 0), (0, 1)
+    assert select_retrieval(echo, induction, 3, 1).tolist() == [[True, True], [True, False]]
+    assert select_retrieval(echo, induction, 1, 0).tolist() == [[False, False], [True, False]]
+
+
+def test_pattern_file_official_format(tmp_path):
+    info = ModelInfo(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, max_positions=64)
+    (tmp_path / "full_attention_heads.tsv").write_text("0.9\t0.1\n0.5\t0.2\n")
+    (tmp_path / "config.json").write_text('{"sink_size": 128, "recent_size": 256}')
+    gates, config = load_duo_pattern(tmp_path, info)
+    assert gates.tolist() == [[0.9, 0.1], [0.5, 0.2]] and config == {"sink_size": 128,
+                                                                      "recent_size": 256}
+    (tmp_path / "bad.tsv").write_text("0.9\t0.1\t0.3\n")
+    with pytest.raises(ConfigError, match="method.pattern_path=.*3 layers|shape"):
+        load_duo_pattern(tmp_path / "bad.tsv", info)
+
+
+def test_learned_pattern_drives_the_heads(tiny_model, tmp_path):
+    """tiny model: 2 layers x 2 KV heads; the pattern decides which heads stream."""
+    (tmp_path / "full_attention_heads.tsv").write_text("0.9\t0.1\n0.2\t0.5\n")
+    method = build_method("duo_attention", pattern_path=str(tmp_path), retrieval_head_ratio=0.5,
+                          sink_tokens=2, window_tokens=4)
+    facts = hf_adapter.prepare(method, tiny_model, None)
+    assert facts["head_identification"] == "learned_gates"
+    assert method._retrieval.tolist() == [[True, False], [False, True]]
+
+
+def _layer(retrieval, compensate, sinks=2, window=3):
+    slots = sinks + window + (1 if compensate else 0)
+    method = SimpleNamespace(sink_tokens=sinks, compensate=compensate,
+                             stream_slots=lambda seen: slots)
+    return HeadwiseLayer(0, INFO, method, torch.tensor(retrieval))
+
+
+def _reference(q, k_all, v_all, keep_by_head, comp=False, sinks=2):
+    """Per query head: softmax over the kept text positions (+ |D|-weighted mean of the rest)."""
+    out = []
+    for h in range(q.shape[1]):
+        kv = h // 2
+        keep = keep_by_head[kv]
+        k, v = k_all[0, kv, keep], v_all[0, kv, keep]
+        s = k @ q[0, h, 0] / math.sqrt(8)
+        w = s.exp()
+        num = (w[:, None] * v).sum(0)
+        den = w.sum()
+        dropped = [i for i in range(k_all.shape[2]) if i not in keep]
+        if comp and dropped:
+            kh, vh = k_all[0, kv, dropped].mean(0), v_all[0, kv, dropped].mean(0)
+            e = len(dropped) * (kh @ q[0, h, 0] / math.sqrt(8)).exp()
+            num, den = num + e * vh, den + e
+        out.append(num / den)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("compensate", [False, True])
+def test_per_head_kept_sets_and_attention_by_hand(compensate):
+    """KV head 0 retrieval, head 1 streaming (2 sinks + 3 window): after a 10-token prefill and
+    each decode step, head 1 holds positions 0, 1 and the last 3 and attention equals a hand
+    computation per head (RazorAttention: plus the |D|-weighted mean of the dropped tokens)."""
+    torch.manual_seed(0)
+    layer = _layer([True, False], compensate)
+    module = SimpleNamespace(scaling=8 ** -0.5, num_key_value_groups=2)
+    k_all = torch.randn(1, 2, 14, 8, dtype=torch.float64)
+    v_all = torch.randn(1, 2, 14, 8, dtype=torch.float64)
+    layer.update(k_all[:, :, :10], v_all[:, :, :10], None)
+    layer.after_forward()
+    window = 3  # slots: 2 sinks + 3 window (+ 1 compensation token)
+    for t in range(10, 14):
+        assert layer.s_positions.tolist() == [0, 1] + list(range(t - window, t))
+        assert layer.r_keys.shape[-2] == t
+        q = torch.randn(1, 4, 1, 8, dtype=torch.float64)
+        keys, values = layer.update(k_all[:, :, t:t + 1], v_all[:, :, t:t + 1], None)
+        out, _ = layer.attend(module, q, keys, values, None, base=hf_adapter.eager_attention)
+        keep = [list(range(t + 1)), [0, 1] + list(range(t - window, t + 1))]
+        expected = _reference(q, k_all[:, :, :t + 1], v_all[:, :, :t + 1], keep, compensate)
+        assert (out[0, 0] - expected).abs().max() < 1e-6  # eager softmax runs in fp32
+        layer.after_forward()
+        assert layer.stats()["kv_tokens"] <= layer.budget_tokens()
+    if compensate:
+        assert layer.comp_count == 14 - 2 - window
+
+
+def test_duo_streams_on_a_model_within_budget(tiny_model):
+    """budget_ratio: held bytes over the whole model stay at the ratio (checked every step by the
+    engine), and the streaming heads really hold sinks + window."""
+    method = build_method("duo_attention", retrieval_head_ratio=0.25, budget_ratio=0.5,
+                          sink_tokens=2, probe_period_tokens=16)
+    engine = make_engine(tiny_model, method, chunk=16)
+    torch.manual_seed(1)
+    ids = torch.randint(3, 250, (80,))
+    with torch.no_grad(), engine.request() as req:
+        req.prefill(ids[:40])
+        for t in range(40, 80):
+            req.step(ids[t:t + 1])
+        layers = req.cache.kv_layers
+        held = sum(lay.stats()["kv_bytes"] for lay in layers)
+        full = 80 * engine.info.kv_bytes_per_token()
+        assert held <= 0.5 * full + 1e-9
+        streaming = [lay for lay in layers if len(lay.streaming_heads)]
+        assert streaming and all(lay.s_keys.shape[-2] == method.stream_slots(80)
+                                 for lay in streaming)
+    assert engine.ledger.samples[-1]["seen_tokens"] == 80
+
+
+@pytest.mark.parametrize("kw, key", [
+    ({"retrieval_head_ratio": 1.5}, "method.retrieval_head_ratio=1.5"),
+    ({"retrieval_head_ratio": 0.5, "budget_ratio": 0.2}, "must be below method.budget_ratio"),
+    ({"budget_tokens": 100}, "method.budget_tokens"),
+    ({"window_tokens": 0}, "method.window_tokens=0"),
+    ({"sink_tokens": -1}, "method.sink_tokens=-1"),
+])
+def test_bad_hyperparameters(kw, key):
+    with pytest.raises(ConfigError, match=key.replace("(", r"\(").replace(".", r"\.")):
+        build_method("duo_attention", **kw)

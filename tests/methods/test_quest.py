@@ -1,0 +1,175 @@
+"""Quest: page bounds and upper-bound scores by hand, the page selection under the budget, the
+Triton page-scoring kernel (CPU interpreter) against the torch reference, and a model-level
+decode whose pages and output are recomputed by hand at every step."""
+
+import pytest
+import torch
+
+from harness import hf_adapter
+from kvcore.errors import ConfigError
+from methods import build_method
+from methods.kernels import quest_pages
+from methods.quest import QuestLayer, page_bounds, select_pages
+from tests.conftest import make_engine
+
+
+def test_page_bounds_and_scores_by_hand():
+    # one head, D = 2, pages of 2 tokens, the last page partial (5 tokens)
+    keys = torch.tensor([[1., -2.], [3., 0.], [-1., 4.], [0., 1.], [2., 2.]])[None, None]
+    low, high = page_bounds(keys, 2)
+    assert low[0, 0].tolist() == [[1., -2.], [-1., 1.], [2., 2.]]
+    assert high[0, 0].tolist() == [[3., 0.], [0., 4.], [2., 2.]]
+    q = torch.tensor([[[2., -1.]]])  # (B, H_q, D)
+    # U = sum_d max(q_d m_d, q_d M_d): page0 max(2,6)+max(2,0)=8; page1 max(-2,0)+max(-1,-4)=-1;
+    # page2 (one token) = q.k = 2
+    assert quest_pages.page_scores_ref(q, low, high).tolist() == [[[8., -1., 2.]]]
+    # the bound holds for every key of its page, with equality on a one-token page
+    per_key = (keys[0, 0] @ q[0, 0]).tolist()  # [4, 6, -6, -1, 2]
+    assert max(per_key[:2]) <= 8 and max(per_key[2:4]) <= -1 and per_key[4] == 2
+
+
+def test_select_pages_keeps_the_current_page_and_fills_the_budget():
+    scores = torch.tensor([[[5., 1., 9., 3., -100.]]])  # 5 pages of 4, the last (current) partial
+    t = 18  # current page holds 2 tokens (16, 17)
+    # budget 11: 2 current + (11 - 2) // 4 = 2 pages -> pages 2 and 0 (scores 9 and 5), sorted
+    assert select_pages(scores, t, 4, 11).tolist() == [[[0, 1, 2, 3, 8, 9, 10, 11, 16, 17]]]
+    # the current page is kept even when it scores lowest; budget covering all -> everything
+    assert select_pages(scores, t, 4, 18).tolist() == [[list(range(18))]]
+    assert select_pages(scores, t, 4, 100).tolist() == [[list(range(18))]]
+    # below the current page: the last B tokens
+    assert select_pages(scores, t, 4, 1).tolist() == [[[17]]]
+    # exactly the current page
+    assert select_pages(scores, t, 4, 5).tolist() == [[[16, 17]]]
+
+
+def test_group_reduction_max_and_sum():
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 8, generator=g)  # H_q = 4, H_kv = 2
+    keys = torch.randn(1, 2, 12, 8, generator=g)
+    low, high = page_bounds(keys, 4)
+    per_head = torch.stack([quest_pages.page_scores_ref(q[:, h:h + 1], low[:, h // 2:h // 2 + 1],
+                                                        high[:, h // 2:h // 2 + 1])[:, 0]
+                            for h in range(4)], 1)  # (B, H_q, P), each head alone (g = 1)
+    got_max = quest_pages.page_scores_ref(q, low, high, "max")
+    got_sum = quest_pages.page_scores_ref(q, low, high, "sum")
+    assert torch.allclose(got_max, per_head.view(1, 2, 2, 3).amax(2))
+    assert torch.allclose(got_sum, per_head.view(1, 2, 2, 3).sum(2))
+    # g = 1: both reductions are the MHA rule
+    one = q[:, :2]
+    assert torch.equal(quest_pages.page_scores_ref(one, low, high, "max"),
+                       quest_pages.page_scores_ref(one, low, high, "sum"))
+
+
+@pytest.mark.parametrize("b, h_q, h_kv, pages, d, reduce, dtype", [
+    (1, 9, 3, 5, 64, "max", torch.float32),  # SmolLM2 heads
+    (2, 4, 4, 20, 8, "sum", torch.float32),  # MHA, batch 2, two page blocks of 16
+    (1, 4, 2, 3, 16, "sum", torch.bfloat16),
+])
+def test_kernel_equals_reference(b, h_q, h_kv, pages, d, reduce, dtype):
+    if not quest_pages.use_triton(torch.empty(0)):
+        pytest.skip("TRITON_INTERPRET=1 was not set before import (tests/conftest.py sets it)")
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(b, h_q, d, generator=g).to(dtype)
+    low, high = page_bounds(torch.randn(b, h_kv, pages * 4 - 1, d, generator=g).to(dtype), 4)
+    got = quest_pages.page_scores(q, low, high, reduce)
+    want = quest_pages.page_scores_ref(q, low, high, reduce)
+    assert got.dtype == torch.float32 and got.shape == (b, h_kv, pages)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_arguments_are_checked():
+    q, low = torch.zeros(1, 3, 8), torch.zeros(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="multiple"):
+        quest_pages.page_scores_ref(q, low, low)
+    with pytest.raises(ValueError, match="reduce"):
+        quest_pages.page_scores_ref(torch.zeros(1, 2, 8), low, low, "mean")
+
+
+def test_every_decode_step_attends_the_hand_selected_pages(tiny_model, monkeypatch):
+    """Budget 21, pages of 4, no dense layer: at each step recompute the page bounds from the
+    cached keys, the max-over-group bounds, the pages (current + the (21 - p) // 4 best), and the
+    attention output over them, and compare with what the layer did."""
+    steps = []
+    original = QuestLayer.attend
+
+    def spy(self, module, query, keys, values, mask, base, **kw):
+        out = original(self, module, query, keys, values, mask, base, **kw)
+        if query.shape[2] == 1:
+            steps.append(dict(layer=self.layer_idx, q=query[0, :, 0], k=keys[0], v=values[0],
+                              slots=self.slots[0].clone(), out=out[0][0, 0], scaling=kw["scaling"]))
+        return out
+
+    monkeypatch.setattr(QuestLayer, "attend", spy)
+    torch.manual_seed(5)
+    ids = torch.randint(3, 250, (1, 46))
+    method = build_method("quest", budget_tokens=21, page_size=4, dense_layers=[])
+    engine = make_engine(tiny_model, method, chunk=16)
+    with engine.request() as req:
+        req.prefill(ids[:, :30])
+        for t in range(30, 46):
+            req.step(ids[:, t])
+            for kv in req.cache.kv_layers:
+                assert kv.stats()["selected_tokens"] <= kv.budget_tokens() == 21
+    assert len(steps) == 2 * 16
+    for s in steps:
+        q, keys, values = s["q"], s["k"], s["v"]  # (H_q, D), (H_kv, T, D)
+        h_kv, t, _ = keys.shape
+        groups = q.shape[0] // h_kv
+        n_pages = -(-t // 4)
+        current = t - (n_pages - 1) * 4
+        m = (21 - current) // 4
+        for h in range(h_kv):
+            bounds = []
+            for p in range(n_pages - 1):
+                page = keys[h, p * 4:(p + 1) * 4]
+                bounds.append(max(float(torch.maximum(q[j] * page.amin(0), q[j] * page.amax(0)).sum())
+                                  for j in range(h * groups, (h + 1) * groups)))
+            best = sorted(sorted(range(n_pages - 1), key=lambda p: -bounds[p])[:m])
+            want = [p * 4 + i for p in best for i in range(4)] + list(range(t - current, t))
+            assert s["slots"][h].tolist() == want
+            for j in range(h * groups, (h + 1) * groups):
+                w = torch.softmax(keys[h, want] @ q[j] * s["scaling"], -1)
+                assert torch.allclose(s["out"][j], w @ values[h, want], atol=1e-5)
+    summary = engine.attended.summary()
+    assert summary["attended_fraction_all_layers"] < 21 / 31 + 1e-9  # 21 of >= 31 tokens per step
+
+
+def test_dense_layers_and_held_bytes(tiny_model):
+    """The default dense layers are the paper's first two; the held bytes count the page bounds."""
+    method = build_method("quest", budget_tokens=8, dense_layers=[0])
+    engine = make_engine(tiny_model, method, chunk=16)
+    ids = torch.randint(3, 250, (1, 40))
+    with engine.request() as req:
+        req.prefill(ids[:, :32])
+        for t in range(32, 40):
+            req.step(ids[:, t])
+        dense, sparse = req.cache.kv_layers
+        assert not isinstance(dense, QuestLayer) and isinstance(sparse, QuestLayer)
+        stats = sparse.stats()
+    assert engine.dense_layers == (0,)
+    kv_bytes_full = 2 * 40 * 2 * 16 * 4  # K and V, 2 KV heads, D 16, fp32
+    assert stats["kv_bytes"] == kv_bytes_full + 2 * 3 * 2 * 16 * 4  # + min/max of 3 pages
+    assert stats["selected_tokens"] == 8  # the current page (8 tokens: 32..39) fills the budget
+    assert build_method("quest").own_dense_layers(engine.info) == (0, 1)
+
+
+def test_bad_hyperparameters_name_the_key(tiny_model):
+    with pytest.raises(ConfigError, match="method.page_size"):
+        build_method("quest", page_size=0)
+    with pytest.raises(ConfigError, match="method.group_reduce"):
+        build_method("quest", group_reduce="mean")
+    info = hf_adapter.model_info(tiny_model.config)
+    reasons = build_method("quest", dense_layers=[5]).validate(info, {})
+    assert any("method.dense_layers" in r for r in reasons)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_kernel_on_cuda_equals_reference(dtype):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 32, 128, generator=g).to(dtype).cuda()  # Llama-3-8B heads: 32 / 8
+    low, high = page_bounds(torch.randn(2, 8, 16 * 300 - 5, 128, generator=g).to(dtype).cuda(), 16)
+    for reduce in quest_pages.REDUCTIONS:
+        got = quest_pages.page_scores(q, low, high, reduce)
+        want = quest_pages.page_scores_ref(q, low, high, reduce)
+        assert torch.allclose(got, want, rtol=1e-4, atol=1e-3)

@@ -1,0 +1,220 @@
+"""ShadowKV: exact un-rotation and low-rank factors, outliers and landmark selection by hand, the
+budget at every decode step, values really fetched from the host tier (bytes in the ledger), and a
+model-level decode step recomputed by hand from the prompt's keys."""
+
+import pytest
+import torch
+
+from harness import hf_adapter
+from harness.run import protocol_reasons
+from kvcore.errors import ConfigError
+from kvcore.offload import Tier, TransferLedger
+from methods import build_method
+from methods.base import ModelInfo, PrepareContext, Protocol
+from methods.rope import rotate
+from methods.shadowkv import ShadowKVLayer, chunk_rows
+from tests.conftest import make_engine
+
+
+def bare_layer(method, h_kv=1, d=8, heads=None):
+    """A ShadowKV layer outside a model: CPU tier, RoPE frequencies of theta 10^4."""
+    info = ModelInfo(num_layers=1, num_heads=heads or h_kv, num_kv_heads=h_kv, head_dim=d,
+                     max_positions=4096, rope_theta=1e4)
+    inv_freq = 1.0 / (1e4 ** (torch.arange(0, d, 2).float() / d))
+    method.prepare(PrepareContext(info=info, tokenizer=None, device=torch.device("cpu"),
+                                  fingerprint="test", rope_inv_freq=inv_freq, project_query=None,
+                                  capture=None, vocab_size=1))
+    layer = method.make_layer(0, info)
+    layer.tier = Tier(torch.device("cpu"), TransferLedger(1), offload=True)
+    return layer, inv_freq
+
+
+def feed_prompt(layer, post_keys, values):
+    layer.update(post_keys, values, torch.arange(post_keys.shape[2])[None])
+    layer.on_prefill_end()
+
+
+def test_outlier_is_the_chunk_with_an_orthogonal_key_and_factors_are_exact_at_full_rank():
+    torch.manual_seed(0)
+    c, chunks, d = 8, 6, 8
+    base = torch.randn(d)
+    pre = base + 0.05 * torch.randn(1, 1, (chunks + 4) * c, d)  # all keys close to one direction
+    odd = torch.zeros(d)
+    odd[0], odd[1] = -base[1], base[0]  # orthogonal to base
+    pre[0, 0, 3 * c + 5] = odd * 3  # chunk 3 holds one orthogonal key
+    method = build_method("shadowkv", budget_tokens=100, rank_ratio=1.0, outlier_ratio=0.08)
+    layer, inv_freq = bare_layer(method)
+    post = rotate(pre, torch.arange(pre.shape[2]).float(), inv_freq)
+    values = torch.randn_like(post)
+    feed_prompt(layer, post, values)
+    # outliers: floor(0.08 * 100) // 8 = 1 chunk, the one with the orthogonal key
+    assert layer.outlier_rows.tolist() == [[list(range(3 * c, 4 * c))]]
+    assert sorted(layer.landmark_chunks[0, 0].tolist()) == [0, 1, 2, 4, 5]
+    # exact inverse rotation + full-rank SVD: the rebuilt keys are the original post-RoPE keys
+    rows = chunk_rows(torch.tensor([[[0, 5]]]), c)
+    keys, vals = layer._reconstruct(rows)
+    assert torch.allclose(keys, post[:, :, rows[0, 0]], atol=1e-5)
+    assert torch.equal(vals, values[:, :, rows[0, 0]])
+    # the chunked region's values live on the host tier; the local window (4 chunks) on the device
+    assert layer.host.values.shape == (1, 1, chunks * c, d)
+    assert layer.keys.shape[2] == 4 * c and layer.kept_tokens() == (chunks + 4) * c
+
+
+def test_low_rank_factors_are_the_truncated_svd_of_the_pre_rope_keys():
+    torch.manual_seed(1)
+    method = build_method("shadowkv", budget_tokens=64, rank=3)
+    layer, inv_freq = bare_layer(method, h_kv=2)
+    pre = torch.randn(1, 2, 48, 8)
+    feed_prompt(layer, rotate(pre, torch.arange(48).float(), inv_freq), torch.randn(1, 2, 48, 8))
+    flat = pre.transpose(1, 2).reshape(48, 16)
+    u, s, vh = torch.linalg.svd(flat, full_matrices=False)
+    best3 = (u[:, :3] * s[:3]) @ vh[:3]  # (48, 16): the rank-3 approximation
+    rebuilt = torch.einsum("nr,hrd->hnd", layer.u[0], layer.sv[0])  # (H, n_ctx, D)
+    n_ctx = layer.u.shape[1]
+    assert n_ctx == 48 - 4 * 8
+    assert torch.allclose(rebuilt, best3[:n_ctx].view(n_ctx, 2, 8).transpose(0, 1), atol=1e-5)
+
+
+def test_a_query_on_a_landmark_selects_its_chunk_and_gqa_takes_the_max():
+    torch.manual_seed(2)
+    method = build_method("shadowkv", budget_tokens=200, outlier_ratio=0.0)
+    layer, _ = bare_layer(method, h_kv=1, heads=2)
+    feed_prompt(layer, torch.randn(1, 1, 12 * 8, 8), torch.randn(1, 1, 96, 8))
+    assert layer.landmarks.shape == (1, 1, 8, 8)
+    lm = layer.landmarks[0, 0]
+    q = torch.stack([lm[5] * 50, torch.zeros(8)])[None]  # head 0 points at chunk 5, head 1 at none
+    assert layer.select_chunks(q, 1).tolist() == [[[5]]]
+    q = torch.stack([torch.zeros(8), lm[2] * 50])[None]  # the other query head of the group
+    assert layer.select_chunks(q, 1).tolist() == [[[2]]]
+    # by hand: softmax per query head / sqrt(D), max over the group
+    q = torch.randn(1, 2, 8)
+    probs = torch.softmax(q[0] @ lm.T / 8 ** 0.5, -1).amax(0)
+    assert layer.select_chunks(q, 3)[0, 0].tolist() == sorted(probs.topk(3).indices.tolist())
+
+
+def test_model_decode_steps_match_a_hand_computation_and_respect_the_budget(tiny_model, monkeypatch):
+    """Budget 40 on a 64-token prompt of the tiny GQA Llama: per layer and step, rebuild from the
+    full-cache prompt keys the landmarks, outliers, chunk choice, low-rank keys and the attention
+    output, and check the budget and the bytes fetched from the host."""
+    torch.manual_seed(7)
+    ids = torch.randint(3, 250, (1, 72))
+    full = make_engine(tiny_model, build_method("full"))
+    with full.request() as req:
+        req.prefill(ids[:, :64])
+        prompt = [(kv.keys.clone(), kv.values.clone()) for kv in req.cache.kv_layers]
+
+    steps = []
+    original = ShadowKVLayer.attend
+
+    def spy(self, module, query, keys, values, mask, base, **kw):
+        out = original(self, module, query, keys, values, mask, base, **kw)
+        if query.shape[2] == 1:
+            steps.append(dict(layer=self.layer_idx, q=query[0, :, 0], out=out[0][0, 0],
+                              local_k=self.keys[0].clone(), local_v=self.values[0].clone(),
+                              chunks=self.selected_chunks[0].clone(), scaling=kw["scaling"]))
+        return out
+
+    monkeypatch.setattr(ShadowKVLayer, "attend", spy)
+    method = build_method("shadowkv", budget_tokens=56, rank=12)
+    engine = make_engine(tiny_model, method, chunk=16)
+    with engine.request() as req:
+        req.prefill(ids[:, :64])
+        for t in range(64, 72):
+            req.step(ids[:, t])
+            for kv in req.cache.kv_layers:
+                assert kv.stats()["selected_tokens"] <= kv.budget_tokens() == 56
+    inv_freq = method._inv_freq
+    c, n_ctx = 8, 64 - 4 * 8  # 4 chunks of context, 32 local tokens
+    assert int(0.16 * 56) // c == 1  # one outlier chunk per KV head
+    assert len(steps) == 2 * 8  # both layers, every decode step
+    for s in steps:
+        keys, values = prompt[s["layer"]]
+        keys, values = keys[0], values[0]  # (H, 64, D)
+        h_kv, _, d = keys.shape
+        ctx = keys[:, :n_ctx].view(h_kv, 4, c, d)
+        means = ctx.mean(2)
+        bad = torch.nn.functional.cosine_similarity(means[:, :, None], ctx, dim=-1).amin(-1)
+        pre = rotate(keys, -torch.arange(64).float(), inv_freq).transpose(0, 1).reshape(64, h_kv * d)
+        u, sv_s, vh = torch.linalg.svd(pre, full_matrices=False)
+        low = ((u[:, :12] * sv_s[:12]) @ vh[:12]).view(64, h_kv, d).transpose(0, 1)  # (H, 64, D)
+        low = rotate(low, torch.arange(64).float(), inv_freq)
+        groups = s["q"].shape[0] // h_kv
+        local = min(s["local_k"].shape[1], 56 - c)  # the local window after the outlier chunk
+        k = (56 - c - local) // c
+        assert k >= 1
+        for h in range(h_kv):
+            outlier = int(bad[h].argmin())
+            rest = [j for j in range(4) if j != outlier]
+            q = s["q"][h * groups:(h + 1) * groups]
+            probs = torch.softmax(q @ means[h, rest].T / d ** 0.5, -1).amax(0)
+            want = sorted(rest[i] for i in probs.topk(k).indices.tolist())
+            assert s["chunks"][h].tolist() == want
+            rows = [j * c + i for j in want for i in range(c)]
+            out_rows = list(range(outlier * c, (outlier + 1) * c))
+            kk = torch.cat([keys[h, out_rows], low[h, rows], s["local_k"][h, -local:]])
+            vv = torch.cat([values[h, out_rows], values[h, rows], s["local_v"][h, -local:]])
+            for j in range(h * groups, (h + 1) * groups):
+                w = torch.softmax(kk @ s["q"][j] * s["scaling"], -1)
+                assert torch.allclose(s["out"][j], w @ vv, atol=1e-4)
+    # values moved host -> device per decode step: k chunks * 8 rows * H_kv * D * 4 bytes per layer
+    per_step = engine.transfers.summary()["bytes_per_decode_step"]
+    ks = [s["chunks"].shape[1] for s in steps]
+    assert per_step == sum(k * c * 2 * 16 * 4 for k in ks) / 8
+    assert engine.attended.summary()["attended_fraction_all_layers"] <= 56 / 65
+
+
+def test_prompt_too_short_or_no_prompt_stays_dense(tiny_model):
+    method = build_method("shadowkv", budget_tokens=8)
+    engine = make_engine(tiny_model, method)
+    with engine.request() as req:
+        for t in range(40):  # streaming: no prompt, so nothing to decompose
+            req.step(torch.tensor([5 + t]))
+        layer = req.cache.kv_layers[1]
+        assert not layer.compressed and layer.budget_tokens() is None
+        assert layer.attended_tokens() == 40
+    with engine.request() as req:
+        req.prefill(torch.arange(3, 35))  # 32 tokens = the local window only
+        assert not req.cache.kv_layers[0].compressed
+
+
+def test_capabilities_refuse_sparse_prefill_and_check_keys(tiny_model):
+    method = build_method("shadowkv")
+    info = hf_adapter.model_info(tiny_model.config)
+
+    class Task:
+        name = "t"
+
+        def phases(self):
+            return frozenset({"prefill", "decode"})
+
+    reasons = protocol_reasons(method, Task(), info, Protocol(prefill="sparse"))
+    assert any("runner.prefill=sparse" in r for r in reasons)
+    assert method.capabilities.offloads_kv and method.capabilities.needs_rope
+    with pytest.raises(ConfigError, match="method.rank_ratio"):
+        build_method("shadowkv", rank_ratio=0)
+    with pytest.raises(ConfigError, match="method.chunk_size"):
+        build_method("shadowkv", chunk_size=0)
+    no_rope = ModelInfo(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, max_positions=64)
+    assert any("RoPE" in r for r in method.validate(no_rope, {}))
+    assert method.rank_of(info) == round(0.15625 * 2 * 16)
+
+
+@pytest.mark.gpu
+def test_host_tier_on_cuda_gives_the_cpu_result():
+    """On CUDA the values sit in pinned host memory and the selected rows come back on the side
+    stream; the rebuilt keys and fetched values equal the CPU layer's."""
+    torch.manual_seed(4)
+    pre, values = torch.randn(1, 2, 80, 16), torch.randn(1, 2, 80, 16)
+    out = []
+    for device in ("cpu", "cuda"):
+        method = build_method("shadowkv", budget_tokens=64, rank=8)
+        layer, inv_freq = bare_layer(method, h_kv=2, d=16)
+        layer.tier = Tier(torch.device(device), TransferLedger(1), offload=True)
+        post = rotate(pre, torch.arange(80).float(), inv_freq).to(device)
+        feed_prompt(layer, post, values.to(device))
+        assert layer.host.values.device.type == "cpu"
+        assert layer.host.values.is_pinned() == (device == "cuda")
+        rows = chunk_rows(torch.tensor([[[1, 4], [0, 2]]], device=device), 8)
+        out.append([t.cpu() for t in layer._reconstruct(rows)])
+    assert torch.allclose(out[0][0], out[1][0], atol=1e-4)
+    assert torch.equal(out[0][1], out[1][1])
