@@ -343,7 +343,7 @@ class HeadwiseLayer(KVLayer):
         self.comp_values = (v_sum / self.comp_count).to(values.dtype)
 
     # --- accounting ----------------------------------------------------------------------------
-    def budget_tokens(self) -> int:
+    def allowed_tokens(self) -> int:
         seen = self.seen_tokens
         return self._mean_slots(seen, min(seen, self.method.stream_slots(seen)))
 

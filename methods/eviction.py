@@ -198,20 +198,26 @@ class EvictionLayer(KVLayer):
         kept = self.kept_tokens()
         if kept <= budget:
             return
-        scores = self.score().float()
-        sinks, recent = self.protected(budget)
-        guard = self.positions < sinks
-        if recent:
-            guard |= self.positions >= self.seen_tokens - recent
-        scores = scores.masked_fill(guard, float("inf"))
-        if kept - budget == 1 and not self.offloaded():
-            self.kept_count = drop_one_token(self.buffers, self.kept_count, scores.argmin(dim=-1))
+        if kept - budget == 1 and not self.offloaded():  # steady state: no copy of the cache
+            self.kept_count = drop_one_token(self.buffers, self.kept_count, self.lowest_slot(budget))
         else:
-            index = scores.topk(budget, dim=-1).indices.sort(dim=-1).values  # (B, H_kv, budget)
+            index = self.guarded_scores(budget).topk(budget, dim=-1).indices.sort(dim=-1).values
             if self.offloaded():
                 self.store.keep(index)
             self.kept_count = keep_tokens(self.buffers, self.kept_count, index)
         self._views()
+
+    def guarded_scores(self, budget: int) -> torch.Tensor:
+        """Scores `(B, H_kv, T)` fp32 with the protected tokens at +inf."""
+        sinks, recent = self.protected(budget)
+        guard = self.positions < sinks
+        if recent:
+            guard |= self.positions >= self.seen_tokens - recent
+        return self.score().float().masked_fill(guard, float("inf"))
+
+    def lowest_slot(self, budget: int) -> torch.Tensor:
+        """The slot to evict when exactly one token must go, `(B, H_kv)`."""
+        return self.guarded_scores(budget).argmin(dim=-1)
 
     # --- accounting -------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:

@@ -423,7 +423,7 @@ class KVQuantLayer(KVLayer):
         return self.seen_tokens  # KVQuant evicts nothing
 
     # --- accounting ----------------------------------------------------------------------------
-    def budget_tokens(self) -> int | None:
+    def allowed_tokens(self) -> int | None:
         return None  # bits, not tokens
 
     def stats(self) -> dict[str, int]:

@@ -32,7 +32,7 @@ budget covering the sequence attends every page (equal to the full cache). If B 
 below one page) only the last B tokens of the current page are attended. Deviation: the official
 code takes K = max(3, B // page_size) pages (at least 3, so it can exceed small budgets, and it
 counts the partial page as a full one); here the page count is derived so the engine's per-step
-check `selected_tokens <= budget_tokens()` always holds. The paper's budgets are token counts
+check `selected_tokens <= allowed_tokens()` always holds. The paper's budgets are token counts
 (512-4096); `budget_tokens` reproduces them.
 
 Hyperparameters:
@@ -185,7 +185,7 @@ class QuestLayer(KVLayer):
     def attended_tokens(self) -> int:
         return self._attended
 
-    def budget_tokens(self) -> int | None:
+    def allowed_tokens(self) -> int | None:
         return self._step_budget
 
     def kept_positions(self) -> torch.Tensor:

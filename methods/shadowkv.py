@@ -300,7 +300,7 @@ class ShadowKVLayer(KVLayer):
     def attended_tokens(self) -> int:
         return self._attended
 
-    def budget_tokens(self) -> int | None:
+    def allowed_tokens(self) -> int | None:
         return self._step_budget
 
     def kept_positions(self) -> torch.Tensor:

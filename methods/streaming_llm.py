@@ -135,3 +135,7 @@ class StreamingLLMLayer(EvictionLayer):
 
     def protected(self, budget: int) -> tuple[int, int]:
         return min(self.method.sink_tokens, budget), 0
+
+    def lowest_slot(self, budget: int) -> torch.Tensor:
+        sinks = min(self.method.sink_tokens, budget)  # the sinks sit in slots 0..S-1, never moved
+        return self.positions[:, :, sinks:].argmin(dim=-1) + sinks  # the oldest window token

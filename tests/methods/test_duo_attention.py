@@ -106,7 +106,7 @@ def test_per_head_kept_sets_and_attention_by_hand(compensate):
         expected = _reference(q, k_all[:, :, :t + 1], v_all[:, :, :t + 1], keep, compensate)
         assert (out[0, 0] - expected).abs().max() < 1e-6  # eager softmax runs in fp32
         layer.after_forward()
-        assert layer.stats()["kv_tokens"] <= layer.budget_tokens()
+        assert layer.stats()["kv_tokens"] <= layer.allowed_tokens()
     if compensate:
         assert layer.comp_count == 14 - 2 - window
 

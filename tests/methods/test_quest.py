@@ -109,7 +109,7 @@ def test_every_decode_step_attends_the_hand_selected_pages(tiny_model, monkeypat
         for t in range(30, 46):
             req.step(ids[:, t])
             for kv in req.cache.kv_layers:
-                assert kv.stats()["selected_tokens"] <= kv.budget_tokens() == 21
+                assert kv.stats()["selected_tokens"] <= kv.allowed_tokens() == 21
     assert len(steps) == 2 * 16
     for s in steps:
         q, keys, values = s["q"], s["k"], s["v"]  # (H_q, D), (H_kv, T, D)

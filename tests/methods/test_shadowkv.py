@@ -122,7 +122,7 @@ def test_model_decode_steps_match_a_hand_computation_and_respect_the_budget(tiny
         for t in range(64, 72):
             req.step(ids[:, t])
             for kv in req.cache.kv_layers:
-                assert kv.stats()["selected_tokens"] <= kv.budget_tokens() == 56
+                assert kv.stats()["selected_tokens"] <= kv.allowed_tokens() == 56
     inv_freq = method._inv_freq
     c, n_ctx = 8, 64 - 4 * 8  # 4 chunks of context, 32 local tokens
     assert int(0.16 * 56) // c == 1  # one outlier chunk per KV head
@@ -170,7 +170,7 @@ def test_prompt_too_short_or_no_prompt_stays_dense(tiny_model):
         for t in range(40):  # streaming: no prompt, so nothing to decompose
             req.step(torch.tensor([5 + t]))
         layer = req.cache.kv_layers[1]
-        assert not layer.compressed and layer.budget_tokens() is None
+        assert not layer.compressed and layer.allowed_tokens() is None
         assert layer.attended_tokens() == 40
     with engine.request() as req:
         req.prefill(torch.arange(3, 35))  # 32 tokens = the local window only
