@@ -194,7 +194,16 @@ def model_info(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> 
         sliding_window_tokens=window,
         sliding_window_layers=sliding,
         kv_layout="latent" if getattr(config, "kv_lora_rank", None) else "heads",
+        attention_quirks=_attention_quirks(config),
     )
+
+
+def _attention_quirks(config: PretrainedConfig) -> tuple[str, ...]:
+    # Soft-capping (Gemma-2) is applied inside transformers' own eager function only; our seams
+    # and the methods' score computations do not apply it. (A non-default query scale arrives as
+    # the `scaling` argument and is honoured.)
+    cap = getattr(config, "attn_logit_softcapping", None)
+    return (f"attention logit soft-capping ({cap})",) if cap else ()
 
 
 def _sliding_window(config: PretrainedConfig) -> tuple[int | None, tuple[int, ...]]:

@@ -89,6 +89,9 @@ class ModelInfo:
     # (DeepSeek-V2/V3), whose cache holds what its attention chooses (transformers 5.24: the
     # no-RoPE key part per head and the shared RoPE key part), not K and V heads.
     kv_layout: str = "heads"
+    # Attention-score tweaks our attention seams do not reproduce (Gemma-2's logit soft-capping):
+    # such models are refused, never served wrong.
+    attention_quirks: tuple[str, ...] = ()
 
     @property
     def group_size(self) -> int:
@@ -345,6 +348,9 @@ class KVMethod:
         if info.kv_layout not in caps.kv_layouts:
             return [f"method={self.name} needs per-head K/V caches (B, H_kv, T, D); {model} "
                     f"caches a {info.kv_layout!r} layout (multi-head latent attention)"]
+        if info.attention_quirks:
+            return [f"{model} uses {', '.join(info.attention_quirks)}, which the harness's "
+                    "attention seams do not reproduce yet: refused rather than served wrong"]
         reasons = []
         if self.needs_rope():
             if info.rope_theta is None:

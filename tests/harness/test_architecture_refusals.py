@@ -104,3 +104,20 @@ def test_cli_refusal_is_one_line_and_exits_nonzero(tmp_path):
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "sliding-window attention" in lines[0], proc.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_soft_capped_attention_is_refused_for_every_method():
+    """Gemma-2 soft-caps attention logits inside transformers' own eager function, which our
+    seams replace: every method refuses it instead of serving a different model."""
+    from transformers import Gemma2Config
+
+    from harness.hf_adapter import model_info
+    from methods import available_methods, build_method, method_class
+
+    info = model_info(Gemma2Config(num_hidden_layers=2, hidden_size=64, intermediate_size=128,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   vocab_size=100))
+    for name in available_methods():
+        reasons = build_method(name, **method_class(name).lossless_hyperparameters(64)
+                               ).architecture_reasons(info)
+        assert reasons and "soft-capping (50.0)" in reasons[0], name
