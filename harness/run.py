@@ -114,6 +114,10 @@ def protocol_reasons(method, task, info, protocol: Protocol) -> list[str]:
                        f"task={task.name} "
                        "(with these options) feeds every token as a decode step: the method would "
                        "never act")
+    if not caps.acts_during_decode and "decode" not in phases:
+        reasons.append(f"method={method.name} compresses once the prompt is over, but "
+                       f"task={task.name} (with these options) scores only prompt tokens: every "
+                       "scored logit comes before the method acts")
     return reasons
 
 

@@ -106,6 +106,11 @@ class DuoAttention(KVMethod):
         return r
 
     @classmethod
+    def compressing_hyperparameters(cls, seq_tokens: int) -> dict[str, Any]:
+        # The head-wise budget is a ratio of the whole cache (budget_tokens is refused).
+        return {"sink_tokens": 4, "window_tokens": max(4, seq_tokens // 8)}
+
+    @classmethod
     def lossless_hyperparameters(cls, seq_tokens: int) -> dict[str, Any]:
         return {"sink_tokens": 4, "window_tokens": seq_tokens}
 

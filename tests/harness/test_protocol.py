@@ -89,6 +89,8 @@ def test_refusals_name_the_knob_before_weights(monkeypatch, no_weight_loading, t
     base = ["model=stories260k", "task.max_tokens=100", f"runner.results_root={tmp_path}"]
     with pytest.raises(ConfigError, match="compresses only over a prefilled prompt, but task=perplexity"):
         run(cfg_for(*base))
+    with pytest.raises(ConfigError, match="scores only prompt tokens"):
+        run(cfg_for(*base, "task.mode=chunked"))
     with pytest.raises(ConfigError, match=r"runner.prefill=sparse but method=prefill_only_for_test"):
         run(cfg_for(*base, "task.mode=chunked", "runner.prefill=sparse"))
     with pytest.raises(ConfigError, match=r"names layer\(s\) \[7\] but the model has 5 layers"):

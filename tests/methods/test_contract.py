@@ -205,6 +205,13 @@ def _with_modes():
                     "mask_sizes, so a layer holding a different number of keys receives a mask of "
                     "the wrong width (PyramidKV rebuilds its own mask in attend; the harness "
                     "should build masks per layer)"))
+            if name in ("duo_attention", "razor_attention"):
+                marks = pytest.mark.xfail(strict=False, reason=(
+                    "head-wise caches: streaming heads hold fewer keys than retrieval heads, so "
+                    "kept_positions pads their rows by repeating the last position and the layer "
+                    "rebuilds its own per-head mask in attend (the model's one mask per forward "
+                    "cannot describe ragged heads); outputs are checked against a per-head hand "
+                    "computation in tests/methods/test_duo_attention.py"))
             cases.append(pytest.param(name, mode, marks=marks, id=f"{name}-{mode}" if mode else name))
     return cases
 
