@@ -6,25 +6,12 @@ import subprocess
 import sys
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from harness import models
 from harness.run import run
 from kvcore.errors import ConfigError
 from tests.conftest import PROJECT
+from tests.harness.test_run import cfg_for, no_weight_loading  # noqa: F401 (fixture)
 from tests.models import deepseek_v2_config, family_config
-
-
-def cfg_for(*overrides):
-    with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
-
-
-@pytest.fixture
-def no_weight_loading(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("weights were loaded")
-    monkeypatch.setattr(models, "load_model", refuse)
 
 
 def model_folder(tmp_path, config):
