@@ -112,7 +112,7 @@ def chat_pieces(engine) -> tuple[list[int], list[int]]:
 @dataclass(kw_only=True)
 class LongBench(Task):
     name: ClassVar[str] = "longbench"
-    datasets: list[str] = field(default_factory=lambda: ["multi_news"])
+    datasets: list[str] | str = field(default_factory=lambda: ["multi_news"])  # one name = a list of one
     data_dir: str | None = None  # folder of <dataset>.jsonl (default ../shared/data/longbench)
     max_length_tokens: int | None = None  # model input cap (None: max positions - generation)
     max_new_tokens: int | None = None  # generation length (None: LongBench's per-dataset value)

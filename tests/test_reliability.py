@@ -398,7 +398,7 @@ def test_metrics_follow_the_versioned_schema(tmp_path):
     (["method.budget_ratio=["], "error: override 'method.budget_ratio=[' cannot be parsed"),
     (["runner.nosuch=1"], "error: Could not override 'runner.nosuch'"),
     (["method=_shared"], "error: method='_shared' is not a method"),
-    (["method=nosuch"], "error: Could not find 'method/nosuch'; allowed: full, "),
+    (["method=nosuch"], "error: Could not find 'method/nosuch'; allowed: duo_attention, full, "),
 ])
 def test_hydra_errors_are_one_line_exit_2(args, expect, tmp_path):
     proc = _cli(*args, f"runner.results_root={tmp_path}")
@@ -411,4 +411,5 @@ def test_hydra_errors_are_one_line_exit_2(args, expect, tmp_path):
 def test_help_offers_no_fragment(tmp_path):
     proc = _cli("--help")
     assert proc.returncode == 0
-    assert "method: full, full_offload, h2o" in proc.stdout and "_shared" not in proc.stdout
+    assert "method: duo_attention, full, full_offload, h2o" in proc.stdout
+    assert "_shared" not in proc.stdout

@@ -80,7 +80,8 @@ def test_speculation_from_own_input_with_all_columns_selects_the_true_top_tokens
 
             layer.attend = grab_query
             req.step(ids[:, 40])
-            chosen = layer.speculate(seen["x"], seen["pos"])
+            slots, counts = layer.speculate(seen["x"], seen["pos"])  # best first, how many
+            chosen = slots[..., : int(counts.max())].sort(-1).values
             keys = layer.keys  # (1, H_kv, 41, D): simulate mode keeps them on the device
     finally:
         handle.remove()

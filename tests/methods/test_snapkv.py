@@ -96,7 +96,7 @@ def test_refused_where_it_cannot_act(tiny_model):
     method = build_method("snapkv")
     info = hf_adapter.model_info(tiny_model.config)
     streaming = build_task("perplexity", mode="streaming")
-    assert any("compresses only at prefill" in r
+    assert any("compresses only over a prefilled prompt" in r
                for r in protocol_reasons(method, streaming, info, Protocol()))
     assert any("runner.prefill=sparse" in r
                for r in protocol_reasons(method, build_task("perplexity", mode="chunked"),
