@@ -2,9 +2,11 @@
 
 Read top to bottom: a `Request` owns one fresh method cache bound to the model; `prefill` feeds a
 prompt in `prefill_chunk_tokens` chunks with explicit positions, `step` feeds one token (a decode
-step), `generate` is greedy decoding with stop tokens. Every region is timed (CUDA events on GPU),
-and when a request ends the engine records the KV tokens and bytes each layer really holds next to
-the method's declared budget, and fails loudly if a budget is exceeded.
+step), `generate` is greedy decoding with stop tokens. Every region is timed (CUDA events on GPU).
+Every layer's budget is checked after every forward (`harness.accounting`), decode steps enter the
+attended-fraction accounting, and when a request ends the engine records the KV tokens and bytes
+each layer really holds next to its allowance. The run protocol (dense layers, prefill mode) is the
+same for every method (`EngineSettings.protocol`).
 """
 
 from __future__ import annotations
