@@ -184,6 +184,29 @@ class StepChecker:
             assert set(range(seen - recent, seen)) <= set(row), f"{where}: recent tokens evicted"
 
 
+_FETCHED_VIEW = ("update() returns only the fetched rows + the new token while mask_sizes() sizes "
+                 "the mask for every stored token; attend() drops the mask, which is right for one "
+                 "unpadded query, but mask_sizes does not describe what update returns (KVLayer "
+                 "contract, methods/base.py)")
+_ONE_MASK = ("the model builds one eager mask per forward from layer 0's mask_sizes, so a layer "
+             "holding a different number of keys rebuilds its own mask in attend (the harness "
+             "should build masks per layer)")
+# (method, mode or None) -> (strict, reason): the known contract exceptions, each explained.
+KNOWN_EXCEPTIONS = {
+    ("infinigen", "system"): (True, "InfiniGen system-mode decode: " + _FETCHED_VIEW),
+    ("shadowkv", None): (True, "ShadowKV decode (fetched chunks + local window): " + _FETCHED_VIEW),
+    ("pyramidkv", None): (False, "per-layer budgets: " + _ONE_MASK),
+    ("kivi", None): (False, "KIVI's fused decode path: update() returns only the full-precision "
+                            "tails and attend() reads the packed cache itself (layer.step_cache); "
+                            "outputs equal dequantize-then-attend (tests/methods/test_kivi.py)"),
+    **{(name, None): (False, "head-wise caches: streaming heads hold fewer keys than retrieval "
+                             "heads, so kept_positions pads their rows by repeating the last "
+                             "position, and " + _ONE_MASK + "; outputs are checked per head in "
+                             "tests/methods/test_duo_attention.py")
+       for name in ("duo_attention", "razor_attention")},
+}
+
+
 def _with_modes():
     """(method, mode) for every method and each mode it declares (None: no mode knob)."""
     cases = []
@@ -191,39 +214,8 @@ def _with_modes():
         cls = method_class(name)
         modes = cls.capabilities.modes if "mode" in cls.hyperparameter_names() else (None,)
         for mode in modes:
-            marks = ()
-            if (name, mode) == ("infinigen", "system"):
-                marks = pytest.mark.xfail(strict=True, reason=(
-                    "InfiniGen system-mode decode: update() returns only the fetched rows + the "
-                    "new token (n'+1) while mask_sizes() (the base's stored + 1) sizes the mask "
-                    "for every stored token; attend() then drops the mask, which is right for "
-                    "one unpadded query, but mask_sizes does not describe what update returns "
-                    "(KVLayer contract, methods/base.py)"))
-            if name == "pyramidkv":
-                marks = pytest.mark.xfail(strict=False, reason=(
-                    "per-layer budgets: the model builds one eager mask per forward from layer 0's "
-                    "mask_sizes, so a layer holding a different number of keys receives a mask of "
-                    "the wrong width (PyramidKV rebuilds its own mask in attend; the harness "
-                    "should build masks per layer)"))
-            if name == "shadowkv":
-                marks = pytest.mark.xfail(strict=True, reason=(
-                    "ShadowKV decode, like InfiniGen system mode: update() returns the fetched "
-                    "chunks + local window + new token while mask_sizes() sizes the mask for every "
-                    "stored token; attend() drops the mask (right for one unpadded query), but "
-                    "mask_sizes does not describe what update returns"))
-            if name == "kivi":
-                marks = pytest.mark.xfail(strict=False, reason=(
-                    "KIVI's fused decode path: update() returns only the full-precision tails and "
-                    "attend() reads the packed cache itself (layer.step_cache), so what update "
-                    "returns is not what attention sees; outputs equal dequantize-then-attend "
-                    "(tests/methods/test_kivi.py) and the full cache when nothing is quantized"))
-            if name in ("duo_attention", "razor_attention"):
-                marks = pytest.mark.xfail(strict=False, reason=(
-                    "head-wise caches: streaming heads hold fewer keys than retrieval heads, so "
-                    "kept_positions pads their rows by repeating the last position and the layer "
-                    "rebuilds its own per-head mask in attend (the model's one mask per forward "
-                    "cannot describe ragged heads); outputs are checked against a per-head hand "
-                    "computation in tests/methods/test_duo_attention.py"))
+            known = KNOWN_EXCEPTIONS.get((name, mode))
+            marks = pytest.mark.xfail(strict=known[0], reason=known[1]) if known else ()
             cases.append(pytest.param(name, mode, marks=marks, id=f"{name}-{mode}" if mode else name))
     return cases
 
