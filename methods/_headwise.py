@@ -209,6 +209,22 @@ def _load_scores(path: Path, info: ModelInfo):
 
 # --------------------------------------------------------------------------------------------
 # the per-layer cache
+@dataclass(kw_only=True)
+class HeadwiseMethod(KVMethod):
+    """Knobs and prepared state shared by the head-wise methods (DuoAttention, RazorAttention)."""
+
+    budget_ratio: float | None = None
+    budget_tokens: int | None = None  # refused: the head-wise budget is a share of the whole cache
+    probe_period_tokens: int = 256
+    probe_seed: int = 0
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._retrieval: torch.Tensor | None = None  # (L, H_kv) bool
+        self._retrieval_fraction = 0.0
+
+
 class HeadwiseLayer(KVLayer):
     """Retrieval heads keep everything; streaming heads keep sinks + window (+ compensation).
 

@@ -44,12 +44,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
-
 from kvcore.errors import ConfigError
-from methods._headwise import (HeadwiseLayer, load_duo_pattern, probe_scores, select_retrieval,
-                               sparsify_gates, stream_budget_slots)
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
+from methods._headwise import (HeadwiseLayer, HeadwiseMethod, load_duo_pattern, probe_scores,
+                               select_retrieval, sparsify_gates, stream_budget_slots)
+from methods.base import Capabilities, KVLayer, ModelInfo
 
 PROXY_ECHO_HEAD_RATIO = 0.01  # razor_probe proxy: share of all heads taken from the echo ranking
 
@@ -76,7 +74,7 @@ def check_headwise_knobs(method) -> list[str]:
 
 
 @dataclass(kw_only=True)
-class DuoAttention(KVMethod):
+class DuoAttention(HeadwiseMethod):
     name: ClassVar[str] = "duo_attention"
     capabilities: ClassVar[Capabilities] = Capabilities(needs_prepare=True, selects_tokens=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("budget_ratio", "retrieval_head_ratio")
@@ -85,17 +83,7 @@ class DuoAttention(KVMethod):
     retrieval_head_ratio: float = 0.5
     sink_tokens: int = 64
     window_tokens: int = 256
-    budget_ratio: float | None = None
-    budget_tokens: int | None = None
     pattern_path: str | None = None
-    probe_period_tokens: int = 256
-    probe_seed: int = 0
-    cache_dir: str | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._retrieval: torch.Tensor | None = None  # (L, H_kv) bool
-        self._retrieval_fraction = 0.0
 
     def check_hyperparameters(self) -> list[str]:
         r = check_headwise_knobs(self)

@@ -37,16 +37,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import torch
-
 from kvcore.errors import ConfigError
-from methods._headwise import HeadwiseLayer, probe_scores, select_retrieval, stream_budget_slots
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
+from methods._headwise import (HeadwiseLayer, HeadwiseMethod, probe_scores, select_retrieval,
+                               stream_budget_slots)
+from methods.base import Capabilities, KVLayer, ModelInfo
 from methods.duo_attention import check_headwise_knobs
 
 
 @dataclass(kw_only=True)
-class RazorAttention(KVMethod):
+class RazorAttention(HeadwiseMethod):
     name: ClassVar[str] = "razor_attention"
     capabilities: ClassVar[Capabilities] = Capabilities(needs_prepare=True, selects_tokens=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("budget_ratio", "compression_ratio")
@@ -57,16 +56,6 @@ class RazorAttention(KVMethod):
     sink_tokens: int = 4
     compression_ratio: float = 5.0
     min_window_tokens: int = 256
-    budget_ratio: float | None = None
-    budget_tokens: int | None = None
-    probe_period_tokens: int = 256
-    probe_seed: int = 0
-    cache_dir: str | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._retrieval: torch.Tensor | None = None  # (L, H_kv) bool
-        self._retrieval_fraction = 0.0
 
     def check_hyperparameters(self) -> list[str]:
         r = check_headwise_knobs(self)
