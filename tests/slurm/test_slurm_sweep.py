@@ -107,7 +107,7 @@ def test_sweep_failures_cancel_and_resume(cluster, tmp_path):
         first.kill()  # no-op once it has exited
     assert first.returncode == 1, err[-3000:]  # failed members make the sweep exit 1
     summary = json.loads((tmp_path / "_sweeps/first/summary.json").read_text())
-    assert summary["counts"] == {"ok": 1, "skipped": 0, "failed": 3}, summary
+    assert summary["counts"] == {"ok": 1, "inactive": 0, "skipped": 0, "failed": 3}, summary
     by_job = {m["job"]: m for m in summary["members"]}
     assert "CANCELLED" in by_job[CANCELLED]["detail"] and by_job[CANCELLED]["status"] == "failed"
     # Whichever saw it first (sacct, or the launcher's squeue check), it is reported, not awaited.
@@ -124,7 +124,7 @@ def test_sweep_failures_cancel_and_resume(cluster, tmp_path):
     again = harness(env, *sweep, f"hydra.sweep.dir={tmp_path}/_sweeps/again")
     assert again.returncode == 1, again.stderr[-3000:]  # text_file still fails, on purpose
     summary = json.loads((tmp_path / "_sweeps/again/summary.json").read_text())
-    assert summary["counts"] == {"ok": 2, "skipped": 0, "failed": 2}, summary
+    assert summary["counts"] == {"ok": 2, "inactive": 0, "skipped": 0, "failed": 2}, summary
     resumed = results(tmp_path)
     assert set(resumed) == {"full", "h2o"}
     assert resumed["full"] == done["full"]  # reused, not rerun
