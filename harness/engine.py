@@ -12,11 +12,13 @@ same for every method (`EngineSettings.protocol`).
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
+from harness import batch as batching
 from harness import hf_adapter
 from harness.accounting import AttendedFraction, KVLedger
 from harness.diagnostics import Diagnostics
@@ -45,6 +47,7 @@ class Engine:
         self.device = next(model.parameters()).device
         self.timer = Timer(self.device)
         self.prefill_tokens = 0
+        self.decode_tokens = 0  # tokens decoded over all sequences (batch rows x steps)
         self.ledger = KVLedger(info)
         every = self.settings.diagnostics_every
         self.diagnostics = Diagnostics(every) if every else None
@@ -66,6 +69,46 @@ class Engine:
         if req.pos > 0:
             self.ledger.record(cache.kv_layers, self.settings.check_budget)
 
+    @contextlib.contextmanager
+    def batch(self, size: int) -> Iterator["batching.BatchRequest"]:
+        """`size` samples decoded together (harness.batch): one fresh cache per sequence, all
+        accounted when the batch ends, each exactly as a batch-1 request would be."""
+        caches = [hf_adapter.MethodCache(self.method, self.info, self.tier, self.settings.protocol)
+                  for _ in range(size)]
+        routing = batching.Routing(caches)
+        mask_for = functools.partial(hf_adapter.sequence_mask, self.info)
+        fan_out = [batching.FanOutLayer(i, routing, mask_for) for i in range(self.info.num_layers)]
+        cache = hf_adapter.BatchCache(caches, fan_out, routing)
+        hooks = (hf_adapter.lookahead(self.model)
+                 if self.method.capabilities.lookahead or self.tier.offload
+                 else contextlib.nullcontext())
+        with torch.inference_mode(), hf_adapter.bind(self.model, cache), hooks:
+            req = batching.BatchRequest(self, caches, cache)
+            yield req
+        for seq_cache, pos in zip(caches, req.pos):
+            if pos > 0:
+                self.ledger.record(seq_cache.kv_layers, self.settings.check_budget)
+
+    def generate_many(self, prompts: list[list[int]], max_new_tokens: int | list[int],
+                      stop_ids: set[int] | None = None, min_new_tokens: int = 0
+                      ) -> Iterator[list[int]]:
+        """Greedy continuations of `prompts`, in order, `settings.batch_size` at a time (batch 1:
+        one `Request` each, the reference path). Yields one list of new ids per prompt."""
+        stop_ids = self.stop_token_ids() if stop_ids is None else stop_ids
+        limits = (list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple))
+                  else [max_new_tokens] * len(prompts))
+        size = self.settings.batch_size
+        for start in range(0, len(prompts), size):
+            group, group_limits = prompts[start:start + size], limits[start:start + size]
+            # Each request (or batch) is closed, hence accounted, before its outputs are yielded.
+            if size == 1:
+                with self.request() as req:
+                    outs = [req.generate(group[0], group_limits[0], stop_ids, min_new_tokens)]
+            else:
+                with self.batch(len(group)) as req:
+                    outs = req.generate(group, group_limits, stop_ids, min_new_tokens)
+            yield from outs
+
     def prefill_chunk(self) -> int:
         sparse = self.settings.protocol.prefill == "sparse"
         if sparse and not self.method.capabilities.sparse_prefill_chunked:
@@ -78,6 +121,7 @@ class Engine:
             prefill_tokens=self.prefill_tokens,
             decode_steps=len(self.timer.values("decode")),
             decode_ms=self.timer.values("decode"),
+            decode_tokens=self.decode_tokens,
         )
 
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
@@ -173,6 +217,7 @@ class Request:
             logits, attended = self._forward(ids, all_logits=False, sample=sample, decode=True)
             logits = logits.float()
         self.decode_steps += 1
+        self.engine.decode_tokens += ids.shape[0]
         if self.shadow is not None:
             full_logits = self._shadow_forward(ids, record=sample)
             if sample:
@@ -213,13 +258,16 @@ class Request:
         refs = [engine.method, engine.info, engine.tier, *self.cache.kv_layers]
         return {id(r) for r in refs}
 
-    def generate(self, prompt, max_new_tokens: int, stop_ids: set[int] | None = None) -> list[int]:
-        """Greedy decoding (batch 1): returns the new token ids, stopping after a stop token."""
+    def generate(self, prompt, max_new_tokens: int, stop_ids: set[int] | None = None,
+                 min_new_tokens: int = 0) -> list[int]:
+        """Greedy decoding (batch 1): returns the new token ids, stopping after a stop token; the
+        first `min_new_tokens` tokens are never stop tokens (their logits are masked)."""
         stop_ids = self.engine.stop_token_ids() if stop_ids is None else stop_ids
         logits = self.prefill(prompt)
         out: list[int] = []
         while True:
-            token = int(logits[0, -1].argmax())
+            banned = stop_ids if len(out) < min_new_tokens else ()
+            token = batching.greedy(logits[0, -1], banned)
             out.append(token)
             if token in stop_ids or len(out) >= max_new_tokens:
                 return out

@@ -6,7 +6,9 @@ Seams used, all public in 5.24:
   * `AttentionInterface` + `AttentionMaskInterface` registrations under our own names
     (`kvh_sdpa`, `kvh_eager`): without the mask registration the causal mask is None and a chunked
     prefill over a non-empty cache is silently wrong (stack.md §1);
-  * a per-request binding of each attention module to its `KVLayer` (`bind`), always undone.
+  * a per-request binding of each attention module to its `KVLayer` (`bind`), always undone;
+  * for batches (`harness.batch`), the same mask functions called per sequence and layer
+    (`sequence_mask`), since one batch mask cannot describe ragged per-sequence caches.
 
 `tests/harness/test_hf_adapter.py` pins these seams: upgrading transformers breaks it first.
 """
@@ -22,7 +24,8 @@ import torch
 from transformers import AttentionInterface, PretrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
+from transformers.masking_utils import (AttentionMaskInterface, causal_mask_function, eager_mask,
+                                        sdpa_mask, sliding_window_causal_mask_function)
 
 from methods.base import KVLayer, KVMethod, ModelInfo, PrepareContext, Protocol
 from methods.scoring import expand_kv
@@ -44,6 +47,7 @@ def eager_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 
 _BASES = {"kvh_sdpa": sdpa_attention_forward, "kvh_eager": eager_attention}
+_MASKS = {"kvh_sdpa": sdpa_mask, "kvh_eager": eager_mask}
 
 
 def _make_attention(base):
@@ -58,10 +62,9 @@ def _make_attention(base):
 
 def register_attention() -> None:
     """Register our attention and mask functions once (class-global, idempotent)."""
-    masks = {"kvh_sdpa": sdpa_mask, "kvh_eager": eager_mask}
     for name, base in _BASES.items():
         AttentionInterface.register(name, _make_attention(base))
-        AttentionMaskInterface.register(name, masks[name])
+        AttentionMaskInterface.register(name, _MASKS[name])
 
 
 def position_ids_from(kwargs: dict[str, Any]) -> torch.Tensor | None:
@@ -100,6 +103,33 @@ class MethodCache(Cache):
         for kv, nxt in zip(self.kv_layers, self.kv_layers[1:] + [None]):
             kv.tier, kv.next_layer, kv.protocol = tier, nxt, protocol
         super().__init__(layers=[_BridgeLayer(kv) for kv in self.kv_layers])
+
+
+class BatchCache(Cache):
+    """A batch of requests (`harness.batch`): one `FanOutLayer` per decoder layer, each routing
+    batch rows to the sequences' own `MethodCache` layers (`caches`)."""
+
+    def __init__(self, caches: list[MethodCache], fan_out_layers: list, routing):
+        self.caches, self.kv_layers, self.routing = caches, fan_out_layers, routing
+        for layer, nxt in zip(fan_out_layers, fan_out_layers[1:] + [None]):
+            layer.next_layer = nxt
+        super().__init__(layers=[_BridgeLayer(layer) for layer in fan_out_layers])
+
+
+
+def sequence_mask(info: ModelInfo, base, layer_idx: int, q_len: int, kv_length: int,
+                  q_offset: int, kv_offset: int, query: torch.Tensor):
+    """The mask transformers would build for one sequence alone at this layer (causal, or sliding
+    on the model's sliding layers), from the layer's own sizes; None where sdpa may skip it."""
+    kind = next(name for name, fn in _BASES.items() if fn is base)
+    window = info.sliding_window_tokens if layer_idx in info.sliding_window_layers else None
+    mask_function = (sliding_window_causal_mask_function(window) if window
+                     else causal_mask_function)
+    # local_size: sdpa may skip a causal mask, never a window narrower than the keys
+    return _MASKS[kind](batch_size=1, q_length=q_len, kv_length=kv_length, q_offset=q_offset,
+                        kv_offset=kv_offset, mask_function=mask_function, attention_mask=None,
+                        local_size=window, allow_is_causal_skip=True, dtype=query.dtype,
+                        use_vmap=False, device=query.device)
 
 
 def _lookahead_hook(module, args, kwargs):
@@ -158,8 +188,9 @@ def bind(model, cache: MethodCache) -> Iterator[MethodCache]:
 
 
 def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Cache | None,
-            logits_to_keep: int = 0) -> torch.Tensor:
-    """One model forward with explicit positions (5.24 has no `cache_position`). Returns logits."""
+            logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
+    """One model forward with explicit positions (5.24 has no `cache_position`). Returns logits
+    of the last `logits_to_keep` rows (0: all), or of the row indices it lists (a 1-D tensor)."""
     out = model(input_ids=input_ids, position_ids=position_ids, cache=cache,
                 use_cache=cache is not None, logits_to_keep=logits_to_keep)
     return out.logits

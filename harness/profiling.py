@@ -78,10 +78,14 @@ class SpeedSummary:
     prefill_tokens: int = 0
     decode_steps: int = 0
     decode_ms: list[float] = field(default_factory=list)
+    decode_tokens: int = 0  # tokens decoded over all sequences (= steps at batch 1)
 
     def as_dict(self) -> dict[str, float | int | None]:
+        # Per token = per decode step: at batch B every sequence gets one token per step, so the
+        # step time is each sequence's time per output token; throughput counts every sequence.
         d = self.decode_ms
         median = statistics.median(d) if d else None
+        tokens = self.decode_tokens or len(d)
         return {
             "prefill_ms_total": round(self.prefill_ms_total, 3),
             "prefill_tokens": self.prefill_tokens,
@@ -90,7 +94,8 @@ class SpeedSummary:
             "decode_steps": self.decode_steps,
             "decode_ms_per_token_median": round(median, 4) if median is not None else None,
             "decode_ms_per_token_p90": round(percentile(d, 90), 4) if d else None,
-            "decode_tokens_per_s": round(1e3 / statistics.mean(d), 3) if d else None,
+            "decode_tokens": tokens,
+            "decode_tokens_per_s": round(tokens * 1e3 / sum(d), 3) if d and sum(d) > 0 else None,
         }
 
 

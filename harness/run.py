@@ -64,9 +64,9 @@ def check_runner(runner: dict[str, Any]) -> None:
     positive_int("prefill_chunk_tokens")
     positive_int("batch_size")
     positive_int("threads", allow_none=True)
-    if runner.get("batch_size") != 1:
-        raise ConfigError(f"runner.batch_size={runner.get('batch_size')}: the tasks feed one "
-                          "sequence at a time for now; allowed: 1")
+    if runner.get("batch_size") != 1 and runner.get("diagnostics"):
+        raise ConfigError(f"runner.batch_size={runner.get('batch_size')} with runner.diagnostics: "
+                          "the fidelity shadow cache follows one sequence; use runner.batch_size=1")
     if runner.get("kv_offload", "none") not in KV_OFFLOADS:
         raise ConfigError(f"runner.kv_offload={runner.get('kv_offload')!r}; allowed: "
                           f"{', '.join(KV_OFFLOADS)}")
@@ -98,7 +98,8 @@ def protocol_from(runner: dict[str, Any]) -> Protocol:
                     prefill=runner.get("prefill", "dense"))
 
 
-def protocol_reasons(method, task, info, protocol: Protocol) -> list[str]:
+def protocol_reasons(method, task, info, protocol: Protocol,
+                     runner: dict[str, Any] | None = None) -> list[str]:
     """Method x task x protocol combinations that cannot give a real result (before weights)."""
     caps, reasons = method.capabilities, []
     beyond = [i for i in protocol.dense_layers if i >= info.num_layers]
@@ -108,6 +109,11 @@ def protocol_reasons(method, task, info, protocol: Protocol) -> list[str]:
     if protocol.prefill not in caps.prefill_modes:
         reasons.append(f"runner.prefill={protocol.prefill} but method={method.name} can only run "
                        f"with runner.prefill={'|'.join(caps.prefill_modes)}")
+    batch = int(runner.get("batch_size", 1)) if runner else 1
+    if batch > 1 and not task.batches:
+        reasons.append(f"runner.batch_size={batch} but task={task.name} feeds one sequence at a "
+                       "time (it scores one stream or rewinds a shared context); use "
+                       "runner.batch_size=1")
     phases = task.phases()
     if (caps.needs_prefill or not caps.acts_during_decode) and "prefill" not in phases:
         reasons.append(f"method={method.name} compresses only over a prefilled prompt, but "
@@ -179,7 +185,7 @@ def run(cfg: DictConfig) -> Path:
     spec = models.identify(spec, config)  # model=hf: <folder or hub id>-<config hash>
     info = hf_adapter.model_info(config, spec.dtype)
     reasons = (method.validate(info, runner) + task.validate(info, method)
-               + protocol_reasons(method, task, info, protocol_from(runner)))
+               + protocol_reasons(method, task, info, protocol_from(runner), runner))
     if reasons:
         raise ConfigError("; ".join(reasons))
     task.check_data()

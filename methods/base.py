@@ -27,7 +27,9 @@ class Capabilities:
     """What a method can do; the runner refuses impossible combinations before loading weights."""
 
     acts_during_decode: bool = True  # False: prefill-only compression
-    max_batch_size: int | None = 1  # eviction makes caches ragged; None = any
+    # Every method batches with no code of its own (harness.batch: one cache per sequence); a
+    # method sharing state across the sequences of a batch would declare its limit here.
+    max_batch_size: int | None = None  # None = any
     needs_attn_scores: bool = False  # computes attention probabilities itself
     needs_prepare: bool = False  # offline artefacts (e.g. InfiniGen skewing)
     modes: tuple[str, ...] = ("system",)  # subset of {"simulate", "system"}

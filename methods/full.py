@@ -18,4 +18,4 @@ class Full(KVMethod):
 
     name: ClassVar[str] = "full"
     axis_keys: ClassVar[tuple[str, ...]] = ()  # a reference: no size knob
-    capabilities: ClassVar[Capabilities] = Capabilities(max_batch_size=None, compresses=False)
+    capabilities: ClassVar[Capabilities] = Capabilities(compresses=False)

@@ -26,7 +26,7 @@ from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
 class FullOffload(KVMethod):
     name: ClassVar[str] = "full_offload"
     axis_keys: ClassVar[tuple[str, ...]] = ()  # a reference: no size knob
-    capabilities: ClassVar[Capabilities] = Capabilities(max_batch_size=None, offloads_kv=True,
+    capabilities: ClassVar[Capabilities] = Capabilities(offloads_kv=True,
                                                         lookahead=True, compresses=False)
     prefetch: bool = True
 

@@ -62,7 +62,7 @@ class KIVI(KVMethod):
 
     name: ClassVar[str] = "kivi"
     # Nothing is evicted and every sequence holds the same token count: batch-agnostic.
-    capabilities: ClassVar[Capabilities] = Capabilities(max_batch_size=None, offloads_kv=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(offloads_kv=True)
 
     axis_keys: ClassVar[tuple[str, ...]] = ("k_bits", "v_bits")
     variant_keys: ClassVar[tuple[str, ...]] = ("group_size", "residual_tokens")

@@ -20,6 +20,9 @@ class TaskResult:
 @dataclass(kw_only=True)
 class Task:
     name: ClassVar[str]
+    # Sends independent prompts through `engine.generate_many`, so runner.batch_size > 1 decodes
+    # them together (harness.batch); False: one stream or a rewound context, batch 1 only.
+    batches: ClassVar[bool] = False
     limit: int | None = None  # at most this many samples (None: all)
 
     def __post_init__(self) -> None:

@@ -112,6 +112,7 @@ def chat_pieces(engine) -> tuple[list[int], list[int]]:
 @dataclass(kw_only=True)
 class LongBench(Task):
     name: ClassVar[str] = "longbench"
+    batches: ClassVar[bool] = True
     datasets: list[str] | str = field(default_factory=lambda: ["multi_news"])  # one name = a list of one
     data_dir: str | None = None  # folder of <dataset>.jsonl (default ../shared/data/longbench)
     max_length_tokens: int | None = None  # model input cap (None: max positions - generation)
@@ -270,18 +271,23 @@ class LongBench(Task):
             stop_ids.add(engine.encode("\n", add_special_tokens=False)[-1])
         metric = METRICS[spec.metric]
         rows = self._rows[dataset][: self.limit] if self.limit else self._rows[dataset]
-        samples = []
-        for index, row in enumerate(progress(rows, f"longbench {dataset}", "sample")):
+        prompts = []  # (ids, untruncated tokens, truncated?)
+        for row in rows:
             prompt = spec.prompt.format(context=row["context"], input=row["input"])
             # pred.py tokenizes with the tokenizer's default special tokens unless it wraps the
             # prompt; the wrapper (chat template) brings its own.
             body = (engine.encode(prompt, add_special_tokens=False) if use_chat
                     else engine.encode(prompt))
             kept = middle_truncate(body, budget)
-            ids = prefix + kept + suffix
-            with engine.request() as req:
-                new_ids = (self._generate_not_stopping_first(req, ids, gen, stop_ids)
-                           if spec.stop_at_newline else req.generate(ids, gen, stop_ids))
+            prompts.append((prefix + kept + suffix, len(prefix) + len(body) + len(suffix),
+                            len(kept) < len(body)))
+        # pred.py's samsum call sets min_length = prompt + 1, which masks its EOS ids (newline
+        # included) at the first step: the first token is never a stop token there.
+        outs = engine.generate_many([p[0] for p in prompts], gen, stop_ids,
+                                    min_new_tokens=1 if spec.stop_at_newline else 0)
+        samples = []
+        for index, (row, (ids, untruncated, truncated), new_ids) in enumerate(
+                zip(rows, prompts, progress(outs, f"longbench {dataset}", "sample", len(rows)))):
             prediction = engine.tokenizer.decode(new_ids, skip_special_tokens=True)
             scored_text = first_line(prediction) if spec.first_line else prediction
             score_one = (functools.partial(metric, all_classes=row["all_classes"])
@@ -290,27 +296,10 @@ class LongBench(Task):
             sample = {"id": row.get("_id", f"{dataset}-{index}"), "dataset": dataset,
                       "prediction": prediction, "references": list(row["answers"]),
                       "score": score, "prompt_tokens": len(ids),
-                      "prompt_tokens_untruncated": len(prefix) + len(body) + len(suffix),
-                      "truncated": len(kept) < len(body), "new_tokens": len(new_ids),
+                      "prompt_tokens_untruncated": untruncated,
+                      "truncated": truncated, "new_tokens": len(new_ids),
                       "chat_template": use_chat}
             if spec.first_line:
                 sample["scored_prediction"] = scored_text
             samples.append(sample)
         return samples
-
-    @staticmethod
-    def _generate_not_stopping_first(req, ids: list[int], max_new_tokens: int,
-                                     stop_ids: set[int]) -> list[int]:
-        """Greedy decoding whose first token is never a stop token (pred.py's samsum call sets
-        min_length = prompt + 1, which masks its EOS ids, newline included, at the first step)."""
-        logits = req.prefill(ids)[0, -1]
-        banned = torch.tensor(sorted(stop_ids), dtype=torch.long, device=logits.device)
-        logits = logits.clone()
-        logits[banned] = float("-inf")
-        out: list[int] = []
-        while True:
-            token = int(logits.argmax())
-            out.append(token)
-            if token in stop_ids or len(out) >= max_new_tokens:
-                return out
-            logits = req.step(token)[0, -1]

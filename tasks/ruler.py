@@ -492,6 +492,7 @@ class Ruler(Task):
     """RULER (Hsieh et al., arXiv 2404.06654): NIAH variants, variable tracking, common words."""
 
     name: ClassVar[str] = "ruler"
+    batches: ClassVar[bool] = True
     subtasks: list[str] = field(default_factory=lambda: list(SUBTASKS))
     lengths: list[int] | None = None  # tokens per sample (prompt + generation); None: fit the model
     depths: list[float] = field(default_factory=lambda: [0, 25, 50, 75, 100])  # niah_single, %
@@ -659,9 +660,9 @@ class Ruler(Task):
         lengths = self.resolve_lengths(engine.info.max_positions)
         samples = self.build_samples(tok)
         rows = []
-        for s in progress(samples, "ruler", "sample"):
-            with engine.request() as req:
-                out = req.generate(s.input_ids, s.max_new_tokens, stop_ids)
+        outs = engine.generate_many([s.input_ids for s in samples],
+                                    [s.max_new_tokens for s in samples], stop_ids)
+        for s, out in zip(samples, progress(outs, "ruler", "sample", total=len(samples))):
             answer_ids = [t for t in out if t not in stop_ids]
             prediction = clean_prediction(tok.decode(answer_ids, skip_special_tokens=True))
             rows.append({"id": s.id, "subtask": s.subtask, "length_tokens": s.length_tokens,

@@ -83,6 +83,7 @@ def parse_items(raw: bytes, source: str) -> list[dict[str, Any]]:
 @dataclass(kw_only=True)
 class XSum(Task):
     name: ClassVar[str] = "xsum"
+    batches: ClassVar[bool] = True
     limit: int | None = 20  # items scored (the prompts are long); null: all
     path: str | None = None  # an H2O-format jsonl (overrides data_dir)
     data_dir: str | None = None  # folder holding xsum/xsum_0shot.jsonl (default ../shared/data)
@@ -127,20 +128,26 @@ class XSum(Task):
         if not getattr(self, "_items", None):
             self.check_data()
         positions = engine.info.max_positions
-        samples, skipped = [], 0
-        scored: list[dict[str, float]] = []
-        for item in progress(self._items, "xsum", "item"):
-            if self.limit is not None and len(scored) >= self.limit:
+        planned, skipped, fitting = [], 0, 0  # items read, in order: (item, ids, gen, fits)
+        for item in self._items:
+            if self.limit is not None and fitting >= self.limit:
                 break
             ids = engine.encode(item["article"])
             gen = self.max_new_tokens or item["max_tokens"]
-            if len(ids) + gen > positions:
-                skipped += 1
+            fits = len(ids) + gen <= positions
+            planned.append((item, ids, gen, fits))
+            fitting += fits
+            skipped += not fits
+        todo = [p for p in planned if p[3]]
+        outs = iter(engine.generate_many([p[1] for p in todo], [p[2] for p in todo]))
+        outs = iter(progress(outs, "xsum", "item", total=len(todo)))
+        samples, scored = [], []
+        for item, ids, gen, fits in planned:
+            if not fits:
                 samples.append({"id": item["id"], "skipped": True, "prompt_tokens": len(ids),
                                 "max_new_tokens": gen})
                 continue
-            with engine.request() as req:
-                new_ids = req.generate(ids, gen)
+            new_ids = next(outs)
             text = engine.tokenizer.decode(new_ids, skip_special_tokens=True)
             prediction = cut_at_stop(text, item["stop"])
             rouge = {k: 100 * v for k, v in rouge_scores(prediction, item["summary_gt"]).items()}

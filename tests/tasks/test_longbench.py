@@ -59,7 +59,7 @@ def fake_generation(monkeypatch):
     """Record every prompt the engine is given and answer with queued texts (as token ids)."""
     calls, answers = [], []
 
-    def generate(self, prompt, max_new_tokens, stop_ids=None):
+    def generate(self, prompt, max_new_tokens, stop_ids=None, min_new_tokens=0):
         calls.append({"ids": [int(i) for i in prompt], "max_new_tokens": max_new_tokens,
                       "stop_ids": set(stop_ids or ())})
         return self.engine.encode(answers.pop(0), add_special_tokens=False)
@@ -81,9 +81,9 @@ def test_multi_news_end_to_end_on_stories(stories, data_dir, monkeypatch):
     seen = []
     original = Request.generate
 
-    def spy(self, prompt, max_new_tokens, stop_ids=None):
+    def spy(self, prompt, max_new_tokens, stop_ids=None, min_new_tokens=0):
         seen.append([int(i) for i in prompt])
-        return original(self, prompt, max_new_tokens, stop_ids)
+        return original(self, prompt, max_new_tokens, stop_ids, min_new_tokens)
 
     monkeypatch.setattr(Request, "generate", spy)
     task = build_task("longbench", limit=2, max_length_tokens=400, max_new_tokens=48,
@@ -177,8 +177,9 @@ def test_first_token_may_not_stop_samsum():
             logits[0, 0, newline] = 5.0
             return logits
 
-    out = LongBench._generate_not_stopping_first(FakeRequest(), [1, 2], 8, {newline, eos})
+    out = Request.generate(FakeRequest(), [1, 2], 8, {newline, eos}, min_new_tokens=1)
     assert out == [other, newline]
+    assert Request.generate(FakeRequest(), [1, 2], 8, {newline, eos}) == [newline]
 
 
 def test_chat_template_rule_on_smollm2(smollm2, data_dir, tmp_path, fake_generation):

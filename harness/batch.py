@@ -1,0 +1,195 @@
+"""Batched ragged requests: several sequences prefilled and decoded together, each with its own cache.
+
+Layout. Every sequence owns a complete `MethodCache` (its own `KVLayer` per decoder layer), exactly
+the one a batch-1 request would build, so a method keeps per-sequence state with no code of its own
+and kept sets may differ in length and content between sequences. The model runs the batch once per
+forward (projections, MLPs and the LM head see `(B, T, hidden)`: that is where batching pays); at
+each attention layer a `FanOutLayer` routes batch row r to its sequence's `KVLayer`:
+
+* `update`: row r's new K/V `(1, H_kv, n_r, D)` — only its n_r valid rows, never a padding row —
+  go to that sequence's layer, which returns what it attends (kept + new), whatever its length;
+* `attend`: row r's queries `(1, H_q, n_r, D)` attend over that, with the causal (or sliding)
+  mask built for that layer's own sizes, and the method's own `attend` (scores, selection, kernels);
+  padding rows' outputs are zeros and nothing downstream reads them.
+
+Prompts are right-padded per chunk; positions are per sequence, so RoPE and masks are those of the
+sequence alone and every sequence equals its own batch-1 run (up to float reassociation in the
+batched matmuls). A sequence that has finished (stop token, length) leaves the batch: its layers
+keep their state but get no more rows.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from harness import hf_adapter
+
+if TYPE_CHECKING:
+    from harness.engine import Engine
+
+
+class Routing:
+    """Which sequence each batch row belongs to, and how many of its rows are real, this forward."""
+
+    def __init__(self, caches: list[hf_adapter.MethodCache]):
+        self.caches = caches
+        self.seqs: list[int] = []  # batch row -> sequence index
+        self.valid: list[int] = []  # batch row -> real (non-padding) rows this forward
+
+    def set(self, seqs: list[int], valid: list[int]) -> None:
+        self.seqs, self.valid = list(seqs), list(valid)
+
+    def rows(self, layer_idx: int):
+        """(batch row, that sequence's KVLayer at `layer_idx`, real rows) for rows with tokens."""
+        for r, (s, n) in enumerate(zip(self.seqs, self.valid)):
+            if n:
+                yield r, self.caches[s].kv_layers[layer_idx], n
+
+
+class FanOutLayer:
+    """Layer `layer_idx` of a batch, presented to the model as one cache layer + attention seam."""
+
+    def __init__(self, layer_idx: int, routing: Routing, mask_for: Callable):
+        self.layer_idx, self.routing, self.mask_for = layer_idx, routing, mask_for
+        self.next_layer: FanOutLayer | None = None
+        self._pending: list[tuple] = []  # per row: (row, layer, n, K, V, kv_length, kv_offset, q_offset)
+
+    # --- cache seam (what `hf_adapter`'s bridge calls) --------------------------------------
+    @property
+    def seen_tokens(self) -> int:  # the batch mask transformers builds is never used (see attend)
+        return max((kv.seen_tokens for _, kv, _ in self.routing.rows(self.layer_idx)), default=0)
+
+    def mask_sizes(self, q_len: int) -> tuple[int, int]:
+        sizes = [kv.mask_sizes(n) for _, kv, n in self.routing.rows(self.layer_idx)]
+        return max(s[0] for s in sizes), 0
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor, position_ids: torch.Tensor | None):
+        """keys/values `(B, H_kv, T, D)`: each row's real rows go to its own sequence's layer."""
+        self._pending = []
+        for r, kv, n in self.routing.rows(self.layer_idx):
+            kv_length, kv_offset = kv.mask_sizes(n)  # before update, as the contract says
+            q_offset = kv.seen_tokens
+            pos = None if position_ids is None else position_ids[r:r + 1, :n]
+            k, v = kv.update(keys[r:r + 1, :, :n], values[r:r + 1, :, :n], pos)
+            self._pending.append((r, kv, n, k, v, kv_length, kv_offset, q_offset))
+        return keys, values  # attention reads the per-row K/V kept above, not these
+
+    def prefetch(self, hidden: torch.Tensor, position_ids: torch.Tensor | None, ahead: bool) -> None:
+        for r, kv, n in self.routing.rows(self.layer_idx):
+            pos = None if position_ids is None else position_ids[r:r + 1, :n]
+            kv.prefetch(hidden[r:r + 1, :n], pos, ahead)
+
+    # --- attention seam ---------------------------------------------------------------------
+    def attend(self, module, query: torch.Tensor, keys, values, attention_mask, base, **kwargs):
+        """query `(B, H_q, T, D)` -> output `(B, T, H_q, D)`; row r attends its own sequence only."""
+        b, h, t, d = query.shape
+        out = query.new_zeros(b, t, h, d)
+        for r, kv, n, k, v, kv_length, kv_offset, q_offset in self._pending:
+            mask = self.mask_for(base, self.layer_idx, n, kv_length, q_offset, kv_offset, query)
+            row_kwargs = {name: _row(value, r, n, b) for name, value in kwargs.items()}
+            o, _ = kv.attend(module, query[r:r + 1, :, :n], k, v, mask, base=base, **row_kwargs)
+            out[r, :n] = o[0]
+        self._pending = []
+        return out, None
+
+
+def _row(value, r: int, n: int, batch: int):
+    """Row r's share of a per-row tensor kwarg (e.g. position_ids `(B, T)`); others unchanged."""
+    if isinstance(value, torch.Tensor) and value.dim() == 2 and value.shape[0] == batch:
+        return value[r:r + 1, :n]
+    return value
+
+
+class BatchRequest:
+    """Several sequences at once; `generate` is greedy decoding of all of them together."""
+
+    def __init__(self, engine: "Engine", caches: list[hf_adapter.MethodCache], cache):
+        self.engine, self.caches, self.cache = engine, caches, cache
+        self.routing: Routing = cache.routing
+        self.pos = [0] * len(caches)  # tokens fed so far, per sequence
+
+    def _forward(self, seqs: list[int], pieces: list[list[int]], keep: list[int], decode: bool):
+        """One batched forward: row r feeds `pieces[r]` to sequence `seqs[r]` (right-padded).
+        Returns logits `(B, len(keep), V)` at the (padded) row indices `keep`."""
+        width = max(len(p) for p in pieces)
+        device = self.engine.device
+        ids = torch.zeros(len(pieces), width, dtype=torch.long, device=device)
+        positions = torch.zeros(len(pieces), width, dtype=torch.long, device=device)
+        for r, (s, p) in enumerate(zip(seqs, pieces)):
+            ids[r, :len(p)] = torch.as_tensor(p, dtype=torch.long)
+            # padding rows continue the positions (never stored, never attended)
+            positions[r] = torch.arange(self.pos[s], self.pos[s] + width)
+        self.routing.set(seqs, [len(p) for p in pieces])
+        index = torch.as_tensor(keep, dtype=torch.long, device=device)
+        logits = hf_adapter.forward(self.engine.model, ids, positions, self.cache, logits_to_keep=index)
+        layers = [self.caches[s] .kv_layers for s, p in zip(seqs, pieces) if p]
+        for kv_layers in layers:
+            if decode:
+                self.engine.attended.add_step(kv_layers)
+            for kv in kv_layers:
+                kv.after_forward()
+            if self.engine.settings.check_budget:
+                self.engine.ledger.check_step(kv_layers)
+        for s, p in zip(seqs, pieces):
+            self.pos[s] += len(p)
+        return logits
+
+    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Feed every prompt (ragged) in chunks; returns each one's last-row logits `(B, V)`."""
+        chunk = self.engine.prefill_chunk()
+        seqs = list(range(len(prompts)))
+        longest = max(len(p) for p in prompts)
+        last = [None] * len(prompts)
+        self.engine.transfers.begin_step(decode=False)
+        for start in range(0, longest, chunk):
+            pieces = [p[start:start + chunk] for p in prompts]
+            ends = sorted({len(piece) - 1 for piece, p in zip(pieces, prompts)
+                           if piece and start + len(piece) == len(p)})
+            with self.engine.timer.region("prefill"):
+                logits = self._forward(seqs, pieces, ends or [0], decode=False).float()
+            for s, (piece, p) in enumerate(zip(pieces, prompts)):
+                if piece and start + len(piece) == len(p):
+                    last[s] = logits[s, ends.index(len(piece) - 1)]
+        self.engine.prefill_tokens += sum(len(p) for p in prompts)
+        for cache in self.caches:
+            for kv in cache.kv_layers:
+                kv.on_prefill_end()
+        return torch.stack(last)
+
+    def step(self, seqs: list[int], tokens: list[int]) -> torch.Tensor:
+        """One decode step for the sequences `seqs`: logits `(len(seqs), V)`."""
+        self.engine.transfers.begin_step(decode=True)
+        with self.engine.timer.region("decode"):
+            logits = self._forward(seqs, [[t] for t in tokens], [0], decode=True)[:, 0].float()
+        self.engine.decode_tokens += len(seqs)
+        return logits
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: list[int],
+                 stop_ids: set[int], min_new_tokens: int = 0) -> list[list[int]]:
+        """Greedy decoding of every prompt together; a sequence leaves the batch when it stops.
+        The first `min_new_tokens` tokens are never stop tokens (stop logits masked)."""
+        logits = self.prefill(prompts)
+        outs: list[list[int]] = [[] for _ in prompts]
+        active = list(range(len(prompts)))
+        while active:
+            tokens = [greedy(logits[r], stop_ids if len(outs[s]) < min_new_tokens else ())
+                      for r, s in enumerate(active)]
+            for s, token in zip(active, tokens):
+                outs[s].append(token)
+            keep = [r for r, s in enumerate(active)
+                    if outs[s][-1] not in stop_ids and len(outs[s]) < max_new_tokens[s]]
+            if not keep:
+                break
+            active = [active[r] for r in keep]
+            logits = self.step(active, [tokens[r] for r in keep])
+        return outs
+
+
+def greedy(logits: torch.Tensor, banned=()) -> int:
+    """argmax of `(V,)` logits, with `banned` ids excluded."""
+    if banned:
+        logits = logits.clone()
+        logits[torch.as_tensor(sorted(banned), dtype=torch.long, device=logits.device)] = float("-inf")
+    return int(logits.argmax())

@@ -1,0 +1,106 @@
+"""Batched ragged requests (harness.batch): per-sequence caches, no padding stored or attended,
+sequences leaving the batch when they stop, batch-aware speed figures and runner refusals.
+(Every method's B=3 equivalence with batch 1 is in tests/methods/test_contract.py.)"""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from harness.run import protocol_reasons, run
+from methods import build_method
+from methods.base import Protocol
+from tasks import build_task
+from tests.conftest import STORIES, make_engine, need_shared
+from tests.harness.test_run import cfg_for
+
+
+def prompts_of(lengths, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 250, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_padding_is_never_stored(tiny_model):
+    """Each sequence's layers hold exactly its own tokens after a ragged, chunked prefill."""
+    engine = make_engine(tiny_model, build_method("full"), chunk=8)
+    lengths = [5, 19, 12]
+    with engine.batch(3) as batch:
+        batch.prefill(prompts_of(lengths))
+        held = [[kv.kept_tokens() for kv in cache.kv_layers] for cache in batch.caches]
+    assert held == [[n] * 2 for n in lengths]
+
+
+def test_generate_many_equals_batch_one_and_sequences_leave_when_done(tiny_model):
+    """Five prompts, batch 3 (a group of 3, then 2), different lengths and generation limits, a
+    stop token hit by some sequences: the same continuations as batch 1, and every decode step
+    of a finished sequence is saved (fewer rows per step, not wasted rows)."""
+    prompts = prompts_of([9, 30, 17, 4, 22], seed=2)
+    limits = [3, 12, 7, 12, 1]
+    method = build_method("h2o", budget_tokens=10)
+    one = make_engine(tiny_model, method, chunk=8)
+    reference = list(one.generate_many(prompts, limits, stop_ids=set()))
+    stop = {reference[1][4]}  # sequence 1 stops early at its 5th token
+    reference = list(one.generate_many(prompts, limits, stop_ids=stop))
+    batched = make_engine(tiny_model, method, chunk=8)
+    batched.settings = dataclasses.replace(batched.settings, batch_size=3)
+    got = list(batched.generate_many(prompts, limits, stop_ids=stop))
+    assert got == reference
+    assert [len(out) for out in got][:2] == [3, 5] and len(got[4]) == 1
+    speed = batched.speed().as_dict()
+    # tokens after the first of each output come from decode steps (the first from prefill)
+    assert speed["decode_tokens"] == sum(len(out) - 1 for out in got)
+    assert speed["decode_steps"] < speed["decode_tokens"]  # steps carried several sequences
+    assert len(batched.ledger.samples) == len(prompts)
+
+
+def test_min_new_tokens_masks_stop_tokens_in_batches(tiny_model):
+    prompts = prompts_of([6, 11])
+    engine = make_engine(tiny_model, build_method("full"))
+    first = [out[0] for out in engine.generate_many(prompts, 1, stop_ids=set())]
+    engine.settings = dataclasses.replace(engine.settings, batch_size=2)
+    outs = list(engine.generate_many(prompts, 3, stop_ids=set(first), min_new_tokens=1))
+    assert [out[0] for out in outs] != first and all(out[0] not in first for out in outs)
+
+
+def test_tasks_that_cannot_batch_are_refused_before_loading(tiny_model):
+    from harness import hf_adapter
+
+    info = hf_adapter.model_info(tiny_model.config)
+    method = build_method("full")
+    for name, refused in (("perplexity", True), ("multiturn", True), ("ruler", False),
+                          ("xsum", False), ("longbench", False)):
+        reasons = protocol_reasons(method, build_task(name), info, Protocol(), {"batch_size": 4})
+        assert bool(reasons) == refused, (name, reasons)
+        if refused:
+            assert "runner.batch_size=4" in reasons[0] and f"task={name}" in reasons[0]
+
+
+def test_ruler_batched_run_writes_the_same_answers(tmp_path):
+    """The runner end to end at runner.batch_size=2 (3 samples: a batch of 2, then 1) gives the
+    same predictions as batch 1, and metrics.json carries the batch and decode token count."""
+    need_shared(STORIES)
+    common = ["model=stories260k", "task=ruler", "task.lengths=[480]", "task.depths=[0,50,100]",
+              "task.subtasks=[niah_single]",
+              "task.max_new_tokens=4", f"runner.results_root={tmp_path}"]
+    outs = [run(cfg_for(*common, f"runner.batch_size={b}", f"runner.output_dir={tmp_path}/b{b}"))
+            for b in (1, 2)]
+    samples = [[json.loads(line) for line in (o / "samples.jsonl").read_text().splitlines()]
+               for o in outs]
+    assert [s["prediction"] for s in samples[0]] == [s["prediction"] for s in samples[1]]
+    metrics = json.loads((outs[1] / "metrics.json").read_text())
+    assert metrics["protocol"]["batch_size"] == 2
+    assert metrics["speed"]["decode_tokens"] == sum(s["generated_tokens"] - 1 for s in samples[1])
+
+
+@pytest.mark.parametrize("batch", [2])
+def test_batched_decode_counts_every_sequence_in_throughput(tiny_model, batch):
+    engine = make_engine(tiny_model, build_method("full"))
+    with engine.batch(batch) as req:
+        req.prefill(prompts_of([7, 13]))
+        for _ in range(4):
+            req.step([0, 1], [5, 6])
+    speed = engine.speed().as_dict()
+    assert speed["decode_steps"] == 4 and speed["decode_tokens"] == 8
+    total_ms = sum(engine.timer.values("decode"))
+    assert speed["decode_tokens_per_s"] == pytest.approx(8 * 1e3 / total_ms, rel=1e-3)
