@@ -136,27 +136,38 @@ class BatchRequest:
             self.pos[s] += len(p)
         return logits
 
-    def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        """Feed every prompt (ragged) in chunks; returns each one's last-row logits `(B, V)`."""
+    def prefill(self, prompts: list[list[int]], all_logits: bool = False):
+        """Feed every prompt (ragged; one per sequence, possibly empty) in chunks, then tell the
+        layers of each sequence that got tokens that its prompt is over. Returns each prompt's
+        last-row logits `(B, V)` (an empty prompt's row is NaN), or with `all_logits` a list of
+        `(len(prompt), V)` per sequence."""
         chunk = self.engine.prefill_chunk()
         seqs = list(range(len(prompts)))
-        longest = max(len(p) for p in prompts)
         last = [None] * len(prompts)
+        rows: list[list[torch.Tensor]] = [[] for _ in prompts]
         self.engine.transfers.begin_step(decode=False)
-        for start in range(0, longest, chunk):
+        for start in range(0, max(len(p) for p in prompts), chunk):
             pieces = [p[start:start + chunk] for p in prompts]
             ends = sorted({len(piece) - 1 for piece, p in zip(pieces, prompts)
                            if piece and start + len(piece) == len(p)})
+            keep = list(range(max(len(piece) for piece in pieces))) if all_logits else ends or [0]
             with self.engine.timer.region("prefill"):
-                logits = self._forward(seqs, pieces, ends or [0], decode=False).float()
+                logits = self._forward(seqs, pieces, keep, decode=False).float()
             for s, (piece, p) in enumerate(zip(pieces, prompts)):
-                if piece and start + len(piece) == len(p):
+                if all_logits:
+                    rows[s].append(logits[s, :len(piece)])
+                elif piece and start + len(piece) == len(p):
                     last[s] = logits[s, ends.index(len(piece) - 1)]
         self.engine.prefill_tokens += sum(len(p) for p in prompts)
-        for cache in self.caches:
-            for kv in cache.kv_layers:
-                kv.on_prefill_end()
-        return torch.stack(last)
+        for cache, prompt in zip(self.caches, prompts):
+            if prompt:
+                for kv in cache.kv_layers:
+                    kv.on_prefill_end()
+        if all_logits:
+            return [torch.cat(r) if r else torch.empty(0) for r in rows]
+        vocab = next(x for x in last if x is not None).shape[-1]
+        nan = torch.full((vocab,), float("nan"), device=self.engine.device)
+        return torch.stack([nan if x is None else x for x in last])
 
     def step(self, seqs: list[int], tokens: list[int]) -> torch.Tensor:
         """One decode step for the sequences `seqs`: logits `(len(seqs), V)`."""
@@ -167,9 +178,11 @@ class BatchRequest:
         return logits
 
     def generate(self, prompts: list[list[int]], max_new_tokens: list[int],
-                 stop_ids: set[int], min_new_tokens: int = 0) -> list[list[int]]:
-        """Greedy decoding of every prompt together; a sequence leaves the batch when it stops.
-        The first `min_new_tokens` tokens are never stop tokens (stop logits masked)."""
+                 stop_ids: set[int], min_new_tokens: int = 0,
+                 finished: Callable[[int, list[int]], bool] | None = None) -> list[list[int]]:
+        """Greedy decoding of every prompt together; a sequence leaves the batch after a stop
+        token, at its `max_new_tokens`, or when `finished(sequence, its new ids)` says so (e.g. a stop
+        string). The first `min_new_tokens` tokens are never stop tokens (stop logits masked)."""
         logits = self.prefill(prompts)
         outs: list[list[int]] = [[] for _ in prompts]
         active = list(range(len(prompts)))
@@ -179,7 +192,8 @@ class BatchRequest:
             for s, token in zip(active, tokens):
                 outs[s].append(token)
             keep = [r for r, s in enumerate(active)
-                    if outs[s][-1] not in stop_ids and len(outs[s]) < max_new_tokens[s]]
+                    if outs[s][-1] not in stop_ids and len(outs[s]) < max_new_tokens[s]
+                    and not (finished and finished(s, outs[s]))]
             if not keep:
                 break
             active = [active[r] for r in keep]

@@ -23,6 +23,7 @@ Built either from an existing `Engine` (Python) or from lm-eval `--model_args` (
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -73,16 +74,19 @@ def _positive_int(key: str, value: Any, allow_none: bool = False) -> int | None:
     return value
 
 
-def _check_batch(batch_size: Any, max_batch_size: Any) -> None:
-    """The engine feeds one sequence at a time; lm-eval's 1 / auto are accepted, nothing larger."""
+def _check_batch(batch_size: Any, max_batch_size: Any) -> int:
+    """lm-eval's batch_size: a positive integer (requests decoded together, harness.batch), or
+    auto, which runs batch 1 (no memory probing: a KV method changes what fits)."""
     value = parse_value(batch_size) if batch_size is not None else 1
     if isinstance(value, str) and value.startswith("auto"):
         log.info("kvharness: batch_size=%s runs one sequence at a time (batch 1)", value)
-    elif value != 1 or isinstance(value, bool):
-        raise ConfigError(f"kvharness batch_size={batch_size!r}: requests run one sequence at a "
-                          "time through the KV method; allowed: 1 or auto")
-    if max_batch_size is not None and parse_value(max_batch_size) not in (1, None):
-        log.info("kvharness: max_batch_size=%s ignored (batch 1)", max_batch_size)
+        value = 1
+    elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"kvharness batch_size={batch_size!r}: allowed: a positive integer "
+                          "or auto")
+    if max_batch_size is not None and parse_value(max_batch_size) is not None:
+        log.info("kvharness: max_batch_size=%s ignored (batch_size=%s)", max_batch_size, value)
+    return value
 
 
 def _model_device(device: str | None) -> str:
@@ -107,7 +111,7 @@ def build_engine(model: str, method: str = "full", prefill_chunk_tokens: int = 5
                  attn_impl: str = "sdpa", check_budget: bool = True, device: str | None = None,
                  threads: int | None = None, model_options: dict[str, Any] | None = None,
                  method_options: dict[str, Any] | None = None, dense_layers: Any = None,
-                 prefill: str = "dense"):
+                 prefill: str = "dense", batch_size: int = 1):
     """Load a model and a KV method into an Engine, as the runner does (validation first).
 
     Returns (engine, the method's hook handles, the model's description)."""
@@ -123,12 +127,12 @@ def build_engine(model: str, method: str = "full", prefill_chunk_tokens: int = 5
     spec = models.resolve_model({"name": model, "device": _model_device(device),
                                  **(model_options or {})})
     info = hf_adapter.model_info(models.load_config(spec), spec.dtype)
-    runner = {"batch_size": 1, "prefill_chunk_tokens": prefill_chunk_tokens, "seed": 0,
+    runner = {"batch_size": batch_size, "prefill_chunk_tokens": prefill_chunk_tokens, "seed": 0,
               "attn_impl": attn_impl, "check_budget": check_budget,
               "dense_layers": _layer_list(dense_layers), "prefill": prefill}
     check_runner(runner)
     reasons = kv_method.validate(info, runner) + protocol_reasons(
-        kv_method, _LoglikelihoodTask(), info, protocol_from(runner))
+        kv_method, _LoglikelihoodTask(), info, protocol_from(runner), runner)
     if reasons:
         raise ConfigError("; ".join(reasons))
     if threads:
@@ -145,6 +149,7 @@ class _LoglikelihoodTask:
     """lm-eval's requests prefill a context, then score or generate token by token."""
 
     name = "lm_eval"
+    batches = True  # loglikelihood and generate_until batch; rolling streams one document
 
     def phases(self) -> frozenset[str]:
         return frozenset({"prefill", "decode"})
@@ -170,7 +175,8 @@ def _layer_list(value: Any) -> list[int]:
 
 @register_model("kvharness")
 class KVHarnessLM(TemplateLM):
-    """lm-eval model backed by the harness Engine and its KV method (batch 1, greedy)."""
+    """lm-eval model backed by the harness Engine and its KV method (greedy; batch_size
+    requests decoded together for loglikelihood and generate_until)."""
 
     def __init__(self, engine=None, *, model: str | None = None, method: str | None = None,
                  scoring: str = "chunked", prefill_chunk_tokens: int = 512,
@@ -188,7 +194,7 @@ class KVHarnessLM(TemplateLM):
         `runner_dense_layers` ("0;1") and `runner_prefill` (dense | sparse) are the run protocol,
         as runner.dense_layers / runner.prefill of the runner."""
         super().__init__()
-        _check_batch(batch_size, max_batch_size)
+        batch = _check_batch(batch_size, max_batch_size)
         scoring = parse_value(scoring)
         if scoring not in SCORING:
             raise ConfigError(f"kvharness scoring={scoring!r}; allowed: {', '.join(SCORING)}")
@@ -210,11 +216,14 @@ class KVHarnessLM(TemplateLM):
                 _positive_int("prefill_chunk_tokens", parse_value(prefill_chunk_tokens)),
                 str(parse_value(attn_impl)), bool(parse_value(check_budget)), device,
                 _positive_int("threads", parse_value(threads), allow_none=True),
-                model_options, options, runner_dense_layers, str(parse_value(runner_prefill)))
+                model_options, options, runner_dense_layers, str(parse_value(runner_prefill)),
+                batch)
         elif model is not None or method is not None or options:
             extra = [k for k, v in (("model", model), ("method", method)) if v is not None]
             raise ConfigError(f"kvharness: {', '.join(extra + sorted(options))} given together "
                               "with an engine; the engine already fixes model and method")
+        if engine.settings.batch_size != batch:
+            engine.settings = dataclasses.replace(engine.settings, batch_size=batch)
         self.engine = engine
         self.tokenizer = engine.tokenizer
         if self.tokenizer is None:
@@ -265,7 +274,7 @@ class KVHarnessLM(TemplateLM):
 
     @property
     def batch_size(self) -> int:
-        return 1
+        return self.engine.settings.batch_size
 
     @property
     def device(self):
@@ -315,6 +324,8 @@ class KVHarnessLM(TemplateLM):
                               ) -> list[tuple[float, bool]]:
         """Requests sharing a (fitted) context share one context prefill: the managed cache is
         snapshotted after it and restored before each further continuation (see `_snapshot`)."""
+        if self.batch_size > 1:
+            return self._batched_loglikelihood(requests, disable_tqdm)
         groups: dict[tuple[int, ...], list[int]] = {}
         for i, (_, context, continuation) in enumerate(requests):
             groups.setdefault(tuple(self._fit(context, continuation)), []).append(i)
@@ -330,6 +341,43 @@ class KVHarnessLM(TemplateLM):
                     self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
                 results[i] = answer
         return results  # type: ignore[return-value]
+
+    def _batched_loglikelihood(self, requests, disable_tqdm: bool) -> list[tuple[float, bool]]:
+        """`batch_size` requests at a time through `engine.batch` (no context sharing: each
+        sequence prefills its own context, as `share_context=false` does at batch 1)."""
+        size, results = self.batch_size, []
+        starts = range(0, len(requests), size)
+        if not disable_tqdm:
+            starts = progress(starts, "kvharness loglikelihood", "batch")
+        for start in starts:
+            group = requests[start:start + size]
+            contexts = [self._fit(context, continuation) for _, context, continuation in group]
+            continuations = [continuation for _, _, continuation in group]
+            for (key, _, continuation), logits in zip(
+                    group, self._batch_logits(contexts, continuations)):
+                answer = self._answer(logits, continuation)
+                if key is not None:
+                    self.cache_hook.add_partial("loglikelihood", key, answer)
+                results.append(answer)
+        return results
+
+    def _batch_logits(self, contexts: list[list[int]], continuations: list[list[int]]
+                      ) -> list[torch.Tensor]:
+        """`_fresh_logits` for several requests decoded together (same rows, same protocol)."""
+        rests = [c[:-1] for c in continuations]
+        with self.engine.batch(len(contexts)) as batch:
+            first = batch.prefill(contexts)  # (B, V): each context's last position
+            if self.scoring == "chunked":
+                rows = batch.prefill(rests, all_logits=True)
+            else:
+                rows = [[] for _ in rests]
+                for t in range(max(len(r) for r in rests)):
+                    seqs = [s for s, r in enumerate(rests) if t < len(r)]
+                    logits = batch.step(seqs, [rests[s][t] for s in seqs])
+                    for s, row in zip(seqs, logits):
+                        rows[s].append(row[None])
+                rows = [torch.cat(r) if r else first.new_empty(0, first.shape[-1]) for r in rows]
+        return [torch.cat([first[s:s + 1], rows[s]]) for s in range(len(contexts))]
 
     def _fit(self, context: list[int], continuation: list[int]) -> list[int]:
         """HFLM's window: the context left-truncated so context + continuation[:-1] fits."""
@@ -435,10 +483,9 @@ class KVHarnessLM(TemplateLM):
 
     # --- generate_until ----------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        results = []
         eos_text = self.tok_decode([self.eot_token_id], skip_special_tokens=False)
-        items = requests if disable_tqdm else progress(requests, "kvharness generate", "req")
-        for request in items:
+        jobs = []  # (prompt ids, max new tokens, stop strings)
+        for request in requests:
             context, gen_kwargs = request.args[0], request.args[1]
             kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
             if kwargs.get("do_sample"):
@@ -450,10 +497,34 @@ class KVHarnessLM(TemplateLM):
                 raise ValueError(f"kvharness: max_gen_toks={max_new} must be less than "
                                  f"max_length={self.max_length}")
             prompt = self.tok_encode(context, left_truncate_len=self.max_length - max_new)
-            text = self._greedy(prompt, max_new, [s for s in until if s])
-            self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
-            results.append(text)
+            jobs.append((prompt, max_new, [s for s in until if s]))
+        size, results = self.batch_size, []
+        starts = range(0, len(jobs), size)
+        if not disable_tqdm:
+            starts = progress(starts, "kvharness generate", "batch" if size > 1 else "req")
+        for start in starts:
+            group = jobs[start:start + size]
+            texts = ([self._greedy(*group[0])] if size == 1 else self._greedy_batch(group))
+            for request, text in zip(requests[start:start + size], texts):
+                self.cache_hook.add_partial("generate_until", tuple(request.args[:2]), text)
+                results.append(text)
         return results
+
+    def _greedy_batch(self, jobs: list[tuple[list[int], int, list[str]]]) -> list[str]:
+        """`_greedy` for several requests decoded together: a sequence leaves the batch at a
+        stop token (not kept), at its max_gen_toks or when one of its stop strings appears."""
+        def finished(s: int, new: list[int]) -> bool:
+            return any(stop in self.tok_decode(new) for stop in jobs[s][2])
+
+        with self.engine.batch(len(jobs)) as batch:
+            outs = batch.generate([j[0] for j in jobs], [j[1] for j in jobs], self._stop_ids,
+                                  finished=finished)
+        texts = []
+        for new, (_, _, stops) in zip(outs, jobs):
+            if new and new[-1] in self._stop_ids:
+                new = new[:-1]
+            texts.append(cut_at_stop(self.tok_decode(new), stops))
+        return texts
 
     def _greedy(self, prompt: list[int], max_new_tokens: int, stops: list[str]) -> str:
         """Greedy decoding through the engine; the text cut at the first stop string."""

@@ -113,6 +113,28 @@ def test_generate_until_equals_hflm(stories):
     assert ours[0] == ", there was a little girl named Lily"  # models-and-data.md §1.2
 
 
+@pytest.mark.parametrize("scoring", ["chunked", "stepwise"])
+def test_batch_size_three_equals_batch_one(stories, manager, scoring):
+    """lm-eval batch_size=3 (harness.batch) while H2O compresses: the same loglikelihoods (fp32
+    tolerance), greedy flags and generations as batch 1."""
+    from lm_eval.api.instance import Instance
+
+    model, tok = stories
+    one = KVHarnessLM(engine_for(model, tok, "h2o", budget_tokens=24), scoring=scoring)
+    three = KVHarnessLM(engine_for(model, tok, "h2o", budget_tokens=24), scoring=scoring,
+                        batch_size=3)
+    assert three.batch_size == 3 and three.engine.settings.batch_size == 3
+    ref, ref_greedy, _ = evaluate(one, manager, limit=5, shots=1)
+    got, greedy, _ = evaluate(three, manager, limit=5, shots=1)
+    assert max(abs(a - b) for a, b in zip(got, ref)) < TOL and greedy == ref_greedy
+    args = [("Once upon a time", {"until": ["."], "max_gen_toks": 40, "do_sample": False}),
+            ("One day", {"until": ["zzz"], "max_gen_toks": 12}),
+            ("The cat", {"until": [","], "max_gen_toks": 30})]
+    requests = [Instance("generate_until", {}, a, 0) for a in args]
+    assert (three.generate_until(requests, disable_tqdm=True)
+            == one.generate_until(requests, disable_tqdm=True))
+
+
 # --- the KV method acts --------------------------------------------------------------------------
 def test_h2o_changes_loglikelihoods_and_lossless_budget_does_not(stories, manager):
     model, tok = stories
@@ -175,7 +197,7 @@ def test_model_args_build_engine_with_method():
 
 @pytest.mark.parametrize("args, message", [
     (dict(model="stories260k", scoring="sometimes"), "scoring='sometimes'; allowed: chunked"),
-    (dict(model="stories260k", batch_size=8), "batch_size=8"),
+    (dict(model="stories260k", batch_size=0), "batch_size=0: allowed: a positive integer"),
     (dict(model="stories260k", method="h2o", budgte_ratio=0.2), "budgte_ratio=0.2 is neither"),
     (dict(model="stories260k", method="nosuch"), "method='nosuch' is unknown"),
     (dict(model="stories260k", method="h2o", budget_ratio=3.0), "method.budget_ratio=3.0"),
