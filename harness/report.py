@@ -13,6 +13,9 @@ only an earlier report):
   * nll_curve.png             streaming NLL per block over tokens, per run
   * bytes_per_step.png        host->device bytes per decode step, per run
   * ruler_heatmap.png         RULER single-needle accuracy, depth x length (when present)
+  * throughput_vs_batch.png   decode tokens/s (all sequences) vs runner.batch_size, per variant
+  * capacity.png              sequences whose compute-device KV fits in 1 GiB vs context, per
+                              variant (from the KV each sequence held: kv.bytes_device_total)
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from harness.results import write_text_atomic
 from harness.schema import SchemaError, load
 from kvcore.errors import ConfigError
 
-COLUMNS = ["run", "model", "method", "budget", "protocol", "task", "metric", "value", "active",
+COLUMNS = ["run", "model", "method", "budget", "protocol", "batch", "task", "metric", "value",
+           "active",
            "kv_held", "attended_fraction", "paper_relative_kv_size", "decode_tok_s", "decode_ms",
            "kv_bytes", "bytes_per_step"]
 # The two axes, both defined once in harness.accounting and computed the same way for every run.
@@ -44,7 +48,9 @@ MAIN_METRIC = {"perplexity": ("ppl", False), "longbench": ("average", True),
 
 
 PLOT_NAMES = ("accuracy_vs_kv_held.png", "accuracy_vs_attended.png", "decode_ms_vs_context.png",
-              "nll_curve.png", "bytes_per_step.png", "ruler_heatmap.png")
+              "nll_curve.png", "bytes_per_step.png", "ruler_heatmap.png",
+              "throughput_vs_batch.png", "capacity.png")
+GIB = 2**30
 REPORT_NAMES = frozenset({"report.md", "report.csv", *PLOT_NAMES})
 
 
@@ -129,6 +135,7 @@ def row(path: Path, metrics: dict, root: Path | None) -> dict[str, Any]:
         "budget": " ".join(filter(None, (_knobs(metrics["method"], "axis_keys"),
                                          _knobs(metrics["method"], "variant_keys")))),
         "protocol": protocol_label(metrics), "series": series_label(metrics),
+        "batch": metrics.get("protocol", {}).get("batch_size", 1),
         "task": metrics["task"]["name"], "metric": name, "value": value,
         "active": {True: "yes", False: "INACTIVE", None: "reference"}.get(kv.get("method_active")),
         "kv_held": kv_held(kv), "attended_fraction": kv.get("attended_fraction_sparse_layers"),
@@ -198,7 +205,8 @@ def plots(rows: list[dict], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     made: list[Path] = []
-    for draw in (_plot_accuracy, _plot_decode, _plot_nll, _plot_bytes, _plot_ruler):
+    for draw in (_plot_accuracy, _plot_decode, _plot_nll, _plot_bytes, _plot_ruler,
+                 _plot_throughput, _plot_capacity):
         try:
             made += draw(rows, out, plt)
         except Exception as exc:  # noqa: BLE001 - a bad field of one run must not lose the report
@@ -228,6 +236,47 @@ def _plot_decode(rows: list[dict], out: Path, plt) -> list[Path]:
         plt.close(fig)
         made.append(out / "decode_ms_vs_context.png")
     return made
+
+
+def _scatter_by_series(plt, points: dict[str, list[tuple]], out: Path, name: str, title: str,
+                       xlabel: str, ylabel: str) -> list[Path]:
+    """One line per series through its (x, y) points, sorted by x."""
+    if not points:
+        return []
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for series, pts in sorted(points.items()):
+        pts = sorted(pts)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=series)
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    ax.legend(fontsize=8)
+    _save(fig, out / name)
+    plt.close(fig)
+    return [out / name]
+
+
+def _plot_throughput(rows: list[dict], out: Path, plt) -> list[Path]:
+    """Drawn when some variant ran at two or more batch sizes (FlexGen / InfiniGen Fig. 14)."""
+    points: dict[str, list[tuple]] = {}
+    for r in rows:
+        if r["decode_tok_s"] is not None:
+            points.setdefault(f"{r['series']} ({r['task']}, {r['model']})", []).append(
+                (r["batch"], r["decode_tok_s"]))
+    points = {k: v for k, v in points.items() if len({p[0] for p in v}) > 1}
+    return _scatter_by_series(plt, points, out, "throughput_vs_batch.png",
+                              "Decode throughput vs batch size", "runner.batch_size",
+                              "decode tokens/s (all sequences)")
+
+
+def _plot_capacity(rows: list[dict], out: Path, plt) -> list[Path]:
+    points: dict[str, list[tuple]] = {}
+    for r in rows:
+        kv = r["_metrics"].get("kv", {})
+        if kv.get("bytes_device_total") and kv.get("seen_tokens_mean"):
+            points.setdefault(f"{r['series']} ({r['model']})", []).append(
+                (kv["seen_tokens_mean"], GIB / kv["bytes_device_total"]))
+    return _scatter_by_series(plt, points, out, "capacity.png",
+                              "Sequences whose device KV fits in 1 GiB", "context (tokens seen)",
+                              "sequences per GiB of device KV")
 
 
 def _plot_nll(rows: list[dict], out: Path, plt) -> list[Path]:

@@ -10,9 +10,9 @@ from kvcore.errors import ConfigError
 
 
 def fake_run(root: Path, method: str, ppl: float, tok_s: float, budget=None, started="2026-11-29T10:00:00",
-             task="perplexity", extra_acc=None, density=None, dense_layers=()) -> Path:
+             task="perplexity", extra_acc=None, density=None, dense_layers=(), batch=1) -> Path:
     folder = (root / task / "stories260k" / method
-              / f"{method}-{budget}-{started[11:13]}-{len(dense_layers)}")
+              / f"{method}-{budget}-{started[11:13]}-{len(dense_layers)}-{batch}")
     folder.mkdir(parents=True)
     hyper = {} if budget is None else {"budget_ratio": budget}
     metrics = {
@@ -21,9 +21,10 @@ def fake_run(root: Path, method: str, ppl: float, tok_s: float, budget=None, sta
                      **(extra_acc or {})},
         "speed": {"decode_tokens_per_s": tok_s, "decode_ms_per_token_median": 1000 / tok_s},
         "kv": {"compression_ratio": 1 / (budget or 1.0), "bytes_total": 1000.0 * (budget or 1.0),
+               "bytes_device_total": 1000.0 * (budget or 1.0),
                "held_ratio": budget or 1.0, "seen_tokens_mean": 300.0,
                "attended_fraction_sparse_layers": density},
-        "protocol": {"dense_layers": list(dense_layers), "prefill": "dense"},
+        "protocol": {"dense_layers": list(dense_layers), "prefill": "dense", "batch_size": batch},
         "transfer": {"bytes_per_decode_step": 500.0 * (budget or 1.0)},
         "memory": {}, "env": {},
         "model": {"name": "stories260k"}, "method": {"name": method, "hyperparameters": hyper,
@@ -39,6 +40,7 @@ def fake_run(root: Path, method: str, ppl: float, tok_s: float, budget=None, sta
 @pytest.fixture
 def tree(tmp_path):
     fake_run(tmp_path, "full", 50.0, 100.0)
+    fake_run(tmp_path, "full", 50.0, 310.0, batch=4)
     fake_run(tmp_path, "h2o", 55.0, 90.0, budget=0.2, density=0.21)
     fake_run(tmp_path, "h2o", 52.0, 85.0, budget=0.5, density=0.51)
     grid = {"depths": [0, 50, 100], "lengths": [256, 512], "accuracy": [[100, 0], [50, None], [0, 100]]}
@@ -54,12 +56,13 @@ def test_report_table_values_and_plots(tree, tmp_path):
     assert sorted(r["kv_held"] for r in h2o) == [0.2, 0.5]
     assert sorted(r["attended_fraction"] for r in h2o) == [0.21, 0.51]
     csv_text = (out / "report.csv").read_text()
-    assert csv_text.splitlines()[0].startswith("run,model,method,budget,protocol,task,metric,value")
+    assert csv_text.splitlines()[0].startswith("run,model,method,budget,protocol,batch,task,metric")
+    assert sorted(r["batch"] for r in rows if r["method"] == "full") == [1, 1, 4]
     assert "budget_ratio=0.2" in (out / "report.md").read_text()
     names = {p.name for p in made}
     assert names == {"accuracy_vs_kv_held.png", "accuracy_vs_attended.png",
                      "decode_ms_vs_context.png", "nll_curve.png", "bytes_per_step.png",
-                     "ruler_heatmap.png"}
+                     "ruler_heatmap.png", "throughput_vs_batch.png", "capacity.png"}
     for p in made:
         assert p.stat().st_size > 5000 and p.read_bytes()[:4] == b"\x89PNG"
 
@@ -170,8 +173,8 @@ def test_report_skips_bad_runs_and_reports_the_rest(tree, tmp_path, capsys):
     captured = capsys.readouterr()
     for path in bad:
         assert f"warning: skipped {path}" in captured.err
-    assert "4 runs ->" in captured.out
-    assert len((tmp_path / "out" / "report.csv").read_text().splitlines()) == 5
+    assert "5 runs ->" in captured.out
+    assert len((tmp_path / "out" / "report.csv").read_text().splitlines()) == 6  # header + 5
 
 
 def test_report_reads_underscore_folders_not_hidden_ones(tmp_path):
