@@ -12,9 +12,8 @@ full_offload measured in the same run. Writes a JSON summary with `--json`.
 Rows `full` and `kivi_2bit` keep the KV on the device; with `full` in the run every row also gets
 `ms_per_token_vs_full` (KIVI-2's goal: <= 1.3).
 
-`random_llama_1b` is a randomly initialised Llama with Llama-3.2-1B's shapes (16 layers, hidden
-2048, 32 query / 8 KV heads, head_dim 64), built in code: for speed only (its outputs mean
-nothing), for machines where no real >= 1B checkpoint can be loaded.
+`random_llama_1b` / `random_llama_8b`: randomly initialised Llama-3-shaped models built in code
+(benchmarks/random_models.py), for speed only.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ import torch  # noqa: E402
 
 from harness import hf_adapter, models  # noqa: E402
 from harness.engine import Engine, EngineSettings  # noqa: E402
+from benchmarks.random_models import SHAPES, random_llama, random_prompt  # noqa: E402
 from methods import build_method  # noqa: E402
 
 METHODS = {
@@ -45,30 +45,17 @@ METHODS = {
 }
 
 
-def random_llama_1b(device: str, dtype: torch.dtype, max_positions: int):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
-                         num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                         max_position_embeddings=max_positions, rope_theta=500000.0)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype).eval()
-    hf_adapter.set_attention(model, "sdpa")
-    return model, None
-
-
 def load(args):
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    if args.model == "random_llama_1b":
-        return random_llama_1b(args.device, dtype, max(args.contexts) + args.new_tokens + 8)
+    if args.model in SHAPES:
+        return random_llama(args.model, args.device, dtype, max(args.contexts) + args.new_tokens + 8)
     spec = models.resolve_model({"name": args.model, "device": args.device, "dtype": args.dtype})
     return models.load_model(spec, "sdpa")
 
 
 def prompt_ids(tokenizer, vocab: int, length: int) -> list[int]:
     if tokenizer is None:
-        return torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(1)).tolist()
+        return random_prompt(vocab, length)
     from tasks.text_sources import load_essays
 
     return tokenizer(load_essays(), verbose=False)["input_ids"][:length]
@@ -78,7 +65,8 @@ def measure(model, tok, info, name: str, ids: list[int], new_tokens: int) -> dic
     method_name, kw, offload = METHODS[name]
     method = build_method(method_name, **kw)
     calib = None if tok is not None else torch.tensor(ids[:2048])
-    hf_adapter.prepare(method, model, tok, info, calibration_ids=calib)
+    hf_adapter.prepare(method, model, tok, info, calibration_ids=calib,
+                       data_dir=models.SHARED_DIR / "data")
     engine = Engine(model, tok, method, info, EngineSettings(prefill_chunk_tokens=2048,
                                                              kv_offload=offload))
     with engine.request() as req:

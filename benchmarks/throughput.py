@@ -15,6 +15,12 @@ against full at the same batch size, measured in the same rounds.
 
     python benchmarks/throughput.py --prompt-tokens 1024 --new-tokens 64 --batches 1 2 4 8 \\
         --methods full streaming_llm h2o kivi infinigen --json results/throughput.json
+    python benchmarks/throughput.py --model random_llama_8b --device cuda --dtype bfloat16 \\
+        --prompt-tokens 8192 32768 --batches 1 8 --methods full full_offload infinigen h2o_offload kivi
+
+Offload rows also report host->device MB per decode step, the copies' own duration (transfer ms)
+and the part of it the consumer waited for (exposed ms), per decode step (prefill copies
+included in both). `random_llama_1b` / `random_llama_8b`: random Llama-3 shapes for speed only.
 """
 
 from __future__ import annotations
@@ -35,38 +41,46 @@ import torch  # noqa: E402
 from harness import hf_adapter, models  # noqa: E402
 from harness.engine import Engine, EngineSettings  # noqa: E402
 from harness.profiling import peak_memory, reset_peak_memory  # noqa: E402
+from benchmarks.random_models import SHAPES, random_llama, random_prompt  # noqa: E402
 from methods import build_method  # noqa: E402
 from tasks.text_sources import load_essays  # noqa: E402
 
-# row -> (method, hyperparameters): the methods at their paper defaults, budgets at 20 %
+# row -> (method, hyperparameters, runner.kv_offload): paper defaults, budgets at 20 %
 METHODS = {
-    "full": ("full", {}),
-    "streaming_llm": ("streaming_llm", {"budget_ratio": 0.2}),
-    "h2o": ("h2o", {"budget_ratio": 0.2}),
-    "kivi": ("kivi", {}),
-    "infinigen": ("infinigen", {}),
-    "full_offload": ("full_offload", {}),
+    "full": ("full", {}, "none"),
+    "streaming_llm": ("streaming_llm", {"budget_ratio": 0.2}, "none"),
+    "h2o": ("h2o", {"budget_ratio": 0.2}, "none"),
+    "kivi": ("kivi", {}, "none"),
+    "infinigen": ("infinigen", {}, "none"),
+    "full_offload": ("full_offload", {}, "none"),
+    "h2o_offload": ("h2o", {"budget_ratio": 0.2}, "cpu"),
 }
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GIB = 2**30
 
 
-def build(model, tok, info, name):
-    method_name, kw = METHODS[name]
+def build(model, tok, info, name, calibration: list[int]):
+    method_name, kw, _ = METHODS[name]
     method = build_method(method_name, **kw)
-    hf_adapter.prepare(method, model, tok, info, data_dir=models.SHARED_DIR / "data")
+    calib = None if tok is not None else torch.tensor(calibration[:2048])
+    hf_adapter.prepare(method, model, tok, info, data_dir=models.SHARED_DIR / "data",
+                       calibration_ids=calib)
     return method
 
 
-def measure(model, tok, info, method, prompts: list[list[int]], new_tokens: int) -> dict:
+def measure(model, tok, info, name, method, prompts: list[list[int]], new_tokens: int) -> dict:
     """One batch of len(prompts) sequences: prefill together, decode `new_tokens` greedily."""
     engine = Engine(model, tok, method, info,
-                    EngineSettings(prefill_chunk_tokens=1024, batch_size=len(prompts)))
+                    EngineSettings(prefill_chunk_tokens=2048, batch_size=len(prompts),
+                                   kv_offload=METHODS[name][2]))
     reset_peak_memory(engine.device)
     with engine.batch(len(prompts)) as batch:
         outs = batch.generate(prompts, [new_tokens] * len(prompts), stop_ids=set())
         stats = [[kv.stats() for kv in cache.kv_layers] for cache in batch.caches]
     assert all(len(o) == new_tokens for o in outs)
     speed = engine.speed().as_dict()
+    moved = engine.transfers.summary()
+    steps = max(1, moved["decode_steps"])
     device = [sum(s.get("kv_bytes_device", s["kv_bytes"]) for s in seq) for seq in stats]
     total = [sum(s["kv_bytes"] for s in seq) for seq in stats]
     return {"decode_tokens_per_s": speed["decode_tokens_per_s"],
@@ -74,20 +88,41 @@ def measure(model, tok, info, method, prompts: list[list[int]], new_tokens: int)
             "prefill_tokens_per_s": speed["prefill_tokens_per_s"],
             "kv_bytes_device_per_seq": max(device), "kv_bytes_host_per_seq":
                 max(t - d for t, d in zip(total, device)),
-            "peak_bytes": peak_memory(engine.device)["peak_bytes"]}
+            "peak_bytes": peak_memory(engine.device)["peak_bytes"],
+            "h2d_bytes_per_step": moved["bytes_per_decode_step"] or 0,
+            # prefill copies included: exposed <= transfer, their ratio is the un-hidden share
+            "transfer_ms_per_step": moved["transfer_ms"] / steps,
+            "exposed_ms_per_step": moved["exposed_ms"] / steps}
 
 
-def prompts_from(essays: list[int], batch: int, length: int) -> list[list[int]]:
-    if batch * length > len(essays):
+def prompts_from(text: list[int] | None, vocab: int, batch: int, length: int) -> list[list[int]]:
+    """`batch` different prompts: consecutive slices of the text, or random ids (random model)."""
+    if text is None:
+        return [random_prompt(vocab, length, seed=i) for i in range(batch)]
+    if batch * length > len(text):
         raise SystemExit(f"--prompt-tokens {length} x batch {batch} needs {batch * length} "
-                         f"tokens of text; the essays give {len(essays)}")
-    return [essays[i * length:(i + 1) * length] for i in range(batch)]
+                         f"tokens of text; the essays give {len(text)}")
+    return [text[i * length:(i + 1) * length] for i in range(batch)]
+
+
+def load(args):
+    if args.model in SHAPES:
+        device = args.device if args.device != "auto" else (
+            "cuda" if torch.cuda.is_available() else "cpu")
+        positions = max(args.prompt_tokens) + args.new_tokens + 8
+        model, tok = random_llama(args.model, device, DTYPES[args.dtype], positions)
+        return model, tok, device, None
+    spec = models.resolve_model({"name": args.model, "device": args.device, "dtype": args.dtype})
+    model, tok = models.load_model(spec, "sdpa")
+    return model, tok, str(spec.device), tok(load_essays(), verbose=False)["input_ids"]
 
 
 def table(cells: dict, batches: list[int], kv_limit_gib: float) -> str:
+    """One row per method and batch; `x full` is against full at the same batch (same rounds)."""
     lines = ["| method | batch | decode tok/s | x full | ms/step | prefill tok/s | "
              "KV/seq device MiB | KV/seq host MiB | peak MiB | max batch in "
-             f"{kv_limit_gib:g} GiB KV |", "|" + "---|" * 10]
+             f"{kv_limit_gib:g} GiB KV | H2D MB/step | transfer ms/step | exposed ms/step |",
+             "|" + "---|" * 13]
     for name, per_batch in cells.items():
         for b in batches:
             r = per_batch.get(str(b))
@@ -100,40 +135,14 @@ def table(cells: dict, batches: list[int], kv_limit_gib: float) -> str:
                          f"{r['decode_ms_per_step']:.1f} | {r['prefill_tokens_per_s']:.0f} | "
                          f"{r['kv_bytes_device_per_seq'] / 2**20:.2f} | "
                          f"{r['kv_bytes_host_per_seq'] / 2**20:.2f} | "
-                         f"{(r.get('peak_bytes') or 0) / 2**20:.0f} | {r['max_batch_in_limit']} |")
+                         f"{(r.get('peak_bytes') or 0) / 2**20:.0f} | "
+                         f"{r['max_batch_in_limit'] or '-'} | {r['h2d_bytes_per_step'] / 1e6:.2f} | "
+                         f"{r['transfer_ms_per_step']:.2f} | {r['exposed_ms_per_step']:.2f} |")
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2_135m")
-    ap.add_argument("--prompt-tokens", type=int, default=1024)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
-    ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--kv-memory-gib", type=float, default=1.0,
-                    help="compute-device memory for KV: the capacity column")
-    ap.add_argument("--methods", nargs="+", default=["full", "streaming_llm", "h2o", "kivi",
-                                                     "infinigen"], choices=list(METHODS))
-    ap.add_argument("--device", default="auto")
-    ap.add_argument("--json", default=None, help="write the results here (atomically)")
-    args = ap.parse_args()
-    spec = models.resolve_model({"name": args.model, "device": args.device})
-    model, tok = models.load_model(spec, "sdpa")
-    info = hf_adapter.model_info(model.config, spec.dtype)
-    essays = tok(load_essays(), verbose=False)["input_ids"]
-    methods = {name: build(model, tok, info, name) for name in args.methods}
-    runs: dict[str, dict[str, list[dict]]] = {n: {} for n in args.methods}
-    t0, load_before = time.time(), os.getloadavg()[0]
-    for _ in range(args.rounds):
-        for b in args.batches:
-            prompts = prompts_from(essays, b, args.prompt_tokens)
-            for name in args.methods:  # alternate within the round
-                r = measure(model, tok, info, methods[name], prompts, args.new_tokens)
-                runs[name].setdefault(str(b), []).append(r)
-                print(f"  {name} B={b}: {r['decode_tokens_per_s']:.1f} tok/s, "
-                      f"{r['decode_ms_per_step']:.1f} ms/step (load {os.getloadavg()[0]:.1f})",
-                      flush=True)
+def summarize(runs: dict[str, dict[str, list[dict]]], kv_limit_gib: float) -> dict:
+    """Medians over rounds per method and batch, plus the capacity column."""
     cells = {}
     for name, per_batch in runs.items():
         cells[name] = {}
@@ -142,19 +151,57 @@ def main() -> None:
                     if rs[0][key] is not None}
             cell["decode_tokens_per_s_rounds"] = [r["decode_tokens_per_s"] for r in rs]
             per_seq = cell["kv_bytes_device_per_seq"]
-            cell["max_batch_in_limit"] = (int(args.kv_memory_gib * GIB // per_seq)
-                                          if per_seq else None)
+            cell["max_batch_in_limit"] = int(kv_limit_gib * GIB // per_seq) if per_seq else None
             cells[name][b] = cell
-    load = (load_before + os.getloadavg()[0]) / 2
-    header = (f"{args.model} on {spec.device}, prompt {args.prompt_tokens} + {args.new_tokens} new "
-              f"tokens, {args.rounds} round(s), threads {torch.get_num_threads()}, "
-              f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, load avg {load:.2f}")
-    print("\n" + header + "\n" + table(cells, args.batches, args.kv_memory_gib))
-    out = {"model": args.model, "device": str(spec.device), "prompt_tokens": args.prompt_tokens,
-           "new_tokens": args.new_tokens, "rounds": args.rounds,
-           "threads": torch.get_num_threads(), "load_avg": round(load, 2),
-           "kv_memory_gib": args.kv_memory_gib, "methods": {n: METHODS[n] for n in args.methods},
-           "cells": cells, "wall_s": round(time.time() - t0, 1)}
+    return cells
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2_135m")
+    ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[1024])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--kv-memory-gib", type=float, default=1.0,
+                    help="compute-device memory for KV: the capacity column")
+    ap.add_argument("--methods", nargs="+", default=["full", "streaming_llm", "h2o", "kivi",
+                                                     "infinigen"], choices=list(METHODS))
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    ap.add_argument("--json", default=None, help="write the results here (atomically)")
+    args = ap.parse_args()
+    model, tok, device, text = load(args)
+    info = hf_adapter.model_info(model.config, DTYPES[args.dtype])
+    vocab = model.config.vocab_size
+    calibration = text if text is not None else random_prompt(vocab, 2048, seed=99)
+    methods = {name: build(model, tok, info, name, calibration) for name in args.methods}
+    t0, out = time.time(), {"model": args.model, "device": device, "dtype": args.dtype,
+                            "new_tokens": args.new_tokens, "rounds": args.rounds,
+                            "threads": torch.get_num_threads(),
+                            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                            "kv_memory_gib": args.kv_memory_gib,
+                            "methods": {n: METHODS[n] for n in args.methods}, "contexts": {}}
+    for length in args.prompt_tokens:
+        load_before = os.getloadavg()[0]
+        runs: dict[str, dict[str, list[dict]]] = {n: {} for n in args.methods}
+        for _ in range(args.rounds):
+            for b in args.batches:
+                prompts = prompts_from(text, vocab, b, length)
+                for name in args.methods:  # alternate within the round
+                    r = measure(model, tok, info, name, methods[name], prompts, args.new_tokens)
+                    runs[name].setdefault(str(b), []).append(r)
+                    print(f"  {length} {name} B={b}: {r['decode_tokens_per_s']:.1f} tok/s, "
+                          f"{r['decode_ms_per_step']:.1f} ms/step (load "
+                          f"{os.getloadavg()[0]:.1f})", flush=True)
+        cells = summarize(runs, args.kv_memory_gib)
+        load_avg = (load_before + os.getloadavg()[0]) / 2
+        print(f"\n{args.model} on {device} ({args.dtype}), prompt {length} + {args.new_tokens} "
+              f"new tokens, {args.rounds} round(s), threads {torch.get_num_threads()}, "
+              f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, load avg {load_avg:.2f}")
+        print(table(cells, args.batches, args.kv_memory_gib))
+        out["contexts"][str(length)] = {"load_avg": round(load_avg, 2), "cells": cells}
+    out["wall_s"] = round(time.time() - t0, 1)
     if args.json:
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,9 @@
   copy's event (the host never blocks), so a prefetch issued one layer ahead overlaps that layer's
   compute. The stall is timed with events on the consuming stream (*exposed* transfer time) and
   read back only when the ledger is summarised.
-* `TransferLedger`: bytes per direction per layer per decode step, number of copies, exposed ms.
+* `TransferLedger`: bytes per direction per layer per decode step, number of copies, exposed ms,
+  and the copies' own duration (transfer ms, timed with events on the side stream), so overlap
+  is visible: exposed / transfer = the share of copy time nothing hid.
 
 Every host-to-device copy goes through `Tier.to_device`, which refuses a non-contiguous source
 (and, on CUDA, an unpinned one): `.to(device, non_blocking=True)` on such a tensor silently goes
@@ -38,6 +40,7 @@ class TransferLedger:
     copies_h2d: int = 0
     copies_d2h: int = 0
     exposed_ms_resolved: float = 0.0  # exposed ms of copies already read back
+    transfer_ms_resolved: float = 0.0  # duration of host->device copies already read back
     h2d_per_layer: list[int] = field(default_factory=list)
     step_h2d: list[int] = field(default_factory=list)  # bytes host->device of each decode step
     in_decode: bool = False
@@ -45,6 +48,7 @@ class TransferLedger:
     def __post_init__(self) -> None:
         self.h2d_per_layer = [0] * self.num_layers
         self.stalls: list = []  # (start, end) CUDA timing events around waits, not yet read
+        self.copies: list = []  # (start, end) CUDA timing events around copies, not yet read
 
     def add_exposed_ms(self, ms: float) -> None:
         self.exposed_ms_resolved += ms
@@ -61,6 +65,18 @@ class TransferLedger:
             self.exposed_ms_resolved += start.elapsed_time(end)
         self.stalls.clear()
         return self.exposed_ms_resolved
+
+    def add_copy(self, start, end) -> None:
+        self.copies.append((start, end))
+
+    @property
+    def transfer_ms(self) -> float:
+        """Total duration of the host->device copies themselves (overlapped or not)."""
+        for start, end in self.copies:
+            end.synchronize()
+            self.transfer_ms_resolved += start.elapsed_time(end)
+        self.copies.clear()
+        return self.transfer_ms_resolved
 
     def begin_step(self, decode: bool) -> None:
         self.in_decode = decode
@@ -89,6 +105,7 @@ class TransferLedger:
             "bytes_per_decode_step": round(sum(self.step_h2d) / steps, 1) if steps else None,
             "bytes_h2d_per_layer": self.h2d_per_layer,
             "exposed_ms": round(self.exposed_ms, 3),
+            "transfer_ms": round(self.transfer_ms, 3),
         }
 
 
@@ -117,13 +134,18 @@ class Tier:
         if not self.cuda:
             t0 = time.perf_counter()
             out = host.clone()  # host-to-host: the CPU stand-in for the PCIe copy
-            return Transfer(self, out, None, (time.perf_counter() - t0) * 1e3)
+            ms = (time.perf_counter() - t0) * 1e3
+            self.ledger.transfer_ms_resolved += ms  # synchronous: all of it is also exposed
+            return Transfer(self, out, None, ms)
         # the copy may read host rows the current stream's earlier work wrote (D2H appends)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self.stream)
             out = host.to(self.device, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=True)
             event.record(self.stream)
+        self.ledger.add_copy(start, event)
         return Transfer(self, out, event, 0.0)
 
 

@@ -44,6 +44,8 @@ def test_whole_layer_and_selected_fetches_copy_contiguous_blocks(monkeypatch):
     ledger = store.tier.ledger
     assert ledger.bytes_h2d == 2 * k.nbytes + 2 * want.nbytes
     assert ledger.exposed_ms >= 0 and ledger.copies_h2d == 4
+    # on the CPU tier copies are synchronous: all of the transfer time is exposed
+    assert ledger.transfer_ms == pytest.approx(ledger.exposed_ms) and ledger.transfer_ms > 0
 
 
 def test_keep_compacts_and_refuses_nothing_unsafe():
@@ -85,6 +87,7 @@ def test_cuda_fetch_is_pinned_overlapped_and_exposed_time_measured(monkeypatch):
     assert torch.equal(keys, k) and torch.equal(values, -k)
     # the matmuls were ahead of the wait, so the copy was hidden behind them
     assert 0 <= store.tier.ledger.exposed_ms < 5.0
+    assert store.tier.ledger.transfer_ms > store.tier.ledger.exposed_ms  # the copy took time
 
 
 @pytest.mark.gpu
@@ -96,4 +99,5 @@ def test_cuda_exposed_time_when_nothing_overlaps():
     torch.cuda.synchronize()
     exposed = store.tier.ledger.exposed_ms
     assert exposed > 0.5  # 512 MiB at <= ~55 GB/s takes several ms
+    assert store.tier.ledger.transfer_ms >= 0.5 * exposed  # the stall was mostly the copy
     assert torch.equal(keys, k)

@@ -1,0 +1,142 @@
+"""Achieved memory bandwidth of the decode kernels on CUDA, against the device's peak (issue 14).
+
+A decode step's attention is memory-bound: its time is set by the bytes it must read. For each
+kernel and shape (Llama-3-8B KV heads: H_kv 8, H_q 32, D 128; contexts and batches below):
+
+  sparse   methods.kernels.sparse_attention: the N = ratio*T selected K and V rows per KV head
+           (InfiniGen / H2O-offload gathers); bytes = index + selected K/V rows + query + output
+  kivi     methods.kernels.kivi_attention (fused, 2-bit): packed key/value codes + fp16 scales and
+           zeros + the fp residual rows + query + output
+  copy     a plain device-to-device copy of 1 GiB (bytes read + written): what this device
+           really reaches, next to the nominal `--peak-gbs` (H200 SXM: 4800 GB/s)
+
+achieved GB/s = bytes / median kernel time (CUDA events, warm-up first); printed as a share of the
+nominal peak and of the measured copy bandwidth. Goal (issue 14): >= 70 % of the peak. CUDA only:
+on CPU the Triton kernels run in the interpreter, which is a correctness tool, so nothing is
+timed (the script says so and exits 0).
+
+    python benchmarks/kernel_bandwidth.py --contexts 8192 32768 --batches 1 8 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+H_KV, H_Q, HEAD_DIM = 8, 32, 128  # Llama-3-8B attention shape
+GB = 1e9
+
+
+def time_ms(fn, warmup: int = 5, iters: int = 30) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def sparse_case(b: int, t: int, ratio: float, dtype, device: str = "cuda") -> tuple:
+    from methods.kernels import sparse_attention as sa
+
+    n = max(1, int(ratio * t))
+    g = torch.Generator(device=device).manual_seed(0)
+    query = torch.randn(b, H_Q, HEAD_DIM, device=device, dtype=dtype, generator=g)
+    keys = torch.randn(b, H_KV, t, HEAD_DIM, device=device, dtype=dtype, generator=g)
+    values = torch.randn_like(keys)
+    index = torch.rand(b, H_KV, t, device=device, generator=g).topk(n, -1).indices.sort(-1).values
+    index = index.to(torch.int32).contiguous()
+    item = keys.element_size()
+    nbytes = (index.nbytes + 2 * b * H_KV * n * HEAD_DIM * item + 2 * query.nbytes)
+    want = sa.sparse_decode_attention_ref(query, keys, values, index.long(), HEAD_DIM ** -0.5)
+    got = sa.sparse_decode_attention(query, keys, values, index, HEAD_DIM ** -0.5)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    return (lambda: sa.sparse_decode_attention(query, keys, values, index, HEAD_DIM ** -0.5)), nbytes
+
+
+def kivi_case(b: int, t: int, dtype, device: str = "cuda", residual: int = 128,
+              group: int = 32) -> tuple:
+    from methods.kernels import kivi_attention as ka
+    from methods.kernels import kivi_quant as kq
+
+    g = torch.Generator(device=device).manual_seed(0)
+    t_q = (t - residual) // group * group  # quantized tokens: whole groups
+    keys = torch.randn(b, H_KV, t, HEAD_DIM, device=device, dtype=dtype, generator=g)
+    values = torch.randn_like(keys)
+    k_quant = kq.quantize_pack(keys[..., :t_q, :].transpose(-1, -2).contiguous(), 2, group)
+    v_quant = kq.quantize_pack(values[..., :t_q, :].contiguous(), 2, group)
+    cache = ka.KIVICache(k_quant, v_quant, keys[..., t_q:, :].contiguous(),
+                         values[..., t_q:, :].contiguous(), 2, 2, group, group)
+    query = torch.randn(b, H_Q, 1, HEAD_DIM, device=device, dtype=dtype, generator=g)
+    nbytes = (k_quant.nbytes + v_quant.nbytes + cache.k_res.nbytes + cache.v_res.nbytes
+              + 2 * query.nbytes)
+    want = ka.decode_attention_torch(query, cache, HEAD_DIM ** -0.5)
+    got = ka.decode_attention_triton(query, cache, HEAD_DIM ** -0.5)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    return (lambda: ka.decode_attention_triton(query, cache, HEAD_DIM ** -0.5)), nbytes
+
+
+def copy_gbs() -> float:
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.nbytes / (time_ms(lambda: dst.copy_(src)) / 1e3) / GB
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--ratio", type=float, default=0.2, help="selected share for the sparse kernel")
+    ap.add_argument("--peak-gbs", type=float, default=4800.0)
+    ap.add_argument("--goal", type=float, default=0.7)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("kernel_bandwidth: needs CUDA (on CPU the Triton kernels only run in the "
+              "interpreter, a correctness tool): nothing timed")
+        return 0
+    os.environ.setdefault("TRITON_INTERPRET", "0")
+    dtype = torch.bfloat16
+    copy = copy_gbs()
+    rows = []
+    print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s, nominal peak {args.peak_gbs:.0f}")
+    print(f"{'kernel':8} {'B':>3} {'T':>7} {'MB':>9} {'us':>9} {'GB/s':>8} {'% peak':>7} {'% copy':>7}")
+    for t in args.contexts:
+        for b in args.batches:
+            for name, case in (("sparse", lambda: sparse_case(b, t, args.ratio, dtype)),
+                               ("kivi", lambda: kivi_case(b, t, dtype))):
+                fn, nbytes = case()
+                ms = time_ms(fn)
+                gbs = nbytes / (ms / 1e3) / GB
+                rows.append({"kernel": name, "batch": b, "context": t, "bytes": nbytes,
+                             "ms": ms, "gbs": gbs, "share_of_peak": gbs / args.peak_gbs,
+                             "share_of_copy": gbs / copy,
+                             "goal_met": gbs / args.peak_gbs >= args.goal})
+                print(f"{name:8} {b:3d} {t:7d} {nbytes / 1e6:9.2f} {ms * 1e3:9.1f} {gbs:8.0f} "
+                      f"{100 * gbs / args.peak_gbs:6.1f}% {100 * gbs / copy:6.1f}%")
+    if args.json:
+        path = Path(args.json)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbs": copy,
+                                   "peak_gbs": args.peak_gbs, "goal_share": args.goal,
+                                   "rows": rows}, indent=2))
+        tmp.replace(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
