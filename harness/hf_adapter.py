@@ -32,6 +32,7 @@ from methods.scoring import expand_kv
 
 ATTN_IMPLEMENTATIONS = {"sdpa": "kvh_sdpa", "eager": "kvh_eager"}
 _BOUND_ATTR = "_kvh_layer"
+_BRIDGE_ATTR = "_kvh_bridge"
 
 
 def eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -55,6 +56,9 @@ def _make_attention(base):
         layer: KVLayer | None = getattr(module, _BOUND_ATTR, None)
         if layer is None:  # not inside a request (e.g. a plain forward): behave like the base
             return base(module, query, key, value, attention_mask, **kwargs)
+        bridge: _BridgeLayer | None = getattr(module, _BRIDGE_ATTR, None)
+        if bridge is not None and bridge.info is not None:
+            attention_mask = bridge.own_mask(base, query)
         return layer.attend(module, query, key, value, attention_mask, base=base, **kwargs)
 
     return attention
@@ -74,15 +78,29 @@ def position_ids_from(kwargs: dict[str, Any]) -> torch.Tensor | None:
 
 
 class _BridgeLayer(DynamicLayer):
-    """Presents one `KVLayer` to transformers as a cache layer."""
+    """Presents one `KVLayer` to transformers as a cache layer.
 
-    def __init__(self, kv: KVLayer):
+    With `info`, it also sizes this layer's own attention mask: the model builds one mask per
+    forward from the first layer's sizes, which is wrong for a layer holding a different number
+    of keys (per-layer budgets, head-wise caches, dense protocol layers next to evicted ones).
+    The sizes are read before `update`, as the KVLayer contract says they describe its output."""
+
+    def __init__(self, kv, info: ModelInfo | None = None):
         super().__init__()
-        self.kv = kv
+        self.kv, self.info = kv, info
+        self.sizes: tuple[int, int, int, int] | None = None  # q_len, kv_length, kv_offset, q_offset
 
     def update(self, key_states, value_states, *args, **kwargs):
         self.is_initialized = True
+        if self.info is not None:
+            q_len = key_states.shape[-2]
+            self.sizes = (q_len, *self.kv.mask_sizes(q_len), self.kv.seen_tokens)
         return self.kv.update(key_states, value_states, position_ids_from(kwargs))
+
+    def own_mask(self, base, query: torch.Tensor):
+        q_len, kv_length, kv_offset, q_offset = self.sizes
+        return sequence_mask(self.info, base, self.kv.layer_idx, q_len, kv_length, q_offset,
+                             kv_offset, query)
 
     def get_seq_length(self) -> int:
         return self.kv.seen_tokens
@@ -102,7 +120,7 @@ class MethodCache(Cache):
                           for i in range(info.num_layers)]
         for kv, nxt in zip(self.kv_layers, self.kv_layers[1:] + [None]):
             kv.tier, kv.next_layer, kv.protocol = tier, nxt, protocol
-        super().__init__(layers=[_BridgeLayer(kv) for kv in self.kv_layers])
+        super().__init__(layers=[_BridgeLayer(kv, info) for kv in self.kv_layers])
 
 
 class BatchCache(Cache):
@@ -173,18 +191,21 @@ def bind(model, cache: MethodCache) -> Iterator[MethodCache]:
     """Bind each attention module to its request's KVLayer; always restore what was bound before
     (nothing, or an outer request's layers while a shadow request runs), even on error."""
     modules = attention_modules(model)
-    previous = [getattr(m, _BOUND_ATTR, None) for m in modules]
+    attrs = (_BOUND_ATTR, _BRIDGE_ATTR)
+    previous = [[getattr(m, a, None) for a in attrs] for m in modules]
     try:
-        for module, kv in zip(modules, cache.kv_layers):
+        for module, kv, bridge in zip(modules, cache.kv_layers, cache.layers):
             setattr(module, _BOUND_ATTR, kv)
+            setattr(module, _BRIDGE_ATTR, bridge)
         yield cache
     finally:
         for module, prev in zip(modules, previous):
-            if prev is None:
-                if hasattr(module, _BOUND_ATTR):
-                    delattr(module, _BOUND_ATTR)
-            else:
-                setattr(module, _BOUND_ATTR, prev)
+            for attr, value in zip(attrs, prev):
+                if value is None:
+                    if hasattr(module, attr):
+                        delattr(module, attr)
+                else:
+                    setattr(module, attr, value)
 
 
 def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: Cache | None,

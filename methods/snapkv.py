@@ -80,8 +80,7 @@ class SnapKVLayer(EvictionLayer):
         past = self.window_queries
         recent = query if past is None else torch.cat([past, query], dim=2)
         self.window_queries, self.scaling = recent[:, :, -w:], kwargs["scaling"]
-        if attention_mask is not None and attention_mask.shape[-1] != keys.shape[-2]:
-            attention_mask = own_mask(attention_mask, query.shape[2], keys.shape[-2])
+        # the harness sizes each layer's mask from its own mask_sizes (per-layer budgets too)
         return base(module, query, keys, values, attention_mask, **kwargs)
 
     def protected(self, budget: int) -> tuple[int, int]:
@@ -94,17 +93,6 @@ class SnapKVLayer(EvictionLayer):
         prefix = self.positions < self.seen_tokens - w  # the window is protected, never pooled
         return pool_along_text(votes, self.positions, prefix, self.method.kernel_tokens,
                                self.method.pooling)
-
-
-def own_mask(attention_mask: torch.Tensor, q_len: int, kv_len: int) -> torch.Tensor:
-    """The model builds one mask per forward from layer 0's sizes; with per-layer budgets
-    (PyramidKV) another layer holds a different number of keys, so its mask is rebuilt from its
-    own layout (batch 1, unpadded: past keys first, then the q new ones, causal)."""
-    allowed = causal_allowed(q_len, kv_len, attention_mask.device)[None, None]
-    if attention_mask.dtype == torch.bool:
-        return allowed
-    return torch.zeros(allowed.shape, dtype=attention_mask.dtype, device=attention_mask.device
-                       ).masked_fill(~allowed, torch.finfo(attention_mask.dtype).min)
 
 
 def window_votes(queries: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor,

@@ -48,8 +48,9 @@ def test_update_precedes_attention_with_positions_and_kwargs(tiny_model):
         req.step(9)
     ev = [e for e in _Recorder.events if e[1] == 0]
     kinds = [e[0] for e in ev]
-    # every forward: mask sizes are asked (layer 0) before update, update before attention
-    assert kinds[:3] == ["mask", "update", "attend"]
+    # every forward: mask sizes are asked before update (by the model for layer 0, and by the
+    # bridge for every layer's own mask), update before attention
+    assert kinds[:4] == ["mask", "mask", "update", "attend"]
     updates = [e for e in ev if e[0] == "update"]
     assert [u[3] for u in updates] == [[[0, 1, 2, 3]], [[4, 5]], [[6]]]
     attends = [e for e in ev if e[0] == "attend"]

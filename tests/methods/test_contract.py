@@ -238,21 +238,17 @@ _FETCHED_VIEW = ("update() returns only the fetched rows + the new token while m
                  "the mask for every stored token; attend() drops the mask, which is right for one "
                  "unpadded query, but mask_sizes does not describe what update returns (KVLayer "
                  "contract, methods/base.py)")
-_ONE_MASK = ("the model builds one eager mask per forward from layer 0's mask_sizes, so a layer "
-             "holding a different number of keys rebuilds its own mask in attend (the harness "
-             "should build masks per layer)")
 # (method, mode or None) -> (strict, reason): the known contract exceptions, each explained.
 KNOWN_EXCEPTIONS = {
     ("infinigen", "system"): (True, "InfiniGen system-mode decode: " + _FETCHED_VIEW),
     ("shadowkv", None): (True, "ShadowKV decode (fetched chunks + local window): " + _FETCHED_VIEW),
-    ("pyramidkv", None): (False, "per-layer budgets: " + _ONE_MASK),
     ("kivi", None): (False, "KIVI's fused decode path: update() returns only the full-precision "
                             "tails and attend() reads the packed cache itself (layer.step_cache); "
                             "outputs equal dequantize-then-attend (tests/methods/test_kivi.py)"),
     **{(name, None): (False, "head-wise caches: streaming heads hold fewer keys than retrieval "
                              "heads, so kept_positions pads their rows by repeating the last "
-                             "position, and " + _ONE_MASK + "; outputs are checked per head in "
-                             "tests/methods/test_duo_attention.py")
+                             "position (kept positions are not unique per head); outputs are "
+                             "checked per head in tests/methods/test_duo_attention.py")
        for name in ("duo_attention", "razor_attention")},
 }
 
