@@ -300,6 +300,14 @@ class InfiniGenLayer(KVLayer):
     def stored(self) -> int:
         return 0 if self.positions is None else self.positions.shape[-1]
 
+    def mask_sizes(self, q_len: int) -> tuple[int, int]:
+        """System-mode sparse decode attends the fetched rows + the new token (see `_past`)."""
+        if self.system and q_len == 1 and not self.dense and self.selected is not None:
+            self.launch_fetch()  # idempotent; the bridge asks right before update, as _past does
+            n = self.fetched.shape[-1]
+            return n + q_len, self.seen_tokens - n
+        return super().mask_sizes(q_len)
+
     def update(self, keys, values, position_ids):
         q_len = keys.shape[2]
         past = self._past(q_len)

@@ -201,6 +201,14 @@ class ShadowKVLayer(KVLayer):
         ctx = 0 if self.ctx_positions is None else self.ctx_positions.numel()
         return ctx + super().kept_tokens()
 
+    def mask_sizes(self, q_len: int) -> tuple[int, int]:
+        """A decode step after compression: update returns the local window + the new token
+        (attend then adds the outliers and the selected chunks itself, unmasked)."""
+        if self.compressed and q_len == 1:
+            local = super().kept_tokens()
+            return local + q_len, self.seen_tokens - local
+        return super().mask_sizes(q_len)
+
     def on_prefill_end(self) -> None:
         c = self.m.chunk_size
         if self.compressed or self.keys is None:

@@ -234,14 +234,8 @@ class StepChecker:
             assert set(range(seen - recent, seen)) <= set(row), f"{where}: recent tokens evicted"
 
 
-_FETCHED_VIEW = ("update() returns only the fetched rows + the new token while mask_sizes() sizes "
-                 "the mask for every stored token; attend() drops the mask, which is right for one "
-                 "unpadded query, but mask_sizes does not describe what update returns (KVLayer "
-                 "contract, methods/base.py)")
 # (method, mode or None) -> (strict, reason): the known contract exceptions, each explained.
 KNOWN_EXCEPTIONS = {
-    ("infinigen", "system"): (True, "InfiniGen system-mode decode: " + _FETCHED_VIEW),
-    ("shadowkv", None): (True, "ShadowKV decode (fetched chunks + local window): " + _FETCHED_VIEW),
     ("kivi", None): (False, "KIVI's fused decode path: update() returns only the full-precision "
                             "tails and attend() reads the packed cache itself (layer.step_cache); "
                             "outputs equal dequantize-then-attend (tests/methods/test_kivi.py)"),
