@@ -1,6 +1,7 @@
 """Streaming-perplexity table across methods and budgets (one run per row, through the runner).
 
     python benchmarks/perplexity_table.py --preset issue3 [--max-tokens 2048] [--dataset essays]
+    python benchmarks/perplexity_table.py --preset families --dataset wikitext2 --max-tokens 1024
 
 Each row is a normal harness run (its folder under --results-root); the table is printed as
 markdown from the runs' metrics.json files: ppl, KV tokens/bytes held, compression vs the full
@@ -49,7 +50,34 @@ PRESETS = {
         ["method=oracle_topk", "@density"],
     ],
 }
-PROTOCOL = {"issue4": ["runner.dense_layers=[0,1]"]}
+PROTOCOL = {"issue4": ["runner.dense_layers=[0,1]"], "families": ["runner.dense_layers=[0,1]"]}
+FAMILY_BUDGETS = (0.2, 0.5)  # budget_ratio of every budgeted method (issues 12/13)
+FAMILY_BITS = (2, 4)  # k_bits = v_bits of the quantizers
+
+
+def family_rows() -> list[list[str]]:
+    """Every registered method that can act on a streamed text, at each budget (or bit width),
+    read from its declared knobs: `budget_ratio` when it has one, else `k_bits`/`v_bits`, else
+    its defaults. Prefill-only compressors are left out (they never act on a stream; the runner
+    refuses them) — they are measured on needle prompts instead."""
+    from methods import available_methods, method_class
+
+    rows = [["method=full"]]
+    for name in available_methods():
+        cls = method_class(name)
+        caps, knobs = cls.capabilities, cls.hyperparameter_names()
+        if not caps.compresses or caps.needs_prefill or not caps.acts_during_decode:
+            continue
+        if "budget_ratio" in knobs:
+            rows += [[f"method={name}", f"method.budget_ratio={r}"]
+                     + (["method.budget_tokens=null"] if "budget_tokens" in knobs else [])
+                     for r in FAMILY_BUDGETS]
+        elif "k_bits" in knobs:
+            rows += [[f"method={name}", f"method.k_bits={b}", f"method.v_bits={b}"]
+                     for b in FAMILY_BITS]
+        else:
+            rows.append([f"method={name}"])
+    return rows
 DENSITY_SOURCE = "infinigen alpha=5.0 budget_ratio=0.2"
 
 
@@ -69,7 +97,7 @@ def row(metrics: dict, name: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="issue3", choices=sorted(PRESETS))
+    ap.add_argument("--preset", default="issue3", choices=sorted(PRESETS) + ["families"])
     ap.add_argument("--model", default="smollm2_135m")
     ap.add_argument("--dataset", default="essays")
     ap.add_argument("--max-tokens", type=int, default=2048)
@@ -88,7 +116,8 @@ def main() -> None:
              "attended (sparse layers) | attended (all layers) | decode ms/tok |",
              "|---|---|---|---|---|---|---|---|"]
     densities: dict[str, float] = {}
-    for overrides in PRESETS[args.preset][args.start:]:
+    rows = family_rows() if args.preset == "families" else PRESETS[args.preset]
+    for overrides in rows[args.start:]:
         if "@density" in overrides:  # InfiniGen's measured attended fraction in sparse layers
             ratio = round(densities[DENSITY_SOURCE], 4)
             overrides = [o for o in overrides if o != "@density"] + [f"method.budget_ratio={ratio}"]
