@@ -124,7 +124,7 @@ class BatchRequest:
         self.routing.set(seqs, [len(p) for p in pieces])
         index = torch.as_tensor(keep, dtype=torch.long, device=device)
         logits = hf_adapter.forward(self.engine.model, ids, positions, self.cache, logits_to_keep=index)
-        layers = [self.caches[s] .kv_layers for s, p in zip(seqs, pieces) if p]
+        layers = [self.caches[s].kv_layers for s, p in zip(seqs, pieces) if p]
         for kv_layers in layers:
             if decode:
                 self.engine.attended.add_step(kv_layers)

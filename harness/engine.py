@@ -23,6 +23,7 @@ from harness import hf_adapter
 from harness.accounting import AttendedFraction, KVLedger
 from harness.diagnostics import Diagnostics
 from harness.profiling import SpeedSummary, Timer
+from kvcore.errors import ConfigError
 from kvcore.offload import Tier, TransferLedger
 from methods.base import KVMethod, ModelInfo, Protocol
 
@@ -73,6 +74,9 @@ class Engine:
     def batch(self, size: int) -> Iterator["batching.BatchRequest"]:
         """`size` samples decoded together (harness.batch): one fresh cache per sequence, all
         accounted when the batch ends, each exactly as a batch-1 request would be."""
+        if self.diagnostics is not None:
+            raise ConfigError("runner.diagnostics follows one sequence (a shadow full cache); "
+                              "batches need runner.diagnostics=false")
         caches = [hf_adapter.MethodCache(self.method, self.info, self.tier, self.settings.protocol)
                   for _ in range(size)]
         routing = batching.Routing(caches)
