@@ -212,8 +212,12 @@ def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: C
             logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
     """One model forward with explicit positions (5.24 has no `cache_position`). Returns logits
     of the last `logits_to_keep` rows (0: all), or of the row indices it lists (a 1-D tensor)."""
-    out = model(input_ids=input_ids, position_ids=position_ids, cache=cache,
-                use_cache=cache is not None, logits_to_keep=logits_to_keep)
+    # Attention finds its layer through the module binding: bind this forward's own cache, so
+    # requests open side by side (nested contexts, a diagnostics shadow) never cross.
+    ours = isinstance(cache, (MethodCache, BatchCache))
+    with bind(model, cache) if ours else contextlib.nullcontext():
+        out = model(input_ids=input_ids, position_ids=position_ids, cache=cache,
+                    use_cache=cache is not None, logits_to_keep=logits_to_keep)
     return out.logits
 
 
