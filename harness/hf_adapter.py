@@ -7,6 +7,8 @@ Seams used, all public in 5.24:
     (`kvh_sdpa`, `kvh_eager`): without the mask registration the causal mask is None and a chunked
     prefill over a non-empty cache is silently wrong (stack.md §1);
   * a per-request binding of each attention module to its `KVLayer` (`bind`), always undone.
+  * for methods declaring `observes_attention_block` only, torch forward hooks during `bind`: a
+    pre-hook on each decoder layer (its input) and a hook on its attention module (its output).
 
 `tests/harness/test_hf_adapter.py` pins these seams: upgrading transformers breaks it first.
 """
@@ -100,6 +102,7 @@ class MethodCache(Cache):
         for kv, nxt in zip(self.kv_layers, self.kv_layers[1:] + [None]):
             kv.tier, kv.next_layer, kv.protocol = tier, nxt, protocol
         super().__init__(layers=[_BridgeLayer(kv) for kv in self.kv_layers])
+        self.observes_attention_block = method.capabilities.observes_attention_block
 
 
 def _lookahead_hook(module, args, kwargs):
@@ -138,17 +141,41 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(layers)
 
 
+def _attention_block_hooks(model) -> list:
+    """Hooks handing each bound KVLayer its decoder layer's input (the residual stream, before the
+    norm) and its attention block's output (`Capabilities.observes_attention_block`)."""
+    handles = []
+    for decoder, attn in zip(decoder_layers(model), attention_modules(model)):
+        residual = {}
+
+        def keep_input(module, args, kwargs, residual=residual):
+            residual["x"] = kwargs.get("hidden_states", args[0] if args else None)
+
+        def observe(module, args, kwargs, output, residual=residual):
+            layer: KVLayer | None = getattr(module, _BOUND_ATTR, None)
+            if layer is not None and "x" in residual:
+                out = output[0] if isinstance(output, tuple) else output
+                layer.observe_attention_block(residual.pop("x"), out)
+
+        handles.append(decoder.register_forward_pre_hook(keep_input, with_kwargs=True))
+        handles.append(attn.register_forward_hook(observe, with_kwargs=True))
+    return handles
+
+
 @contextlib.contextmanager
 def bind(model, cache: MethodCache) -> Iterator[MethodCache]:
     """Bind each attention module to its request's KVLayer; always restore what was bound before
     (nothing, or an outer request's layers while a shadow request runs), even on error."""
     modules = attention_modules(model)
     previous = [getattr(m, _BOUND_ATTR, None) for m in modules]
+    hooks = _attention_block_hooks(model) if getattr(cache, "observes_attention_block", False) else []
     try:
         for module, kv in zip(modules, cache.kv_layers):
             setattr(module, _BOUND_ATTR, kv)
         yield cache
     finally:
+        for handle in hooks:
+            handle.remove()
         for module, prev in zip(modules, previous):
             if prev is None:
                 if hasattr(module, _BOUND_ATTR):

@@ -196,6 +196,7 @@ KNOWN_EXCEPTIONS = {
     ("infinigen", "system"): (True, "InfiniGen system-mode decode: " + _FETCHED_VIEW),
     ("shadowkv", None): (True, "ShadowKV decode (fetched chunks + local window): " + _FETCHED_VIEW),
     ("pyramidkv", None): (False, "per-layer budgets: " + _ONE_MASK),
+    ("squeezeattention", None): (False, "per-layer budgets: " + _ONE_MASK),
     ("kivi", None): (False, "KIVI's fused decode path: update() returns only the full-precision "
                             "tails and attend() reads the packed cache itself (layer.step_cache); "
                             "outputs equal dequantize-then-attend (tests/methods/test_kivi.py)"),
