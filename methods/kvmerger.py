@@ -21,6 +21,8 @@ of the reference (`kvmerger_r` there), exact under the budget:
     (1 when that is 0), normalised over the set; merged K and V are the weighted sums, stored at
     the pivot's position (merged keys keep a mixed RoPE phase; they are never re-rotated);
   * a budget smaller than the window keeps the last `budget` tokens only (no set to merge into).
+  * a later prompt (multi-turn) merges what the layer holds then, a merged pair counting as one
+    token.
 A merged pair stands for several tokens but receives the attention mass of one: the information
 loss that merging trades against eviction (no log-count compensation, which KVMerger lacks).
 

@@ -90,3 +90,14 @@ def test_every_layer_keeps_its_budget_end_to_end(tiny_model):
 def test_bad_config_names_the_key(key, value):
     with pytest.raises(ConfigError, match=f"method.{key}="):
         build_method("kvmerger", **{key: value})
+
+
+def test_refused_where_no_prompt_ends():
+    from harness.run import protocol_reasons
+    from methods.base import Protocol
+    from tasks import build_task
+
+    info = ModelInfo(num_layers=4, num_heads=2, num_kv_heads=2, head_dim=8, max_positions=64)
+    reasons = protocol_reasons(build_method("kvmerger"), build_task("perplexity", mode="streaming"),
+                               info, Protocol())
+    assert any("compresses only over a prefilled prompt" in r for r in reasons)

@@ -136,3 +136,19 @@ def test_retaining_everything_is_exact(stories):
 def test_bad_config_names_the_key(key, value):
     with pytest.raises(ConfigError, match=f"method.{key}="):
         build_method("minicache", **{key: value})
+
+
+def test_refused_where_no_prompt_ends():
+    """Merging starts at the end of the first prompt: streaming perplexity (every token a decode
+    step) and sparse prefill are refused before weights load."""
+    from harness.run import protocol_reasons
+    from methods.base import Protocol
+    from tasks import build_task
+
+    info = ModelInfo(num_layers=4, num_heads=2, num_kv_heads=2, head_dim=8, max_positions=64)
+    method = build_method("minicache")
+    streaming = build_task("perplexity", mode="streaming")
+    assert any("compresses only over a prefilled prompt" in r
+               for r in protocol_reasons(method, streaming, info, Protocol()))
+    assert any("runner.prefill=sparse" in r for r in protocol_reasons(
+        method, build_task("perplexity", mode="chunked"), info, Protocol(prefill="sparse")))
