@@ -22,8 +22,9 @@ exact 1-D k-means (dynamic programming, deterministic; sklearn's KMeans there ha
 fewer than three compressed layers, as many clusters as layers; identical c_l everywhere (one
 centre) leave the allocation uniform; the similarity is over the tokens fed since the last prompt
 ended (the prompt itself for the first one); layers left dense by the protocol are outside the
-allocation. The released code's inner policies are StreamingLLM (Llama) and a sliding window
-(Mistral); here any method on the scored-eviction template without offline preparation.
+allocation. The released code's inner policies are StreamingLLM (Llama: 4 sinks + recent, keys re-rotated
+at in-cache positions; `scorer=streaming_llm`) and a sliding window (Mistral); here any method on
+the scored-eviction template (SCORERS), H2O by default as in the paper.
 
 Hyperparameters:
     budget_ratio / budget_tokens: the uniform budget `ini` (one budget rule, methods/base.py).
@@ -48,7 +49,7 @@ from methods.base import Capabilities, KVLayer, ModelInfo
 from methods.eviction import BudgetedMethod, EvictionLayer
 from methods.snapkv import own_mask
 
-SCORERS = ("h2o", "tova", "scissorhands", "keydiff", "snapkv", "kvmerger")
+SCORERS = ("h2o", "streaming_llm", "tova", "scissorhands", "keydiff", "snapkv", "kvmerger")
 
 
 @dataclass(kw_only=True)
@@ -56,7 +57,7 @@ class SqueezeAttention(BudgetedMethod):
     name: ClassVar[str] = "squeezeattention"
     capabilities: ClassVar[Capabilities] = Capabilities(  # per instance: the scorer's, adjusted
         needs_attn_scores=True, needs_prefill=True, prefill_modes=("dense",), selects_tokens=True,
-        observes_attention_block=True)
+        observes_attention_block=True, needs_prepare=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("scorer", "low_group_ratio")
     low_group_ratio: float = 0.5
     scorer: str = "h2o"
@@ -89,6 +90,16 @@ class SqueezeAttention(BudgetedMethod):
     @classmethod
     def lossless_hyperparameters(cls, seq_tokens: int) -> dict:
         return {"budget_tokens": seq_tokens, "low_group_ratio": 1.0}
+
+    # The scorer's own needs (StreamingLLM re-rotates its sinks with the model's RoPE).
+    def prepare(self, ctx) -> dict:
+        return self.inner.prepare(ctx)
+
+    def needs_rope(self) -> bool:
+        return self.inner.needs_rope()
+
+    def bounds_positions(self) -> bool:
+        return self.inner.bounds_positions()
 
     def layer_tokens(self, factor: float, seen: int) -> int:
         """Tokens a layer with budget `factor` (x the uniform budget) keeps after `seen` tokens."""

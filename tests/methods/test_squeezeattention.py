@@ -97,13 +97,15 @@ def test_layers_keep_their_squeezed_budget(stories):
         assert [x.kept_tokens() for x in layers] == [int(f * 0.2 * 160) for f in factors]
 
 
-def test_uniform_allocation_equals_the_scorer_alone(tiny_model):
-    """low_group_ratio = 1: every layer keeps the uniform budget, exactly as H2O with a full prefill
-    compressed at its end (H2O with one prompt chunk acts at the same moment)."""
+@pytest.mark.parametrize("scorer", ["h2o", "streaming_llm"])
+def test_uniform_allocation_equals_the_scorer_alone(tiny_model, scorer):
+    """low_group_ratio = 1: every layer keeps the uniform budget, exactly as the scorer with a full
+    prefill compressed at its end (the scorer with one prompt chunk acts at the same moment)."""
     ids = torch.arange(3, 60)
     out = []
-    for method in (build_method("squeezeattention", budget_tokens=12, low_group_ratio=1.0),
-                   build_method("h2o", budget_tokens=12)):
+    for method in (build_method("squeezeattention", budget_tokens=12, low_group_ratio=1.0,
+                                scorer=scorer),
+                   build_method(scorer, budget_tokens=12)):
         engine = make_engine(tiny_model, method, chunk=64)
         with engine.request() as req:
             logits = [req.prefill(ids[:50])] + [req.step(t.view(1)) for t in ids[50:]]
@@ -118,6 +120,9 @@ def test_capabilities_follow_the_scorer():
     snap = build_method("squeezeattention", scorer="snapkv", scorer_options={"window_tokens": 8})
     assert h2o.capabilities.acts_during_decode and not snap.capabilities.acts_during_decode
     assert snap.inner.window_tokens == 8
+    streaming_llm = build_method("squeezeattention", scorer="streaming_llm")
+    assert streaming_llm.needs_rope() and streaming_llm.capabilities.needs_prepare
+    assert not h2o.needs_rope() and not h2o.capabilities.needs_prepare
     streaming = build_task("perplexity", mode="streaming")
     for method in (h2o, snap):  # the allocation needs a prompt
         assert any("compresses only over a prefilled prompt" in r
