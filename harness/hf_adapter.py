@@ -168,7 +168,8 @@ def bind(model, cache: MethodCache) -> Iterator[MethodCache]:
     (nothing, or an outer request's layers while a shadow request runs), even on error."""
     modules = attention_modules(model)
     previous = [getattr(m, _BOUND_ATTR, None) for m in modules]
-    hooks = _attention_block_hooks(model) if getattr(cache, "observes_attention_block", False) else []
+    observes = getattr(cache, "observes_attention_block", False)
+    hooks = _attention_block_hooks(model) if observes else []
     try:
         for module, kv in zip(modules, cache.kv_layers):
             setattr(module, _BOUND_ATTR, kv)

@@ -45,7 +45,8 @@ class Capabilities:
     selects_tokens: bool = False
     kv_layouts: tuple[str, ...] = ("heads",)  # cache layouts it can hold (ModelInfo.kv_layout)
     # Wants `KVLayer.observe_attention_block(residual, attention_output)` at every forward: the
-    # residual stream entering each decoder layer and its attention block's output (SqueezeAttention).
+    # residual stream entering each decoder layer and its attention block's output
+    # (SqueezeAttention).
     observes_attention_block: bool = False
 
 
@@ -206,7 +207,8 @@ class KVLayer:
         method can speculate and start moving K/V while the previous layer still computes.
         Only called for methods with `lookahead` or when the runner offloads the KV."""
 
-    def observe_attention_block(self, residual: torch.Tensor, attention_output: torch.Tensor) -> None:
+    def observe_attention_block(self, residual: torch.Tensor,
+                                attention_output: torch.Tensor) -> None:
         """Called after this layer's attention block at every forward, for methods declaring
         `observes_attention_block`: `residual` is the decoder layer's input (the residual stream
         before its norm) and `attention_output` what the attention block adds to it (after the

@@ -50,8 +50,8 @@ from methods.snapkv import SnapKVLayer, window_votes
 class KVMerger(BudgetedMethod):
     name: ClassVar[str] = "kvmerger"
     capabilities: ClassVar[Capabilities] = Capabilities(
-        needs_attn_scores=True, acts_during_decode=False, needs_prefill=True, prefill_modes=("dense",),
-        selects_tokens=True)
+        needs_attn_scores=True, acts_during_decode=False, needs_prefill=True,
+        prefill_modes=("dense",), selects_tokens=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("window_tokens",)
     budget_ratio: float | None = 0.5
     window_tokens: int = 32
@@ -59,7 +59,8 @@ class KVMerger(BudgetedMethod):
     def check_hyperparameters(self) -> list[str]:
         reasons = super().check_hyperparameters()
         if not isinstance(self.window_tokens, int) or self.window_tokens <= 0:
-            reasons.append(f"method.window_tokens={self.window_tokens!r} must be a positive integer")
+            reasons.append(f"method.window_tokens={self.window_tokens!r} must be a positive "
+                           "integer")
         return reasons
 
     @classmethod
@@ -125,7 +126,8 @@ def pivots(scores: torch.Tensor, set_id: torch.Tensor, sets: int) -> torch.Tenso
 
 def gaussian_merge(keys: torch.Tensor, values: torch.Tensor, set_id: torch.Tensor,
                    pivot: torch.Tensor, sets: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gaussian-kernel-weighted K and V of each set, `(B, H, sets, D)` fp32, centred on its pivot."""
+    """Gaussian-kernel-weighted K and V of each set, `(B, H, sets, D)` fp32, centred on its
+    pivot."""
     def per_set(x: torch.Tensor) -> torch.Tensor:  # (B, H, P) -> sums per set (B, H, sets)
         return x.new_zeros((*x.shape[:2], sets)).scatter_add_(-1, set_id, x)
 

@@ -48,7 +48,8 @@ KINDS = ("k", "v")
 @dataclass(kw_only=True)
 class MiniCache(KVMethod):
     name: ClassVar[str] = "minicache"
-    capabilities: ClassVar[Capabilities] = Capabilities(needs_prefill=True, prefill_modes=("dense",))
+    capabilities: ClassVar[Capabilities] = Capabilities(needs_prefill=True,
+                                                        prefill_modes=("dense",))
     axis_keys: ClassVar[tuple[str, ...]] = ("start_layer_ratio", "retain_ratio")
     variant_keys: ClassVar[tuple[str, ...]] = ("interpolation_ratio",)
     start_layer_ratio: float = 0.5
@@ -95,7 +96,8 @@ class MiniCacheLayer(KVLayer):
         # retained tokens, per kind: "{k,v}_row" (N,) = b * H_kv + h, "{k,v}_at" (N,) token index,
         # "{k,v}_exact" (N, 2, D) the exact vectors [lower, upper]
         self.retained: dict[str, torch.Tensor] = {}
-        self.threshold: torch.Tensor | None = None  # lower: (2, B, H_kv) delta above which to retain
+        # lower layer: (2, B, H_kv) the delta above which a K / V token is retained
+        self.threshold: torch.Tensor | None = None
 
     def partner(self) -> MiniCacheLayer | None:
         upper = self.next_layer
@@ -104,7 +106,7 @@ class MiniCacheLayer(KVLayer):
         return None
 
     def holder(self) -> tuple[MiniCacheLayer | None, int]:
-        """The layer holding this layer's merged tokens, and this layer's side (0 lower, 1 upper)."""
+        """The layer holding this layer's merged tokens and this layer's side (0 lower, 1 upper)."""
         return (self.partner(), 0) if self.role == "lower" else (self, 1)
 
     # --- cache seam -------------------------------------------------------------------------
@@ -164,7 +166,8 @@ class MiniCacheLayer(KVLayer):
     def restore(self, kind: str, side: int) -> torch.Tensor:
         """The merged tokens of one layer of the pair, `(B, H_kv, merged, D)`."""
         m = self.merged_tokens
-        out = self.store[f"{kind}_dir"][:, :, :m] * self.store[f"{kind}_norm"][:, :, :m, side:side + 1]
+        norm = self.store[f"{kind}_norm"][:, :, :m, side:side + 1]
+        out = self.store[f"{kind}_dir"][:, :, :m] * norm
         b, h, _, d = out.shape
         flat = out.view(b * h, m, d)
         flat[self.retained[f"{kind}_row"], self.retained[f"{kind}_at"]] = \
@@ -194,7 +197,8 @@ class MiniCacheLayer(KVLayer):
 
 def slerp_merge(upper: torch.Tensor, lower: torch.Tensor, t: float, eps: float = 1e-6):
     """Merge two layers' vectors `(B, H, n, D)`: the SLERP direction at `t` toward `upper` (fp32,
-    unit), the magnitudes `(B, H, n, 2)` [lower, upper] and the normalised angle Omega/pi `(B, H, n)`."""
+    unit), the magnitudes `(B, H, n, 2)` [lower, upper] and the normalised angle Omega/pi
+    `(B, H, n)`."""
     norm_upper = upper.float().norm(dim=-1, keepdim=True)
     norm_lower = lower.float().norm(dim=-1, keepdim=True)
     unit_upper = upper.float() / norm_upper.clamp_min(eps)

@@ -22,9 +22,9 @@ exact 1-D k-means (dynamic programming, deterministic; sklearn's KMeans there ha
 fewer than three compressed layers, as many clusters as layers; identical c_l everywhere (one
 centre) leave the allocation uniform; the similarity is over the tokens fed since the last prompt
 ended (the prompt itself for the first one); layers left dense by the protocol are outside the
-allocation. The released code's inner policies are StreamingLLM (Llama: 4 sinks + recent, keys re-rotated
-at in-cache positions; `scorer=streaming_llm`) and a sliding window (Mistral); here any method on
-the scored-eviction template (SCORERS), H2O by default as in the paper.
+allocation. The released code's inner policies are StreamingLLM (Llama: 4 sinks + recent, keys
+re-rotated at in-cache positions; `scorer=streaming_llm`) and a sliding window (Mistral); here any
+method on the scored-eviction template (SCORERS), H2O by default as in the paper.
 
 Hyperparameters:
     budget_ratio / budget_tokens: the uniform budget `ini` (one budget rule, methods/base.py).

@@ -112,7 +112,7 @@ class _BlockObserverMethod(KVMethod):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_attention_block_seam_gives_layer_input_and_attention_output(family, family_models):
-    """`observes_attention_block`: each layer sees its decoder layer's input (the model's own
+    """`observes_attention_block`: each layer sees its decoder layer's input (the model's
     hidden_states[l]) and an attention output of the same shape, at every forward; the hooks
     exist only while bound, and only for methods declaring the capability."""
     model = family_models(family, 2)

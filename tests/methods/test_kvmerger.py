@@ -17,7 +17,7 @@ def no_attention(module, query, keys, values, mask, **kwargs):
 
 
 def test_merging_sets_by_hand():
-    """methods-2.md §6: adjacent cosines [.99, .20, .97, .98] and 2 sets wanted -> {0,1} {2,3,4}."""
+    """methods-2.md §6: adjacent cosines [.99, .20, .97, .98], 2 sets wanted -> {0,1} {2,3,4}."""
     angles = torch.tensor([0.0, math.acos(0.99), math.acos(0.2), math.acos(0.97), math.acos(0.98)])
     angles = angles.cumsum(0)
     keys = torch.stack([angles.cos(), angles.sin()], dim=-1).view(1, 1, 5, 2) * 3.0

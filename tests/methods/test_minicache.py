@@ -32,7 +32,8 @@ def test_merging_commutes_with_a_shared_rotation():
     torch.manual_seed(0)
     upper, lower = torch.randn(1, 2, 5, 4), torch.randn(1, 2, 5, 4)
     angle = torch.tensor(0.7)
-    rot = torch.block_diag(*[torch.tensor([[angle.cos(), -angle.sin()], [angle.sin(), angle.cos()]])] * 2)
+    plane = torch.tensor([[angle.cos(), -angle.sin()], [angle.sin(), angle.cos()]])
+    rot = torch.block_diag(plane, plane)
     merged, norms, delta = slerp_merge(upper, lower, 0.6)
     rotated, norms_r, delta_r = slerp_merge(upper @ rot.T, lower @ rot.T, 0.6)
     assert torch.allclose(rotated, merged @ rot.T, atol=1e-5)
@@ -40,7 +41,8 @@ def test_merging_commutes_with_a_shared_rotation():
 
 
 def pair(retain_ratio=0.25, d=4, heads=1):
-    info = ModelInfo(num_layers=2, num_heads=heads, num_kv_heads=heads, head_dim=d, max_positions=64)
+    info = ModelInfo(num_layers=2, num_heads=heads, num_kv_heads=heads, head_dim=d,
+                     max_positions=64)
     method = build_method("minicache", start_layer_ratio=0.0, retain_ratio=retain_ratio)
     lower, upper = method.make_layer(0, info), method.make_layer(1, info)
     lower.next_layer = upper

@@ -13,11 +13,13 @@ from methods.base import Protocol
 from methods.squeezeattention import budget_factors, kmeans_1d
 from tasks import build_task
 from tests.conftest import make_engine
+from tests.models import family_config
 
 
 def test_allocation_by_hand():
     """methods-2.md §5: L = 6, ini = 0.4, p = 0.2 (low_group_ratio 0.5), c = [.20 .50 .52 .90 .92
-    .95] -> clusters {0} {1,2} {3,4,5}; a = (2.4 - 0.6)/3 = 0.6; n = 1000 -> caps [600 x3, 200 x3]."""
+    .95] -> clusters {0} {1,2} {3,4,5}; a = (2.4 - 0.6)/3 = 0.6; n = 1000 -> caps [600 x3,
+    200 x3]."""
     c = [0.20, 0.50, 0.52, 0.90, 0.92, 0.95]
     centres = kmeans_1d(c, 3)
     assert centres[0] == 0.20 and centres[1] == centres[2] == pytest.approx(0.51)
@@ -54,8 +56,9 @@ def test_similarity_seam_matches_the_models_hidden_states(stories, monkeypatch):
     seen, clustered = {}, []
 
     def keep(key):
-        return lambda module, args, kwargs: seen.__setitem__(key, kwargs.get("hidden_states",
-                                                                             args[0] if args else None))
+        def hook(module, args, kwargs):
+            seen[key] = kwargs.get("hidden_states", args[0] if args else None)
+        return hook
 
     pre_hooks = sum(len(d._forward_pre_hooks) for d in hf_adapter.decoder_layers(model))
     hooks = []
@@ -115,7 +118,7 @@ def test_uniform_allocation_equals_the_scorer_alone(tiny_model, scorer):
 
 
 def test_capabilities_follow_the_scorer():
-    info = hf_adapter.model_info(__import__("tests.models", fromlist=["family_config"]).family_config("llama"))
+    info = hf_adapter.model_info(family_config("llama"))
     h2o = build_method("squeezeattention")
     snap = build_method("squeezeattention", scorer="snapkv", scorer_options={"window_tokens": 8})
     assert h2o.capabilities.acts_during_decode and not snap.capabilities.acts_during_decode
