@@ -10,6 +10,8 @@ budget and the freed budget is shared evenly by the other layers (G12), so the t
 uniform budget:
     factor(G3) = low_group_ratio,  factor(G12) = (L - |G3| * low_group_ratio) / |G12|,
     layer budget = int(factor * budget_ratio * seen)   (or int(factor * budget_tokens)).
+A budget above the tokens seen keeps them all (as the official code: "capped at n in effect"),
+so when the squeezed group is large the layers hold less than L x the uniform budget in total.
 The `scorer` then runs in each layer with that budget (H2O by default, as in the paper): the
 prompt is held in full (dense prefill, as the official code), compressed at its end, and decoding
 continues under the scorer's own policy. Paper: 30-70 % memory reduction and up to 2.2x
