@@ -81,6 +81,11 @@ class FanOutLayer:
             pos = None if position_ids is None else position_ids[r:r + 1, :n]
             kv.prefetch(hidden[r:r + 1, :n], pos, ahead)
 
+    def observe_attention_block(self, residual: torch.Tensor, output: torch.Tensor) -> None:
+        """(B, T, hidden) each: row r's real rows to its sequence's layer."""
+        for r, kv, n in self.routing.rows(self.layer_idx):
+            kv.observe_attention_block(residual[r:r + 1, :n], output[r:r + 1, :n])
+
     # --- attention seam ---------------------------------------------------------------------
     def attend(self, module, query: torch.Tensor, keys, values, attention_mask, base, **kwargs):
         """query `(B, H_q, T, D)` -> output `(B, T, H_q, D)`; row r attends its own sequence only."""

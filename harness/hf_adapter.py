@@ -6,9 +6,14 @@ Seams used, all public in 5.24:
   * `AttentionInterface` + `AttentionMaskInterface` registrations under our own names
     (`kvh_sdpa`, `kvh_eager`): without the mask registration the causal mask is None and a chunked
     prefill over a non-empty cache is silently wrong (stack.md §1);
-  * a per-request binding of each attention module to its `KVLayer` (`bind`), always undone;
-  * for batches (`harness.batch`), the same mask functions called per sequence and layer
-    (`sequence_mask`), since one batch mask cannot describe ragged per-sequence caches.
+  * a per-request binding of each attention module to its `KVLayer` (`bind`), always undone,
+    renewed by every `forward` for its own cache;
+  * each layer's attention mask built by the registered mask functions from that layer's own
+    sizes (`sequence_mask`): the model builds one from the first layer's, which is wrong for a
+    layer holding a different number of keys, and for ragged per-sequence caches (batches);
+  * for methods declaring `observes_attention_block` only, torch forward hooks during a request's
+    `bind`: a pre-hook on each decoder layer (its input) and a hook on its attention module (its
+    output).
 
 `tests/harness/test_hf_adapter.py` pins these seams: upgrading transformers breaks it first.
 """
@@ -121,6 +126,7 @@ class MethodCache(Cache):
         for kv, nxt in zip(self.kv_layers, self.kv_layers[1:] + [None]):
             kv.tier, kv.next_layer, kv.protocol = tier, nxt, protocol
         super().__init__(layers=[_BridgeLayer(kv, info) for kv in self.kv_layers])
+        self.observes_attention_block = method.capabilities.observes_attention_block
 
 
 class BatchCache(Cache):
@@ -129,6 +135,7 @@ class BatchCache(Cache):
 
     def __init__(self, caches: list[MethodCache], fan_out_layers: list, routing):
         self.caches, self.kv_layers, self.routing = caches, fan_out_layers, routing
+        self.observes_attention_block = caches[0].observes_attention_block
         for layer, nxt in zip(fan_out_layers, fan_out_layers[1:] + [None]):
             layer.next_layer = nxt
         super().__init__(layers=[_BridgeLayer(layer) for layer in fan_out_layers])
@@ -186,19 +193,46 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(layers)
 
 
+def _attention_block_hooks(model) -> list:
+    """Hooks handing each bound KVLayer its decoder layer's input (the residual stream, before the
+    norm) and its attention block's output (`Capabilities.observes_attention_block`)."""
+    handles = []
+    for decoder, attn in zip(decoder_layers(model), attention_modules(model)):
+        residual = {}
+
+        def keep_input(module, args, kwargs, residual=residual):
+            residual["x"] = kwargs.get("hidden_states", args[0] if args else None)
+
+        def observe(module, args, kwargs, output, residual=residual):
+            layer: KVLayer | None = getattr(module, _BOUND_ATTR, None)
+            if layer is not None and "x" in residual:
+                out = output[0] if isinstance(output, tuple) else output
+                layer.observe_attention_block(residual.pop("x"), out)
+
+        handles.append(decoder.register_forward_pre_hook(keep_input, with_kwargs=True))
+        handles.append(attn.register_forward_hook(observe, with_kwargs=True))
+    return handles
+
+
 @contextlib.contextmanager
-def bind(model, cache: MethodCache) -> Iterator[MethodCache]:
+def bind(model, cache: MethodCache, hooks: bool = True) -> Iterator[MethodCache]:
     """Bind each attention module to its request's KVLayer; always restore what was bound before
-    (nothing, or an outer request's layers while a shadow request runs), even on error."""
+    (nothing, or an outer request's layers while a shadow request runs), even on error. `hooks`:
+    also the attention-block hooks a method asks for (a request's bind; `forward`'s re-binding
+    for one forward adds none, so they never run twice)."""
     modules = attention_modules(model)
     attrs = (_BOUND_ATTR, _BRIDGE_ATTR)
     previous = [[getattr(m, a, None) for a in attrs] for m in modules]
+    observes = hooks and getattr(cache, "observes_attention_block", False)
+    handles = _attention_block_hooks(model) if observes else []
     try:
         for module, kv, bridge in zip(modules, cache.kv_layers, cache.layers):
             setattr(module, _BOUND_ATTR, kv)
             setattr(module, _BRIDGE_ATTR, bridge)
         yield cache
     finally:
+        for handle in handles:
+            handle.remove()
         for module, prev in zip(modules, previous):
             for attr, value in zip(attrs, prev):
                 if value is None:
@@ -215,7 +249,7 @@ def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: C
     # Attention finds its layer through the module binding: bind this forward's own cache, so
     # requests open side by side (nested contexts, a diagnostics shadow) never cross.
     ours = isinstance(cache, (MethodCache, BatchCache))
-    with bind(model, cache) if ours else contextlib.nullcontext():
+    with bind(model, cache, hooks=False) if ours else contextlib.nullcontext():
         out = model(input_ids=input_ids, position_ids=position_ids, cache=cache,
                     use_cache=cache is not None, logits_to_keep=logits_to_keep)
     return out.logits

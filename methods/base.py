@@ -46,6 +46,10 @@ class Capabilities:
     # holds the most recent tokens contiguously, so an evicted or selected set would be misplaced.
     selects_tokens: bool = False
     kv_layouts: tuple[str, ...] = ("heads",)  # cache layouts it can hold (ModelInfo.kv_layout)
+    # Wants `KVLayer.observe_attention_block(residual, attention_output)` at every forward: the
+    # residual stream entering each decoder layer and its attention block's output
+    # (SqueezeAttention).
+    observes_attention_block: bool = False
 
 
 PREFILL_MODES = ("dense", "sparse")
@@ -204,6 +208,13 @@ class KVLayer:
         layer earlier (`ahead=True`, with the previous layer's attention input x_{i-1}), so a
         method can speculate and start moving K/V while the previous layer still computes.
         Only called for methods with `lookahead` or when the runner offloads the KV."""
+
+    def observe_attention_block(self, residual: torch.Tensor,
+                                attention_output: torch.Tensor) -> None:
+        """Called after this layer's attention block at every forward, for methods declaring
+        `observes_attention_block`: `residual` is the decoder layer's input (the residual stream
+        before its norm) and `attention_output` what the attention block adds to it (after the
+        output projection), both `(B, q_len, hidden)`."""
 
     def attended_tokens(self) -> int:
         """Tokens the last decode step attended to (for the density / relative-KV-size figure)."""

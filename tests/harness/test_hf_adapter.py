@@ -1,13 +1,16 @@
 """Contract test of the transformers seams we rely on (upgrading transformers breaks this first)."""
 
+import dataclasses
 import inspect
 
+import pytest
 import torch
 import transformers
 
 from harness import hf_adapter
-from methods.base import KVLayer, KVMethod
+from methods.base import Capabilities, KVLayer, KVMethod
 from tests.conftest import make_engine
+from tests.models import FAMILIES
 
 
 def test_pinned_transformers_version():
@@ -88,3 +91,50 @@ def test_model_info_gqa(tiny_model):
     info = hf_adapter.model_info(tiny_model.config)
     assert (info.num_heads, info.num_kv_heads, info.head_dim, info.group_size) == (4, 2, 16, 2)
     assert info.kv_bytes_per_token() == 2 * 2 * 2 * 16 * 4
+
+
+class _BlockObserver(KVLayer):
+    def __init__(self, layer_idx, info):
+        super().__init__(layer_idx, info)
+        self.seen = []
+
+    def observe_attention_block(self, residual, attention_output):
+        self.seen.append((residual.clone(), attention_output.clone()))
+
+
+@dataclasses.dataclass(kw_only=True)
+class _BlockObserverMethod(KVMethod):
+    name = "block_observer"
+    capabilities = Capabilities(observes_attention_block=True)
+
+    def make_layer(self, layer_idx, info):
+        return _BlockObserver(layer_idx, info)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_attention_block_seam_gives_layer_input_and_attention_output(family, family_models):
+    """`observes_attention_block`: each layer sees its decoder layer's input (the model's
+    hidden_states[l]) and an attention output of the same shape, at every forward; the hooks
+    exist only while bound, and only for methods declaring the capability."""
+    model = family_models(family, 2)
+    ids = torch.arange(3, 13)[None]
+    with torch.no_grad():
+        hidden = model(input_ids=ids, output_hidden_states=True).hidden_states
+    def hooks():  # transformers may hold its own (output recording)
+        return (sum(len(m._forward_hooks) for m in hf_adapter.attention_modules(model))
+                + sum(len(d._forward_pre_hooks) for d in hf_adapter.decoder_layers(model)))
+
+    before = hooks()
+    for method in (_RecorderMethod(), _BlockObserverMethod()):
+        engine = make_engine(model, method, chunk=6)
+        with engine.request() as req:
+            req.prefill(ids[0])
+            observes = method.capabilities.observes_attention_block
+            assert hooks() == before + (2 * len(hidden[1:]) if observes else 0)
+            layers = req.cache.kv_layers
+        assert hooks() == before
+    for i, layer in enumerate(layers):  # the observer's
+        assert len(layer.seen) == 2  # chunks of 6 + 4
+        residual = torch.cat([r for r, _ in layer.seen], dim=1)
+        assert torch.allclose(residual, hidden[i], atol=1e-5), (family, i)
+        assert all(a.shape == r.shape for r, a in layer.seen)
