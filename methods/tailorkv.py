@@ -41,14 +41,15 @@ k = B - s - r. The paper's setting is `budget_tokens=192` (8 sinks + 56 recent +
 Quantized layers compress bytes, not tokens (no token budget, as KIVI).
 
 Defaults (paper / `scripts/long_test.sh`): k_bits = v_bits = 1, group_size 64, residual_tokens 128,
-sink 8, recent 56, 8 channels of 128, probe alpha 5 %, beta 0.2, n_q 32. Paper's number: Llama-3.1-8B
-at 128K context on one RTX 3090 at 82 ms/token, near-lossless on LongBench/InfiniteBench/RULER.
+sink 8, recent 56, 8 channels of 128, probe alpha 5 %, beta 0.2, n_q 32. Paper's number:
+Llama-3.1-8B at 128K context on one RTX 3090 at 82 ms/token, near-lossless on LongBench,
+InfiniteBench and RULER.
 
 Deliberate deviations:
   * No speculative channel prefetch: the paper picks the channels for layer l from a query computed
-    at layer l-1 (q_proj of l on l-1's input, RoPE'd) and prefetches those K^T rows on a thread; here
-    the channels are chosen from layer l's true query (more accurate, no overlap; `lookahead` is
-    not declared). The scoring and the bytes moved are the paper's.
+    at layer l-1 (q_proj of l on l-1's input, RoPE'd) and prefetches those K^T rows on a thread;
+    here the channels are chosen from layer l's true query (more accurate, no overlap; `lookahead`
+    is not declared). The scoring and the bytes moved are the paper's.
   * Generated tokens are treated like prompt tokens: they join the host store and, once out of the
     recent window, compete for the top-k (the paper keeps every generated token exact on the device,
     outside its budget). Streaming perplexity, which has no prompt, is thereby compressed too, and
@@ -82,7 +83,8 @@ class TailorKV(KVMethod):
     name: ClassVar[str] = "tailorkv"
     capabilities: ClassVar[Capabilities] = Capabilities(
         needs_prepare=True, offloads_kv=True, selects_tokens=True)
-    variant_keys: ClassVar[tuple[str, ...]] = ("k_bits", "v_bits", "quant_layers", "dense_threshold")
+    variant_keys: ClassVar[tuple[str, ...]] = ("k_bits", "v_bits", "quant_layers",
+                                               "dense_threshold")
     budget_ratio: float | None = 0.2
     budget_tokens: int | None = None
     sink_tokens: int = 8
@@ -181,14 +183,16 @@ class TailorKV(KVMethod):
         if ctx.calibration_ids is not None:
             return torch.as_tensor(ctx.calibration_ids).flatten()[:want], "ctx.calibration_ids"
         if ctx.tokenizer is None:  # models built in code (tests)
-            ids = torch.randint(3, ctx.vocab_size, (want,), generator=torch.Generator().manual_seed(0))
+            seeded = torch.Generator().manual_seed(0)
+            ids = torch.randint(3, ctx.vocab_size, (want,), generator=seeded)
             return ids, "seeded random token ids (no tokenizer)"
-        default = None if ctx.data_dir is None else Path(ctx.data_dir) / "pg19" / "pg19_firstbook.txt"
+        default = ctx.data_dir and Path(ctx.data_dir) / "pg19" / "pg19_firstbook.txt"
         path = Path(self.calibration_path) if self.calibration_path else default
         if path is None or not path.is_file():
             raise ConfigError(f"method.calibration_path={path}: no such file (TailorKV's layer "
                               "probe text; default: PG-19's first book in ../shared/data)")
-        ids = torch.tensor(ctx.tokenizer(path.read_text(encoding="utf-8"), verbose=False)["input_ids"])
+        text = path.read_text(encoding="utf-8")
+        ids = torch.tensor(ctx.tokenizer(text, verbose=False)["input_ids"])
         return ids[:want], str(path)
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
@@ -201,7 +205,8 @@ class TailorKV(KVMethod):
 
 def outside_top_mass(probs: torch.Tensor, top_ratio: float) -> float:
     """The dense score: mean over rows (and heads) of the probability mass outside each row's top
-    `top_ratio` of keys, probs `(..., q, T)`; k = max(1, int(top_ratio * T)) as the official probe."""
+    `top_ratio` of keys, probs `(..., q, T)`; k = max(1, int(top_ratio * T)), as the official
+    probe."""
     k = max(1, int(top_ratio * probs.shape[-1]))
     return float((1 - probs.topk(k, dim=-1).values.sum(-1)).mean())
 
@@ -285,7 +290,8 @@ class TopKOffloadLayer(KVLayer):
         self.recent_k = _append(self.recent_k, keys)[:, :, -keep:].clone()
         self.recent_v = _append(self.recent_v, values)[:, :, -keep:].clone()
         absmax = keys.abs().amax(2)  # (B, H_kv, D)
-        self.key_absmax = absmax if self.key_absmax is None else torch.maximum(self.key_absmax, absmax)
+        held = self.key_absmax
+        self.key_absmax = absmax if held is None else torch.maximum(held, absmax)
 
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
         if query.shape[2] > 1:  # a prefill chunk: dense, as in the paper

@@ -241,7 +241,8 @@ KNOWN_EXCEPTIONS = {
                             "outputs equal dequantize-then-attend (tests/methods/test_kivi.py)"),
     ("tailorkv", None): (False, "TailorKV's quantized layers are KIVI's (see kivi) and its sparse "
                                 "layers hold a different number of keys: " + _ONE_MASK + "; the "
-                                "sparse layers alone pass strictly (tests/methods/test_tailorkv.py)"),
+                                "sparse layers alone pass strictly "
+                                "(tests/methods/test_tailorkv.py)"),
     **{(name, None): (False, "head-wise caches: streaming heads hold fewer keys than retrieval "
                              "heads, so kept_positions pads their rows by repeating the last "
                              "position (kept positions are not unique per head); outputs are "

@@ -140,7 +140,8 @@ def test_sparse_step_fetches_the_hand_computed_top_k():
     k_out, v_out = layer.update(keys, values, None)
     assert torch.equal(k_out, keys)  # a prefill chunk attends everything
     layer.attend(None, prompt_q, k_out, v_out, None, eager, scaling=d ** -0.5)
-    new_k, new_v, q = torch.randn(1, h_kv, 1, d), torch.randn(1, h_kv, 1, d), torch.randn(1, h_kv * g, 1, d)
+    new_k, new_v = torch.randn(1, h_kv, 1, d), torch.randn(1, h_kv, 1, d)
+    q = torch.randn(1, h_kv * g, 1, d)
     assert layer.mask_sizes(1) == (5, 35)
     dev_k, dev_v = layer.update(new_k, new_v, None)
     assert dev_k.shape[2] == 5  # 2 sinks + 3 recent (the new token included), on the device
@@ -156,7 +157,8 @@ def test_sparse_step_fetches_the_hand_computed_top_k():
         expected.append(sorted((approx.topk(5).indices + 2).tolist()))
     rows = layer.positions[0, :, 2:7].tolist()
     assert rows == expected
-    assert layer.positions[0, 0, :2].tolist() == [0, 1] and layer.positions[0, 0, 7:].tolist() == [37, 38, 39]
+    assert layer.positions[0, 0, :2].tolist() == [0, 1]  # sinks
+    assert layer.positions[0, 0, 7:].tolist() == [37, 38, 39]  # recent, the new token last
     keep = torch.zeros(1, h_kv * g, 1, n, dtype=torch.bool)
     for h in range(h_kv):
         keep[0, h * g:(h + 1) * g, 0, layer.positions[0, h]] = True
@@ -203,7 +205,8 @@ def test_budget_holds_at_every_step_of_a_model_run(tiny_model, quant_layers, tmp
     assert torch.isfinite(logits).all()
     sample = engine.ledger.samples[-1]
     sparse = [i for i in range(info.num_layers) if i not in quant_layers]
-    assert all(sample["selected_per_layer"][i] == 12 == sample["budget_per_layer"][i] for i in sparse)
+    assert all(sample["selected_per_layer"][i] == 12 == sample["budget_per_layer"][i]
+               for i in sparse)
     assert all(sample["device_bytes_per_layer"][i] < sample["bytes_per_layer"][i] for i in sparse)
     assert engine.transfers.summary()["bytes_per_decode_step"] > 0
     if checker:
@@ -215,7 +218,8 @@ def test_over_budget_is_caught_by_the_engine(tiny_model, monkeypatch):
     refused (the budget check can fail)."""
     method = build_method("tailorkv", budget_tokens=8, sink_tokens=2, recent_tokens=2,
                           quant_layers=[])
-    monkeypatch.setattr(TopKOffloadLayer, "allowed_tokens", lambda self: 7 if self._step_budget else None)
+    monkeypatch.setattr(TopKOffloadLayer, "allowed_tokens",
+                        lambda self: 7 if self._step_budget else None)
     engine = make_engine(tiny_model, method, chunk=16)
     with pytest.raises(BudgetViolation, match="budget is 7"):
         with engine.request() as req:
@@ -226,12 +230,14 @@ def test_over_budget_is_caught_by_the_engine(tiny_model, monkeypatch):
 # --- configuration ---------------------------------------------------------------------------
 @pytest.mark.parametrize("hyper, message", [
     ({"k_bits": 3}, "method.k_bits=3; allowed: 1, 2, 4, 8"),
-    ({"residual_tokens": 100}, "method.residual_tokens=100 must be a multiple of method.group_size=64"),
+    ({"residual_tokens": 100},
+     "method.residual_tokens=100 must be a multiple of method.group_size=64"),
     ({"recent_tokens": 0}, "method.recent_tokens=0 must be an integer >= 1"),
     ({"channel_ratio": 0.0}, "method.channel_ratio=0.0 must be in (0, 1]"),
     ({"dense_threshold": 1.5}, "method.dense_threshold=1.5 must be in [0, 1]"),
     ({"quant_layers": [-1]}, "method.quant_layers=[-1] must be layer indices >= 0"),
-    ({"budget_ratio": None, "budget_tokens": 0}, "method.budget_tokens=0 must be a positive integer"),
+    ({"budget_ratio": None, "budget_tokens": 0},
+     "method.budget_tokens=0 must be a positive integer"),
 ])
 def test_bad_config_is_one_line_naming_the_key(hyper, message):
     with pytest.raises(ConfigError) as err:
