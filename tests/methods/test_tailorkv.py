@@ -213,6 +213,22 @@ def test_budget_holds_at_every_step_of_a_model_run(tiny_model, quant_layers, tmp
         assert checker.compressed
 
 
+def test_sparse_prefill_protocol_selects_for_every_prompt_row(tiny_model):
+    """runner.prefill=sparse: the prompt goes one token at a time and each row is a sparse step."""
+    from methods.base import Protocol
+
+    method = build_method("tailorkv", budget_tokens=6, sink_tokens=1, recent_tokens=2,
+                          quant_layers=[])
+    engine = make_engine(tiny_model, method, chunk=16, protocol=Protocol(prefill="sparse"))
+    with engine.request() as req:
+        req.prefill(torch.randint(3, 250, (1, 24), generator=torch.Generator().manual_seed(1)))
+        layer = req.cache.kv_layers[1]
+        assert layer.allowed_tokens() == 6 and layer.positions.shape[-1] == 6
+        row = layer.positions[0, 0].tolist()  # sink 0, 3 chosen in [1, 22), recent 22 and 23
+        assert row[0] == 0 and row[-2:] == [22, 23] and all(1 <= p < 22 for p in row[1:4])
+    assert engine.transfers.summary()["copies_h2d"] > 0  # rows beyond the budget were fetched
+
+
 def test_over_budget_is_caught_by_the_engine(tiny_model, monkeypatch):
     """The per-forward check is live: a layer that attends one token more than it reports is
     refused (the budget check can fail)."""
