@@ -120,6 +120,20 @@ def test_one_bit_kernel_matches_the_reference():
                        kq.dequantize_ref(ref, 1, 64, torch.float32))
 
 
+def test_one_bit_decode_attention_kernel_equals_dequantize_then_attend():
+    """KIVI's fused decode kernel (interpreter) and torch path at 1 bit, as TailorKV uses them."""
+    from methods.kernels import kivi_attention as ka
+    from tests.methods.test_kivi import dense_reference, packed_cache
+
+    cache = packed_cache(64, 10, 48, k_bits=1, v_bits=1, k_group=32, v_group=16)
+    query = torch.randn(1, 6, 1, 16, generator=torch.Generator().manual_seed(3))
+    want = dense_reference(query, cache, 0.25)
+    torch.testing.assert_close(ka.decode_attention_torch(query, cache, 0.25), want,
+                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ka.decode_attention_triton(query, cache, 0.25, splits=2, block_t=16),
+                               want, rtol=1e-5, atol=1e-6)
+
+
 # --- sparse layers ---------------------------------------------------------------------------
 def sparse_layer(h_kv=2, groups=2, d=8, **knobs):
     info = info_of(layers=1, h_kv=h_kv, groups=groups, d=d)
