@@ -17,6 +17,7 @@ from methods.scoring import attention_with_probs
 from methods.tailorkv import TopKOffloadLayer, outside_top_mass
 from tests.conftest import make_engine
 from tests.methods.test_contract import StepChecker
+from tests.methods.test_kivi import torch_path  # noqa: F401  (fixture: no Triton interpreter)
 
 
 def eager(module, query, keys, values, mask, **kwargs):
@@ -196,7 +197,8 @@ def test_budget_covering_the_tokens_attends_all_of_them():
 
 
 @pytest.mark.parametrize("quant_layers", [[], [0]])
-def test_budget_holds_at_every_step_of_a_model_run(tiny_model, quant_layers, tmp_path, monkeypatch):
+def test_budget_holds_at_every_step_of_a_model_run(tiny_model, quant_layers, tmp_path, monkeypatch,
+                                                   torch_path):
     """The engine checks every layer's budget after every forward (BudgetViolation otherwise);
     with only sparse layers the whole cache contract holds strictly at every step."""
     from harness import hf_adapter
@@ -241,6 +243,31 @@ def test_sparse_prefill_protocol_selects_for_every_prompt_row(tiny_model):
         row = layer.positions[0, 0].tolist()  # sink 0, 3 chosen in [1, 22), recent 22 and 23
         assert row[0] == 0 and row[-2:] == [22, 23] and all(1 <= p < 22 for p in row[1:4])
     assert engine.transfers.summary()["copies_h2d"] > 0  # rows beyond the budget were fetched
+
+
+def test_runner_offload_moves_the_quantized_layers_too_with_the_same_logits(tiny_model,
+                                                                           torch_path):
+    """runner.kv_offload=cpu: quantized (KIVI) layers keep their codes on the host as well; the
+    sparse layers are on the host either way, so the logits do not change."""
+    from harness import hf_adapter
+    from harness.engine import Engine, EngineSettings
+
+    ids = torch.randint(3, 250, (1, 60), generator=torch.Generator().manual_seed(6))
+    info = hf_adapter.model_info(tiny_model.config)
+    runs = {}
+    for offload in ("none", "cpu"):
+        method = build_method("tailorkv", budget_tokens=10, sink_tokens=2, recent_tokens=3,
+                              group_size=8, residual_tokens=8, quant_layers=[0])
+        hf_adapter.prepare(method, tiny_model, None, info)
+        engine = Engine(tiny_model, None, method, info,
+                        EngineSettings(prefill_chunk_tokens=16, kv_offload=offload))
+        with engine.request() as req:
+            logits = [req.prefill(ids[:, :40])] + [req.step(ids[:, t]) for t in range(40, 60)]
+        runs[offload] = (torch.cat(logits, 1), engine.transfers.summary())
+    assert torch.equal(runs["none"][0], runs["cpu"][0])
+    per_layer = {k: v[1]["bytes_h2d_per_layer"] for k, v in runs.items()}
+    assert per_layer["none"][0] == 0 < per_layer["cpu"][0]  # layer 0 quantized: offloaded or not
+    assert per_layer["none"][1] == per_layer["cpu"][1] > 0  # layer 1 sparse: always on the host
 
 
 def test_over_budget_is_caught_by_the_engine(tiny_model, monkeypatch):
