@@ -237,6 +237,17 @@ class HostKVStore:
         return (_HeadMajor(self.tier.to_device(self.layer_idx, keys)),
                 _HeadMajor(self.tier.to_device(self.layer_idx, values)))
 
+    def fetch_channels(self, channels: torch.Tensor) -> "_HeadMajor":
+        """Start moving a few key channels of every stored token: `channels (B, H_kv, c)` per
+        head, gathered on the host into a contiguous pinned staging buffer `(T, B, H_kv, c)`.
+        `wait()` gives `(B, H_kv, T, c)` (TailorKV scores tokens on them before fetching rows)."""
+        self._host_ready()
+        keys = self.keys[: self.length]  # (T, B, H_kv, D)
+        index = channels.to("cpu")[None].expand(self.length, *channels.shape)
+        staged = self.tier.host_tensor(index.shape, keys.dtype)
+        torch.gather(keys, 3, index, out=staged)
+        return _HeadMajor(self.tier.to_device(self.layer_idx, staged))
+
     def keep(self, index: torch.Tensor) -> None:
         """Compact the store to `index (B, H_kv, n)` per head (pool eviction; host-side only)."""
         self._host_ready()

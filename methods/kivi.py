@@ -72,25 +72,7 @@ class KIVI(KVMethod):
     residual_tokens: int = 128
 
     def check_hyperparameters(self) -> list[str]:
-        reasons = []
-        allowed = ", ".join(map(str, kq.ALLOWED_BITS))
-        for key in ("k_bits", "v_bits"):
-            if getattr(self, key) not in kq.ALLOWED_BITS:
-                reasons.append(f"method.{key}={getattr(self, key)}; allowed: {allowed}")
-        if self.group_size <= 0:
-            reasons.append(f"method.group_size={self.group_size} must be a positive integer")
-        elif not reasons and (self.group_size * min(self.k_bits, self.v_bits)) % 8:
-            reasons.append(f"method.group_size={self.group_size}: a group of "
-                           f"{min(self.k_bits, self.v_bits)}-bit codes must fill whole bytes "
-                           f"(use a multiple of {8 // min(self.k_bits, self.v_bits)})")
-        if self.residual_tokens <= 0:
-            reasons.append(f"method.residual_tokens={self.residual_tokens} must be a positive "
-                           f"integer")
-        elif self.group_size > 0 and self.residual_tokens % self.group_size:
-            reasons.append(f"method.residual_tokens={self.residual_tokens} must be a multiple of "
-                           f"method.group_size={self.group_size} (keys are quantized in whole "
-                           f"groups)")
-        return reasons
+        return quantization_reasons(self, kq.ALLOWED_BITS)
 
     @classmethod
     def lossless_hyperparameters(cls, seq_tokens: int) -> dict[str, Any]:
@@ -108,19 +90,48 @@ class KIVI(KVMethod):
         return min(self.group_size, head_dim)
 
     def validate(self, info: ModelInfo, runner: dict[str, Any]) -> list[str]:
-        reasons = super().validate(info, runner)
-        channels = self.value_group_channels(info.head_dim)
-        if info.head_dim % channels:
-            reasons.append(f"method.group_size={self.group_size} does not divide head_dim="
-                           f"{info.head_dim} (values are quantized per token in groups of "
-                           f"head-dim channels)")
-        elif (channels * self.v_bits) % 8:
-            reasons.append(f"method.v_bits={self.v_bits}: value groups of {channels} channels "
-                           f"(head_dim={info.head_dim}) do not fill whole bytes")
-        return reasons
+        return super().validate(info, runner) + value_group_reasons(self, info)
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> "KIVILayer":
         return KIVILayer(layer_idx, info, self)
+
+
+# Checks shared with the methods that quantize layers with KIVI's scheme (TailorKV): `method` has
+# k_bits, v_bits, group_size, residual_tokens and value_group_channels(head_dim).
+def quantization_reasons(method, allowed_bits: tuple[int, ...]) -> list[str]:
+    """Reasons the quantization knobs are invalid, each naming its key."""
+    reasons = []
+    allowed = ", ".join(map(str, allowed_bits))
+    for key in ("k_bits", "v_bits"):
+        if getattr(method, key) not in allowed_bits:
+            reasons.append(f"method.{key}={getattr(method, key)}; allowed: {allowed}")
+    if method.group_size <= 0:
+        reasons.append(f"method.group_size={method.group_size} must be a positive integer")
+    elif not reasons and (method.group_size * min(method.k_bits, method.v_bits)) % 8:
+        reasons.append(f"method.group_size={method.group_size}: a group of "
+                       f"{min(method.k_bits, method.v_bits)}-bit codes must fill whole bytes "
+                       f"(use a multiple of {8 // min(method.k_bits, method.v_bits)})")
+    if method.residual_tokens <= 0:
+        reasons.append(f"method.residual_tokens={method.residual_tokens} must be a positive "
+                       f"integer")
+    elif method.group_size > 0 and method.residual_tokens % method.group_size:
+        reasons.append(f"method.residual_tokens={method.residual_tokens} must be a multiple of "
+                       f"method.group_size={method.group_size} (keys are quantized in whole "
+                       f"groups)")
+    return reasons
+
+
+def value_group_reasons(method, info: ModelInfo) -> list[str]:
+    """Reasons this model's head_dim cannot hold the value groups (per token, head-dim channels)."""
+    reasons, channels = [], method.value_group_channels(info.head_dim)
+    if info.head_dim % channels:
+        reasons.append(f"method.group_size={method.group_size} does not divide head_dim="
+                       f"{info.head_dim} (values are quantized per token in groups of "
+                       f"head-dim channels)")
+    elif (channels * method.v_bits) % 8:
+        reasons.append(f"method.v_bits={method.v_bits}: value groups of {channels} channels "
+                       f"(head_dim={info.head_dim}) do not fill whole bytes")
+    return reasons
 
 
 class KIVILayer(KVLayer):
@@ -128,6 +139,7 @@ class KIVILayer(KVLayer):
     transposed `(B, H_kv, D, T)` so their token groups lie along the last axis."""
 
     def __init__(self, layer_idx: int, info: ModelInfo, method: KIVI):
+        # `method`: KIVI, or any method with its quantization knobs (TailorKV's quantized layers)
         super().__init__(layer_idx, info)
         self.k_bits, self.v_bits = method.k_bits, method.v_bits
         self.key_group_tokens = method.group_size

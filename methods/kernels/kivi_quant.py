@@ -24,7 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-ALLOWED_BITS = (2, 4, 8)
+ALLOWED_BITS = (2, 4, 8)  # KIVI's k_bits / v_bits knobs (the paper's 2 and 4; 8 near-lossless)
+# Code widths the packing and the kernels handle (whole codes per byte); 1 bit serves TailorKV's
+# quantized layers (methods/tailorkv.py).
+PACKABLE_BITS = (1, 2, 4, 8)
 # Triton decides at decoration time whether kernels are interpreted: remember what it saw, so a
 # CPU tensor never reaches a compiled kernel (which would fail with "0 active drivers").
 _INTERPRETED_AT_IMPORT = os.environ.get("TRITON_INTERPRET") == "1"
@@ -57,8 +60,8 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 def _check(bits: int, group_size: int, length: int) -> None:
-    if bits not in ALLOWED_BITS:
-        raise ValueError(f"bits={bits}; allowed: {', '.join(map(str, ALLOWED_BITS))}")
+    if bits not in PACKABLE_BITS:
+        raise ValueError(f"bits={bits}; allowed: {', '.join(map(str, PACKABLE_BITS))}")
     if group_size <= 0 or (group_size * bits) % 8:
         raise ValueError(f"group_size={group_size} at {bits} bits does not fill whole bytes")
     if length % group_size:  # callers quantize whole groups (KIVI's residual keeps the rest)
