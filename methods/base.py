@@ -45,7 +45,7 @@ class Capabilities:
     # layers: the window already bounds the cache, and the model's window mask assumes the cache
     # holds the most recent tokens contiguously, so an evicted or selected set would be misplaced.
     selects_tokens: bool = False
-    kv_layouts: tuple[str, ...] = ("heads",)  # cache layouts it can hold (ModelInfo.kv_layout)
+    cache_formats: tuple[str, ...] = ("heads",)  # ModelInfo.cache_format values it holds
 
 
 PREFILL_MODES = ("dense", "sparse")
@@ -90,7 +90,7 @@ class ModelInfo:
     # "heads": K and V of shape (B, H_kv, T, D) per layer; "latent": multi-head latent attention
     # (DeepSeek-V2/V3), whose cache holds what its attention chooses (transformers 5.24: the
     # no-RoPE key part per head and the shared RoPE key part), not K and V heads.
-    kv_layout: str = "heads"
+    cache_format: str = "heads"
     # Attention-score tweaks our attention seams do not reproduce (Gemma-2's logit soft-capping):
     # such models are refused, never served wrong.
     attention_quirks: tuple[str, ...] = ()
@@ -347,9 +347,9 @@ class KVMethod:
     def architecture_reasons(self, info: ModelInfo) -> list[str]:
         """Reasons this model's architecture cannot be served, from capabilities alone."""
         caps, model = self.capabilities, info.model_type
-        if info.kv_layout not in caps.kv_layouts:
+        if info.cache_format not in caps.cache_formats:
             return [f"method={self.name} needs per-head K/V caches (B, H_kv, T, D); {model} "
-                    f"caches a {info.kv_layout!r} layout (multi-head latent attention)"]
+                    f"caches a {info.cache_format!r} format (multi-head latent attention)"]
         if info.attention_quirks:
             return [f"{model} uses {', '.join(info.attention_quirks)}, which the harness's "
                     "attention seams do not reproduce yet: refused rather than served wrong"]
