@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcore.paged import PagedKV
+
 
 @dataclass
 class TransferLedger:
@@ -93,10 +95,12 @@ class TransferLedger:
 
 
 class Tier:
-    """Per-run placement: where the full K/V lives and how it moves (one side stream)."""
+    """Per-run placement: where the full K/V lives and how it moves (one side stream), and, with
+    runner.kv_layout=paged, the block pools every sequence's K/V is stored in (`paged`)."""
 
-    def __init__(self, device: torch.device, ledger: TransferLedger, offload: bool):
-        self.device, self.ledger, self.offload = device, ledger, offload
+    def __init__(self, device: torch.device, ledger: TransferLedger, offload: bool,
+                 paged: PagedKV | None = None):
+        self.device, self.ledger, self.offload, self.paged = device, ledger, offload, paged
         self.cuda = device.type == "cuda"
         module = torch.get_device_module(device.type) if self.cuda else None
         self.stream = module.Stream(device) if self.cuda else None

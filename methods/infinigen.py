@@ -75,6 +75,7 @@ from typing import ClassVar
 import torch
 
 from kvcore.offload import HostKVStore
+from kvcore.storage import KV_LAYOUTS
 from methods._infinigen_prep import (COLUMN_SCORES, SkewingArtefacts, cache_dir_reason,
                                      calibration_reasons, prepare_skewing)
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
@@ -98,7 +99,7 @@ class InfiniGen(KVMethod):
     name: ClassVar[str] = "infinigen"
     capabilities: ClassVar[Capabilities] = Capabilities(
         needs_prepare=True, modes=("system", "simulate"), offloads_kv=True, lookahead=True,
-        needs_rope=True, selects_tokens=True)
+        needs_rope=True, selects_tokens=True, kv_layouts=KV_LAYOUTS)
     axis_keys: ClassVar[tuple[str, ...]] = ("alpha", "budget_ratio")
     variant_keys: ClassVar[tuple[str, ...]] = (
         "partial_ratio", "dense_layers", "pool_capacity", "mode", "skewing", "column_score",
@@ -164,6 +165,10 @@ class InfiniGen(KVMethod):
         cache = cache_dir_reason(self)
         if cache:
             reasons.append(cache)
+        if runner.get("kv_layout", "contiguous") == "paged" and self.mode == "system":
+            reasons.append("runner.kv_layout=paged with method.mode=system: InfiniGen keeps its "
+                           "K/V on the host tier (kvcore.offload.HostKVStore), contiguous only; "
+                           "use method.mode=simulate or runner.kv_layout=contiguous")
         return reasons
 
     @classmethod
