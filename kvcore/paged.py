@@ -1,6 +1,6 @@
 """Paged KV storage (PagedAttention: Kwon et al., SOSP 2023, arXiv 2309.06180).
 
-* `BlockPool`: one layer's blocks of one tensor (K or V) on one tier, `(num_blocks, H_kv,
+* `BlockPool`: one layer's blocks of one tensor (K or V) on the device, `(num_blocks, H_kv,
   block_tokens, D)`, a free list, and growth in whole blocks when no block is free. Every
   sequence of an engine draws from the same pool per layer (`PagedKV.pool`), so blocks a
   sequence frees (an eviction, or the end of its request) are reused by any other.
@@ -8,7 +8,7 @@
   token t of row b lives in block `table[b][t // block_tokens]` at offset `t % block_tokens`.
   Reading it (`view`) gathers the blocks into a contiguous `(B, H_kv, T, D)` tensor: that copy
   is what paging costs where attention does not read blocks itself.
-* `PagedKV`: the engine's pools (one per layer, tier and tensor) and their figures.
+* `PagedKV`: the engine's device pools (one per layer and tensor) and their figures.
 
 Memory: a sequence holds ceil(T / block_tokens) blocks, so at most block_tokens - 1 slots per
 sequence and layer are unused; the pool itself grows by half its size at a time (a whole number
@@ -199,20 +199,21 @@ class PagedRows(Rows):
 
 
 class PagedKV:
-    """The engine's block pools: one per (tier, layer, tensor name), shared by all its sequences."""
+    """The engine's block pools on the compute device: one per (layer, tensor name), shared by
+    all its sequences. (The host tier, kvcore.offload.HostKVStore, is contiguous only.)"""
 
     def __init__(self, block_tokens: int = DEFAULT_BLOCK_TOKENS):
         self.block_tokens = block_tokens
-        self.pools: dict[tuple[str, int, str], BlockPool] = {}
+        self.pools: dict[tuple[int, str], BlockPool] = {}
 
-    def pool(self, layer_idx: int, name: str, tier: str = "device") -> BlockPool:
-        key = (tier, layer_idx, name)
+    def pool(self, layer_idx: int, name: str) -> BlockPool:
+        key = (layer_idx, name)
         if key not in self.pools:
             self.pools[key] = BlockPool(self.block_tokens)
         return self.pools[key]
 
-    def rows(self, layer_idx: int, name: str, tier: str = "device") -> PagedRows:
-        return PagedRows(self.pool(layer_idx, name, tier))
+    def rows(self, layer_idx: int, name: str) -> PagedRows:
+        return PagedRows(self.pool(layer_idx, name))
 
     def summary(self) -> dict:
         """Pool figures: blocks allocated (the pools' size), the most held at once, growths."""

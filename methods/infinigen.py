@@ -475,11 +475,11 @@ class InfiniGenLayer(KVLayer):
         return None if self.dense else self._decode_budget
 
     def stats(self) -> dict[str, int]:
-        held = self.store.nbytes() if self.store is not None else (
-            0 if self.keys is None else self.keys.nbytes + self.values.nbytes)
+        storage = self.storage_stats()  # simulate mode: K/V in the layer's storage
+        held = self.store.nbytes() if self.store is not None else storage.get("kv_bytes_used", 0)
         partial = 0 if self._pk is None else self.partial_keys().nbytes
         out = {"kv_tokens": self.stored(), "kv_bytes": held + partial,
-               "kv_bytes_device": partial + (0 if self.system else held)}
+               "kv_bytes_device": partial + (0 if self.system else held), **storage}
         if not self.dense and self._last_counts is not None:
             out["selected_tokens"] = int(self._last_counts.max()) + 1
         return out
