@@ -1,6 +1,6 @@
 """Paged KV storage (PagedAttention: Kwon et al., SOSP 2023, arXiv 2309.06180).
 
-* `BlockPool`: one layer's blocks of one tensor (K or V) on the device, `(num_blocks, H_kv,
+* `BlockPool`: one layer's blocks of one tensor (K or V) on one tier, `(num_blocks, H_kv,
   block_tokens, D)`, a free list, and growth in whole blocks when no block is free. Every
   sequence of an engine draws from the same pool per layer (`PagedKV.pool`), so blocks a
   sequence frees (an eviction, or the end of its request) are reused by any other.
@@ -8,7 +8,7 @@
   token t of row b lives in block `table[b][t // block_tokens]` at offset `t % block_tokens`.
   Reading it (`view`) gathers the blocks into a contiguous `(B, H_kv, T, D)` tensor: that copy
   is what paging costs where attention does not read blocks itself.
-* `PagedKV`: the engine's device pools (one per layer and tensor) and their figures.
+* `PagedKV`: the engine's pools (one per tier, layer and tensor) and their figures.
 
 Memory: a sequence holds ceil(T / block_tokens) blocks, so at most block_tokens - 1 slots per
 sequence and layer are unused; the pool itself grows by half its size at a time (a whole number
@@ -18,6 +18,7 @@ of blocks), and its free blocks are reported separately (`PagedKV.summary`).
 from __future__ import annotations
 
 import weakref
+from typing import Callable
 
 import torch
 
@@ -30,10 +31,12 @@ class BlockPool:
     """Blocks `(num_blocks, H, block_tokens, ...)` of one tensor; shape and dtype fixed by the first
     allocation (every sequence of a layer stores the same kind of rows)."""
 
-    def __init__(self, block_tokens: int = DEFAULT_BLOCK_TOKENS):
+    def __init__(self, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                 empty: Callable[[tuple, torch.dtype], torch.Tensor] | None = None):
         if block_tokens <= 0:
             raise ValueError(f"block_tokens={block_tokens} must be positive")
         self.block_tokens = block_tokens
+        self.empty = empty  # (shape, dtype) -> tensor; None: on the rows' own device
         self.data: torch.Tensor | None = None  # (num_blocks, H, block_tokens, ...)
         self.free: list[int] = []  # free block ids (reused last-freed first)
         self.held = 0  # blocks handed out now
@@ -50,8 +53,8 @@ class BlockPool:
     def allocate(self, n: int, like: torch.Tensor) -> list[int]:
         """`n` free block ids for rows like `like (B, H, q, ...)`; grows the pool when short."""
         if self.data is None:
-            shape = (like.shape[1], self.block_tokens, *like.shape[3:])
-            self.data = like.new_empty(0, *shape)
+            shape = (0, like.shape[1], self.block_tokens, *like.shape[3:])
+            self.data = self.empty(shape, like.dtype) if self.empty else like.new_empty(shape)
         if len(self.free) < n:
             self._grow(n - len(self.free))
         ids = [self.free.pop() for _ in range(n)]
@@ -62,7 +65,8 @@ class BlockPool:
     def _grow(self, short: int) -> None:
         old = self.num_blocks
         new = old + max(short, old // 2)  # whole blocks; amortised copies of the pool
-        grown = self.data.new_empty(new, *self.data.shape[1:])
+        shape = (new, *self.data.shape[1:])
+        grown = self.empty(shape, self.data.dtype) if self.empty else self.data.new_empty(shape)
         if old:
             grown[:old].copy_(self.data)
         self.data = grown
@@ -199,21 +203,24 @@ class PagedRows(Rows):
 
 
 class PagedKV:
-    """The engine's block pools on the compute device: one per (layer, tensor name), shared by
-    all its sequences. (The host tier, kvcore.offload.HostKVStore, is contiguous only.)"""
+    """The engine's block pools: one per (tier, layer, tensor name), shared by all its sequences.
+    Device pools live where the rows come from; host pools (kvcore.offload.PagedHostKVStore) are
+    allocated by the tier's `host_tensor` (pinned on CUDA)."""
 
     def __init__(self, block_tokens: int = DEFAULT_BLOCK_TOKENS):
         self.block_tokens = block_tokens
-        self.pools: dict[tuple[int, str], BlockPool] = {}
+        self.pools: dict[tuple[str, int, str], BlockPool] = {}
 
-    def pool(self, layer_idx: int, name: str) -> BlockPool:
-        key = (layer_idx, name)
+    def pool(self, layer_idx: int, name: str, tier: str = "device",
+             empty: Callable[[tuple, torch.dtype], torch.Tensor] | None = None) -> BlockPool:
+        key = (tier, layer_idx, name)
         if key not in self.pools:
-            self.pools[key] = BlockPool(self.block_tokens)
+            self.pools[key] = BlockPool(self.block_tokens, empty)
         return self.pools[key]
 
-    def rows(self, layer_idx: int, name: str) -> PagedRows:
-        return PagedRows(self.pool(layer_idx, name))
+    def rows(self, layer_idx: int, name: str, tier: str = "device",
+             empty: Callable[[tuple, torch.dtype], torch.Tensor] | None = None) -> PagedRows:
+        return PagedRows(self.pool(layer_idx, name, tier, empty))
 
     def summary(self) -> dict:
         """Pool figures: blocks allocated (the pools' size), the most held at once, growths."""
@@ -226,4 +233,5 @@ class PagedKV:
             "blocks_held_now": sum(p.held for p in pools),
             "pool_bytes_allocated": sum(p.num_blocks * p.block_bytes() for p in pools),
             "pool_grow_events": sum(p.grow_events for p in pools),
+            "host_pools": sum(key[0] == "host" for key in self.pools),
         }

@@ -1,4 +1,4 @@
-"""Per-token storage of one layer: a `(B, H_kv, T, ...)` tensor that grows, shrinks and is rewritten.
+"""Per-token storage of one layer: a `(B, H_kv, T, ...)` tensor that grows, shrinks, is rewritten.
 
 A KV layer keeps its K and V (and, for the scored-eviction template, positions and per-token
 state) as `Rows`; `runner.kv_layout` picks the storage behind K and V:

@@ -49,8 +49,9 @@ class Capabilities:
     cache_formats: tuple[str, ...] = ("heads",)  # ModelInfo.cache_format values it holds
     # Storage layouts of its K/V it honours (runner.kv_layout, kvcore.storage.KV_LAYOUTS): a
     # method storing K/V through the default layer storage (`KVLayer.kv_rows`: the `keys` /
-    # `values` properties, or the scored-eviction template) gets "paged" with no code of its own
-    # and declares it; one keeping K/V in storage of its own (codes, host stores) does not.
+    # `values` properties, or the scored-eviction template) and, on the host tier, through
+    # `kvcore.offload.host_store` gets "paged" with no code of its own and declares it; one
+    # keeping K/V in storage of its own (quantized codes, low-rank factors) does not.
     kv_layouts: tuple[str, ...] = ("contiguous",)
 
     def __post_init__(self) -> None:
@@ -365,10 +366,6 @@ class KVMethod:
         if layout not in self.capabilities.kv_layouts:
             return [f"runner.kv_layout={layout} but method={self.name} keeps its K/V in storage "
                     f"of its own (allowed: {', '.join(self.capabilities.kv_layouts)})"]
-        if runner.get("kv_offload", "none") == "cpu":
-            return [f"runner.kv_layout={layout} with runner.kv_offload=cpu: the host tier "
-                    "(kvcore.offload.HostKVStore) is contiguous only; use runner.kv_layout="
-                    "contiguous"]
         return []
 
     def architecture_reasons(self, info: ModelInfo) -> list[str]:

@@ -38,7 +38,7 @@ from typing import Callable, ClassVar
 
 import torch
 
-from kvcore.offload import HostKVStore
+from kvcore.offload import HostKVStore, host_store
 from kvcore.storage import ContiguousRows, Rows, doubled_capacity
 from methods.base import KVLayer, KVMethod, ModelInfo, budget_for, check_budget
 
@@ -158,7 +158,7 @@ class EvictionLayer(KVLayer):
         if self.offloaded():
             self.kept_count = append_tokens(self._rows_for, new)
             self._views()
-            self.store = self.store or HostKVStore(self.tier, self.layer_idx)
+            self.store = self.store or host_store(self.tier, self.layer_idx)
             pending, self.pending = self.pending, None
             return self.store.past_and_new(pending, keys, values)
         self.kept_count = append_tokens(self._rows_for, {"keys": keys, "values": values, **new})
@@ -170,6 +170,11 @@ class EvictionLayer(KVLayer):
 
     def kept_tokens(self) -> int:
         return self.kept_count
+
+    def release(self) -> None:
+        super().release()
+        if self.store is not None:
+            self.store.release()
 
     def kept_positions(self) -> torch.Tensor:
         return self.positions if self.positions is not None else super().kept_positions()

@@ -74,7 +74,7 @@ from typing import ClassVar
 
 import torch
 
-from kvcore.offload import HostKVStore
+from kvcore.offload import HostKVStore, host_store
 from kvcore.storage import KV_LAYOUTS
 from methods._infinigen_prep import (COLUMN_SCORES, SkewingArtefacts, cache_dir_reason,
                                      calibration_reasons, prepare_skewing)
@@ -165,10 +165,6 @@ class InfiniGen(KVMethod):
         cache = cache_dir_reason(self)
         if cache:
             reasons.append(cache)
-        if runner.get("kv_layout", "contiguous") == "paged" and self.mode == "system":
-            reasons.append("runner.kv_layout=paged with method.mode=system: InfiniGen keeps its "
-                           "K/V on the host tier (kvcore.offload.HostKVStore), contiguous only; "
-                           "use method.mode=simulate or runner.kv_layout=contiguous")
         return reasons
 
     @classmethod
@@ -343,7 +339,7 @@ class InfiniGenLayer(KVLayer):
             self.counter = torch.cat([self.counter, zeros], 2)
             self.last_used = torch.cat([self.last_used, zeros + self.step], 2)
         if self.system:
-            self.store = self.store or HostKVStore(self.tier, self.layer_idx)
+            self.store = self.store or host_store(self.tier, self.layer_idx)
             self.store.append(keys, values)
         else:
             self.keys = keys if self.keys is None else torch.cat([self.keys, keys], 2)
@@ -450,6 +446,11 @@ class InfiniGenLayer(KVLayer):
         else:
             self.keys = gather_tokens(self.keys, index.to(self.keys.device))
             self.values = gather_tokens(self.values, index.to(self.values.device))
+
+    def release(self) -> None:
+        super().release()
+        if self.store is not None:
+            self.store.release()
 
     # --- accounting --------------------------------------------------------------------------
     def kept_tokens(self) -> int:

@@ -12,6 +12,7 @@ from harness import hf_adapter
 from harness.engine import Engine
 from harness.run import run
 from kvcore.errors import ConfigError
+from kvcore.offload import PagedHostKVStore
 from kvcore.paged import PagedRows
 from methods import available_methods, build_method, method_class
 from tests.conftest import make_engine
@@ -22,33 +23,47 @@ PROMPT_TOKENS, DECODE_STEPS, BLOCK_TOKENS = 44, 12, 8
 
 
 def test_the_methods_on_the_shared_storage_declare_paged():
-    """The default layer's and the eviction template's users page; own-storage methods do not."""
-    for name in ("full", "h2o", "streaming_llm", "tova", "snapkv", "quest", "infinigen"):
+    """The default layer's, the eviction template's and the host store's users page; methods
+    with storage of their own do not."""
+    for name in ("full", "h2o", "streaming_llm", "tova", "snapkv", "quest", "infinigen",
+                 "full_offload"):
         assert name in PAGED, name
-    for name in ("kivi", "kvquant", "shadowkv", "full_offload", "duo_attention"):
+    for name in ("kivi", "kvquant", "shadowkv", "duo_attention"):
         assert name not in PAGED, name
 
 
-def paged_method(name, seq_tokens, model):
-    """The method while compressing, in the first of its modes that may page (InfiniGen:
-    simulate; system mode keeps K/V on the contiguous host tier)."""
-    cls = method_class(name)
-    settings = cls.compressing_hyperparameters(seq_tokens)
-    info = hf_adapter.model_info(model.config)
-    modes = cls.capabilities.modes if "mode" in cls.hyperparameter_names() else (None,)
-    for mode in modes:
-        method = build_method(name, **settings, **({"mode": mode} if mode else {}))
-        if not method.validate(info, {"kv_layout": "paged", "batch_size": 1}):
-            return method
-    raise AssertionError(f"{name} declares paged but refuses it in every mode")
+def cases():
+    """(method, mode, kv_offload): every paged method in each of its modes, and on the host tier
+    too where it can offload (runner.kv_offload=cpu)."""
+    out = []
+    for name in PAGED:
+        cls = method_class(name)
+        modes = cls.capabilities.modes if "mode" in cls.hyperparameter_names() else (None,)
+        offloads = ("none", "cpu") if cls.capabilities.offloads_kv else ("none",)
+        out += [(name, mode, offload) for mode in modes for offload in offloads
+                if not (mode == "system" and offload == "cpu")]  # system mode is on the host
+    return out
 
 
-def paged_engine(model, method):
-    """An engine as make_engine builds it (prepare() included), storing K/V paged."""
+def compressing(name, mode, seq_tokens):
+    settings = method_class(name).compressing_hyperparameters(seq_tokens)
+    return build_method(name, **settings, **({"mode": mode} if mode else {}))
+
+
+def paged_engine(model, method, kv_offload="none", layout="paged"):
+    """An engine as make_engine builds it (prepare() included), storing K/V in `layout`."""
     engine = make_engine(model, method, chunk=16)
-    settings = dataclasses.replace(engine.settings, kv_layout="paged",
+    settings = dataclasses.replace(engine.settings, kv_layout=layout, kv_offload=kv_offload,
                                    kv_block_tokens=BLOCK_TOKENS)
     return Engine(model, None, method, engine.info, settings)
+
+
+def assert_paged(layers, name):
+    """Every K/V storage of the request was paged (device rows and host stores)."""
+    for kv in layers:
+        assert all(isinstance(r, PagedRows) for r in kv._kv.values()), name
+        store = getattr(kv, "store", None)
+        assert store is None or isinstance(store, PagedHostKVStore), name
 
 
 def decode(engine, prompt, steps):
@@ -67,25 +82,26 @@ def model(family_models, monkeypatch, tmp_path):
     return family_models("llama", 3)  # InfiniGen leaves layers 0 and 1 dense
 
 
-@pytest.mark.parametrize("name", PAGED)
-def test_paged_equals_contiguous(name, model):
-    method = paged_method(name, PROMPT_TOKENS + DECODE_STEPS, model)
+@pytest.mark.parametrize("name, mode, offload", cases())
+def test_paged_equals_contiguous(name, mode, offload, model):
+    method = compressing(name, mode, PROMPT_TOKENS + DECODE_STEPS)
     prompt = torch.randint(3, 250, (PROMPT_TOKENS,), generator=torch.Generator().manual_seed(4))
-    contiguous_engine = make_engine(model, method, chunk=16)
+    contiguous_engine = paged_engine(model, method, offload, layout="contiguous")
     reference, _ = decode(contiguous_engine, prompt.tolist(), DECODE_STEPS)
-    engine = paged_engine(model, method)
+    engine = paged_engine(model, method, offload)
     got, layers = decode(engine, prompt.tolist(), DECODE_STEPS)
     assert torch.equal(got, reference), (name, (got - reference).abs().max().item())
-    paged_rows = [kv._kv["keys"] for kv in layers if "keys" in kv._kv]
-    assert paged_rows and all(isinstance(r, PagedRows) for r in paged_rows), name
+    assert_paged(layers, name)
     pools = engine.tier.paged.summary()
     assert pools["blocks_held_now"] == 0 and pools["blocks_held_peak"] > 0  # released at the end
     kv = engine.ledger.summary()
     assert kv["tokens_per_layer"] == contiguous_engine.ledger.summary()["tokens_per_layer"]
-    assert kv["storage_waste_ratio"] is not None and kv["storage_layers_accounted"] > 0
-    # blocks of 8: fewer than 8 unused slots per layer and tensor
-    slack = 2 * kv["storage_layers_accounted"] * (BLOCK_TOKENS - 1) * per_token_bytes(model)
-    assert kv["storage_bytes_used"] <= kv["storage_bytes_allocated"] <= kv["storage_bytes_used"] + slack
+    if any(kv_layer._kv for kv_layer in layers):  # K/V on the device tier: waste figures
+        assert kv["storage_waste_ratio"] is not None and kv["storage_layers_accounted"] > 0
+        # blocks of 8: fewer than 8 unused slots per layer and tensor
+        slack = 2 * kv["storage_layers_accounted"] * (BLOCK_TOKENS - 1) * per_token_bytes(model)
+        assert (kv["storage_bytes_used"] <= kv["storage_bytes_allocated"]
+                <= kv["storage_bytes_used"] + slack)
 
 
 def per_token_bytes(model):
@@ -99,7 +115,7 @@ def test_a_ragged_batch_shares_one_pool_per_layer(name, model):
     the same batch stored contiguously, every sequence's blocks drawn from the one pool of each
     layer, all returned when the batch ends."""
     lengths = (40, 17, 29)
-    method = paged_method(name, max(lengths) + 6, model)
+    method = compressing(name, None, max(lengths) + 6)
     g = torch.Generator().manual_seed(6)
     prompts = [torch.randint(3, 250, (n,), generator=g).tolist() for n in lengths]
 
@@ -119,6 +135,8 @@ def test_a_ragged_batch_shares_one_pool_per_layer(name, model):
     paged = engine.tier.paged
     for layer in range(len(rows[0])):
         stored = [seq[layer] for seq in rows]
+        if all(r is None for r in stored):  # K/V on the host tier (full_offload)
+            continue
         assert all(isinstance(r, PagedRows) for r in stored), (name, layer)
         assert {id(r.pool) for r in stored} == {id(paged.pool(layer, "keys"))}
     assert held > 0 and paged.summary()["blocks_held_now"] == 0
@@ -128,14 +146,14 @@ def test_a_ragged_batch_shares_one_pool_per_layer(name, model):
 def test_methods_that_cannot_page_are_refused(model):
     info = hf_adapter.model_info(model.config)
     paged = {"kv_layout": "paged", "batch_size": 1}
-    reasons = build_method("kivi").validate(info, paged)
-    assert reasons == ["runner.kv_layout=paged but method=kivi keeps its K/V in storage of its "
-                       "own (allowed: contiguous)"]
-    offloaded = build_method("h2o").validate(info, {**paged, "kv_offload": "cpu"})
-    assert len(offloaded) == 1 and "runner.kv_offload=cpu: the host tier" in offloaded[0]
-    system = build_method("infinigen", mode="system").validate(info, paged)
-    assert any("method.mode=system" in r and "runner.kv_layout=paged" in r for r in system)
-    assert not build_method("infinigen", mode="simulate").layout_reasons(paged)
+    for name in available_methods():
+        reasons = build_method(name).validate(info, paged)
+        refused = [r for r in reasons if "runner.kv_layout" in r]
+        assert bool(refused) == (name not in PAGED), (name, reasons)
+    assert build_method("kivi").validate(info, paged) == [
+        "runner.kv_layout=paged but method=kivi keeps its K/V in storage of its own (allowed: "
+        "contiguous)"]
+    assert not build_method("h2o").validate(info, {**paged, "kv_offload": "cpu"})
     with pytest.raises(ConfigError, match="runner.kv_layout=paged but method=kivi"):
         paged_engine(model, build_method("kivi"))
 
