@@ -4,6 +4,7 @@ the blocks go back to the pools when requests end; methods that cannot page are 
 weights load, with the key named."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from kvcore.errors import ConfigError
 from kvcore.offload import PagedHostKVStore
 from kvcore.paged import PagedRows
 from methods import available_methods, build_method, method_class
-from tests.conftest import make_engine
+from tests.conftest import STORIES, make_engine, need_shared
 from tests.harness.test_run import cfg_for, no_weight_loading  # noqa: F401 (fixture)
 
 PAGED = [n for n in available_methods() if "paged" in method_class(n).capabilities.kv_layouts]
@@ -189,3 +190,23 @@ def test_snapshot_restore_forks_blocks(model):
         assert pools.summary()["blocks_held_now"] == held  # the replaced state's blocks freed
     assert all(torch.equal(a, b) for a, b in zip(first, again))
     assert pools.summary()["blocks_held_now"] == 0
+
+
+def test_runner_records_the_layout_and_its_waste(tmp_path):
+    """End to end on stories260K (perplexity): the same scores in both layouts; metrics.json
+    carries the layout, the storage waste of each and the paged pools' figures."""
+    need_shared(STORIES)
+    kv = {}
+    for layout in ("contiguous", "paged"):
+        out = run(cfg_for("model=stories260k", "task.max_tokens=200", "task.dataset=pg19",
+                          "method=h2o", "method.budget_tokens=64", f"runner.kv_layout={layout}",
+                          f"runner.output_dir={tmp_path / layout}"))
+        metrics = json.loads((out / "metrics.json").read_text())
+        kv[layout] = (metrics["kv"], metrics["accuracy"])
+    (contiguous, contiguous_acc), (paged, paged_acc) = kv["contiguous"], kv["paged"]
+    assert paged_acc["ppl"] == contiguous_acc["ppl"] and paged_acc["tokens_scored"] == 199
+    assert contiguous["kv_layout"] == "contiguous" and contiguous["paged_pools"] is None
+    assert paged["kv_layout"] == "paged" and paged["paged_pools"]["block_tokens"] == 16
+    assert paged["storage_bytes_used"] == contiguous["storage_bytes_used"] > 0
+    assert 0 <= paged["storage_waste_ratio"] < 15 / (64 + 15)  # under one block per layer
+    assert paged["storage_bytes_allocated"] <= contiguous["storage_bytes_allocated"]
