@@ -16,6 +16,7 @@ from kvcore.errors import ConfigError
 from kvcore.offload import PagedHostKVStore
 from kvcore.paged import PagedRows
 from methods import available_methods, build_method, method_class
+from methods.base import Capabilities
 from tests.conftest import STORIES, make_engine, need_shared
 from tests.harness.test_run import cfg_for, no_weight_loading  # noqa: F401 (fixture)
 
@@ -31,6 +32,8 @@ def test_the_methods_on_the_shared_storage_declare_paged():
         assert name in PAGED, name
     for name in ("kivi", "kvquant", "shadowkv", "duo_attention"):
         assert name not in PAGED, name
+    with pytest.raises(ValueError, match="model cache formats are cache_formats"):
+        Capabilities(kv_layouts=("heads",))  # the old meaning of the name is caught at import
 
 
 def cases():
