@@ -74,7 +74,7 @@ from typing import ClassVar
 
 import torch
 
-from kvcore.offload import HostKVStore, host_store
+from kvcore.offload import host_store
 from kvcore.storage import KV_LAYOUTS
 from methods._infinigen_prep import (COLUMN_SCORES, SkewingArtefacts, cache_dir_reason,
                                      calibration_reasons, prepare_skewing)
@@ -198,7 +198,7 @@ class InfiniGenLayer(KVLayer):
         self.art = method._art
         self.dense = layer_idx in method.dense_layers or layer_idx == 0
         self.system = method.mode == "system"
-        self.store = None  # HostKVStore (system mode)
+        self.store = None  # kvcore.offload.HostKVStore (system mode; paged: PagedHostKVStore)
         self._pk: torch.Tensor | None = None  # (B, H_s, capacity, k_u) partial keys, device
         self._pk_len = 0
         self.positions: torch.Tensor | None = None  # (B, H_kv, T) text positions stored

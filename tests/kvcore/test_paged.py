@@ -13,7 +13,8 @@ INFO = ModelInfo(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, max_posi
 
 def tokens(t, start=0, heads=2, dim=8):
     """(1, heads, t, dim): token i holds the value start + i everywhere (head h: negated if odd)."""
-    x = torch.arange(start, start + t, dtype=torch.float32).view(1, 1, t, 1).expand(1, heads, t, dim)
+    x = torch.arange(start, start + t, dtype=torch.float32).view(1, 1, t, 1)
+    x = x.expand(1, heads, t, dim)
     sign = torch.tensor([1.0, -1.0] * (heads // 2)).view(1, heads, 1, 1)
     return (x * sign).contiguous()
 
@@ -65,7 +66,7 @@ def test_per_head_eviction_and_assignment_rewrite_blocks():
     pool = BlockPool(block_tokens=2)
     rows = PagedRows(pool)
     rows.append(tokens(5))
-    rows.drop_one(torch.tensor([[0, 4]]))  # head 0 drops token 0 (token 4 moves in); head 1 the last
+    rows.drop_one(torch.tensor([[0, 4]]))  # head 0 drops token 0 (4 moves in); head 1 the last
     assert rows.view()[0, 0, :, 0].tolist() == [4, 1, 2, 3]
     assert rows.view()[0, 1, :, 0].tolist() == [-0.0, -1, -2, -3]
     assert [len(b) for b in rows.table] == [2] and pool.held == 2  # the emptied block was freed

@@ -168,7 +168,8 @@ def test_methods_that_cannot_page_are_refused(model):
      "runner.kv_block_tokens=0 must be a positive integer"),
     (["runner.kv_layout=paged", "method=kivi"], "runner.kv_layout=paged but method=kivi"),
 ])
-def test_runner_refuses_before_weights(overrides, message, no_weight_loading, tmp_path):  # noqa: F811
+def test_runner_refuses_before_weights(overrides, message, no_weight_loading,  # noqa: F811
+                                       tmp_path):
     with pytest.raises(ConfigError) as err:
         run(cfg_for(*overrides, f"runner.results_root={tmp_path}"))
     assert message in str(err.value)
