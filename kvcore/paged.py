@@ -154,12 +154,18 @@ class PagedRows(Rows):
         if q == 0:
             return
         self._gathered = None
-        self._resize(max(self.length, start + q), new)
-        device = self.pool.data.device
-        slots = torch.arange(start, start + q, device=device).expand(new.shape[0], q)  # (B, q)
-        block, offset = self._locate(slots)
-        self.pool.data[block, :, offset] = new.movedim(2, 1)  # (B, q, H, ...)
-        self.length = max(self.length, start + q)
+        end = start + q
+        self._resize(max(self.length, end), new)
+        data, bt = self.pool.data, self.pool.block_tokens
+        # one slice copy per block touched (plain indexing: no index tensors for a decode row)
+        for b, blocks in enumerate(self.table):
+            t = start
+            while t < end:
+                offset = t % bt
+                n = min(bt - offset, end - t)
+                data[blocks[t // bt], :, offset:offset + n].copy_(new[b, :, t - start:t - start + n])
+                t += n
+        self.length = max(self.length, end)
 
     def assign(self, tensor: torch.Tensor | None) -> None:
         """Free the blocks beyond the new length and rewrite the rest (after an eviction)."""
