@@ -14,6 +14,14 @@ Every figure that compares methods is defined here, once:
 * **Active**: a compressing method that, over the whole run, neither held less than the full cache
   nor attended less than every token did not act (prompts shorter than its window, a prefill-only
   compressor with no prefill, a budget above the text); `kv.method_active=false` and the reason.
+* **Storage waste** (`kv.storage_*`, both `runner.kv_layout`s): when each request ends, over the
+  layers whose K/V live in the harness's storage (kvcore.storage `Rows`: the default layer and
+  the scored-eviction template), *used* = bytes of the valid tokens' K and V; *allocated* = what
+  the storage holds for them: the contiguous buffers' capacity, or blocks held x block bytes
+  (paged); `storage_waste_ratio` = 1 - used / allocated (`waste_ratio`; a ratio of sums over
+  samples and layers). Layers keeping K/V in storage of their own (codes, host stores) report
+  neither and are left out (`storage_layers_accounted`). A paged pool's free blocks (held by no
+  sequence, reusable by any) are a pool figure, `kv.paged_pools` (kvcore.paged.PagedKV.summary).
 
 Budgets are checked after every forward (`check_step`), not only when a request ends.
 """
@@ -67,6 +75,8 @@ class KVLedger:
             "device_bytes_per_layer": [s.get("kv_bytes_device", s["kv_bytes"]) for s in stats],
             "budget_per_layer": budgets,
             "selected_per_layer": [s.get("selected_tokens") for s in stats],
+            "storage_used_per_layer": [s.get("kv_bytes_used") for s in stats],
+            "storage_allocated_per_layer": [s.get("kv_bytes_allocated") for s in stats],
         }
         if check:
             for i, (s, b) in enumerate(zip(stats, budgets)):
@@ -100,7 +110,28 @@ class KVLedger:
             "held_ratio": round(sum(bytes_total) / sum(full_bytes), 6) if sum(full_bytes) else None,
             "compression_ratio": (round(sum(full_bytes) / sum(bytes_total), 4)
                                   if sum(bytes_total) else None),
+            **self.storage_summary(),
         }
+
+    def storage_summary(self) -> dict:
+        """Storage waste (module docstring): means per sample over the accounted layers."""
+        n = len(self.samples)
+        pairs = [(u, a) for s in self.samples
+                 for u, a in zip(s["storage_used_per_layer"], s["storage_allocated_per_layer"])
+                 if u is not None and a is not None]
+        used, allocated = sum(u for u, _ in pairs), sum(a for _, a in pairs)
+        layers = sum(u is not None for u in self.samples[0]["storage_used_per_layer"])
+        return {
+            "storage_layers_accounted": layers,
+            "storage_bytes_used": round(used / n, 1) if pairs else None,
+            "storage_bytes_allocated": round(allocated / n, 1) if pairs else None,
+            "storage_waste_ratio": waste_ratio(used, allocated) if pairs else None,
+        }
+
+
+def waste_ratio(used_bytes: int, allocated_bytes: int) -> float | None:
+    """Share of allocated KV storage that holds no valid token: 1 - used / allocated."""
+    return round(1 - used_bytes / allocated_bytes, 6) if allocated_bytes else None
 
 
 class AttendedFraction:

@@ -25,6 +25,8 @@ from harness.diagnostics import Diagnostics
 from harness.profiling import SpeedSummary, Timer
 from kvcore.errors import ConfigError
 from kvcore.offload import Tier, TransferLedger
+from kvcore.paged import DEFAULT_BLOCK_TOKENS, PagedKV
+from kvcore.storage import Rows
 from methods.base import KVMethod, ModelInfo, Protocol
 
 
@@ -35,6 +37,8 @@ class EngineSettings:
     check_budget: bool = True  # raise BudgetViolation when a layer holds more than its budget
     diagnostics_every: int = 0  # >0: fidelity diagnostics every N decode steps (shadow full cache)
     kv_offload: str = "none"  # none | cpu: the full K/V on the host tier, moved per step
+    kv_layout: str = "contiguous"  # contiguous | paged: K/V in block pools (kvcore.paged)
+    kv_block_tokens: int = DEFAULT_BLOCK_TOKENS  # tokens per block (paged)
     protocol: Protocol = Protocol()  # dense layers and prefill mode, the same for every method
 
 
@@ -53,7 +57,14 @@ class Engine:
         every = self.settings.diagnostics_every
         self.diagnostics = Diagnostics(every) if every else None
         self.transfers = TransferLedger(info.num_layers)
-        self.tier = Tier(self.device, self.transfers, offload=self.settings.kv_offload == "cpu")
+        reasons = method.layout_reasons({"kv_layout": self.settings.kv_layout,
+                                         "kv_offload": self.settings.kv_offload})
+        if reasons:
+            raise ConfigError("; ".join(reasons))
+        paged = (PagedKV(self.settings.kv_block_tokens) if self.settings.kv_layout == "paged"
+                 else None)
+        self.tier = Tier(self.device, self.transfers, offload=self.settings.kv_offload == "cpu",
+                         paged=paged)
         self.dense_layers = method.effective_dense_layers(info, self.settings.protocol)
         self.attended = AttendedFraction(info.num_layers, self.dense_layers)
 
@@ -69,6 +80,7 @@ class Engine:
             yield req
         if req.pos > 0:
             self.ledger.record(cache.kv_layers, self.settings.check_budget)
+        release(cache.kv_layers)
 
     @contextlib.contextmanager
     def batch(self, size: int) -> Iterator["batching.BatchRequest"]:
@@ -92,6 +104,7 @@ class Engine:
         for seq_cache, pos in zip(caches, req.pos):
             if pos > 0:
                 self.ledger.record(seq_cache.kv_layers, self.settings.check_budget)
+            release(seq_cache.kv_layers)
 
     def generate_many(self, prompts: list[list[int]], max_new_tokens: int | list[int],
                       stop_ids: set[int] | None = None, min_new_tokens: int = 0
@@ -144,6 +157,12 @@ class Engine:
             elif isinstance(value, (list, tuple)):
                 ids.update(int(v) for v in value)
         return ids
+
+
+def release(layers) -> None:
+    """A request is over and accounted: its storage goes back (paged: blocks to the pools)."""
+    for kv in layers:
+        kv.release()
 
 
 class Request:
@@ -295,6 +314,8 @@ def _clone_state(value, shared: set[int]):
         return value.clone()
     if isinstance(value, _PLAIN) or id(value) in shared:
         return value
+    if isinstance(value, Rows):  # K/V storage (kvcore.storage): copied by its layout
+        return value.fork()
     if isinstance(value, (list, tuple)):
         items = [_clone_state(v, shared) for v in value]
         if any(v is _UNFORKABLE for v in items):

@@ -283,7 +283,7 @@ def model_info(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> 
                                     getattr(config, "partial_rotary_factor", None) or 1.0)),
         sliding_window_tokens=window,
         sliding_window_layers=sliding,
-        kv_layout="latent" if getattr(config, "kv_lora_rank", None) else "heads",
+        cache_format="latent" if getattr(config, "kv_lora_rank", None) else "heads",
         attention_quirks=_attention_quirks(config),
     )
 

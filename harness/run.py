@@ -21,6 +21,8 @@ from harness.loggers import LOGGERS, log_run
 from harness.projection import project
 from harness.schema import stamp
 from harness.sweep import config_hash, group_options, multirun_job, record_status, resolve_output
+from kvcore.paged import DEFAULT_BLOCK_TOKENS
+from kvcore.storage import KV_LAYOUTS
 from methods.base import PREFILL_MODES, Protocol
 
 log = logging.getLogger("harness")
@@ -70,6 +72,11 @@ def check_runner(runner: dict[str, Any]) -> None:
     if runner.get("kv_offload", "none") not in KV_OFFLOADS:
         raise ConfigError(f"runner.kv_offload={runner.get('kv_offload')!r}; allowed: "
                           f"{', '.join(KV_OFFLOADS)}")
+    if runner.get("kv_layout", "contiguous") not in KV_LAYOUTS:
+        raise ConfigError(f"runner.kv_layout={runner.get('kv_layout')!r}; allowed: "
+                          f"{', '.join(KV_LAYOUTS)}")
+    if "kv_block_tokens" in runner:
+        positive_int("kv_block_tokens")
     if runner.get("attn_impl") not in ATTN_IMPLS:
         raise ConfigError(f"runner.attn_impl={runner.get('attn_impl')!r}; allowed: "
                           f"{', '.join(ATTN_IMPLS)}")
@@ -134,7 +141,9 @@ def engine_settings(runner: dict[str, Any]):
         prefill_chunk_tokens=runner["prefill_chunk_tokens"], batch_size=runner["batch_size"],
         check_budget=bool(runner.get("check_budget", True)),
         diagnostics_every=int(runner["diagnostics_every_steps"]) if runner.get("diagnostics") else 0,
-        kv_offload=runner.get("kv_offload", "none"), protocol=protocol_from(runner))
+        kv_offload=runner.get("kv_offload", "none"), protocol=protocol_from(runner),
+        kv_layout=runner.get("kv_layout", "contiguous"),
+        kv_block_tokens=runner.get("kv_block_tokens", DEFAULT_BLOCK_TOKENS))
 
 
 def output_dir(runner: dict[str, Any], task: str, model_name: str, method: str) -> Path:
@@ -289,6 +298,9 @@ def kv_figures(engine, method) -> dict[str, Any]:
     from harness.accounting import activity
 
     kv = {**engine.ledger.summary(), **engine.attended.summary()}
+    paged = engine.tier.paged
+    kv["kv_layout"] = engine.settings.kv_layout
+    kv["paged_pools"] = None if paged is None else paged.summary()
     return {**kv, **activity(method.capabilities.compresses, kv)}
 
 

@@ -5,6 +5,8 @@
   whole layer (`fetch()`) is one contiguous pinned block; selected rows (`fetch(index)`) are
   gathered on the host into a contiguous pinned staging buffer. Either is copied host-to-device on
   the tier's side stream and handed to attention as a `(B, H_kv, T, D)` view.
+* `PagedHostKVStore` (runner.kv_layout=paged): the same interface over blocks of host pools
+  shared by every sequence (kvcore.paged); `host_store` picks the store of the run's layout.
 * `Transfer`: an in-flight copy; the consumer calls `wait()`: the *consuming stream* waits on the
   copy's event (the host never blocks), so a prefetch issued one layer ahead overlaps that layer's
   compute. The stall is timed with events on the consuming stream (*exposed* transfer time) and
@@ -28,6 +30,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+from kvcore.paged import PagedKV
+from kvcore.storage import gather_rows
 
 
 @dataclass
@@ -110,10 +115,12 @@ class TransferLedger:
 
 
 class Tier:
-    """Per-run placement: where the full K/V lives and how it moves (one side stream)."""
+    """Per-run placement: where the full K/V lives and how it moves (one side stream), and, with
+    runner.kv_layout=paged, the block pools every sequence's K/V is stored in (`paged`)."""
 
-    def __init__(self, device: torch.device, ledger: TransferLedger, offload: bool):
-        self.device, self.ledger, self.offload = device, ledger, offload
+    def __init__(self, device: torch.device, ledger: TransferLedger, offload: bool,
+                 paged: PagedKV | None = None):
+        self.device, self.ledger, self.offload, self.paged = device, ledger, offload, paged
         self.cuda = device.type == "cuda"
         module = torch.get_device_module(device.type) if self.cuda else None
         self.stream = module.Stream(device) if self.cuda else None
@@ -272,6 +279,66 @@ class HostKVStore:
         if self.keys is None:
             return 0
         return 2 * self.keys[: self.length].nbytes
+
+    def release(self) -> None:
+        """The request is over: drop the buffers."""
+        self._host_ready()
+        self.keys = self.values = None
+        self.length = 0
+
+
+class PagedHostKVStore(HostKVStore):
+    """One layer's K/V on the host in blocks of the run's host pools (runner.kv_layout=paged,
+    kvcore.paged), shared by every sequence: `HostKVStore`'s interface. Costs of paging here: a
+    device->host write goes through a (synchronous) host copy before it is scattered into blocks,
+    and a fetch gathers the blocks (or the selected rows) into a contiguous staging tensor (pinned
+    on CUDA) before the host->device copy."""
+
+    def __init__(self, tier: Tier, layer_idx: int):
+        self.tier, self.layer_idx = tier, layer_idx
+        self.rows = {name: tier.paged.rows(layer_idx, name, "host", tier.host_tensor)
+                     for name in ("keys", "values")}
+
+    @property
+    def length(self) -> int:
+        return self.rows["keys"].length
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        for name, x in (("keys", keys), ("values", values)):
+            self.rows[name].append(x.to("cpu"))
+        self.tier.ledger.d2h(keys.nbytes + values.nbytes)
+
+    def all_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored K/V `(B, H_kv, T, D)`, gathered from the blocks."""
+        return self.rows["keys"].view(), self.rows["values"].view()
+
+    def fetch(self, index: torch.Tensor | None = None) -> tuple["Transfer", "Transfer"]:
+        transfers = []
+        for name in ("keys", "values"):
+            rows = self.rows[name].view()  # (B, H_kv, T, D)
+            if index is not None:
+                rows = gather_rows(rows, index.to("cpu"))
+            staged = self.tier.host_tensor(rows.shape, rows.dtype)
+            staged.copy_(rows)
+            transfers.append(self.tier.to_device(self.layer_idx, staged))
+        return transfers[0], transfers[1]
+
+    def keep(self, index: torch.Tensor) -> None:
+        for rows in self.rows.values():
+            rows.keep(index.to("cpu"))
+
+    def nbytes(self) -> int:
+        return sum(rows.used_bytes() for rows in self.rows.values())
+
+    def release(self) -> None:
+        for rows in self.rows.values():
+            rows.release()
+
+
+def host_store(tier: Tier, layer_idx: int) -> HostKVStore:
+    """A layer's host store in the run's layout (runner.kv_layout)."""
+    paged = tier.paged is not None
+    return PagedHostKVStore(tier, layer_idx) if paged else HostKVStore(tier, layer_idx)
 
 
 class _HeadMajor:

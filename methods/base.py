@@ -18,6 +18,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from kvcore.errors import ConfigError
+from kvcore.storage import KV_LAYOUTS, ContiguousRows, Rows, grown_capacity
 
 AttentionFn = Callable[..., tuple[torch.Tensor, Any]]
 
@@ -45,11 +46,24 @@ class Capabilities:
     # layers: the window already bounds the cache, and the model's window mask assumes the cache
     # holds the most recent tokens contiguously, so an evicted or selected set would be misplaced.
     selects_tokens: bool = False
-    kv_layouts: tuple[str, ...] = ("heads",)  # cache layouts it can hold (ModelInfo.kv_layout)
+    cache_formats: tuple[str, ...] = ("heads",)  # ModelInfo.cache_format values it holds
+    # Storage layouts of its K/V it honours (runner.kv_layout, kvcore.storage.KV_LAYOUTS): a
+    # method storing K/V through the default layer storage (`KVLayer.kv_rows`: the `keys` /
+    # `values` properties, or the scored-eviction template) and, on the host tier, through
+    # `kvcore.offload.host_store` gets "paged" with no code of its own and declares it; one
+    # keeping K/V in storage of its own (quantized codes, low-rank factors) does not.
+    kv_layouts: tuple[str, ...] = ("contiguous",)
     # Wants `KVLayer.observe_attention_block(residual, attention_output)` at every forward: the
     # residual stream entering each decoder layer and its attention block's output
     # (SqueezeAttention).
     observes_attention_block: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = set(self.kv_layouts) - set(KV_LAYOUTS)
+        if unknown or "contiguous" not in self.kv_layouts:
+            raise ValueError(f"Capabilities.kv_layouts={self.kv_layouts}: storage layouts, "
+                             f"'contiguous' and any of {KV_LAYOUTS} (model cache formats are "
+                             "cache_formats)")
 
 
 PREFILL_MODES = ("dense", "sparse")
@@ -94,7 +108,7 @@ class ModelInfo:
     # "heads": K and V of shape (B, H_kv, T, D) per layer; "latent": multi-head latent attention
     # (DeepSeek-V2/V3), whose cache holds what its attention chooses (transformers 5.24: the
     # no-RoPE key part per head and the shared RoPE key part), not K and V heads.
-    kv_layout: str = "heads"
+    cache_format: str = "heads"
     # Attention-score tweaks our attention seams do not reproduce (Gemma-2's logit soft-capping):
     # such models are refused, never served wrong.
     attention_quirks: tuple[str, ...] = ()
@@ -148,55 +162,80 @@ class KVLayer:
         self.layer_idx = layer_idx
         self.info = info
         self.seen_tokens = 0
-        # Preallocated storage `(B, H_kv, capacity, D)` with amortised growth: a decode step writes
-        # its row in place instead of concatenating (copying) the whole cache. The valid rows are
-        # exposed as `self.keys` / `self.values` (views); assigning them re-seats the buffer.
-        self._key_buffer: torch.Tensor | None = None
-        self._value_buffer: torch.Tensor | None = None
-        self._key_rows = 0
-        self._value_rows = 0
+        # K and V as `Rows` (kvcore.storage), created at the first write in the run's layout
+        # (runner.kv_layout, via the tier): a decode step writes its row in place instead of
+        # concatenating (copying) the whole cache. See `keys` / `values`.
+        self._kv: dict[str, Rows] = {}
         self.tier = None  # kvcore.offload.Tier of the request (placement, ledger, side stream)
         self.next_layer: KVLayer | None = None  # the following layer of the same request
         self.protocol = Protocol()  # set by the cache: the run's dense layers and prefill mode
 
     # --- stored K/V (the default storage; subclasses read and assign these) -------------------
+    def kv_rows(self, name: str, growth: Callable[[int, int], int] = grown_capacity) -> Rows:
+        """The storage of `name` ("keys", "values"), created in the run's layout on first use:
+        paged when the tier carries block pools (runner.kv_layout=paged), else contiguous with
+        `growth` sizing its buffer."""
+        rows = self._kv.get(name)
+        if rows is None:
+            paged = getattr(self.tier, "paged", None)
+            rows = paged.rows(self.layer_idx, name) if paged is not None else ContiguousRows(growth)
+            self._kv[name] = rows
+        return rows
+
     @property
     def keys(self) -> torch.Tensor | None:
-        """The stored keys `(B, H_kv, T, D)`: a view of the valid rows of the buffer."""
-        return None if self._key_buffer is None else self._key_buffer[:, :, : self._key_rows]
+        """The stored keys `(B, H_kv, T, D)`: contiguous layout: a view of the valid rows of the
+        buffer (writes to it are stored); paged: a gather of the blocks into a fresh tensor
+        (read-only; write through `kv_rows("keys").write_at`). Assigning replaces the content:
+        contiguous: the tensor becomes the buffer (no copy); paged: blocks beyond its length
+        are freed and the rest rewritten."""
+        rows = self._kv.get("keys")
+        return None if rows is None else rows.view()
 
     @keys.setter
     def keys(self, tensor: torch.Tensor | None) -> None:
-        # The assigned tensor becomes the buffer as is (no copy); its capacity is its length, so
-        # the next append grows into a fresh buffer and never writes into the caller's tensor.
-        self._key_buffer, self._key_rows = tensor, 0 if tensor is None else tensor.shape[-2]
+        self.kv_rows("keys").assign(tensor)
 
     @property
     def values(self) -> torch.Tensor | None:
-        """The stored values `(B, H_kv, T, D)`: a view of the valid rows of the buffer."""
-        return None if self._value_buffer is None else self._value_buffer[:, :, : self._value_rows]
+        """The stored values `(B, H_kv, T, D)` (as `keys`)."""
+        rows = self._kv.get("values")
+        return None if rows is None else rows.view()
 
     @values.setter
     def values(self, tensor: torch.Tensor | None) -> None:
-        self._value_buffer, self._value_rows = tensor, 0 if tensor is None else tensor.shape[-2]
+        self.kv_rows("values").assign(tensor)
 
     def allocated_kv_bytes(self) -> int:
-        """Bytes of the K/V buffers including their unused capacity."""
-        return sum(b.nbytes for b in (self._key_buffer, self._value_buffer) if b is not None)
+        """Bytes of the K/V storage including its unused capacity (or unused block slots)."""
+        return sum(rows.allocated_bytes() for rows in self._kv.values())
+
+    def storage_stats(self) -> dict[str, int]:
+        """The K/V storage's figures for the waste accounting (harness.accounting):
+        `kv_bytes_used` (valid tokens) and `kv_bytes_allocated`; empty without stored K/V."""
+        if not self._kv:
+            return {}
+        return {"kv_bytes_used": sum(rows.used_bytes() for rows in self._kv.values()),
+                "kv_bytes_allocated": self.allocated_kv_bytes()}
+
+    def release(self) -> None:
+        """Give the storage back (paged: blocks return to the pool); called when a request ends."""
+        for rows in self._kv.values():
+            rows.release()
 
     # --- cache seam -------------------------------------------------------------------------
     def update(self, keys: torch.Tensor, values: torch.Tensor, position_ids: torch.Tensor | None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new K/V `(B, H_kv, q_len, D)` and return what attention sees this step."""
         self.seen_tokens += keys.shape[-2]
-        self._key_buffer, self._key_rows = append_rows(self._key_buffer, self._key_rows, keys)
-        self._value_buffer, self._value_rows = append_rows(self._value_buffer, self._value_rows,
-                                                           values)
+        self.kv_rows("keys").append(keys)
+        self.kv_rows("values").append(values)
         return self.keys, self.values
 
     def kept_tokens(self) -> int:
         """Tokens stored now (before the next update)."""
-        return 0 if self.keys is None else self.keys.shape[-2]
+        rows = self._kv.get("keys")
+        return 0 if rows is None else rows.length
 
     def mask_sizes(self, q_len: int) -> tuple[int, int]:
         kept = self.kept_tokens()
@@ -252,41 +291,15 @@ class KVLayer:
         Selection methods (which keep everything but attend to a subset) add `selected_tokens`:
         the most tokens attended at one step; the budget is then checked against it. Methods
         holding part of their state on the host tier add `kv_bytes_device` (the compute-device
-        share of `kv_bytes`). `kv_bytes` counts the valid tokens only; layers with preallocated
-        storage add `kv_bytes_allocated` (including unused capacity).
+        share of `kv_bytes`). `kv_bytes` counts the valid tokens only; layers storing K/V in
+        `Rows` add `storage_stats()`: `kv_bytes_used` and `kv_bytes_allocated` (including unused
+        capacity or block slots).
         """
-        if self.keys is None:
-            return {"kv_tokens": 0, "kv_bytes": 0, "kv_bytes_allocated": 0}
-        return {
-            "kv_tokens": int(self.keys.shape[-2]),
-            "kv_bytes": int(self.keys.nbytes + self.values.nbytes),  # valid rows only
-            "kv_bytes_allocated": int(self.allocated_kv_bytes()),
-        }
-
-
-GROWTH_MIN_ROWS = 256  # smallest buffer / headroom: a short decode never reallocates
-
-
-def grown_capacity(rows_needed: int) -> int:
-    """Rows to allocate for `rows_needed`: 1.5x (at least +256), rounded up to 256, so growing
-    one row at a time costs O(1) amortised copies per row and at most ~50% unused capacity."""
-    want = rows_needed + max(GROWTH_MIN_ROWS, rows_needed // 2)
-    return -(-want // GROWTH_MIN_ROWS) * GROWTH_MIN_ROWS
-
-
-def append_rows(buffer: torch.Tensor | None, rows: int, new: torch.Tensor
-                ) -> tuple[torch.Tensor, int]:
-    """Write `new (B, H, t, D)` after the first `rows` rows (dim 2) of `buffer`, growing it
-    when full; returns the (possibly new) buffer and the new row count."""
-    t = new.shape[-2]
-    if buffer is None or rows + t > buffer.shape[-2]:
-        b, h, _, d = new.shape
-        grown = new.new_empty((b, h, grown_capacity(rows + t), d))
-        if rows:
-            grown[:, :, :rows].copy_(buffer[:, :, :rows])
-        buffer = grown
-    buffer[:, :, rows:rows + t].copy_(new)
-    return buffer, rows + t
+        storage = self.storage_stats()
+        keys = self._kv.get("keys")
+        return {"kv_tokens": 0 if keys is None else keys.length,
+                "kv_bytes": storage.get("kv_bytes_used", 0),
+                "kv_bytes_used": 0, "kv_bytes_allocated": 0, **storage}
 
 
 @dataclass(kw_only=True)
@@ -349,18 +362,29 @@ class KVMethod:
         if runner.get("kv_offload", "none") == "cpu" and not self.capabilities.offloads_kv:
             reasons.append(f"runner.kv_offload=cpu but method={self.name} cannot keep its KV on the "
                            "host tier (it does not declare offloads_kv); use runner.kv_offload=none")
+        reasons += self.layout_reasons(runner)
         mode = getattr(self, "mode", None)
         if mode is not None and mode not in self.capabilities.modes:
             reasons.append(f"method.mode={mode!r}; allowed for {self.name}: "
                            f"{', '.join(self.capabilities.modes)}")
         return reasons + self.architecture_reasons(info)
 
+    def layout_reasons(self, runner: dict[str, Any]) -> list[str]:
+        """Reasons this configuration cannot store its K/V in runner.kv_layout."""
+        layout = runner.get("kv_layout", "contiguous")
+        if layout == "contiguous":
+            return []
+        if layout not in self.capabilities.kv_layouts:
+            return [f"runner.kv_layout={layout} but method={self.name} keeps its K/V in storage "
+                    f"of its own (allowed: {', '.join(self.capabilities.kv_layouts)})"]
+        return []
+
     def architecture_reasons(self, info: ModelInfo) -> list[str]:
         """Reasons this model's architecture cannot be served, from capabilities alone."""
         caps, model = self.capabilities, info.model_type
-        if info.kv_layout not in caps.kv_layouts:
+        if info.cache_format not in caps.cache_formats:
             return [f"method={self.name} needs per-head K/V caches (B, H_kv, T, D); {model} "
-                    f"caches a {info.kv_layout!r} layout (multi-head latent attention)"]
+                    f"caches a {info.cache_format!r} format (multi-head latent attention)"]
         if info.attention_quirks:
             return [f"{model} uses {', '.join(info.attention_quirks)}, which the harness's "
                     "attention seams do not reproduce yet: refused rather than served wrong"]

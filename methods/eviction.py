@@ -20,24 +20,27 @@ compaction of K, V, positions and state, the budget that the engine checks after
 Budget rule (the one rule of every method, methods/base.py): `budget_tokens`, when set, takes
 precedence over `budget_ratio` (a fraction of the tokens seen so far).
 
-Storage is preallocated per layer (`append_tokens`, amortised growth), so a decode step costs no copy
-of the cache: the new token is written at the end, and when exactly one token must go (the steady
-state of a per-step method) the last slot moves into the evicted slot, per KV head. The cache is
-therefore *not* in text order; nothing depends on it: attention over old tokens is order-free (a
-chunk's own tokens are always the last ones, in order, so causal masks hold) and positions travel
-with the tokens. Larger evictions gather the kept tokens in slot order.
+Storage: K and V are the layer's own (`KVLayer.kv_rows`, so they follow runner.kv_layout:
+contiguous or paged), positions and per-token state are small contiguous `Rows` of the template
+(`token_state`); all grow together (`append_tokens`), so a decode step costs no copy of the cache:
+the new token is written at the end, and when exactly one token must go (the steady state of a
+per-step method) the last slot moves into the evicted slot, per KV head (paged: a block freed
+when it empties). The cache is therefore *not* in text order; nothing depends on it: attention
+over old tokens is order-free (a chunk's own tokens are always the last ones, in order, so causal
+masks hold) and positions travel with the tokens. Larger evictions gather the kept tokens in slot
+order (paged: rewritten into the first blocks, the rest freed).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
-from kvcore.offload import HostKVStore
+from kvcore.offload import HostKVStore, host_store
+from kvcore.storage import ContiguousRows, Rows, doubled_capacity
 from methods.base import KVLayer, KVMethod, ModelInfo, budget_for, check_budget
-from methods.scoring import gather_tokens
 
 
 @dataclass(kw_only=True)
@@ -65,44 +68,34 @@ class BudgetedMethod(KVMethod):
         return self.total_tokens(seen)
 
 
-# Aligned per-token buffers `(B, H_kv, capacity, ...)` (K, V, positions and a method's state) are
-# a plain dict of tensors + a length on the layer, so `Request.snapshot` can clone them.
-def append_tokens(buffers: dict[str, torch.Tensor], length: int, new: dict[str, torch.Tensor]) -> int:
-    """Write each `(B, H_kv, q, ...)` tensor after the first `length` tokens (amortised growth);
-    returns the new length."""
-    q = next(iter(new.values())).shape[2]
-    need = length + q
+# Aligned per-token rows `(B, H_kv, T, ...)` (K, V, positions and a method's state), one `Rows`
+# each (kvcore.storage), every one holding the same tokens in the same slots.
+def append_tokens(rows_for: Callable[[str], Rows], new: dict[str, torch.Tensor]) -> int:
+    """Write each `(B, H_kv, q, ...)` tensor after the tokens held (amortised growth); returns
+    the new length."""
+    lengths = set()
     for name, x in new.items():
-        buf = buffers.get(name)
-        if buf is None or buf.shape[2] < need:
-            cap = max(need, 2 * (0 if buf is None else buf.shape[2]))
-            grown = x.new_empty(*x.shape[:2], cap, *x.shape[3:])
-            if buf is not None:
-                grown[:, :, :length] = buf[:, :, :length]
-            buffers[name] = buf = grown
-        buf[:, :, length:need] = x
-    return need
+        rows = rows_for(name)
+        rows.append(x)
+        lengths.add(rows.length)
+    (length,) = lengths
+    return length
 
 
-def keep_tokens(buffers: dict[str, torch.Tensor], length: int, index: torch.Tensor) -> int:
-    """Keep the tokens at `index (B, H_kv, k)` per head, in that order, in fresh fitted buffers (a
-    long prompt compressed to its budget frees its memory; one slot of decode headroom)."""
-    k = index.shape[-1]
-    for name, buf in buffers.items():
-        kept = gather_tokens(buf[:, :, :length], index)
-        buffers[name] = kept.new_empty(*kept.shape[:2], k + 1, *kept.shape[3:])
-        buffers[name][:, :, :k] = kept
-    return k
+def keep_tokens(rows: dict[str, Rows], index: torch.Tensor) -> int:
+    """Keep the tokens at `index (B, H_kv, k)` per head, in that order (contiguous: fresh fitted
+    buffers with one slot of decode headroom, so a long prompt compressed to its budget frees its
+    memory; paged: the surplus blocks go back to the pool)."""
+    for r in rows.values():
+        r.keep(index, headroom=1)
+    return index.shape[-1]
 
 
-def drop_one_token(buffers: dict[str, torch.Tensor], length: int, slot: torch.Tensor) -> int:
+def drop_one_token(rows: dict[str, Rows], slot: torch.Tensor) -> int:
     """Evict one token per head, `slot (B, H_kv)`: the last token moves into its place."""
-    last = length - 1
-    for buf in buffers.values():
-        src = buf[:, :, last:last + 1].clone()  # one token; it may overlap its target
-        index = slot.reshape(*slot.shape, 1, *([1] * (buf.dim() - 3)))
-        buf.scatter_(2, index.expand(*src.shape), src)
-    return last
+    for r in rows.values():
+        r.drop_one(slot)
+    return next(iter(rows.values())).length
 
 
 class EvictionLayer(KVLayer):
@@ -113,7 +106,7 @@ class EvictionLayer(KVLayer):
     def __init__(self, layer_idx: int, info: ModelInfo, method: BudgetedMethod):
         super().__init__(layer_idx, info)
         self.method = method
-        self.buffers: dict[str, torch.Tensor] = {}  # per-token buffers, see append_tokens
+        self.token_state: dict[str, Rows] = {}  # positions + new_state(), see append_tokens
         self.kept_count = 0  # tokens kept
         self.positions: torch.Tensor | None = None  # (B, H_kv, T) text positions of kept tokens
         self.store: HostKVStore | None = None  # the kept K/V on the host tier (runner.kv_offload=cpu)
@@ -135,7 +128,18 @@ class EvictionLayer(KVLayer):
 
     def state(self, name: str) -> torch.Tensor:
         """A per-token state of the kept tokens, `(B, H_kv, T, ...)` (a view: add to it in place)."""
-        return self.buffers[name][:, :, : self.kept_count]
+        return self.token_state[name].view()
+
+    def _rows_for(self, name: str) -> Rows:
+        if name in ("keys", "values"):  # the layer's K/V storage (runner.kv_layout)
+            return self.kv_rows(name, growth=doubled_capacity)
+        if name not in self.token_state:  # small; contiguous in both layouts
+            self.token_state[name] = ContiguousRows(doubled_capacity)
+        return self.token_state[name]
+
+    def _token_rows(self) -> dict[str, Rows]:
+        """Every per-token `Rows` of the kept tokens (K/V on the device tier, positions, state)."""
+        return {**self._kv, **self.token_state}
 
     # --- cache seam -------------------------------------------------------------------------
     def offloaded(self) -> bool:
@@ -152,22 +156,25 @@ class EvictionLayer(KVLayer):
         new = {"positions": text_pos.expand(b, h, q), **self.new_state(b, h, q, keys.device)}
         self.seen_tokens += q
         if self.offloaded():
-            self.kept_count = append_tokens(self.buffers, self.kept_count, new)
+            self.kept_count = append_tokens(self._rows_for, new)
             self._views()
-            self.store = self.store or HostKVStore(self.tier, self.layer_idx)
+            self.store = self.store or host_store(self.tier, self.layer_idx)
             pending, self.pending = self.pending, None
             return self.store.past_and_new(pending, keys, values)
-        self.kept_count = append_tokens(self.buffers, self.kept_count, {"keys": keys, "values": values, **new})
+        self.kept_count = append_tokens(self._rows_for, {"keys": keys, "values": values, **new})
         self._views()
         return self.keys, self.values
 
     def _views(self) -> None:
         self.positions = self.state("positions")
-        if "keys" in self.buffers:
-            self.keys, self.values = self.state("keys"), self.state("values")
 
     def kept_tokens(self) -> int:
         return self.kept_count
+
+    def release(self) -> None:
+        super().release()
+        if self.store is not None:
+            self.store.release()
 
     def kept_positions(self) -> torch.Tensor:
         return self.positions if self.positions is not None else super().kept_positions()
@@ -199,12 +206,12 @@ class EvictionLayer(KVLayer):
         if kept <= budget:
             return
         if kept - budget == 1 and not self.offloaded():  # steady state: no copy of the cache
-            self.kept_count = drop_one_token(self.buffers, self.kept_count, self.lowest_slot(budget))
+            self.kept_count = drop_one_token(self._token_rows(), self.lowest_slot(budget))
         else:
             index = self.guarded_scores(budget).topk(budget, dim=-1).indices.sort(dim=-1).values
             if self.offloaded():
                 self.store.keep(index)
-            self.kept_count = keep_tokens(self.buffers, self.kept_count, index)
+            self.kept_count = keep_tokens(self._token_rows(), index)
         self._views()
 
     def guarded_scores(self, budget: int) -> torch.Tensor:
@@ -224,6 +231,6 @@ class EvictionLayer(KVLayer):
         if self.offloaded():
             held = 0 if self.store is None else self.store.nbytes()
             return {"kv_tokens": self.kept_tokens(), "kv_bytes": held, "kv_bytes_device": 0}
-        if not self.kept_tokens():
-            return {"kv_tokens": 0, "kv_bytes": 0}
-        return {"kv_tokens": self.kept_tokens(), "kv_bytes": int(self.keys.nbytes + self.values.nbytes)}
+        storage = self.storage_stats()
+        return {"kv_tokens": self.kept_tokens(), "kv_bytes": storage.get("kv_bytes_used", 0),
+                **storage}

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from kvcore.storage import KV_LAYOUTS
 from methods.base import Capabilities, KVMethod
 
 
@@ -18,4 +19,4 @@ class Full(KVMethod):
 
     name: ClassVar[str] = "full"
     axis_keys: ClassVar[tuple[str, ...]] = ()  # a reference: no size knob
-    capabilities: ClassVar[Capabilities] = Capabilities(compresses=False)
+    capabilities: ClassVar[Capabilities] = Capabilities(compresses=False, kv_layouts=KV_LAYOUTS)

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 
-from kvcore.offload import HostKVStore
+from kvcore.offload import HostKVStore, host_store
+from kvcore.storage import KV_LAYOUTS
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
 
 
@@ -26,8 +27,8 @@ from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
 class FullOffload(KVMethod):
     name: ClassVar[str] = "full_offload"
     axis_keys: ClassVar[tuple[str, ...]] = ()  # a reference: no size knob
-    capabilities: ClassVar[Capabilities] = Capabilities(offloads_kv=True,
-                                                        lookahead=True, compresses=False)
+    capabilities: ClassVar[Capabilities] = Capabilities(offloads_kv=True, lookahead=True,
+                                                        compresses=False, kv_layouts=KV_LAYOUTS)
     prefetch: bool = True
 
     def check_hyperparameters(self) -> list[str]:
@@ -55,13 +56,17 @@ class FullOffloadLayer(KVLayer):
 
     def update(self, keys, values, position_ids):
         if self.store is None:
-            self.store = HostKVStore(self.tier, self.layer_idx)
+            self.store = host_store(self.tier, self.layer_idx)
         pending, self.pending = self.pending, None
         self.seen_tokens += keys.shape[-2]
         return self.store.past_and_new(pending, keys, values)
 
     def kept_tokens(self) -> int:
         return 0 if self.store is None else self.store.length
+
+    def release(self) -> None:
+        if self.store is not None:
+            self.store.release()
 
     def stats(self) -> dict[str, int]:
         return {"kv_tokens": self.kept_tokens(),

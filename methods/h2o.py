@@ -37,6 +37,7 @@ from typing import ClassVar
 
 import torch
 
+from kvcore.storage import KV_LAYOUTS
 from methods.base import Capabilities, KVLayer, ModelInfo
 from methods.eviction import BudgetedMethod, EvictionLayer
 from methods.scoring import attention_with_probs, group_mean
@@ -46,7 +47,7 @@ from methods.scoring import attention_with_probs, group_mean
 class H2O(BudgetedMethod):
     name: ClassVar[str] = "h2o"
     capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True, offloads_kv=True,
-                                                        selects_tokens=True)
+                                                        selects_tokens=True, kv_layouts=KV_LAYOUTS)
     min_budget_tokens: ClassVar[int] = 2  # one heavy hitter + one recent token
     variant_keys: ClassVar[tuple[str, ...]] = ("recent_ratio",)
     recent_ratio: float = 0.5

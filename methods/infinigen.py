@@ -74,7 +74,8 @@ from typing import ClassVar
 
 import torch
 
-from kvcore.offload import HostKVStore
+from kvcore.offload import host_store
+from kvcore.storage import KV_LAYOUTS
 from methods._infinigen_prep import (COLUMN_SCORES, SkewingArtefacts, cache_dir_reason,
                                      calibration_reasons, prepare_skewing)
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
@@ -98,7 +99,7 @@ class InfiniGen(KVMethod):
     name: ClassVar[str] = "infinigen"
     capabilities: ClassVar[Capabilities] = Capabilities(
         needs_prepare=True, modes=("system", "simulate"), offloads_kv=True, lookahead=True,
-        needs_rope=True, selects_tokens=True)
+        needs_rope=True, selects_tokens=True, kv_layouts=KV_LAYOUTS)
     axis_keys: ClassVar[tuple[str, ...]] = ("alpha", "budget_ratio")
     variant_keys: ClassVar[tuple[str, ...]] = (
         "partial_ratio", "dense_layers", "pool_capacity", "mode", "skewing", "column_score",
@@ -197,7 +198,7 @@ class InfiniGenLayer(KVLayer):
         self.art = method._art
         self.dense = layer_idx in method.dense_layers or layer_idx == 0
         self.system = method.mode == "system"
-        self.store = None  # HostKVStore (system mode)
+        self.store = None  # kvcore.offload.HostKVStore (system mode; paged: PagedHostKVStore)
         self._pk: torch.Tensor | None = None  # (B, H_s, capacity, k_u) partial keys, device
         self._pk_len = 0
         self.positions: torch.Tensor | None = None  # (B, H_kv, T) text positions stored
@@ -346,7 +347,7 @@ class InfiniGenLayer(KVLayer):
             self.counter = torch.cat([self.counter, zeros], 2)
             self.last_used = torch.cat([self.last_used, zeros + self.step], 2)
         if self.system:
-            self.store = self.store or HostKVStore(self.tier, self.layer_idx)
+            self.store = self.store or host_store(self.tier, self.layer_idx)
             self.store.append(keys, values)
         else:
             self.keys = keys if self.keys is None else torch.cat([self.keys, keys], 2)
@@ -454,6 +455,11 @@ class InfiniGenLayer(KVLayer):
             self.keys = gather_tokens(self.keys, index.to(self.keys.device))
             self.values = gather_tokens(self.values, index.to(self.values.device))
 
+    def release(self) -> None:
+        super().release()
+        if self.store is not None:
+            self.store.release()
+
     # --- accounting --------------------------------------------------------------------------
     def kept_tokens(self) -> int:
         return self.stored()
@@ -478,11 +484,11 @@ class InfiniGenLayer(KVLayer):
         return None if self.dense else self._decode_budget
 
     def stats(self) -> dict[str, int]:
-        held = self.store.nbytes() if self.store is not None else (
-            0 if self.keys is None else self.keys.nbytes + self.values.nbytes)
+        storage = self.storage_stats()  # simulate mode: K/V in the layer's storage
+        held = self.store.nbytes() if self.store is not None else storage.get("kv_bytes_used", 0)
         partial = 0 if self._pk is None else self.partial_keys().nbytes
         out = {"kv_tokens": self.stored(), "kv_bytes": held + partial,
-               "kv_bytes_device": partial + (0 if self.system else held)}
+               "kv_bytes_device": partial + (0 if self.system else held), **storage}
         if not self.dense and self._last_counts is not None:
             out["selected_tokens"] = int(self._last_counts.max()) + 1
         return out

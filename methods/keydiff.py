@@ -23,6 +23,7 @@ from typing import ClassVar
 
 import torch
 
+from kvcore.storage import KV_LAYOUTS
 from methods.base import Capabilities, KVLayer, ModelInfo
 from methods.eviction import BudgetedMethod, EvictionLayer
 
@@ -30,7 +31,7 @@ from methods.eviction import BudgetedMethod, EvictionLayer
 @dataclass(kw_only=True)
 class KeyDiff(BudgetedMethod):
     name: ClassVar[str] = "keydiff"
-    capabilities: ClassVar[Capabilities] = Capabilities(selects_tokens=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(selects_tokens=True, kv_layouts=KV_LAYOUTS)
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         return KeyDiffLayer(layer_idx, info, self)

@@ -40,6 +40,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from kvcore.storage import KV_LAYOUTS
 from methods.base import Capabilities, KVLayer, ModelInfo
 from methods.eviction import BudgetedMethod, keep_tokens
 from methods.scoring import gather_tokens
@@ -51,7 +52,7 @@ class KVMerger(BudgetedMethod):
     name: ClassVar[str] = "kvmerger"
     capabilities: ClassVar[Capabilities] = Capabilities(
         needs_attn_scores=True, acts_during_decode=False, needs_prefill=True,
-        prefill_modes=("dense",), selects_tokens=True)
+        prefill_modes=("dense",), selects_tokens=True, kv_layouts=KV_LAYOUTS)
     variant_keys: ClassVar[tuple[str, ...]] = ("window_tokens",)
     budget_ratio: float | None = 0.5
     window_tokens: int = 32
@@ -96,10 +97,11 @@ class KVMergerLayer(SnapKVLayer):
             pivot = pivots(self.score().gather(-1, prefix), set_id, sets)
             merged_keys, merged_values = gaussian_merge(keys, values, set_id, pivot, sets)
             index = torch.cat([prefix.gather(-1, pivot), index], dim=-1)
-        self.kept_count = keep_tokens(self.buffers, self.kept_count, index)
+        self.kept_count = keep_tokens(self._token_rows(), index)
         if sets:  # the pivots' slots come first, in text order: they take the merged pairs
-            self.buffers["keys"][:, :, :sets] = merged_keys.to(self.buffers["keys"].dtype)
-            self.buffers["values"][:, :, :sets] = merged_values.to(self.buffers["values"].dtype)
+            for name, merged in (("keys", merged_keys), ("values", merged_values)):
+                rows = self.kv_rows(name)
+                rows.write_at(0, merged.to(rows.view().dtype))
         self._views()
 
 

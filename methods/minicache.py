@@ -40,7 +40,8 @@ from typing import ClassVar
 
 import torch
 
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, append_rows
+from kvcore.storage import ContiguousRows
+from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
 
 KINDS = ("k", "v")
 
@@ -91,8 +92,8 @@ class MiniCacheLayer(KVLayer):
         self.method, self.role = method, role
         self.merged_tokens = 0  # text positions 0 .. merged_tokens-1 are in the store
         # "{k,v}_dir" (B, H_kv, cap, D) shared directions; "{k,v}_norm" (B, H_kv, cap, 2)
-        # magnitudes [lower, upper]; both grown with append_rows (merged_tokens valid rows)
-        self.store: dict[str, torch.Tensor] = {}
+        # magnitudes [lower, upper]; amortised growth (merged_tokens valid rows)
+        self.store: dict[str, ContiguousRows] = {}
         # retained tokens, per kind: "{k,v}_row" (N,) = b * H_kv + h, "{k,v}_at" (N,) token index,
         # "{k,v}_exact" (N, 2, D) the exact vectors [lower, upper]
         self.retained: dict[str, torch.Tensor] = {}
@@ -148,14 +149,15 @@ class MiniCacheLayer(KVLayer):
         if prompt:
             self.threshold = torch.stack(thresholds)
         upper.merged_tokens += self.keys.shape[2]
-        self._key_rows = self._value_rows = upper._key_rows = upper._value_rows = 0
+        for layer in (self, upper):  # every unmerged token is in the store now
+            layer.keys = layer.values = None
 
     def add_merged(self, kind: str, direction, norms, keep, exact) -> None:
         """Append merged tokens `(B, H, n, ...)`; `keep (B, H, n)` marks the retained ones, whose
         `exact (B, H, n, 2, D)` vectors are stored too."""
         rows = self.merged_tokens
         for name, x in ((f"{kind}_dir", direction), (f"{kind}_norm", norms)):
-            self.store[name] = append_rows(self.store.get(name), rows, x)[0]
+            self.store.setdefault(name, ContiguousRows()).append(x)
         b, h, t = keep.nonzero(as_tuple=True)
         new = {f"{kind}_row": b * keep.shape[1] + h, f"{kind}_at": t + rows,
                f"{kind}_exact": exact[b, h, t]}
@@ -166,8 +168,8 @@ class MiniCacheLayer(KVLayer):
     def restore(self, kind: str, side: int) -> torch.Tensor:
         """The merged tokens of one layer of the pair, `(B, H_kv, merged, D)`."""
         m = self.merged_tokens
-        norm = self.store[f"{kind}_norm"][:, :, :m, side:side + 1]
-        out = self.store[f"{kind}_dir"][:, :, :m] * norm
+        norm = self.store[f"{kind}_norm"].view()[:, :, :m, side:side + 1]
+        out = self.store[f"{kind}_dir"].view()[:, :, :m] * norm
         b, h, _, d = out.shape
         flat = out.view(b * h, m, d)
         flat[self.retained[f"{kind}_row"], self.retained[f"{kind}_at"]] = \
@@ -186,9 +188,9 @@ class MiniCacheLayer(KVLayer):
         the pair), its magnitudes, its retained vectors; the upper layer holds the indices."""
         m, total = self.merged_tokens, 0
         for kind in KINDS:
-            direction = self.store[f"{kind}_dir"][:, :, :m].nbytes
+            direction = self.store[f"{kind}_dir"].view()[:, :, :m].nbytes
             total += direction // 2 + (direction % 2) * side
-            total += self.store[f"{kind}_norm"][:, :, :m].nbytes // 2
+            total += self.store[f"{kind}_norm"].view()[:, :, :m].nbytes // 2
             total += self.retained[f"{kind}_exact"].nbytes // 2
             if side:
                 total += self.retained[f"{kind}_row"].nbytes + self.retained[f"{kind}_at"].nbytes

@@ -29,6 +29,7 @@ from typing import ClassVar
 
 import torch
 
+from kvcore.storage import KV_LAYOUTS
 from methods.base import Capabilities, KVLayer, ModelInfo
 from methods.eviction import BudgetedMethod
 from methods.scoring import additive_mask, attention_with_probs, expand_kv, group_mean
@@ -39,7 +40,7 @@ class OracleTopK(BudgetedMethod):
     name: ClassVar[str] = "oracle_topk"
     capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True,
                                                         sparse_prefill_chunked=True,
-                                                        selects_tokens=True)
+                                                        selects_tokens=True, kv_layouts=KV_LAYOUTS)
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         return OracleTopKLayer(layer_idx, info, self)

@@ -52,6 +52,7 @@ from typing import ClassVar
 
 import torch
 
+from kvcore.storage import KV_LAYOUTS
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for, check_budget
 from methods.kernels import quest_pages, sparse_attention
 from methods.scoring import gather_tokens
@@ -60,7 +61,7 @@ from methods.scoring import gather_tokens
 @dataclass(kw_only=True)
 class Quest(KVMethod):
     name: ClassVar[str] = "quest"
-    capabilities: ClassVar[Capabilities] = Capabilities(selects_tokens=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(selects_tokens=True, kv_layouts=KV_LAYOUTS)
     variant_keys: ClassVar[tuple[str, ...]] = ("page_size", "group_reduce")
     budget_ratio: float | None = 0.2
     budget_tokens: int | None = None

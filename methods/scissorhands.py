@@ -30,6 +30,7 @@ from typing import ClassVar
 
 import torch
 
+from kvcore.storage import KV_LAYOUTS
 from methods.base import Capabilities, KVLayer, ModelInfo
 from methods.eviction import BudgetedMethod, EvictionLayer
 from methods.scoring import attention_with_probs
@@ -39,7 +40,7 @@ from methods.scoring import attention_with_probs
 class Scissorhands(BudgetedMethod):
     name: ClassVar[str] = "scissorhands"
     capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True,
-                                                        selects_tokens=True)
+                                                        selects_tokens=True, kv_layouts=KV_LAYOUTS)
     variant_keys: ClassVar[tuple[str, ...]] = ("history_tokens", "recent_tokens")
     history_tokens: int = 100
     recent_tokens: int = 10

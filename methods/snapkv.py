@@ -35,6 +35,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from kvcore.storage import KV_LAYOUTS
 from methods.base import Capabilities, KVLayer, ModelInfo
 from methods.eviction import BudgetedMethod, EvictionLayer
 from methods.scoring import causal_allowed, group_mean
@@ -47,7 +48,7 @@ class SnapKV(BudgetedMethod):
     name: ClassVar[str] = "snapkv"
     capabilities: ClassVar[Capabilities] = Capabilities(
         needs_attn_scores=True, acts_during_decode=False, needs_prefill=True, prefill_modes=("dense",),
-        selects_tokens=True)
+        selects_tokens=True, kv_layouts=KV_LAYOUTS)
     variant_keys: ClassVar[tuple[str, ...]] = ("window_tokens", "kernel_tokens", "pooling")
     window_tokens: int = 32
     kernel_tokens: int = 7

@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcore.errors import ConfigError
+from kvcore.storage import KV_LAYOUTS
 from methods.base import Capabilities, KVLayer, ModelInfo
 from methods.eviction import BudgetedMethod, EvictionLayer
 
@@ -58,7 +59,7 @@ class SqueezeAttention(BudgetedMethod):
     name: ClassVar[str] = "squeezeattention"
     capabilities: ClassVar[Capabilities] = Capabilities(  # per instance: the scorer's, adjusted
         needs_attn_scores=True, needs_prefill=True, prefill_modes=("dense",), selects_tokens=True,
-        observes_attention_block=True, needs_prepare=True)
+        observes_attention_block=True, needs_prepare=True, kv_layouts=KV_LAYOUTS)
     variant_keys: ClassVar[tuple[str, ...]] = ("scorer", "low_group_ratio")
     low_group_ratio: float = 0.5
     scorer: str = "h2o"

@@ -36,6 +36,7 @@ from typing import ClassVar
 import torch
 
 from kvcore.errors import ConfigError
+from kvcore.storage import KV_LAYOUTS
 from methods.base import Capabilities, KVLayer, ModelInfo, check_budget
 from methods.eviction import BudgetedMethod, EvictionLayer
 from methods.rope import rotate
@@ -45,7 +46,8 @@ from methods.rope import rotate
 class StreamingLLM(BudgetedMethod):
     name: ClassVar[str] = "streaming_llm"
     capabilities: ClassVar[Capabilities] = Capabilities(needs_rope=True, bounds_positions=True,
-                                                        needs_prepare=True, selects_tokens=True)
+                                                        needs_prepare=True, selects_tokens=True,
+                                                        kv_layouts=KV_LAYOUTS)
     axis_keys: ClassVar[tuple[str, ...]] = ("window_tokens", "budget_ratio")
     variant_keys: ClassVar[tuple[str, ...]] = ("sink_tokens", "rerotate")
     sink_tokens: int = 4
@@ -125,9 +127,10 @@ class StreamingLLMLayer(EvictionLayer):
                 self.sink_keys = self.keys[:, :, :sinks].clone()  # slots 0..S-1 never move
             if offset != self.offset:
                 delta = torch.tensor(float(offset), device=keys.device)
-                self.keys[:, :, :sinks] = rotate(self.sink_keys[:, :, :sinks], delta,
-                                                 self.method._inv_freq)
+                self.kv_rows("keys").write_at(0, rotate(self.sink_keys[:, :, :sinks], delta,
+                                                        self.method._inv_freq))
                 self.offset = offset
+            return self.keys, self.values  # with the sinks as re-rotated now (paged: re-read)
         return keys_out, values_out
 
     def score(self) -> torch.Tensor:

@@ -25,6 +25,7 @@ from typing import ClassVar
 
 import torch
 
+from kvcore.storage import KV_LAYOUTS
 from methods.base import Capabilities, KVLayer, ModelInfo
 from methods.eviction import BudgetedMethod, EvictionLayer
 
@@ -33,7 +34,7 @@ from methods.eviction import BudgetedMethod, EvictionLayer
 class TOVA(BudgetedMethod):
     name: ClassVar[str] = "tova"
     capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True,
-                                                        selects_tokens=True)
+                                                        selects_tokens=True, kv_layouts=KV_LAYOUTS)
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         return TOVALayer(layer_idx, info, self)

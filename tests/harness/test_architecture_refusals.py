@@ -48,7 +48,7 @@ REFUSED = [  # (config, method overrides, fragment of the one-line reason)
     (lambda: rope_variant("llama", rope_type="yarn", factor=4.0,
                           original_max_position_embeddings=128),
      ["method=infinigen"], "llama uses rope_type=yarn"),
-    (deepseek_v2_config, ["method=full"], "caches a 'latent' layout (multi-head latent attention)"),
+    (deepseek_v2_config, ["method=full"], "caches a 'latent' format (multi-head latent attention)"),
     (deepseek_v2_config, ["method=kivi"], "method=kivi needs per-head K/V caches"),
     (deepseek_v2_config, ["method=h2o"], "method=h2o needs per-head K/V caches"),
 ]

@@ -3,7 +3,8 @@ decode step), valid rows exposed as `keys`/`values`, assignment re-seats the buf
 
 import torch
 
-from methods.base import KVLayer, ModelInfo, grown_capacity
+from kvcore.storage import grown_capacity
+from methods.base import KVLayer, ModelInfo
 
 INFO = ModelInfo(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, max_positions=4096)
 
@@ -16,16 +17,16 @@ def rows(t, start=0):
 def test_decode_writes_in_place_and_grows_amortised():
     layer = KVLayer(0, INFO)
     layer.update(*rows(100), None)
-    buffer = layer._key_buffer
+    buffer = layer._kv["keys"].buffer
     assert buffer.shape[2] == grown_capacity(100) >= 356  # headroom for decoding
     reallocations = 0
     for t in range(100, 2000):
         k, v = layer.update(*rows(1, t), None)
         assert k.shape[2] == v.shape[2] == t + 1
         assert k[0, 1, -1, 0].item() == t and v[0, 0, -1, 3].item() == -t
-        if layer._key_buffer is not buffer:
+        if layer._kv["keys"].buffer is not buffer:
             reallocations += 1
-            buffer = layer._key_buffer
+            buffer = layer._kv["keys"].buffer
         # the returned K/V are views of the buffer: nothing was concatenated
         assert k.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
     assert reallocations <= 6  # 1.5x growth: O(log T) reallocations, not one per step

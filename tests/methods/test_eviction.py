@@ -1,23 +1,33 @@
 """The scored-eviction template's storage and protection (methods/eviction.py)."""
 
+import pytest
 import torch
 
+from kvcore.paged import BlockPool, PagedRows
+from kvcore.storage import ContiguousRows, doubled_capacity
 from methods.base import ModelInfo
 from methods.eviction import (BudgetedMethod, EvictionLayer, append_tokens, drop_one_token,
                               keep_tokens)
 
 
-def test_storage_append_drop_keep():
-    buffers = {}
-    n = append_tokens(buffers, 0, {"x": torch.arange(6.).view(1, 2, 3)})  # (B, H, q)
-    n = append_tokens(buffers, n, {"x": torch.arange(6., 10.).view(1, 2, 2)})
-    assert n == 5 and buffers["x"][:, :, :n].tolist() == [[[0, 1, 2, 6, 7], [3, 4, 5, 8, 9]]]
-    capacity = buffers["x"].shape[2]
-    n = drop_one_token(buffers, n, torch.tensor([[1, 4]]))  # head 0 drops slot 1, head 1 the last
-    assert n == 4 and buffers["x"][:, :, :n].tolist() == [[[0, 7, 2, 6], [3, 4, 5, 8]]]
-    assert buffers["x"].shape[2] == capacity  # in place: no new buffer
-    n = keep_tokens(buffers, n, torch.tensor([[[0, 2], [1, 3]]]))
-    assert n == 2 and buffers["x"][:, :, :n].tolist() == [[[0, 2], [4, 8]]]
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+def test_storage_append_drop_keep(layout):
+    pool = BlockPool(block_tokens=2)
+    rows = {"x": ContiguousRows(doubled_capacity) if layout == "contiguous" else PagedRows(pool)}
+    n = append_tokens(rows.get, {"x": torch.arange(6.).view(1, 2, 3)})  # (B, H, q)
+    n = append_tokens(rows.get, {"x": torch.arange(6., 10.).view(1, 2, 2)})
+    assert n == 5 and rows["x"].view().tolist() == [[[0, 1, 2, 6, 7], [3, 4, 5, 8, 9]]]
+    allocated = rows["x"].allocated_bytes()
+    n = drop_one_token(rows, torch.tensor([[1, 4]]))  # head 0 drops slot 1, head 1 the last
+    assert n == 4 and rows["x"].view().tolist() == [[[0, 7, 2, 6], [3, 4, 5, 8]]]
+    if layout == "contiguous":
+        assert rows["x"].allocated_bytes() == allocated  # in place: no new buffer
+    else:  # 4 tokens in blocks of 2: the third block emptied and went back to the pool
+        assert rows["x"].allocated_bytes() == allocated * 2 // 3 and pool.held == 2
+    n = keep_tokens(rows, torch.tensor([[[0, 2], [1, 3]]]))
+    assert n == 2 and rows["x"].view().tolist() == [[[0, 2], [4, 8]]]
+    if layout == "paged":
+        assert pool.held == 1 and len(pool.free) == pool.num_blocks - 1
 
 
 class Latest(EvictionLayer):

@@ -122,6 +122,7 @@ def _layer_with(policy: str, counters, last_used):
     method = build_method("infinigen", eviction=policy, pool_capacity=0.5, mode="simulate")
     layer = InfiniGenLayer.__new__(InfiniGenLayer)
     layer.m, layer.system, layer._pk = method, False, None
+    layer._kv, layer.tier = {}, None  # KVLayer.__init__ skipped: its (contiguous) K/V storage
     t = len(counters)
     layer.positions = torch.arange(t).view(1, 1, t)
     layer.counter = torch.tensor(counters, dtype=torch.float).view(1, 1, t)

@@ -121,7 +121,7 @@ def test_retaining_everything_is_exact(stories):
             logits = [req.prefill(ids[:60])] + [req.step(t.view(1)) for t in ids[60:]]
             layers = req.cache.kv_layers
             out.append(torch.cat(logits, 1))
-        stats = [kv.stats() for kv in layers]
+            stats = [kv.stats() for kv in layers]  # the request's storage is freed at its end
         assert [s["kv_tokens"] for s in stats] == [70] * len(layers)
     roles = [method.role(i, 5) for i in range(5)]
     assert roles == [None, None, "lower", "upper", None]  # stories260K: 5 layers

@@ -1,0 +1,148 @@
+"""Per-token storage of one layer: a `(B, H_kv, T, ...)` tensor that grows, shrinks, is rewritten.
+
+A KV layer keeps its K and V (and, for the scored-eviction template, positions and per-token
+state) as `Rows`; `runner.kv_layout` picks the storage behind K and V:
+
+* `ContiguousRows` (`contiguous`): one preallocated buffer `(B, H_kv, capacity, ...)` with
+  amortised growth; `view()` is a view of the valid rows (no copy) and writes to it are stored.
+* `PagedRows` (`paged`, kvcore.paged): a block table into a pool shared by every sequence of the
+  engine; `view()` is a gather of the blocks into a fresh contiguous tensor (read-only: writes to
+  it are not stored; use `write_at`).
+
+Both give the same values bit for bit; only where the bytes live, and how many are held, differ.
+Figures: `used_bytes()` = the valid rows; `allocated_bytes()` = what the storage holds for them
+(the buffer's capacity, or blocks held x block bytes); harness.accounting turns them into waste.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+KV_LAYOUTS = ("contiguous", "paged")
+
+GROWTH_MIN_ROWS = 256  # smallest buffer / headroom: a short decode never reallocates
+
+
+def grown_capacity(rows_needed: int, capacity: int = 0) -> int:
+    """Rows to allocate for `rows_needed`: 1.5x (at least +256), rounded up to 256, so growing
+    one row at a time costs O(1) amortised copies per row and at most ~50% unused capacity."""
+    want = rows_needed + max(GROWTH_MIN_ROWS, rows_needed // 2)
+    return -(-want // GROWTH_MIN_ROWS) * GROWTH_MIN_ROWS
+
+
+def doubled_capacity(rows_needed: int, capacity: int = 0) -> int:
+    """Rows to allocate for `rows_needed`: twice the old capacity (at least what is needed)."""
+    return max(rows_needed, 2 * capacity)
+
+
+def gather_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x `(B, H, T, ...)`, index `(B, H, k)` -> `(B, H, k, ...)`: per-head token gather."""
+    idx = index.reshape(*index.shape, *([1] * (x.dim() - 3))).expand(*index.shape, *x.shape[3:])
+    return x.gather(2, idx)
+
+
+class Rows:
+    """One per-token tensor `(B, H, T, ...)` of a layer (the interface both layouts implement)."""
+
+    length: int  # valid tokens T
+
+    def view(self) -> torch.Tensor | None:
+        """The valid rows `(B, H, T, ...)`; None before anything was written."""
+        raise NotImplementedError
+
+    def append(self, new: torch.Tensor) -> None:
+        """Write `new (B, H, q, ...)` after the valid rows."""
+        self.write_at(self.length, new)
+
+    def write_at(self, start: int, new: torch.Tensor) -> None:
+        """Overwrite (or extend) rows `start .. start + q` with `new (B, H, q, ...)`."""
+        raise NotImplementedError
+
+    def assign(self, tensor: torch.Tensor | None) -> None:
+        """Replace the whole content by `tensor (B, H, T', ...)` (None: empty)."""
+        raise NotImplementedError
+
+    def keep(self, index: torch.Tensor, headroom: int = 0) -> None:
+        """Keep the tokens at `index (B, H, k)` per head, in that order (an eviction)."""
+        raise NotImplementedError
+
+    def drop_one(self, slot: torch.Tensor) -> None:
+        """Evict one token per head, `slot (B, H)`: the last token moves into its place."""
+        raise NotImplementedError
+
+    def used_bytes(self) -> int:
+        """Bytes of the valid rows."""
+        raise NotImplementedError
+
+    def allocated_bytes(self) -> int:
+        """Bytes this storage holds for the rows (valid or not)."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Give the memory back (the rows become empty)."""
+        raise NotImplementedError
+
+    def fork(self) -> "Rows":
+        """An independent copy (Request.snapshot)."""
+        raise NotImplementedError
+
+
+class ContiguousRows(Rows):
+    """A preallocated buffer `(B, H, capacity, ...)`; `growth(needed, capacity)` sizes it."""
+
+    def __init__(self, growth: Callable[[int, int], int] = grown_capacity):
+        self.growth = growth
+        self.buffer: torch.Tensor | None = None
+        self.length = 0
+
+    def view(self) -> torch.Tensor | None:
+        return None if self.buffer is None else self.buffer[:, :, : self.length]
+
+    def write_at(self, start: int, new: torch.Tensor) -> None:
+        end = start + new.shape[2]
+        if self.buffer is None or end > self.buffer.shape[2]:
+            old = 0 if self.buffer is None else self.buffer.shape[2]
+            grown = new.new_empty(*new.shape[:2], self.growth(end, old), *new.shape[3:])
+            if self.length:
+                grown[:, :, : self.length].copy_(self.buffer[:, :, : self.length])
+            self.buffer = grown
+        self.buffer[:, :, start:end].copy_(new)
+        self.length = max(self.length, end)
+
+    def assign(self, tensor: torch.Tensor | None) -> None:
+        # The tensor becomes the buffer as is (no copy); its capacity is its length, so the next
+        # append grows into a fresh buffer and never writes into the caller's tensor.
+        self.buffer, self.length = tensor, 0 if tensor is None else tensor.shape[2]
+
+    def keep(self, index: torch.Tensor, headroom: int = 0) -> None:
+        # fresh fitted buffer: a long prompt compressed to its budget frees its memory
+        kept = gather_rows(self.view(), index)
+        k = index.shape[-1]
+        self.buffer = kept.new_empty(*kept.shape[:2], k + headroom, *kept.shape[3:])
+        self.buffer[:, :, :k] = kept
+        self.length = k
+
+    def drop_one(self, slot: torch.Tensor) -> None:
+        last = self.length - 1
+        buf = self.buffer
+        src = buf[:, :, last:last + 1].clone()  # one token; it may overlap its target
+        index = slot.reshape(*slot.shape, 1, *([1] * (buf.dim() - 3)))
+        buf.scatter_(2, index.expand(*src.shape), src)
+        self.length = last
+
+    def used_bytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer[:, :, : self.length].nbytes
+
+    def allocated_bytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.nbytes
+
+    def release(self) -> None:
+        self.buffer, self.length = None, 0
+
+    def fork(self) -> "ContiguousRows":
+        copy = ContiguousRows(self.growth)
+        copy.buffer = None if self.buffer is None else self.buffer.clone()
+        copy.length = self.length
+        return copy
