@@ -55,7 +55,7 @@ FAMILY_BUDGETS = (0.2, 0.5)  # budget_ratio of every budgeted method (issues 12/
 FAMILY_BITS = (2, 4)  # k_bits = v_bits of the quantizers
 
 
-def family_rows() -> list[list[str]]:
+def family_rows(budgets=FAMILY_BUDGETS, bits=FAMILY_BITS) -> list[list[str]]:
     """Every registered method that can act on a streamed text, at each budget (or bit width),
     read from its declared knobs: `budget_ratio` when it has one, else `k_bits`/`v_bits`, else
     its defaults. Prefill-only compressors are left out (they never act on a stream; the runner
@@ -71,10 +71,10 @@ def family_rows() -> list[list[str]]:
         if "budget_ratio" in knobs:
             rows += [[f"method={name}", f"method.budget_ratio={r}"]
                      + (["method.budget_tokens=null"] if "budget_tokens" in knobs else [])
-                     for r in FAMILY_BUDGETS]
+                     for r in budgets]
         elif "k_bits" in knobs:
             rows += [[f"method={name}", f"method.k_bits={b}", f"method.v_bits={b}"]
-                     for b in FAMILY_BITS]
+                     for b in bits]
         else:
             rows.append([f"method={name}"])
     return rows
@@ -104,6 +104,10 @@ def main() -> None:
     ap.add_argument("--results-root", default=str(ROOT / "results" / "ppl_table"))
     ap.add_argument("--extra", nargs="*", default=[], help="more overrides for every run")
     ap.add_argument("--start", type=int, default=0, help="skip the preset's first N rows")
+    ap.add_argument("--budgets", type=float, nargs="+", default=list(FAMILY_BUDGETS),
+                    help="families: budget_ratio values")
+    ap.add_argument("--bits", type=int, nargs="*", default=list(FAMILY_BITS),
+                    help="families: k_bits = v_bits values of the quantizers")
     args = ap.parse_args()
 
     from hydra import compose, initialize_config_dir
@@ -116,7 +120,8 @@ def main() -> None:
              "attended (sparse layers) | attended (all layers) | decode ms/tok |",
              "|---|---|---|---|---|---|---|---|"]
     densities: dict[str, float] = {}
-    rows = family_rows() if args.preset == "families" else PRESETS[args.preset]
+    rows = (family_rows(args.budgets, args.bits) if args.preset == "families"
+            else PRESETS[args.preset])
     for overrides in rows[args.start:]:
         if "@density" in overrides:  # InfiniGen's measured attended fraction in sparse layers
             ratio = round(densities[DENSITY_SOURCE], 4)
