@@ -21,7 +21,6 @@ table: on a shared machine the ratios (measured in the same rounds) are what to 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -35,6 +34,7 @@ import torch  # noqa: E402
 
 from harness import hf_adapter, models  # noqa: E402
 from harness.engine import Engine, EngineSettings  # noqa: E402
+from harness.results import write_json_atomic  # noqa: E402
 from methods import build_method  # noqa: E402
 from tasks.text_sources import load_essays  # noqa: E402
 
@@ -131,10 +131,7 @@ def main() -> None:
         out["contexts"][str(ctx)] = {"load_avg": round(load, 2), "rows": rows}
     out["wall_s"] = round(time.time() - t0, 1)
     if args.json:
-        path = Path(args.json)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(out, indent=2))
-        tmp.replace(path)
+        write_json_atomic(Path(args.json), out)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ timed (the script says so and exits 0).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,6 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+
+from harness.results import write_json_atomic  # noqa: E402
 
 H_KV, H_Q, HEAD_DIM = 8, 32, 128  # Llama-3-8B attention shape
 GB = 1e9
@@ -129,12 +130,9 @@ def main() -> int:
                 print(f"{name:8} {b:3d} {t:7d} {nbytes / 1e6:9.2f} {ms * 1e3:9.1f} {gbs:8.0f} "
                       f"{100 * gbs / args.peak_gbs:6.1f}% {100 * gbs / copy:6.1f}%")
     if args.json:
-        path = Path(args.json)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps({"device": torch.cuda.get_device_name(), "copy_gbs": copy,
+        write_json_atomic(Path(args.json), {"device": torch.cuda.get_device_name(), "copy_gbs": copy,
                                    "peak_gbs": args.peak_gbs, "goal_share": args.goal,
-                                   "rows": rows}, indent=2))
-        tmp.replace(path)
+                                   "rows": rows})
     return 0
 
 

@@ -19,7 +19,6 @@ Rows `full` and `kivi_2bit` keep the KV on the device; with `full` in the run ev
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -31,9 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.random_models import SHAPES, random_llama, random_prompt  # noqa: E402
 from harness import hf_adapter, models  # noqa: E402
 from harness.engine import Engine, EngineSettings  # noqa: E402
-from benchmarks.random_models import SHAPES, random_llama, random_prompt  # noqa: E402
+from harness.results import write_json_atomic  # noqa: E402
 from methods import build_method  # noqa: E402
 
 METHODS = {
@@ -126,10 +126,7 @@ def main() -> None:
         summary["contexts"][str(len(ids))] = rows
     summary["wall_s"] = round(time.time() - t0, 1)
     if args.json:
-        path = Path(args.json)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(summary, indent=2))
-        tmp.replace(path)
+        write_json_atomic(Path(args.json), summary)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ rounds: on CPU paged reads gather the blocks into a contiguous tensor at every l
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,6 +27,7 @@ import torch  # noqa: E402
 
 from harness import hf_adapter, models  # noqa: E402
 from harness.engine import Engine, EngineSettings  # noqa: E402
+from harness.results import write_json_atomic  # noqa: E402
 from methods import build_method  # noqa: E402
 from tasks.text_sources import load_essays  # noqa: E402
 
@@ -114,10 +114,7 @@ def main() -> None:
            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
            "wall_s": round(time.time() - t0, 1), "rows": rows}
     if args.json:
-        path = Path(args.json)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(out, indent=2))
-        tmp.replace(path)
+        write_json_atomic(Path(args.json), out)
 
 
 if __name__ == "__main__":

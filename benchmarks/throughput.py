@@ -26,7 +26,6 @@ included in both). `random_llama_1b` / `random_llama_8b`: random Llama-3 shapes 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -38,10 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from benchmarks.random_models import SHAPES, random_llama, random_prompt  # noqa: E402
 from harness import hf_adapter, models  # noqa: E402
 from harness.engine import Engine, EngineSettings  # noqa: E402
 from harness.profiling import peak_memory, reset_peak_memory  # noqa: E402
-from benchmarks.random_models import SHAPES, random_llama, random_prompt  # noqa: E402
+from harness.results import write_json_atomic  # noqa: E402
 from methods import build_method  # noqa: E402
 from tasks.text_sources import load_essays  # noqa: E402
 
@@ -203,11 +203,7 @@ def main() -> None:
         out["contexts"][str(length)] = {"load_avg": round(load_avg, 2), "cells": cells}
     out["wall_s"] = round(time.time() - t0, 1)
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(out, indent=2))
-        tmp.replace(path)
+        write_json_atomic(Path(args.json), out)
 
 
 if __name__ == "__main__":
