@@ -113,6 +113,7 @@ def main() -> None:
     from hydra import compose, initialize_config_dir
 
     from harness.run import run
+    from kvcore.errors import ConfigError
 
     lines = [f"Streaming perplexity, {args.model}, {args.dataset}, first {args.max_tokens} tokens",
              f"protocol: {' '.join(PROTOCOL.get(args.preset, [])) or 'runner defaults'}",
@@ -132,7 +133,12 @@ def main() -> None:
                   *args.extra]
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
             cfg = compose(config_name="config", overrides=common + overrides)
-        folder = run(cfg)
+        try:
+            folder = run(cfg)
+        except ConfigError as refusal:  # e.g. a budget a method's own knobs cannot meet
+            lines.append(f"| {label(overrides)} | refused before loading: {refusal} |||||||")
+            print(lines[-1], flush=True)
+            continue
         metrics = json.loads((folder / "metrics.json").read_text())
         densities[label(overrides)] = metrics["kv"].get("attended_fraction_sparse_layers") or 1.0
         lines.append(row(metrics, label(overrides)))
