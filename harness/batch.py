@@ -57,13 +57,13 @@ class FanOutLayer:
         self._pending: list[tuple] = []  # per row: (row, layer, n, K, V, kv_length, kv_offset, q_offset)
 
     # --- cache seam (what `hf_adapter`'s bridge calls) --------------------------------------
-    @property
-    def seen_tokens(self) -> int:  # the batch mask transformers builds is never used (see attend)
-        return max((kv.seen_tokens for _, kv, _ in self.routing.rows(self.layer_idx)), default=0)
+    # The model builds one batch mask from these before attention; `attend` never reads it (each
+    # row gets its own sequence's mask), so they describe the cheapest one: a plain causal mask
+    # over the chunk, which sdpa skips and eager builds as (B, 1, q, q), not (B, 1, q, kv).
+    seen_tokens = 0
 
     def mask_sizes(self, q_len: int) -> tuple[int, int]:
-        sizes = [kv.mask_sizes(n) for _, kv, n in self.routing.rows(self.layer_idx)]
-        return max(s[0] for s in sizes), 0
+        return q_len, 0
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, position_ids: torch.Tensor | None):
         """keys/values `(B, H_kv, T, D)`: each row's real rows go to its own sequence's layer."""
