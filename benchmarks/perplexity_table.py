@@ -55,18 +55,20 @@ FAMILY_BUDGETS = (0.2, 0.5)  # budget_ratio of every budgeted method (issues 12/
 FAMILY_BITS = (2, 4)  # k_bits = v_bits of the quantizers
 
 
-def family_rows(budgets=FAMILY_BUDGETS, bits=FAMILY_BITS) -> list[list[str]]:
-    """Every registered method that can act on a streamed text, at each budget (or bit width),
-    read from its declared knobs: `budget_ratio` when it has one, else `k_bits`/`v_bits`, else
-    its defaults. Prefill-only compressors are left out (they never act on a stream; the runner
-    refuses them) — they are measured on needle prompts instead."""
+def family_rows(budgets=FAMILY_BUDGETS, bits=FAMILY_BITS, streamed=True) -> list[list[str]]:
+    """Every registered method that compresses, at each budget (or bit width), read from its
+    declared knobs: `budget_ratio` when it has one, else `k_bits`/`v_bits`, else its defaults.
+    `streamed`: only the methods that can act on a streamed text (prefill-only compressors never
+    act there and the runner refuses them; they are measured on needle prompts instead)."""
     from methods import available_methods, method_class
 
     rows = [["method=full"]]
     for name in available_methods():
         cls = method_class(name)
         caps, knobs = cls.capabilities, cls.hyperparameter_names()
-        if not caps.compresses or caps.needs_prefill or not caps.acts_during_decode:
+        if not caps.compresses:
+            continue
+        if streamed and (caps.needs_prefill or not caps.acts_during_decode):
             continue
         if "budget_ratio" in knobs:
             rows += [[f"method={name}", f"method.budget_ratio={r}"]

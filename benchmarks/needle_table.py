@@ -1,0 +1,129 @@
+"""Needle table across methods and budgets (RULER niah_single, one run per row, through the runner).
+
+    python benchmarks/needle_table.py [--budgets 0.2 0.5] [--bits 2 4] [--lengths 1024 2048 4096]
+                                      [--depths 10 30 50 70 90] [--dense-layers 0 1] [--methods ...]
+    python benchmarks/needle_table.py --rows "method=quest method.budget_ratio=0.05" ...
+
+Every compressing method (prefill-only compressors included: a needle prompt is prefilled) at
+each budget_ratio, the quantizers at each bit width, and full — under one protocol for all rows
+(`runner.dense_layers`, dense prefill, greedy decoding, the same samples: one index per cell, so
+every method sees the same needle keys). Each row is a normal harness run (its folder under
+--results-root, reused with `runner.skip_existing=true` when the same config already ran); the
+table is printed as markdown from the runs' metrics.json: found / samples per length and in all,
+KV held at the end, attended fraction in the sparse layers, decode ms per token and host-tier
+bytes moved per decode step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from perplexity_table import family_rows, label  # noqa: E402
+
+
+def found(accuracy: dict, length: int, samples: int) -> str:
+    cell = accuracy.get("per_length", {}).get(str(length))
+    if cell is None:
+        return "n/a"
+    return f"{round(cell['niah_single'] / 100 * samples)}/{samples}"
+
+
+def moved_per_step(metrics: dict) -> str:
+    """Host-to-device bytes per decode step (the offload ledger), MiB; '-' for device-only runs."""
+    transfer = metrics.get("transfer") or {}
+    per_step = transfer.get("bytes_per_decode_step")
+    return "-" if not per_step else f"{per_step / 2**20:.2f}"
+
+
+def table_row(metrics: dict, name: str, lengths: list[int], per_length: int) -> str:
+    acc, kv, speed = metrics["accuracy"], metrics["kv"], metrics["speed"]
+    cells = [found(acc, n, per_length) for n in lengths]
+    total = round(acc["niah_single"] / 100 * acc["samples"])
+    fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+    ms = speed.get("decode_ms_per_token_median")
+    return (f"| {name} | " + " | ".join(cells) + f" | {total}/{acc['samples']} | "
+            f"{fmt(kv.get('held_ratio'))} | {fmt(kv.get('attended_fraction_sparse_layers'))} | "
+            f"{'n/a' if ms is None else f'{ms:.1f}'} | {moved_per_step(metrics)} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2_135m")
+    ap.add_argument("--budgets", type=float, nargs="+", default=[0.2, 0.5])
+    ap.add_argument("--bits", type=int, nargs="*", default=[2, 4])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
+    ap.add_argument("--depths", type=int, nargs="+", default=[10, 30, 50, 70, 90])
+    ap.add_argument("--dense-layers", type=int, nargs="*", default=[0, 1])
+    ap.add_argument("--methods", nargs="*", default=None, help="only these methods (and full)")
+    ap.add_argument("--rows", nargs="*", default=None,
+                    help="explicit rows instead of the family, each a quoted override list")
+    ap.add_argument("--batch-size", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--extra", nargs="*", default=[], help="more overrides for every run")
+    ap.add_argument("--results-root", default=str(ROOT / "results" / "needle_table"))
+    ap.add_argument("--out", default=None, help="also write the markdown table here")
+    args = ap.parse_args()
+
+    from hydra import compose, initialize_config_dir
+
+    from harness.results import write_text_atomic
+    from harness.run import run
+    from kvcore.errors import ConfigError
+
+    if args.rows is not None:
+        rows = [shlex.split(r) for r in args.rows]
+    else:
+        rows = family_rows(args.budgets, args.bits, streamed=False)
+        # DuoAttention's retrieval heads alone hold retrieval_head_ratio of the cache, so its
+        # default (0.5) is refused at these budgets; it also runs with half the budget on them.
+        rows += [["method=duo_attention", f"method.budget_ratio={b}",
+                  f"method.retrieval_head_ratio={b / 2:g}"] for b in args.budgets]
+        # The references first, so a table cut short still has what the others are read against.
+        first = ("method=full", "method=oracle_topk", "method=h2o", "method=infinigen")
+        rows.sort(key=lambda r: first.index(r[0]) if r[0] in first else len(first))
+        if args.methods:
+            rows = [r for r in rows if r[0] == "method=full"
+                    or r[0].removeprefix("method=") in args.methods]
+    csv = lambda xs: "[" + ",".join(str(x) for x in xs) + "]"  # noqa: E731
+    common = [f"model={args.model}", "task=ruler", "task.subtasks=[niah_single]",
+              f"task.lengths={csv(args.lengths)}", f"task.depths={csv(args.depths)}",
+              f"runner.dense_layers={csv(args.dense_layers)}", f"runner.batch_size={args.batch_size}",
+              f"runner.results_root={args.results_root}", "runner.skip_existing=true",
+              *([f"runner.threads={args.threads}"] if args.threads else []), *args.extra]
+    per_length = len(args.depths)
+    head = " | ".join(f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in args.lengths)
+    lines = [f"Needle (RULER niah_single), {args.model}, lengths {args.lengths} x depths "
+             f"{args.depths} %, runner.dense_layers={csv(args.dense_layers)} for every row, "
+             "dense prefill, greedy", "",
+             f"| method | {head} | all | KV held | attended (sparse layers) | decode ms/tok | "
+             "host MiB moved/step |", "|---|" + "---|" * (len(args.lengths) + 5)]
+    for overrides in rows:
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=common + overrides)
+        try:
+            folder = run(cfg)
+        except ConfigError as refusal:  # e.g. a budget a method's own knobs cannot meet
+            lines.append(f"| {label(overrides)} | refused before loading: {refusal} |"
+                         + " |" * (len(args.lengths) + 4))
+            print(lines[-1], flush=True)
+            continue
+        metrics = json.loads((folder / "metrics.json").read_text())
+        lines.append(table_row(metrics, label(overrides), args.lengths, per_length))
+        print(lines[-1], flush=True)
+        if args.out:
+            write_text_atomic(Path(args.out), "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
