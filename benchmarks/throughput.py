@@ -18,6 +18,14 @@ against full at the same batch size, measured in the same rounds.
     python benchmarks/throughput.py --model random_llama_8b --device cuda --dtype bfloat16 \\
         --prompt-tokens 8192 32768 --batches 1 8 --methods full full_offload infinigen h2o_offload kivi
 
+TTFT under load (LayerKV, issue 14): with `--ttft-concurrency N ...`, N requests arrive at once
+and are admitted under a device KV limit (`--kv-device-limit-mib`, default: two requests' full
+KV at this length) by request-level admission (all layers' blocks or wait) and by LayerKV
+(per-layer blocks, the rest of a request's layers on the host tier), method full, paged layout:
+TTFT mean / max from the arrival, decode ms per step, end-to-end tokens/s, bytes moved.
+
+    python benchmarks/throughput.py --prompt-tokens 1024 --new-tokens 64 --ttft-concurrency 1 2 4 8
+
 Offload rows also report host->device MB per decode step, the copies' own duration (transfer ms)
 and the part of it the consumer waited for (exposed ms), per decode step (prefill copies
 included in both). `random_llama_1b` / `random_llama_8b`: random Llama-3 shapes for speed only.
@@ -95,6 +103,78 @@ def measure(model, tok, info, name, method, prompts: list[list[int]], new_tokens
             "exposed_ms_per_step": moved["exposed_ms"] / steps}
 
 
+def measure_ttft(model, tok, info, method, prompts: list[list[int]], new_tokens: int,
+                 limit_mib: float, admission: str) -> dict:
+    """N requests arriving together, admitted under the device limit (harness.serving)."""
+    engine = Engine(model, tok, method, info,
+                    EngineSettings(prefill_chunk_tokens=2048, batch_size=len(prompts),
+                                   kv_layout="paged", kv_device_limit_mib=limit_mib,
+                                   kv_admission=admission))
+    t0 = time.perf_counter()
+    outs = list(engine.generate_many(prompts, new_tokens, stop_ids=set()))
+    wall_s = time.perf_counter() - t0
+    assert all(len(o) == new_tokens for o in outs)
+    speed, moved = engine.speed().as_dict(), engine.transfers.summary()
+    pools = engine.tier.paged.summary()
+    assert pools["device_bytes_held_peak"] <= pools["device_limit_bytes"]
+    return {"ttft_ms_mean": speed["ttft_ms_mean"], "ttft_ms_max": speed["ttft_ms_max"],
+            "decode_ms_per_step": speed["decode_ms_per_token_median"],
+            "tokens_per_s_end_to_end": len(prompts) * new_tokens / wall_s,
+            "device_mib_peak": pools["device_bytes_held_peak"] / 2**20,
+            "h2d_mb_per_step": (moved["bytes_per_decode_step"] or 0) / 1e6,
+            "outputs": outs}
+
+
+def ttft_table(cells: dict, limit_mib: float) -> str:
+    lines = [f"| admission | concurrent requests | TTFT mean ms | TTFT max ms | x request-level "
+             f"(mean) | decode ms/step | end-to-end tok/s | device KV peak MiB (limit "
+             f"{limit_mib:.1f}) | H2D MB/step |", "|" + "---|" * 9]
+    for n, per in cells.items():
+        for admission, r in per.items():
+            base = per.get("request")
+            ratio = f"{r['ttft_ms_mean'] / base['ttft_ms_mean']:.2f}" if base else "-"
+            lines.append(f"| {admission} | {n} | {r['ttft_ms_mean']:.0f} | {r['ttft_ms_max']:.0f} | "
+                         f"{ratio} | {r['decode_ms_per_step']:.1f} | "
+                         f"{r['tokens_per_s_end_to_end']:.1f} | {r['device_mib_peak']:.1f} | "
+                         f"{r['h2d_mb_per_step']:.2f} |")
+    return "\n".join(lines)
+
+
+def run_ttft(args, model, tok, info, text, vocab, out: dict) -> None:
+    from harness.serving import ADMISSIONS, layer_bytes
+
+    method = build_method("full")
+    dtype_bytes = DTYPES[args.dtype].itemsize
+    for length in args.prompt_tokens:
+        need = info.num_layers * layer_bytes(info, length + args.new_tokens, 16, dtype_bytes)
+        limit_mib = args.kv_device_limit_mib or 2 * need / 2**20
+        load_before = os.getloadavg()[0]
+        runs: dict[int, dict[str, list[dict]]] = {}
+        for _ in range(args.rounds):
+            for n in args.ttft_concurrency:
+                prompts = prompts_from(text, vocab, n, length)
+                outputs = {}
+                for admission in ADMISSIONS:  # alternate within the round
+                    r = measure_ttft(model, tok, info, method, prompts, args.new_tokens,
+                                     limit_mib, admission)
+                    outputs[admission] = r.pop("outputs")
+                    runs.setdefault(n, {}).setdefault(admission, []).append(r)
+                    print(f"  {length} N={n} {admission}: TTFT mean {r['ttft_ms_mean']:.0f} ms, "
+                          f"{r['decode_ms_per_step']:.1f} ms/step (load "
+                          f"{os.getloadavg()[0]:.1f})", flush=True)
+                assert outputs["request"] == outputs["layerkv"], "LayerKV changed the outputs"
+        cells = {n: {a: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+                     for a, rs in per.items()} for n, per in runs.items()}
+        load_avg = (load_before + os.getloadavg()[0]) / 2
+        print(f"\nTTFT under a device KV limit of {limit_mib:.1f} MiB (two requests' full KV "
+              f"unless set), {args.model} ({args.dtype}), prompt {length} + {args.new_tokens} new, "
+              f"method full, paged (16-token blocks), {args.rounds} round(s), threads "
+              f"{torch.get_num_threads()}, load avg {load_avg:.2f}; outputs equal under both")
+        print(ttft_table(cells, limit_mib))
+        out["ttft"][str(length)] = {"limit_mib": limit_mib, "load_avg": round(load_avg, 2),
+                                    "cells": {str(n): c for n, c in cells.items()}}
+
+
 def prompts_from(text: list[int] | None, vocab: int, batch: int, length: int) -> list[list[int]]:
     """`batch` different prompts: consecutive slices of the text, or random ids (random model)."""
     if text is None:
@@ -170,11 +250,23 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
     ap.add_argument("--json", default=None, help="write the results here (atomically)")
+    ap.add_argument("--ttft-concurrency", type=int, nargs="*", default=None,
+                    help="instead of the batch table: TTFT vs N concurrent requests (LayerKV)")
+    ap.add_argument("--kv-device-limit-mib", type=float, default=None,
+                    help="with --ttft-concurrency: the device KV limit (default: two requests)")
     args = ap.parse_args()
     model, tok, device, text = load(args)
     info = hf_adapter.model_info(model.config, DTYPES[args.dtype])
     vocab = model.config.vocab_size
     calibration = text if text is not None else random_prompt(vocab, 2048, seed=99)
+    if args.ttft_concurrency:
+        out = {"model": args.model, "device": device, "dtype": args.dtype,
+               "new_tokens": args.new_tokens, "rounds": args.rounds,
+               "threads": torch.get_num_threads(), "ttft": {}}
+        run_ttft(args, model, tok, info, text, vocab, out)
+        if args.json:
+            write_json_atomic(Path(args.json), out)
+        return
     methods = {name: build(model, tok, info, name, calibration) for name in args.methods}
     t0, out = time.time(), {"model": args.model, "device": device, "dtype": args.dtype,
                             "new_tokens": args.new_tokens, "rounds": args.rounds,

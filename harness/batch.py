@@ -20,6 +20,7 @@ keep their state but get no more rows.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -114,6 +115,7 @@ class BatchRequest:
         self.engine, self.caches, self.cache = engine, caches, cache
         self.routing: Routing = cache.routing
         self.pos = [0] * len(caches)  # tokens fed so far, per sequence
+        self.first_token_at: list[float] = []  # perf_counter when each first token was chosen
 
     def _forward(self, seqs: list[int], pieces: list[list[int]], keep: list[int], decode: bool):
         """One batched forward: row r feeds `pieces[r]` to sequence `seqs[r]` (right-padded).
@@ -194,6 +196,8 @@ class BatchRequest:
         while active:
             tokens = [greedy(logits[r], stop_ids if len(outs[s]) < min_new_tokens else ())
                       for r, s in enumerate(active)]
+            if not self.first_token_at:  # greedy() read the logits back: the step is done
+                self.first_token_at = [time.perf_counter()] * len(prompts)
             for s, token in zip(active, tokens):
                 outs[s].append(token)
             keep = [r for r, s in enumerate(active)

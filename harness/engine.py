@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
 from harness import batch as batching
-from harness import hf_adapter
+from harness import hf_adapter, serving
 from harness.accounting import AttendedFraction, KVLedger
 from harness.diagnostics import Diagnostics
 from harness.profiling import SpeedSummary, Timer
@@ -39,6 +40,9 @@ class EngineSettings:
     kv_offload: str = "none"  # none | cpu: the full K/V on the host tier, moved per step
     kv_layout: str = "contiguous"  # contiguous | paged: K/V in block pools (kvcore.paged)
     kv_block_tokens: int = DEFAULT_BLOCK_TOKENS  # tokens per block (paged)
+    # device KV limit (paged) and how requests are admitted under it (harness.serving)
+    kv_device_limit_mib: float | None = None
+    kv_admission: str = "request"  # request | layerkv
     protocol: Protocol = Protocol()  # dense layers and prefill mode, the same for every method
 
 
@@ -61,8 +65,14 @@ class Engine:
                                          "kv_offload": self.settings.kv_offload})
         if reasons:
             raise ConfigError("; ".join(reasons))
-        paged = (PagedKV(self.settings.kv_block_tokens) if self.settings.kv_layout == "paged"
-                 else None)
+        limit = self.settings.kv_device_limit_mib
+        if limit is not None and self.settings.kv_layout != "paged":
+            raise ConfigError("runner.kv_device_limit_mib needs runner.kv_layout=paged (the limit "
+                              "counts device blocks)")
+        paged = (PagedKV(self.settings.kv_block_tokens,
+                         None if limit is None else int(limit * 2**20))
+                 if self.settings.kv_layout == "paged" else None)
+        self.ttft_ms: list[float] = []  # per request, under a device limit (harness.serving)
         self.tier = Tier(self.device, self.transfers, offload=self.settings.kv_offload == "cpu",
                          paged=paged)
         self.dense_layers = method.effective_dense_layers(info, self.settings.protocol)
@@ -83,20 +93,24 @@ class Engine:
         release(cache.kv_layers)
 
     @contextlib.contextmanager
-    def batch(self, size: int) -> Iterator["batching.BatchRequest"]:
+    def batch(self, size: int, host_layers: list[frozenset[int]] | None = None
+              ) -> Iterator["batching.BatchRequest"]:
         """`size` samples decoded together (harness.batch): one fresh cache per sequence, all
-        accounted when the batch ends, each exactly as a batch-1 request would be."""
+        accounted when the batch ends, each exactly as a batch-1 request would be.
+        `host_layers[i]`: layers of sequence i placed whole on the host tier (LayerKV)."""
         if self.diagnostics is not None:
             raise ConfigError("runner.diagnostics follows one sequence (a shadow full cache); "
                               "batches need runner.diagnostics=false")
-        caches = [hf_adapter.MethodCache(self.method, self.info, self.tier, self.settings.protocol)
-                  for _ in range(size)]
+        host_layers = host_layers or [frozenset()] * size
+        caches = [hf_adapter.MethodCache(self.method, self.info, self.tier, self.settings.protocol,
+                                         host)
+                  for host in host_layers]
         routing = batching.Routing(caches)
         mask_for = functools.partial(hf_adapter.sequence_mask, self.info)
         fan_out = [batching.FanOutLayer(i, routing, mask_for) for i in range(self.info.num_layers)]
         cache = hf_adapter.BatchCache(caches, fan_out, routing)
         hooks = (hf_adapter.lookahead(self.model)
-                 if self.method.capabilities.lookahead or self.tier.offload
+                 if self.method.capabilities.lookahead or self.tier.offload or any(host_layers)
                  else contextlib.nullcontext())
         with torch.inference_mode(), hf_adapter.bind(self.model, cache), hooks:
             req = batching.BatchRequest(self, caches, cache)
@@ -114,6 +128,9 @@ class Engine:
         stop_ids = self.stop_token_ids() if stop_ids is None else stop_ids
         limits = (list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple))
                   else [max_new_tokens] * len(prompts))
+        if self.settings.kv_device_limit_mib is not None:
+            yield from self._serve(prompts, limits, stop_ids, min_new_tokens)
+            return
         size = self.settings.batch_size
         for start in range(0, len(prompts), size):
             group, group_limits = prompts[start:start + size], limits[start:start + size]
@@ -124,6 +141,26 @@ class Engine:
             else:
                 with self.batch(len(group)) as req:
                     outs = req.generate(group, group_limits, stop_ids, min_new_tokens)
+            yield from outs
+
+    def _serve(self, prompts: list[list[int]], limits: list[int], stop_ids: set[int],
+               min_new_tokens: int) -> Iterator[list[int]]:
+        """Every prompt arrives now; waves are admitted under the device limit (harness.serving)
+        and each request's time to first token is recorded from this call."""
+        t0 = time.perf_counter()
+        tokens = [len(p) + n for p, n in zip(prompts, limits)]
+        dtype_bytes = next(self.model.parameters()).element_size()
+        waiting = list(range(len(prompts)))
+        while waiting:
+            wave = serving.plan_wave(waiting, tokens, self.info,
+                                     int(self.settings.kv_device_limit_mib * 2**20),
+                                     self.settings.kv_block_tokens, dtype_bytes,
+                                     self.settings.kv_admission, self.settings.batch_size)
+            with self.batch(len(wave.seqs), wave.host_layers) as req:
+                outs = req.generate([prompts[i] for i in wave.seqs],
+                                    [limits[i] for i in wave.seqs], stop_ids, min_new_tokens)
+            self.ttft_ms += [(t - t0) * 1e3 for t in req.first_token_at]
+            waiting = waiting[len(wave.seqs):]
             yield from outs
 
     def prefill_chunk(self) -> int:
@@ -139,6 +176,7 @@ class Engine:
             decode_steps=len(self.timer.values("decode")),
             decode_ms=self.timer.values("decode"),
             decode_tokens=self.decode_tokens,
+            ttft_ms=list(self.ttft_ms),
         )
 
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:

@@ -118,11 +118,13 @@ class MethodCache(Cache):
     """A transformers `Cache` whose layers are a method's fresh `KVLayer`s (one request)."""
 
     def __init__(self, method: KVMethod, info: ModelInfo, tier=None,
-                 protocol: Protocol | None = None):
+                 protocol: Protocol | None = None, host_layers: frozenset[int] = frozenset()):
         protocol = protocol or Protocol()
         dense = set(method.effective_dense_layers(info, protocol))
-        self.kv_layers = [method.make_dense_layer(i, info) if i in dense else method.make_layer(i, info)
-                          for i in range(info.num_layers)]
+        # host_layers: placed whole on the host tier by the serving scheduler (LayerKV)
+        self.kv_layers = [method.make_host_layer(i, info) if i in host_layers
+                          else method.make_dense_layer(i, info) if i in dense
+                          else method.make_layer(i, info) for i in range(info.num_layers)]
         for kv, nxt in zip(self.kv_layers, self.kv_layers[1:] + [None]):
             kv.tier, kv.next_layer, kv.protocol = tier, nxt, protocol
         super().__init__(layers=[_BridgeLayer(kv, info) for kv in self.kv_layers])

@@ -79,6 +79,7 @@ class SpeedSummary:
     decode_steps: int = 0
     decode_ms: list[float] = field(default_factory=list)
     decode_tokens: int = 0  # tokens decoded over all sequences (= steps at batch 1)
+    ttft_ms: list[float] = field(default_factory=list)  # per request, under a device limit
 
     def as_dict(self) -> dict[str, float | int | None]:
         # Per token = per decode step: at batch B every sequence gets one token per step, so the
@@ -96,6 +97,12 @@ class SpeedSummary:
             "decode_ms_per_token_p90": round(percentile(d, 90), 4) if d else None,
             "decode_tokens": tokens,
             "decode_tokens_per_s": round(tokens * 1e3 / sum(d), 3) if d and sum(d) > 0 else None,
+            # time to first token from the moment all requests arrived (harness.serving); only
+            # under runner.kv_device_limit_mib, where requests are queued and admitted
+            **({} if not self.ttft_ms else {
+                "ttft_ms_mean": round(statistics.fmean(self.ttft_ms), 3),
+                "ttft_ms_p90": round(percentile(self.ttft_ms, 90), 3),
+                "ttft_ms_max": round(max(self.ttft_ms), 3)}),
         }
 
 

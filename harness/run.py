@@ -20,6 +20,7 @@ from kvcore.errors import BudgetViolation, ConfigError, OutputError, Unsupported
 from harness.loggers import LOGGERS, log_run
 from harness.projection import project
 from harness.schema import stamp
+from harness.serving import ADMISSIONS
 from harness.sweep import config_hash, group_options, multirun_job, record_status, resolve_output
 from kvcore.paged import DEFAULT_BLOCK_TOKENS
 from kvcore.storage import KV_LAYOUTS
@@ -77,6 +78,7 @@ def check_runner(runner: dict[str, Any]) -> None:
                           f"{', '.join(KV_LAYOUTS)}")
     if "kv_block_tokens" in runner:
         positive_int("kv_block_tokens")
+    check_admission(runner)
     if runner.get("attn_impl") not in ATTN_IMPLS:
         raise ConfigError(f"runner.attn_impl={runner.get('attn_impl')!r}; allowed: "
                           f"{', '.join(ATTN_IMPLS)}")
@@ -100,6 +102,24 @@ def check_runner(runner: dict[str, Any]) -> None:
             raise ConfigError(f"runner.{key}={runner[key]!r} must be a path (a string)")
 
 
+def check_admission(runner: dict[str, Any]) -> None:
+    """runner.kv_device_limit_mib / runner.kv_admission (harness.serving)."""
+    limit, admission = runner.get("kv_device_limit_mib"), runner.get("kv_admission", "request")
+    if admission not in ADMISSIONS:
+        raise ConfigError(f"runner.kv_admission={admission!r}; allowed: {', '.join(ADMISSIONS)}")
+    if limit is None:
+        if admission != "request":
+            raise ConfigError(f"runner.kv_admission={admission} needs a device limit to admit "
+                              "under (runner.kv_device_limit_mib, MiB of device KV)")
+        return
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0:
+        raise ConfigError(f"runner.kv_device_limit_mib={limit!r} must be a positive number of "
+                          "MiB (or null: no limit)")
+    if runner.get("kv_layout", "contiguous") != "paged":
+        raise ConfigError(f"runner.kv_device_limit_mib={limit} needs runner.kv_layout=paged "
+                          "(the limit counts device blocks)")
+
+
 def protocol_from(runner: dict[str, Any]) -> Protocol:
     return Protocol(dense_layers=tuple(runner.get("dense_layers") or ()),
                     prefill=runner.get("prefill", "dense"))
@@ -121,6 +141,11 @@ def protocol_reasons(method, task, info, protocol: Protocol,
         reasons.append(f"runner.batch_size={batch} but task={task.name} feeds one sequence at a "
                        "time (it scores one stream or rewinds a shared context); use "
                        "runner.batch_size=1")
+    if runner and runner.get("kv_device_limit_mib") is not None and not task.batches:
+        reasons.append(f"runner.kv_device_limit_mib={runner['kv_device_limit_mib']} but "
+                       f"task={task.name} does not send its requests through the serving "
+                       "scheduler (it feeds one stream or rewinds a shared context); use "
+                       "runner.kv_device_limit_mib=null")
     phases = task.phases()
     if (caps.needs_prefill or not caps.acts_during_decode) and "prefill" not in phases:
         reasons.append(f"method={method.name} compresses only over a prefilled prompt, but "
@@ -143,7 +168,9 @@ def engine_settings(runner: dict[str, Any]):
         diagnostics_every=int(runner["diagnostics_every_steps"]) if runner.get("diagnostics") else 0,
         kv_offload=runner.get("kv_offload", "none"), protocol=protocol_from(runner),
         kv_layout=runner.get("kv_layout", "contiguous"),
-        kv_block_tokens=runner.get("kv_block_tokens", DEFAULT_BLOCK_TOKENS))
+        kv_block_tokens=runner.get("kv_block_tokens", DEFAULT_BLOCK_TOKENS),
+        kv_device_limit_mib=runner.get("kv_device_limit_mib"),
+        kv_admission=runner.get("kv_admission", "request"))
 
 
 def output_dir(runner: dict[str, Any], task: str, model_name: str, method: str) -> Path:
@@ -301,6 +328,8 @@ def kv_figures(engine, method) -> dict[str, Any]:
     paged = engine.tier.paged
     kv["kv_layout"] = engine.settings.kv_layout
     kv["paged_pools"] = None if paged is None else paged.summary()
+    if engine.settings.kv_device_limit_mib is not None:  # requests queued under a device limit
+        kv["kv_admission"] = engine.settings.kv_admission
     return {**kv, **activity(method.capabilities.compresses, kv)}
 
 

@@ -13,10 +13,16 @@
 Memory: a sequence holds ceil(T / block_tokens) blocks, so at most block_tokens - 1 slots per
 sequence and layer are unused; the pool itself grows by half its size at a time (a whole number
 of blocks), and its free blocks are reported separately (`PagedKV.summary`).
+
+A device limit (`DeviceBudget`, runner.kv_device_limit_mib) caps the bytes of blocks held on the
+compute device at once, over every layer's pools together: an allocation beyond it raises
+`DeviceMemoryExceeded` instead of growing (the serving scheduler, harness.serving, admits requests
+so that it never does; the check makes the limit a fact rather than a plan).
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from typing import Callable
 
@@ -27,16 +33,42 @@ from kvcore.storage import Rows, gather_rows
 DEFAULT_BLOCK_TOKENS = 16
 
 
+class DeviceMemoryExceeded(RuntimeError):
+    """A device block allocation beyond runner.kv_device_limit_mib."""
+
+
+class DeviceBudget:
+    """Bytes of device blocks held now, over all pools sharing it, against a fixed limit."""
+
+    def __init__(self, limit_bytes: int):
+        self.limit_bytes = limit_bytes
+        self.held_bytes = 0
+        self.peak_bytes = 0
+
+    def take(self, nbytes: int) -> None:
+        if self.held_bytes + nbytes > self.limit_bytes:
+            raise DeviceMemoryExceeded(
+                f"device KV blocks would hold {(self.held_bytes + nbytes) / 2**20:.2f} MiB, over "
+                f"runner.kv_device_limit_mib={self.limit_bytes / 2**20:g}")
+        self.held_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    def give(self, nbytes: int) -> None:
+        self.held_bytes -= nbytes
+
+
 class BlockPool:
     """Blocks `(num_blocks, H, block_tokens, ...)` of one tensor; shape and dtype fixed by the first
     allocation (every sequence of a layer stores the same kind of rows)."""
 
     def __init__(self, block_tokens: int = DEFAULT_BLOCK_TOKENS,
-                 empty: Callable[[tuple, torch.dtype], torch.Tensor] | None = None):
+                 empty: Callable[[tuple, torch.dtype], torch.Tensor] | None = None,
+                 budget: DeviceBudget | None = None):
         if block_tokens <= 0:
             raise ValueError(f"block_tokens={block_tokens} must be positive")
         self.block_tokens = block_tokens
         self.empty = empty  # (shape, dtype) -> tensor; None: on the rows' own device
+        self.budget = budget  # the device limit shared with the other device pools (or None)
         self.data: torch.Tensor | None = None  # (num_blocks, H, block_tokens, ...)
         self.free: list[int] = []  # free block ids (reused last-freed first)
         self.held = 0  # blocks handed out now
@@ -48,13 +80,17 @@ class BlockPool:
         return 0 if self.data is None else self.data.shape[0]
 
     def block_bytes(self) -> int:
-        return 0 if self.data is None else self.data[0].nbytes
+        if self.data is None:
+            return 0
+        return math.prod(self.data.shape[1:]) * self.data.element_size()  # also with 0 blocks
 
     def allocate(self, n: int, like: torch.Tensor) -> list[int]:
         """`n` free block ids for rows like `like (B, H, q, ...)`; grows the pool when short."""
         if self.data is None:
             shape = (0, like.shape[1], self.block_tokens, *like.shape[3:])
             self.data = self.empty(shape, like.dtype) if self.empty else like.new_empty(shape)
+        if self.budget is not None:
+            self.budget.take(n * self.block_bytes())  # raises before anything is handed out
         if len(self.free) < n:
             self._grow(n - len(self.free))
         ids = [self.free.pop() for _ in range(n)]
@@ -76,6 +112,8 @@ class BlockPool:
     def release(self, ids: list[int]) -> None:
         self.free.extend(reversed(ids))
         self.held -= len(ids)
+        if self.budget is not None:
+            self.budget.give(len(ids) * self.block_bytes())
 
 
 def _release_table(pool: BlockPool, table: list[list[int]]) -> None:
@@ -222,15 +260,18 @@ class PagedKV:
     Device pools live where the rows come from; host pools (kvcore.offload.PagedHostKVStore) are
     allocated by the tier's `host_tensor` (pinned on CUDA)."""
 
-    def __init__(self, block_tokens: int = DEFAULT_BLOCK_TOKENS):
+    def __init__(self, block_tokens: int = DEFAULT_BLOCK_TOKENS,
+                 device_limit_bytes: int | None = None):
         self.block_tokens = block_tokens
         self.pools: dict[tuple[str, int, str], BlockPool] = {}
+        self.budget = None if device_limit_bytes is None else DeviceBudget(device_limit_bytes)
 
     def pool(self, layer_idx: int, name: str, tier: str = "device",
              empty: Callable[[tuple, torch.dtype], torch.Tensor] | None = None) -> BlockPool:
         key = (tier, layer_idx, name)
         if key not in self.pools:
-            self.pools[key] = BlockPool(self.block_tokens, empty)
+            budget = self.budget if tier == "device" else None
+            self.pools[key] = BlockPool(self.block_tokens, empty, budget)
         return self.pools[key]
 
     def rows(self, layer_idx: int, name: str, tier: str = "device",
@@ -249,4 +290,7 @@ class PagedKV:
             "pool_bytes_allocated": sum(p.num_blocks * p.block_bytes() for p in pools),
             "pool_grow_events": sum(p.grow_events for p in pools),
             "host_pools": sum(key[0] == "host" for key in self.pools),
+            **({} if self.budget is None else {
+                "device_limit_bytes": self.budget.limit_bytes,
+                "device_bytes_held_peak": self.budget.peak_bytes}),
         }

@@ -57,6 +57,10 @@ class Capabilities:
     # residual stream entering each decoder layer and its attention block's output
     # (SqueezeAttention).
     observes_attention_block: bool = False
+    # Any of its layers may be placed whole on the host tier and fetched whole at every step
+    # (LayerKV, runner.kv_admission=layerkv): `KVMethod.make_host_layer` builds such a layer,
+    # with the same outputs (lossless methods only).
+    places_layers_on_host: bool = False
 
     def __post_init__(self) -> None:
         unknown = set(self.kv_layouts) - set(KV_LAYOUTS)
@@ -363,6 +367,11 @@ class KVMethod:
             reasons.append(f"runner.kv_offload=cpu but method={self.name} cannot keep its KV on the "
                            "host tier (it does not declare offloads_kv); use runner.kv_offload=none")
         reasons += self.layout_reasons(runner)
+        if runner.get("kv_admission", "request") == "layerkv" and \
+                not self.capabilities.places_layers_on_host:
+            reasons.append(f"runner.kv_admission=layerkv but method={self.name} cannot place a "
+                           "whole layer on the host tier (it does not declare "
+                           "places_layers_on_host; full does); use runner.kv_admission=request")
         mode = getattr(self, "mode", None)
         if mode is not None and mode not in self.capabilities.modes:
             reasons.append(f"method.mode={mode!r}; allowed for {self.name}: "
@@ -425,6 +434,11 @@ class KVMethod:
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         """A fresh per-request state object for one decoder layer."""
         return KVLayer(layer_idx, info)
+
+    def make_host_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
+        """The per-request state of a layer placed on the host tier by the serving scheduler
+        (LayerKV); only methods declaring `places_layers_on_host` are asked."""
+        raise NotImplementedError(f"method={self.name} does not declare places_layers_on_host")
 
     def own_dense_layers(self, info: ModelInfo) -> tuple[int, ...]:
         """Layers this method itself leaves dense (e.g. InfiniGen's first layers); they join

@@ -1,7 +1,9 @@
 """Full cache: every token's K/V kept, attention unchanged. The baseline every method is judged by.
 
 Its logits equal a plain transformers forward (tests/methods/test_full.py); it has no
-hyperparameters and no budget.
+hyperparameters and no budget. Under LayerKV admission (runner.kv_admission=layerkv) the serving
+scheduler may place some of a request's layers whole on the host tier: those layers are
+full_offload's (stored on the host, fetched whole every step), with the same outputs.
 """
 
 from __future__ import annotations
@@ -10,7 +12,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVMethod
+from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
+from methods.full_offload import FullOffload, FullOffloadLayer
 
 
 @dataclass(kw_only=True)
@@ -19,4 +22,8 @@ class Full(KVMethod):
 
     name: ClassVar[str] = "full"
     axis_keys: ClassVar[tuple[str, ...]] = ()  # a reference: no size knob
-    capabilities: ClassVar[Capabilities] = Capabilities(compresses=False, kv_layouts=KV_LAYOUTS)
+    capabilities: ClassVar[Capabilities] = Capabilities(compresses=False, kv_layouts=KV_LAYOUTS,
+                                                        places_layers_on_host=True)
+
+    def make_host_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
+        return FullOffloadLayer(layer_idx, info, FullOffload(prefetch=True))
