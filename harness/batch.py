@@ -143,9 +143,10 @@ class BatchRequest:
             self.pos[s] += len(p)
         return logits
 
-    def prefill(self, prompts: list[list[int]], all_logits: bool = False):
+    def prefill(self, prompts: list[list[int]], all_logits: bool = False, prompt_ends: bool = True):
         """Feed every prompt (ragged; one per sequence, possibly empty) in chunks, then tell the
-        layers of each sequence that got tokens that its prompt is over. Returns each prompt's
+        layers of each sequence that got tokens that its prompt is over (unless `prompt_ends`
+        is False: more prompt follows, as `Request.prefill`). Returns each prompt's
         last-row logits `(B, V)` (an empty prompt's row is NaN), or with `all_logits` a list of
         `(len(prompt), V)` per sequence."""
         chunk = self.engine.prefill_chunk()
@@ -167,7 +168,7 @@ class BatchRequest:
                     last[s] = logits[s, ends.index(len(piece) - 1)]
         self.engine.prefill_tokens += sum(len(p) for p in prompts)
         for cache, prompt in zip(self.caches, prompts):
-            if prompt:
+            if prompt and prompt_ends:
                 for kv in cache.kv_layers:
                     kv.on_prefill_end()
         if all_logits:
@@ -186,11 +187,17 @@ class BatchRequest:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: list[int],
                  stop_ids: set[int], min_new_tokens: int = 0,
-                 finished: Callable[[int, list[int]], bool] | None = None) -> list[list[int]]:
+                 finished: Callable[[int, list[int]], bool] | None = None,
+                 queries: list[list[int]] | None = None) -> list[list[int]]:
         """Greedy decoding of every prompt together; a sequence leaves the batch after a stop
         token, at its `max_new_tokens`, or when `finished(sequence, its new ids)` says so (e.g. a stop
-        string). The first `min_new_tokens` tokens are never stop tokens (stop logits masked)."""
+        string). The first `min_new_tokens` tokens are never stop tokens (stop logits masked).
+        `queries[i]`: fed after prompt i is over (and compressed), before generating."""
         logits = self.prefill(prompts)
+        if queries is not None:
+            if not all(queries):
+                raise ValueError("every query of a query-agnostic batch needs at least one token")
+            logits = self.prefill(queries, prompt_ends=False)
         outs: list[list[int]] = [[] for _ in prompts]
         active = list(range(len(prompts)))
         while active:

@@ -121,34 +121,40 @@ class Engine:
             release(seq_cache.kv_layers)
 
     def generate_many(self, prompts: list[list[int]], max_new_tokens: int | list[int],
-                      stop_ids: set[int] | None = None, min_new_tokens: int = 0
-                      ) -> Iterator[list[int]]:
+                      stop_ids: set[int] | None = None, min_new_tokens: int = 0,
+                      queries: list[list[int]] | None = None) -> Iterator[list[int]]:
         """Greedy continuations of `prompts`, in order, `settings.batch_size` at a time (batch 1:
-        one `Request` each, the reference path). Yields one list of new ids per prompt."""
+        one `Request` each, the reference path). Yields one list of new ids per prompt.
+        `queries[i]` (query-agnostic protocol): fed after prompt i is over and its method has
+        compressed it, before generating; None: the question is part of the prompt."""
         stop_ids = self.stop_token_ids() if stop_ids is None else stop_ids
         limits = (list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple))
                   else [max_new_tokens] * len(prompts))
         if self.settings.kv_device_limit_mib is not None:
-            yield from self._serve(prompts, limits, stop_ids, min_new_tokens)
+            yield from self._serve(prompts, limits, stop_ids, min_new_tokens, queries)
             return
         size = self.settings.batch_size
         for start in range(0, len(prompts), size):
             group, group_limits = prompts[start:start + size], limits[start:start + size]
+            group_queries = None if queries is None else queries[start:start + size]
             # Each request (or batch) is closed, hence accounted, before its outputs are yielded.
             if size == 1:
                 with self.request() as req:
-                    outs = [req.generate(group[0], group_limits[0], stop_ids, min_new_tokens)]
+                    outs = [req.generate(group[0], group_limits[0], stop_ids, min_new_tokens,
+                                         None if group_queries is None else group_queries[0])]
             else:
                 with self.batch(len(group)) as req:
-                    outs = req.generate(group, group_limits, stop_ids, min_new_tokens)
+                    outs = req.generate(group, group_limits, stop_ids, min_new_tokens,
+                                        queries=group_queries)
             yield from outs
 
     def _serve(self, prompts: list[list[int]], limits: list[int], stop_ids: set[int],
-               min_new_tokens: int) -> Iterator[list[int]]:
+               min_new_tokens: int, queries: list[list[int]] | None) -> Iterator[list[int]]:
         """Every prompt arrives now; waves are admitted under the device limit (harness.serving)
         and each request's time to first token is recorded from this call."""
         t0 = time.perf_counter()
-        tokens = [len(p) + n for p, n in zip(prompts, limits)]
+        extra = [0] * len(prompts) if queries is None else [len(q) for q in queries]
+        tokens = [len(p) + q + n for p, q, n in zip(prompts, extra, limits)]
         dtype_bytes = next(self.model.parameters()).element_size()
         waiting = list(range(len(prompts)))
         while waiting:
@@ -158,7 +164,9 @@ class Engine:
                                      self.settings.kv_admission, self.settings.batch_size)
             with self.batch(len(wave.seqs), wave.host_layers) as req:
                 outs = req.generate([prompts[i] for i in wave.seqs],
-                                    [limits[i] for i in wave.seqs], stop_ids, min_new_tokens)
+                                    [limits[i] for i in wave.seqs], stop_ids, min_new_tokens,
+                                    queries=None if queries is None
+                                    else [queries[i] for i in wave.seqs])
             self.ttft_ms += [(t - t0) * 1e3 for t in req.first_token_at]
             waiting = waiting[len(wave.seqs):]
             yield from outs
@@ -246,9 +254,10 @@ class Request:
         ids = torch.as_tensor(tokens, dtype=torch.long, device=self.engine.device)
         return ids.unsqueeze(0) if ids.dim() == 1 else ids
 
-    def prefill(self, tokens, all_logits: bool = False) -> torch.Tensor:
-        """Feed a prompt `(B, T)` in chunks, then tell every layer the prompt is over. Returns
-        logits `(B, T, V)` or, by default, `(B, 1, V)`.
+    def prefill(self, tokens, all_logits: bool = False, prompt_ends: bool = True) -> torch.Tensor:
+        """Feed a prompt `(B, T)` in chunks, then tell every layer the prompt is over (unless
+        `prompt_ends=False`: more of the prompt follows without a prompt end, e.g. the question
+        of a query-agnostic protocol). Returns logits `(B, T, V)` or, by default, `(B, 1, V)`.
 
         Protocol `prefill="sparse"`: every prompt row must attend under the method's budget, so
         the prompt goes one token at a time (each row is then exactly a decode step of the method)
@@ -264,8 +273,9 @@ class Request:
             if self.shadow is not None:
                 self._shadow_forward(piece, record=False)
         self.engine.prefill_tokens += ids.numel()
-        for kv in self.cache.kv_layers:
-            kv.on_prefill_end()
+        if prompt_ends:
+            for kv in self.cache.kv_layers:
+                kv.on_prefill_end()
         return torch.cat(outs, dim=1) if all_logits else outs[-1][:, -1:]
 
     def step(self, token) -> torch.Tensor:
@@ -320,11 +330,14 @@ class Request:
         return {id(r) for r in refs}
 
     def generate(self, prompt, max_new_tokens: int, stop_ids: set[int] | None = None,
-                 min_new_tokens: int = 0) -> list[int]:
+                 min_new_tokens: int = 0, query=None) -> list[int]:
         """Greedy decoding (batch 1): returns the new token ids, stopping after a stop token; the
-        first `min_new_tokens` tokens are never stop tokens (their logits are masked)."""
+        first `min_new_tokens` tokens are never stop tokens (their logits are masked). `query`:
+        fed after the prompt is over (and compressed), before generating."""
         stop_ids = self.engine.stop_token_ids() if stop_ids is None else stop_ids
         logits = self.prefill(prompt)
+        if query:
+            logits = self.prefill(query, prompt_ends=False)
         out: list[int] = []
         while True:
             banned = stop_ids if len(out) < min_new_tokens else ()

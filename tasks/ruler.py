@@ -237,6 +237,13 @@ def needle_depth_fractions(context: str, needles: list[str]) -> list[float]:
 
 
 # ----------------------------------------------------------------------------------------------
+QUERY_MODES = {
+    "aware": "query-aware: the question is part of the prompt the method compresses",
+    "agnostic": "query-agnostic: the context is prefilled and compressed (the prompt-end hook) "
+                "before the question and answer prefix are fed, as in kvpress",
+}
+
+
 # Prompt formats and fitting to a token budget.
 
 class PromptFormat:
@@ -502,6 +509,9 @@ class Ruler(Task):
     chat_template: str = "auto"  # auto | chat | plain
     max_new_tokens: int | None = None  # None: RULER's tokens_to_generate (niah 128, vt 30, cwe 120)
     seed: int = 0
+    # aware: the question is part of the prompt the method compresses (RULER as published);
+    # agnostic: the context is prefilled and compressed first, the question fed after it (kvpress)
+    query: str = "aware"
 
     def check_options(self) -> list[str]:
         reasons = []
@@ -546,6 +556,8 @@ class Ruler(Task):
                            "or null (RULER's per-sub-task lengths)")
         if not _is_int(self.seed):
             reasons.append(f"task.seed={self.seed!r} must be an integer")
+        if self.query not in QUERY_MODES:
+            reasons.append(f"task.query={self.query!r}; allowed: {', '.join(QUERY_MODES)}")
         return reasons
 
     def resolve_lengths(self, max_positions: int | None) -> list[int]:
@@ -660,8 +672,14 @@ class Ruler(Task):
         lengths = self.resolve_lengths(engine.info.max_positions)
         samples = self.build_samples(tok)
         rows = []
-        outs = engine.generate_many([s.input_ids for s in samples],
-                                    [s.max_new_tokens for s in samples], stop_ids)
+        if self.query == "agnostic":
+            cuts = [query_start(s, fmt) for s in samples]
+            outs = engine.generate_many([s.input_ids[:c] for s, c in zip(samples, cuts)],
+                                        [s.max_new_tokens for s in samples], stop_ids,
+                                        queries=[s.input_ids[c:] for s, c in zip(samples, cuts)])
+        else:
+            outs = engine.generate_many([s.input_ids for s in samples],
+                                        [s.max_new_tokens for s in samples], stop_ids)
         for s, out in zip(samples, progress(outs, "ruler", "sample", total=len(samples))):
             answer_ids = [t for t in out if t not in stop_ids]
             prediction = clean_prediction(tok.decode(answer_ids, skip_special_tokens=True))
@@ -689,8 +707,25 @@ class Ruler(Task):
             "cwe": {"common_words": CWE_COMMON, "repeats": "6/1 under 4096 tokens, 30/3 from 4096",
                     "in_context_examples": 1},
             "seed": self.seed,
+            "query": QUERY_MODES[self.query],
         }
         return TaskResult(metrics=metrics, samples=rows, protocol=protocol)
+
+
+def query_start(sample: RulerSample, fmt: PromptFormat) -> int:
+    """Token index where the question begins: the first token after the haystack context (the
+    tokens the whole prompt and the text up to the context's end share)."""
+    end = sample.text.rfind(sample.context)
+    if not sample.context or end < 0:
+        raise ConfigError(f"task.query=agnostic: sample {sample.id} has no haystack context to "
+                          "compress apart from its question; use task.query=aware")
+    head = fmt.encode(sample.text[:end + len(sample.context)])
+    shared = next((i for i, (a, b) in enumerate(zip(head, sample.input_ids)) if a != b),
+                  min(len(head), len(sample.input_ids)))
+    if shared >= len(sample.input_ids):
+        raise ConfigError(f"task.query=agnostic: sample {sample.id} has no question tokens after "
+                          "its context")
+    return shared
 
 
 def _too_short(subtask: str, length: int, need: int, new_tokens: int, fmt: PromptFormat) -> str:
