@@ -155,7 +155,7 @@ class Engine:
         t0 = time.perf_counter()
         extra = [0] * len(prompts) if queries is None else [len(q) for q in queries]
         tokens = [len(p) + q + n for p, q, n in zip(prompts, extra, limits)]
-        dtype_bytes = next(self.model.parameters()).element_size()
+        dtype_bytes = self.info.dtype.itemsize  # the K/V dtype (the model's)
         waiting = list(range(len(prompts)))
         while waiting:
             wave = serving.plan_wave(waiting, tokens, self.info,
