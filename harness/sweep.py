@@ -37,6 +37,11 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 _NOT_IDENTITY = {"runner": ("output_dir", "results_root", "debug", "skip_existing", "overwrite",
                             "threads"),
                  "logger": None, "hydra": None}
+# Options added after runs were made, at the value that computes exactly what runs made before
+# they existed computed: left out of the identity at that value, so a resumed sweep
+# (runner.skip_existing) still finds those runs. Any other value is part of the identity.
+_NEUTRAL = {"runner": {"kv_device_limit_mib": None, "kv_admission": "request"},
+            "task": {"query": "aware"}}
 
 
 def config_hash(cfg: DictConfig) -> str:
@@ -47,6 +52,11 @@ def config_hash(cfg: DictConfig) -> str:
         else:
             for key in keys:
                 plain.get(group, {}).pop(key, None)
+    for group, neutral in _NEUTRAL.items():
+        section = plain.get(group, {})
+        for key, value in neutral.items():
+            if key in section and section[key] == value:
+                del section[key]
     blob = json.dumps(plain, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 

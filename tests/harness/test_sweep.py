@@ -189,3 +189,21 @@ def test_a_member_that_reported_nothing_counts_as_failed(tmp_path):
     statuses = read_statuses(tmp_path)
     assert [s["status"] for s in statuses] == ["ok", "failed"]
     assert "without reporting" in statuses[1]["detail"]
+
+
+def test_options_added_later_keep_earlier_runs_resumable():
+    """A run made before runner.kv_device_limit_mib / kv_admission / task.query existed has the
+    identity of one made with them at their neutral values; any other value is a different run."""
+    from omegaconf import OmegaConf
+
+    from harness.sweep import config_hash
+
+    base = {"runner": {"batch_size": 1}, "task": {"name": "ruler"}, "method": {"name": "full"}}
+    neutral = {"runner": {"batch_size": 1, "kv_device_limit_mib": None, "kv_admission": "request"},
+               "task": {"name": "ruler", "query": "aware"}, "method": {"name": "full"}}
+    assert config_hash(OmegaConf.create(base)) == config_hash(OmegaConf.create(neutral))
+    for group, key, value in (("runner", "kv_device_limit_mib", 64),
+                              ("runner", "kv_admission", "layerkv"), ("task", "query", "agnostic")):
+        other = OmegaConf.create(neutral)
+        other[group][key] = value
+        assert config_hash(other) != config_hash(OmegaConf.create(base)), key
