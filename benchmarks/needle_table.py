@@ -56,6 +56,18 @@ def table_row(metrics: dict, name: str, lengths: list[int], per_length: int) -> 
             f"{'n/a' if ms is None else f'{ms:.1f}'} | {moved_per_step(metrics)} |")
 
 
+def existing(cfg, args) -> Path | None:
+    """The complete run of exactly this config under --results-root (runner.skip_existing's
+    rule), or None; a config the runner would refuse raises its ConfigError as a run would."""
+    from harness.run import _split_name
+    from harness.sweep import config_hash, find_complete
+    from methods import build_method
+
+    name, options = _split_name("method", cfg.method)
+    build_method(name, **options)  # refusals by the method's own knobs, as run() gives them
+    return find_complete(Path(args.results_root) / "ruler" / args.model / name, config_hash(cfg))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2_135m")
@@ -72,6 +84,9 @@ def main() -> None:
     ap.add_argument("--extra", nargs="*", default=[], help="more overrides for every run")
     ap.add_argument("--results-root", default=str(ROOT / "results" / "needle_table"))
     ap.add_argument("--out", default=None, help="also write the markdown table here")
+    ap.add_argument("--existing-only", action="store_true",
+                    help="run nothing: tabulate the rows whose run already exists (others: "
+                         "'not measured')")
     args = ap.parse_args()
 
     from hydra import compose, initialize_config_dir
@@ -111,7 +126,10 @@ def main() -> None:
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
             cfg = compose(config_name="config", overrides=common + overrides)
         try:
-            folder = run(cfg)
+            folder = existing(cfg, args) if args.existing_only else run(cfg)
+            if folder is None:
+                lines.append(f"| {label(overrides)} | not measured |" + " |" * (len(args.lengths) + 4))
+                continue
         except ConfigError as refusal:  # e.g. a budget a method's own knobs cannot meet
             lines.append(f"| {label(overrides)} | refused before loading: {refusal} |"
                          + " |" * (len(args.lengths) + 4))
