@@ -59,7 +59,7 @@ def fake_generation(monkeypatch):
     """Record every prompt the engine is given and answer with queued texts (as token ids)."""
     calls, answers = [], []
 
-    def generate(self, prompt, max_new_tokens, stop_ids=None, min_new_tokens=0):
+    def generate(self, prompt, max_new_tokens, stop_ids=None, min_new_tokens=0, query=None):
         calls.append({"ids": [int(i) for i in prompt], "max_new_tokens": max_new_tokens,
                       "stop_ids": set(stop_ids or ())})
         return self.engine.encode(answers.pop(0), add_special_tokens=False)
@@ -81,9 +81,9 @@ def test_multi_news_end_to_end_on_stories(stories, data_dir, monkeypatch):
     seen = []
     original = Request.generate
 
-    def spy(self, prompt, max_new_tokens, stop_ids=None, min_new_tokens=0):
+    def spy(self, prompt, max_new_tokens, stop_ids=None, min_new_tokens=0, query=None):
         seen.append([int(i) for i in prompt])
-        return original(self, prompt, max_new_tokens, stop_ids, min_new_tokens)
+        return original(self, prompt, max_new_tokens, stop_ids, min_new_tokens, query)
 
     monkeypatch.setattr(Request, "generate", spy)
     task = build_task("longbench", limit=2, max_length_tokens=400, max_new_tokens=48,

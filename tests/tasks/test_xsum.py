@@ -35,7 +35,7 @@ def fake_generation(monkeypatch):
     """Record every prompt the engine is given and answer with queued texts (as token ids)."""
     calls, answers = [], []
 
-    def generate(self, prompt, max_new_tokens, stop_ids=None, min_new_tokens=0):
+    def generate(self, prompt, max_new_tokens, stop_ids=None, min_new_tokens=0, query=None):
         calls.append({"ids": [int(i) for i in prompt], "max_new_tokens": max_new_tokens})
         return self.engine.encode(answers.pop(0), add_special_tokens=False)
 
