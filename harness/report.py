@@ -99,7 +99,9 @@ def load_runs(files: list[Path], warn=None) -> list[tuple[Path, dict]]:
 def protocol_label(metrics: dict) -> str:
     proto = metrics.get("protocol", {})
     dense = proto.get("dense_layers")
-    return f"dense={dense if dense else '[]'} prefill={proto.get('prefill', '?')}"
+    label = f"dense={dense if dense else '[]'} prefill={proto.get('prefill', '?')}"
+    query = proto.get("query")  # a task's query protocol ("query-aware: ..." / "query-agnostic: ...")
+    return f"{label} {query.split(':')[0]}" if query else label
 
 
 def series_label(metrics: dict) -> str:

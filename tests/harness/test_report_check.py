@@ -207,3 +207,18 @@ def test_report_bad_input_exits_2_and_writes_nothing(tree, tmp_path, capsys):
     assert not (only_bad / "_report").exists()
     assert report.main([str(tmp_path / "nope")]) == 2
     assert "no such file or folder" in capsys.readouterr().err
+
+
+def test_query_agnostic_runs_are_their_own_curve(tmp_path):
+    """A task's query protocol (RULER task.query) is part of the protocol label: a query-agnostic
+    run never joins the query-aware curve of the same method and budget."""
+    for hour, query in ((10, "query-aware: the question is compressed"),
+                        (11, "query-agnostic: after compression")):
+        folder = fake_run(tmp_path, "snapkv", 0.0, 90.0, budget=0.5, density=0.5, task="ruler",
+                          extra_acc={"average": 40.0}, started=f"2026-11-29T{hour}:00:00")
+        metrics = json.loads((folder / "metrics.json").read_text())
+        metrics["protocol"]["query"] = query
+        (folder / "metrics.json").write_text(json.dumps(metrics))
+    rows, _, _ = report.build_report([str(tmp_path)], tmp_path / "out")
+    assert sorted({r["series"] for r in rows}) == [
+        "snapkv [dense=[] prefill=dense query-agnostic]", "snapkv [dense=[] prefill=dense query-aware]"]
