@@ -66,9 +66,8 @@ class Engine:
         if reasons:
             raise ConfigError("; ".join(reasons))
         limit = self.settings.kv_device_limit_mib
-        if limit is not None and self.settings.kv_layout != "paged":
-            raise ConfigError("runner.kv_device_limit_mib needs runner.kv_layout=paged (the limit "
-                              "counts device blocks)")
+        serving.check_admission({"kv_device_limit_mib": limit, "kv_layout": self.settings.kv_layout,
+                                 "kv_admission": self.settings.kv_admission})
         paged = (PagedKV(self.settings.kv_block_tokens,
                          None if limit is None else int(limit * 2**20))
                  if self.settings.kv_layout == "paged" else None)
@@ -158,8 +157,7 @@ class Engine:
         dtype_bytes = self.info.dtype.itemsize  # the K/V dtype (the model's)
         waiting = list(range(len(prompts)))
         while waiting:
-            wave = serving.plan_wave(waiting, tokens, self.info,
-                                     int(self.settings.kv_device_limit_mib * 2**20),
+            wave = serving.plan_wave(waiting, tokens, self.info, self.tier.paged.budget.limit_bytes,
                                      self.settings.kv_block_tokens, dtype_bytes,
                                      self.settings.kv_admission, self.settings.batch_size)
             with self.batch(len(wave.seqs), wave.host_layers) as req:

@@ -20,7 +20,7 @@ from kvcore.errors import BudgetViolation, ConfigError, OutputError, Unsupported
 from harness.loggers import LOGGERS, log_run
 from harness.projection import project
 from harness.schema import stamp
-from harness.serving import ADMISSIONS
+from harness.serving import check_admission
 from harness.sweep import config_hash, group_options, multirun_job, record_status, resolve_output
 from kvcore.paged import DEFAULT_BLOCK_TOKENS
 from kvcore.storage import KV_LAYOUTS
@@ -100,24 +100,6 @@ def check_runner(runner: dict[str, Any]) -> None:
     for key in ("output_dir", "results_root"):
         if runner.get(key) is not None and not isinstance(runner[key], str):
             raise ConfigError(f"runner.{key}={runner[key]!r} must be a path (a string)")
-
-
-def check_admission(runner: dict[str, Any]) -> None:
-    """runner.kv_device_limit_mib / runner.kv_admission (harness.serving)."""
-    limit, admission = runner.get("kv_device_limit_mib"), runner.get("kv_admission", "request")
-    if admission not in ADMISSIONS:
-        raise ConfigError(f"runner.kv_admission={admission!r}; allowed: {', '.join(ADMISSIONS)}")
-    if limit is None:
-        if admission != "request":
-            raise ConfigError(f"runner.kv_admission={admission} needs a device limit to admit "
-                              "under (runner.kv_device_limit_mib, MiB of device KV)")
-        return
-    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0:
-        raise ConfigError(f"runner.kv_device_limit_mib={limit!r} must be a positive number of "
-                          "MiB (or null: no limit)")
-    if runner.get("kv_layout", "contiguous") != "paged":
-        raise ConfigError(f"runner.kv_device_limit_mib={limit} needs runner.kv_layout=paged "
-                          "(the limit counts device blocks)")
 
 
 def protocol_from(runner: dict[str, Any]) -> Protocol:

@@ -28,11 +28,31 @@ as conservatively as full; the pools' check counts what it really holds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvcore.errors import ConfigError
 from methods.base import ModelInfo
 
 ADMISSIONS = ("request", "layerkv")
+
+
+def check_admission(runner: dict[str, Any]) -> None:
+    """runner.kv_device_limit_mib / runner.kv_admission: the one check, for the runner and for
+    an Engine built directly (benchmarks)."""
+    limit, admission = runner.get("kv_device_limit_mib"), runner.get("kv_admission", "request")
+    if admission not in ADMISSIONS:
+        raise ConfigError(f"runner.kv_admission={admission!r}; allowed: {', '.join(ADMISSIONS)}")
+    if limit is None:
+        if admission != "request":
+            raise ConfigError(f"runner.kv_admission={admission} needs a device limit to admit "
+                              "under (runner.kv_device_limit_mib, MiB of device KV)")
+        return
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0:
+        raise ConfigError(f"runner.kv_device_limit_mib={limit!r} must be a positive number of "
+                          "MiB (or null: no limit)")
+    if runner.get("kv_layout", "contiguous") != "paged":
+        raise ConfigError(f"runner.kv_device_limit_mib={limit} needs runner.kv_layout=paged "
+                          "(the limit counts device blocks)")
 
 
 def layer_bytes(info: ModelInfo, tokens: int, block_tokens: int, dtype_bytes: int) -> int:
@@ -51,7 +71,8 @@ class Wave:
 
 def plan_wave(waiting: list[int], tokens: list[int], info: ModelInfo, limit_bytes: int,
               block_tokens: int, dtype_bytes: int, admission: str, max_batch: int) -> Wave:
-    """The next wave from `waiting` (arrival order); `tokens[i]`: request i's prompt + new tokens."""
+    """The next wave from `waiting` (arrival order); `tokens[i]`: request i's prompt + new tokens;
+    `admission` one of ADMISSIONS (validated by `check_admission`)."""
     layers = info.num_layers
     if admission == "request":
         seqs, used = [], 0
@@ -70,8 +91,6 @@ def plan_wave(waiting: list[int], tokens: list[int], info: ModelInfo, limit_byte
                 f"{need / 2**20:.2f} MiB of device KV); raise the limit or use "
                 "runner.kv_admission=layerkv")
         return Wave(seqs, [frozenset()] * len(seqs))
-    if admission != "layerkv":
-        raise ConfigError(f"runner.kv_admission={admission!r}; allowed: {', '.join(ADMISSIONS)}")
     seqs, host, free = waiting[:max_batch], [], limit_bytes
     for i in seqs:  # earlier arrivals get device layers first; layer order within a request
         per_layer = layer_bytes(info, tokens[i], block_tokens, dtype_bytes)
