@@ -99,10 +99,6 @@ def main() -> None:
         rows = [shlex.split(r) for r in args.rows]
     else:
         rows = family_rows(args.budgets, args.bits, streamed=False)
-        # DuoAttention's retrieval heads alone hold retrieval_head_ratio of the cache, so its
-        # default (0.5) is refused at these budgets; it also runs with half the budget on them.
-        rows += [["method=duo_attention", f"method.budget_ratio={b}",
-                  f"method.retrieval_head_ratio={b / 2:g}"] for b in args.budgets]
         # The references first, so a table cut short still has what the others are read against.
         first = ("method=full", "method=oracle_topk", "method=h2o", "method=infinigen")
         rows.sort(key=lambda r: first.index(r[0]) if r[0] in first else len(first))
