@@ -54,10 +54,7 @@ class StreamingLLM(BudgetedMethod):
     window_tokens: int | None = 508
     budget_ratio: float | None = None
     rerotate: bool = True
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        self._inv_freq: torch.Tensor | None = None
+    _inv_freq: ClassVar[torch.Tensor | None] = None  # RoPE's, set per instance by prepare()
 
     def check_hyperparameters(self) -> list[str]:
         reasons = []
@@ -77,8 +74,6 @@ class StreamingLLM(BudgetedMethod):
         elif isinstance(self.sink_tokens, int) and self.sink_tokens > self.window_tokens:
             reasons.append(f"method.sink_tokens={self.sink_tokens} is larger than "
                            f"method.window_tokens={self.window_tokens}; sinks are a few tokens")
-        if not isinstance(self.rerotate, bool):
-            reasons.append(f"method.rerotate={self.rerotate!r}; allowed: true, false")
         return reasons
 
     @classmethod
@@ -102,9 +97,7 @@ class StreamingLLM(BudgetedMethod):
         """Tokens kept after `seen` tokens: sinks + window."""
         if self.budget_tokens is None and self.budget_ratio is None:
             return self.sink_tokens + self.window_tokens
-        if self.budget_tokens is not None:
-            return self.budget_tokens
-        return max(self.sink_tokens + 1, int(self.budget_ratio * seen))
+        return max(self.sink_tokens + 1, super().total_tokens(seen))  # never sinks alone
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         if self.rerotate and self._inv_freq is None:
@@ -127,8 +120,8 @@ class StreamingLLMLayer(EvictionLayer):
                 self.sink_keys = self.keys[:, :, :sinks].clone()  # slots 0..S-1 never move
             if offset != self.offset:
                 delta = torch.tensor(float(offset), device=keys.device)
-                self.kv_rows("keys").write_at(0, rotate(self.sink_keys[:, :, :sinks], delta,
-                                                        self.method._inv_freq))
+                rotated = rotate(self.sink_keys[:, :, :sinks], delta, self.method._inv_freq)
+                self.kv_rows("keys").write_at(0, rotated)
                 self.offset = offset
             return self.keys, self.values  # with the sinks as re-rotated now (paged: re-read)
         return keys_out, values_out
