@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from perplexity_table import family_rows, label  # noqa: E402
+from perplexity_table import existing, family_rows, label  # noqa: E402
 
 
 def found(accuracy: dict, length: int, samples: int) -> str:
@@ -56,16 +56,18 @@ def table_row(metrics: dict, name: str, lengths: list[int], per_length: int) -> 
             f"{'n/a' if ms is None else f'{ms:.1f}'} | {moved_per_step(metrics)} |")
 
 
-def existing(cfg, args) -> Path | None:
-    """The complete run of exactly this config under --results-root (runner.skip_existing's
-    rule), or None; a config the runner would refuse raises its ConfigError as a run would."""
-    from harness.run import _split_name
-    from harness.sweep import config_hash, find_complete
-    from methods import build_method
+def _csv(xs) -> str:
+    return "[" + ",".join(str(x) for x in xs) + "]"
 
-    name, options = _split_name("method", cfg.method)
-    build_method(name, **options)  # refusals by the method's own knobs, as run() gives them
-    return find_complete(Path(args.results_root) / "ruler" / args.model / name, config_hash(cfg))
+
+def needle_overrides(model: str, lengths, depths, dense_layers, results_root: str,
+                     batch_size: int = 1, threads: int | None = None, extra=()) -> list[str]:
+    """The overrides every row of the table shares (its protocol and where runs live)."""
+    return [f"model={model}", "task=ruler", "task.subtasks=[niah_single]",
+            f"task.lengths={_csv(lengths)}", f"task.depths={_csv(depths)}",
+            f"runner.dense_layers={_csv(dense_layers)}", f"runner.batch_size={batch_size}",
+            f"runner.results_root={results_root}", "runner.skip_existing=true",
+            *([f"runner.threads={threads}"] if threads else []), *extra]
 
 
 def main() -> None:
@@ -105,16 +107,12 @@ def main() -> None:
         if args.methods:
             rows = [r for r in rows if r[0] == "method=full"
                     or r[0].removeprefix("method=") in args.methods]
-    csv = lambda xs: "[" + ",".join(str(x) for x in xs) + "]"  # noqa: E731
-    common = [f"model={args.model}", "task=ruler", "task.subtasks=[niah_single]",
-              f"task.lengths={csv(args.lengths)}", f"task.depths={csv(args.depths)}",
-              f"runner.dense_layers={csv(args.dense_layers)}", f"runner.batch_size={args.batch_size}",
-              f"runner.results_root={args.results_root}", "runner.skip_existing=true",
-              *([f"runner.threads={args.threads}"] if args.threads else []), *args.extra]
+    common = needle_overrides(args.model, args.lengths, args.depths, args.dense_layers,
+                              args.results_root, args.batch_size, args.threads, args.extra)
     per_length = len(args.depths)
     head = " | ".join(f"{n // 1024}K" if n % 1024 == 0 else str(n) for n in args.lengths)
     lines = [f"Needle (RULER niah_single), {args.model}, lengths {args.lengths} x depths "
-             f"{args.depths} %, runner.dense_layers={csv(args.dense_layers)} for every row, "
+             f"{args.depths} %, runner.dense_layers={_csv(args.dense_layers)} for every row, "
              "dense prefill, greedy", "",
              f"| method | {head} | all | KV held | attended (sparse layers) | decode ms/tok | "
              "host MiB moved/step |", "|---|" + "---|" * (len(args.lengths) + 5)]
@@ -122,7 +120,7 @@ def main() -> None:
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
             cfg = compose(config_name="config", overrides=common + overrides)
         try:
-            folder = existing(cfg, args) if args.existing_only else run(cfg)
+            folder = existing(cfg, "ruler") if args.existing_only else run(cfg)
             if folder is None:
                 lines.append(f"| {label(overrides)} | not measured |" + " |" * (len(args.lengths) + 4))
                 continue

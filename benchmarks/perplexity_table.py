@@ -93,6 +93,27 @@ def family_rows(budgets=FAMILY_BUDGETS, bits=FAMILY_BITS, streamed=True) -> list
 DENSITY_SOURCE = "infinigen alpha=5.0 budget_ratio=0.2"
 
 
+def ppl_overrides(model: str, dataset: str, max_tokens: int, results_root: str,
+                  extra=()) -> list[str]:
+    """The overrides every row shares: streaming perplexity of the first `max_tokens` tokens."""
+    return [f"model={model}", "task=perplexity", "task.mode=streaming", f"task.dataset={dataset}",
+            f"task.max_tokens={max_tokens}", f"runner.results_root={results_root}", *extra]
+
+
+def existing(cfg, task: str) -> Path | None:
+    """The complete run of exactly this config under its runner.results_root
+    (runner.skip_existing's rule), or None; a config the method's own knobs refuse raises its
+    ConfigError as a run would."""
+    from harness.run import _split_name
+    from harness.sweep import config_hash, find_complete
+    from methods import build_method
+
+    name, options = _split_name("method", cfg.method)
+    build_method(name, **options)
+    root = Path(cfg.runner.results_root) / task / cfg.model.name / name
+    return find_complete(root, config_hash(cfg))
+
+
 def label(overrides: list[str]) -> str:
     return " ".join(o.replace("method.", "") for o in overrides).replace("method=", "")
 
@@ -139,10 +160,8 @@ def main() -> None:
         if "@density" in overrides:  # InfiniGen's measured attended fraction in sparse layers
             ratio = round(densities[DENSITY_SOURCE], 4)
             overrides = [o for o in overrides if o != "@density"] + [f"method.budget_ratio={ratio}"]
-        common = [f"model={args.model}", "task=perplexity", "task.mode=streaming",
-                  f"task.dataset={args.dataset}", f"task.max_tokens={args.max_tokens}",
-                  f"runner.results_root={args.results_root}", *PROTOCOL.get(args.preset, []),
-                  *args.extra]
+        common = ppl_overrides(args.model, args.dataset, args.max_tokens, args.results_root,
+                               [*PROTOCOL.get(args.preset, []), *args.extra])
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
             cfg = compose(config_name="config", overrides=common + overrides)
         try:

@@ -1,0 +1,119 @@
+"""One table of the method family (issues 12/13): needle and streaming perplexity side by side.
+
+    python benchmarks/family_table.py --needle-root <root> --ppl-root <root> [--out table.md]
+
+Runs nothing: every row of the family (each compressing method at each budget_ratio, the
+quantizers at each bit width, full; benchmarks/perplexity_table.family_rows) is looked up in the
+runs that benchmarks/needle_table.py and `perplexity_table.py --preset families` made, by config
+identity (runner.skip_existing's rule), under one protocol for both tasks: `runner.dense_layers=
+[0,1]`, dense prefill. A cell whose run is missing says "not measured"; a method that compresses
+only over a prefilled prompt has no streamed perplexity (the runner refuses it there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from needle_table import found, moved_per_step, needle_overrides  # noqa: E402
+from perplexity_table import FAMILY_BUDGETS, existing, family_rows, label, ppl_overrides  # noqa: E402
+
+DENSE_LAYERS = [0, 1]  # the protocol of both tables
+REFERENCES = ("method=full", "method=oracle_topk", "method=h2o", "method=infinigen")
+
+
+def streams(overrides: list[str]) -> bool:
+    """Whether the method acts on a streamed text (else the runner refuses it on perplexity)."""
+    from methods import method_class
+
+    caps = method_class(overrides[0].removeprefix("method=")).capabilities
+    return not caps.needs_prefill and caps.acts_during_decode
+
+
+def lookup(common: list[str], overrides: list[str], task: str) -> tuple[dict | None, str]:
+    """(metrics of the run of exactly this config, '') or (None, why there is none)."""
+    from hydra import compose, initialize_config_dir
+
+    from kvcore.errors import ConfigError
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=common + overrides)
+    try:
+        folder = existing(cfg, task)
+    except ConfigError as refusal:
+        return None, f"refused: {refusal}"
+    if folder is None:
+        return None, "not measured"
+    return json.loads((folder / "metrics.json").read_text()), ""
+
+
+def cells(needle: dict | None, ppl: dict | None, why_needle: str, why_ppl: str,
+          lengths: list[int], per_length: int) -> list[str]:
+    if needle is None:
+        out = [why_needle] + [""] * (len(lengths) + 3)
+    else:
+        acc, kv = needle["accuracy"], needle["kv"]
+        fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
+        out = [found(acc, n, per_length) for n in lengths]
+        out += [f"{round(acc['niah_single'] / 100 * acc['samples'])}/{acc['samples']}",
+                fmt(kv.get("held_ratio")), fmt(kv.get("attended_fraction_sparse_layers")),
+                moved_per_step(needle)]
+    out.append(why_ppl if ppl is None else f"{ppl['accuracy']['ppl']:.2f}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2_135m")
+    ap.add_argument("--needle-root", required=True)
+    ap.add_argument("--ppl-root", required=True)
+    ap.add_argument("--budgets", type=float, nargs="+", default=list(FAMILY_BUDGETS))
+    ap.add_argument("--bits", type=int, nargs="*", default=[2, 4])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
+    ap.add_argument("--depths", type=int, nargs="+", default=[10, 30, 50, 70, 90])
+    ap.add_argument("--dataset", default="wikitext2")
+    ap.add_argument("--max-tokens", type=int, default=1024)
+    ap.add_argument("--out", default=None, help="also write the markdown table here")
+    args = ap.parse_args()
+
+    from harness.results import write_text_atomic
+
+    protocol = [f"runner.dense_layers=[{','.join(map(str, DENSE_LAYERS))}]"]
+    needle_common = needle_overrides(args.model, args.lengths, args.depths, DENSE_LAYERS,
+                                     args.needle_root)
+    ppl_common = ppl_overrides(args.model, args.dataset, args.max_tokens, args.ppl_root, protocol)
+    rows = family_rows(args.budgets, args.bits, streamed=False)
+    rows.sort(key=lambda r: REFERENCES.index(r[0]) if r[0] in REFERENCES else len(REFERENCES))
+    heads = " | ".join(f"needle {n // 1024}K" if n % 1024 == 0 else f"needle {n}"
+                       for n in args.lengths)
+    lines = [f"Method family, {args.model}: needle (RULER niah_single, lengths {args.lengths} x "
+             f"depths {args.depths} %) and streaming perplexity ({args.dataset}, first "
+             f"{args.max_tokens} tokens); {protocol[0]} for every row, dense prefill, greedy.",
+             "KV held and attended fraction (sparse layers, decode steps) are the needle runs'; "
+             "host MiB moved per decode step likewise ('-': nothing offloaded).", "",
+             f"| method | {heads} | needle all | KV held | attended | host MiB/step | ppl |",
+             "|---|" + "---|" * (len(args.lengths) + 5)]
+    for overrides in rows:
+        needle, why_needle = lookup(needle_common, overrides, "ruler")
+        if streams(overrides):
+            ppl, why_ppl = lookup(ppl_common, overrides, "perplexity")
+        else:
+            ppl, why_ppl = None, "prefill-only: not streamed"
+        row = cells(needle, ppl, why_needle, why_ppl, args.lengths, len(args.depths))
+        lines.append(f"| {label(overrides)} | " + " | ".join(row) + " |")
+    text = "\n".join(lines) + "\n"
+    if args.out:
+        write_text_atomic(Path(args.out), text)
+    print(text, end="")
+
+
+if __name__ == "__main__":
+    main()
