@@ -1,6 +1,7 @@
 """One table of the method family (issues 12/13): needle and streaming perplexity side by side.
 
     python benchmarks/family_table.py --needle-root <root> --ppl-root <root> [--out table.md]
+    python benchmarks/family_table.py ... --budgets 0.05 0.1 0.2 --bits --methods quest infinigen
 
 Runs nothing: every row of the family (each compressing method at each budget_ratio, the
 quantizers at each bit width, full; benchmarks/perplexity_table.family_rows) is looked up in the
@@ -66,8 +67,10 @@ def cells(needle: dict | None, ppl: dict | None, why_needle: str, why_ppl: str,
         out += [f"{round(acc['niah_single'] / 100 * acc['samples'])}/{acc['samples']}",
                 fmt(kv.get("held_ratio")), fmt(kv.get("attended_fraction_sparse_layers")),
                 moved_per_step(needle)]
-    out.append(why_ppl if ppl is None else f"{ppl['accuracy']['ppl']:.2f}")
-    return out
+    if ppl is None:
+        return out + [why_ppl, ""]
+    attended = ppl["kv"].get("attended_fraction_sparse_layers")
+    return out + [f"{ppl['accuracy']['ppl']:.2f}", "n/a" if attended is None else f"{attended:.3f}"]
 
 
 def main() -> None:
@@ -81,6 +84,7 @@ def main() -> None:
     ap.add_argument("--depths", type=int, nargs="+", default=[10, 30, 50, 70, 90])
     ap.add_argument("--dataset", default="wikitext2")
     ap.add_argument("--max-tokens", type=int, default=1024)
+    ap.add_argument("--methods", nargs="*", default=None, help="only these methods (and full)")
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     args = ap.parse_args()
 
@@ -91,6 +95,9 @@ def main() -> None:
                                      args.needle_root)
     ppl_common = ppl_overrides(args.model, args.dataset, args.max_tokens, args.ppl_root, protocol)
     rows = family_rows(args.budgets, args.bits, streamed=False)
+    if args.methods:
+        rows = [r for r in rows if r[0] == "method=full"
+                or r[0].removeprefix("method=") in args.methods]
     rows.sort(key=lambda r: REFERENCES.index(r[0]) if r[0] in REFERENCES else len(REFERENCES))
     heads = " | ".join(f"needle {n // 1024}K" if n % 1024 == 0 else f"needle {n}"
                        for n in args.lengths)
@@ -98,9 +105,10 @@ def main() -> None:
              f"depths {args.depths} %) and streaming perplexity ({args.dataset}, first "
              f"{args.max_tokens} tokens); {protocol[0]} for every row, dense prefill, greedy.",
              "KV held and attended fraction (sparse layers, decode steps) are the needle runs'; "
-             "host MiB moved per decode step likewise ('-': nothing offloaded).", "",
-             f"| method | {heads} | needle all | KV held | attended | host MiB/step | ppl |",
-             "|---|" + "---|" * (len(args.lengths) + 5)]
+             "host MiB moved per decode step likewise ('-': nothing offloaded); ppl attended: the "
+             "perplexity run's attended fraction (sparse layers).", "",
+             f"| method | {heads} | needle all | KV held | attended | host MiB/step | ppl | "
+             "ppl attended |", "|---|" + "---|" * (len(args.lengths) + 6)]
     for overrides in rows:
         needle, why_needle = lookup(needle_common, overrides, "ruler")
         if streams(overrides):
