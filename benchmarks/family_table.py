@@ -85,6 +85,8 @@ def main() -> None:
     ap.add_argument("--dataset", default="wikitext2")
     ap.add_argument("--max-tokens", type=int, default=1024)
     ap.add_argument("--methods", nargs="*", default=None, help="only these methods (and full)")
+    ap.add_argument("--prefill-tokens", type=int, default=None,
+                    help="the perplexity runs' task.prefill_tokens (a prompt, then streamed)")
     ap.add_argument("--out", default=None, help="also write the markdown table here")
     args = ap.parse_args()
 
@@ -93,7 +95,8 @@ def main() -> None:
     protocol = [f"runner.dense_layers=[{','.join(map(str, DENSE_LAYERS))}]"]
     needle_common = needle_overrides(args.model, args.lengths, args.depths, DENSE_LAYERS,
                                      args.needle_root)
-    ppl_common = ppl_overrides(args.model, args.dataset, args.max_tokens, args.ppl_root, protocol)
+    ppl_common = ppl_overrides(args.model, args.dataset, args.max_tokens, args.ppl_root, protocol,
+                               args.prefill_tokens)
     rows = family_rows(args.budgets, args.bits, streamed=False)
     if args.methods:
         rows = [r for r in rows if r[0] == "method=full"
@@ -103,7 +106,10 @@ def main() -> None:
                        for n in args.lengths)
     lines = [f"Method family, {args.model}: needle (RULER niah_single, lengths {args.lengths} x "
              f"depths {args.depths} %) and streaming perplexity ({args.dataset}, first "
-             f"{args.max_tokens} tokens); {protocol[0]} for every row, dense prefill, greedy.",
+             f"{args.max_tokens} tokens" + (f", a prompt of the first {args.prefill_tokens} then "
+                                            "streamed, scored after the prompt"
+                                            if args.prefill_tokens else "")
+             + f"); {protocol[0]} for every row, dense prefill, greedy.",
              "KV held and attended fraction (sparse layers, decode steps) are the needle runs'; "
              "host MiB moved per decode step likewise ('-': nothing offloaded); ppl attended: the "
              "perplexity run's attended fraction (sparse layers).", "",
@@ -111,7 +117,7 @@ def main() -> None:
              "ppl attended |", "|---|" + "---|" * (len(args.lengths) + 6)]
     for overrides in rows:
         needle, why_needle = lookup(needle_common, overrides, "ruler")
-        if streams(overrides):
+        if args.prefill_tokens or streams(overrides):
             ppl, why_ppl = lookup(ppl_common, overrides, "perplexity")
         else:
             ppl, why_ppl = None, "prefill-only: not streamed"

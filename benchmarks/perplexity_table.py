@@ -94,10 +94,13 @@ DENSITY_SOURCE = "infinigen alpha=5.0 budget_ratio=0.2"
 
 
 def ppl_overrides(model: str, dataset: str, max_tokens: int, results_root: str,
-                  extra=()) -> list[str]:
-    """The overrides every row shares: streaming perplexity of the first `max_tokens` tokens."""
+                  extra=(), prefill_tokens: int | None = None) -> list[str]:
+    """The overrides every row shares: streaming perplexity of the first `max_tokens` tokens
+    (after a prompt of `prefill_tokens`, if given)."""
+    prompt = [] if prefill_tokens is None else [f"task.prefill_tokens={prefill_tokens}"]
     return [f"model={model}", "task=perplexity", "task.mode=streaming", f"task.dataset={dataset}",
-            f"task.max_tokens={max_tokens}", f"runner.results_root={results_root}", *extra]
+            f"task.max_tokens={max_tokens}", *prompt, f"runner.results_root={results_root}",
+            *extra]
 
 
 def existing(cfg, task: str) -> Path | None:
@@ -141,6 +144,11 @@ def main() -> None:
                     help="families: budget_ratio values")
     ap.add_argument("--bits", type=int, nargs="*", default=list(FAMILY_BITS),
                     help="families: k_bits = v_bits values of the quantizers")
+    ap.add_argument("--prefill-tokens", type=int, default=None,
+                    help="task.prefill_tokens: the first N tokens as one prompt, scored after it "
+                         "(families: prompt compressors included)")
+    ap.add_argument("--methods", nargs="*", default=None,
+                    help="families: only these methods (and full)")
     args = ap.parse_args()
 
     from hydra import compose, initialize_config_dir
@@ -148,20 +156,26 @@ def main() -> None:
     from harness.run import run
     from kvcore.errors import ConfigError
 
-    lines = [f"Streaming perplexity, {args.model}, {args.dataset}, first {args.max_tokens} tokens",
+    prompt = (f" (a prompt of the first {args.prefill_tokens}, the rest streamed and scored)"
+              if args.prefill_tokens else "")
+    lines = [f"Streaming perplexity, {args.model}, {args.dataset}, first {args.max_tokens} tokens"
+             + prompt,
              f"protocol: {' '.join(PROTOCOL.get(args.preset, [])) or 'runner defaults'}",
              "", "| method | ppl | KV tokens/layer (end) | KV MiB (end) | KV held | "
              "attended (sparse layers) | attended (all layers) | decode ms/tok |",
              "|---|---|---|---|---|---|---|---|"]
     densities: dict[str, float] = {}
-    rows = (family_rows(args.budgets, args.bits) if args.preset == "families"
-            else PRESETS[args.preset])
+    rows = (family_rows(args.budgets, args.bits, streamed=args.prefill_tokens is None)
+            if args.preset == "families" else PRESETS[args.preset])
+    if args.methods:
+        rows = [r for r in rows if r[0] == "method=full"
+                or r[0].removeprefix("method=") in args.methods]
     for overrides in rows[args.start:]:
         if "@density" in overrides:  # InfiniGen's measured attended fraction in sparse layers
             ratio = round(densities[DENSITY_SOURCE], 4)
             overrides = [o for o in overrides if o != "@density"] + [f"method.budget_ratio={ratio}"]
         common = ppl_overrides(args.model, args.dataset, args.max_tokens, args.results_root,
-                               [*PROTOCOL.get(args.preset, []), *args.extra])
+                               [*PROTOCOL.get(args.preset, []), *args.extra], args.prefill_tokens)
         with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
             cfg = compose(config_name="config", overrides=common + overrides)
         try:

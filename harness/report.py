@@ -101,7 +101,9 @@ def protocol_label(metrics: dict) -> str:
     dense = proto.get("dense_layers")
     label = f"dense={dense if dense else '[]'} prefill={proto.get('prefill', '?')}"
     query = proto.get("query")  # a task's query protocol ("query-aware: ..." / "query-agnostic: ...")
-    return f"{label} {query.split(':')[0]}" if query else label
+    label = f"{label} {query.split(':')[0]}" if query else label
+    variant = proto.get("variant")  # a task's own protocol variant (perplexity after a prompt)
+    return f"{label} {variant}" if variant else label
 
 
 def series_label(metrics: dict) -> str:

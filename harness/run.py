@@ -133,7 +133,8 @@ def protocol_reasons(method, task, info, protocol: Protocol,
         reasons.append(f"method={method.name} compresses only over a prefilled prompt, but "
                        f"task={task.name} "
                        "(with these options) feeds every token as a decode step: the method would "
-                       "never act")
+                       "never act" + (f" (set {task.prompt_option} to give it a prompt)"
+                                      if task.prompt_option else ""))
     if not caps.acts_during_decode and "decode" not in phases:
         reasons.append(f"method={method.name} compresses once the prompt is over, but "
                        f"task={task.name} (with these options) scores only prompt tokens: every "

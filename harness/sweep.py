@@ -41,7 +41,7 @@ _NOT_IDENTITY = {"runner": ("output_dir", "results_root", "debug", "skip_existin
 # they existed computed: left out of the identity at that value, so a resumed sweep
 # (runner.skip_existing) still finds those runs. Any other value is part of the identity.
 _NEUTRAL = {"runner": {"kv_device_limit_mib": None, "kv_admission": "request"},
-            "task": {"query": "aware"}}
+            "task": {"query": "aware", "prefill_tokens": None}}
 
 
 def config_hash(cfg: DictConfig) -> str:

@@ -23,6 +23,9 @@ class Task:
     # Sends independent prompts through `engine.generate_many`, so runner.batch_size > 1 decodes
     # them together (harness.batch); False: one stream or a rewound context, batch 1 only.
     batches: ClassVar[bool] = False
+    # The option that makes part of the input a prompt where phases() has none (named in the
+    # runner's refusal of a prompt-only method), or None.
+    prompt_option: ClassVar[str | None] = None
     limit: int | None = None  # at most this many samples (None: all)
 
     def __post_init__(self) -> None:

@@ -7,6 +7,10 @@
 * `streaming` (StreamingLLM's eval_long_ppl): feed tokens one at a time through the engine and the
   method, scoring each next token. This is the mode in which eviction methods act on every step.
   Also reports the NLL per `block_tokens` block (a curve).
+  With `prefill_tokens=P` the first P tokens are one prompt instead (prefilled, then the prompt
+  ends, so methods that compress a prompt once act there) and tokens P.. stream after it; only
+  the tokens after the prompt are scored (the first from the prompt's last logit), so a
+  prefill-only compressor (SnapKV, ShadowKV, ...) is measured where its compressed cache is read.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 @dataclass(kw_only=True)
 class Perplexity(Task):
     name: ClassVar[str] = "perplexity"
+    prompt_option: ClassVar[str | None] = "task.prefill_tokens"
     dataset: str = "essays"  # wikitext2 | essays | pg19 | text_file
     path: str | None = None  # a local text file (required for text_file; overrides the default copy)
     data_dir: str | None = None  # folder with local copies (default: ../shared/data)
@@ -42,6 +47,7 @@ class Perplexity(Task):
     max_tokens: int | None = None  # tokens used from the text's start (None: min(1024, max positions))
     window_tokens: int | None = None  # chunked: tokens per window (None: min(1024, max positions))
     block_tokens: int = 256  # streaming mode: tokens per point of the NLL curve
+    prefill_tokens: int | None = None  # streaming: the first P tokens as one prompt (None: none)
 
     def check_options(self) -> list[str]:
         reasons = []
@@ -57,6 +63,14 @@ class Perplexity(Task):
                 continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 2:
                 reasons.append(f"task.{key}={value!r} must be an integer >= 2")
+        if self.prefill_tokens is not None:
+            if not isinstance(self.prefill_tokens, int) or isinstance(self.prefill_tokens, bool) \
+                    or self.prefill_tokens < 1:
+                reasons.append(f"task.prefill_tokens={self.prefill_tokens!r} must be an integer "
+                               ">= 1 or null")
+            elif self.mode != "streaming":
+                reasons.append(f"task.prefill_tokens={self.prefill_tokens} applies to "
+                               "task.mode=streaming only (chunked windows are prompts already)")
         return reasons
 
     def validate(self, info: ModelInfo, method: KVMethod) -> list[str]:
@@ -69,11 +83,17 @@ class Perplexity(Task):
         if info.max_positions and span > info.max_positions and not bounded:
             return [f"{key}={span} is longer than the model's max positions "
                     f"({info.max_positions}); lower it (the text is not truncated for you)"]
+        if self.prefill_tokens is not None and self.prefill_tokens >= self.max_tokens - 1:
+            return [f"task.prefill_tokens={self.prefill_tokens} leaves nothing to stream: it must "
+                    f"be below task.max_tokens - 1 = {self.max_tokens - 1}"]
         return []
 
     def phases(self) -> frozenset[str]:
-        # streaming feeds every token as a decode step; chunked prefills each window with all logits
-        return frozenset({"decode"} if self.mode == "streaming" else {"prefill"})
+        # streaming feeds every token as a decode step (after a prompt of prefill_tokens, if set);
+        # chunked prefills each window with all logits
+        if self.mode == "chunked":
+            return frozenset({"prefill"})
+        return frozenset({"decode"} if self.prefill_tokens is None else {"prefill", "decode"})
 
     def check_data(self) -> None:
         self._text = load_text(self.dataset, self.path, self.data_dir)
@@ -81,8 +101,9 @@ class Perplexity(Task):
     def _tokens(self, engine) -> torch.Tensor:
         text = getattr(self, "_text", None) or load_text(self.dataset, self.path, self.data_dir)
         ids = engine.encode(text)[: self.max_tokens or DEFAULT_MAX_TOKENS]
-        if len(ids) < 2:
-            raise ValueError(f"task.dataset={self.dataset}: fewer than 2 tokens to score")
+        if len(ids) < max(2, (self.prefill_tokens or 0) + 2):
+            raise ValueError(f"task.dataset={self.dataset}: {len(ids)} tokens, too few to score "
+                             f"after a prompt of task.prefill_tokens={self.prefill_tokens}")
         return torch.tensor(ids, dtype=torch.long)
 
     def evaluate(self, engine) -> TaskResult:
@@ -100,6 +121,9 @@ class Perplexity(Task):
             metrics["block_tokens"] = self.block_tokens
         protocol = {"mode": self.mode, "dataset": self.dataset, "max_tokens": self.max_tokens,
                     "window_tokens": self.window_tokens if self.mode == "chunked" else None,
+                    **({"variant": f"prompt of {self.prefill_tokens} tokens, then streamed"}
+                       if self.prefill_tokens else {}),
+                    "prefill_tokens": self.prefill_tokens,
                     "bos": bool(engine.tokenizer is not None and
                                 getattr(engine.tokenizer, "bos_token_id", None) == int(ids[0]))}
         return TaskResult(metrics=metrics, samples=samples, protocol=protocol)
@@ -119,11 +143,16 @@ class Perplexity(Task):
         return torch.cat(nlls), samples
 
     def _streaming(self, engine, ids: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
-        nll = torch.empty(ids.numel() - 1)
+        prompt = self.prefill_tokens or 0
+        first = max(prompt, 1)  # the first token scored
+        nll = torch.empty(ids.numel() - first)
         device = engine.device
         with engine.request() as req:
-            for t in progress(range(ids.numel() - 1), "streaming perplexity", "tok"):
+            if prompt:  # ends with the prompt-end hook: prompt compressors act here
+                logits = req.prefill(ids[:prompt].to(device))[0, -1]
+                nll[0] = token_nll(logits[None], ids[prompt:prompt + 1].to(device))[0]
+            for t in progress(range(prompt, ids.numel() - 1), "streaming perplexity", "tok"):
                 logits = req.step(ids[t:t + 1].to(device))[0, -1]
-                nll[t] = token_nll(logits[None], ids[t + 1:t + 2].to(device))[0]
+                nll[t + 1 - first] = token_nll(logits[None], ids[t + 1:t + 2].to(device))[0]
         return nll, [{"id": 0, "tokens": int(ids.numel()), "nll_mean": float(nll.mean()),
                       "ppl": math.exp(float(nll.mean()))}]

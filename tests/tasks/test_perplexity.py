@@ -81,3 +81,62 @@ def test_text_file_errors(tmp_path):
     empty.write_text("  \n")
     with pytest.raises(ConfigError, match="empty"):
         build_task("perplexity", dataset="text_file", path=str(empty)).check_data()
+
+
+def test_prompt_then_streamed_scores_the_same_tokens_as_streaming(stories, data_dir):
+    """task.prefill_tokens: with the full cache a prompt of P tokens then streaming gives the
+    plain stream's NLL on every token after the prompt (prefill and decode compute the same)."""
+    model, tok = stories
+    common = dict(dataset="pg19", data_dir=str(data_dir), max_tokens=200, block_tokens=50)
+    plain = run_ppl(model, tok, mode="streaming", **common)
+    # blocks of 50 scored tokens: the plain stream scores targets 1..199, so its blocks 3 and 4
+    # are targets 101..150 and 151..199, exactly the prompted run's two blocks after a 101-token prompt
+    prompted = run_ppl(model, tok, mode="streaming", prefill_tokens=101, **common)
+    assert prompted.metrics["tokens_scored"] == 200 - 101
+    assert prompted.protocol["prefill_tokens"] == 101 and "variant" in prompted.protocol
+    assert "variant" not in plain.protocol and plain.protocol["prefill_tokens"] is None
+    assert prompted.metrics["nll_per_block"] == pytest.approx(plain.metrics["nll_per_block"][2:],
+                                                              abs=2e-4)
+
+
+def test_prompt_compressor_acts_after_the_prompt(stories, data_dir):
+    """A prefill-only method is refused on a plain stream and runs after a prompt: its cache is
+    cut to its budget at the prompt's end and the scored tokens differ from the full cache's."""
+    from harness.engine import Protocol
+    from harness.hf_adapter import model_info
+    from harness.run import protocol_reasons
+
+    model, tok = stories
+    info = model_info(model.config)
+    snap = build_method("snapkv", budget_ratio=0.25, window_tokens=8)
+    plain = build_task("perplexity", mode="streaming")
+    assert any("never act" in r for r in protocol_reasons(snap, plain, info, Protocol()))
+    prompted = build_task("perplexity", mode="streaming", prefill_tokens=120)
+    assert protocol_reasons(snap, prompted, info, Protocol()) == []
+    common = dict(dataset="pg19", data_dir=str(data_dir), max_tokens=160, prefill_tokens=120)
+    task = build_task("perplexity", mode="streaming", **common)
+    engine = make_engine(model, snap, tok, chunk=128)
+    res = task.evaluate(engine)
+    tokens = engine.ledger.samples[-1]["tokens_per_layer"]
+    assert max(tokens) <= 30 + 39  # 0.25 x 120 after the prompt, then 39 streamed tokens
+    full = run_ppl(model, tok, mode="streaming", **common)
+    assert res.metrics["tokens_scored"] == full.metrics["tokens_scored"] == 40
+    assert res.metrics["ppl"] != full.metrics["ppl"]
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"mode": "chunked", "prefill_tokens": 10}, "task.prefill_tokens=10 applies to"),
+    ({"prefill_tokens": 0}, "task.prefill_tokens=0 must be"),
+])
+def test_prefill_tokens_refusals(options, match):
+    with pytest.raises(ConfigError, match=match):
+        build_task("perplexity", **options)
+
+
+def test_prefill_tokens_must_leave_tokens_to_stream():
+    from methods.base import ModelInfo
+
+    info = ModelInfo(num_layers=2, num_heads=2, num_kv_heads=2, head_dim=4, max_positions=512,
+                     rope_theta=10000.0)
+    task = build_task("perplexity", max_tokens=100, prefill_tokens=99)
+    assert "task.prefill_tokens=99 leaves nothing to stream" in task.validate(info, build_method("full"))[0]
