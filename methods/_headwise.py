@@ -27,7 +27,8 @@ Budget and accounting. Tokens per layer are reported as the *mean over KV heads*
 the full length. With `budget_ratio` r, the fraction of the full cache held over all KV heads of the
 model is r: with f = the realised retrieval-head fraction, each streaming head may hold
 floor((r - f) / (1 - f) * seen) slots (at least 1, 2 with a compensation token; the sinks are
-capped by the slots, so the ratio holds even when it leaves room for fewer than `sink_tokens`). Each layer's budget is its own mean
+capped at half the slots, so the ratio holds even when it leaves room for fewer than
+`sink_tokens` and a recent window always remains). Each layer's budget is its own mean
 under that rule, and `check_step` compares held with it after every forward.
 """
 
@@ -333,7 +334,10 @@ class HeadwiseLayer(KVLayer):
         if self._s_slots() <= allowed:
             return
         comp = 1 if self.method.compensate else 0
-        sinks = min(self.method.sink_tokens, allowed - comp)
+        # Slots fewer than sinks + window (a budget below the method's own shape): the sinks take
+        # at most half, so a streaming head always keeps a recent window (all-sinks heads, e.g.
+        # DuoAttention's 64 sinks in 33 slots, lose the local context every head relies on).
+        sinks = min(self.method.sink_tokens, (allowed - comp) // 2)
         self.s_sinks = sinks
         window = max(0, allowed - sinks - comp)
         held = self.s_keys.shape[-2]

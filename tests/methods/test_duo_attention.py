@@ -143,3 +143,14 @@ def test_duo_streams_on_a_model_within_budget(tiny_model):
 def test_bad_hyperparameters(kw, key):
     with pytest.raises(ConfigError, match=key.replace("(", r"\(").replace(".", r"\.")):
         build_method("duo_attention", **kw)
+
+
+def test_sinks_never_take_the_window_when_slots_are_few():
+    """A budget leaving fewer slots than sinks + window (64 sinks in 9 slots): the sinks take at
+    most half, the rest is the most recent tokens (before: 9 sinks and no recent token at all)."""
+    method = SimpleNamespace(sink_tokens=64, compensate=False, stream_slots=lambda seen: 9)
+    layer = HeadwiseLayer(0, INFO, method, torch.tensor([False, False]))
+    k = torch.randn(1, 2, 30, 8)
+    layer.update(k, k, None)
+    layer.after_forward()
+    assert layer.s_positions.tolist() == [0, 1, 2, 3] + list(range(25, 30))
