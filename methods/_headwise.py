@@ -27,8 +27,8 @@ Budget and accounting. Tokens per layer are reported as the *mean over KV heads*
 the full length. With `budget_ratio` r, the fraction of the full cache held over all KV heads of the
 model is r: with f = the realised retrieval-head fraction, each streaming head may hold
 floor((r - f) / (1 - f) * seen) slots (at least 1, 2 with a compensation token; the sinks are
-capped at half the slots, so the ratio holds even when it leaves room for fewer than
-`sink_tokens` and a recent window always remains). Each layer's budget is its own mean
+capped at half the slots, at least the first token, so the ratio holds even when it leaves room
+for fewer than `sink_tokens` and a recent window remains; sinks once dropped are not restored). Each layer's budget is its own mean
 under that rule, and `check_step` compares held with it after every forward.
 """
 
@@ -335,9 +335,11 @@ class HeadwiseLayer(KVLayer):
             return
         comp = 1 if self.method.compensate else 0
         # Slots fewer than sinks + window (a budget below the method's own shape): the sinks take
-        # at most half, so a streaming head always keeps a recent window (all-sinks heads, e.g.
-        # DuoAttention's 64 sinks in 33 slots, lose the local context every head relies on).
-        sinks = min(self.method.sink_tokens, (allowed - comp) // 2)
+        # at most half (at least the first token), so a streaming head keeps a recent window
+        # (all-sinks heads, e.g. DuoAttention's 64 sinks in 33 slots, lose the local context every
+        # head relies on). Sinks dropped once never come back: only the leading rows that still
+        # are text positions 0, 1, ... count as sinks (never a window token frozen in place).
+        sinks = min(self.method.sink_tokens, max(1, (allowed - comp) // 2), self._real_sinks())
         self.s_sinks = sinks
         window = max(0, allowed - sinks - comp)
         held = self.s_keys.shape[-2]
@@ -348,6 +350,11 @@ class HeadwiseLayer(KVLayer):
         self.s_keys = self.s_keys[:, :, keep].contiguous()
         self.s_values = self.s_values[:, :, keep].contiguous()
         self.s_positions = self.s_positions[keep]
+
+    def _real_sinks(self) -> int:
+        """Leading streaming rows that hold text positions 0, 1, ... (the sinks still held)."""
+        n = len(self.s_positions)
+        return int((self.s_positions == torch.arange(n)).long().cumprod(0).sum())
 
     def _fold(self, keys, values) -> None:
         """Running mean of the dropped keys/values (post-RoPE, as cached) and their count |D|."""

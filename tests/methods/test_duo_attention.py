@@ -154,3 +154,20 @@ def test_sinks_never_take_the_window_when_slots_are_few():
     layer.update(k, k, None)
     layer.after_forward()
     assert layer.s_positions.tolist() == [0, 1, 2, 3] + list(range(25, 30))
+
+
+def test_sinks_dropped_early_are_never_replaced_by_window_tokens():
+    """Slots growing with the stream: a sink dropped while slots were few does not come back, and
+    no window token is frozen in its place (the leading rows stay text positions 0, 1, ...)."""
+    slots = {"n": 3}
+    method = SimpleNamespace(sink_tokens=4, compensate=False, stream_slots=lambda seen: slots["n"])
+    layer = HeadwiseLayer(0, INFO, method, torch.tensor([False, False]))
+    k = torch.randn(1, 2, 40, 8)
+    layer.update(k[:, :, :10], k[:, :, :10], None)
+    layer.after_forward()  # 3 slots: 1 sink (half, at least one) + 2 recent
+    assert layer.s_positions.tolist() == [0, 8, 9]
+    slots["n"] = 12
+    for t in range(10, 40):
+        layer.update(k[:, :, t:t + 1], k[:, :, t:t + 1], None)
+        layer.after_forward()
+    assert layer.s_positions.tolist() == [0] + list(range(29, 40))
