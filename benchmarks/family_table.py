@@ -25,18 +25,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from needle_table import found, moved_per_step, needle_overrides  # noqa: E402
-from perplexity_table import FAMILY_BUDGETS, existing, family_rows, label, ppl_overrides  # noqa: E402
+from perplexity_table import (  # noqa: E402
+    FAMILY_BUDGETS, existing, family_rows, label, ppl_overrides, select_rows)
 
 DENSE_LAYERS = [0, 1]  # the protocol of both tables
-REFERENCES = ("method=full", "method=oracle_topk", "method=h2o", "method=infinigen")
-
-
-def streams(overrides: list[str]) -> bool:
-    """Whether the method acts on a streamed text (else the runner refuses it on perplexity)."""
-    from methods import method_class
-
-    caps = method_class(overrides[0].removeprefix("method=")).capabilities
-    return not caps.needs_prefill and caps.acts_during_decode
 
 
 def lookup(common: list[str], overrides: list[str], task: str) -> tuple[dict | None, str]:
@@ -91,17 +83,14 @@ def main() -> None:
     args = ap.parse_args()
 
     from harness.results import write_text_atomic
+    from methods import method_class
 
     protocol = [f"runner.dense_layers=[{','.join(map(str, DENSE_LAYERS))}]"]
     needle_common = needle_overrides(args.model, args.lengths, args.depths, DENSE_LAYERS,
                                      args.needle_root)
     ppl_common = ppl_overrides(args.model, args.dataset, args.max_tokens, args.ppl_root, protocol,
                                args.prefill_tokens)
-    rows = family_rows(args.budgets, args.bits, streamed=False)
-    if args.methods:
-        rows = [r for r in rows if r[0] == "method=full"
-                or r[0].removeprefix("method=") in args.methods]
-    rows.sort(key=lambda r: REFERENCES.index(r[0]) if r[0] in REFERENCES else len(REFERENCES))
+    rows = select_rows(family_rows(args.budgets, args.bits, streamed=False), args.methods)
     heads = " | ".join(f"needle {n // 1024}K" if n % 1024 == 0 else f"needle {n}"
                        for n in args.lengths)
     lines = [f"Method family, {args.model}: needle (RULER niah_single, lengths {args.lengths} x "
@@ -117,7 +106,8 @@ def main() -> None:
              "ppl attended |", "|---|" + "---|" * (len(args.lengths) + 6)]
     for overrides in rows:
         needle, why_needle = lookup(needle_common, overrides, "ruler")
-        if args.prefill_tokens or streams(overrides):
+        if args.prefill_tokens or not method_class(overrides[0].removeprefix("method=")
+                                                   ).capabilities.needs_prompt:
             ppl, why_ppl = lookup(ppl_common, overrides, "perplexity")
         else:
             ppl, why_ppl = None, "prefill-only: not streamed"

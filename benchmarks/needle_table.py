@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from perplexity_table import existing, family_rows, label  # noqa: E402
+from perplexity_table import existing, family_rows, label, select_rows  # noqa: E402
 
 
 def found(accuracy: dict, length: int, samples: int) -> str:
@@ -101,12 +101,7 @@ def main() -> None:
         rows = [shlex.split(r) for r in args.rows]
     else:
         rows = family_rows(args.budgets, args.bits, streamed=False)
-        # The references first, so a table cut short still has what the others are read against.
-        first = ("method=full", "method=oracle_topk", "method=h2o", "method=infinigen")
-        rows.sort(key=lambda r: first.index(r[0]) if r[0] in first else len(first))
-        if args.methods:
-            rows = [r for r in rows if r[0] == "method=full"
-                    or r[0].removeprefix("method=") in args.methods]
+        rows = select_rows(rows, args.methods)
     common = needle_overrides(args.model, args.lengths, args.depths, args.dense_layers,
                               args.results_root, args.batch_size, args.threads, args.extra)
     per_length = len(args.depths)

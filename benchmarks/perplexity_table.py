@@ -56,6 +56,23 @@ FAMILY_BUDGETS = (0.2, 0.5)  # budget_ratio of every budgeted method (issues 12/
 FAMILY_BITS = (2, 4)  # k_bits = v_bits of the quantizers
 
 
+REFERENCES = ("method=full", "method=oracle_topk", "method=h2o", "method=infinigen")
+
+
+def only_methods(rows: list[list[str]], methods: list[str] | None) -> list[list[str]]:
+    """The rows of `methods` (and full), or all rows when none are given."""
+    if not methods:
+        return rows
+    return [r for r in rows if r[0] == "method=full" or r[0].removeprefix("method=") in methods]
+
+
+def select_rows(rows: list[list[str]], methods: list[str] | None) -> list[list[str]]:
+    """`only_methods`, the references first, so a table cut short still has what the others
+    are read against."""
+    return sorted(only_methods(rows, methods),
+                  key=lambda r: REFERENCES.index(r[0]) if r[0] in REFERENCES else len(REFERENCES))
+
+
 def _heads_within(cls, budget_ratio: float) -> list[str]:
     """Full-cache heads alone hold `retrieval_head_ratio` of the cache; where the method's default
     already reaches the budget (DuoAttention's 0.5) the method refuses, so they get half of it."""
@@ -78,7 +95,7 @@ def family_rows(budgets=FAMILY_BUDGETS, bits=FAMILY_BITS, streamed=True) -> list
         caps, knobs = cls.capabilities, cls.hyperparameter_names()
         if not caps.compresses:
             continue
-        if streamed and (caps.needs_prefill or not caps.acts_during_decode):
+        if streamed and caps.needs_prompt:
             continue
         if "budget_ratio" in knobs:
             rows += [[f"method={name}", f"method.budget_ratio={r}"]
@@ -167,9 +184,8 @@ def main() -> None:
     densities: dict[str, float] = {}
     rows = (family_rows(args.budgets, args.bits, streamed=args.prefill_tokens is None)
             if args.preset == "families" else PRESETS[args.preset])
-    if args.methods:
-        rows = [r for r in rows if r[0] == "method=full"
-                or r[0].removeprefix("method=") in args.methods]
+    if args.preset == "families":  # the presets' rows depend on each other (@density)
+        rows = only_methods(rows, args.methods)
     for overrides in rows[args.start:]:
         if "@density" in overrides:  # InfiniGen's measured attended fraction in sparse layers
             ratio = round(densities[DENSITY_SOURCE], 4)

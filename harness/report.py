@@ -100,9 +100,9 @@ def protocol_label(metrics: dict) -> str:
     proto = metrics.get("protocol", {})
     dense = proto.get("dense_layers")
     label = f"dense={dense if dense else '[]'} prefill={proto.get('prefill', '?')}"
-    query = proto.get("query")  # a task's query protocol ("query-aware: ..." / "query-agnostic: ...")
-    label = f"{label} {query.split(':')[0]}" if query else label
-    variant = proto.get("variant")  # a task's own protocol variant (perplexity after a prompt)
+    # A task's own protocol variant (RULER's query mode, perplexity after a prompt); RULER runs
+    # written before `variant` existed carry only the query description ("query-aware: ...").
+    variant = proto.get("variant") or (proto.get("query") or "").split(":")[0]
     return f"{label} {variant}" if variant else label
 
 

@@ -129,7 +129,7 @@ def protocol_reasons(method, task, info, protocol: Protocol,
                        "scheduler (it feeds one stream or rewinds a shared context); use "
                        "runner.kv_device_limit_mib=null")
     phases = task.phases()
-    if (caps.needs_prefill or not caps.acts_during_decode) and "prefill" not in phases:
+    if caps.needs_prompt and "prefill" not in phases:
         reasons.append(f"method={method.name} compresses only over a prefilled prompt, but "
                        f"task={task.name} "
                        "(with these options) feeds every token as a decode step: the method would "

@@ -62,6 +62,11 @@ class Capabilities:
     # with the same outputs (lossless methods only).
     places_layers_on_host: bool = False
 
+    @property
+    def needs_prompt(self) -> bool:
+        """Acts only over a prompt (compresses it once it is over): never on a token stream."""
+        return self.needs_prefill or not self.acts_during_decode
+
     def __post_init__(self) -> None:
         unknown = set(self.kv_layouts) - set(KV_LAYOUTS)
         if unknown or "contiguous" not in self.kv_layouts:

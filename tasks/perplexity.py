@@ -101,9 +101,11 @@ class Perplexity(Task):
     def _tokens(self, engine) -> torch.Tensor:
         text = getattr(self, "_text", None) or load_text(self.dataset, self.path, self.data_dir)
         ids = engine.encode(text)[: self.max_tokens or DEFAULT_MAX_TOKENS]
-        if len(ids) < max(2, (self.prefill_tokens or 0) + 2):
-            raise ValueError(f"task.dataset={self.dataset}: {len(ids)} tokens, too few to score "
-                             f"after a prompt of task.prefill_tokens={self.prefill_tokens}")
+        needed = (self.prefill_tokens or 0) + 2  # a prompt (or one token), then >= 1 to score
+        if len(ids) < needed:
+            after = f" after task.prefill_tokens={self.prefill_tokens}" if self.prefill_tokens else ""
+            raise ValueError(f"task.dataset={self.dataset}: {len(ids)} tokens, fewer than the "
+                             f"{needed} needed to score{after}")
         return torch.tensor(ids, dtype=torch.long)
 
     def evaluate(self, engine) -> TaskResult:

@@ -708,6 +708,7 @@ class Ruler(Task):
                     "in_context_examples": 1},
             "seed": self.seed,
             "query": QUERY_MODES[self.query],
+            "variant": f"query-{self.query}",  # the report's curve label (harness.report)
         }
         return TaskResult(metrics=metrics, samples=rows, protocol=protocol)
 
