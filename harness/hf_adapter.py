@@ -38,6 +38,7 @@ from methods.scoring import expand_kv
 ATTN_IMPLEMENTATIONS = {"sdpa": "kvh_sdpa", "eager": "kvh_eager"}
 _BOUND_ATTR = "_kvh_layer"
 _BRIDGE_ATTR = "_kvh_bridge"
+_LOOKAHEAD_ATTR = "_kvh_lookahead"  # [open requests, hook handles] while lookahead hooks are on
 
 
 def eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -172,14 +173,26 @@ def _lookahead_hook(module, args, kwargs):
 
 @contextlib.contextmanager
 def lookahead(model) -> Iterator[None]:
-    """Forward pre-hooks on every attention module: layer i's input reaches layers i and i+1."""
-    handles = [m.register_forward_pre_hook(_lookahead_hook, with_kwargs=True)
-               for m in attention_modules(model)]
+    """Forward pre-hooks on every attention module: layer i's input reaches layers i and i+1.
+
+    Requests open side by side (a benchmark decoding several methods in lockstep) share one set
+    of hooks: each call is dispatched to whatever layer the forward bound, so a second set would
+    make every prefetch run twice."""
+    users = getattr(model, _LOOKAHEAD_ATTR, None)
+    if users is None:
+        handles = [m.register_forward_pre_hook(_lookahead_hook, with_kwargs=True)
+                   for m in attention_modules(model)]
+        users = [0, handles]
+        setattr(model, _LOOKAHEAD_ATTR, users)
+    users[0] += 1
     try:
         yield
     finally:
-        for handle in handles:
-            handle.remove()
+        users[0] -= 1
+        if users[0] == 0:
+            for handle in users[1]:
+                handle.remove()
+            delattr(model, _LOOKAHEAD_ATTR)
 
 
 def attention_modules(model) -> list[torch.nn.Module]:

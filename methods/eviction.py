@@ -217,10 +217,14 @@ class EvictionLayer(KVLayer):
     def guarded_scores(self, budget: int) -> torch.Tensor:
         """Scores `(B, H_kv, T)` fp32 with the protected tokens at +inf."""
         sinks, recent = self.protected(budget)
-        guard = self.positions < sinks
+        guard = None  # as few kernels as the protection needs: this runs every decode step
+        if sinks:
+            guard = self.positions < sinks
         if recent:
-            guard |= self.positions >= self.seen_tokens - recent
-        return self.score().float().masked_fill(guard, float("inf"))
+            newest = self.positions >= self.seen_tokens - recent
+            guard = newest if guard is None else guard | newest
+        scores = self.score().float()
+        return scores if guard is None else scores.masked_fill(guard, float("inf"))
 
     def lowest_slot(self, budget: int) -> torch.Tensor:
         """The slot to evict when exactly one token must go, `(B, H_kv)`."""

@@ -6,6 +6,8 @@ rotated at p + delta. Angles are computed in fp32 exactly as the model does (del
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -20,3 +22,20 @@ def rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torc
     angles = torch.cat((angles, angles), dim=-1)
     xf = x.float()
     return (xf * angles.cos() + rotate_half(xf) * angles.sin()).to(x.dtype)
+
+
+def rotate_by(x: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """`rotate` with one integer `delta` for every row: the same result, and the angles are
+    computed once per (delta, inv_freq) and reused (every layer of a decode step shifts its rows
+    by the same delta, so per-step work stays a handful of kernels per layer)."""
+    cos, sin = _cos_sin(int(delta), inv_freq, x.device)
+    xf = x.float()
+    return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _cos_sin(delta: int, inv_freq: torch.Tensor, device: torch.device
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    angles = torch.tensor(float(delta), device=device) * inv_freq.to(device)  # (D/2,) fp32
+    angles = torch.cat((angles, angles))
+    return angles.cos(), angles.sin()

@@ -53,11 +53,14 @@ def attention_with_probs(query: torch.Tensor, keys: torch.Tensor, values: torch.
     b, h_q, q, d = query.shape
     h_kv, t = keys.shape[1], keys.shape[2]
     groups = h_q // h_kv
-    rows = query.float().reshape(b, h_kv, groups * q, d)
-    scores = torch.matmul(rows, keys.float().transpose(2, 3)).view(b, h_kv, groups, q, t) * scaling
-    scores = scores + _grouped(additive_mask(attention_mask, q, t, query.device), h_kv, groups)
+    # Few ops per call: a decode step runs this once per layer, and on CPU every small op pays
+    # for waking the thread pool. The scale goes on the query (g*q*D values, not g*q*T scores).
+    rows = (query.float() * scaling).reshape(b, h_kv, groups * q, d)
+    scores = torch.matmul(rows, keys.float().transpose(2, 3)).view(b, h_kv, groups, q, t)
+    if attention_mask is not None or q > 1:  # one unmasked query row is the newest key: all allowed
+        scores += _grouped(additive_mask(attention_mask, q, t, query.device), h_kv, groups)
     if keep is not None:
-        scores = scores.masked_fill(~_grouped(keep, h_kv, groups), float("-inf"))
+        scores.masked_fill_(~_grouped(keep, h_kv, groups), float("-inf"))
     probs = torch.softmax(scores, dim=-1)  # (B, H_kv, g, q, T)
     out = torch.matmul(probs.view(b, h_kv, groups * q, t).to(values.dtype), values)
     out = out.view(b, h_q, q, d).transpose(1, 2).contiguous().to(query.dtype)

@@ -39,7 +39,7 @@ from kvcore.errors import ConfigError
 from kvcore.storage import KV_LAYOUTS
 from methods.base import Capabilities, KVLayer, ModelInfo, check_budget
 from methods.eviction import BudgetedMethod, EvictionLayer
-from methods.rope import rotate
+from methods.rope import rotate_by
 
 
 @dataclass(kw_only=True)
@@ -119,8 +119,7 @@ class StreamingLLMLayer(EvictionLayer):
             if self.sink_keys is None or self.sink_keys.shape[2] < sinks:
                 self.sink_keys = self.keys[:, :, :sinks].clone()  # slots 0..S-1 never move
             if offset != self.offset:
-                delta = torch.tensor(float(offset), device=keys.device)
-                rotated = rotate(self.sink_keys[:, :, :sinks], delta, self.method._inv_freq)
+                rotated = rotate_by(self.sink_keys[:, :, :sinks], offset, self.method._inv_freq)
                 self.kv_rows("keys").write_at(0, rotated)
                 self.offset = offset
             return self.keys, self.values  # with the sinks as re-rotated now (paged: re-read)

@@ -138,3 +138,35 @@ def test_attention_block_seam_gives_layer_input_and_attention_output(family, fam
         residual = torch.cat([r for r, _ in layer.seen], dim=1)
         assert torch.allclose(residual, hidden[i], atol=1e-5), (family, i)
         assert all(a.shape == r.shape for r, a in layer.seen)
+
+
+class _Prefetcher(KVLayer):
+    calls: list = []
+
+    def prefetch(self, hidden_states, position_ids, ahead):
+        self.calls.append((id(self), self.layer_idx, ahead))
+
+
+class _PrefetchMethod(KVMethod):
+    name = "prefetcher"
+    capabilities = Capabilities(lookahead=True)
+
+    def make_layer(self, layer_idx, info):
+        return _Prefetcher(layer_idx, info)
+
+
+def test_requests_side_by_side_share_one_set_of_lookahead_hooks(tiny_model):
+    """Two lookahead requests open at once (lockstep benchmarks): each forward's bound layer is
+    called once per hook, never twice, and the hooks go when the last request closes."""
+    engines = [make_engine(tiny_model, _PrefetchMethod()) for _ in range(2)]
+    with engines[0].request() as a, engines[1].request() as b:
+        a.prefill(torch.arange(3, 9))
+        _Prefetcher.calls = []
+        b.step(4)
+        own = {id(kv) for kv in b.cache.kv_layers}
+        assert {c[0] for c in _Prefetcher.calls} <= own
+        layers = len(b.cache.kv_layers)
+        # layer i: once for itself, once ahead from layer i-1
+        assert len(_Prefetcher.calls) == 2 * layers - 1
+    hooks = [m._forward_pre_hooks for m in hf_adapter.attention_modules(tiny_model)]
+    assert all(len(h) == 0 for h in hooks) and not hasattr(tiny_model, "_kvh_lookahead")

@@ -168,3 +168,16 @@ def test_no_drift_in_bf16_after_4096_steps():
     k_slot = rotate(raw[pos].view(1, 1, -1, d), slots.float(), inv_freq)
     assert torch.allclose(q @ keys.float().transpose(2, 3), q_slot @ k_slot.transpose(2, 3),
                           atol=0.05 * d ** 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotate_by_an_integer_equals_rotate(dtype):
+    """The per-step sink rotation (angles shared by all layers of a step) is exactly `rotate`."""
+    from methods.rope import rotate_by
+
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    x = torch.randn(2, 3, 4, 16).to(dtype)
+    for delta in (0, 1, 7, 4093, 65000):
+        expected = rotate(x, torch.tensor(float(delta)), inv_freq)
+        assert torch.equal(rotate_by(x, delta, inv_freq), expected)
+        assert torch.equal(rotate_by(x, delta, inv_freq), expected)  # the memoised angles
