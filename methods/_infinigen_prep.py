@@ -28,7 +28,7 @@ from methods.base import KVLayer, KVMethod, ModelInfo
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 2
-COLUMN_SCORES = ("q", "qk_union")
+COLUMN_SCORES = ("q", "qk_union", "qk_sum")
 
 
 @dataclass
@@ -39,7 +39,8 @@ class SkewingArtefacts:
     project_query: object  # (layer, x (B, T, hidden)) -> (B, H_q, T, D): W_q[i] x (speculation)
     inv_freq: torch.Tensor  # (d/2,) RoPE frequencies
     k: int  # columns per criterion: int(d * partial_ratio)
-    column_score: str  # q | qk_union
+    column_score: str  # q | qk_union | qk_sum
+    query_rows: int = 1  # g_s: query heads stacked per skewing head (their energies are summed)
     # H_s: skewing heads, H_kv (one A per KV head, shared by its group) or H_q (one per query head)
 
     def partial_map(self, layer: int, q_energy: torch.Tensor | None = None,
@@ -49,7 +50,7 @@ class SkewingArtefacts:
         is smaller than the widest head's) are zero, so they add nothing to a score."""
         q_e = self.q_energy[layer] if q_energy is None else q_energy
         k_e = self.k_energy[layer] if k_energy is None else k_energy
-        cols, weight = column_choice(q_e, k_e, self.k, self.column_score)
+        cols, weight = column_choice(q_e, k_e, self.k, self.column_score, self.query_rows)
         skew = self.skew[layer].to(cols.device)
         picked = skew.gather(2, cols[:, None, :].expand(-1, skew.shape[1], -1))
         return picked * weight[:, None, :]
@@ -57,7 +58,7 @@ class SkewingArtefacts:
     def columns(self, layer: int) -> torch.Tensor:
         """The calibration's partial columns `(H_s, k_u)` (padding repeats a chosen column)."""
         q_e, k_e = self.q_energy[layer], self.k_energy[layer]
-        return column_choice(q_e, k_e, self.k, self.column_score)[0]
+        return column_choice(q_e, k_e, self.k, self.column_score, self.query_rows)[0]
 
     def energies_from(self, query: torch.Tensor, keys: torch.Tensor, layer: int
                       ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,17 +79,21 @@ def energies(q_group: torch.Tensor, k_heads: torch.Tensor, skew: torch.Tensor
     return q_e, k_e
 
 
-def column_choice(q_energy: torch.Tensor, k_energy: torch.Tensor, k: int, score: str
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def column_choice(q_energy: torch.Tensor, k_energy: torch.Tensor, k: int, score: str,
+                  query_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Partial columns `(H, k_u)` and their 0/1 weights `(H, k_u)` from energies `(H, d)`.
 
-    `q`: the top k by |QA| (k_u = k, all weights 1). `qk_union`: top k by |QA| united with the
-    top k by |KA|; k_u = the widest head's union, narrower heads padded with weight-0 entries.
+    `q`: the top k by |QA| (k_u = k, all weights 1). `qk_sum`: the top k by |QA| + |KA| (the
+    paper's §4.3 text: both magnitudes added, one top-k; the query energy is averaged over the
+    `query_rows` heads of a GQA group so that g = 1 is the paper's MHA case). `qk_union`: top k
+    by |QA| united with the top k by |KA|; k_u = the widest head's union, narrower heads padded
+    with weight-0 entries.
     """
-    top_q = q_energy.topk(k, dim=-1).indices
-    if score == "q":
-        cols = top_q.sort(-1).values
+    if score in ("q", "qk_sum"):
+        energy = q_energy if score == "q" else q_energy / query_rows + k_energy
+        cols = energy.topk(k, dim=-1).indices.sort(-1).values
         return cols, torch.ones(cols.shape, device=cols.device)
+    top_q = q_energy.topk(k, dim=-1).indices
     mask = torch.zeros(q_energy.shape, dtype=torch.bool, device=q_energy.device)
     mask.scatter_(-1, top_q, True).scatter_(-1, k_energy.topk(k, dim=-1).indices, True)
     width = int(mask.sum(-1).max())
@@ -277,7 +282,8 @@ def prepare_skewing(method, ctx) -> tuple[SkewingArtefacts, dict]:
     skew, q_e, k_e = (t.to(device) for t in tensors)
     art = SkewingArtefacts(skew=skew, q_energy=q_e, k_energy=k_e, project_query=ctx.project_query,
                            inv_freq=ctx.rope_inv_freq.to(device), k=k,
-                           column_score=method.column_score)
+                           column_score=method.column_score,
+                           query_rows=info.num_heads // heads)
     widths = [art.columns(i).shape[-1] for i in range(info.num_layers)]
     facts = {"skewing_artefacts": status, "artefact_path": str(path), "partial_columns": k,
              "partial_columns_per_head_max": max(widths),

@@ -11,8 +11,9 @@ reference/methods.md §1. Components:
   columns. RoPE sits between the projection and the dot product, so A is applied at run time to
   the rotated q and k (§1.9). Partial columns per KV head (`column_score`): the union of the top
   k = int(d * partial_ratio) columns by sum |QA| and by sum |KA| (`qk_union`, the default: the
-  official Llama setup, the only official path for RoPE models; k to 2k columns) or the top k by
-  |QA| alone (`q`, the official OPT speed system). Energies come from the calibration text
+  official Llama setup, the only official path for RoPE models; k to 2k columns), the top k by
+  |QA| alone (`q`, the official OPT speed system) or the top k by |QA| + |KA| (`qk_sum`, what the
+  paper's §4.3 describes; snu-comparch/InfiniGen#7 notes the code differs). Energies come from the calibration text
   (`partial_index=calibration`) or the request's own prompt at prefill (`prefill`, the official
   system; falls back to calibration when a request starts without a prefill).
 * Speculation (at layer i-1, for every sparse layer i): q = W_q[i] x_{i-1} (the full projection;
@@ -54,7 +55,7 @@ Hyperparameters:
     mode: system | simulate.
     skewing: apply the skewing matrices (false = identity, for the Fig. 13 ablation).
     partial_index: calibration | prefill (where partial columns come from).
-    column_score: qk_union | q (how partial columns are ranked).
+    column_score: qk_union | q | qk_sum (how partial columns are ranked).
     group_reduce: max | mean | prob_mean (GQA: query-head scores -> KV-head score).
     shared_count: one fetch count for all heads (official) or one per KV head.
     speculation_input: previous (x_{i-1}, the design) | own (x_i, ablation).

@@ -9,7 +9,7 @@ import torch
 from harness import hf_adapter
 from kvcore.errors import ConfigError
 from methods import build_method
-from methods._infinigen_prep import skewing_from
+from methods._infinigen_prep import column_choice, skewing_from
 from methods.infinigen import InfiniGenLayer
 from tests.conftest import make_engine
 
@@ -290,6 +290,18 @@ def test_qk_union_speculates_over_the_union_columns(tiny4, cache_dir):
     assert torch.equal(chosen, want)
 
 
+def test_qk_sum_is_one_top_k_over_both_magnitudes():
+    """The paper's §4.3 criterion: |QA| + |KA| summed per column, one top-k (the query energy
+    averaged over the g stacked query heads, so it weighs like one MHA head's)."""
+    q_e = torch.tensor([[9.0, 0.0, 0.0, 3.0, 0.0, 0.0]]) * 3  # 3 query heads stacked
+    k_e = torch.tensor([[0.0, 8.0, 0.0, 0.0, 2.0, 0.0]])
+    cols, weight = column_choice(q_e, k_e, 2, "qk_sum", query_rows=3)
+    assert cols.tolist() == [[0, 1]] and weight.tolist() == [[1.0, 1.0]]
+    cols, weight = column_choice(q_e, k_e, 2, "qk_union")  # the official code: 2 + 2 columns
+    assert sorted(cols[0][weight[0].bool()].tolist()) == [0, 1, 3, 4]
+    assert column_choice(q_e, k_e, 2, "q")[0].tolist() == [[0, 3]]
+
+
 def test_prob_mean_selects_by_the_oracles_criterion(tiny4, cache_dir):
     """With every column and layer i's own input, `group_reduce=prob_mean` ranks tokens by the
     group mean of attention probabilities, exactly as oracle_topk does."""
@@ -323,7 +335,8 @@ def test_per_head_count(tiny4, cache_dir):
     assert any(c[0] != c[1] for c in counts)  # heads differ at some step
 
 
-@pytest.mark.parametrize("kw", [{"column_score": "q"}, {"group_reduce": "prob_mean"},
+@pytest.mark.parametrize("kw", [{"column_score": "q"}, {"column_score": "qk_sum"},
+                                {"group_reduce": "prob_mean"},
                                 {"speculation_input": "own"}, {"partial_index": "prefill"},
                                 {"skew_per": "query_head"},
                                 {"skew_per": "query_head", "partial_index": "prefill",
