@@ -153,7 +153,7 @@ def main() -> None:
             note = ""
             if goal and goal[0] in rows and (goal[2] is None or ctx in goal[2]):
                 ratio = paired_ratio(rounds, name, goal[0])
-                r[f"decode_vs_{goal[0]}"] = ratio
+                r["goal_reference"], r["goal_ratio"] = goal[0], ratio  # paired, not of medians
                 r["goal_met"] = ratio <= goal[1]
                 note = (f"{ratio:.3f}x {goal[0]} (goal <= {goal[1]:.2f}: "
                         f"{'met' if r['goal_met'] else 'NOT met'})")
