@@ -35,10 +35,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
 from harness import batch as batching  # noqa: E402
 from harness import hf_adapter, models  # noqa: E402
+from harness.progress import progress  # noqa: E402
 from harness.engine import Engine, EngineSettings  # noqa: E402
 from harness.results import write_json_atomic  # noqa: E402
 from methods import build_method  # noqa: E402
@@ -82,7 +82,7 @@ def lockstep(model, tok, info, methods: dict, ids_for, new_tokens: int) -> dict[
         token = {}
         for name in names:
             token[name] = batching.greedy(reqs[name].prefill(ids_for(name))[0, -1], ())
-        for k in tqdm(range(new_tokens), desc="lockstep decode", leave=False):
+        for k in progress(range(new_tokens), desc="lockstep decode", unit="step"):
             for name in names[k % len(names):] + names[:k % len(names)]:
                 token[name] = batching.greedy(reqs[name].step(token[name])[0, -1], ())
         held = {name: sum(kv.stats()["kv_bytes"] for kv in reqs[name].cache.kv_layers)
