@@ -40,7 +40,7 @@ import torch
 from kvcore.storage import KV_LAYOUTS
 from methods.base import Capabilities, KVLayer, ModelInfo
 from methods.eviction import BudgetedMethod, EvictionLayer
-from methods.scoring import attention_with_probs
+from methods.scoring import attention_with_probs, group_column_sums
 
 
 @dataclass(kw_only=True)
@@ -68,9 +68,7 @@ class H2OLayer(EvictionLayer):
 
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
         out, probs = attention_with_probs(query, keys, values, attention_mask, kwargs["scaling"])
-        b, h_q, q, t = probs.shape  # column sums of the group mean, in one reduction
-        g = h_q // keys.shape[1]
-        self.state("scores").add_(probs.view(b, -1, g * q, t).sum(dim=2), alpha=1 / g)
+        self.state("scores").add_(group_column_sums(probs, keys.shape[1]))
         return out, None
 
     def score(self) -> torch.Tensor:

@@ -20,15 +20,17 @@ def rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torc
     """Rotate `x (..., T, D)` by `delta` positions (broadcastable to `(..., T)`), in fp32."""
     angles = delta.to(torch.float32)[..., None] * inv_freq.to(x.device)  # (..., T, D/2)
     angles = torch.cat((angles, angles), dim=-1)
-    xf = x.float()
-    return (xf * angles.cos() + rotate_half(xf) * angles.sin()).to(x.dtype)
+    return _turn(x, angles.cos(), angles.sin())
 
 
 def rotate_by(x: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
     """`rotate` with one integer `delta` for every row: the same result, and the angles are
     computed once per (delta, inv_freq) and reused (every layer of a decode step shifts its rows
     by the same delta, so per-step work stays a handful of kernels per layer)."""
-    cos, sin = _cos_sin(int(delta), inv_freq, x.device)
+    return _turn(x, *_cos_sin(int(delta), inv_freq, x.device))
+
+
+def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     xf = x.float()
     return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
 

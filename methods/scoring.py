@@ -84,6 +84,14 @@ def group_mean(probs: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return probs.view(b, num_kv_heads, h // num_kv_heads, q, t).mean(dim=2)
 
 
+def group_column_sums(probs: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """(B, H_q, q, T) -> (B, H_kv, T): attention each token receives, summed over the q query
+    rows, of the group mean (H2O's accumulated score, SnapKV's window vote). One reduction over
+    the group's g*q rows: a decode step runs this once per layer."""
+    b, h, q, t = probs.shape
+    return probs.view(b, num_kv_heads, -1, t).sum(dim=2).div_(h // num_kv_heads)
+
+
 def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Per-head gather along the token axis: x `(B, H, T, ...)`, index `(B, H, k)` -> `(B, H, k, ...)`."""
     if x.dim() == 3:

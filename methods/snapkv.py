@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from kvcore.storage import KV_LAYOUTS
 from methods.base import Capabilities, KVLayer, ModelInfo
 from methods.eviction import BudgetedMethod, EvictionLayer
-from methods.scoring import causal_allowed, group_mean
+from methods.scoring import causal_allowed, group_column_sums
 
 POOLINGS = ("max", "avg")
 
@@ -111,7 +111,7 @@ def window_votes(queries: torch.Tensor, keys: torch.Tensor, positions: torch.Ten
     query_pos = first_query_pos + torch.arange(w, device=keys.device)
     future = positions[:, :, None, None, :] > query_pos[:, None]  # (B, H_kv, 1, w, T)
     probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
-    return group_mean(probs.flatten(1, 2), h_kv).sum(dim=2)
+    return group_column_sums(probs.flatten(1, 2), h_kv)
 
 
 def pool_along_text(votes: torch.Tensor, positions: torch.Tensor, prefix: torch.Tensor,
