@@ -369,7 +369,9 @@ def _clone_state(value, shared: set[int]):
         items = [_clone_state(v, shared) for v in value]
         if any(v is _UNFORKABLE for v in items):
             return _UNFORKABLE
-        return items if isinstance(value, list) else tuple(items)
+        if isinstance(value, list):
+            return items
+        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)  # namedtuples
     if type(value) is dict:
         items = {k: _clone_state(v, shared) for k, v in value.items()}
         return _UNFORKABLE if any(v is _UNFORKABLE for v in items.values()) else items

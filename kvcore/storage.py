@@ -146,3 +146,78 @@ class ContiguousRows(Rows):
         copy.buffer = None if self.buffer is None else self.buffer.clone()
         copy.length = self.length
         return copy
+
+
+class TokenMajorRows(Rows):
+    """Rows stored token-major, a buffer `(capacity, B, H, ...)` with amortised growth: the valid
+    rows `[:length]` are one contiguous block (`block()`), what a host-to-device copy needs, and
+    an append writes its rows instead of copying what is held. `view()` is the `(B, H, T, ...)`
+    view of that block (no copy). `pinned`: allocate in pinned host memory (a host tier feeding
+    CUDA)."""
+
+    def __init__(self, pinned: bool = False, growth: Callable[[int, int], int] = grown_capacity):
+        self.pinned, self.growth = pinned, growth
+        self.buffer: torch.Tensor | None = None
+        self.length = 0
+
+    def block(self) -> torch.Tensor | None:
+        """The valid rows, token-major `(T, B, H, ...)`, contiguous."""
+        return None if self.buffer is None else self.buffer[: self.length]
+
+    @staticmethod
+    def heads_first(block: torch.Tensor) -> torch.Tensor:
+        """`(T, B, H, ...)` -> `(B, H, T, ...)` (a view)."""
+        return block.movedim(0, 2)
+
+    def view(self) -> torch.Tensor | None:
+        return None if self.buffer is None else self.heads_first(self.block())
+
+    def _allocate(self, rows: int, like: torch.Tensor) -> torch.Tensor:
+        shape = (rows, *like.shape[:2], *like.shape[3:])
+        return torch.empty(shape, dtype=like.dtype, device=like.device,
+                           pin_memory=self.pinned and like.device.type == "cpu")
+
+    def write_at(self, start: int, new: torch.Tensor) -> None:
+        end = start + new.shape[2]
+        if self.buffer is None or end > self.buffer.shape[0]:
+            grown = self._allocate(self.growth(end, 0 if self.buffer is None
+                                               else self.buffer.shape[0]), new)
+            if self.length:
+                grown[: self.length].copy_(self.buffer[: self.length])
+            self.buffer = grown
+        self.buffer[start:end].copy_(new.movedim(2, 0))
+        self.length = max(self.length, end)
+
+    def assign(self, tensor: torch.Tensor | None) -> None:
+        self.release()
+        if tensor is not None:
+            self.append(tensor)
+
+    def keep(self, index: torch.Tensor, headroom: int = 0) -> None:
+        kept = gather_rows(self.view(), index)
+        self.release()
+        self.append(kept)
+
+    def drop_one(self, slot: torch.Tensor) -> None:
+        last = self.length - 1
+        src = self.buffer[last:last + 1].clone()  # (1, B, H, ...): it may overlap its target
+        index = slot.reshape(1, *slot.shape, *([1] * (src.dim() - 3)))
+        self.buffer.scatter_(0, index.expand(*src.shape), src)
+        self.length = last
+
+    def used_bytes(self) -> int:
+        return 0 if self.buffer is None else self.block().nbytes
+
+    def allocated_bytes(self) -> int:
+        return 0 if self.buffer is None else self.buffer.nbytes
+
+    def release(self) -> None:
+        self.buffer, self.length = None, 0
+
+    def fork(self) -> "TokenMajorRows":
+        copy = TokenMajorRows(self.pinned, self.growth)
+        if self.buffer is not None:
+            copy.buffer = self._allocate(self.buffer.shape[0], self.heads_first(self.buffer))
+            copy.buffer[: self.length].copy_(self.block())
+        copy.length = self.length
+        return copy

@@ -27,11 +27,16 @@ Hyperparameters (units in the names):
 Where this differs from the paper, deliberately:
   * Decode attention runs straight from the packed cache (methods/kernels/kivi_attention.py): a
     fused Triton kernel on CUDA (our own version of KIVI's `cuda_bmm_fA_qB_outer` gemv: codes
-    unpacked and dequantized in registers, online softmax, split-K), a blockwise torch path on
-    CPU; neither materialises the dequantized cache. Prefill chunks (and any step with an
-    attention mask or other attention options) dequantize the stored part and run the model's
-    own attention. `update()` therefore returns only the full-precision tails; `attend()` sees
-    the whole cache (`mask_sizes` describes all of it).
+    unpacked and dequantized in registers, online softmax, split-K), a small C kernel on CPU
+    (methods/kernels/kivi_cpu.c, built on first use; blockwise torch without a compiler); none
+    materialises the dequantized cache, and metrics.json records which one ran
+    (`prepare.decode_attention`). Prefill chunks (and any step with an attention mask or other
+    attention options) dequantize the stored part and run the model's own attention.
+    `update()` therefore returns only the full-precision tails; `attend()` sees the whole cache
+    (`mask_sizes` describes all of it).
+  * The quantized values grow by one token per decode step: they are stored token-major with
+    amortised growth (kvcore.storage.TokenMajorRows), never concatenated; keys grow a whole
+    block of R tokens at a time.
   * The residual is kept in the compute dtype (fp32 on CPU) rather than fp16, so that 8 bits with
     R >= sequence length reproduces the full cache exactly; `stats()` counts its real bytes.
   * Codes are packed 8/bits per uint8 byte (the official code packs into int32 words): same bytes,
@@ -51,9 +56,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
+from kvcore.storage import TokenMajorRows
+from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, PrepareContext
 from methods.kernels import kivi_quant as kq
-from methods.kernels.kivi_attention import KIVICache, decode_attention, dequantize_cache
+from methods.kernels.kivi_attention import (KIVICache, decode_attention, decode_kernel,
+                                            dequantize_cache)
 
 
 @dataclass(kw_only=True)
@@ -62,7 +69,8 @@ class KIVI(KVMethod):
 
     name: ClassVar[str] = "kivi"
     # Nothing is evicted and every sequence holds the same token count: batch-agnostic.
-    capabilities: ClassVar[Capabilities] = Capabilities(offloads_kv=True)
+    # `needs_prepare`: prepare records which decode-attention kernel the run uses.
+    capabilities: ClassVar[Capabilities] = Capabilities(offloads_kv=True, needs_prepare=True)
 
     axis_keys: ClassVar[tuple[str, ...]] = ("k_bits", "v_bits")
     variant_keys: ClassVar[tuple[str, ...]] = ("group_size", "residual_tokens")
@@ -91,6 +99,10 @@ class KIVI(KVMethod):
 
     def validate(self, info: ModelInfo, runner: dict[str, Any]) -> list[str]:
         return super().validate(info, runner) + value_group_reasons(self, info)
+
+    def prepare(self, ctx: PrepareContext) -> dict[str, Any]:
+        """Records which decode-attention implementation the run uses (its speed depends on it)."""
+        return {"decode_attention": decode_kernel(ctx.device)}
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> "KIVILayer":
         return KIVILayer(layer_idx, info, self)
@@ -146,11 +158,21 @@ class KIVILayer(KVLayer):
         self.value_group_channels = method.value_group_channels(info.head_dim)
         self.residual_tokens = method.residual_tokens
         self.k_quant: kq.Quantized | None = None  # codes (B, H_kv, D, T_q * k_bits / 8)
-        self.v_quant: kq.Quantized | None = None  # codes (B, H_kv, T_q, D * v_bits / 8)
+        # the quantized values grow by one token per decode step: codes, scale, zero stored
+        # token-major with amortised growth (`v_quant` is their `(B, H_kv, T_q, ...)` view)
+        self.v_store: list[TokenMajorRows] | None = None
         self.k_residual: torch.Tensor | None = None  # (B, H_kv, T_kr, D), T_kr < R between steps
         self.v_residual: torch.Tensor | None = None  # (B, H_kv, T_vr, D), T_vr <= R
         self.pending: list | None = None  # in-flight host->device copies of the quantized parts
         self.step_cache: KIVICache | None = None  # what this step's attention sees (set by update)
+
+    @property
+    def v_quant(self) -> kq.Quantized | None:
+        """The quantized values: codes `(B, H_kv, T_q, D * v_bits / 8)`, scale/zero
+        `(B, H_kv, T_q, D / G)` (views of the token-major store)."""
+        if self.v_store is None:
+            return None
+        return kq.Quantized(*(part.view() for part in self.v_store))
 
     # --- host tier (runner.kv_offload=cpu) ----------------------------------------------------
     def offloaded(self) -> bool:
@@ -161,7 +183,11 @@ class KIVILayer(KVLayer):
             self.pending = self._fetch()
 
     def _fetch(self) -> list:
-        parts = [q for q in (self.k_quant, self.v_quant) if q is not None]
+        """Start the copies of the quantized parts: the keys' tensors, then the values' token-major
+        blocks (each one contiguous host block)."""
+        parts = [] if self.k_quant is None else [list(self.k_quant)]
+        if self.v_store is not None:
+            parts.append([part.block() for part in self.v_store])
         return [[self.tier.to_device(self.layer_idx, t) for t in q] for q in parts]
 
     def _quantized_for_attention(self) -> tuple[kq.Quantized | None, kq.Quantized | None]:
@@ -169,18 +195,34 @@ class KIVILayer(KVLayer):
         if not self.offloaded():
             return self.k_quant, self.v_quant
         pending, self.pending = self.pending or self._fetch(), None
-        fetched = iter(kq.Quantized(*(t.wait() for t in q)) for q in pending)
-        return (next(fetched) if self.k_quant is not None else None,
-                next(fetched) if self.v_quant is not None else None)
+        fetched = iter([t.wait() for t in q] for q in pending)
+        k_quant = kq.Quantized(*next(fetched)) if self.k_quant is not None else None
+        v_quant = (kq.Quantized(*map(TokenMajorRows.heads_first, next(fetched)))
+                   if self.v_store is not None else None)
+        return k_quant, v_quant
 
-    def _store(self, held: kq.Quantized | None, new: kq.Quantized, dim: int) -> kq.Quantized:
-        if self.offloaded():  # newly quantized blocks go to the host once (device -> host)
-            self.tier.ledger.d2h(new.nbytes)
-            new = kq.Quantized(*(t.to("cpu") for t in new))
-        out = new if held is None else held.cat(new, dim=dim)
+    def _to_host(self, new: kq.Quantized) -> kq.Quantized:
+        """Newly quantized blocks go to the host tier once (device -> host), when offloaded."""
+        if not self.offloaded():
+            return new
+        self.tier.ledger.d2h(new.nbytes)
+        return kq.Quantized(*(t.to("cpu") for t in new))
+
+    def _store_keys(self, new: kq.Quantized) -> None:
+        # Keys arrive in whole blocks of R tokens (one append per R decode steps): concatenated.
+        new = self._to_host(new)
+        out = new if self.k_quant is None else self.k_quant.cat(new, dim=-1)
         if self.offloaded() and self.tier.cuda:
             out = kq.Quantized(*(t.pin_memory() for t in out))
-        return out
+        self.k_quant = out
+
+    def _store_values(self, new: kq.Quantized) -> None:
+        new = self._to_host(new)
+        if self.v_store is None:
+            pinned = self.offloaded() and self.tier.cuda
+            self.v_store = [TokenMajorRows(pinned) for _ in new]
+        for part, tensor in zip(self.v_store, new):
+            part.append(tensor)
 
     # --- sizes --------------------------------------------------------------------------------
     @staticmethod
@@ -191,7 +233,7 @@ class KIVILayer(KVLayer):
         return 0 if self.k_quant is None else self.k_quant.codes.shape[-1] * 8 // self.k_bits
 
     def quantized_value_tokens(self) -> int:
-        return 0 if self.v_quant is None else self.v_quant.codes.shape[-2]
+        return 0 if self.v_store is None else self.v_store[0].length
 
     def kept_tokens(self) -> int:
         return self.quantized_key_tokens() + self._tokens(self.k_residual)  # KIVI evicts nothing
@@ -248,7 +290,7 @@ class KIVILayer(KVLayer):
             return
         block, self.k_residual = self.k_residual[..., :n, :], self.k_residual[..., n:, :]
         quant = kq.quantize_pack(block.transpose(-1, -2), self.k_bits, self.key_group_tokens)
-        self.k_quant = self._store(self.k_quant, quant, dim=-1)
+        self._store_keys(quant)
         # A view of the old residual would keep its whole storage alive: hold a compact copy.
         self.k_residual = self.k_residual.clone()
 
@@ -259,7 +301,7 @@ class KIVILayer(KVLayer):
             return
         old, self.v_residual = self.v_residual[..., :n, :], self.v_residual[..., n:, :].clone()
         quant = kq.quantize_pack(old, self.v_bits, self.value_group_channels)
-        self.v_quant = self._store(self.v_quant, quant, dim=-2)
+        self._store_values(quant)
 
     # --- accounting ---------------------------------------------------------------------------
     def allowed_tokens(self) -> int | None:
@@ -267,8 +309,11 @@ class KIVILayer(KVLayer):
 
     def stats(self) -> dict[str, int]:
         parts = (self.k_quant, self.v_quant, self.k_residual, self.v_residual)
-        held = sum(part.nbytes for part in parts if part is not None)
-        out = {"kv_tokens": self.kept_tokens(), "kv_bytes": int(held)}
+        held = int(sum(part.nbytes for part in parts if part is not None))
+        allocated = held - (0 if self.v_quant is None else self.v_quant.nbytes) + sum(
+            part.allocated_bytes() for part in self.v_store or ())
+        out = {"kv_tokens": self.kept_tokens(), "kv_bytes": held, "kv_bytes_used": held,
+               "kv_bytes_allocated": int(allocated)}
         if self.offloaded():
             out["kv_bytes_device"] = int(sum(p.nbytes for p in parts[2:] if p is not None))
         return out

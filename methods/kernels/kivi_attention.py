@@ -10,17 +10,22 @@ segments (KIVI's layout, methods/kivi.py):
             `v_res (B, H_kv, T - T_qv, D)`.
 Query `(B, H_q, 1, D)`, H_q = g * H_kv (grouped-query heads share their KV head's codes).
 
-Two implementations of the same attention (softmax(q K^T * scaling) V, no mask):
+Three implementations of the same attention (softmax(q K^T * scaling) V, no mask):
   * `decode_attention_triton`: the fused kernel KIVI's speed relies on (the official code's
     `cuda_bmm_fA_qB_outer` gemv, written anew): per program one KV head and one split of the
     tokens; each tile of BLOCK_T tokens unpacks key codes and dequantizes them in registers with
     the per-channel scale/zero (or loads the fp residual), q.K^T, online softmax, then unpacks
     the value codes (per-token scale/zero) and accumulates p.V. Split-K over tokens keeps long
     contexts parallel; the splits' (max, sum, acc) partials are merged afterwards.
-  * `decode_attention_torch` (CPU): blockwise: BLOCK tokens are unpacked and dequantized at a
-    time (bounded scratch, never the whole cache), scores for all tokens (T floats per head, 1/D of
-    the cache) take an exact softmax, then p.V blockwise.
-`decode_attention` dispatches like kivi_quant: Triton on CUDA or under TRITON_INTERPRET=1.
+  * `decode_attention_cpu`: the CPU counterpart (methods/kernels/kivi_cpu.c, built on first use):
+    key scores and p.V straight from the codes, unpacked a byte at a time and used at once, the
+    scale folded into the query / probability; the exact softmax over all T scores in between.
+  * `decode_attention_torch`: blockwise eager torch, the fallback without a C compiler and the
+    reference the kernels are tested against: BLOCK tokens are unpacked and dequantized at a
+    time (bounded scratch, never the whole cache), scores for all tokens take an exact softmax,
+    then p.V blockwise.
+`decode_attention` dispatches: Triton on CUDA or under TRITON_INTERPRET=1, else the C kernel,
+else torch; `decode_kernel(device)` names the one a run uses (KIVI records it in metrics.json).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
+from methods.kernels import kivi_cpu
 from methods.kernels.kivi_quant import Quantized, dequantize
 
 # As in kivi_quant: whether this module's kernel was decorated for the interpreter.
@@ -40,7 +46,11 @@ _INTERPRETED_AT_IMPORT = os.environ.get("TRITON_INTERPRET") == "1"
 
 def use_triton(x: torch.Tensor) -> bool:
     """The fused kernel on CUDA, or in the CPU interpreter when it was on at import and still is."""
-    if x.is_cuda:
+    return _triton_on(x.device)
+
+
+def _triton_on(device: torch.device) -> bool:
+    if device.type == "cuda":
         return True
     return _INTERPRETED_AT_IMPORT and os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -215,16 +225,12 @@ def decode_attention_triton(query: torch.Tensor, cache: KIVICache, scaling: floa
     t_qk, t_qv = cache.quantized_key_tokens(), cache.quantized_value_tokens()
     empty_u8 = torch.zeros(1, 1, 1, 1, dtype=torch.uint8, device=query.device)
     empty_h = torch.zeros(1, 1, 1, 1, dtype=torch.float16, device=query.device)
-    kc, ks, kz = (x.contiguous() for x in cache.k_quant) if t_qk else (empty_u8, empty_h, empty_h)
-    vc, vs, vz = (x.contiguous() for x in cache.v_quant) if t_qv else (empty_u8, empty_h, empty_h)
-    kr, vr = cache.k_res, cache.v_res
-    if kr.stride(-1) != 1:
-        kr = kr.contiguous()
-    if vr.stride(-1) != 1:
-        vr = vr.contiguous()
-    q = query.reshape(b, hq, d)
-    if q.stride(-1) != 1:
-        q = q.contiguous()
+    # strided views are read as they are (the values' token-major store); only the last axis
+    # must be unit-stride
+    kc, ks, kz = map(_unit_last, cache.k_quant) if t_qk else (empty_u8, empty_h, empty_h)
+    vc, vs, vz = map(_unit_last, cache.v_quant) if t_qv else (empty_u8, empty_h, empty_h)
+    kr, vr = _unit_last(cache.k_res), _unit_last(cache.v_res)
+    q = _unit_last(query.reshape(b, hq, d))
     g_p2, d_p2 = triton.next_power_of_2(g), triton.next_power_of_2(d)
     block_t = block_t or max(16, min(64, 8192 // (g_p2 * d_p2)))
     splits = splits or _splits(b * h, t, block_t, query.device)
@@ -246,6 +252,10 @@ def decode_attention_triton(query: torch.Tensor, cache: KIVICache, scaling: floa
     return out.reshape(b, hq, 1, d).to(query.dtype)
 
 
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def combine_splits(m: torch.Tensor, l_sum: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
     """Merge split-K partials `m, l (N, S, G)`, `acc (N, S, G, D)` into `(N, G, D)`."""
     top = m.amax(dim=1, keepdim=True)  # every head has >= 1 non-empty split: finite
@@ -253,10 +263,42 @@ def combine_splits(m: torch.Tensor, l_sum: torch.Tensor, acc: torch.Tensor) -> t
     return (acc * weight[..., None]).sum(1) / (l_sum * weight).sum(1)[..., None]
 
 
+def decode_attention_cpu(query: torch.Tensor, cache: KIVICache, scaling: float) -> torch.Tensor:
+    """C kernel path (CPU): `query (B, H_q, 1, D)` -> `(B, H_q, 1, D)`; scratch is the T scores."""
+    b, hq, _, d = query.shape
+    h = cache.k_res.shape[1]
+    q = query.reshape(b, h, hq // h, d).float() * scaling  # (B, H_kv, g, D)
+    t_qk, t_qv = cache.quantized_key_tokens(), cache.quantized_value_tokens()
+    scores = q @ cache.k_res.float().transpose(-1, -2)  # (B, H_kv, g, T - T_qk)
+    if t_qk:
+        kq = cache.k_quant
+        quantized = kivi_cpu.key_scores(q, kq.codes, kq.scale, kq.zero, cache.k_group_tokens,
+                                        cache.k_bits)  # (B, H_kv, g, T_qk)
+        scores = torch.cat([quantized, scores], -1)
+    probs = torch.softmax(scores, dim=-1)  # (B, H_kv, g, T)
+    out = probs[..., t_qv:] @ cache.v_res.float()
+    if t_qv:
+        vq = cache.v_quant
+        out += kivi_cpu.value_output(probs[..., :t_qv], vq.codes, vq.scale, vq.zero,
+                                     cache.v_group_channels, cache.v_bits)
+    return out.reshape(b, hq, 1, d).to(query.dtype)
+
+
+def decode_kernel(device: torch.device) -> str:
+    """Which implementation `decode_attention` runs for tensors on `device`: "triton", "c" or
+    "torch" (the C kernel is built here on first use)."""
+    if _triton_on(device):
+        return "triton"
+    return "c" if kivi_cpu.library() is not None else "torch"
+
+
 def decode_attention(query: torch.Tensor, cache: KIVICache, scaling: float) -> torch.Tensor:
-    """Decode attention over a KIVI cache (Triton on CUDA / under the interpreter, else torch)."""
-    if use_triton(query):
+    """Decode attention over a KIVI cache (`decode_kernel` says which implementation)."""
+    kernel = decode_kernel(query.device)
+    if kernel == "triton":
         return decode_attention_triton(query, cache, scaling)
+    if kernel == "c":
+        return decode_attention_cpu(query, cache, scaling)
     return decode_attention_torch(query, cache, scaling)
 
 

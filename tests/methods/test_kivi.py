@@ -2,8 +2,8 @@
 bytes, exactness when nothing is quantized, and measured quality on stories260K.
 
 Triton runs in the CPU interpreter here (tests/conftest.py sets TRITON_INTERPRET=1): kernels are
-checked on a handful of small calls; model-level tests switch the launcher to the torch path by
-removing the variable (which is also how a plain CPU run dispatches).
+checked on a handful of small calls; model-level tests switch to plain CPU dispatch by removing the
+variable (quantizer: torch reference; decode attention: the C kernel, torch without a compiler).
 """
 
 import pytest
@@ -22,7 +22,8 @@ from tests.conftest import PROJECT, STORIES, make_engine, need_shared
 
 @pytest.fixture
 def torch_path(monkeypatch):
-    """Plain CPU dispatch: without TRITON_INTERPRET the launchers take the torch reference."""
+    """Plain CPU dispatch, as a CPU run: without TRITON_INTERPRET the quantizer takes its torch
+    reference and decode attention the C kernel (methods/kernels/kivi_cpu.c)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
 
 
@@ -154,6 +155,28 @@ def test_residual_bookkeeping(torch_path):
         assert sizes(layer) == (n // R * R, n % R, n - R, R)
         assert layer.seen_tokens == layer.kept_tokens() == layer.stats()["kv_tokens"] == n
     assert layer.allowed_tokens() is None
+
+
+def test_quantized_values_grow_in_place_and_storage_is_counted(torch_path):
+    """Decode appends one quantized value per step into token-major storage with amortised
+    growth: no reallocation (copy of everything held) per step; used <= allocated bytes."""
+    layer = kivi_layer(k_bits=2, v_bits=2, group_size=8, residual_tokens=32)
+    k, v = keys_and_values(700)
+    layer.update(k[..., :75, :], v[..., :75, :], None)
+    buffers = []
+    for t in range(75, 700):
+        layer.update(k[..., t:t + 1, :], v[..., t:t + 1, :], None)
+        buffers.append(layer.v_store[0].buffer.data_ptr())
+        stats = layer.stats()
+        assert stats["kv_bytes"] == stats["kv_bytes_used"] <= stats["kv_bytes_allocated"]
+    # 43 -> 668 quantized values: room for 512 rows at first, one growth past them
+    assert len(set(buffers)) == 2
+    assert layer.v_quant.codes.shape == (1, 2, 700 - 32, 16 * 2 // 8)
+    _, out_v = layer.dequantized_kv()  # as the last step saw it: 667 quantized, then exact
+    quantized = kq.quantize_pack_ref(v[..., :667, :], 2, 8)
+    torch.testing.assert_close(out_v[..., :667, :], kq.dequantize_ref(quantized, 2, 8,
+                                                                      torch.float32))
+    assert torch.equal(out_v[..., 667:, :], v[..., 667:, :])
 
 
 def test_prefill_sees_exact_kv_and_later_chunks_see_the_stored_cache(torch_path):
@@ -302,6 +325,19 @@ def test_runner_rejects_bad_bits_before_loading(monkeypatch):
         run(cfg)
 
 
+def test_metrics_record_the_decode_attention_kernel(tmp_path, torch_path):
+    import json
+
+    need_shared(STORIES)
+    need_c_kernel()
+    with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config",
+                      overrides=["model=stories260k", "method=kivi", "task.dataset=pg19",
+                                 "task.max_tokens=64", f"runner.output_dir={tmp_path}"])
+    metrics = json.loads((run(cfg) / "metrics.json").read_text())
+    assert metrics["method"]["prepare"] == {"decode_attention": "c"}
+
+
 def test_offloaded_kivi_equals_resident_and_moves_the_packed_bytes(tiny_model, torch_path):
     """runner.kv_offload=cpu (FlexGen+INT4): same logits; each decode step fetches exactly the
     quantized part (codes + fp16 scales/zeros), not fp K/V."""
@@ -361,7 +397,7 @@ def test_torch_decode_path_is_exact_and_blockwise(segments, monkeypatch, torch_p
     blocks = []
     real = ka._dequant_block
     monkeypatch.setattr(ka, "_dequant_block", lambda *a: blocks.append(a[4] - a[3]) or real(*a))
-    got = ka.decode_attention(query, cache, 0.3)
+    got = ka.decode_attention_torch(query, cache, 0.3)
     torch.testing.assert_close(got, dense_reference(query, cache, 0.3), rtol=1e-5, atol=1e-6)
     blocks.clear()
     got_small = ka.decode_attention_torch(query, cache, 0.3, block_tokens=32)
@@ -369,6 +405,51 @@ def test_torch_decode_path_is_exact_and_blockwise(segments, monkeypatch, torch_p
     # scratch is bounded by the block, never the whole quantized cache
     assert max(blocks, default=0) <= 32
     assert len(blocks) == -(-segments[0] // 32) + -(-segments[2] // 32)
+
+
+def need_c_kernel():
+    from methods.kernels import kivi_cpu
+
+    if kivi_cpu.library() is None:
+        pytest.skip(f"the CPU kernel could not be built here: {kivi_cpu.build_error()}")
+
+
+@pytest.mark.parametrize("bits,k_group,v_group", [(2, 32, 16), (4, 32, 8), (1, 16, 16),
+                                                  (8, 8, 4)])
+@pytest.mark.parametrize("segments", [(64, 10, 42), (96, 0, 80), (0, 20, 0), (32, 40, 72)])
+def test_c_kernel_equals_dense_reference(bits, k_group, v_group, segments, torch_path):
+    """The CPU kernel (bits 1/2/4/8, GQA g=3, both quantized segments and the fp residual) against
+    dequantize-then-SDPA; the dispatcher picks it on CPU without the interpreter."""
+    need_c_kernel()
+    if segments[0] % k_group:
+        pytest.skip("the quantized key segment is whole groups by construction")
+    cache = packed_cache(*segments, k_bits=bits, v_bits=bits, k_group=k_group, v_group=v_group)
+    query = torch.randn(1, 6, 1, 16, generator=torch.Generator().manual_seed(4))
+    assert ka.decode_kernel(query.device) == "c"
+    got = ka.decode_attention(query, cache, 0.3)
+    torch.testing.assert_close(got, dense_reference(query, cache, 0.3), rtol=1e-5, atol=1e-6)
+
+
+def test_c_kernel_reads_strided_views_and_ignores_the_thread_count(torch_path):
+    """Token-major value storage (as the layer keeps it) is read in place, and the result does not
+    depend on the number of threads (a fixed split of the token sum)."""
+    need_c_kernel()
+    cache = packed_cache(64, 30, 1500, b=2, h=3, d=32, v_group=32)
+    token_major = kq.Quantized(*(t.movedim(2, 0).contiguous().movedim(0, 2)
+                                 for t in cache.v_quant))
+    assert not token_major.codes.is_contiguous()
+    strided = cache._replace(v_quant=token_major)
+    query = torch.randn(2, 6, 1, 32, generator=torch.Generator().manual_seed(5))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ka.decode_attention_cpu(query, strided, 0.2)
+        torch.set_num_threads(2)
+        two = ka.decode_attention_cpu(query, strided, 0.2)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    torch.testing.assert_close(one, dense_reference(query, cache, 0.2), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("segments,splits", [((64, 10, 42), 3), ((32, 40, 72), 1), ((0, 20, 0), 2)])
