@@ -265,23 +265,7 @@ def combine_splits(m: torch.Tensor, l_sum: torch.Tensor, acc: torch.Tensor) -> t
 
 def decode_attention_cpu(query: torch.Tensor, cache: KIVICache, scaling: float) -> torch.Tensor:
     """C kernel path (CPU): `query (B, H_q, 1, D)` -> `(B, H_q, 1, D)`; scratch is the T scores."""
-    b, hq, _, d = query.shape
-    h = cache.k_res.shape[1]
-    q = query.reshape(b, h, hq // h, d).float() * scaling  # (B, H_kv, g, D)
-    t_qk, t_qv = cache.quantized_key_tokens(), cache.quantized_value_tokens()
-    scores = q @ cache.k_res.float().transpose(-1, -2)  # (B, H_kv, g, T - T_qk)
-    if t_qk:
-        kq = cache.k_quant
-        quantized = kivi_cpu.key_scores(q, kq.codes, kq.scale, kq.zero, cache.k_group_tokens,
-                                        cache.k_bits)  # (B, H_kv, g, T_qk)
-        scores = torch.cat([quantized, scores], -1)
-    probs = torch.softmax(scores, dim=-1)  # (B, H_kv, g, T)
-    out = probs[..., t_qv:] @ cache.v_res.float()
-    if t_qv:
-        vq = cache.v_quant
-        out += kivi_cpu.value_output(probs[..., :t_qv], vq.codes, vq.scale, vq.zero,
-                                     cache.v_group_channels, cache.v_bits)
-    return out.reshape(b, hq, 1, d).to(query.dtype)
+    return kivi_cpu.decode_attention(query, cache, scaling)
 
 
 def decode_kernel(device: torch.device) -> str:

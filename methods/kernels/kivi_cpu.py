@@ -2,9 +2,10 @@
 
 Triton runs on CPU only in its interpreter (exact but slow), and torch's eager ops unpack the
 codes into a full fp32 copy block by block, which costs more than reading the fp32 cache itself.
-This kernel is the CPU counterpart of the Triton one: codes unpacked a byte at a time into
-registers/L1 and used at once, scale folded into the query or the probability, OpenMP over
-(KV head, token group) with the thread count torch uses.
+This kernel is the CPU counterpart of the Triton one, one call per layer and step: codes unpacked
+a byte at a time into L1 and used at once, scale folded into the query or the probability, the
+exact softmax in between, the fp residuals read in the same call; OpenMP with the thread count
+torch uses, one parallel region per call.
 
 The library is compiled with the system C compiler (`$CC`, else `cc`) into
 `$KVH_KERNEL_CACHE` (default `~/.cache/kv-harness/kernels`), named by a hash of the source and
@@ -39,7 +40,7 @@ def _build() -> Path:
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler ({compiler}) on PATH")
     source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join((compiler, *_FLAGS)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source + " ".join((compiler, *_FLAGS, "-lm")).encode()).hexdigest()[:16]
     target = _cache_dir() / f"kivi_cpu_{digest}.so"
     if target.exists():
         return target
@@ -47,7 +48,7 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.part")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp],
+        done = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"],
                               capture_output=True, text=True, timeout=120)
         if done.returncode:
             raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[:500]}")
@@ -64,14 +65,19 @@ def library() -> ctypes.CDLL | None:
         try:
             lib = ctypes.CDLL(str(_build()))
             long_, ptr = ctypes.c_long, ctypes.c_void_p
-            for fn in (lib.kivi_key_scores, lib.kivi_value_out):
-                fn.restype = None
-                fn.argtypes = [ptr, long_, long_, ptr, long_, long_, ptr, ptr, long_, long_, ptr,
-                               long_, long_, long_, long_, long_, ctypes.c_int, ctypes.c_int]
+            fn = lib.kivi_decode_attention
+            fn.restype = None
+            segment = [ptr, long_, long_, ptr, ptr, long_, long_, ptr, long_, long_]
+            fn.argtypes = ([ptr, long_, long_] + segment * 2 + [ptr] + [long_] * 8
+                           + [ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int])
             _state["lib"], _state["error"] = lib, None
         except (OSError, RuntimeError, subprocess.SubprocessError) as err:
             _state["lib"], _state["error"] = None, str(err)
     return _state["lib"]
+
+
+def compiler_available() -> bool:
+    return shutil.which(os.environ.get("CC") or "cc") is not None
 
 
 def build_error() -> str | None:
@@ -86,37 +92,37 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def key_scores(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-               group: int, bits: int) -> torch.Tensor:
-    """`q (B, H, g, D)` fp32 (pre-scaled) against quantized keys `codes (B, H, D, n * G * bits/8)`,
-    `scale/zero (B, H, D, n)` -> scores `(B, H, g, n * G)` fp32."""
-    b, h, g, d = q.shape
-    n_groups = scale.shape[-1]
-    q, codes = _rows(q), _rows(codes)
-    scale, zero = _rows(scale.float()), _rows(zero.float())
+def _segment(parts, dummy: torch.Tensor) -> list[torch.Tensor]:
+    """A quantized segment's (codes, scale, zero) ready for the kernel (a dummy when empty)."""
+    if parts is None:
+        return [dummy, dummy.view(torch.float16), dummy.view(torch.float16)]
+    codes, scale, zero = (_rows(t) for t in parts)
     if scale.stride() != zero.stride():
         scale, zero = scale.contiguous(), zero.contiguous()
-    out = torch.empty(b, h, g, n_groups * group)
-    library().kivi_key_scores(
-        q.data_ptr(), q.stride(1), q.stride(2), codes.data_ptr(), codes.stride(1),
-        codes.stride(2), scale.data_ptr(), zero.data_ptr(), scale.stride(1), scale.stride(2),
-        out.data_ptr(), b * h, g, d, n_groups, group, bits, torch.get_num_threads())
-    return out
+    return [codes, scale, zero]
 
 
-def value_output(p: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                 group: int, bits: int) -> torch.Tensor:
-    """`p (B, H, g, T)` fp32 times quantized values `codes (B, H, T, D * bits/8)`,
-    `scale/zero (B, H, T, D / G)` -> `(B, H, g, D)` fp32."""
-    b, h, g, t = p.shape
-    d = codes.shape[-1] * 8 // bits
-    p, codes = _rows(p), _rows(codes)
-    scale, zero = _rows(scale.float()), _rows(zero.float())
-    if scale.stride() != zero.stride():
-        scale, zero = scale.contiguous(), zero.contiguous()
+def decode_attention(query: torch.Tensor, cache, scaling: float) -> torch.Tensor:
+    """`query (B, H_q, 1, D)` over a `KIVICache` (methods/kernels/kivi_attention.py) ->
+    `(B, H_q, 1, D)`: one kernel call (key scores, exact softmax, p.V)."""
+    b, hq, _, d = query.shape
+    h = cache.k_res.shape[1]
+    g = hq // h
+    q = _rows(query.reshape(b, h, g, d).float())  # (B, H_kv, g, D)
+    k_res, v_res = _rows(cache.k_res.float()), _rows(cache.v_res.float())
+    dummy = torch.zeros(1, 1, 1, 2, dtype=torch.uint8)
+    kc, ks, kz = _segment(cache.k_quant, dummy)
+    vc, vs, vz = _segment(cache.v_quant, dummy)
     out = torch.empty(b, h, g, d)
-    library().kivi_value_out(
-        p.data_ptr(), p.stride(1), p.stride(2), codes.data_ptr(), codes.stride(1),
-        codes.stride(2), scale.data_ptr(), zero.data_ptr(), scale.stride(1), scale.stride(2),
-        out.data_ptr(), b * h, g, d, t, group, bits, torch.get_num_threads())
-    return out
+    library().kivi_decode_attention(
+        q.data_ptr(), q.stride(1), q.stride(2),
+        kc.data_ptr(), kc.stride(1), kc.stride(2),
+        ks.data_ptr(), kz.data_ptr(), ks.stride(1), ks.stride(2),
+        k_res.data_ptr(), k_res.stride(1), k_res.stride(2),
+        vc.data_ptr(), vc.stride(1), vc.stride(2),
+        vs.data_ptr(), vz.data_ptr(), vs.stride(1), vs.stride(2),
+        v_res.data_ptr(), v_res.stride(1), v_res.stride(2),
+        out.data_ptr(), b * h, g, d, cache.tokens(), cache.quantized_key_tokens(),
+        cache.quantized_value_tokens(), cache.k_group_tokens, cache.v_group_channels,
+        cache.k_bits, cache.v_bits, float(scaling), torch.get_num_threads())
+    return out.reshape(b, hq, 1, d).to(query.dtype)
