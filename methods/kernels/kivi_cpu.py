@@ -7,82 +7,38 @@ a byte at a time into L1 and used at once, scale folded into the query or the pr
 exact softmax in between, the fp residuals read in the same call; OpenMP with the thread count
 torch uses, one parallel region per call.
 
-The library is compiled with the system C compiler (`$CC`, else `cc`) into
-`$KVH_KERNEL_CACHE` (default `~/.cache/kv-harness/kernels`), named by a hash of the source and
-flags, written atomically; later processes load it as is. Without a compiler `library()` is None
+Built on first use by methods/kernels/cpu_build.py; without a C compiler `library()` is None
 and callers take the torch path (`build_error()` says why).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
+from methods.kernels import cpu_build
+
 _SOURCE = Path(__file__).with_name("kivi_cpu.c")
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
-_state: dict[str, object] = {}
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("KVH_KERNEL_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "kv-harness" / "kernels"
-
-
-def _build() -> Path:
-    compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C compiler ({compiler}) on PATH")
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join((compiler, *_FLAGS, "-lm")).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"kivi_cpu_{digest}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.part")
-    os.close(fd)
-    try:
-        done = subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"],
-                              capture_output=True, text=True, timeout=120)
-        if done.returncode:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[:500]}")
-        os.replace(tmp, target)  # atomic: a concurrent process sees no half-written library
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
+def _declare(lib: ctypes.CDLL) -> None:
+    long_, ptr = ctypes.c_long, ctypes.c_void_p
+    fn = lib.kivi_decode_attention
+    fn.restype = None
+    segment = [ptr, long_, long_, ptr, ptr, long_, long_, ptr, long_, long_]
+    fn.argtypes = ([ptr, long_, long_] + segment * 2 + [ptr] + [long_] * 8
+                   + [ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int])
 
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernel library, built once per process (None when it cannot be built)."""
-    if "lib" not in _state:
-        try:
-            lib = ctypes.CDLL(str(_build()))
-            long_, ptr = ctypes.c_long, ctypes.c_void_p
-            fn = lib.kivi_decode_attention
-            fn.restype = None
-            segment = [ptr, long_, long_, ptr, ptr, long_, long_, ptr, long_, long_]
-            fn.argtypes = ([ptr, long_, long_] + segment * 2 + [ptr] + [long_] * 8
-                           + [ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int])
-            _state["lib"], _state["error"] = lib, None
-        except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-            _state["lib"], _state["error"] = None, str(err)
-    return _state["lib"]
-
-
-def compiler_available() -> bool:
-    return shutil.which(os.environ.get("CC") or "cc") is not None
+    return cpu_build.library(_SOURCE, _declare)
 
 
 def build_error() -> str | None:
-    """Why `library()` is None (None when it loaded or was not tried)."""
-    return _state.get("error")
+    return cpu_build.build_error(_SOURCE)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -408,9 +408,9 @@ def test_torch_decode_path_is_exact_and_blockwise(segments, monkeypatch, torch_p
 
 
 def need_c_kernel():
-    from methods.kernels import kivi_cpu
+    from methods.kernels import cpu_build, kivi_cpu
 
-    if not kivi_cpu.compiler_available():
+    if not cpu_build.compiler_available():
         pytest.skip("no C compiler here: KIVI's CPU kernel cannot be built (torch path instead)")
     assert kivi_cpu.library() is not None, kivi_cpu.build_error()
 

@@ -1,0 +1,82 @@
+"""Small C kernels for the CPU paths, compiled on first use and loaded with ctypes.
+
+Triton runs on CPU only in its interpreter, so the CPU counterparts of the harness's fused
+kernels are plain C files (methods/kernels/kivi_cpu.c).
+`library(source, declare)` compiles one
+with the system C compiler (`$CC`, else `cc`) into `$KVH_KERNEL_CACHE` (default
+`~/.cache/kv-harness/kernels`), named by a hash of source, compiler and flags and written
+atomically (concurrent processes never see half a library), loads it once per process and lets
+`declare(lib)` set the argument types. Without a compiler, or when the build fails, it returns
+None and `build_error(source)` says why: callers then take their torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+_LIBS = ("-lm",)
+_loaded: dict[str, ctypes.CDLL | None] = {}
+_errors: dict[str, str] = {}
+
+
+def _compiler() -> str:
+    return os.environ.get("CC") or "cc"
+
+
+def compiler_available() -> bool:
+    return shutil.which(_compiler()) is not None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KVH_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "kv-harness" / "kernels"
+
+
+def _build(source: Path) -> Path:
+    compiler = _compiler()
+    if not compiler_available():
+        raise RuntimeError(f"no C compiler ({compiler}) on PATH")
+    recipe = " ".join((compiler, *_FLAGS, *_LIBS)).encode()
+    digest = hashlib.sha256(source.read_bytes() + recipe).hexdigest()[:16]
+    target = _cache_dir() / f"{source.stem}_{digest}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.part")
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *_FLAGS, str(source), "-o", tmp, *_LIBS],
+                              capture_output=True, text=True, timeout=120)
+        if done.returncode:
+            raise RuntimeError(f"{compiler} failed on {source.name}: {done.stderr.strip()[:500]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def library(source: Path, declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
+    """The C file `source` built and loaded (once per process), or None when it cannot be."""
+    key = str(source)
+    if key not in _loaded:
+        try:
+            lib = ctypes.CDLL(str(_build(source)))
+            declare(lib)
+            _loaded[key] = lib
+        except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as err:
+            _loaded[key], _errors[key] = None, str(err)
+    return _loaded[key]
+
+
+def build_error(source: Path) -> str | None:
+    """Why `library(source)` is None (None when it loaded or was not tried)."""
+    return _errors.get(str(source))
