@@ -221,7 +221,8 @@ class PagedRows(Rows):
         # headroom is the contiguous buffer's spare slot; blocks give their own
         self.assign(gather_rows(self.view(), index))
 
-    def drop_one(self, slot: torch.Tensor) -> None:
+    def drop_one(self, slot: torch.Tensor, last: torch.Tensor | None = None) -> None:
+        # `last` is not needed: the source is gathered out of the pool (a copy) anyway
         self._gathered = None
         data = self.pool.data
         last = self.length - 1

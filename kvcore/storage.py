@@ -68,8 +68,10 @@ class Rows:
         """Keep the tokens at `index (B, H, k)` per head, in that order (an eviction)."""
         raise NotImplementedError
 
-    def drop_one(self, slot: torch.Tensor) -> None:
-        """Evict one token per head, `slot (B, H)`: the last token moves into its place."""
+    def drop_one(self, slot: torch.Tensor, last: torch.Tensor | None = None) -> None:
+        """Evict one token per head, `slot (B, H)`: the last token moves into its place. `last`:
+        the last token's rows `(B, H, 1, ...)` when the caller still holds them (the token it
+        appended this step), so they need not be copied out of the buffer first."""
         raise NotImplementedError
 
     def used_bytes(self) -> int:
@@ -124,13 +126,14 @@ class ContiguousRows(Rows):
         self.buffer[:, :, :k] = kept
         self.length = k
 
-    def drop_one(self, slot: torch.Tensor) -> None:
-        last = self.length - 1
+    def drop_one(self, slot: torch.Tensor, last: torch.Tensor | None = None) -> None:
+        end = self.length - 1
         buf = self.buffer
-        src = buf[:, :, last:last + 1].clone()  # one token; it may overlap its target
+        # the last token, unless the caller holds it: a copy, as it may overlap its target
+        src = buf[:, :, end:end + 1].clone() if last is None else last
         index = slot.reshape(*slot.shape, 1, *([1] * (buf.dim() - 3)))
         buf.scatter_(2, index.expand(*src.shape), src)
-        self.length = last
+        self.length = end
 
     def used_bytes(self) -> int:
         return 0 if self.buffer is None else self.buffer[:, :, : self.length].nbytes
@@ -198,12 +201,13 @@ class TokenMajorRows(Rows):
         self.release()
         self.append(kept)
 
-    def drop_one(self, slot: torch.Tensor) -> None:
-        last = self.length - 1
-        src = self.buffer[last:last + 1].clone()  # (1, B, H, ...): it may overlap its target
+    def drop_one(self, slot: torch.Tensor, last: torch.Tensor | None = None) -> None:
+        end = self.length - 1
+        # (1, B, H, ...): a copy unless the caller holds it, as it may overlap its target
+        src = self.buffer[end:end + 1].clone() if last is None else last.movedim(2, 0)
         index = slot.reshape(1, *slot.shape, *([1] * (src.dim() - 3)))
         self.buffer.scatter_(0, index.expand(*src.shape), src)
-        self.length = last
+        self.length = end
 
     def used_bytes(self) -> int:
         return 0 if self.buffer is None else self.block().nbytes

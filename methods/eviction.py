@@ -33,6 +33,7 @@ order (paged: rewritten into the first blocks, the rest freed).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Callable, ClassVar
 
@@ -91,11 +92,21 @@ def keep_tokens(rows: dict[str, Rows], index: torch.Tensor) -> int:
     return index.shape[-1]
 
 
-def drop_one_token(rows: dict[str, Rows], slot: torch.Tensor) -> int:
-    """Evict one token per head, `slot (B, H_kv)`: the last token moves into its place."""
-    for r in rows.values():
-        r.drop_one(slot)
+def drop_one_token(rows: dict[str, Rows], slot: torch.Tensor,
+                   last: dict[str, torch.Tensor] | None = None) -> int:
+    """Evict one token per head, `slot (B, H_kv)`: the last token moves into its place. `last`:
+    some rows' last token `(B, H_kv, 1, ...)` as the caller still holds it (moved from there)."""
+    last = last or {}
+    for name, r in rows.items():
+        r.drop_one(slot, last.get(name))
     return next(iter(rows.values())).length
+
+
+@functools.lru_cache(maxsize=4)
+def _text_positions(start: int, count: int, device: torch.device) -> torch.Tensor:
+    """Positions start..start+count-1 `(count,)` (read-only): every layer of a forward asks for
+    the same ones, so they are made once per step, not once per layer."""
+    return torch.arange(start, start + count, device=device)
 
 
 class EvictionLayer(KVLayer):
@@ -112,6 +123,9 @@ class EvictionLayer(KVLayer):
         self.store: HostKVStore | None = None  # the kept K/V on the host tier (runner.kv_offload=cpu)
         self.pending = None  # (Transfer, Transfer): the kept set prefetched one layer ahead
         self.granted: tuple[int, int] | None = None  # prefill_end: (tokens kept, seen) at compression
+        # the one token this forward appended, as given (K, V, positions; rows nothing rewrites
+        # before the eviction), so the steady-state eviction moves it without copying it first
+        self.appended: dict[str, torch.Tensor] | None = None
 
     # --- what a method writes ---------------------------------------------------------------
     def score(self) -> torch.Tensor:
@@ -152,7 +166,7 @@ class EvictionLayer(KVLayer):
 
     def update(self, keys, values, position_ids):
         b, h, q, _ = keys.shape
-        text_pos = torch.arange(self.seen_tokens, self.seen_tokens + q, device=keys.device)
+        text_pos = _text_positions(self.seen_tokens, q, keys.device)
         new = {"positions": text_pos.expand(b, h, q), **self.new_state(b, h, q, keys.device)}
         self.seen_tokens += q
         if self.offloaded():
@@ -162,6 +176,8 @@ class EvictionLayer(KVLayer):
             pending, self.pending = self.pending, None
             return self.store.past_and_new(pending, keys, values)
         self.kept_count = append_tokens(self._rows_for, {"keys": keys, "values": values, **new})
+        self.appended = ({"keys": keys, "values": values, "positions": new["positions"]}
+                         if q == 1 else None)
         self._views()
         return self.keys, self.values
 
@@ -194,6 +210,7 @@ class EvictionLayer(KVLayer):
     def after_forward(self) -> None:
         if self.compress_at == "forward":
             self.compress_to(self.budget())
+        self.appended = None  # valid for this forward only
 
     def on_prefill_end(self) -> None:
         if self.compress_at == "prefill_end":
@@ -206,7 +223,8 @@ class EvictionLayer(KVLayer):
         if kept <= budget:
             return
         if kept - budget == 1 and not self.offloaded():  # steady state: no copy of the cache
-            self.kept_count = drop_one_token(self._token_rows(), self.lowest_slot(budget))
+            self.kept_count = drop_one_token(self._token_rows(), self.lowest_slot(budget),
+                                             self.appended)
         else:
             index = self.guarded_scores(budget).topk(budget, dim=-1).indices.sort(dim=-1).values
             if self.offloaded():

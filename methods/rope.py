@@ -26,8 +26,25 @@ def rotate(x: torch.Tensor, delta: torch.Tensor, inv_freq: torch.Tensor) -> torc
 def rotate_by(x: torch.Tensor, delta: int, inv_freq: torch.Tensor) -> torch.Tensor:
     """`rotate` with one integer `delta` for every row: the same result, and the angles are
     computed once per (delta, inv_freq) and reused (every layer of a decode step shifts its rows
-    by the same delta, so per-step work stays a handful of kernels per layer)."""
-    return _turn(x, *_cos_sin(int(delta), inv_freq, x.device))
+    by the same delta)."""
+    return rotate_prepared(*prepared(x), int(delta), inv_freq, x.dtype)
+
+
+def prepared(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` in fp32 and its rotate-half, for rows rotated again and again from one original by a
+    changing delta (StreamingLLM's sinks, every decode step): each rotation is then three
+    kernels (`rotate_prepared`)."""
+    xf = x.float().clone()
+    return xf, rotate_half(xf)
+
+
+def rotate_prepared(xf: torch.Tensor, xf_half: torch.Tensor, delta: int, inv_freq: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """`rotate_by` of the rows `prepared` gave, cast to `dtype` (bit for bit the same)."""
+    cos, sin = _cos_sin(int(delta), inv_freq, xf.device)
+    out = xf * cos
+    out += xf_half * sin
+    return out.to(dtype)
 
 
 def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

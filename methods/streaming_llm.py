@@ -39,7 +39,7 @@ from kvcore.errors import ConfigError
 from kvcore.storage import KV_LAYOUTS
 from methods.base import Capabilities, KVLayer, ModelInfo, check_budget
 from methods.eviction import BudgetedMethod, EvictionLayer
-from methods.rope import rotate_by
+from methods.rope import prepared, rotate_prepared
 
 
 @dataclass(kw_only=True)
@@ -108,7 +108,9 @@ class StreamingLLM(BudgetedMethod):
 class StreamingLLMLayer(EvictionLayer):
     def __init__(self, layer_idx: int, info: ModelInfo, method: StreamingLLM):
         super().__init__(layer_idx, info, method)
-        self.sink_keys: torch.Tensor | None = None  # (B, H_kv, S, D) as the model rotated them
+        # the sinks as the model rotated them (slots 0..S-1 never move), in fp32 with their
+        # rotate-half (rope.prepared): (B, H_kv, S, D) each
+        self.sink_keys: tuple[torch.Tensor, torch.Tensor] | None = None
         self.offset = 0  # E: the sinks in the buffer are their originals rotated by E
 
     def update(self, keys, values, position_ids):
@@ -116,10 +118,11 @@ class StreamingLLMLayer(EvictionLayer):
         keys_out, values_out = super().update(keys, values, position_ids)
         sinks = min(self.method.sink_tokens, self.kept_tokens())
         if self.method.rerotate and sinks:
-            if self.sink_keys is None or self.sink_keys.shape[2] < sinks:
-                self.sink_keys = self.keys[:, :, :sinks].clone()  # slots 0..S-1 never move
+            if self.sink_keys is None or self.sink_keys[0].shape[2] < sinks:
+                self.sink_keys = prepared(self.keys[:, :, :sinks])
             if offset != self.offset:
-                rotated = rotate_by(self.sink_keys[:, :, :sinks], offset, self.method._inv_freq)
+                xf, xf_half = (x[:, :, :sinks] for x in self.sink_keys)
+                rotated = rotate_prepared(xf, xf_half, offset, self.method._inv_freq, keys.dtype)
                 self.kv_rows("keys").write_at(0, rotated)
                 self.offset = offset
             return self.keys, self.values  # with the sinks as re-rotated now (paged: re-read)
