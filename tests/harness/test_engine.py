@@ -1,5 +1,6 @@
 """The engine's greedy loop reproduces known outputs exactly, and accounts what it does."""
 
+import pytest
 import torch
 
 from methods import build_method
@@ -56,14 +57,20 @@ def test_bind_is_undone_even_on_error(tiny_model):
     assert not any(hasattr(m, "_kvh_layer") for m in tiny_model.model.layers)
 
 
-def test_snapshot_restore_rewinds_the_request(tiny_model):
+@pytest.mark.parametrize("name, hyper", [
+    ("h2o", {"budget_tokens": 8}),
+    ("streaming_llm", {"sink_tokens": 2, "window_tokens": 6}),  # prepared sink rotation
+    ("kivi", {"group_size": 8, "residual_tokens": 8}),  # packed namedtuples, token-major rows
+])
+def test_snapshot_restore_rewinds_the_request(tiny_model, name, hyper):
     """Rewinding to a snapshot replays a continuation bit for bit (an evicting method's state
     included); a method holding a host store is not forkable and says so with None."""
     ids = torch.randint(3, 250, (30,), generator=torch.Generator().manual_seed(0))
-    engine = make_engine(tiny_model, build_method("h2o", budget_tokens=8))
+    engine = make_engine(tiny_model, build_method(name, **hyper))
     with engine.request() as req:
         req.prefill(ids[:20])
         snap = req.snapshot()
+        assert snap is not None
         first = [req.step(t) for t in ids[20:25]]
         req.restore(snap)
         again = [req.step(t) for t in ids[20:25]]

@@ -30,6 +30,30 @@ def test_storage_append_drop_keep(layout):
         assert pool.held == 1 and len(pool.free) == pool.num_blocks - 1
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "paged", "token_major"])
+def test_dropping_the_held_last_token_equals_copying_it_out(layout):
+    """drop_one with the last token as the caller holds it (the steady-state eviction of a
+    decode step) leaves the same rows as copying it out of the buffer first."""
+    from kvcore.storage import TokenMajorRows
+
+    def fresh():
+        if layout == "paged":
+            return PagedRows(BlockPool(block_tokens=2))
+        return ContiguousRows() if layout == "contiguous" else TokenMajorRows()
+
+    x = torch.randn(2, 3, 7, 4, generator=torch.Generator().manual_seed(0))
+    new = torch.randn(2, 3, 1, 4, generator=torch.Generator().manual_seed(1))
+    slot = torch.tensor([[0, 7, 3], [6, 2, 5]])  # 7: the new token itself goes
+    views = []
+    for last in (None, new):
+        rows = {"x": fresh()}
+        append_tokens(rows.get, {"x": x})
+        append_tokens(rows.get, {"x": new})
+        drop_one_token(rows, slot, None if last is None else {"x": last})
+        views.append(rows["x"].view())
+    assert torch.equal(*views) and views[0].shape == (2, 3, 7, 4)
+
+
 class Latest(EvictionLayer):
     def score(self):
         return -self.positions.float()  # prefers the oldest: only protection keeps recent ones
