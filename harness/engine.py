@@ -371,7 +371,9 @@ def _clone_state(value, shared: set[int]):
             return _UNFORKABLE
         if isinstance(value, list):
             return items
-        return type(value)(*items) if hasattr(value, "_fields") else tuple(items)  # namedtuples
+        if hasattr(type(value), "_make"):  # a namedtuple (KIVI's packed parts) keeps its type
+            return type(value)._make(items)
+        return tuple(items)
     if type(value) is dict:
         items = {k: _clone_state(v, shared) for k, v in value.items()}
         return _UNFORKABLE if any(v is _UNFORKABLE for v in items.values()) else items

@@ -76,7 +76,7 @@ from typing import ClassVar
 import torch
 
 from kvcore.offload import host_store
-from kvcore.storage import KV_LAYOUTS
+from kvcore.storage import ContiguousRows, KV_LAYOUTS
 from methods._infinigen_prep import (COLUMN_SCORES, SkewingArtefacts, cache_dir_reason,
                                      calibration_reasons, prepare_skewing)
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
@@ -192,7 +192,21 @@ class InfiniGen(KVMethod):
         return layer
 
 
+_META = ("positions", "counter", "last_used")
+
+
+def _meta(name: str, doc: str) -> property:
+    """A per-token row of the layer's metadata `(B, H_kv, T)`: reading gives a view of the
+    valid rows (in-place updates are stored), assigning replaces them."""
+    return property(lambda self: self.meta[name].view(),
+                    lambda self, tensor: self.meta[name].assign(tensor), doc=doc)
+
+
 class InfiniGenLayer(KVLayer):
+    positions = _meta("positions", "(B, H_kv, T) text positions stored")
+    counter = _meta("counter", "(B, H_kv, T) times selected")
+    last_used = _meta("last_used", "(B, H_kv, T) decode step of the last selection")
+
     def __init__(self, layer_idx: int, info: ModelInfo, method: InfiniGen):
         super().__init__(layer_idx, info)
         self.m = method
@@ -202,9 +216,8 @@ class InfiniGenLayer(KVLayer):
         self.store = None  # kvcore.offload.HostKVStore (system mode; paged: PagedHostKVStore)
         self._pk: torch.Tensor | None = None  # (B, H_s, capacity, k_u) partial keys, device
         self._pk_len = 0
-        self.positions: torch.Tensor | None = None  # (B, H_kv, T) text positions stored
-        self.counter: torch.Tensor | None = None  # (B, H_kv, T) times selected
-        self.last_used: torch.Tensor | None = None  # (B, H_kv, T) decode step of last selection
+        # per stored token (see the properties below), grown in place with amortised growth
+        self.meta: dict[str, ContiguousRows] = {name: ContiguousRows() for name in _META}
         self.selected: torch.Tensor | None = None  # (B, H_kv, cap) slots, best first (device)
         self.counts: torch.Tensor | None = None  # (B, H_kv) how many of them are used (device)
         self.fetched: torch.Tensor | None = None  # (B, H_kv, n_max) slots moved (system mode)
@@ -300,7 +313,7 @@ class InfiniGenLayer(KVLayer):
 
     # --- cache seam --------------------------------------------------------------------------
     def stored(self) -> int:
-        return 0 if self.positions is None else self.positions.shape[-1]
+        return self.meta["positions"].length
 
     def mask_sizes(self, q_len: int) -> tuple[int, int]:
         """System-mode sparse decode attends the fetched rows + the new token (see `_past`)."""
@@ -341,18 +354,14 @@ class InfiniGenLayer(KVLayer):
         new_pos = torch.arange(self.seen_tokens - q_len, self.seen_tokens,
                                device=keys.device).expand(b, h, q_len)
         zeros = torch.zeros(b, h, q_len, device=keys.device)
-        if self.positions is None:
-            self.positions, self.counter, self.last_used = new_pos.clone(), zeros, zeros.clone()
-        else:
-            self.positions = torch.cat([self.positions, new_pos], 2)
-            self.counter = torch.cat([self.counter, zeros], 2)
-            self.last_used = torch.cat([self.last_used, zeros + self.step], 2)
+        for name, new in zip(_META, (new_pos, zeros, zeros + self.step)):
+            self.meta[name].append(new)  # written in place: no copy of what is held
         if self.system:
             self.store = self.store or host_store(self.tier, self.layer_idx)
             self.store.append(keys, values)
         else:
-            self.keys = keys if self.keys is None else torch.cat([self.keys, keys], 2)
-            self.values = values if self.values is None else torch.cat([self.values, values], 2)
+            self.kv_rows("keys").append(keys)
+            self.kv_rows("values").append(values)
         if not self.dense:
             self._append_partial(keys)
 

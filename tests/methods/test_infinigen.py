@@ -8,6 +8,7 @@ import torch
 
 from harness import hf_adapter
 from kvcore.errors import ConfigError
+from kvcore.storage import ContiguousRows
 from methods import build_method
 from methods._infinigen_prep import column_choice, skewing_from
 from methods.infinigen import InfiniGenLayer
@@ -123,6 +124,7 @@ def _layer_with(policy: str, counters, last_used):
     layer = InfiniGenLayer.__new__(InfiniGenLayer)
     layer.m, layer.system, layer._pk = method, False, None
     layer._kv, layer.tier = {}, None  # KVLayer.__init__ skipped: its (contiguous) K/V storage
+    layer.meta = {name: ContiguousRows() for name in ("positions", "counter", "last_used")}
     t = len(counters)
     layer.positions = torch.arange(t).view(1, 1, t)
     layer.counter = torch.tensor(counters, dtype=torch.float).view(1, 1, t)
