@@ -225,15 +225,15 @@ class PagedRows(Rows):
         # `last` is not needed: the source is gathered out of the pool (a copy) anyway
         self._gathered = None
         data = self.pool.data
-        last = self.length - 1
+        end = self.length - 1
         b, h = slot.shape
         heads = torch.arange(h, device=data.device).expand(b, h)
-        src_block, src_offset = self._locate(torch.full((b, h), last, device=data.device))
+        src_block, src_offset = self._locate(torch.full((b, h), end, device=data.device))
         dst_block, dst_offset = self._locate(slot.to(data.device))
         src = data[src_block, heads, src_offset].clone()  # (B, H, ...)
         data[dst_block, heads, dst_offset] = src
-        self.length = last
-        self._resize(last, data)
+        self.length = end
+        self._resize(end, data)
 
     def used_bytes(self) -> int:
         if self._batch is None:

@@ -4,7 +4,7 @@ Triton runs on CPU only in its interpreter, so the CPU counterparts of the harne
 kernels are plain C files (methods/kernels/kivi_cpu.c).
 `library(source, declare)` compiles one
 with the system C compiler (`$CC`, else `cc`) into `$KVH_KERNEL_CACHE` (default
-`~/.cache/kv-harness/kernels`), named by a hash of source, compiler and flags and written
+`~/.cache/kv-harness/kernels`), named by a hash of source, compiler, flags and the CPU and written
 atomically (concurrent processes never see half a library), loads it once per process and lets
 `declare(lib)` set the argument types. Without a compiler, or when the build fails, it returns
 None and `build_error(source)` says why: callers then take their torch path.
@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -36,20 +37,39 @@ def compiler_available() -> bool:
 
 
 def _cache_dir() -> Path:
+    """`$KVH_KERNEL_CACHE`, else ~/.cache/kv-harness/kernels, else (not writable) a temp dir."""
     root = os.environ.get("KVH_KERNEL_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "kv-harness" / "kernels"
+    for path in ([Path(root)] if root else [Path.home() / ".cache" / "kv-harness" / "kernels"]) + [
+            Path(tempfile.gettempdir()) / "kv-harness-kernels"]:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if os.access(path, os.W_OK):
+                return path
+        except OSError:
+            continue
+    raise RuntimeError("no writable directory for built kernels (set KVH_KERNEL_CACHE)")
+
+
+def _host_tag() -> str:
+    """The CPU the library is built for (-march=native): a cache shared between machines (a
+    cluster's home directory) must not hand one CPU's instructions to another."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = next((line for line in info if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return f"{platform.machine()} {platform.processor()} {flags.strip()}"
 
 
 def _build(source: Path) -> Path:
     compiler = _compiler()
     if not compiler_available():
         raise RuntimeError(f"no C compiler ({compiler}) on PATH")
-    recipe = " ".join((compiler, *_FLAGS, *_LIBS)).encode()
+    recipe = " ".join((compiler, *_FLAGS, *_LIBS, _host_tag())).encode()
     digest = hashlib.sha256(source.read_bytes() + recipe).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}_{digest}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.part")
     os.close(fd)
     try:
