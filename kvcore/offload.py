@@ -224,11 +224,17 @@ class HostKVStore:
     def _gather(self, index: torch.Tensor, out_k=None, out_v=None):
         """Rows `index (B, H_kv, n)` per head, token-major `(n, B, H_kv, D)` (contiguous)."""
         index = index.to("cpu")  # the host gathers: selection indices must be on the host
-        gather = index.permute(2, 0, 1)[..., None].expand(*index.permute(2, 0, 1).shape,
-                                                          self.keys.shape[-1])
-        keys = torch.gather(self.keys[: self.length], 0, gather, out=out_k)
-        values = torch.gather(self.values[: self.length], 0, gather, out=out_v)
-        return keys, values
+        b, h, n = index.shape
+        # One row copy per (token, head): the store is (T, B, H_kv, D), so row t of head (b, h)
+        # is flat row t*B*H + b*H + h (an element-wise gather is ~6x slower on CPU).
+        flat = (index.permute(2, 0, 1) * (b * h) + torch.arange(b * h).view(b, h)).reshape(-1)
+        out = []
+        for store, target in ((self.keys, out_k), (self.values, out_v)):
+            rows = store[: self.length].reshape(-1, store.shape[-1])  # (T*B*H, D), a view
+            got = torch.index_select(rows, 0, flat, out=None if target is None
+                                     else target.view(-1, store.shape[-1]))
+            out.append(got.view(n, b, h, store.shape[-1]))
+        return out[0], out[1]
 
     def fetch(self, index: torch.Tensor | None = None) -> tuple["Transfer", "Transfer"]:
         """Start moving rows to the device: all of them (one contiguous pinned block), or
