@@ -226,7 +226,8 @@ class HostKVStore:
         index = index.to("cpu")  # the host gathers: selection indices must be on the host
         b, h, n = index.shape
         # One row copy per (token, head): the store is (T, B, H_kv, D), so row t of head (b, h)
-        # is flat row t*B*H + b*H + h (an element-wise gather is ~6x slower on CPU).
+        # is flat row t*B*H + b*H + h (an element-wise gather with an expanded index is several
+        # times slower on CPU).
         flat = (index.permute(2, 0, 1) * (b * h) + torch.arange(b * h).view(b, h)).reshape(-1)
         out = []
         for store, target in ((self.keys, out_k), (self.values, out_v)):
