@@ -74,6 +74,7 @@ from kvcore.errors import ConfigError
 from kvcore.offload import HostKVStore
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for, check_budget
 from methods.kernels import kivi_quant as kq
+from methods.kernels.kivi_attention import decode_kernel
 from methods.kivi import KIVI, KIVILayer, quantization_reasons, value_group_reasons
 from methods.scoring import attention_with_probs
 
@@ -176,7 +177,9 @@ class TailorKV(KVMethod):
         quant = sorted(self._quant)
         return {**facts, "quant_layers": quant,
                 "sparse_layers": [i for i in range(info.num_layers) if i not in self._quant],
-                "channels_per_kv_head": self.channels(info.head_dim)}
+                "channels_per_kv_head": self.channels(info.head_dim),
+                # its quantized layers decode through KIVI's kernels: which one ran, as KIVI says
+                "decode_attention": decode_kernel(ctx.device)}
 
     def _calibration_ids(self, ctx) -> tuple[torch.Tensor, str]:
         want = min(self.calibration_tokens, ctx.info.max_positions or self.calibration_tokens)

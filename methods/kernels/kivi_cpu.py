@@ -48,9 +48,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _segment(parts, dummy: torch.Tensor) -> list[torch.Tensor]:
-    """A quantized segment's (codes, scale, zero) ready for the kernel (a dummy when empty)."""
+def _segment(parts) -> list[torch.Tensor]:
+    """A quantized segment's (codes, scale, zero) ready for the kernel (a dummy when empty: the
+    kernel reads none of it)."""
     if parts is None:
+        dummy = torch.zeros(1, 1, 1, 2, dtype=torch.uint8)
         return [dummy, dummy.view(torch.float16), dummy.view(torch.float16)]
     codes, scale, zero = (_rows(t) for t in parts)
     if scale.stride() != zero.stride():
@@ -66,9 +68,8 @@ def decode_attention(query: torch.Tensor, cache, scaling: float) -> torch.Tensor
     g = hq // h
     q = _rows(query.reshape(b, h, g, d).float())  # (B, H_kv, g, D)
     k_res, v_res = _rows(cache.k_res.float()), _rows(cache.v_res.float())
-    dummy = torch.zeros(1, 1, 1, 2, dtype=torch.uint8)
-    kc, ks, kz = _segment(cache.k_quant, dummy)
-    vc, vs, vz = _segment(cache.v_quant, dummy)
+    kc, ks, kz = _segment(cache.k_quant)
+    vc, vs, vz = _segment(cache.v_quant)
     out = torch.empty(b, h, g, d)
     library().kivi_decode_attention(
         q.data_ptr(), q.stride(1), q.stride(2),
