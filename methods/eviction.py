@@ -126,6 +126,9 @@ class EvictionLayer(KVLayer):
         # the one token this forward appended, as given (K, V, positions; rows nothing rewrites
         # before the eviction), so the steady-state eviction moves it without copying it first
         self.appended: dict[str, torch.Tensor] | None = None
+        # (budget, slot (B, H_kv)): the token to evict, chosen while attending by a fused kernel
+        # that had the updated scores at hand (`one_token_eviction`); valid for this forward only
+        self.picked: tuple[int, torch.Tensor] | None = None
 
     # --- what a method writes ---------------------------------------------------------------
     def score(self) -> torch.Tensor:
@@ -210,7 +213,7 @@ class EvictionLayer(KVLayer):
     def after_forward(self) -> None:
         if self.compress_at == "forward":
             self.compress_to(self.budget())
-        self.appended = None  # valid for this forward only
+        self.appended = self.picked = None  # valid for this forward only
 
     def on_prefill_end(self) -> None:
         if self.compress_at == "prefill_end":
@@ -232,6 +235,19 @@ class EvictionLayer(KVLayer):
             self.kept_count = keep_tokens(self._token_rows(), index)
         self._views()
 
+    def one_token_eviction(self) -> tuple[int, int, int] | None:
+        """`(budget, lo, hi)` when this forward's compression will evict exactly one token per
+        head (the steady state of decoding), the unprotected tokens being those with text
+        positions lo <= p < hi; else None. For a method scoring while it attends: it may pick
+        the slot then (`picked`), as `lowest_slot` would from the same scores."""
+        if self.compress_at != "forward" or self.offloaded():
+            return None
+        budget = self.budget()
+        if self.kept_tokens() - budget != 1:
+            return None
+        sinks, recent = self.protected(budget)
+        return budget, sinks, self.seen_tokens - recent
+
     def guarded_scores(self, budget: int) -> torch.Tensor:
         """Scores `(B, H_kv, T)` fp32 with the protected tokens at +inf."""
         sinks, recent = self.protected(budget)
@@ -246,6 +262,9 @@ class EvictionLayer(KVLayer):
 
     def lowest_slot(self, budget: int) -> torch.Tensor:
         """The slot to evict when exactly one token must go, `(B, H_kv)`."""
+        picked, self.picked = self.picked, None
+        if picked is not None and picked[0] == budget:
+            return picked[1]
         return self.guarded_scores(budget).argmin(dim=-1)
 
     # --- accounting -------------------------------------------------------------------------

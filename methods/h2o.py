@@ -7,8 +7,10 @@ query while it was in the cache (causal: only preceding queries), per KV head. A
 `recent_ratio * budget` tokens, plus the top-scored tokens among the rest. Evicted K/V never return.
 
 Follows the paper's Alg. 1 and the real-drop cache, with these deliberate choices:
-  * scores are computed here (`methods.scoring.attention_with_probs`), so no eager attention or
-    `output_attentions` is needed from the model; for a decode step this is one q·Kᵀ;
+  * scores are computed here, so no eager attention or `output_attentions` is needed from the
+    model: a plain decode step on CPU runs one fused kernel (attention + the scores added in
+    place, methods/kernels/colsum_attention_cpu.c; metrics.json `method.prepare.decode_attention`
+    says whether it ran), anything else `methods.scoring.attention_with_probs`;
   * GQA: a KV head's score is the mean probability over its g query heads, one kept set per KV
     head (the official real-drop code assumes MHA and batch 1 and sums over the batch);
   * a ratio budget is a fraction of the tokens seen so far (the stream's current length), so a
@@ -33,21 +35,24 @@ Hyperparameters:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, ModelInfo
+from methods.base import Capabilities, KVLayer, ModelInfo, PrepareContext
 from methods.eviction import BudgetedMethod, EvictionLayer
+from methods.kernels import colsum_attention_cpu
 from methods.scoring import attention_with_probs, group_column_sums
 
 
 @dataclass(kw_only=True)
 class H2O(BudgetedMethod):
     name: ClassVar[str] = "h2o"
+    # `needs_prepare`: prepare records which decode-attention kernel the run uses.
     capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True, offloads_kv=True,
-                                                        selects_tokens=True, kv_layouts=KV_LAYOUTS)
+                                                        selects_tokens=True, kv_layouts=KV_LAYOUTS,
+                                                        needs_prepare=True)
     min_budget_tokens: ClassVar[int] = 2  # one heavy hitter + one recent token
     variant_keys: ClassVar[tuple[str, ...]] = ("recent_ratio",)
     recent_ratio: float = 0.5
@@ -58,6 +63,10 @@ class H2O(BudgetedMethod):
             reasons.append(f"method.recent_ratio={self.recent_ratio!r} must be in [0, 1]")
         return reasons
 
+    def prepare(self, ctx: PrepareContext) -> dict[str, Any]:
+        """Records which decode-attention implementation the run uses (its speed depends on it)."""
+        return {"decode_attention": colsum_attention_cpu.kernel_name(ctx.device)}
+
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         return H2OLayer(layer_idx, info, self)
 
@@ -67,8 +76,17 @@ class H2OLayer(EvictionLayer):
         return {"scores": torch.zeros(b, h, q, device=device)}  # accumulated attention, fp32
 
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
+        scores = self.state("scores")  # (B, H_kv, T) fp32, accumulated in place
+        if colsum_attention_cpu.applies(query, keys, values, attention_mask, kwargs, scores):
+            plan = self.one_token_eviction()  # steady state: the kernel also picks the victim
+            evict = None if plan is None else (self.positions, plan[1], plan[2])
+            out, slot = colsum_attention_cpu.decode_attention(query, keys, values,
+                                                              kwargs["scaling"], scores, evict)
+            if plan is not None:
+                self.picked = (plan[0], slot)
+            return out, None
         out, probs = attention_with_probs(query, keys, values, attention_mask, kwargs["scaling"])
-        self.state("scores").add_(group_column_sums(probs, keys.shape[1]))
+        scores.add_(group_column_sums(probs, keys.shape[1]))
         return out, None
 
     def score(self) -> torch.Tensor:

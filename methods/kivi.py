@@ -59,6 +59,7 @@ import torch
 from kvcore.storage import TokenMajorRows
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, PrepareContext
 from methods.kernels import kivi_quant as kq
+from methods.kernels.colsum_attention_cpu import plain_decode_row
 from methods.kernels.kivi_attention import (KIVICache, decode_attention, decode_kernel,
                                             dequantize_cache)
 
@@ -264,20 +265,12 @@ class KIVILayer(KVLayer):
         whole cache, so with nothing quantized KIVI equals the full cache bit for bit."""
         cache, self.step_cache = self.step_cache, None
         quantized = cache.k_quant is not None or cache.v_quant is not None
-        if quantized and self._fused_applies(query, attention_mask, kwargs):
+        if quantized and plain_decode_row(query, attention_mask, kwargs):
             scaling = kwargs.get("scaling") or module.scaling
             out = decode_attention(query, cache, scaling)  # (B, H_q, 1, D)
             return out.transpose(1, 2).contiguous(), None  # as the base: (B, q_len, H_q, D)
         keys, values = dequantize_cache(cache, query.dtype)
         return base(module, query, keys, values, attention_mask, **kwargs)
-
-    @staticmethod
-    def _fused_applies(query, attention_mask, kwargs) -> bool:
-        """One query row, nothing masked, plain softmax attention (no softcap, sinks, window,
-        dropout, weights requested)."""
-        plain = all(not kwargs.get(k) for k in ("softcap", "s_aux", "sliding_window", "dropout",
-                                                 "output_attentions"))
-        return query.shape[2] == 1 and attention_mask is None and plain
 
     def dequantized_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole cache attention saw at the last update, dequantized `(B, H_kv, T, D)`."""

@@ -22,6 +22,8 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _LIBS = ("-lm",)
 _loaded: dict[str, ctypes.CDLL | None] = {}
@@ -95,6 +97,14 @@ def library(source: Path, declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as err:
             _loaded[key], _errors[key] = None, str(err)
     return _loaded[key]
+
+
+def kernel_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x (B, H, R, C)` as the kernels read it: a unit last stride and B, H mergeable into one
+    (BH) stride (a copy only when the view is not already so)."""
+    if x.stride(-1) != 1 or x.stride(0) != x.shape[1] * x.stride(1):
+        x = x.contiguous()
+    return x
 
 
 def build_error(source: Path) -> str | None:

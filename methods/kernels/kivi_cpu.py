@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from methods.kernels import cpu_build
+from methods.kernels.cpu_build import kernel_rows
 
 _SOURCE = Path(__file__).with_name("kivi_cpu.c")
 
@@ -41,20 +42,13 @@ def build_error() -> str | None:
     return cpu_build.build_error(_SOURCE)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """`(B, H, R, C)` with a unit last stride and B, H mergeable into one (BH) stride."""
-    if x.stride(-1) != 1 or x.stride(0) != x.shape[1] * x.stride(1):
-        x = x.contiguous()
-    return x
-
-
 def _segment(parts) -> list[torch.Tensor]:
     """A quantized segment's (codes, scale, zero) ready for the kernel (a dummy when empty: the
     kernel reads none of it)."""
     if parts is None:
         dummy = torch.zeros(1, 1, 1, 2, dtype=torch.uint8)
         return [dummy, dummy.view(torch.float16), dummy.view(torch.float16)]
-    codes, scale, zero = (_rows(t) for t in parts)
+    codes, scale, zero = (kernel_rows(t) for t in parts)
     if scale.stride() != zero.stride():
         scale, zero = scale.contiguous(), zero.contiguous()
     return [codes, scale, zero]
@@ -66,8 +60,8 @@ def decode_attention(query: torch.Tensor, cache, scaling: float) -> torch.Tensor
     b, hq, _, d = query.shape
     h = cache.k_res.shape[1]
     g = hq // h
-    q = _rows(query.reshape(b, h, g, d).float())  # (B, H_kv, g, D)
-    k_res, v_res = _rows(cache.k_res.float()), _rows(cache.v_res.float())
+    q = kernel_rows(query.reshape(b, h, g, d).float())  # (B, H_kv, g, D)
+    k_res, v_res = kernel_rows(cache.k_res.float()), kernel_rows(cache.v_res.float())
     kc, ks, kz = _segment(cache.k_quant)
     vc, vs, vz = _segment(cache.v_quant)
     out = torch.empty(b, h, g, d)

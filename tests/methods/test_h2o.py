@@ -114,3 +114,42 @@ def test_offloaded_h2o_equals_resident_and_moves_the_kept_set(tiny_model):
     row = 2 * 2 * 16 * 4 * 2  # K+V, 2 KV heads, head_dim 16, fp32, 2 layers
     assert ledger.step_h2d == [12 * row] * 20  # the 12-token kept set, every step
     assert outs["none"][1].transfers.bytes_h2d == 0
+
+
+def test_decode_runs_the_fused_kernel_and_equals_the_eager_path(tiny_model, monkeypatch):
+    """On CPU every plain decode step of every layer runs the C kernel (attention, scores added
+    in place, the victim picked from them); the eager path keeps the same tokens, same logits."""
+    from harness import hf_adapter
+    from methods import h2o
+    from methods.kernels import colsum_attention_cpu as ca
+    from methods.kernels import cpu_build
+
+    if not cpu_build.compiler_available():
+        pytest.skip("no C compiler here: H2O runs its eager path (tested by every other test)")
+    ids = torch.randint(3, 250, (1, 70), generator=torch.Generator().manual_seed(5))
+    method = build_method("h2o", budget_tokens=24)
+    assert hf_adapter.prepare(method, tiny_model, None) == {"decode_attention": "c"}
+    calls, guarded = [], []
+    real_kernel, real_guard = ca.decode_attention, H2OLayer.guarded_scores
+    monkeypatch.setattr(ca, "decode_attention", lambda *a: calls.append(a[-1]) or real_kernel(*a))
+    monkeypatch.setattr(H2OLayer, "guarded_scores",
+                        lambda self, budget: guarded.append(1) or real_guard(self, budget))
+
+    def run():
+        engine = make_engine(tiny_model, method, chunk=16)
+        with engine.request() as req:
+            logits = [req.prefill(ids[:, :40], all_logits=True)]
+            guarded.clear()  # the prompt's chunks evict several tokens at once (top-k)
+            logits += [req.step(ids[:, t]) for t in range(40, 70)]
+            kept = [kv.positions.clone() for kv in req.cache.kv_layers]
+        return torch.cat(logits, 1), kept
+
+    fused, fused_kept = run()
+    layers = tiny_model.config.num_hidden_layers
+    assert len(calls) == 30 * layers and all(evict is not None for evict in calls)
+    assert len(guarded) == 0  # the steady-state victim came from the kernel: nothing recomputed
+    monkeypatch.setattr(h2o.colsum_attention_cpu, "applies", lambda *a: False)
+    eager, eager_kept = run()
+    assert len(calls) == 30 * layers and len(guarded) == 30 * layers
+    torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
+    assert all(torch.equal(a, b) for a, b in zip(fused_kept, eager_kept))
