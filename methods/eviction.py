@@ -126,9 +126,10 @@ class EvictionLayer(KVLayer):
         # the one token this forward appended, as given (K, V, positions; rows nothing rewrites
         # before the eviction), so the steady-state eviction moves it without copying it first
         self.appended: dict[str, torch.Tensor] | None = None
-        # (budget, slot (B, H_kv)): the token to evict, chosen while attending by a fused kernel
-        # that had the updated scores at hand (`one_token_eviction`); valid for this forward only
-        self.picked: tuple[int, torch.Tensor] | None = None
+        # (tokens seen, budget, slot (B, H_kv)): the token to evict, chosen while attending by a
+        # fused kernel that had the updated scores at hand (`one_token_eviction`); used only by
+        # the compression of that same forward (same tokens seen, same budget)
+        self.picked: tuple[int, int, torch.Tensor] | None = None
 
     # --- what a method writes ---------------------------------------------------------------
     def score(self) -> torch.Tensor:
@@ -242,8 +243,8 @@ class EvictionLayer(KVLayer):
         the slot then (`picked`), as `lowest_slot` would from the same scores."""
         if self.compress_at != "forward" or self.offloaded():
             return None
-        budget = self.budget()
-        if self.kept_tokens() - budget != 1:
+        budget = self.allowed_tokens()  # what after_forward compresses to (None: it will not)
+        if budget is None or self.kept_tokens() - budget != 1:
             return None
         sinks, recent = self.protected(budget)
         return budget, sinks, self.seen_tokens - recent
@@ -263,8 +264,8 @@ class EvictionLayer(KVLayer):
     def lowest_slot(self, budget: int) -> torch.Tensor:
         """The slot to evict when exactly one token must go, `(B, H_kv)`."""
         picked, self.picked = self.picked, None
-        if picked is not None and picked[0] == budget:
-            return picked[1]
+        if picked is not None and picked[:2] == (self.seen_tokens, budget):
+            return picked[2]
         return self.guarded_scores(budget).argmin(dim=-1)
 
     # --- accounting -------------------------------------------------------------------------

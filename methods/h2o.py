@@ -83,7 +83,7 @@ class H2OLayer(EvictionLayer):
             out, slot = colsum_attention_cpu.decode_attention(query, keys, values,
                                                               kwargs["scaling"], scores, evict)
             if plan is not None:
-                self.picked = (plan[0], slot)
+                self.picked = (self.seen_tokens, plan[0], slot)
             return out, None
         out, probs = attention_with_probs(query, keys, values, attention_mask, kwargs["scaling"])
         scores.add_(group_column_sums(probs, keys.shape[1]))

@@ -69,6 +69,7 @@ Hyperparameters:
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -80,12 +81,28 @@ from kvcore.storage import ContiguousRows, KV_LAYOUTS
 from methods._infinigen_prep import (COLUMN_SCORES, SkewingArtefacts, cache_dir_reason,
                                      calibration_reasons, prepare_skewing)
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
-from methods.kernels import sparse_attention
+from methods.kernels import sparse_attention, speculation_cpu
 from methods.rope import rotate
 from methods.scoring import additive_mask, attention_with_probs, expand_kv, gather_tokens
 
 EVICTIONS = ("counter", "lru", "fifo")
 GROUP_REDUCES = ("max", "mean", "prob_mean")
+
+
+def _few_rows_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a (..., m, k) @ b (..., k, n)`. A decode step's products have a few rows per head (the
+    query heads of a group, one new key): there a broadcast multiply and a sum over k, which run
+    as plain loops below the intra-op grain size, cost less than a batched matmul's parallel
+    launch; larger products (a prompt's keys) take the matmul."""
+    batch = math.prod(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    if batch * a.shape[-2] * a.shape[-1] * b.shape[-1] > _SERIAL_ELEMENTS:
+        return a @ b
+    return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
+
+
+# Elementwise ops up to this many elements run serially on CPU (torch's intra-op grain size,
+# at::internal::GRAIN_SIZE): the few-row forms above and below stay under it.
+_SERIAL_ELEMENTS = 32768
 
 
 def _use_kernel(query: torch.Tensor) -> bool:
@@ -174,7 +191,9 @@ class InfiniGen(KVMethod):
 
     def prepare(self, ctx) -> dict:
         self._art, facts = prepare_skewing(self, ctx)
-        return facts
+        # which implementation speculates (its speed depends on it; configurations the C kernel
+        # does not cover take the torch path whatever this says: see speculation_cpu.applies)
+        return {**facts, "speculation": speculation_cpu.kernel_name(ctx.device)}
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         if self._art is None:
@@ -214,11 +233,13 @@ class InfiniGenLayer(KVLayer):
         self.dense = layer_idx in method.dense_layers or layer_idx == 0
         self.system = method.mode == "system"
         self.store = None  # kvcore.offload.HostKVStore (system mode; paged: PagedHostKVStore)
-        self._pk: torch.Tensor | None = None  # (B, H_s, capacity, k_u) partial keys, device
+        # (B, H_s, k_u, capacity) partial keys on the device, channel-major: a step's scores run
+        # along contiguous tokens (one q row x a (k_u, T) block)
+        self._pk: torch.Tensor | None = None
         self._pk_len = 0
         # per stored token (see the properties below), grown in place with amortised growth
         self.meta: dict[str, ContiguousRows] = {name: ContiguousRows() for name in _META}
-        self.selected: torch.Tensor | None = None  # (B, H_kv, cap) slots, best first (device)
+        self.selected: torch.Tensor | None = None  # (B, H_kv, cap) slots, first `counts` used
         self.counts: torch.Tensor | None = None  # (B, H_kv) how many of them are used (device)
         self.fetched: torch.Tensor | None = None  # (B, H_kv, n_max) slots moved (system mode)
         self.pending = None  # (Transfer, Transfer)
@@ -256,8 +277,10 @@ class InfiniGenLayer(KVLayer):
         self.pending = self.store.fetch(self.fetched)
 
     def speculate(self, x: torch.Tensor, position_ids) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots `(B, H_kv, cap)` of stored tokens best first, and how many of them layer i needs
-        `(B, H_kv)`, from an attention input `(B, 1, hidden)`. No host sync: both stay on device."""
+        """Slots `(B, H_kv, cap)` of stored tokens and how many of them layer i needs `(B, H_kv)`,
+        from an attention input `(B, 1, hidden)`: per head the first `count` slots are its
+        `count` best-scored tokens (torch: best first; CPU kernel: in slot order), the rest
+        other distinct slots. No host sync: both stay on the device."""
         art, info, m = self.art, self.info, self.m
         b, h_kv, g = x.shape[0], info.num_kv_heads, info.group_size
         h_s = self.query_map().shape[0]  # skewing heads: H_kv, or H_q (skew_per=query_head)
@@ -265,18 +288,23 @@ class InfiniGenLayer(KVLayer):
         pos = (position_ids if position_ids is not None
                else torch.full((b, 1), self.seen_tokens, device=q.device))
         q = rotate(q, pos.to(q.device).view(b, 1, 1), art.inv_freq)  # RoPE at the current position
-        q_partial = q.float().view(b, h_s, -1, q.shape[-1]) @ self.query_map()  # (B, H_s, ., k_u)
-        scores = q_partial @ self.partial_keys().transpose(2, 3)  # (B, H_s, H_q / H_s, T)
+        q_partial = _few_rows_matmul(q.float().view(b, h_s, -1, q.shape[-1]),
+                                     self.query_map())  # (B, H_s, H_q / H_s, k_u)
+        t = self._pk_len
+        cap = max(1, min(t, int(m.budget_ratio * t)))
+        self._decode_budget = cap + 1
+        if speculation_cpu.applies(q_partial, self._pk, h_kv, m.group_reduce, m.head0_threshold):
+            selected, self._last_counts = speculation_cpu.select(
+                q_partial, self.partial_keys(), cap, m.alpha, m.shared_count)
+            return selected, self._last_counts
+        scores = q_partial @ self.partial_keys()  # (B, H_s, H_q / H_s, T)
         scores = self.group_scores(scores.view(b, h_kv, g, -1))  # (B, H_kv, T)
         top = scores.amax(-1, keepdim=True)
         if m.head0_threshold:
             top = top[:, :1].expand_as(top)
         count = (scores > top - m.alpha).sum(-1)  # (B, H_kv)
-        t = scores.shape[-1]
-        cap = max(1, min(t, int(m.budget_ratio * t)))
         if m.shared_count:  # the official int(mean) over heads, one buffer size for all
             count = count.float().mean().floor().long().expand(b, h_kv)
-        self._decode_budget = cap + 1
         self._last_counts = count.clamp(1, cap)
         return scores.topk(cap, dim=-1).indices, self._last_counts
 
@@ -284,6 +312,9 @@ class InfiniGenLayer(KVLayer):
         """(B, H_kv, g, T) speculated logits -> (B, H_kv, T) one score per KV head."""
         how = self.m.group_reduce
         if how == "max":
+            if scores[:, :, 0].numel() <= _SERIAL_ELEMENTS:  # g - 1 serial elementwise maxima
+                # cost less than one parallel reduction over the middle axis (a decode step)
+                return functools.reduce(torch.maximum, scores.unbind(2))
             return scores.amax(2)
         if how == "mean":
             return scores.mean(2)
@@ -297,7 +328,8 @@ class InfiniGenLayer(KVLayer):
         return self._map
 
     def partial_keys(self) -> torch.Tensor:
-        return self._pk[:, :, : self._pk_len]
+        """(B, H_s, k_u, T): the partial keys, channel-major."""
+        return self._pk[..., : self._pk_len]
 
     def valid(self) -> torch.Tensor:
         """(B, H_kv, cap) bool: which of `selected` are used this step."""
@@ -370,14 +402,14 @@ class InfiniGenLayer(KVLayer):
             return  # the prompt's columns are chosen in attend(); keys are added there
         qmap = self.query_map()  # (H_s, d, k_u)
         keys = expand_kv(keys.float(), qmap.shape[0] // keys.shape[1])  # (B, H_s, t, d)
-        part = keys @ qmap * math.sqrt(self.info.head_dim)  # (B, H_s, t, k_u)
+        part = _few_rows_matmul(keys, qmap) * math.sqrt(self.info.head_dim)  # (B, H_s, t, k_u)
         b, h, t, width = part.shape
-        if self._pk is None or self._pk_len + t > self._pk.shape[2]:  # amortised growth
-            grown = part.new_empty(b, h, max(256, 2 * (self._pk_len + t)), width)
+        if self._pk is None or self._pk_len + t > self._pk.shape[3]:  # amortised growth
+            grown = part.new_empty(b, h, width, max(256, 2 * (self._pk_len + t)))
             if self._pk is not None:
-                grown[:, :, : self._pk_len] = self.partial_keys()
+                grown[..., : self._pk_len] = self.partial_keys()
             self._pk = grown
-        self._pk[:, :, self._pk_len:self._pk_len + t] = part
+        self._pk[..., self._pk_len:self._pk_len + t] = part.transpose(2, 3)
         self._pk_len += t
 
     # --- attention seam ----------------------------------------------------------------------
@@ -455,9 +487,9 @@ class InfiniGenLayer(KVLayer):
         self.last_used = gather_tokens(self.last_used, index)
         if self._pk is not None:
             per_kv = index.to(self._pk.device)  # (B, H_kv, T - n) -> the skewing heads
-            kept = gather_tokens(self.partial_keys(),
+            kept = gather_tokens(self.partial_keys().transpose(2, 3),  # (B, H_s, T - n, k_u)
                                  per_kv.repeat_interleave(self._pk.shape[1] // index.shape[1], 1))
-            self._pk[:, :, : t - n] = kept
+            self._pk[..., : t - n] = kept.transpose(2, 3)
             self._pk_len = t - n
         if self.system:
             self.store.keep(index)

@@ -73,3 +73,24 @@ def test_protected_sinks_and_recent_survive_any_score():
     assert [sorted(p.tolist()) for p in layer.positions[0]] == [[0, 1, 7, 8]] * 2
     assert torch.equal(layer.keys[0, 1], keys[0, 1, [0, 1, 7, 8]])
     assert layer.allowed_tokens() == 4 and layer.stats()["kv_tokens"] == 4
+
+
+def test_a_victim_picked_while_attending_is_used_only_by_its_own_forward():
+    """`picked` (a fused kernel's choice) replaces the argmin of that forward's compression only:
+    a pick left from another step (other tokens seen) or for another budget is ignored."""
+    method = BudgetedMethod(budget_tokens=4)
+    info = ModelInfo(num_layers=1, num_heads=2, num_kv_heads=2, head_dim=4, max_positions=64)
+    layer = Latest(0, info, method)
+    layer.update(torch.randn(1, 2, 4, 4), torch.randn(1, 2, 4, 4), None)
+    layer.after_forward()
+    layer.update(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4), None)
+    plan = layer.one_token_eviction()
+    assert plan == (4, 1, 5 - 2)  # budget 4; unprotected: positions 1 <= p < 3
+    argmin = layer.guarded_scores(4).argmin(dim=-1)
+    chosen = torch.tensor([[2, 1]])
+    layer.picked = (layer.seen_tokens - 1, 4, chosen)  # stale: another step's
+    assert torch.equal(layer.lowest_slot(4), argmin)
+    layer.picked = (layer.seen_tokens, 5, chosen)  # another budget
+    assert torch.equal(layer.lowest_slot(4), argmin)
+    layer.picked = (layer.seen_tokens, 4, chosen)
+    assert torch.equal(layer.lowest_slot(4), chosen) and layer.picked is None  # used once

@@ -490,3 +490,41 @@ def test_per_query_head_skewing(tiny4, cache_dir):
     per_kv = logits[:, :, 0].view(1, info.num_kv_heads, info.group_size, -1).amax(2)
     want = per_kv.topk(int(0.25 * per_kv.shape[-1]), dim=-1).indices.sort(-1).values
     assert torch.equal(chosen, want)
+
+
+@pytest.mark.parametrize("mode", ["system", "simulate"])
+def test_cpu_speculation_kernel_equals_the_torch_path(tiny4, cache_dir, monkeypatch, mode):
+    """On CPU the speculation runs as one C call (methods/kernels/speculation_cpu.c) at every
+    sparse layer's decode step; the torch path fetches the same tokens and gives the same logits
+    (the fetched set comes in slot order instead of best first)."""
+    from methods import infinigen
+    from methods.kernels import cpu_build
+
+    if not cpu_build.compiler_available():
+        pytest.skip("no C compiler here: InfiniGen speculates in torch (every other test)")
+    ids = torch.randint(3, 250, (1, 90), generator=torch.Generator().manual_seed(6))
+    method = build_method("infinigen", mode=mode, alpha=2.0)
+    facts = hf_adapter.prepare(method, tiny4, None)
+    assert facts["speculation"] == "c"
+    calls, kept = [], {}
+    real = infinigen.speculation_cpu.select
+    monkeypatch.setattr(infinigen.speculation_cpu, "select",
+                        lambda *a: calls.append(1) or real(*a))
+    real_touch = InfiniGenLayer.touch
+
+    def recording_touch(layer, index, counts):
+        used = [set(index[0, h, : int(counts[0, h])].tolist()) for h in range(index.shape[1])]
+        kept.setdefault(path, []).append(used)
+        return real_touch(layer, index, counts)
+
+    monkeypatch.setattr(InfiniGenLayer, "touch", recording_touch)
+    path = "c"
+    fused, _ = run(tiny4, method, ids, 40)
+    sparse = 4 - len({0, 1})  # tiny4: layers 0 and 1 are dense
+    assert len(calls) == 50 * sparse
+    monkeypatch.setattr(infinigen.speculation_cpu, "applies", lambda *a: False)
+    path = "torch"
+    eager, _ = run(tiny4, method, ids, 40)
+    assert len(calls) == 50 * sparse  # the kernel was not called again
+    assert kept["c"] == kept["torch"]  # the same tokens at every step, layer and head
+    torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)

@@ -1,0 +1,73 @@
+"""InfiniGen's speculation on CPU in one call (speculation_cpu.c): partial scores, the group's
+max logit, the count above max - alpha and the slots of that many best-scored tokens.
+
+In torch this is a batched matmul, a max over the group, a max over tokens, a comparison, a sum
+and a top-k: six kernels per layer and step, of which the batched matmul, the group max and the
+top-k run as parallel kernels whose launch, for a few thousand tokens, costs more than their work
+(benchmarks/decode_long_context.py's InfiniGen row is mostly such launches). The C call does the
+same arithmetic in one parallel region over heads.
+
+`applies(...)` says when it serves a step (CPU tensors, fp32, one skewing matrix per KV head,
+`group_reduce=max`, no head-0 threshold; a C compiler); `kernel_name(device)` names what a run
+uses. Built on first use by methods/kernels/cpu_build.py; `build_error()` says why not.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from methods.kernels import cpu_build
+from methods.kernels.cpu_build import kernel_rows
+
+_SOURCE = Path(__file__).with_name("speculation_cpu.c")
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    long_, ptr = ctypes.c_long, ctypes.c_void_p
+    fn = lib.speculate
+    fn.restype = None
+    fn.argtypes = ([ptr, long_, long_] * 2 + [long_] * 5
+                   + [ctypes.c_float, ctypes.c_int, ptr, ptr, ctypes.c_int])
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernel library, built once per process (None when it cannot be built)."""
+    return cpu_build.library(_SOURCE, _declare)
+
+
+def build_error() -> str | None:
+    return cpu_build.build_error(_SOURCE)
+
+
+def kernel_name(device: torch.device) -> str:
+    """"c" when this kernel serves speculation on `device`, else "torch"."""
+    return "c" if torch.device(device).type == "cpu" and library() is not None else "torch"
+
+
+def applies(q_partial: torch.Tensor, partial_keys: torch.Tensor, num_kv_heads: int,
+            group_reduce: str, head0_threshold: bool) -> bool:
+    """Whether `select` computes what the torch path would for this layer's configuration."""
+    return (q_partial.device.type == "cpu" and group_reduce == "max" and not head0_threshold
+            and q_partial.shape[1] == num_kv_heads  # one skewing matrix per KV head
+            and q_partial.dtype == partial_keys.dtype == torch.float32
+            and library() is not None)
+
+
+def select(q_partial: torch.Tensor, partial_keys: torch.Tensor, cap: int, alpha: float,
+           shared_count: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`q_partial (B, H_kv, g, k)`, `partial_keys (B, H_kv, k, T)` fp32 -> `(slots (B, H_kv, cap),
+    counts (B, H_kv))` int64: each head uses its first `counts` slots, the best-scored tokens in
+    slot order (the rest are other distinct slots); counts = the tokens scoring above the head's
+    max logit - alpha (shared: the floor of their mean over heads), clamped to [1, cap]."""
+    b, h, g, k = q_partial.shape
+    t = partial_keys.shape[3]
+    q, pk = kernel_rows(q_partial), kernel_rows(partial_keys)
+    top = torch.empty(b, h, cap, dtype=torch.int64)
+    count = torch.empty(b, h, dtype=torch.int64)
+    library().speculate(q.data_ptr(), q.stride(1), q.stride(2), pk.data_ptr(), pk.stride(1),
+                        pk.stride(2), b * h, g, k, t, cap, float(alpha), int(shared_count),
+                        top.data_ptr(), count.data_ptr(), torch.get_num_threads())
+    return top, count
