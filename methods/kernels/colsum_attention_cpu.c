@@ -3,7 +3,7 @@
 
    For every (batch row, KV head) `bh`, its g query heads (one decode row each) attend over the T
    fp32 keys and values of that head:
-     p[g, t]  = softmax_t(q[g] . k[t] * scaling)          (exact, fp32)
+     p[g, t]  = softmax_t(q[g] . k[t] * scaling)          (the exact softmax, fp32)
      out[g]   = sum_t p[g, t] v[t]
      acc[t]  += (sum_g p[g, t]) / g                         (the group mean, H2O's score)
    Probabilities are never returned: they live in a scratch row per query head. Optionally (a

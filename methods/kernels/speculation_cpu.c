@@ -2,15 +2,17 @@
    and the partial key cache of one layer, which stored tokens to fetch, in one call.
 
    For every (batch row, KV head) `bh`, its g query rows (already multiplied by the partial
-   columns of the skewing matrix) score every stored token on the k partial columns:
-     score[t] = max_i sum_c q[i, c] * pk[t, c]        (the group's max logit, `group_reduce=max`)
+   columns of the skewing matrix) score every stored token on the k partial columns of the
+   channel-major partial keys pk (k, T):
+     score[t] = max_i sum_c q[i, c] * pk[c, t]        (the group's max logit, `group_reduce=max`)
      count    = #{t : score[t] > max_t score - alpha}  (tokens the next layer is predicted to need)
      n        = count clamped to [1, cap] (or, shared, the floor of the mean count over heads)
      top      = the n best-scored slots in slot order, then cap - n other slots (unused)
    The n best are found by a quickselect of the n-th largest score and one pass (no sort: the
    fetched set is a set, and slot order reads the host store front to back). Work items are
-   heads, in one OpenMP region; each head's result is its own, so nothing depends on the thread
-   count. Strides are in elements; last axes are unit. */
+   heads, in one OpenMP region (a thread per MIN_WORK multiply-adds at most); each head's result
+   is its own, so nothing depends on the thread count. Strides are in elements; last axes are
+   unit. */
 #include <float.h>
 #include <stdint.h>
 #include <stdlib.h>

@@ -3,9 +3,8 @@ max logit, the count above max - alpha and the slots of that many best-scored to
 
 In torch this is a batched matmul, a max over the group, a max over tokens, a comparison, a sum
 and a top-k: six kernels per layer and step, of which the batched matmul, the group max and the
-top-k run as parallel kernels whose launch, for a few thousand tokens, costs more than their work
-(benchmarks/decode_long_context.py's InfiniGen row is mostly such launches). The C call does the
-same arithmetic in one parallel region over heads.
+top-k run as parallel kernels whose launch, for a few thousand tokens, costs more than their
+arithmetic. The C call does the same arithmetic in one parallel region over heads.
 
 `applies(...)` says when it serves a step (CPU tensors, fp32, one skewing matrix per KV head,
 `group_reduce=max`, no head-0 threshold; a C compiler); `kernel_name(device)` names what a run
