@@ -43,7 +43,7 @@ from kvcore.storage import KV_LAYOUTS
 from methods.base import Capabilities, KVLayer, ModelInfo, PrepareContext
 from methods.eviction import BudgetedMethod, EvictionLayer
 from methods.kernels import colsum_attention_cpu
-from methods.scoring import attention_with_probs, group_column_sums
+from methods.scoring import attention_with_probs, group_column_sums, plain_decode_row
 
 
 @dataclass(kw_only=True)
@@ -77,7 +77,8 @@ class H2OLayer(EvictionLayer):
 
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
         scores = self.state("scores")  # (B, H_kv, T) fp32, accumulated in place
-        if colsum_attention_cpu.applies(query, keys, values, attention_mask, kwargs, scores):
+        if (plain_decode_row(query, attention_mask, kwargs)
+                and colsum_attention_cpu.applies(query, keys, values, scores)):
             plan = self.one_token_eviction()  # steady state: the kernel also picks the victim
             evict = None if plan is None else (self.positions, plan[1], plan[2])
             out, slot = colsum_attention_cpu.decode_attention(query, keys, values,

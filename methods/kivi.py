@@ -59,9 +59,9 @@ import torch
 from kvcore.storage import TokenMajorRows
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, PrepareContext
 from methods.kernels import kivi_quant as kq
-from methods.kernels.colsum_attention_cpu import plain_decode_row
 from methods.kernels.kivi_attention import (KIVICache, decode_attention, decode_kernel,
                                             dequantize_cache)
+from methods.scoring import plain_decode_row
 
 
 @dataclass(kw_only=True)

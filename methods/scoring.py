@@ -67,6 +67,17 @@ def attention_with_probs(query: torch.Tensor, keys: torch.Tensor, values: torch.
     return out, probs.view(b, h_q, q, t)
 
 
+# keyword arguments of the model's attention call that change what attention computes
+_NOT_PLAIN = ("softcap", "s_aux", "sliding_window", "dropout", "output_attentions")
+
+
+def plain_decode_row(query: torch.Tensor, attention_mask, kwargs: dict) -> bool:
+    """One query row, nothing masked, plain softmax attention (no softcap, sinks, window,
+    dropout, weights requested): what a fused decode kernel computes."""
+    return (query.shape[2] == 1 and attention_mask is None
+            and not any(kwargs.get(k) for k in _NOT_PLAIN))
+
+
 def _grouped(mask: torch.Tensor, h_kv: int, groups: int) -> torch.Tensor:
     """A mask broadcastable to (B, H_q, q, T) as one broadcastable to (B, H_kv, g, q, T)."""
     if mask.dim() < 4 or mask.shape[1] == 1:

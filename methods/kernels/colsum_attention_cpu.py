@@ -6,9 +6,9 @@ reduction, ~2x SDPA's time at one query row on CPU (benchmarks/eviction_step_cos
 does the step in one call: key scores, the exact softmax, p.V and the group-mean column sums added
 in place into the caller's accumulator; the probabilities never leave a scratch row.
 
-`applies(...)` says when it can run (CPU, fp32 K/V, one unmasked query row, plain softmax
-attention, an accumulator it can write in place, a C compiler); otherwise callers take their
-eager path. Built on first use by methods/kernels/cpu_build.py; `build_error()` says why not.
+`applies(...)` says when it can run (CPU, fp32 K/V, one query row, an accumulator it can write
+in place, a C compiler); callers also check the call is plain softmax attention over an unmasked
+row (`methods.scoring.plain_decode_row`), else they take their eager path. Built on first use by methods/kernels/cpu_build.py; `build_error()` says why not.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ from methods.kernels import cpu_build
 from methods.kernels.cpu_build import kernel_rows
 
 _SOURCE = Path(__file__).with_name("colsum_attention_cpu.c")
-# keyword arguments of the model's attention call that change what attention computes
-_NOT_PLAIN = ("softcap", "s_aux", "sliding_window", "dropout", "output_attentions")
 
 
 def _declare(lib: ctypes.CDLL) -> None:
@@ -43,21 +41,15 @@ def build_error() -> str | None:
     return cpu_build.build_error(_SOURCE)
 
 
-def plain_decode_row(query: torch.Tensor, attention_mask, kwargs: dict) -> bool:
-    """One query row, nothing masked, plain softmax attention (no softcap, sinks, window,
-    dropout, weights requested): what a fused decode kernel computes."""
-    return (query.shape[2] == 1 and attention_mask is None
-            and not any(kwargs.get(k) for k in _NOT_PLAIN))
-
-
 def kernel_name(device: torch.device) -> str:
     """"c" when this kernel serves decode steps on `device`, else "torch" (eager)."""
     return "c" if torch.device(device).type == "cpu" and library() is not None else "torch"
 
 
-def applies(query, keys, values, attention_mask, kwargs, acc: torch.Tensor) -> bool:
-    """Whether `decode_attention` can serve this call (see the module docstring)."""
-    return (plain_decode_row(query, attention_mask, kwargs) and keys.device.type == "cpu"
+def applies(query, keys, values, acc: torch.Tensor) -> bool:
+    """Whether `decode_attention` can serve these tensors (the caller checks that the call is a
+    plain decode row: `methods.scoring.plain_decode_row`)."""
+    return (query.shape[2] == 1 and keys.device.type == "cpu"
             and keys.dtype == values.dtype == acc.dtype == torch.float32
             and acc.stride(-1) == 1 and acc.stride(0) == acc.shape[1] * acc.stride(1)
             and library() is not None)

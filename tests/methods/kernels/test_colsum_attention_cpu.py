@@ -79,13 +79,17 @@ def test_result_does_not_depend_on_the_thread_count():
     assert all(torch.equal(x, y) for x, y in zip(*results))
 
 
-def test_applies_only_to_plain_fp32_decode_rows():
+def test_applies_only_to_fp32_decode_rows_and_plain_calls():
+    from methods.scoring import plain_decode_row
+
     need_c_kernel()
     query, keys, values, acc, _ = case(1, 4, 2, 50, 16, seed=2)
-    assert ca.applies(query, keys, values, None, {"scaling": 0.25}, acc)
-    assert not ca.applies(query, keys.half(), values.half(), None, {}, acc)
-    assert not ca.applies(query, keys, values, torch.zeros(1, 1, 1, 50), {}, acc)  # a mask
-    assert not ca.applies(query.expand(1, 4, 2, 16), keys, values, None, {}, acc)  # two rows
-    assert not ca.applies(query, keys, values, None, {"softcap": 30.0}, acc)
-    assert not ca.applies(query, keys, values, None, {}, acc.double())
+    assert ca.applies(query, keys, values, acc)
+    assert not ca.applies(query, keys.half(), values.half(), acc)
+    assert not ca.applies(query.expand(1, 4, 2, 16), keys, values, acc)  # two rows
+    assert not ca.applies(query, keys, values, acc.double())
     assert ca.kernel_name(torch.device("cpu")) == "c"
+    assert plain_decode_row(query, None, {"scaling": 0.25})
+    assert not plain_decode_row(query, torch.zeros(1, 1, 1, 50), {})  # a mask
+    assert not plain_decode_row(query, None, {"softcap": 30.0})
+    assert not plain_decode_row(query.expand(1, 4, 2, 16), None, {})
