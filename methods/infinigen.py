@@ -30,8 +30,9 @@ reference/methods.md §1. Components:
   official Llama simulation's head-0 quirk). On CPU the scoring, count and selection are one C
   call per layer (methods/kernels/speculation_cpu.c: the same arithmetic; the chosen set comes
   in slot order, not best first; metrics.json `method.prepare.speculation` says which ran).
-  The step queues no host sync: counts and indices stay on the device; system mode reads the count (one sync) only when it launches the host
-  gather, after layer i-1's attention kernels are queued (the copy then overlaps layer i-1's FFN).
+  The step queues no host sync: counts and indices stay on the device; system mode reads the
+  count (one sync) only when it launches the host gather, after layer i-1's attention kernels
+  are queued (the copy then overlaps layer i-1's FFN).
   `speculation_input=own` speculates from layer i's own input instead (an ablation that measures
   the look-ahead's cost; it forfeits the overlap the design exists for).
 * Dense layers (`dense_layers`, default 0 and 1, joined with runner.dense_layers) always use the

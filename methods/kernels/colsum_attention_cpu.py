@@ -8,7 +8,8 @@ in place into the caller's accumulator; the probabilities never leave a scratch 
 
 `applies(...)` says when it can run (CPU, fp32 K/V, one query row, an accumulator it can write
 in place, a C compiler); callers also check the call is plain softmax attention over an unmasked
-row (`methods.scoring.plain_decode_row`), else they take their eager path. Built on first use by methods/kernels/cpu_build.py; `build_error()` says why not.
+row (`methods.scoring.plain_decode_row`), else they take their eager path. Built on first use by
+methods/kernels/cpu_build.py; `build_error()` says why not.
 """
 
 from __future__ import annotations

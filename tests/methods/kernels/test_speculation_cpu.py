@@ -10,7 +10,7 @@ from methods.kernels import speculation_cpu as sc
 
 def need_c_kernel():
     if not cpu_build.compiler_available():
-        pytest.skip("no C compiler here: the kernel cannot be built (InfiniGen speculates in torch)")
+        pytest.skip("no C compiler here: the kernel cannot be built (torch speculation instead)")
     assert sc.library() is not None, sc.build_error()
 
 
