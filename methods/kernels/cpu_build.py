@@ -99,6 +99,23 @@ def library(source: Path, declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL
     return _loaded[key]
 
 
+class CKernel:
+    """One C source built on first use: its loaded library (None when it cannot be built), why
+    not, and the name of the implementation a device gets ("c" on CPU when built, else "torch")."""
+
+    def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None]):
+        self.source, self.declare = source, declare
+
+    def library(self) -> ctypes.CDLL | None:
+        return library(self.source, self.declare)
+
+    def build_error(self) -> str | None:
+        return build_error(self.source)
+
+    def name(self, device: torch.device) -> str:
+        return "c" if torch.device(device).type == "cpu" and self.library() is not None else "torch"
+
+
 def kernel_rows(x: torch.Tensor) -> torch.Tensor:
     """`x (B, H, R, C)` as the kernels read it: a unit last stride and B, H mergeable into one
     (BH) stride (a copy only when the view is not already so)."""

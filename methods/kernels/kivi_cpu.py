@@ -33,13 +33,9 @@ def _declare(lib: ctypes.CDLL) -> None:
                    + [ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int])
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, built once per process (None when it cannot be built)."""
-    return cpu_build.library(_SOURCE, _declare)
-
-
-def build_error() -> str | None:
-    return cpu_build.build_error(_SOURCE)
+_KERNEL = cpu_build.CKernel(_SOURCE, _declare)
+library = _KERNEL.library  # the loaded library, built once per process (None: cannot be built)
+build_error = _KERNEL.build_error  # why library() is None
 
 
 def _segment(parts) -> list[torch.Tensor]:

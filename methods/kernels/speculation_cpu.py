@@ -32,18 +32,10 @@ def _declare(lib: ctypes.CDLL) -> None:
                    + [ctypes.c_float, ctypes.c_int, ptr, ptr, ctypes.c_int])
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded kernel library, built once per process (None when it cannot be built)."""
-    return cpu_build.library(_SOURCE, _declare)
-
-
-def build_error() -> str | None:
-    return cpu_build.build_error(_SOURCE)
-
-
-def kernel_name(device: torch.device) -> str:
-    """"c" when this kernel serves speculation on `device`, else "torch"."""
-    return "c" if torch.device(device).type == "cpu" and library() is not None else "torch"
+_KERNEL = cpu_build.CKernel(_SOURCE, _declare)
+library = _KERNEL.library  # the loaded library, built once per process (None: cannot be built)
+build_error = _KERNEL.build_error  # why library() is None
+kernel_name = _KERNEL.name  # "c" when this kernel serves speculation on a device, else "torch"
 
 
 def applies(q_partial: torch.Tensor, partial_keys: torch.Tensor, num_kv_heads: int,
