@@ -66,7 +66,7 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     pos, lo, hi, slots = None, 0, 0, None
     if evict is not None:
         pos, lo, hi = evict
-        pos, slots = kernel_rows(pos), torch.empty(b, h, dtype=torch.int64)
+        pos, slots = kernel_rows(pos.long()), torch.empty(b, h, dtype=torch.int64)
     library().colsum_decode_attention(
         q.data_ptr(), q.stride(1), q.stride(2), k.data_ptr(), k.stride(1), k.stride(2),
         v.data_ptr(), v.stride(1), v.stride(2), out.data_ptr(), acc.data_ptr(), acc.stride(1),
