@@ -118,12 +118,18 @@ static void merge(const Args *a, long r, long spans, const float *scores, const 
         }
 }
 
-static void decode(const Args *a, int64_t *slots, int threads) {
+static int decode(const Args *a, int64_t *slots, int threads) {
     const long spans = (a->tokens + SPAN_TOKENS - 1) / SPAN_TOKENS, items = a->bh * spans;
     const long g = a->g, width = g * a->d;
     float *scores = malloc(sizeof(float) * (size_t)(a->bh * g * a->tokens));
     float *partial = calloc((size_t)(items * width), sizeof(float));
     float *stats = malloc(sizeof(float) * (size_t)(2 * items * g)); /* m, then l, per item */
+    if (!scores || !partial || !stats) {
+        free(scores);
+        free(partial);
+        free(stats);
+        return 2;
+    }
     /* one parallel region, one barrier: its end (fewer wake-ups of sleeping worker threads) */
 #pragma omp parallel for schedule(static) num_threads(items < threads ? (int)items : threads)
     for (long item = 0; item < items; item++) {
@@ -138,17 +144,19 @@ static void decode(const Args *a, int64_t *slots, int threads) {
     free(scores);
     free(partial);
     free(stats);
+    return 0;
 }
 
-/* The entry point (ctypes): pointers, then strides and sizes as longs (see Args). */
-void colsum_decode_attention(const float *q, long s_qbh, long s_qg,
+/* The entry point (ctypes): pointers, then strides and sizes as longs (see Args). Returns 0, or
+   1 for sizes it cannot serve, 2 when its scratch cannot be allocated (nothing written then). */
+int colsum_decode_attention(const float *q, long s_qbh, long s_qg,
                              const float *k, long s_kbh, long s_kt,
                              const float *v, long s_vbh, long s_vt,
                              float *out, float *acc, long s_abh,
                              const int64_t *pos, long s_pbh, long lo, long hi, int64_t *slots,
                              long bh, long g, long d, long tokens, float scaling, int threads) {
-    if (bh <= 0 || tokens <= 0) return;
+    if (bh <= 0 || g <= 0 || d <= 0 || tokens <= 0) return 1;
     const Args a = {q, s_qbh, s_qg, k, s_kbh, s_kt, v, s_vbh, s_vt, out, acc, s_abh,
                     pos, s_pbh, lo, hi, bh, g, d, tokens, scaling};
-    decode(&a, pos ? slots : NULL, threads);
+    return decode(&a, pos ? slots : NULL, threads);
 }

@@ -28,7 +28,7 @@ _SOURCE = Path(__file__).with_name("colsum_attention_cpu.c")
 def _declare(lib: ctypes.CDLL) -> None:
     long_, ptr = ctypes.c_long, ctypes.c_void_p
     fn = lib.colsum_decode_attention
-    fn.restype = None
+    fn.restype = ctypes.c_int
     fn.argtypes = ([ptr, long_, long_] * 3 + [ptr, ptr, long_] + [ptr, long_, long_, long_, ptr]
                    + [long_] * 4 + [ctypes.c_float, ctypes.c_int])
 
@@ -67,10 +67,11 @@ def decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     if evict is not None:
         pos, lo, hi = evict
         pos, slots = kernel_rows(pos.long()), torch.empty(b, h, dtype=torch.int64)
-    library().colsum_decode_attention(
+    status = library().colsum_decode_attention(
         q.data_ptr(), q.stride(1), q.stride(2), k.data_ptr(), k.stride(1), k.stride(2),
         v.data_ptr(), v.stride(1), v.stride(2), out.data_ptr(), acc.data_ptr(), acc.stride(1),
         None if pos is None else pos.data_ptr(), 0 if pos is None else pos.stride(1), lo, hi,
         None if slots is None else slots.data_ptr(),
         b * h, g, d, t, float(scaling), torch.get_num_threads())
+    cpu_build.check_status(status, "colsum_decode_attention")
     return out.view(b, 1, hq, d).to(query.dtype), slots

@@ -116,6 +116,15 @@ class CKernel:
         return "c" if torch.device(device).type == "cpu" and self.library() is not None else "torch"
 
 
+def check_status(status: int, name: str) -> None:
+    """A kernel's return code (0 = done; 1 = sizes it cannot serve; 2 = out of memory) as an
+    exception: its outputs were not written."""
+    if status == 1:
+        raise ValueError(f"{name}: sizes the kernel cannot serve (empty or inconsistent shapes)")
+    if status:
+        raise MemoryError(f"{name}: the kernel could not allocate its scratch memory")
+
+
 def kernel_rows(x: torch.Tensor) -> torch.Tensor:
     """`x (B, H, R, C)` as the kernels read it: a unit last stride and B, H mergeable into one
     (BH) stride (a copy only when the view is not already so)."""

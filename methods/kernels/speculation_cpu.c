@@ -98,14 +98,16 @@ static long head_scores(const float *q, long s_qg, const float *pk, long s_pc, l
 
 /* The entry point (ctypes): pointers, then strides and sizes as longs. `count` comes back as
    the number of slots each head uses, in [1, cap]: its own count (`shared` = 0) or the floor of
-   the mean count over all heads (`shared` = 1, the official single buffer size). */
-void speculate(const float *q, long s_qbh, long s_qg,  /* (BH, g, k) */
+   the mean count over all heads (`shared` = 1, the official single buffer size). Returns 0, or
+   1 for sizes it cannot serve, 2 when its scratch cannot be allocated (nothing written then). */
+int speculate(const float *q, long s_qbh, long s_qg,  /* (BH, g, k) */
                const float *pk, long s_pbh, long s_pc, /* (BH, k, T) */
                long bh, long g, long k, long tokens, long cap, float alpha, int shared,
                int64_t *top, int64_t *count,           /* (BH, cap), (BH,) */
                int threads) {
-    if (bh <= 0 || tokens <= 0 || cap <= 0 || cap > tokens) return;
+    if (bh <= 0 || g <= 0 || k <= 0 || tokens <= 0 || cap <= 0 || cap > tokens) return 1;
     float *scores = malloc(sizeof(float) * (size_t)(2 * bh * tokens)); /* + select scratch */
+    if (!scores) return 2;
     /* a thread per head, and per MIN_WORK multiply-adds at least: waking a sleeping worker
        costs more than a few hundred microseconds of work saves */
     const long by_work = bh * tokens * g * k / MIN_WORK;
@@ -131,4 +133,5 @@ void speculate(const float *q, long s_qbh, long s_qg,  /* (BH, g, k) */
         }
     }
     free(scores);
+    return 0;
 }

@@ -27,7 +27,7 @@ _SOURCE = Path(__file__).with_name("speculation_cpu.c")
 def _declare(lib: ctypes.CDLL) -> None:
     long_, ptr = ctypes.c_long, ctypes.c_void_p
     fn = lib.speculate
-    fn.restype = None
+    fn.restype = ctypes.c_int
     fn.argtypes = ([ptr, long_, long_] * 2 + [long_] * 5
                    + [ctypes.c_float, ctypes.c_int, ptr, ptr, ctypes.c_int])
 
@@ -58,7 +58,9 @@ def select(q_partial: torch.Tensor, partial_keys: torch.Tensor, cap: int, alpha:
     q, pk = kernel_rows(q_partial), kernel_rows(partial_keys)
     top = torch.empty(b, h, cap, dtype=torch.int64)
     count = torch.empty(b, h, dtype=torch.int64)
-    library().speculate(q.data_ptr(), q.stride(1), q.stride(2), pk.data_ptr(), pk.stride(1),
-                        pk.stride(2), b * h, g, k, t, cap, float(alpha), int(shared_count),
-                        top.data_ptr(), count.data_ptr(), torch.get_num_threads())
+    status = library().speculate(q.data_ptr(), q.stride(1), q.stride(2), pk.data_ptr(),
+                                 pk.stride(1), pk.stride(2), b * h, g, k, t, cap, float(alpha),
+                                 int(shared_count), top.data_ptr(), count.data_ptr(),
+                                 torch.get_num_threads())
+    cpu_build.check_status(status, "speculate")
     return top, count

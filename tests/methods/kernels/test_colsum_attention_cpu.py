@@ -93,3 +93,10 @@ def test_applies_only_to_fp32_decode_rows_and_plain_calls():
     assert not plain_decode_row(query, torch.zeros(1, 1, 1, 50), {})  # a mask
     assert not plain_decode_row(query, None, {"softcap": 30.0})
     assert not plain_decode_row(query.expand(1, 4, 2, 16), None, {})
+
+
+def test_an_empty_cache_raises_instead_of_returning_unwritten_outputs():
+    need_c_kernel()
+    query, keys, values, acc, _ = case(1, 4, 2, 5, 16, seed=3)
+    with pytest.raises(ValueError, match="sizes the kernel cannot serve"):
+        ca.decode_attention(query, keys[:, :, :0], values[:, :, :0], 0.25, acc[:, :, :0])

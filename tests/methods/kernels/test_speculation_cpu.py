@@ -77,3 +77,10 @@ def test_applies_only_where_it_computes_the_same():
     assert not sc.applies(q, pk, 1, "max", False)  # one skewing matrix per query head
     assert not sc.applies(q.double(), pk.double(), 2, "max", False)
     assert sc.kernel_name(torch.device("cpu")) == "c"
+
+
+def test_sizes_it_cannot_serve_raise_instead_of_returning_unwritten_outputs():
+    need_c_kernel()
+    q, pk = case(1, 2, 3, 4, 20, seed=1)
+    with pytest.raises(ValueError, match="sizes the kernel cannot serve"):
+        sc.select(q, pk, 21, 1.0, True)  # more slots than tokens
