@@ -46,7 +46,8 @@ static void span(const Args *a, long r, long t0, long t1, float *scores, float *
     const long g = a->g, d = a->d;
     float q[g * d];
     for (long h = 0; h < g; h++)
-        for (long c = 0; c < d; c++) q[h * d + c] = a->q[r * a->s_qbh + h * a->s_qg + c] * a->scaling;
+        for (long c = 0; c < d; c++)
+            q[h * d + c] = a->q[r * a->s_qbh + h * a->s_qg + c] * a->scaling;
     for (long t = t0; t < t1; t++) {
         const float *k = a->k + r * a->s_kbh + t * a->s_kt;
         for (long h = 0; h < g; h++) {
@@ -90,7 +91,8 @@ static void merge(const Args *a, long r, long spans, const float *scores, const 
     memset(o, 0, sizeof(float) * g * d);
     for (long s = 0; s < spans; s++)
         for (long h = 0; h < g; h++)
-            for (long c = 0; c < d; c++) o[h * d + c] += coef[s * g + h] * partial[(s * g + h) * d + c];
+            for (long c = 0; c < d; c++)
+                o[h * d + c] += coef[s * g + h] * partial[(s * g + h) * d + c];
     float *acc = a->acc + r * a->s_abh;
     const float inv_g = 1.f / (float)g;
     for (long s = 0; s < spans; s++) {
