@@ -273,7 +273,7 @@ def decode_kernel(device: torch.device) -> str:
     "torch" (the C kernel is built here on first use)."""
     if _triton_on(device):
         return "triton"
-    return "c" if kivi_cpu.library() is not None else "torch"
+    return kivi_cpu.kernel_name(device)  # "c" on CPU when built, else "torch"
 
 
 def decode_attention(query: torch.Tensor, cache: KIVICache, scaling: float) -> torch.Tensor:

@@ -36,6 +36,7 @@ def _declare(lib: ctypes.CDLL) -> None:
 _KERNEL = cpu_build.CKernel(_SOURCE, _declare)
 library = _KERNEL.library  # the loaded library, built once per process (None: cannot be built)
 build_error = _KERNEL.build_error  # why library() is None
+kernel_name = _KERNEL.name  # "c" when this kernel serves a device, else "torch"
 
 
 def _segment(parts) -> list[torch.Tensor]:
