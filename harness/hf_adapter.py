@@ -349,7 +349,9 @@ def rope_inv_freq(model) -> torch.Tensor | None:
 def query_projector(model):
     """(layer, x (B, T, hidden)) -> pre-RoPE queries (B, H_q, T, D) with the model's own weights.
 
-    Fused projections (Phi-3's `qkv_proj`) are sliced to their query rows; biases (Qwen2) kept.
+    Fused projections (Phi-3's `qkv_proj`) are sliced to their query rows; biases (Qwen2) kept;
+    a query norm before RoPE (`q_norm`: per head in Qwen3 / Gemma-3, across all heads in OLMo-2)
+    applied as the model applies it, so the query is the one its attention will use.
     """
     modules = attention_modules(model)
 
@@ -366,7 +368,13 @@ def query_projector(model):
         else:
             raise TypeError(f"{type(attn).__name__}: no q_proj or qkv_proj to speculate with")
         b, t, _ = x.shape
-        return q.view(b, t, -1, head_dim).transpose(1, 2)
+        norm = getattr(attn, "q_norm", None)
+        if norm is None:
+            return q.view(b, t, -1, head_dim).transpose(1, 2)
+        weight = getattr(norm, "weight", None)
+        if weight is not None and weight.numel() != head_dim:  # one norm over all heads
+            return norm(q).view(b, t, -1, head_dim).transpose(1, 2)
+        return norm(q.view(b, t, -1, head_dim)).transpose(1, 2)
 
     return project
 

@@ -7,7 +7,12 @@ milliseconds on CPU:
 * qwen2   q/k/v biases, RoPE theta 1e6, 7 query heads per KV head (Qwen2-7B's 28:4);
 * mistral a sliding window (24 tokens) shorter than the test sequences, so it really masks;
 * gemma   head_dim (32) != hidden / heads (16), multi-query (1 KV head), scaled embeddings;
-* phi3    one fused qkv_proj instead of q/k/v projections.
+* phi3    one fused qkv_proj instead of q/k/v projections;
+* qwen3   RMSNorm on each query and key head before RoPE (q_norm/k_norm), head_dim (32) !=
+          hidden / heads (16): the query is no longer a linear function of the layer input.
+
+`olmo2` (not in FAMILIES: only the query-projection seam test builds it) norms each query and
+key across all heads at once instead of per head.
 
 `deepseek_v2_config` is config-only: an MLA model (latent K/V) that methods must refuse before
 any weights exist.
@@ -17,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-FAMILIES = ("llama", "qwen2", "mistral", "gemma", "phi3")
+FAMILIES = ("llama", "qwen2", "mistral", "gemma", "phi3", "qwen3")
 SLIDING_WINDOW_TOKENS = 24  # the tiny Mistral's window (shorter than the contract sequences)
 
 
@@ -44,7 +49,12 @@ def family_config(family: str, layers: int = 2, vocab: int = 256):
     if family == "phi3":
         return tf.Phi3Config(**_common(64, 4, 2, vocab, layers), rope_theta=10000.0,
                              pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    raise ValueError(f"family={family!r}; allowed: {', '.join(FAMILIES)}")
+    if family == "qwen3":
+        return tf.Qwen3Config(**_common(64, 4, 2, vocab, layers), head_dim=32, rope_theta=1e6,
+                              use_sliding_window=False)
+    if family == "olmo2":
+        return tf.Olmo2Config(**_common(64, 4, 2, vocab, layers), rope_theta=10000.0)
+    raise ValueError(f"family={family!r}; allowed: {', '.join(FAMILIES)}, olmo2")
 
 
 def deepseek_v2_config(layers: int = 2, vocab: int = 256):
@@ -72,5 +82,8 @@ def tiny_family_model(family: str, layers: int = 2, seed: int = 0, attn: str = "
         for module in model.modules():
             if isinstance(module, torch.nn.Linear) and module.bias is not None:
                 module.bias.normal_(0.0, 0.5)
+        for name, module in model.named_modules():  # and q/k norm gains (ones) per channel
+            if name.endswith(("q_norm", "k_norm")):
+                module.weight.normal_(1.0, 0.5)
     hf_adapter.set_attention(model, attn)
     return model

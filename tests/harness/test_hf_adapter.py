@@ -10,7 +10,8 @@ import transformers
 from harness import hf_adapter
 from methods.base import Capabilities, KVLayer, KVMethod
 from tests.conftest import make_engine
-from tests.models import FAMILIES
+from methods.rope import rotate
+from tests.models import FAMILIES, tiny_family_model
 
 
 def test_pinned_transformers_version():
@@ -170,3 +171,46 @@ def test_requests_side_by_side_share_one_set_of_lookahead_hooks(tiny_model):
         assert len(_Prefetcher.calls) == 2 * layers - 1
     hooks = [m._forward_pre_hooks for m in hf_adapter.attention_modules(tiny_model)]
     assert all(len(h) == 0 for h in hooks) and not hasattr(tiny_model, "_kvh_lookahead")
+
+
+
+class _QueryKeeper(KVLayer):
+    def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
+        self.query = query
+        return super().attend(module, query, keys, values, attention_mask, base, **kwargs)
+
+
+class _QueryKeeperMethod(KVMethod):
+    name = "query_keeper"
+
+    def make_layer(self, layer_idx, info):
+        return _QueryKeeper(layer_idx, info)
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "olmo2"])
+def test_query_projector_gives_the_query_attention_uses(family):
+    """`query_projector` (InfiniGen's and TailorKV's speculation) rebuilds a layer's pre-RoPE
+    query from its input with the model's own weights: bias, fused qkv, head_dim and the query
+    norm (per head in Qwen3, across heads in OLMo-2). Rotated, it is the query the layer's
+    attention receives."""
+    model = tiny_family_model(family, 2)
+    seen = {}
+
+    def grab_input(module, args, kwargs):
+        seen["x"] = kwargs["hidden_states"]
+
+    engine = make_engine(model, _QueryKeeperMethod())
+    handle = hf_adapter.attention_modules(model)[1].register_forward_pre_hook(grab_input,
+                                                                              with_kwargs=True)
+    ids = torch.arange(3, 15)
+    try:
+        with engine.request() as req:
+            req.prefill(ids)
+            used = req.cache.kv_layers[1].query  # (1, H_q, T, D)
+    finally:
+        handle.remove()
+    with torch.inference_mode():
+        query = hf_adapter.query_projector(model)(1, seen["x"])
+    query = rotate(query, torch.arange(ids.numel())[None, None], hf_adapter.rope_inv_freq(model))
+    assert query.shape == used.shape
+    assert torch.allclose(query, used, atol=1e-5), family
