@@ -246,7 +246,11 @@ class InfiniGenLayer(KVLayer):
         self.counts: torch.Tensor | None = None  # (B, H_kv) how many of them are used (device)
         self.fetched: torch.Tensor | None = None  # (B, H_kv, n_max) slots moved (system mode)
         self.pending = None  # (Transfer, Transfer)
-        self._map: torch.Tensor | None = None  # (H_s, d, k_u) A[:, cols] / sqrt(d) of this request
+        self._map: torch.Tensor | None = None  # (H_s, d, k_u) A[:, cols] of this request
+        # the model's q.k multiplier (the `scaling` its attention passes; head_dim ** -0.5 for
+        # most, not for e.g. Granite): alpha is a margin in the model's own logits
+        self._scaling: float | None = None
+        self._qmap: torch.Tensor | None = None  # (H_s, d, k_u) A[:, cols] * scaling
         self.step = 0
         self._attended = 0  # tokens attended at the last forward (int, or a device tensor)
         self._decode_budget: int | None = None  # cap of the last sparse decode step + new token
@@ -325,10 +329,20 @@ class InfiniGenLayer(KVLayer):
         log_probs = scores - scores.logsumexp(-1, keepdim=True)
         return log_probs.logsumexp(2) - math.log(scores.shape[2])
 
-    def query_map(self) -> torch.Tensor:
+    def partial_map(self) -> torch.Tensor:
+        """(H_s, d, k_u) A[:, cols]: the calibration's, unless the prompt chose (prefill)."""
         if self._map is None:
-            self._map = self.art.partial_map(self.layer_idx) / math.sqrt(self.info.head_dim)
+            self._map = self.art.partial_map(self.layer_idx)
         return self._map
+
+    def query_map(self) -> torch.Tensor:
+        """The partial map times the model's scaling, so q_rot @ it @ partial keys are logits."""
+        if self._qmap is None:
+            if self._scaling is None:
+                raise RuntimeError(f"infinigen layer {self.layer_idx}: speculation before the "
+                                   "layer's first attention (its scaling is unknown)")
+            self._qmap = self.partial_map() * self._scaling
+        return self._qmap
 
     def partial_keys(self) -> torch.Tensor:
         """(B, H_s, k_u, T): the partial keys, channel-major."""
@@ -403,9 +417,9 @@ class InfiniGenLayer(KVLayer):
     def _append_partial(self, keys):
         if self.m.partial_index == "prefill" and self._map is None and keys.shape[2] > 1:
             return  # the prompt's columns are chosen in attend(); keys are added there
-        qmap = self.query_map()  # (H_s, d, k_u)
-        keys = expand_kv(keys.float(), qmap.shape[0] // keys.shape[1])  # (B, H_s, t, d)
-        part = _few_rows_matmul(keys, qmap) * math.sqrt(self.info.head_dim)  # (B, H_s, t, k_u)
+        cols = self.partial_map()  # (H_s, d, k_u)
+        keys = expand_kv(keys.float(), cols.shape[0] // keys.shape[1])  # (B, H_s, t, d)
+        part = _few_rows_matmul(keys, cols)  # (B, H_s, t, k_u)
         b, h, t, width = part.shape
         if self._pk is None or self._pk_len + t > self._pk.shape[3]:  # amortised growth
             grown = part.new_empty(b, h, width, max(256, 2 * (self._pk_len + t)))
@@ -425,11 +439,12 @@ class InfiniGenLayer(KVLayer):
 
     def _attend(self, module, query, keys, values, attention_mask, base, **kwargs):
         q_len = query.shape[2]
+        if self._scaling is None:
+            self._scaling = float(kwargs.get("scaling") or module.scaling)
         if q_len > 1:
             if not self.dense and self.m.partial_index == "prefill" and self._map is None:
                 q_e, k_e = self.art.energies_from(query, keys, self.layer_idx)
-                self._map = self.art.partial_map(self.layer_idx, q_e, k_e) / math.sqrt(
-                    self.info.head_dim)
+                self._map = self.art.partial_map(self.layer_idx, q_e, k_e)
                 self._append_partial(keys)
             if attention_mask is not None and attention_mask.shape[-1] != keys.shape[2]:
                 # The model builds one mask from layer 0's sizes; a layer whose pool evicted

@@ -21,7 +21,7 @@ At the end of a prompt (`on_prefill_end`; the prompt itself is prefilled densely
    memory on CUDA); only landmarks of the non-outlier chunks stay on the device.
 
 Each decode step (per layer): the new token's exact K/V join the local window (generated tokens are
-never compressed, as in the paper). Per query head p = softmax_j(q . m_j / sqrt(D)) over the
+never compressed, as in the paper). Per query head p = softmax_j(s q . m_j) over the
 non-outlier landmarks; one chunk set per KV head from the max of p over the group's query heads
 (the official GQA rule); the top-k chunks' values are gathered on the host and copied to the device
 (side stream on CUDA; the bytes go to the transfer ledger), while their keys are rebuilt on the
@@ -45,7 +45,7 @@ Other deliberate deviations (methods-2.md §9 quirks):
   prompt with at least one chunk beyond the local window is compressed (shorter prompts, and
   requests with no prompt at all such as streaming perplexity, stay dense: the harness then
   reports the run as inactive).
-* Landmark scores use 1/sqrt(D), not the hard-coded 1/sqrt(128).
+* Landmark scores use the model's own scaling s (1/sqrt(D) for most), not a hard-coded 1/sqrt(128).
 * The official accuracy class keeps the "CPU" values on the GPU; here they are really on the host
   tier and the fetch is real. The CPU class's cache of chunks fetched at earlier steps (only misses
   transferred) is not implemented: every step fetches its selected chunks (an upper bound on the
@@ -281,7 +281,8 @@ class ShadowKVLayer(KVLayer):
         n_out = self.outlier_keys.shape[2]
         local = min(self.keys.shape[2], budget - n_out)
         k = min(self.landmarks.shape[2], (budget - n_out - local) // c)
-        self.selected_chunks = self.select_chunks(query[:, :, 0], k)  # (B, H, k)
+        scaling = float(kwargs.get("scaling") or module.scaling)
+        self.selected_chunks = self.select_chunks(query[:, :, 0], k, scaling)  # (B, H, k)
         parts_k, parts_v = [self.outlier_keys], [self.outlier_values]
         if k:
             sel_k, sel_v = self._reconstruct(chunk_rows(self.selected_chunks, c))
@@ -293,13 +294,13 @@ class ShadowKVLayer(KVLayer):
         self._attended = n_out + k * c + local
         return base(module, query, torch.cat(parts_k, 2), torch.cat(parts_v, 2), None, **kwargs)
 
-    def select_chunks(self, query: torch.Tensor, k: int) -> torch.Tensor:
-        """Chunk ids `(B, H_kv, k)` (sorted): softmax of q . landmark / sqrt(D) per query head
+    def select_chunks(self, query: torch.Tensor, k: int, scaling: float) -> torch.Tensor:
+        """Chunk ids `(B, H_kv, k)` (sorted): softmax of scaling * q . landmark per query head
         over the non-outlier chunks, max over the group's query heads, top-k."""
         b, h_q, d = query.shape
         h = self.landmarks.shape[1]
         q = query.float().view(b, h, h_q // h, d)
-        probs = torch.softmax(q @ self.landmarks.float().transpose(2, 3) / d ** 0.5, -1)
+        probs = torch.softmax(q @ self.landmarks.float().transpose(2, 3) * scaling, -1)
         score = probs.amax(2)  # (B, H, C)
         top = score.topk(k, dim=-1).indices
         return self.landmark_chunks.gather(2, top).sort(-1).values

@@ -11,8 +11,9 @@ milliseconds on CPU:
 * qwen3   RMSNorm on each query and key head before RoPE (q_norm/k_norm), head_dim (32) !=
           hidden / heads (16): the query is no longer a linear function of the layer input.
 
-`olmo2` (not in FAMILIES: only the query-projection seam test builds it) norms each query and
-key across all heads at once instead of per head.
+Not in FAMILIES (only the tests of their one trait build them): `olmo2` norms each query and key
+across all heads at once instead of per head; `granite` scales q.k by `attention_multiplier`
+(0.05 here) instead of head_dim ** -0.5.
 
 `deepseek_v2_config` is config-only: an MLA model (latent K/V) that methods must refuse before
 any weights exist.
@@ -54,7 +55,10 @@ def family_config(family: str, layers: int = 2, vocab: int = 256):
                               use_sliding_window=False)
     if family == "olmo2":
         return tf.Olmo2Config(**_common(64, 4, 2, vocab, layers), rope_theta=10000.0)
-    raise ValueError(f"family={family!r}; allowed: {', '.join(FAMILIES)}, olmo2")
+    if family == "granite":
+        return tf.GraniteConfig(**_common(64, 4, 2, vocab, layers), rope_theta=10000.0,
+                                attention_multiplier=0.05)
+    raise ValueError(f"family={family!r}; allowed: {', '.join(FAMILIES)}, olmo2, granite")
 
 
 def deepseek_v2_config(layers: int = 2, vocab: int = 256):

@@ -89,3 +89,49 @@ def test_speculation_from_own_input_with_all_columns_selects_the_true_top_tokens
     per_kv = logits.view(1, info.num_kv_heads, info.group_size, 41).amax(2)
     expected = per_kv.topk(int(0.25 * 41), dim=-1).indices.sort(-1).values
     assert torch.equal(chosen, expected)
+
+
+@pytest.mark.parametrize("family", ["llama", "granite"])
+def test_speculated_count_is_in_the_models_own_logits(family, family_models, cache_dir):
+    """alpha is a margin in the logits the model's attention uses: q.k times ITS scaling
+    (Granite: attention_multiplier, not head_dim ** -0.5). With exact scores (partial_ratio=1),
+    the count above max - alpha per KV head (the group's max), floor-averaged over heads, is the
+    speculated count."""
+    model = family_models(family, 3)
+    info = hf_adapter.model_info(model.config)
+    method = build_method("infinigen", partial_ratio=1.0, budget_ratio=1.0, mode="simulate",
+                          speculation_input="own")
+    engine = make_engine(model, method)
+    ids = torch.randint(3, 250, (1, 41), generator=torch.Generator().manual_seed(4))
+    seen = {}
+
+    def grab_input(module, args, kwargs):
+        seen["x"], seen["pos"] = kwargs["hidden_states"], kwargs["position_ids"]
+
+    attention = hf_adapter.attention_modules(model)[2]
+    handle = attention.register_forward_pre_hook(grab_input, with_kwargs=True)
+    try:
+        with engine.request() as req:
+            req.prefill(ids[:, :40])
+            layer = req.cache.kv_layers[2]
+            attend = layer.attend
+
+            def grab_query(module, query, *args, **kwargs):
+                seen["q"] = query
+                return attend(module, query, *args, **kwargs)
+
+            layer.attend = grab_query
+            req.step(ids[:, 40])
+            keys = layer.keys  # (1, H_kv, 41, D)
+            logits = (seen["q"].float() @ expand_kv(keys, info.group_size).float()
+                      .transpose(2, 3))[:, :, 0] * attention.scaling  # (1, H_q, 41)
+            per_kv = logits.view(info.num_kv_heads, info.group_size, 41).amax(1)
+            ranked = per_kv[0].sort(descending=True).values  # head 0 counts exactly 14
+            method.alpha = float(ranked[0] - (ranked[13] + ranked[14]) / 2)
+            _, counts = layer.speculate(seen["x"], seen["pos"])
+    finally:
+        handle.remove()
+    per_head = (per_kv > per_kv.amax(-1, keepdim=True) - method.alpha).sum(-1)  # (H_kv,)
+    assert per_head[0] == 14
+    expected = int(per_head.float().mean().floor().clamp(1, 41))
+    assert counts.flatten().tolist() == [expected] * info.num_kv_heads

@@ -83,13 +83,15 @@ def test_a_query_on_a_landmark_selects_its_chunk_and_gqa_takes_the_max():
     assert layer.landmarks.shape == (1, 1, 8, 8)
     lm = layer.landmarks[0, 0]
     q = torch.stack([lm[5] * 50, torch.zeros(8)])[None]  # head 0 points at chunk 5, head 1 at none
-    assert layer.select_chunks(q, 1).tolist() == [[[5]]]
+    assert layer.select_chunks(q, 1, 8 ** -0.5).tolist() == [[[5]]]
     q = torch.stack([torch.zeros(8), lm[2] * 50])[None]  # the other query head of the group
-    assert layer.select_chunks(q, 1).tolist() == [[[2]]]
-    # by hand: softmax per query head / sqrt(D), max over the group
+    assert layer.select_chunks(q, 1, 8 ** -0.5).tolist() == [[[2]]]
+    # by hand: softmax per query head at the model's scaling, max over the group
     q = torch.randn(1, 2, 8)
-    probs = torch.softmax(q[0] @ lm.T / 8 ** 0.5, -1).amax(0)
-    assert layer.select_chunks(q, 3)[0, 0].tolist() == sorted(probs.topk(3).indices.tolist())
+    for scaling in (8 ** -0.5, 1 / 8, 2.0):
+        probs = torch.softmax(q[0] @ lm.T * scaling, -1).amax(0)
+        assert layer.select_chunks(q, 3, scaling)[0, 0].tolist() == sorted(
+            probs.topk(3).indices.tolist())
 
 
 def test_model_decode_steps_match_a_hand_computation_and_respect_the_budget(tiny_model, monkeypatch):
