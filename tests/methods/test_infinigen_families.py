@@ -30,6 +30,35 @@ def run(model, method, ids, prefill, chunk=16):
     return torch.cat(out, 1), engine
 
 
+def decode_and_capture(model, method, ids, inspect):
+    """Prefill ids[:, :-1] and decode the last token, capturing layer 2's attention input
+    (`x`, `pos`) and the query its attention used (`q`); then `inspect(layer, seen)` inside the
+    request (layer 2's state is live), whose result is returned."""
+    engine = make_engine(model, method)
+    seen = {}
+
+    def grab_input(module, args, kwargs):
+        seen["x"], seen["pos"] = kwargs["hidden_states"], kwargs["position_ids"]
+
+    handle = hf_adapter.attention_modules(model)[2].register_forward_pre_hook(grab_input,
+                                                                              with_kwargs=True)
+    try:
+        with engine.request() as req:
+            req.prefill(ids[:, :-1])
+            layer = req.cache.kv_layers[2]
+            attend = layer.attend
+
+            def grab_query(module, query, *args, **kwargs):
+                seen["q"] = query
+                return attend(module, query, *args, **kwargs)
+
+            layer.attend = grab_query
+            req.step(ids[:, -1])
+            return inspect(layer, seen)
+    finally:
+        handle.remove()
+
+
 @pytest.mark.parametrize("family", SERVED)
 def test_system_equals_simulate(family, family_models, cache_dir):
     model = family_models(family, 3)  # layers 0 and 1 dense, layer 2 speculated
@@ -59,33 +88,15 @@ def test_speculation_from_own_input_with_all_columns_selects_the_true_top_tokens
     info = hf_adapter.model_info(model.config)
     method = build_method("infinigen", partial_ratio=1.0, alpha=1e9, budget_ratio=0.25,
                           mode="simulate")
-    engine = make_engine(model, method)
     ids = torch.randint(3, 250, (1, 41), generator=torch.Generator().manual_seed(3))
-    seen = {}
 
-    def grab_input(module, args, kwargs):
-        seen["x"], seen["pos"] = kwargs["hidden_states"], kwargs["position_ids"]
+    def inspect(layer, seen):
+        slots, counts = layer.speculate(seen["x"], seen["pos"])  # best first, how many
+        # simulate mode keeps the keys (1, H_kv, 41, D) on the device
+        return slots[..., : int(counts.max())].sort(-1).values, layer.keys, seen["q"]
 
-    handle = hf_adapter.attention_modules(model)[2].register_forward_pre_hook(grab_input,
-                                                                              with_kwargs=True)
-    try:
-        with engine.request() as req:
-            req.prefill(ids[:, :40])
-            layer = req.cache.kv_layers[2]
-            attend = layer.attend
-
-            def grab_query(module, query, *args, **kwargs):
-                seen["q"] = query
-                return attend(module, query, *args, **kwargs)
-
-            layer.attend = grab_query
-            req.step(ids[:, 40])
-            slots, counts = layer.speculate(seen["x"], seen["pos"])  # best first, how many
-            chosen = slots[..., : int(counts.max())].sort(-1).values
-            keys = layer.keys  # (1, H_kv, 41, D): simulate mode keeps them on the device
-    finally:
-        handle.remove()
-    logits = (seen["q"].float() @ expand_kv(keys, info.group_size).float().transpose(2, 3))[:, :, 0]
+    chosen, keys, query = decode_and_capture(model, method, ids, inspect)
+    logits = (query.float() @ expand_kv(keys, info.group_size).float().transpose(2, 3))[:, :, 0]
     per_kv = logits.view(1, info.num_kv_heads, info.group_size, 41).amax(2)
     expected = per_kv.topk(int(0.25 * 41), dim=-1).indices.sort(-1).values
     assert torch.equal(chosen, expected)
@@ -99,38 +110,19 @@ def test_speculated_count_is_in_the_models_own_logits(family, family_models, cac
     speculated count."""
     model = family_models(family, 3)
     info = hf_adapter.model_info(model.config)
-    method = build_method("infinigen", partial_ratio=1.0, budget_ratio=1.0, mode="simulate",
-                          speculation_input="own")
-    engine = make_engine(model, method)
+    method = build_method("infinigen", partial_ratio=1.0, budget_ratio=1.0, mode="simulate")
     ids = torch.randint(3, 250, (1, 41), generator=torch.Generator().manual_seed(4))
-    seen = {}
+    scaling = hf_adapter.attention_modules(model)[2].scaling
 
-    def grab_input(module, args, kwargs):
-        seen["x"], seen["pos"] = kwargs["hidden_states"], kwargs["position_ids"]
+    def inspect(layer, seen):
+        logits = (seen["q"].float() @ expand_kv(layer.keys, info.group_size).float()
+                  .transpose(2, 3))[:, :, 0] * scaling  # (1, H_q, 41)
+        per_kv = logits.view(info.num_kv_heads, info.group_size, 41).amax(1)
+        ranked = per_kv[0].sort(descending=True).values  # head 0 counts exactly 14
+        method.alpha = float(ranked[0] - (ranked[13] + ranked[14]) / 2)
+        return per_kv, layer.speculate(seen["x"], seen["pos"])[1]
 
-    attention = hf_adapter.attention_modules(model)[2]
-    handle = attention.register_forward_pre_hook(grab_input, with_kwargs=True)
-    try:
-        with engine.request() as req:
-            req.prefill(ids[:, :40])
-            layer = req.cache.kv_layers[2]
-            attend = layer.attend
-
-            def grab_query(module, query, *args, **kwargs):
-                seen["q"] = query
-                return attend(module, query, *args, **kwargs)
-
-            layer.attend = grab_query
-            req.step(ids[:, 40])
-            keys = layer.keys  # (1, H_kv, 41, D)
-            logits = (seen["q"].float() @ expand_kv(keys, info.group_size).float()
-                      .transpose(2, 3))[:, :, 0] * attention.scaling  # (1, H_q, 41)
-            per_kv = logits.view(info.num_kv_heads, info.group_size, 41).amax(1)
-            ranked = per_kv[0].sort(descending=True).values  # head 0 counts exactly 14
-            method.alpha = float(ranked[0] - (ranked[13] + ranked[14]) / 2)
-            _, counts = layer.speculate(seen["x"], seen["pos"])
-    finally:
-        handle.remove()
+    per_kv, counts = decode_and_capture(model, method, ids, inspect)
     per_head = (per_kv > per_kv.amax(-1, keepdim=True) - method.alpha).sum(-1)  # (H_kv,)
     assert per_head[0] == 14
     expected = int(per_head.float().mean().floor().clamp(1, 41))
