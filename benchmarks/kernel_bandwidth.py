@@ -13,7 +13,8 @@ kernel and shape (Llama-3-8B KV heads: H_kv 8, H_q 32, D 128; contexts and batch
 achieved GB/s = bytes / median kernel time (CUDA events, warm-up first); printed as a share of the
 nominal peak and of the measured copy bandwidth. Goal (issue 14): >= 70 % of the peak. CUDA only:
 on CPU the Triton kernels run in the interpreter, which is a correctness tool, so nothing is
-timed (the script says so and exits 0).
+timed (the script says so and exits 0). `--json` is rewritten (atomically) after every row, so a
+timeout keeps the rows measured so far (`complete_contexts`, `finished` say how far it got).
 
     python benchmarks/kernel_bandwidth.py --contexts 8192 32768 --batches 1 8 --json out.json
 """
@@ -116,6 +117,9 @@ def main() -> int:
     rows = []
     print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s, nominal peak {args.peak_gbs:.0f}")
     print(f"{'kernel':8} {'B':>3} {'T':>7} {'MB':>9} {'us':>9} {'GB/s':>8} {'% peak':>7} {'% copy':>7}")
+    out = {"device": torch.cuda.get_device_name(), "copy_gbs": copy, "peak_gbs": args.peak_gbs,
+           "goal_share": args.goal, "planned": {"contexts": args.contexts, "batches": args.batches},
+           "complete_contexts": [], "finished": False, "rows": rows}
     for t in args.contexts:
         for b in args.batches:
             for name, case in (("sparse", lambda: sparse_case(b, t, args.ratio, dtype)),
@@ -128,11 +132,13 @@ def main() -> int:
                              "share_of_copy": gbs / copy,
                              "goal_met": gbs / args.peak_gbs >= args.goal})
                 print(f"{name:8} {b:3d} {t:7d} {nbytes / 1e6:9.2f} {ms * 1e3:9.1f} {gbs:8.0f} "
-                      f"{100 * gbs / args.peak_gbs:6.1f}% {100 * gbs / copy:6.1f}%")
+                      f"{100 * gbs / args.peak_gbs:6.1f}% {100 * gbs / copy:6.1f}%", flush=True)
+                if args.json:  # after every row: a timeout keeps the rows measured so far
+                    write_json_atomic(Path(args.json), out)
+        out["complete_contexts"].append(t)
+    out["finished"] = True
     if args.json:
-        write_json_atomic(Path(args.json), {"device": torch.cuda.get_device_name(), "copy_gbs": copy,
-                                   "peak_gbs": args.peak_gbs, "goal_share": args.goal,
-                                   "rows": rows})
+        write_json_atomic(Path(args.json), out)
     return 0
 
 
