@@ -194,7 +194,9 @@ class HostKVStore:
         self.values: torch.Tensor | None = None
         self.length = 0
         self._written = None  # CUDA event: device->host writes done (host reads must wait)
-        self._reading: list = []  # CUDA events: host->device copies reading the buffers (writes wait)
+        # CUDA event: the last host->device copy reading the buffers is done (host writes over
+        # stored rows wait for it; copies run in order on the tier's one side stream)
+        self._read = None
 
     def _host_ready(self) -> None:
         """Host-side reads (gather, growth, compaction) need the queued device->host writes."""
@@ -205,9 +207,9 @@ class HostKVStore:
     def _reads_done(self) -> None:
         """Host-side writes over stored rows (compaction) must wait for the copies reading them:
         the consumer waits for a copy on its stream, so the host may be ahead of it."""
-        for event in self._reading:
-            event.synchronize()
-        self._reading = []
+        if self._read is not None:
+            self._read.synchronize()
+            self._read = None
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write new rows `(B, H_kv, t, D)` (device -> host); counted as device-to-host bytes."""
@@ -263,7 +265,7 @@ class HostKVStore:
             keys, values = self.keys[: self.length], self.values[: self.length]
             moves = (self.tier.to_device(self.layer_idx, keys, self._written),
                      self.tier.to_device(self.layer_idx, values, self._written))
-            self._reading += [t.event for t in moves if t.event is not None]
+            self._read = moves[1].event  # None on the CPU tier (synchronous copies)
             return _HeadMajor(moves[0]), _HeadMajor(moves[1])
         self._host_ready()  # the host gathers: written rows first
         shape = (index.shape[-1], *self.keys.shape[1:])
