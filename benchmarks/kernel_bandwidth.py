@@ -116,7 +116,8 @@ def main() -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--dry-run", action="store_true",
                     help="rehearsal on CPU (Triton interpreter, TRITON_INTERPRET=1, tiny sizes): "
-                         "runs every step and writes the JSON, marked dry_run; timings mean nothing")
+                         "runs every step and writes the JSON, marked dry_run; timings mean "
+                         "nothing")
     args = ap.parse_args()
     if args.dry_run:
         if os.environ.get("TRITON_INTERPRET") != "1":

@@ -10,8 +10,9 @@ CPU peak RSS, which includes the weights). Capacity: the largest batch whose com
 fits `--kv-memory-gib` at this length, from the measured per-sequence device bytes.
 
 Cells (context, batch) run in `--order` (`batch`: batch 1 at every length first); within a cell
-the methods alternate, `--rounds` rounds, medians over rounds; the load average and thread policy are printed with the table. Ratios are
-against full at the same batch size, measured in the same rounds.
+the methods alternate, `--rounds` rounds, medians over rounds; the load average and thread
+policy are printed with the table. Ratios are against full at the same batch size, measured in
+the same rounds.
 
     python benchmarks/throughput.py --prompt-tokens 1024 --new-tokens 64 --batches 1 2 4 8 \\
         --methods full streaming_llm h2o kivi infinigen --json results/throughput.json
@@ -325,12 +326,13 @@ def main() -> None:
         finished_cells.add((length, b))
         record(args, out, runs, load_before, finished_cells, t0)
         if all((length, bb) in finished_cells for bb in args.batches):
-            cells = out["contexts"][str(length)]["cells"]
+            part = out["contexts"][str(length)]
             print(f"\n{args.model} on {device} ({args.dtype}), prompt {length} + "
                   f"{args.new_tokens} new tokens, {args.rounds} round(s), threads "
-                  f"{torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
-                  f"load avg {out['contexts'][str(length)]['load_avg']:.2f}")
-            print(table(cells, args.batches, args.kv_memory_gib), flush=True)
+                  f"{torch.get_num_threads()}, "
+                  f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
+                  f"load avg {part['load_avg']:.2f}")
+            print(table(part["cells"], args.batches, args.kv_memory_gib), flush=True)
     out["finished"] = True
     record(args, out, runs, load_before, finished_cells, t0)
 
@@ -377,8 +379,8 @@ def record(args, out: dict, runs: dict, load_before: dict, finished_cells: set, 
             load_avg = round((load_before[length] + os.getloadavg()[0]) / 2, 2)
         out["contexts"][str(length)] = {"load_avg": load_avg, "complete": complete,
                                         "cells": summarize(measured, args.kv_memory_gib)}
-    out["complete_contexts"] = [t for t in args.prompt_tokens
-                                if str(t) in out["contexts"] and out["contexts"][str(t)]["complete"]]
+    done = {t for t, part in out["contexts"].items() if part["complete"]}
+    out["complete_contexts"] = [t for t in args.prompt_tokens if str(t) in done]
     out["wall_s"] = round(time.time() - t0, 1)
     if args.json:
         write_json_atomic(Path(args.json), out)

@@ -91,10 +91,11 @@ def why_missing(run: dict | None, ctx: int, b: int, methods: tuple[str, ...]) ->
     return "not measured"
 
 
-def throughput_goals(key: str, run: dict | None, contexts: list[int], batches: list[int]) -> dict:
+def throughput_goals(key: str, run: dict | None, planned: list[int], batches: list[int]) -> dict:
     goals = {}
-    cells_at = lambda ctx: (((run or {}).get("contexts") or {}).get(str(ctx)) or {}).get("cells", {})
-    for ctx in contexts:
+    contexts = (run or {}).get("contexts") or {}
+    cells_at = lambda ctx: (contexts.get(str(ctx)) or {}).get("cells", {})
+    for ctx in planned:
         cells = cells_at(ctx)
         for b in batches:
             for method, base, label, minimum in THROUGHPUT_GOALS:

@@ -13,7 +13,8 @@ import pytest
 from benchmarks import throughput
 from tests.conftest import PROJECT
 
-_spec = importlib.util.spec_from_file_location("gpu_summary", PROJECT / "scripts" / "gpu_summary.py")
+_spec = importlib.util.spec_from_file_location("gpu_summary",
+                                               PROJECT / "scripts" / "gpu_summary.py")
 gpu_summary = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(gpu_summary)
 
@@ -65,7 +66,8 @@ PLAN = ["throughput_8b:32,64:1,2", "throughput_1b:32:1,2", "kernels:8192:1"]
 
 
 def test_summary_goals_table_and_nulls(parts, tmp_path):
-    assert gpu_summary.main([str(parts), str(tmp_path), *sum((["--expect", p] for p in PLAN), [])]) == 0
+    expect = [arg for p in PLAN for arg in ("--expect", p)]
+    assert gpu_summary.main([str(parts), str(tmp_path), *expect]) == 0
     summary = json.loads((tmp_path / "gpu_summary.json").read_text())
     run = summary["throughput_8b"]
     assert run["finished"] and run["complete_contexts"] == [32, 64]
