@@ -40,9 +40,9 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OF
 # InfiniGen's skewing artefacts (computed at prepare) go somewhere writable on a bare machine
 export KVH_CACHE_DIR="${KVH_CACHE_DIR:-/tmp/kvh-cache}"
 if [ "${GPU_CHECK_DRY:-0}" = 1 ]; then
-  DRY=(--dry-run) DEVICE=cpu DTYPE=float32 BIG=random_llama_tiny SMALL=random_llama_tiny
-  BIG_CTX="64 128" SMALL_CTX="64" BATCHES="1 2" NEW=4 KERNEL_CTX="256" KERNEL_B="1"
-  SKIP="full_offload:128:2 infinigen:128:2"
+  DRY=(--dry-run) DEVICE=cpu DTYPE=bfloat16 BIG=random_llama_tiny SMALL=random_llama_tiny
+  BIG_CTX="64 192" SMALL_CTX="64" BATCHES="1 2" NEW=4 KERNEL_CTX="256" KERNEL_B="1"
+  SKIP="full_offload:192:2 infinigen:192:2"
   export TRITON_INTERPRET=1  # the CPU stand-in for compiled kernels
 else
   DRY=() DEVICE=cuda DTYPE=bfloat16 BIG=random_llama_8b SMALL=random_llama_1b
