@@ -13,7 +13,8 @@ kernel and shape (Llama-3-8B KV heads: H_kv 8, H_q 32, D 128; contexts and batch
 achieved GB/s = bytes / median kernel time (CUDA events, warm-up first); printed as a share of the
 nominal peak and of the measured copy bandwidth. Goal (issue 14): >= 70 % of the peak. CUDA only:
 on CPU the Triton kernels run in the interpreter, which is a correctness tool, so nothing is
-timed (the script says so and exits 0).
+timed (the script says so and exits 0). `--json` is rewritten (atomically) after every row, so a
+timeout keeps the rows measured so far (`complete_contexts`, `finished` say how far it got).
 
     python benchmarks/kernel_bandwidth.py --contexts 8192 32768 --batches 1 8 --json out.json
 """
@@ -24,6 +25,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -36,7 +38,14 @@ H_KV, H_Q, HEAD_DIM = 8, 32, 128  # Llama-3-8B attention shape
 GB = 1e9
 
 
-def time_ms(fn, warmup: int = 5, iters: int = 30) -> float:
+def time_ms(fn, warmup: int = 5, iters: int = 30, cpu: bool = False) -> float:
+    if cpu:  # --dry-run only: wall time of the interpreter, a rehearsal of the bookkeeping
+        times = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -91,10 +100,10 @@ def kivi_case(b: int, t: int, dtype, device: str = "cuda", residual: int = 128,
     return (lambda: ka.decode_attention_triton(query, cache, HEAD_DIM ** -0.5)), nbytes
 
 
-def copy_gbs() -> float:
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+def copy_gbs(device: str = "cuda", nbytes: int = 2**30) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.nbytes / (time_ms(lambda: dst.copy_(src)) / 1e3) / GB
+    return 2 * src.nbytes / (time_ms(lambda: dst.copy_(src), cpu=device == "cpu") / 1e3) / GB
 
 
 def main() -> int:
@@ -105,34 +114,49 @@ def main() -> int:
     ap.add_argument("--peak-gbs", type=float, default=4800.0)
     ap.add_argument("--goal", type=float, default=0.7)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--dry-run", action="store_true",
+                    help="rehearsal on CPU (Triton interpreter, TRITON_INTERPRET=1, tiny sizes): "
+                         "runs every step and writes the JSON, marked dry_run; timings mean "
+                         "nothing")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    if args.dry_run:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise SystemExit("kernel_bandwidth --dry-run: set TRITON_INTERPRET=1 (CPU interpreter)")
+        device, name, dtype, iters = "cpu", "cpu (dry run)", torch.float32, 1
+    elif not torch.cuda.is_available():
         print("kernel_bandwidth: needs CUDA (on CPU the Triton kernels only run in the "
               "interpreter, a correctness tool): nothing timed")
         return 0
-    os.environ.setdefault("TRITON_INTERPRET", "0")
-    dtype = torch.bfloat16
-    copy = copy_gbs()
+    else:
+        os.environ.setdefault("TRITON_INTERPRET", "0")
+        device, name, dtype, iters = "cuda", torch.cuda.get_device_name(), torch.bfloat16, 30
+    cpu = device == "cpu"
+    copy = copy_gbs(device, 2**24 if cpu else 2**30)
     rows = []
-    print(f"{torch.cuda.get_device_name()}: copy {copy:.0f} GB/s, nominal peak {args.peak_gbs:.0f}")
+    print(f"{name}: copy {copy:.0f} GB/s, nominal peak {args.peak_gbs:.0f}")
     print(f"{'kernel':8} {'B':>3} {'T':>7} {'MB':>9} {'us':>9} {'GB/s':>8} {'% peak':>7} {'% copy':>7}")
+    out = {"device": name, "dry_run": args.dry_run, "copy_gbs": copy, "peak_gbs": args.peak_gbs,
+           "goal_share": args.goal, "planned": {"contexts": args.contexts, "batches": args.batches},
+           "complete_contexts": [], "finished": False, "rows": rows}
     for t in args.contexts:
         for b in args.batches:
-            for name, case in (("sparse", lambda: sparse_case(b, t, args.ratio, dtype)),
-                               ("kivi", lambda: kivi_case(b, t, dtype))):
+            for kernel, case in (("sparse", lambda: sparse_case(b, t, args.ratio, dtype, device)),
+                                 ("kivi", lambda: kivi_case(b, t, dtype, device))):
                 fn, nbytes = case()
-                ms = time_ms(fn)
+                ms = time_ms(fn, iters=iters, cpu=cpu)
                 gbs = nbytes / (ms / 1e3) / GB
-                rows.append({"kernel": name, "batch": b, "context": t, "bytes": nbytes,
+                rows.append({"kernel": kernel, "batch": b, "context": t, "bytes": nbytes,
                              "ms": ms, "gbs": gbs, "share_of_peak": gbs / args.peak_gbs,
                              "share_of_copy": gbs / copy,
                              "goal_met": gbs / args.peak_gbs >= args.goal})
-                print(f"{name:8} {b:3d} {t:7d} {nbytes / 1e6:9.2f} {ms * 1e3:9.1f} {gbs:8.0f} "
-                      f"{100 * gbs / args.peak_gbs:6.1f}% {100 * gbs / copy:6.1f}%")
+                print(f"{kernel:8} {b:3d} {t:7d} {nbytes / 1e6:9.2f} {ms * 1e3:9.1f} {gbs:8.0f} "
+                      f"{100 * gbs / args.peak_gbs:6.1f}% {100 * gbs / copy:6.1f}%", flush=True)
+                if args.json:  # after every row: a timeout keeps the rows measured so far
+                    write_json_atomic(Path(args.json), out)
+        out["complete_contexts"].append(t)
+    out["finished"] = True
     if args.json:
-        write_json_atomic(Path(args.json), {"device": torch.cuda.get_device_name(), "copy_gbs": copy,
-                                   "peak_gbs": args.peak_gbs, "goal_share": args.goal,
-                                   "rows": rows})
+        write_json_atomic(Path(args.json), out)
     return 0
 
 

@@ -15,6 +15,10 @@ SHAPES = {
     "random_llama_8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                             num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                             rope_theta=500000.0),
+    # a few-MB Llama (GQA 4/2, head_dim 64) for CPU tests and gpu_check.sh's dry run
+    "random_llama_tiny": dict(vocab_size=512, hidden_size=256, intermediate_size=512,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              rope_theta=500000.0),
 }
 
 

@@ -9,9 +9,10 @@ the end per tier (compute device and host), and the process peak memory (CUDA ma
 CPU peak RSS, which includes the weights). Capacity: the largest batch whose compute-device KV
 fits `--kv-memory-gib` at this length, from the measured per-sequence device bytes.
 
-Methods alternate within each round (every method at B, then the next B), `--rounds` rounds,
-medians over rounds; the load average and thread policy are printed with the table. Ratios are
-against full at the same batch size, measured in the same rounds.
+Cells (context, batch) run in `--order` (`batch`: batch 1 at every length first); within a cell
+the methods alternate, `--rounds` rounds, medians over rounds; the load average and thread
+policy are printed with the table. Ratios are against full at the same batch size, measured in
+the same rounds.
 
     python benchmarks/throughput.py --prompt-tokens 1024 --new-tokens 64 --batches 1 2 4 8 \\
         --methods full streaming_llm h2o kivi infinigen --json results/throughput.json
@@ -25,6 +26,11 @@ KV at this length) by request-level admission (all layers' blocks or wait) and b
 TTFT mean / max from the arrival, decode ms per step, end-to-end tokens/s, bytes moved.
 
     python benchmarks/throughput.py --prompt-tokens 1024 --new-tokens 64 --ttft-concurrency 1 2 4 8
+
+`--json` is rewritten (atomically) after every measurement, so a run killed by a timeout keeps
+what it measured: `complete_contexts` lists the lengths whose batch sizes are all done (each
+context says `complete`), `finished` is true only after the last cell, `skipped` / `failed` name
+cells not run (`--skip-cells`) or out of memory (the run goes on with the next cell).
 
 Offload rows also report host->device MB per decode step, the copies' own duration (transfer ms)
 and the part of it the consumer waited for (exposed ms), per decode step (prefill copies
@@ -249,12 +255,19 @@ def main() -> None:
                                                      "infinigen"], choices=list(METHODS))
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    ap.add_argument("--json", default=None, help="write the results here (atomically)")
+    ap.add_argument("--json", default=None,
+                    help="write the results here (atomically, after every measured cell)")
+    ap.add_argument("--order", default="context", choices=["context", "batch"],
+                    help="context: each length's batches in turn; batch: every length at the "
+                         "first batch size before the next batch size")
+    ap.add_argument("--skip-cells", nargs="*", default=[], metavar="METHOD:CONTEXT:BATCH",
+                    help="cells not to run (e.g. ones that would not fit in host memory)")
     ap.add_argument("--ttft-concurrency", type=int, nargs="*", default=None,
                     help="instead of the batch table: TTFT vs N concurrent requests (LayerKV)")
     ap.add_argument("--kv-device-limit-mib", type=float, default=None,
                     help="with --ttft-concurrency: the device KV limit (default: two requests)")
     args = ap.parse_args()
+    skip = parse_skips(args.skip_cells)
     model, tok, device, text = load(args)
     info = hf_adapter.model_info(model.config, DTYPES[args.dtype])
     vocab = model.config.vocab_size
@@ -273,26 +286,101 @@ def main() -> None:
                             "threads": torch.get_num_threads(),
                             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                             "kv_memory_gib": args.kv_memory_gib,
-                            "methods": {n: METHODS[n] for n in args.methods}, "contexts": {}}
-    for length in args.prompt_tokens:
-        load_before = os.getloadavg()[0]
-        runs: dict[str, dict[str, list[dict]]] = {n: {} for n in args.methods}
+                            "methods": {n: METHODS[n] for n in args.methods},
+                            "planned": {"contexts": args.prompt_tokens, "batches": args.batches,
+                                        "order": args.order},
+                            "skipped": {}, "failed": {}, "complete_contexts": [],
+                            "finished": False, "contexts": {}}
+    runs: dict[int, dict[str, dict[str, list[dict]]]] = {}
+    load_before: dict[int, float] = {}
+    finished_cells: set[tuple[int, int]] = set()
+    for length, b in cell_order(args.prompt_tokens, args.batches, args.order):
+        load_before.setdefault(length, os.getloadavg()[0])
+        per_method = runs.setdefault(length, {n: {} for n in args.methods})
+        prompts = prompts_from(text, vocab, b, length)
         for _ in range(args.rounds):
-            for b in args.batches:
-                prompts = prompts_from(text, vocab, b, length)
-                for name in args.methods:  # alternate within the round
+            for name in args.methods:  # alternate within the round
+                if (name, length, b) in skip:
+                    out["skipped"].setdefault(str(length), {}).setdefault(name, {})[str(b)] = \
+                        "--skip-cells"
+                    continue
+                try:
                     r = measure(model, tok, info, name, methods[name], prompts, args.new_tokens)
-                    runs[name].setdefault(str(b), []).append(r)
-                    print(f"  {length} {name} B={b}: {r['decode_tokens_per_s']:.1f} tok/s, "
-                          f"{r['decode_ms_per_step']:.1f} ms/step (load "
-                          f"{os.getloadavg()[0]:.1f})", flush=True)
-        cells = summarize(runs, args.kv_memory_gib)
-        load_avg = (load_before + os.getloadavg()[0]) / 2
-        print(f"\n{args.model} on {device} ({args.dtype}), prompt {length} + {args.new_tokens} "
-              f"new tokens, {args.rounds} round(s), threads {torch.get_num_threads()}, "
-              f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, load avg {load_avg:.2f}")
-        print(table(cells, args.batches, args.kv_memory_gib))
-        out["contexts"][str(length)] = {"load_avg": round(load_avg, 2), "cells": cells}
+                except (torch.OutOfMemoryError, RuntimeError) as exc:
+                    # device or pinned-host memory: record the cell as failed, go on with the rest
+                    if "out of memory" not in str(exc).lower():
+                        raise
+                    out["failed"].setdefault(str(length), {}).setdefault(name, {})[str(b)] = \
+                        str(exc).splitlines()[0][:300]
+                    print(f"  {length} {name} B={b}: out of memory ({str(exc).splitlines()[0]})",
+                          flush=True)
+                    free_memory()
+                    record(args, out, runs, load_before, finished_cells, t0)
+                    continue
+                per_method[name].setdefault(str(b), []).append(r)
+                print(f"  {length} {name} B={b}: {r['decode_tokens_per_s']:.1f} tok/s, "
+                      f"{r['decode_ms_per_step']:.1f} ms/step (load "
+                      f"{os.getloadavg()[0]:.1f})", flush=True)
+                # after every measurement: a timeout or a crash later keeps what is measured
+                record(args, out, runs, load_before, finished_cells, t0)
+        finished_cells.add((length, b))
+        record(args, out, runs, load_before, finished_cells, t0)
+        if all((length, bb) in finished_cells for bb in args.batches):
+            part = out["contexts"][str(length)]
+            print(f"\n{args.model} on {device} ({args.dtype}), prompt {length} + "
+                  f"{args.new_tokens} new tokens, {args.rounds} round(s), threads "
+                  f"{torch.get_num_threads()}, "
+                  f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
+                  f"load avg {part['load_avg']:.2f}")
+            print(table(part["cells"], args.batches, args.kv_memory_gib), flush=True)
+    out["finished"] = True
+    record(args, out, runs, load_before, finished_cells, t0)
+
+
+def free_memory() -> None:
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch._C._host_emptyCache()  # cached pinned blocks too
+
+
+def cell_order(contexts: list[int], batches: list[int], order: str) -> list[tuple[int, int]]:
+    """(context, batch) cells in run order: `context` (each context's batches in turn) or `batch`
+    (each batch's contexts in turn: batch 1 at every length before the larger batches)."""
+    if order == "batch":
+        return [(t, b) for b in batches for t in contexts]
+    return [(t, b) for t in contexts for b in batches]
+
+
+def parse_skips(items: list[str]) -> set[tuple[str, int, int]]:
+    """`METHOD:CONTEXT:BATCH` cells not to run (recorded under "skipped")."""
+    skips = set()
+    for item in items:
+        try:
+            name, length, batch = item.split(":")
+            skips.add((name, int(length), int(batch)))
+        except ValueError:
+            raise SystemExit(f"--skip-cells {item!r}: want METHOD:CONTEXT:BATCH") from None
+    return skips
+
+
+def record(args, out: dict, runs: dict, load_before: dict, finished_cells: set, t0: float) -> None:
+    """Summarise what is measured so far into `out` and write it (atomically) to --json: a
+    context is in `complete_contexts` once all its batch sizes are done (each context's entry
+    says `complete` too); `finished` is true only after the last cell."""
+    for length, per_method in runs.items():
+        measured = {n: pb for n, pb in per_method.items() if pb}
+        complete = all((length, b) in finished_cells for b in args.batches)
+        previous = out["contexts"].get(str(length), {})
+        load_avg = previous.get("load_avg")
+        if complete and load_avg is None:  # the load over the context's cells, once complete
+            load_avg = round((load_before[length] + os.getloadavg()[0]) / 2, 2)
+        out["contexts"][str(length)] = {"load_avg": load_avg, "complete": complete,
+                                        "cells": summarize(measured, args.kv_memory_gib)}
+    done = {t for t, part in out["contexts"].items() if part["complete"]}
+    out["complete_contexts"] = [t for t in args.prompt_tokens if str(t) in done]
     out["wall_s"] = round(time.time() - t0, 1)
     if args.json:
         write_json_atomic(Path(args.json), out)

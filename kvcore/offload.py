@@ -128,9 +128,14 @@ class Tier:
     def host_tensor(self, shape, dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
 
-    def to_device(self, layer: int, host: torch.Tensor) -> "Transfer":
+    def to_device(self, layer: int, host: torch.Tensor, after="stream") -> "Transfer":
         """Start a host-to-device copy of `host` (contiguous; pinned on CUDA) on the side stream;
-        returns the in-flight transfer."""
+        returns the in-flight transfer. `after`: what device work must finish before the copy
+        reads `host` (device->host writes into it): "stream" (default) all work queued on the
+        current stream so far; a CUDA event (the last write into `host`); None: nothing
+        (the host wrote it, or its writes are already done). Waiting on the whole current stream
+        also delays the copy behind compute queued before it, which stops it overlapping that
+        compute: callers that know their writes pass them."""
         if not host.is_contiguous():
             raise ValueError(f"layer {layer}: host-to-device copy of a non-contiguous tensor "
                              f"{tuple(host.shape)} (it would be staged through pageable memory)")
@@ -144,8 +149,11 @@ class Tier:
             ms = (time.perf_counter() - t0) * 1e3
             self.ledger.transfer_ms_resolved += ms  # synchronous: all of it is also exposed
             return Transfer(self, out, None, ms)
-        # the copy may read host rows the current stream's earlier work wrote (D2H appends)
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        # the copy may read host rows the device's earlier work wrote (D2H appends)
+        if after == "stream":
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        elif after is not None:
+            self.stream.wait_event(after)
         with torch.cuda.stream(self.stream):
             start = torch.cuda.Event(enable_timing=True)
             start.record(self.stream)
@@ -186,12 +194,22 @@ class HostKVStore:
         self.values: torch.Tensor | None = None
         self.length = 0
         self._written = None  # CUDA event: device->host writes done (host reads must wait)
+        # CUDA event: the last host->device copy reading the buffers is done (host writes over
+        # stored rows wait for it; copies run in order on the tier's one side stream)
+        self._read = None
 
     def _host_ready(self) -> None:
         """Host-side reads (gather, growth, compaction) need the queued device->host writes."""
         if self._written is not None:
             self._written.synchronize()
             self._written = None
+
+    def _reads_done(self) -> None:
+        """Host-side writes over stored rows (compaction) must wait for the copies reading them:
+        the consumer waits for a copy on its stream, so the host may be ahead of it."""
+        if self._read is not None:
+            self._read.synchronize()
+            self._read = None
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Write new rows `(B, H_kv, t, D)` (device -> host); counted as device-to-host bytes."""
@@ -241,15 +259,20 @@ class HostKVStore:
         """Start moving rows to the device: all of them (one contiguous pinned block), or
         `index (B, H_kv, n)` per head (gathered on the host into a contiguous pinned staging
         buffer first). `wait()` on the transfers gives `(B, H_kv, n, D)` views."""
-        self._host_ready()
         if index is None:
+            # the stored rows themselves: the copy waits (on the side stream) for the last
+            # device->host write only, not for everything queued on the current stream
             keys, values = self.keys[: self.length], self.values[: self.length]
-        else:
-            shape = (index.shape[-1], *self.keys.shape[1:])
-            keys, values = self._gather(index, self.tier.host_tensor(shape, self.keys.dtype),
-                                        self.tier.host_tensor(shape, self.values.dtype))
-        return (_HeadMajor(self.tier.to_device(self.layer_idx, keys)),
-                _HeadMajor(self.tier.to_device(self.layer_idx, values)))
+            moves = (self.tier.to_device(self.layer_idx, keys, self._written),
+                     self.tier.to_device(self.layer_idx, values, self._written))
+            self._read = moves[1].event  # None on the CPU tier (synchronous copies)
+            return _HeadMajor(moves[0]), _HeadMajor(moves[1])
+        self._host_ready()  # the host gathers: written rows first
+        shape = (index.shape[-1], *self.keys.shape[1:])
+        keys, values = self._gather(index, self.tier.host_tensor(shape, self.keys.dtype),
+                                    self.tier.host_tensor(shape, self.values.dtype))
+        return (_HeadMajor(self.tier.to_device(self.layer_idx, keys, None)),
+                _HeadMajor(self.tier.to_device(self.layer_idx, values, None)))
 
     def fetch_channels(self, channels: torch.Tensor) -> "_HeadMajor":
         """Start moving a few key channels of every stored token: `channels (B, H_kv, c)` per
@@ -260,12 +283,13 @@ class HostKVStore:
         index = channels.to("cpu")[None].expand(self.length, *channels.shape)
         staged = self.tier.host_tensor(index.shape, keys.dtype)
         torch.gather(keys, 3, index, out=staged)
-        return _HeadMajor(self.tier.to_device(self.layer_idx, staged))
+        return _HeadMajor(self.tier.to_device(self.layer_idx, staged, None))
 
     def keep(self, index: torch.Tensor) -> None:
         """Compact the store to `index (B, H_kv, n)` per head (pool eviction; host-side only)."""
         self._host_ready()
         kept_k, kept_v = self._gather(index)
+        self._reads_done()  # rows [:n] are overwritten below
         n = index.shape[-1]
         self.keys[:n] = kept_k
         self.values[:n] = kept_v
@@ -326,8 +350,8 @@ class PagedHostKVStore(HostKVStore):
             if index is not None:
                 rows = gather_rows(rows, index.to("cpu"))
             staged = self.tier.host_tensor(rows.shape, rows.dtype)
-            staged.copy_(rows)
-            transfers.append(self.tier.to_device(self.layer_idx, staged))
+            staged.copy_(rows)  # on the host: nothing on the device writes it
+            transfers.append(self.tier.to_device(self.layer_idx, staged, None))
         return transfers[0], transfers[1]
 
     def keep(self, index: torch.Tensor) -> None:

@@ -75,6 +75,10 @@ def _check(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
         raise ValueError("index selects no tokens (N = 0)")
     if index.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"index dtype {index.dtype}; expected int32 or int64")
+    devices = {x.device for x in (query, keys, values, index)}
+    if len(devices) > 1:  # the kernel would read a host pointer as a device one
+        raise ValueError(f"query, keys, values and index are on different devices: "
+                         f"{', '.join(str(x.device) for x in (query, keys, values, index))}")
 
 
 def _block_n(n: int, block_d: int) -> int:

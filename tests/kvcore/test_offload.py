@@ -22,9 +22,9 @@ def spy_sources(monkeypatch):
     sources = []
     real = Tier.to_device
 
-    def spy(self, layer, host):
+    def spy(self, layer, host, *args):
         sources.append(host)
-        return real(self, layer, host)
+        return real(self, layer, host, *args)
 
     monkeypatch.setattr(Tier, "to_device", spy)
     return sources

@@ -133,6 +133,7 @@ def test_cpu_without_interpreter_takes_the_torch_path(monkeypatch):
     (lambda q, k, v, i: (q, k, v, i.float()), "index dtype"),
     (lambda q, k, v, i: (q, k, v[..., :4], i), "values"),
     (lambda q, k, v, i: (q, k, v, i[:, :1]), "is not"),
+    (lambda q, k, v, i: (q, k, v, i.to("meta")), "different devices"),
 ])
 def test_bad_arguments_are_refused(change, message, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")  # checks run before dispatch; keep this test cheap
