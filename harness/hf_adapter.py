@@ -280,8 +280,7 @@ def model_info(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> 
     """ModelInfo from a config alone (no weights), so validation runs before loading."""
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    rope = getattr(config, "rope_parameters", None) or {}
-    rope = rope if isinstance(rope, dict) else {}
+    rope, rope_type = _rope_parameters(config)
     theta = rope.get("rope_theta", getattr(config, "rope_theta", None))
     window, sliding = _sliding_window(config)
     return ModelInfo(
@@ -293,7 +292,7 @@ def model_info(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> 
         dtype=dtype,
         rope_theta=theta,
         model_type=getattr(config, "model_type", "unknown"),
-        rope_type=str(rope.get("rope_type", "default")),
+        rope_type=rope_type,
         rotary_ratio=float(rope.get("partial_rotary_factor",
                                     getattr(config, "partial_rotary_factor", None) or 1.0)),
         sliding_window_tokens=window,
@@ -301,6 +300,21 @@ def model_info(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> 
         cache_format="latent" if getattr(config, "kv_lora_rank", None) else "heads",
         attention_quirks=_attention_quirks(config),
     )
+
+
+def _rope_parameters(config: PretrainedConfig) -> tuple[dict[str, Any], str]:
+    """(RoPE parameters, rope_type). Gemma-3 keys its `rope_parameters` by layer type
+    ({"sliding_attention": {...}, "full_attention": {...}}): a RoPE model all the same, whose
+    layers rotate with different parameters (one `inv_freq` per type, none shared), which the
+    methods rotating keys themselves cannot reproduce: named as its own rope_type."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope = rope if isinstance(rope, dict) else {}
+    per_type = {kind: p for kind, p in rope.items() if isinstance(p, dict)}
+    if not per_type or "rope_theta" in rope:
+        return rope, str(rope.get("rope_type", "default"))
+    described = ", ".join(f"{kind}: {p.get('rope_type', 'default')} theta {p.get('rope_theta')}"
+                          for kind, p in sorted(per_type.items()))
+    return next(iter(per_type.values())), f"per layer type ({described})"
 
 
 def _attention_quirks(config: PretrainedConfig) -> tuple[str, ...]:

@@ -110,10 +110,20 @@ def resolve_model(cfg: dict[str, Any]) -> ModelSpec:
         if local.exists() or str(source).startswith(("/", ".", "~")):
             _check_local_folder(local, "model.name_or_path")
             return ModelSpec(name, str(local), str(source), dtype, device, "folder",
-                             {"label": local.resolve().name})
+                             {"label": _folder_label(local)})
         return ModelSpec(name, str(source), str(source), dtype, device, "hub",
                          {"label": str(source)})
     raise ConfigError(f"model.name={name!r} is unknown; allowed: smollm2_135m, stories260k, hf")
+
+
+def _folder_label(folder: Path) -> str:
+    """A model folder's name; a hub cache snapshot (`models--<org>--<name>/snapshots/<revision>`,
+    what `huggingface-cli download` leaves) is named by its hub id, not by its revision hash."""
+    folder = folder.resolve()
+    repo = folder.parent.parent.name
+    if folder.parent.name == "snapshots" and repo.startswith("models--"):
+        return repo[len("models--"):].replace("--", "/")
+    return folder.name
 
 
 def _resolve_hf_gguf(cfg: dict[str, Any], dtype: torch.dtype, device: torch.device) -> ModelSpec:

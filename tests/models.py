@@ -16,7 +16,7 @@ across all heads at once instead of per head; `granite` scales q.k by `attention
 (0.05 here) instead of head_dim ** -0.5.
 
 `deepseek_v2_config` is config-only: an MLA model (latent K/V) that methods must refuse before
-any weights exist.
+any weights exist; so is `gemma3_text_config` (RoPE parameters per layer type).
 """
 
 from __future__ import annotations
@@ -71,6 +71,17 @@ def deepseek_v2_config(layers: int = 2, vocab: int = 256):
                             q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=8,
                             v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
                             first_k_dense_replace=layers, max_position_embeddings=512)
+
+
+def gemma3_text_config(layers: int = 6, vocab: int = 256):
+    """A tiny Gemma-3 text config: RoPE parameters per layer type (local theta on the sliding
+    layers, global on every sixth), so no single set of frequencies rotates every layer."""
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=1,
+                            head_dim=32, sliding_window=SLIDING_WINDOW_TOKENS,
+                            max_position_embeddings=512)
 
 
 def tiny_family_model(family: str, layers: int = 2, seed: int = 0, attn: str = "sdpa"):

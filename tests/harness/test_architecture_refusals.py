@@ -11,7 +11,7 @@ from harness.run import run
 from kvcore.errors import ConfigError
 from tests.conftest import PROJECT
 from tests.harness.test_run import cfg_for, no_weight_loading  # noqa: F401 (fixture)
-from tests.models import deepseek_v2_config, family_config
+from tests.models import deepseek_v2_config, family_config, gemma3_text_config
 
 
 def model_folder(tmp_path, config):
@@ -48,6 +48,10 @@ REFUSED = [  # (config, method overrides, fragment of the one-line reason)
     (lambda: rope_variant("llama", rope_type="yarn", factor=4.0,
                           original_max_position_embeddings=128),
      ["method=infinigen"], "llama uses rope_type=yarn"),
+    (gemma3_text_config, ["method=kvquant"],  # a RoPE model, but one inv_freq per layer type
+     "method=kvquant applies plain RoPE over the whole head itself; gemma3_text uses "
+     "rope_type=per layer type (full_attention: default theta 1000000.0, sliding_attention: "
+     "default theta 10000.0)"),
     (deepseek_v2_config, ["method=full"], "caches a 'latent' format (multi-head latent attention)"),
     (deepseek_v2_config, ["method=kivi"], "method=kivi needs per-head K/V caches"),
     (deepseek_v2_config, ["method=h2o"], "method=h2o needs per-head K/V caches"),
@@ -72,6 +76,7 @@ def test_refused_before_weights_in_one_line(config, overrides, message, no_weigh
     (no_rope_config, ["method=h2o"]),
     (lambda: family_config("mistral"), ["method=kivi"]),  # keeps every token: the mask holds
     (lambda: family_config("qwen2"), ["method=h2o"]),  # sliding_window set but unused (layer_types)
+    (gemma3_text_config, ["method=kivi"]),  # no RoPE of its own: per-layer-type RoPE is fine
 ])
 def test_servable_architectures_reach_weight_loading(config, overrides, no_weight_loading,
                                                      tmp_path):

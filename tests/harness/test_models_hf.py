@@ -99,6 +99,16 @@ def test_identity_is_folder_name_plus_config_hash(tmp_path):
     assert name(copy).split("-")[-1] == name(a).split("-")[-1]  # same config, same hash
 
 
+def test_hub_cache_snapshot_is_named_by_its_hub_id(tmp_path):
+    """A folder of the hub cache is named as the hub id would be, never by its revision hash."""
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    folder = saved_tiny(tmp_path / "hub" / "models--acme--tiny-lm" / "snapshots" / revision)
+    spec = models.resolve_model({"name": "hf", "name_or_path": str(folder), "device": "cpu"})
+    named = models.identify(spec, models.load_config(spec))
+    assert named.name == f"acme_tiny-lm-{named.extra['identity']['config_hash']}"
+    assert named.source == str(folder)
+
+
 def test_hf_results_are_named_by_model_identity(tmp_path):
     need_shared(STORIES)
     local = tmp_path / "my-stories"
