@@ -308,7 +308,7 @@ class MultiTurn(Task):
             "decoding": "greedy, stops at the tokenizer/generation-config EOS ids",
             "metric": "value string match per turn (string_match_all, one reference), percent",
             "needle_depths": "random from RULER's 40-point grid, distinct per conversation",
-            "seed": self.seed,
+            "task_seed": self.seed,  # needle placement (runner.seed is "seed")
         }
         return TaskResult(metrics=metrics, samples=rows, protocol=protocol)
 

@@ -706,7 +706,7 @@ class Ruler(Task):
             "vt": {"chains": VT_CHAINS, "hops": VT_HOPS, "in_context_examples": 1},
             "cwe": {"common_words": CWE_COMMON, "repeats": "6/1 under 4096 tokens, 30/3 from 4096",
                     "in_context_examples": 1},
-            "seed": self.seed,
+            "task_seed": self.seed,  # needle placement (runner.seed is "seed")
             "query": QUERY_MODES[self.query],
             "variant": f"query-{self.query}",  # the report's curve label (harness.report)
         }

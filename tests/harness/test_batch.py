@@ -78,10 +78,11 @@ def test_tasks_that_cannot_batch_are_refused_before_loading(tiny_model):
 
 def test_ruler_batched_run_writes_the_same_answers(tmp_path):
     """The runner end to end at runner.batch_size=2 (3 samples: a batch of 2, then 1) gives the
-    same predictions as batch 1, and metrics.json carries the batch and decode token count."""
+    same predictions as batch 1, and metrics.json carries the batch, the decode token count and
+    both seeds (the runner's and the task's needle seed, neither hiding the other)."""
     need_shared(STORIES)
     common = ["model=stories260k", "task=ruler", "task.lengths=[480]", "task.depths=[0,50,100]",
-              "task.subtasks=[niah_single]",
+              "task.subtasks=[niah_single]", "task.seed=7", "runner.seed=3",
               "task.max_new_tokens=4", f"runner.results_root={tmp_path}"]
     outs = [run(cfg_for(*common, f"runner.batch_size={b}", f"runner.output_dir={tmp_path}/b{b}"))
             for b in (1, 2)]
@@ -90,6 +91,7 @@ def test_ruler_batched_run_writes_the_same_answers(tmp_path):
     assert [s["prediction"] for s in samples[0]] == [s["prediction"] for s in samples[1]]
     metrics = json.loads((outs[1] / "metrics.json").read_text())
     assert metrics["protocol"]["batch_size"] == 2
+    assert (metrics["protocol"]["seed"], metrics["protocol"]["task_seed"]) == (3, 7)
     assert metrics["speed"]["decode_tokens"] == sum(s["generated_tokens"] - 1 for s in samples[1])
 
 
