@@ -216,6 +216,21 @@ def _hub_hint(spec: ModelSpec, exc: Exception) -> str:
             "model=hf model.name_or_path=<local folder>")
 
 
+# Passed to every chat template the harness renders. Hybrid-thinking templates (Qwen3) open a
+# <think> block by default, which would spend a task's generation budget (LongBench's 32-512
+# tokens) before any answer; templates without the switch ignore the variable.
+CHAT_TEMPLATE_KWARGS = {"enable_thinking": False}
+
+
+def chat_text(tokenizer, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+              continue_final_message: bool = False) -> str:
+    """The tokenizer's chat template rendered to text (the one way tasks render chats)."""
+    return tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message,
+                                         **CHAT_TEMPLATE_KWARGS)
+
+
 def load_model(spec: ModelSpec, attn: str = "sdpa"):
     """Load weights and tokenizer, switch to our registered attention. Returns (model, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -38,6 +38,7 @@ import torch
 
 from kvcore.errors import ConfigError
 from harness.metrics import METRICS
+from harness.models import CHAT_TEMPLATE_KWARGS, chat_text
 from harness.progress import progress
 from methods.base import KVMethod, ModelInfo
 from tasks._longbench_config import DATASETS, HUB_ARCHIVE, HUB_REPO, DatasetSpec
@@ -99,8 +100,7 @@ def parse_rows(raw: bytes, source: str, dataset: str) -> list[dict[str, Any]]:
 def chat_pieces(engine) -> tuple[list[int], list[int]]:
     """Token ids of the chat template before and after the user message (no special tokens added:
     the template writes its own)."""
-    text = engine.tokenizer.apply_chat_template([{"role": "user", "content": _SLOT}],
-                                                tokenize=False, add_generation_prompt=True)
+    text = chat_text(engine.tokenizer, [{"role": "user", "content": _SLOT}])
     if not isinstance(text, str) or text.count(_SLOT) != 1:
         raise ConfigError("task.chat_template: this tokenizer's chat template does not place the "
                           "user message verbatim once; use task.chat_template=never")
@@ -248,6 +248,7 @@ class LongBench(Task):
             "truncation": "middle, on token ids: the first and last max_length_tokens // 2 tokens "
                           "of the model input (chat wrapper included) are kept",
             "chat_template": {"mode": self.chat_template, "tokenizer_has_template": has_template,
+                              "kwargs": dict(CHAT_TEMPLATE_KWARGS),
                               "applied": {d: per_dataset[d]["chat_template"]
                                           for d in self.datasets}},
             "first_line_scored": [d for d in self.datasets if DATASETS[d].first_line],

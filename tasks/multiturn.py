@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from kvcore.errors import ConfigError
+from harness.models import CHAT_TEMPLATE_KWARGS
 from harness.progress import progress
 from methods.base import KVMethod, ModelInfo
 from tasks.base import Task, TaskResult
@@ -301,6 +302,7 @@ class MultiTurn(Task):
             "benchmark": "shared-context multi-turn (SCBench, arXiv 2412.10319) with RULER "
                          "needles (arXiv 2404.06654); independent implementation",
             "prompt_format": fmt.name, "chat_template_option": self.chat_template,
+            "chat_template_kwargs": dict(CHAT_TEMPLATE_KWARGS) if fmt.chat else None,
             "bos": fmt.bos(), "haystack": self.haystack, "context_tokens": self.context_tokens,
             "requests": "one per conversation: context prefilled once, then turns in order",
             "answers": "append: generated answers stay in the cache (no rollback)",

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any, Callable, ClassVar
 
 from kvcore.errors import ConfigError
+from harness.models import CHAT_TEMPLATE_KWARGS, chat_text
 from harness.progress import progress
 from methods.base import KVMethod, ModelInfo
 from tasks.base import Task, TaskResult
@@ -261,8 +262,7 @@ class PromptFormat:
         self.name = "chat" if self.chat else "plain"
 
     def render_messages(self, messages: list[dict[str, str]], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=generation_prompt)
+        return chat_text(self.tokenizer, messages, generation_prompt)
 
     def render(self, user_text: str, answer_prefix: str) -> str:
         """The whole prompt text; in chat mode the answer prefix opens the assistant turn."""
@@ -692,6 +692,7 @@ class Ruler(Task):
         protocol = {
             "benchmark": "RULER (Hsieh et al. 2024, arXiv 2404.06654), independent implementation",
             "prompt_format": fmt.name, "chat_template_option": self.chat_template,
+            "chat_template_kwargs": dict(CHAT_TEMPLATE_KWARGS) if fmt.chat else None,
             "bos": fmt.bos(), "haystack": self.haystack, "vt_haystack": "repeat",
             "length": "prompt tokens + max_new_tokens <= length_tokens (RULER max_seq_length)",
             "max_new_tokens": {s: self.generation_tokens(s) for s in self.subtasks},

@@ -35,6 +35,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, re
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from kvcore.errors import ConfigError
+from harness.models import chat_text
 from harness.progress import progress
 
 log = logging.getLogger(__name__)
@@ -315,9 +316,8 @@ class KVHarnessLM(TemplateLM):
 
     def apply_chat_template(self, chat_history: list[dict[str, str]],
                             add_generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(
-            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt,
-            continue_final_message=not add_generation_prompt)
+        return chat_text(self.tokenizer, chat_history, add_generation_prompt,
+                         continue_final_message=not add_generation_prompt)
 
     # --- loglikelihood ---------------------------------------------------------------------
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs
