@@ -20,6 +20,7 @@ that matched nothing), 2 bad input (thresholds file, paths) — so CI can tell t
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from pathlib import Path
@@ -101,6 +102,20 @@ def _matches(metrics: dict, model: str, method: str, task: str, hyper: dict | No
     return all(got.get(k) == v for k, v in (hyper or {}).items())
 
 
+# What a run and its ratio_to_method reference must share for the ratio to mean anything: the
+# same model (and dtype, device), task options and runner protocol; only the method differs
+# (a method's own dense layers are part of the method, so not compared).
+_SETTING = (("model", "name"), ("model", "dtype"), ("model", "device"), ("task", "name"),
+            ("task", "options"), ("protocol", "batch_size"), ("protocol", "prefill"),
+            ("protocol", "prefill_chunk_tokens"), ("protocol", "attn_impl"),
+            ("protocol", "dense_layers_runner"))
+
+
+def _setting(metrics: dict) -> str:
+    return json.dumps([metrics.get(part, {}).get(key) for part, key in _SETTING], sort_keys=True,
+                      default=str)
+
+
 def _latest(runs: list[dict]) -> dict | None:
     return max(runs, key=lambda m: m.get("run", {}).get("started", "")) if runs else None
 
@@ -123,11 +138,14 @@ def check(runs: list[dict], entries: list[dict]) -> list[dict]:
             results.append(res)
             continue
         if e.get("ratio_to_method"):
+            setting = _setting(chosen)
             ref = _latest([m for m in runs if _matches(m, e["model"], e["ratio_to_method"],
-                                                       e["task"], None)])
+                                                       e["task"], None)
+                           and _setting(m) == setting])
             ref_value = lookup(ref, e["metric"]) if ref else None
             if not _number(ref_value) or ref_value == 0:
-                res["why"] = f"no {e['ratio_to_method']} run to compare with"
+                res["why"] = (f"no {e['ratio_to_method']} run measured like it (same model, "
+                              "dtype, device, task options and runner protocol) to compare with")
                 results.append(res)
                 continue
             value = value / ref_value

@@ -130,12 +130,20 @@ def kv_held(kv: dict) -> float | None:
     return 1 / kv["compression_ratio"] if kv.get("compression_ratio") else None  # same definition
 
 
+def model_label(metrics: dict) -> str:
+    """The model's name, with its dtype unless float32: the name (folder + config hash) leaves the
+    dtype out, and a bf16 run must never join an fp32 run's curve or row group."""
+    model = metrics["model"]
+    dtype = model.get("dtype") or "float32"
+    return model["name"] if dtype == "float32" else f"{model['name']} ({dtype})"
+
+
 def row(path: Path, metrics: dict, root: Path | None) -> dict[str, Any]:
     speed, kv, transfer = metrics.get("speed", {}), metrics.get("kv", {}), metrics.get("transfer", {})
     name, value = main_metric(metrics)
     return {
         "run": str(path.parent.relative_to(root)) if root and root in path.parents else str(path.parent),
-        "model": metrics["model"]["name"], "method": metrics["method"]["name"],
+        "model": model_label(metrics), "method": metrics["method"]["name"],
         "budget": " ".join(filter(None, (_knobs(metrics["method"], "axis_keys"),
                                          _knobs(metrics["method"], "variant_keys")))),
         "protocol": protocol_label(metrics), "series": series_label(metrics),

@@ -76,6 +76,18 @@ def test_curves_never_join_runs_of_different_protocols(tmp_path):
                                                  "h2o [dense=[] prefill=dense]"]
 
 
+def test_a_bf16_run_is_its_own_model_row(tmp_path):
+    """The model name (folder + config hash) leaves the dtype out; the report's model column
+    does not, so fp32 and bf16 runs never share a row group or a plot."""
+    fake_run(tmp_path, "full", 50.0, 100.0)
+    bf16 = fake_run(tmp_path, "full", 50.1, 180.0, started="2026-11-29T12:00:00")
+    metrics = json.loads((bf16 / "metrics.json").read_text())
+    metrics["model"]["dtype"] = "bfloat16"
+    (bf16 / "metrics.json").write_text(json.dumps(metrics))
+    rows, _, _ = report.build_report([str(tmp_path)], tmp_path / "out")
+    assert sorted(r["model"] for r in rows) == ["stories260k", "stories260k (bfloat16)"]
+
+
 THRESHOLDS = """
 thresholds:
   - {model: stories260k, method: full, task: perplexity, metric: accuracy.ppl, max: 51}
@@ -95,6 +107,30 @@ def test_gate_passes_then_catches_an_injected_regression(tree, tmp_path, capsys)
     assert check.main([str(tree), "--against", str(gate)]) == 1
     out = capsys.readouterr().out
     assert "REGRESSION: above max" in out and "REGRESSION: below min" in out
+
+
+def test_a_ratio_compares_with_a_reference_run_measured_alike(tmp_path):
+    """ratio_to_method divides by the latest reference run of the same setting (batch, dtype,
+    ...), not by the latest reference run: a newer full run at batch 4 must not be the
+    denominator of an h2o run at batch 1, nor a bf16 one of an fp32 one."""
+    fake_run(tmp_path, "full", 50.0, 100.0)
+    fake_run(tmp_path, "h2o", 55.0, 90.0, budget=0.2)
+    newer = fake_run(tmp_path, "full", 50.0, 310.0, batch=4, started="2026-11-29T11:00:00")
+    gate = tmp_path / "gate.yaml"
+    gate.write_text(THRESHOLDS)
+    runs = lambda: [json.loads(p.read_text()) for p in report.find_runs([str(tmp_path)])]
+    results = check.check(runs(), check.load_thresholds(gate))
+    assert results[2]["value"] == pytest.approx(0.9) and results[2]["ok"]
+    bf16 = fake_run(tmp_path, "full", 50.0, 400.0, started="2026-11-29T12:00:00")
+    metrics = json.loads((bf16 / "metrics.json").read_text())
+    metrics["model"]["dtype"] = "bfloat16"
+    (bf16 / "metrics.json").write_text(json.dumps(metrics))
+    assert check.check(runs(), check.load_thresholds(gate))[2]["value"] == pytest.approx(0.9)
+    (tmp_path / "perplexity" / "stories260k" / "full" / "full-None-10-0-1" / "metrics.json"
+     ).unlink()  # only runs measured otherwise are left: no ratio, said so
+    results = check.check(runs(), check.load_thresholds(gate))
+    assert results[2]["value"] is None and "measured like it" in results[2]["why"]
+    assert newer.exists()
 
 
 def test_a_gate_that_matches_nothing_fails(tree, tmp_path):
