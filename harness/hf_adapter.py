@@ -424,6 +424,14 @@ def _plain_rope(model) -> torch.Tensor | None:
         return None
 
 
+def _probe_vocab(model, tokenizer) -> int:
+    """Token ids a method may draw at random (probes, synthetic calibration): the tokenizer's,
+    where the embedding has padding rows past it (Qwen2: 151936 rows for 151665 tokens) that
+    no text ever reaches."""
+    rows = int(getattr(model.config, "vocab_size", 0) or 256)
+    return min(rows, len(tokenizer)) if tokenizer is not None else rows
+
+
 def prepare_context(model, tokenizer, info: ModelInfo | None = None, *,
                     data_dir: Path | None = None, cache_dir: Path | None = None,
                     calibration_ids: torch.Tensor | None = None) -> PrepareContext:
@@ -433,7 +441,7 @@ def prepare_context(model, tokenizer, info: ModelInfo | None = None, *,
         info=info, tokenizer=tokenizer, device=next(model.parameters()).device,
         fingerprint=fingerprint(model), rope_inv_freq=_plain_rope(model),
         project_query=query_projector(model), capture=capture_forward(model, info),
-        vocab_size=int(getattr(model.config, "vocab_size", 0) or 256),
+        vocab_size=_probe_vocab(model, tokenizer),
         data_dir=data_dir, cache_dir=cache_dir, calibration_ids=calibration_ids)
 
 

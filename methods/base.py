@@ -150,7 +150,7 @@ class PrepareContext:
     project_query: Callable[[int, torch.Tensor], torch.Tensor]
     # one forward of ids (T,) through fresh layers of `method` (bound like any request); the layers
     capture: Callable[["KVMethod", torch.Tensor], list["KVLayer"]]
-    vocab_size: int
+    vocab_size: int  # ids a method may draw at random: the tokenizer's (embedding rows if none)
     data_dir: Path | None = None  # the shared data folder (default calibration texts), if present
     cache_dir: Path | None = None  # root for cached artefacts (None: ~/.cache/kv-harness)
     calibration_ids: torch.Tensor | None = None  # benchmarks may hand calibration tokens directly

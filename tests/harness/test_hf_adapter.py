@@ -214,3 +214,15 @@ def test_query_projector_gives_the_query_attention_uses(family):
     query = rotate(query, torch.arange(ids.numel())[None, None], hf_adapter.rope_inv_freq(model))
     assert query.shape == used.shape
     assert torch.allclose(query, used, atol=1e-5), family
+
+
+def test_random_probe_ids_stay_inside_the_tokenizer(tiny_model):
+    """Embedding rows past the tokenizer (padding, as in Qwen2) are never drawn by probes."""
+    class Tokenizer:
+        def __len__(self):
+            return 200
+
+    rows = tiny_model.config.vocab_size
+    assert rows > 200
+    assert hf_adapter.prepare_context(tiny_model, Tokenizer()).vocab_size == 200
+    assert hf_adapter.prepare_context(tiny_model, None).vocab_size == rows
