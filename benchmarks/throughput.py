@@ -343,7 +343,10 @@ def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-        torch._C._host_emptyCache()  # cached pinned blocks too
+        # cached pinned blocks too (public API of the pinned torch; absent from older ones)
+        empty_host = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+        if empty_host is not None:
+            empty_host()
 
 
 def cell_order(contexts: list[int], batches: list[int], order: str) -> list[tuple[int, int]]:
