@@ -22,6 +22,7 @@ Protocol choices (recorded in metrics.json):
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -113,34 +114,63 @@ class LMEval(Task):
         return TaskResult(metrics=metrics, samples=samples, protocol=protocol)
 
 
+def _leaves(out: dict[str, Any], name: str) -> list[str]:
+    """The evaluated tasks under `name`: itself, or a group's subtasks (recursively)."""
+    subtasks = out.get("group_subtasks", {}).get(name)
+    if not subtasks:
+        return [name]
+    return [leaf for sub in subtasks for leaf in _leaves(out, sub)]
+
+
+def _sample_row(task: str, s: dict[str, Any]) -> dict[str, Any]:
+    """One logged lm-eval document (for one filter) as a samples.jsonl row."""
+    row = {"task": task, "doc_id": s["doc_id"], "target": s["target"]}
+    if s.get("filter", "none") != "none":
+        row["filter"] = s["filter"]
+    resps, args = s["filtered_resps"], s["arguments"][0]
+    if len(args) == 1:  # loglikelihood_rolling (the document): its summed log-probability
+        row["loglikelihood"] = float(resps[0])
+    elif isinstance(args[1], dict):  # generate_until (context, gen_kwargs): the texts
+        row["generation"] = s["resps"][0][0]
+        row["prediction"] = resps[0]  # after the filter (e.g. the regex's answer)
+    elif len(resps) > 1:  # multiple choice: the answer is the most likely choice
+        lls = [float(r[0]) for r in resps]
+        row["prediction"] = max(range(len(lls)), key=lls.__getitem__)
+        row["loglikelihoods"] = lls
+    else:  # loglikelihood task: whether greedy decoding produces the target
+        row["prediction_is_greedy"] = bool(resps[0][1])
+        row["loglikelihood"] = float(resps[0][0])
+    for metric in s.get("metrics", ()):  # lm-eval's per-document values that are one number
+        value = s.get(metric)  # (a perplexity's per-document value is a loglikelihood: left out)
+        if (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                and "perplexity" not in metric):
+            row[metric] = float(value)
+    return row
+
+
 def summarize(out: dict[str, Any], names: list[str]) -> tuple[dict[str, Any], list[dict]]:
-    """lm-eval's output -> flat metrics `<task>/<metric>` (+ stderr, samples), per-doc samples."""
+    """lm-eval's output -> flat metrics `<task>/<metric>` (+ stderr, samples), per-doc samples.
+
+    A metric computed after a filter other than lm-eval's default "none" keeps the filter in its
+    name, as lm-eval writes it: `gsm8k/exact_match,strict-match`. A group reports its own
+    aggregated metrics and the samples of its subtasks."""
     metrics: dict[str, Any] = {}
     accs = []
     for name in names:
         for key, value in out["results"][name].items():
-            metric, _, filt = key.partition(",")
-            if filt != "none" or not isinstance(value, (int, float)):
-                continue  # the alias, and "N/A" stderrs
-            metrics[f"{name}/{metric}"] = float(value)
-        metrics[f"{name}/samples"] = int(out["n-samples"][name]["effective"])
+            metric, comma, filt = key.partition(",")
+            if (not comma or not isinstance(value, numbers.Real)
+                    or isinstance(value, bool)):
+                continue  # the alias, sample_len, and "N/A" stderrs
+            metrics[f"{name}/{metric}" if filt == "none" else f"{name}/{key}"] = float(value)
+        metrics[f"{name}/samples"] = sum(int(out["n-samples"][leaf]["effective"])
+                                         for leaf in _leaves(out, name))
         if f"{name}/acc" in metrics:
             accs.append(metrics[f"{name}/acc"])
     if len(accs) > 1:
         metrics["acc_mean"] = sum(accs) / len(accs)
     samples = []
-    for name in names:
-        for s in out["samples"][name]:
-            lls = [float(r[0]) for r in s["filtered_resps"]]
-            row = {"task": name, "doc_id": s["doc_id"], "target": s["target"]}
-            if len(lls) > 1:  # multiple choice: the answer is the most likely choice
-                row["prediction"] = max(range(len(lls)), key=lls.__getitem__)
-                row["loglikelihoods"] = lls
-            else:  # loglikelihood task: whether greedy decoding produces the target
-                row["prediction_is_greedy"] = bool(s["filtered_resps"][0][1])
-                row["loglikelihood"] = lls[0]
-            for metric in ("acc", "acc_norm"):
-                if metric in s:
-                    row[metric] = float(s[metric])
-            samples.append(row)
+    leaves = dict.fromkeys(leaf for name in names for leaf in _leaves(out, name))
+    for leaf in leaves:
+        samples.extend(_sample_row(leaf, s) for s in out["samples"][leaf])
     return metrics, samples
