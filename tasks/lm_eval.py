@@ -6,7 +6,10 @@ runner's Engine, so every request is prefilled and scored through the configured
 `harness.lm_eval.tasks.offline_task_dir` for `data_dir`): lm-eval's own task definitions (the
 standard names and prompts, via `include`) over the local copies in ../shared/data, loaded with
 `TaskManager(include_path=..., include_defaults=False)`. With `offline: false`, any lm-eval task
-name is accepted and its data comes from the Hugging Face hub (needs network).
+name is accepted and its data comes from the Hugging Face hub (needs network). `include_path`
+adds folders of your own lm-eval task YAMLs (e.g. `dataset_path: json` over local `data_files`);
+their task names are accepted either way, and are loaded (data included) before the weights, so
+that a broken YAML or a missing data file is one error line.
 
 Protocol choices (recorded in metrics.json):
   * `num_fewshot: 5` by default, as in the InfiniGen and H2O papers (which ran lm-eval 0.3).
@@ -24,8 +27,10 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
+from kvcore.errors import ConfigError
 from tasks.base import Task, TaskResult
 
 SCORING = ("stepwise", "chunked")
@@ -41,6 +46,7 @@ class LMEval(Task):
     data_dir: str | None = None  # local copies (default ../shared/data)
     offline: bool = True  # true: our offline YAMLs only; false: lm-eval's own tasks (hub data)
     seed: int = DEFAULT_FEWSHOT_SEED  # few-shot sampling seed (lm-eval's default)
+    include_path: list[str] | str | None = None  # folders of your own lm-eval task YAMLs
 
     def check_options(self) -> list[str]:
         reasons = []
@@ -63,31 +69,89 @@ class LMEval(Task):
             reasons.append(f"task.offline={self.offline!r} must be true or false")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             reasons.append(f"task.seed={self.seed!r} must be an integer")
+        reasons += self._check_include_path()
         if not reasons and self.offline:
             from harness.lm_eval.tasks import TASK_FILES
 
             unknown = [n for n in self.names if n not in TASK_FILES]
+            if unknown and self.include_path:
+                included = set(self._included_manager().all_tasks)
+                unknown = [n for n in unknown if n not in included]
             if unknown:
-                reasons.append(f"task.names: {unknown[0]!r} has no offline copy; allowed with "
-                               f"task.offline=true: {', '.join(TASK_FILES)}")
+                reasons.append(f"task.names: {unknown[0]!r} has no offline copy"
+                               + (" and is not a task of task.include_path" if self.include_path
+                                  else "")
+                               + f"; allowed with task.offline=true: {', '.join(TASK_FILES)}"
+                               + (", or the tasks of task.include_path" if self.include_path
+                                  else ", or your own task YAMLs in task.include_path"))
         return reasons
 
+    def _check_include_path(self) -> list[str]:
+        paths = self.include_path
+        if paths is None or paths == []:
+            self.include_path = []
+            return []
+        if isinstance(paths, str):
+            paths = [paths]
+        if not isinstance(paths, (list, tuple)) or not all(isinstance(p, str) and p
+                                                           for p in paths):
+            return [f"task.include_path={self.include_path!r} must be a folder or a list of "
+                    "folders of lm-eval task YAMLs"]
+        resolved = []
+        for path in paths:
+            folder = Path(path).expanduser()
+            if not folder.is_dir():
+                return [f"task.include_path={path}: no such folder (a folder of lm-eval task "
+                        "YAMLs)"]
+            resolved.append(str(folder.resolve()))
+        self.include_path = resolved
+        return []
+
+    def _included_manager(self):
+        from lm_eval.tasks import TaskManager
+
+        return TaskManager(include_path=list(self.include_path), include_defaults=False)
+
+    def _offline_names(self) -> list[str]:
+        from harness.lm_eval.tasks import TASK_FILES
+
+        if not self.offline:
+            return []
+        included = set(self._included_manager().all_tasks) if self.include_path else set()
+        return [n for n in self.names if n in TASK_FILES and n not in included]
+
     def check_data(self) -> None:
-        if self.offline:
+        offline = self._offline_names()
+        if offline:
             from harness.lm_eval.tasks import check_task_data, offline_task_dir
 
-            check_task_data(self.names, self.data_dir)
+            check_task_data(offline, self.data_dir)
             self._task_dir = offline_task_dir(self.data_dir)
+        if self.include_path:  # your own YAMLs: build them (and read their data) now
+            manager = self._included_manager()
+            for name in self.names:
+                if name in manager.all_tasks:
+                    try:
+                        manager.load([name])
+                    except Exception as exc:  # lm-eval / datasets error: name the task and why
+                        text = " ".join(str(exc).split())
+                        raise ConfigError(f"task.include_path: lm-eval could not load task "
+                                          f"{name!r} ({type(exc).__name__}: {text})") from None
 
     def _task_manager(self):
         from lm_eval.tasks import TaskManager
 
+        own = list(self.include_path or [])
         if not self.offline:
-            return TaskManager()
-        from harness.lm_eval.tasks import offline_task_dir
+            return TaskManager(include_path=own or None)
+        folders = []
+        if self._offline_names():
+            from harness.lm_eval.tasks import offline_task_dir
 
-        folder = getattr(self, "_task_dir", None) or offline_task_dir(self.data_dir)
-        return TaskManager(include_path=str(folder), include_defaults=False)
+            folders.append(str(getattr(self, "_task_dir", None)
+                               or offline_task_dir(self.data_dir)))
+        # later folders override earlier ones: your own task of a standard name wins
+        return TaskManager(include_path=folders + own, include_defaults=False)
 
     def evaluate(self, engine) -> TaskResult:
         import lm_eval
@@ -106,9 +170,11 @@ class LMEval(Task):
             "tasks": list(self.names), "num_fewshot": shots, "fewshot_seed": self.seed,
             "scoring": self.scoring, "limit": self.limit, "offline": self.offline,
             "task_versions": {n: out["versions"].get(n) for n in self.names},
+            "include_path": list(self.include_path or []),
             "prompts": "lm-eval's own task definitions" + (
                 " (included) over local copies; few-shot examples from the evaluated split, "
-                "the evaluated document left out" if self.offline else " (hub data)"),
+                "the evaluated document left out" if self.offline else " (hub data)")
+                + ("; task.include_path's own YAMLs for its tasks" if self.include_path else ""),
             "max_length_tokens": lm.max_length,
         }
         return TaskResult(metrics=metrics, samples=samples, protocol=protocol)

@@ -337,3 +337,48 @@ def test_summarize_generate_until_filters_and_rolling(stories, tmp_path):
     assert metrics["my_roll/word_perplexity"] == pytest.approx(
         math.exp(-sum(r["loglikelihood"] for r in roll) / words), rel=1e-6)
     assert "acc_mean" not in metrics
+
+
+def test_runner_runs_your_own_task_yamls(tmp_path, monkeypatch):
+    """task.include_path: your own YAMLs over local jsonl (generate_until with filters,
+    loglikelihood_rolling) next to an offline task, through the runner, metrics per filter."""
+    need_shared(STORIES)
+    need_shared(DATA)
+    monkeypatch.setenv("KVH_CACHE_DIR", str(tmp_path / "cache"))
+    folder = write_custom_tasks(tmp_path / "yaml", tmp_path / "data")
+    out = run(cfg_for("task=lm_eval", "model=stories260k", "task.names=[my_gen,my_roll,copa]",
+                      f"task.include_path={folder}", "task.limit=2", "task.num_fewshot=0",
+                      f"runner.results_root={tmp_path / 'r'}"))
+    metrics = json.loads((out / "metrics.json").read_text())
+    acc = metrics["accuracy"]
+    assert {"my_gen/exact_match,strict-match", "my_gen/exact_match,flexible-extract",
+            "my_roll/word_perplexity", "copa/acc"} <= set(acc)
+    assert acc["my_gen/samples"] == acc["my_roll/samples"] == acc["copa/samples"] == 2
+    assert metrics["protocol"]["include_path"] == [str(folder.resolve())]
+    rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert [r["task"] for r in rows].count("my_gen") == 4  # 2 docs x 2 filters
+
+
+@pytest.mark.parametrize("setup, message", [
+    ("nofolder", "task.include_path={p}/nowhere: no such folder"),
+    ("missing_data", "task.include_path: lm-eval could not load task 'my_gen' "
+                     "(FileNotFoundError: Unable to find"),
+    ("unknown", "task.names: 'other' has no offline copy and is not a task of "
+                "task.include_path"),
+])
+def test_include_path_errors_before_weights(setup, message, tmp_path, monkeypatch):
+    from harness import models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    need_shared(STORIES)
+    folder = write_custom_tasks(tmp_path / "yaml", tmp_path / "data")
+    names = "[other]" if setup == "unknown" else "[my_gen]"
+    if setup == "missing_data":
+        (tmp_path / "data" / "gen.jsonl").unlink()
+    path = tmp_path / "nowhere" if setup == "nofolder" else folder
+    with pytest.raises(ConfigError) as err:
+        run(cfg_for("task=lm_eval", "model=stories260k", f"task.names={names}",
+                    f"task.include_path={path}", f"runner.results_root={tmp_path / 'r'}"))
+    assert message.format(p=tmp_path) in str(err.value)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
