@@ -160,16 +160,18 @@ class LMEval(Task):
         from harness.lm_eval import KVHarnessLM
 
         lm = KVHarnessLM(engine, scoring=self.scoring)
-        out = simple_evaluate(model=lm, tasks=list(self.names), num_fewshot=self.num_fewshot,
-                              limit=self.limit, task_manager=self._task_manager(),
+        manager = self._task_manager()
+        names = expand_tags(self.names, manager)
+        out = simple_evaluate(model=lm, tasks=names, num_fewshot=self.num_fewshot,
+                              limit=self.limit, task_manager=manager,
                               log_samples=True, fewshot_random_seed=self.seed)
-        metrics, samples = summarize(out, self.names)
-        shots = {n: out["n-shot"].get(n) for n in self.names}
+        metrics, samples = summarize(out, names)
+        shots = {n: out["n-shot"].get(n) for n in names}
         protocol = {
             "lm_eval_version": getattr(lm_eval, "__version__", None),
-            "tasks": list(self.names), "num_fewshot": shots, "fewshot_seed": self.seed,
+            "tasks": names, "num_fewshot": shots, "fewshot_seed": self.seed,
             "scoring": self.scoring, "limit": self.limit, "offline": self.offline,
-            "task_versions": {n: out["versions"].get(n) for n in self.names},
+            "task_versions": {n: out["versions"].get(n) for n in names},
             "include_path": list(self.include_path or []),
             "prompts": "lm-eval's own task definitions" + (
                 " (included) over local copies; few-shot examples from the evaluated split, "
@@ -178,6 +180,16 @@ class LMEval(Task):
             "max_length_tokens": lm.max_length,
         }
         return TaskResult(metrics=metrics, samples=samples, protocol=protocol)
+
+
+def expand_tags(names: list[str], manager) -> list[str]:
+    """`names` with each lm-eval tag (a set of tasks that gets no result of its own, unlike a
+    group) replaced by its tasks, in name order; duplicates dropped."""
+    tags = set(manager.all_tags)
+    expanded = []
+    for name in names:
+        expanded += sorted(manager.task_index[name].tags) if name in tags else [name]
+    return list(dict.fromkeys(expanded))
 
 
 def _leaves(out: dict[str, Any], name: str) -> list[str]:

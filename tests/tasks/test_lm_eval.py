@@ -382,3 +382,20 @@ def test_include_path_errors_before_weights(setup, message, tmp_path, monkeypatc
     assert message.format(p=tmp_path) in str(err.value)
     assert "\n" not in str(err.value)
     assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
+
+
+def test_a_tag_runs_its_tasks(tmp_path, monkeypatch):
+    """An lm-eval tag (a set of tasks with no result of its own) is run as its tasks; the run
+    used to end in KeyError after the whole evaluation."""
+    need_shared(STORIES)
+    monkeypatch.setenv("KVH_CACHE_DIR", str(tmp_path / "cache"))
+    folder = write_custom_tasks(tmp_path / "yaml", tmp_path / "data")
+    for name in ("my_gen", "my_roll"):
+        path = folder / f"{name}.yaml"
+        path.write_text(path.read_text() + "tag: my_tag\n")
+    out = run(cfg_for("task=lm_eval", "model=stories260k", "task.names=[my_tag]",
+                      f"task.include_path={folder}", "task.limit=1", "task.num_fewshot=0",
+                      f"runner.results_root={tmp_path / 'r'}"))
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["accuracy"]["my_gen/samples"] == metrics["accuracy"]["my_roll/samples"] == 1
+    assert metrics["protocol"]["tasks"] == ["my_gen", "my_roll"]
