@@ -6,7 +6,10 @@ runner's Engine, so every request is prefilled and scored through the configured
 `harness.lm_eval.tasks.offline_task_dir` for `data_dir`): lm-eval's own task definitions (the
 standard names and prompts, via `include`) over the local copies in ../shared/data, loaded with
 `TaskManager(include_path=..., include_defaults=False)`. With `offline: false`, any lm-eval task
-name is accepted and its data comes from the Hugging Face hub (needs network).
+name is accepted and its data comes from the Hugging Face hub (needs network). `include_path`
+adds folders of your own lm-eval task YAMLs (e.g. `dataset_path: json` over local `data_files`);
+their task names are accepted either way, and are loaded (data included) before the weights, so
+that a broken YAML or a missing data file is one error line.
 
 Protocol choices (recorded in metrics.json):
   * `num_fewshot: 5` by default, as in the InfiniGen and H2O papers (which ran lm-eval 0.3).
@@ -22,9 +25,12 @@ Protocol choices (recorded in metrics.json):
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
+from kvcore.errors import ConfigError
 from tasks.base import Task, TaskResult
 
 SCORING = ("stepwise", "chunked")
@@ -40,6 +46,7 @@ class LMEval(Task):
     data_dir: str | None = None  # local copies (default ../shared/data)
     offline: bool = True  # true: our offline YAMLs only; false: lm-eval's own tasks (hub data)
     seed: int = DEFAULT_FEWSHOT_SEED  # few-shot sampling seed (lm-eval's default)
+    include_path: list[str] | str | None = None  # folders of your own lm-eval task YAMLs
 
     def check_options(self) -> list[str]:
         reasons = []
@@ -62,31 +69,89 @@ class LMEval(Task):
             reasons.append(f"task.offline={self.offline!r} must be true or false")
         if not isinstance(self.seed, int) or isinstance(self.seed, bool):
             reasons.append(f"task.seed={self.seed!r} must be an integer")
+        reasons += self._check_include_path()
         if not reasons and self.offline:
             from harness.lm_eval.tasks import TASK_FILES
 
             unknown = [n for n in self.names if n not in TASK_FILES]
+            if unknown and self.include_path:
+                included = set(self._included_manager().all_tasks)
+                unknown = [n for n in unknown if n not in included]
             if unknown:
-                reasons.append(f"task.names: {unknown[0]!r} has no offline copy; allowed with "
-                               f"task.offline=true: {', '.join(TASK_FILES)}")
+                reasons.append(f"task.names: {unknown[0]!r} has no offline copy"
+                               + (" and is not a task of task.include_path" if self.include_path
+                                  else "")
+                               + f"; allowed with task.offline=true: {', '.join(TASK_FILES)}"
+                               + (", or the tasks of task.include_path" if self.include_path
+                                  else ", or your own task YAMLs in task.include_path"))
         return reasons
 
+    def _check_include_path(self) -> list[str]:
+        paths = self.include_path
+        if paths is None or paths == []:
+            self.include_path = []
+            return []
+        if isinstance(paths, str):
+            paths = [paths]
+        if not isinstance(paths, (list, tuple)) or not all(isinstance(p, str) and p
+                                                           for p in paths):
+            return [f"task.include_path={self.include_path!r} must be a folder or a list of "
+                    "folders of lm-eval task YAMLs"]
+        resolved = []
+        for path in paths:
+            folder = Path(path).expanduser()
+            if not folder.is_dir():
+                return [f"task.include_path={path}: no such folder (a folder of lm-eval task "
+                        "YAMLs)"]
+            resolved.append(str(folder.resolve()))
+        self.include_path = resolved
+        return []
+
+    def _included_manager(self):
+        from lm_eval.tasks import TaskManager
+
+        return TaskManager(include_path=list(self.include_path), include_defaults=False)
+
+    def _offline_names(self) -> list[str]:
+        from harness.lm_eval.tasks import TASK_FILES
+
+        if not self.offline:
+            return []
+        included = set(self._included_manager().all_tasks) if self.include_path else set()
+        return [n for n in self.names if n in TASK_FILES and n not in included]
+
     def check_data(self) -> None:
-        if self.offline:
+        offline = self._offline_names()
+        if offline:
             from harness.lm_eval.tasks import check_task_data, offline_task_dir
 
-            check_task_data(self.names, self.data_dir)
+            check_task_data(offline, self.data_dir)
             self._task_dir = offline_task_dir(self.data_dir)
+        if self.include_path:  # your own YAMLs: build them (and read their data) now
+            manager = self._included_manager()
+            for name in self.names:
+                if name in manager.all_tasks:
+                    try:
+                        manager.load([name])
+                    except Exception as exc:  # lm-eval / datasets error: name the task and why
+                        text = " ".join(str(exc).split())
+                        raise ConfigError(f"task.include_path: lm-eval could not load task "
+                                          f"{name!r} ({type(exc).__name__}: {text})") from None
 
     def _task_manager(self):
         from lm_eval.tasks import TaskManager
 
+        own = list(self.include_path or [])
         if not self.offline:
-            return TaskManager()
-        from harness.lm_eval.tasks import offline_task_dir
+            return TaskManager(include_path=own or None)
+        folders = []
+        if self._offline_names():
+            from harness.lm_eval.tasks import offline_task_dir
 
-        folder = getattr(self, "_task_dir", None) or offline_task_dir(self.data_dir)
-        return TaskManager(include_path=str(folder), include_defaults=False)
+            folders.append(str(getattr(self, "_task_dir", None)
+                               or offline_task_dir(self.data_dir)))
+        # later folders override earlier ones: your own task of a standard name wins
+        return TaskManager(include_path=folders + own, include_defaults=False)
 
     def evaluate(self, engine) -> TaskResult:
         import lm_eval
@@ -95,52 +160,95 @@ class LMEval(Task):
         from harness.lm_eval import KVHarnessLM
 
         lm = KVHarnessLM(engine, scoring=self.scoring)
-        out = simple_evaluate(model=lm, tasks=list(self.names), num_fewshot=self.num_fewshot,
-                              limit=self.limit, task_manager=self._task_manager(),
+        manager = self._task_manager()
+        names = expand_tags(self.names, manager)
+        out = simple_evaluate(model=lm, tasks=names, num_fewshot=self.num_fewshot,
+                              limit=self.limit, task_manager=manager,
                               log_samples=True, fewshot_random_seed=self.seed)
-        metrics, samples = summarize(out, self.names)
-        shots = {n: out["n-shot"].get(n) for n in self.names}
+        metrics, samples = summarize(out, names)
+        shots = {n: out["n-shot"].get(n) for n in names}
         protocol = {
             "lm_eval_version": getattr(lm_eval, "__version__", None),
-            "tasks": list(self.names), "num_fewshot": shots, "fewshot_seed": self.seed,
+            "tasks": names, "num_fewshot": shots, "fewshot_seed": self.seed,
             "scoring": self.scoring, "limit": self.limit, "offline": self.offline,
-            "task_versions": {n: out["versions"].get(n) for n in self.names},
+            "task_versions": {n: out["versions"].get(n) for n in names},
+            "include_path": list(self.include_path or []),
             "prompts": "lm-eval's own task definitions" + (
                 " (included) over local copies; few-shot examples from the evaluated split, "
-                "the evaluated document left out" if self.offline else " (hub data)"),
+                "the evaluated document left out" if self.offline else " (hub data)")
+                + ("; task.include_path's own YAMLs for its tasks" if self.include_path else ""),
             "max_length_tokens": lm.max_length,
         }
         return TaskResult(metrics=metrics, samples=samples, protocol=protocol)
 
 
+def expand_tags(names: list[str], manager) -> list[str]:
+    """`names` with each lm-eval tag (a set of tasks that gets no result of its own, unlike a
+    group) replaced by its tasks, in name order; duplicates dropped."""
+    tags = set(manager.all_tags)
+    expanded = []
+    for name in names:
+        expanded += sorted(manager.task_index[name].tags) if name in tags else [name]
+    return list(dict.fromkeys(expanded))
+
+
+def _leaves(out: dict[str, Any], name: str) -> list[str]:
+    """The evaluated tasks under `name`: itself, or a group's subtasks (recursively)."""
+    subtasks = out.get("group_subtasks", {}).get(name)
+    if not subtasks:
+        return [name]
+    return [leaf for sub in subtasks for leaf in _leaves(out, sub)]
+
+
+def _sample_row(task: str, s: dict[str, Any]) -> dict[str, Any]:
+    """One logged lm-eval document (for one filter) as a samples.jsonl row."""
+    row = {"task": task, "doc_id": s["doc_id"], "target": s["target"]}
+    if s.get("filter", "none") != "none":
+        row["filter"] = s["filter"]
+    resps, args = s["filtered_resps"], s["arguments"][0]
+    if len(args) == 1:  # loglikelihood_rolling (the document): its summed log-probability
+        row["loglikelihood"] = float(resps[0])
+    elif isinstance(args[1], dict):  # generate_until (context, gen_kwargs): the texts
+        row["generation"] = s["resps"][0][0]
+        row["prediction"] = resps[0]  # after the filter (e.g. the regex's answer)
+    elif len(resps) > 1:  # multiple choice: the answer is the most likely choice
+        lls = [float(r[0]) for r in resps]
+        row["prediction"] = max(range(len(lls)), key=lls.__getitem__)
+        row["loglikelihoods"] = lls
+    else:  # loglikelihood task: whether greedy decoding produces the target
+        row["prediction_is_greedy"] = bool(resps[0][1])
+        row["loglikelihood"] = float(resps[0][0])
+    for metric in s.get("metrics", ()):  # lm-eval's per-document values that are one number
+        value = s.get(metric)  # (a perplexity's per-document value is a loglikelihood: left out)
+        if (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                and "perplexity" not in metric):
+            row[metric] = float(value)
+    return row
+
+
 def summarize(out: dict[str, Any], names: list[str]) -> tuple[dict[str, Any], list[dict]]:
-    """lm-eval's output -> flat metrics `<task>/<metric>` (+ stderr, samples), per-doc samples."""
+    """lm-eval's output -> flat metrics `<task>/<metric>` (+ stderr, samples), per-doc samples.
+
+    A metric computed after a filter other than lm-eval's default "none" keeps the filter in its
+    name, as lm-eval writes it: `gsm8k/exact_match,strict-match`. A group reports its own
+    aggregated metrics and the samples of its subtasks."""
     metrics: dict[str, Any] = {}
     accs = []
     for name in names:
         for key, value in out["results"][name].items():
-            metric, _, filt = key.partition(",")
-            if filt != "none" or not isinstance(value, (int, float)):
-                continue  # the alias, and "N/A" stderrs
-            metrics[f"{name}/{metric}"] = float(value)
-        metrics[f"{name}/samples"] = int(out["n-samples"][name]["effective"])
+            metric, comma, filt = key.partition(",")
+            if (not comma or not isinstance(value, numbers.Real)
+                    or isinstance(value, bool)):
+                continue  # the alias, sample_len, and "N/A" stderrs
+            metrics[f"{name}/{metric}" if filt == "none" else f"{name}/{key}"] = float(value)
+        metrics[f"{name}/samples"] = sum(int(out["n-samples"][leaf]["effective"])
+                                         for leaf in _leaves(out, name))
         if f"{name}/acc" in metrics:
             accs.append(metrics[f"{name}/acc"])
     if len(accs) > 1:
         metrics["acc_mean"] = sum(accs) / len(accs)
     samples = []
-    for name in names:
-        for s in out["samples"][name]:
-            lls = [float(r[0]) for r in s["filtered_resps"]]
-            row = {"task": name, "doc_id": s["doc_id"], "target": s["target"]}
-            if len(lls) > 1:  # multiple choice: the answer is the most likely choice
-                row["prediction"] = max(range(len(lls)), key=lls.__getitem__)
-                row["loglikelihoods"] = lls
-            else:  # loglikelihood task: whether greedy decoding produces the target
-                row["prediction_is_greedy"] = bool(s["filtered_resps"][0][1])
-                row["loglikelihood"] = lls[0]
-            for metric in ("acc", "acc_norm"):
-                if metric in s:
-                    row[metric] = float(s[metric])
-            samples.append(row)
+    leaves = dict.fromkeys(leaf for name in names for leaf in _leaves(out, name))
+    for leaf in leaves:
+        samples.extend(_sample_row(leaf, s) for s in out["samples"][leaf])
     return metrics, samples

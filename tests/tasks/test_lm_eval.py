@@ -2,6 +2,8 @@
 5-shot request dumps, and runs through the runner."""
 
 import json
+import math
+import re
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -257,3 +259,143 @@ def test_missing_data_file_is_named(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"rte/val.jsonl is missing \(needed by lm-eval task "):
         run(cfg_for("task=lm_eval", "model=stories260k", "task.names=[rte]",
                     f"task.data_dir={tmp_path / 'data'}", f"runner.results_root={tmp_path / 'r'}"))
+
+
+# --- your own task YAMLs (local data): every output type -----------------------------------------
+GEN_DOCS = [{"question": "Tom has 3 apples and buys 2 more. How many?", "answer": "5"},
+            {"question": "A box holds 4 pens. How many pens in 2 boxes?", "answer": "8"}]
+ROLL_DOCS = [{"page": " = Valkyria Chronicles = \n\n Senjo no Valkyria 3 is a game . \n"},
+             {"page": " Once upon a time there was a little girl named Lily . \n"}]
+
+
+def write_custom_tasks(folder, data):
+    """A generate_until task with two regex filters (gsm8k-shaped) and a loglikelihood_rolling
+    task (wikitext-shaped), over jsonl files in `data`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    data.mkdir(parents=True, exist_ok=True)
+    for name, docs in (("gen", GEN_DOCS), ("roll", ROLL_DOCS)):
+        (data / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
+    (folder / "my_gen.yaml").write_text(f"""task: my_gen
+dataset_path: json
+dataset_kwargs: {{data_files: {{test: "{data / 'gen.jsonl'}"}}}}
+test_split: test
+output_type: generate_until
+doc_to_text: "Question: {{{{question}}}}\\nAnswer:"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs: {{until: ["\\n\\n", "Question:"], do_sample: false, max_gen_toks: 8}}
+metric_list: [{{metric: exact_match, aggregation: mean, higher_is_better: true}}]
+filter_list:
+  - name: strict-match
+    filter: [{{function: regex, regex_pattern: "#### (\\\\d+)"}}, {{function: take_first}}]
+  - name: flexible-extract
+    filter: [{{function: regex, group_select: -1, regex_pattern: "(\\\\w+)"}},
+             {{function: take_first}}]
+""")
+    (folder / "my_roll.yaml").write_text(f"""task: my_roll
+dataset_path: json
+dataset_kwargs: {{data_files: {{test: "{data / 'roll.jsonl'}"}}}}
+test_split: test
+output_type: loglikelihood_rolling
+doc_to_text: ""
+doc_to_target: "{{{{page}}}}"
+metric_list: [{{metric: word_perplexity}}, {{metric: bits_per_byte}}]
+""")
+    return folder
+
+
+def test_summarize_generate_until_filters_and_rolling(stories, tmp_path):
+    """lm-eval's output for generate_until (strings, one sample per filter) and
+    loglikelihood_rolling (one float) becomes metrics per filter and rows; it used to crash
+    (float() of a string / indexing a float) and drop every metric not of the "none" filter."""
+    from lm_eval import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from harness.lm_eval import KVHarnessLM
+    from methods import build_method
+    from tasks.lm_eval import summarize
+    from tests.conftest import make_engine
+
+    model, tok = stories
+    folder = write_custom_tasks(tmp_path / "yaml", tmp_path / "data")
+    names = ["my_gen", "my_roll"]
+    lm = KVHarnessLM(make_engine(model, build_method("full"), tok))
+    out = simple_evaluate(model=lm, tasks=names, log_samples=True, bootstrap_iters=0,
+                          task_manager=TaskManager(include_path=str(folder),
+                                                   include_defaults=False))
+    metrics, rows = summarize(out, names)
+    gen = [r for r in rows if r["task"] == "my_gen"]
+    assert len(gen) == 4 and {r["filter"] for r in gen} == {"strict-match", "flexible-extract"}
+    for filt in ("strict-match", "flexible-extract"):
+        mine = [r for r in gen if r["filter"] == filt]
+        assert all(isinstance(r["generation"], str) for r in mine)
+        assert metrics[f"my_gen/exact_match,{filt}"] == pytest.approx(
+            sum(r["prediction"] == r["target"] for r in mine) / 2)
+    assert all(r["prediction"] == "[invalid]" for r in gen if r["filter"] == "strict-match")
+    roll = [r for r in rows if r["task"] == "my_roll"]
+    assert len(roll) == 2 and metrics["my_gen/samples"] == metrics["my_roll/samples"] == 2
+    words = sum(len(re.split(r"\s+", d["page"])) for d in ROLL_DOCS)  # lm-eval's count_words
+    assert metrics["my_roll/word_perplexity"] == pytest.approx(
+        math.exp(-sum(r["loglikelihood"] for r in roll) / words), rel=1e-6)
+    assert "acc_mean" not in metrics
+
+
+def test_runner_runs_your_own_task_yamls(tmp_path, monkeypatch):
+    """task.include_path: your own YAMLs over local jsonl (generate_until with filters,
+    loglikelihood_rolling) next to an offline task, through the runner, metrics per filter."""
+    need_shared(STORIES)
+    need_shared(DATA)
+    monkeypatch.setenv("KVH_CACHE_DIR", str(tmp_path / "cache"))
+    folder = write_custom_tasks(tmp_path / "yaml", tmp_path / "data")
+    out = run(cfg_for("task=lm_eval", "model=stories260k", "task.names=[my_gen,my_roll,copa]",
+                      f"task.include_path={folder}", "task.limit=2", "task.num_fewshot=0",
+                      f"runner.results_root={tmp_path / 'r'}"))
+    metrics = json.loads((out / "metrics.json").read_text())
+    acc = metrics["accuracy"]
+    assert {"my_gen/exact_match,strict-match", "my_gen/exact_match,flexible-extract",
+            "my_roll/word_perplexity", "copa/acc"} <= set(acc)
+    assert acc["my_gen/samples"] == acc["my_roll/samples"] == acc["copa/samples"] == 2
+    assert metrics["protocol"]["include_path"] == [str(folder.resolve())]
+    rows = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+    assert [r["task"] for r in rows].count("my_gen") == 4  # 2 docs x 2 filters
+
+
+@pytest.mark.parametrize("setup, message", [
+    ("nofolder", "task.include_path={p}/nowhere: no such folder"),
+    ("missing_data", "task.include_path: lm-eval could not load task 'my_gen' "
+                     "(FileNotFoundError: Unable to find"),
+    ("unknown", "task.names: 'other' has no offline copy and is not a task of "
+                "task.include_path"),
+])
+def test_include_path_errors_before_weights(setup, message, tmp_path, monkeypatch):
+    from harness import models
+
+    monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
+    need_shared(STORIES)
+    folder = write_custom_tasks(tmp_path / "yaml", tmp_path / "data")
+    names = "[other]" if setup == "unknown" else "[my_gen]"
+    if setup == "missing_data":
+        (tmp_path / "data" / "gen.jsonl").unlink()
+    path = tmp_path / "nowhere" if setup == "nofolder" else folder
+    with pytest.raises(ConfigError) as err:
+        run(cfg_for("task=lm_eval", "model=stories260k", f"task.names={names}",
+                    f"task.include_path={path}", f"runner.results_root={tmp_path / 'r'}"))
+    assert message.format(p=tmp_path) in str(err.value)
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "r").exists() or not any((tmp_path / "r").iterdir())
+
+
+def test_a_tag_runs_its_tasks(tmp_path, monkeypatch):
+    """An lm-eval tag (a set of tasks with no result of its own) is run as its tasks; the run
+    used to end in KeyError after the whole evaluation."""
+    need_shared(STORIES)
+    monkeypatch.setenv("KVH_CACHE_DIR", str(tmp_path / "cache"))
+    folder = write_custom_tasks(tmp_path / "yaml", tmp_path / "data")
+    for name in ("my_gen", "my_roll"):
+        path = folder / f"{name}.yaml"
+        path.write_text(path.read_text() + "tag: my_tag\n")
+    out = run(cfg_for("task=lm_eval", "model=stories260k", "task.names=[my_tag]",
+                      f"task.include_path={folder}", "task.limit=1", "task.num_fewshot=0",
+                      f"runner.results_root={tmp_path / 'r'}"))
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["accuracy"]["my_gen/samples"] == metrics["accuracy"]["my_roll/samples"] == 1
+    assert metrics["protocol"]["tasks"] == ["my_gen", "my_roll"]
