@@ -43,7 +43,7 @@ from harness.progress import progress
 from methods.base import KVMethod, ModelInfo
 from tasks._longbench_config import DATASETS, HUB_ARCHIVE, HUB_REPO, DatasetSpec
 from tasks.base import Task, TaskResult
-from tasks.text_sources import default_data_dir, jsonl_objects
+from tasks.text_sources import data_root, jsonl_objects
 
 CHAT_MODES = ("auto", "always", "never")
 _SLOT = "KVH_LONGBENCH_PROMPT_SLOT"  # stands for the prompt when splitting the chat template
@@ -172,7 +172,7 @@ class LongBench(Task):
 
     # --- data ------------------------------------------------------------------------------
     def data_folder(self) -> Path:
-        return Path(self.data_dir) if self.data_dir else default_data_dir() / "longbench"
+        return data_root(self.data_dir) if self.data_dir else data_root(None) / "longbench"
 
     def check_data(self) -> None:
         self._rows, self._sources = {}, {}

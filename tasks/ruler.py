@@ -55,7 +55,7 @@ from harness.models import CHAT_TEMPLATE_KWARGS, chat_text
 from harness.progress import progress
 from methods.base import KVMethod, ModelInfo
 from tasks.base import Task, TaskResult
-from tasks.text_sources import default_data_dir, load_essays, read_text_file
+from tasks.text_sources import data_root, load_essays, read_text_file
 
 # ----------------------------------------------------------------------------------------------
 # Vocabulary (written for this harness): keys are "adjective-noun", CWE draws single words.
@@ -158,7 +158,7 @@ def load_haystack_words(haystack: str, data_dir: str | None = None) -> list[str]
     """The essay text cut into words at whitespace (RULER's essay haystack); [] for `repeat`."""
     if haystack == "repeat":
         return []
-    base = Path(data_dir) if data_dir else default_data_dir()
+    base = data_root(data_dir)
     if haystack == "essays":
         text = load_essays(base)
     elif haystack == "ruler":

@@ -22,6 +22,11 @@ def default_data_dir() -> Path:
     return SHARED_DIR / "data"
 
 
+def data_root(data_dir: str | Path | None) -> Path:
+    """A task's data folder: `task.data_dir` (with `~` expanded) or the shared one."""
+    return Path(data_dir).expanduser() if data_dir else default_data_dir()
+
+
 def read_text_file(path: Path, key: str) -> str:
     """UTF-8 text with universal newlines; one ConfigError naming the file for every failure."""
     if not path.exists():
@@ -60,13 +65,13 @@ def load_essays(data_dir: Path | None = None) -> str:
 
 def load_text(dataset: str, path: str | None = None, data_dir: str | None = None) -> str:
     """The whole text of `dataset` (see TEXT_DATASETS)."""
-    base = Path(data_dir) if data_dir else default_data_dir()
+    base = data_root(data_dir)
     if dataset == "text_file":
         if not path:
             raise ConfigError("task.dataset=text_file needs task.path=<a UTF-8 text file>")
-        return read_text_file(Path(path), "task.path")
+        return read_text_file(Path(path).expanduser(), "task.path")
     if path:
-        return read_text_file(Path(path), "task.path")
+        return read_text_file(Path(path).expanduser(), "task.path")
     if dataset == "essays":
         return load_essays(base)
     if dataset == "pg19":

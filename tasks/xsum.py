@@ -36,7 +36,7 @@ from kvcore.errors import ConfigError
 from harness.metrics import rouge_scores
 from harness.progress import progress
 from tasks.base import Task, TaskResult
-from tasks.text_sources import default_data_dir, jsonl_objects
+from tasks.text_sources import data_root, jsonl_objects
 
 HUB_DATASET = "EdinburghNLP/xsum"
 H2O_FILE = Path("xsum") / "xsum_0shot.jsonl"
@@ -101,11 +101,11 @@ class XSum(Task):
 
     def _load(self) -> tuple[list[dict], str]:
         if self.path:
-            path = Path(self.path)
+            path = Path(self.path).expanduser()
             if not path.is_file():
                 raise ConfigError(f"task.path={path}: no such file (an H2O-format XSum jsonl)")
             return parse_items(path.read_bytes(), str(path)), str(path)
-        path = (Path(self.data_dir) if self.data_dir else default_data_dir()) / H2O_FILE
+        path = data_root(self.data_dir) / H2O_FILE
         if path.is_file():
             return parse_items(path.read_bytes(), str(path)), str(path)
         if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":

@@ -348,3 +348,9 @@ def test_runner_writes_longbench_results(tmp_path, data_dir):
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 1 and samples[0]["prompt_tokens"] == 496 and samples[0]["truncated"]
     assert metrics["protocol"]["decoding"] == "greedy"
+
+
+def test_data_dir_expands_the_home_folder(monkeypatch, tmp_path):
+    """task.data_dir=~/... is the user's folder, as the lm-eval data folder already was."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert LongBench(data_dir="~/longbench").data_folder() == tmp_path / "longbench"
