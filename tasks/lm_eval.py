@@ -132,11 +132,26 @@ class LMEval(Task):
             for name in self.names:
                 if name in manager.all_tasks:
                     try:
-                        manager.load([name])
+                        loaded = manager.load([name])
                     except Exception as exc:  # lm-eval / datasets error: name the task and why
                         text = " ".join(str(exc).split())
                         raise ConfigError(f"task.include_path: lm-eval could not load task "
                                           f"{name!r} ({type(exc).__name__}: {text})") from None
+                    for task_name, task in loaded["tasks"].items():
+                        self._check_fewshot_pool(task_name, task)
+
+    def _check_fewshot_pool(self, name: str, task) -> None:
+        """lm-eval draws num_fewshot examples (one more when they come from the evaluated split,
+        to leave the evaluated document out) and fails only after the weights load; a task
+        whose config pins num_fewshot: 0 ignores task.num_fewshot, as lm-eval does."""
+        shots = 0 if task.get_config("num_fewshot") == 0 else self.num_fewshot
+        if not shots:
+            return
+        pool = len(task.fewshot_docs() or ())
+        if pool <= shots:
+            raise ConfigError(f"task.num_fewshot={shots} but lm-eval task {name!r} has only "
+                              f"{pool} document(s) to draw few-shot examples from (it needs more "
+                              f"than {shots}); use a smaller task.num_fewshot")
 
     def _task_manager(self):
         from lm_eval.tasks import TaskManager

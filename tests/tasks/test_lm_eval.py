@@ -365,6 +365,8 @@ def test_runner_runs_your_own_task_yamls(tmp_path, monkeypatch):
                      "(FileNotFoundError: Unable to find"),
     ("unknown", "task.names: 'other' has no offline copy and is not a task of "
                 "task.include_path"),
+    ("few_docs", "task.num_fewshot=5 but lm-eval task 'my_gen' has only 2 document(s) to draw "
+                 "few-shot examples from"),  # the default 5 shots from a 2-document split
 ])
 def test_include_path_errors_before_weights(setup, message, tmp_path, monkeypatch):
     from harness import models
