@@ -73,17 +73,14 @@ class LMEval(Task):
         if not reasons and self.offline:
             from harness.lm_eval.tasks import TASK_FILES
 
-            unknown = [n for n in self.names if n not in TASK_FILES]
-            if unknown and self.include_path:
-                included = set(self._included_manager().all_tasks)
-                unknown = [n for n in unknown if n not in included]
+            known = set(TASK_FILES) | self._own_tasks()
+            unknown = [n for n in self.names if n not in known]
             if unknown:
-                reasons.append(f"task.names: {unknown[0]!r} has no offline copy"
-                               + (" and is not a task of task.include_path" if self.include_path
-                                  else "")
-                               + f"; allowed with task.offline=true: {', '.join(TASK_FILES)}"
-                               + (", or the tasks of task.include_path" if self.include_path
-                                  else ", or your own task YAMLs in task.include_path"))
+                mine, also = ((" and is not a task of task.include_path",
+                               "the tasks of task.include_path") if self.include_path
+                              else ("", "your own task YAMLs in task.include_path"))
+                reasons.append(f"task.names: {unknown[0]!r} has no offline copy{mine}; allowed "
+                               f"with task.offline=true: {', '.join(TASK_FILES)}, or {also}")
         return reasons
 
     def _check_include_path(self) -> list[str]:
@@ -108,17 +105,25 @@ class LMEval(Task):
         return []
 
     def _included_manager(self):
-        from lm_eval.tasks import TaskManager
+        """The TaskManager of task.include_path, built (its folders indexed) once."""
+        if getattr(self, "_own_manager", None) is None:
+            from lm_eval.tasks import TaskManager
 
-        return TaskManager(include_path=list(self.include_path), include_defaults=False)
+            self._own_manager = TaskManager(include_path=list(self.include_path),
+                                            include_defaults=False)
+        return self._own_manager
+
+    def _own_tasks(self) -> set[str]:
+        """Task names defined in task.include_path (none without it)."""
+        return set(self._included_manager().all_tasks) if self.include_path else set()
 
     def _offline_names(self) -> list[str]:
         from harness.lm_eval.tasks import TASK_FILES
 
         if not self.offline:
             return []
-        included = set(self._included_manager().all_tasks) if self.include_path else set()
-        return [n for n in self.names if n in TASK_FILES and n not in included]
+        own = self._own_tasks()
+        return [n for n in self.names if n in TASK_FILES and n not in own]
 
     def check_data(self) -> None:
         offline = self._offline_names()
