@@ -189,9 +189,21 @@ def group_options(group: str, conf: Path = CONF) -> list[str]:
 
 def config_groups() -> str:
     """`--help`'s list of choices (the template in conf/config.yaml): Hydra's own list would
-    offer `_`-prefixed fragments such as method=_shared, which are not choices."""
-    return "\n".join(f"{p.name}: {', '.join(group_options(p.name))}" for p in sorted(CONF.iterdir())
-                     if p.is_dir() and p.name != "hydra" and group_options(p.name))
+    offer `_`-prefixed fragments such as method=_shared, which are not choices. Methods are
+    listed one per line with their provenance."""
+    from methods import build_method
+
+    lines = []
+    for p in sorted(CONF.iterdir()):
+        if not (p.is_dir() and p.name != "hydra" and group_options(p.name)):
+            continue
+        if p.name == "method":
+            lines.append("method (provenance: official code | paper | reconstruction | reference):")
+            lines += [f"  {name:<17} {build_method(name).provenance_label()}"
+                      for name in group_options("method")]  # the defaults' label
+        else:
+            lines.append(f"{p.name}: {', '.join(group_options(p.name))}")
+    return "\n".join(lines)
 
 
 # Registered on import: every process that runs a member (submitit's too) imports this module.

@@ -149,7 +149,8 @@ class Perplexity(Task):
         first = max(prompt, 1)  # the first token scored
         nll = torch.empty(ids.numel() - first)
         device = engine.device
-        with engine.request() as req:
+        # the budget basis (runner.budget_basis=final) is the whole scored text
+        with engine.request(final_tokens=int(ids.numel())) as req:
             if prompt:  # ends with the prompt-end hook: prompt compressors act here
                 logits = req.prefill(ids[:prompt].to(device))[0, -1]
                 nll[0] = token_nll(logits[None], ids[prompt:prompt + 1].to(device))[0]
