@@ -28,7 +28,7 @@ table{border-collapse:collapse;font-size:12.5px;margin:.3em 0 1em;display:block;
 th,td{border:1px solid #ddd;padding:3px 7px;text-align:right;white-space:nowrap}
 th{background:#f5f5f5;cursor:pointer;position:sticky;top:0}
 th.sorted-asc::after{content:" \\25B2"} th.sorted-desc::after{content:" \\25BC"}
-td.text,th.text{text-align:left} tr.reference td{font-weight:600;background:#fafafa}
+td.text,th.text{text-align:left} td.text:last-child{white-space:normal;min-width:22em} tr.reference td{font-weight:600;background:#fafafa}
 tr.inactive td{color:#a00} td.best{background:#e6f4e6}
 figure{margin:1.2em 0} figure img{max-width:100%;height:auto;border:1px solid #eee}
 figcaption{color:#444;margin-bottom:.3em;font-weight:600}
@@ -87,18 +87,18 @@ def board_html(board: list[dict]) -> str:
     for (model, protocol), entries in leaderboard.sections(board).items():
         own, rest = leaderboard.header(entries)
         out.append(f"<h3>{_e(model)} · <code>{_e(protocol)}</code></h3>")
-        heads = [f'<th class="text">{_e(c)}</th>' for c in own] + [
-            f'<th title="{_e(c)}">{_e(c + leaderboard.arrow(entries, c))}</th>' for c in rest]
+        text = set(leaderboard.TEXT)
+        heads = [f'<th class="{"text" if c in text else ""}" title="{_e(c)}">'
+                 f'{_e(c + leaderboard.arrow(entries, c))}</th>' for c in own + rest]
         out.append('<table class="sortable board"><thead><tr>' + "".join(heads)
                    + "</tr></thead><tbody>")
         best = {c: _best(entries, c) for c in rest}
         for e in entries:
             cls = ("reference" if e["method"] == "full" else
                    "inactive" if e["active"] == "INACTIVE" else "")
-            cells = [_td(leaderboard.cell(e, c), True) for c in own] + [
-                _td(leaderboard.cell(e, c), False,
-                    best[c] is not None and leaderboard.cell(e, c) == best[c]
-                    and e["method"] != "full") for c in rest]
+            cells = [_td(leaderboard.cell(e, c), c in text,
+                         best.get(c) is not None and leaderboard.cell(e, c) == best[c]
+                         and e["method"] != "full") for c in own + rest]
             out.append(f'<tr class="{cls}" title="{_e(" ".join(e["runs"]))}">'
                        + "".join(cells) + "</tr>")
         out.append("</tbody></table>")

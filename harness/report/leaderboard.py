@@ -96,15 +96,18 @@ def sections(board: list[dict]) -> dict[tuple[str, str], list[dict]]:
     return out
 
 
+TEXT = ("method", "setting", "batch", "active", "provenance", "operating_point", "variant")
+
+
 def header(entries: list[dict]) -> tuple[list[str], list[str]]:
-    """(the row's own columns, the task columns) of one section, tasks sorted by name."""
+    """(the row's key columns, the rest) of one section: method and budget first, the task
+    columns (sorted), the mean and the measures, then the labels a section has any of, the
+    variant knobs (long) last."""
     tasks = sorted({c for e in entries for c in e["tasks"]})
-    own = ["method", "variant", "setting", "provenance", "operating_point"]
-    if any(e["batch"] != 1 for e in entries):
-        own.append("batch")
-    tail = ([MEAN] if len(tasks) > 1 else []) + ["kv_held", "attended_fraction", "decode_ms",
-                                                 "bytes_per_step", "active"]
-    return own, tasks + tail
+    own = ["method", "setting"] + (["batch"] if any(e["batch"] != 1 for e in entries) else [])
+    labels = [c for c in ("provenance", "operating_point", "variant") if any(e[c] for e in entries)]
+    return own, (tasks + ([MEAN] if len(tasks) > 1 else []) + list(MEASURES) + ["active"]
+                 + labels)
 
 
 def cell(e: dict, column: str) -> Any:
