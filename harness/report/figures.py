@@ -221,7 +221,7 @@ def ruler_grid(plt, rows: list[dict], out: Path) -> list[Path]:
         for k in range(1, len(cols)):
             if cols[k][0] != cols[k - 1][0]:  # a new context length
                 ax.axvline(k - 0.5, color="white", linewidth=3)
-        if len(cols) * len(names) <= 600:
+        if len(cols) * len(names) <= 2000:
             for y, line in enumerate(cells):
                 for x, v in enumerate(line):
                     if v == v:  # not NaN

@@ -28,7 +28,8 @@ table{border-collapse:collapse;font-size:12.5px;margin:.3em 0 1em;display:block;
 th,td{border:1px solid #ddd;padding:3px 7px;text-align:right;white-space:nowrap}
 th{background:#f5f5f5;cursor:pointer;position:sticky;top:0}
 th.sorted-asc::after{content:" \\25B2"} th.sorted-desc::after{content:" \\25BC"}
-td.text,th.text{text-align:left} td.text:last-child{white-space:normal;min-width:22em} tr.reference td{font-weight:600;background:#fafafa}
+td.text,th.text{text-align:left} td.text:last-child{white-space:normal;min-width:22em}
+tr.reference td{font-weight:600;background:#fafafa}
 tr.inactive td{color:#a00} td.best{background:#e6f4e6}
 figure{margin:1.2em 0} figure img{max-width:100%;height:auto;border:1px solid #eee}
 figcaption{color:#444;margin-bottom:.3em;font-weight:600}

@@ -18,7 +18,7 @@ def need_chromium() -> None:
     if browser.find_chromium() is None:
         if os.environ.get("KVH_REQUIRE_BROWSER") == "1":
             pytest.fail("KVH_REQUIRE_BROWSER=1 but chromium is not installed "
-                        "(apt-get install chromium)")
+                        "(apt-get install chromium)", pytrace=False)
         pytest.skip("chromium is not installed (apt-get install chromium); "
                     "KVH_REQUIRE_BROWSER=1 makes this a failure")
 
@@ -32,9 +32,11 @@ def ink_fraction(png: bytes) -> float:
 
 
 SORT_JS = """(function(){var t=document.querySelector('table.board');
-  var th=Array.from(t.tHead.rows[0].cells).find(function(c){return c.textContent.indexOf('kv_held')==0;});
+  var th=Array.from(t.tHead.rows[0].cells).find(function(c){
+    return c.textContent.indexOf('kv_held')==0;});
   var col=th.cellIndex; th.click();
-  return Array.from(t.tBodies[0].rows).map(function(r){return +r.cells[col].getAttribute('data-v');});
+  return Array.from(t.tBodies[0].rows).map(function(r){
+    return +r.cells[col].getAttribute('data-v');});
 })()"""
 
 
