@@ -82,7 +82,8 @@ def log_sweep(logger: dict, sweep_dir: Path, run_folders: list[Path]) -> dict | 
         return None
     import wandb
 
-    from harness.report import build_report, leaderboard
+    from harness.report import AXES, build_report, leaderboard
+    from harness.report.figures import question
 
     out = sweep_dir / "report"
     rows, out, made = build_report([str(f / "metrics.json") for f in run_folders], out,
@@ -93,6 +94,9 @@ def log_sweep(logger: dict, sweep_dir: Path, run_folders: list[Path]) -> dict | 
     run = wandb.init(project=logger.get("project") or "kv-harness", entity=logger.get("entity"),
                      group=logger.get("group") or sweep_dir.name, dir=str(sweep_dir), mode=mode,
                      name=f"report-{sweep_dir.name}", job_type="report",
+                     # the report's own definitions of what the columns and figures show
+                     config={"axes": {k: f"{name}: {what}" for k, (name, what) in AXES.items()},
+                             "figures": {p.stem: question(p) for p in made}},
                      reinit="finish_previous", settings=wandb.Settings(silent=True))
     try:
         run.log({"leaderboard": wandb.Table(columns=columns, data=data),

@@ -278,6 +278,8 @@ class SweepSummary(Callback):
                   f"{exc}", file=sys.stderr)
             return
         if facts:
+            sync = f"; upload it with: wandb sync {facts['dir']}" if facts["mode"] == "offline" \
+                else ""
             print(f"comparison: {facts['rows']} leaderboard rows, {facts['figures']} figures -> "
-                  f"W&B group {logger.get('group') or sweep_dir.name} ({facts['mode']}); "
+                  f"W&B group {logger.get('group') or sweep_dir.name} ({facts['mode']}){sync}; "
                   f"report {facts['report']}/report.html")

@@ -44,8 +44,7 @@ def notes(board: list[dict], made: list[Path]) -> str:
     """report.md: the leaderboard, then which figure answers which question."""
     lines = ["# kv-harness report", "", "## Leaderboard", "", leaderboard.markdown(board),
              "## Figures", ""]
-    lines += [f"- `{p.name}`: {figures.FIGURES.get(_FIGURE_FILE.fullmatch(p.name).group(1))}"
-              for p in made]
+    lines += [f"- `{p.name}`: {figures.question(p)}" for p in made]
     return "\n".join(lines) + "\n"
 
 

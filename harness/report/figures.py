@@ -25,6 +25,8 @@ MAX_ROWS = 6  # panels per figure: NCOLS x MAX_ROWS, then the next page
 FONT = {"font.size": 9, "axes.titlesize": 9, "axes.labelsize": 9, "legend.fontsize": 8,
         "xtick.labelsize": 8, "ytick.labelsize": 8, "figure.titlesize": 11}
 GIB = 2**30
+FRONTIER = "Pareto frontier"
+FRONTIER_NAMES = 6  # frontier points named in the panel, at most (more would overlap)
 
 FIGURES = {
     "accuracy_vs_kv_held": "Which method keeps the most accuracy for the memory it holds? "
@@ -41,6 +43,12 @@ FIGURES = {
     "nll_curve": "Does a method's loss drift as the stream grows? (streaming NLL per block)",
     "bytes_per_step": "How much does each method move host-to-device per decode step?",
 }
+
+
+def question(path: Path) -> str:
+    """The question a figure file answers (`accuracy_vs_kv_held_2.png`: its figure's)."""
+    stem = path.stem if path.stem in FIGURES else path.stem.rsplit("_", 1)[0]
+    return FIGURES.get(stem, "")
 
 
 def draw_all(rows: list[dict], out: Path) -> list[Path]:
@@ -77,8 +85,21 @@ def save(fig, path: Path) -> Path:
     dpi = min(DPI, MAX_SIDE_PX / max(width_in, height_in))
     tmp = path.with_name(f".{path.name}.tmp.png")
     fig.savefig(tmp, dpi=dpi)
+    _palette(tmp)
     tmp.replace(path)
     return path
+
+
+def _palette(png: Path, worst: int = 24) -> None:
+    """Re-encode as a 256-colour PNG (a third of the bytes: report.html embeds every figure)
+    unless some pixel would move by more than `worst` in a channel (a method's colour lost)."""
+    from PIL import Image, ImageChops
+
+    rgb = Image.open(png).convert("RGB")
+    small = rgb.quantize(colors=256, method=Image.Quantize.MAXCOVERAGE, dither=Image.Dither.NONE)
+    error = max(high for _, high in ImageChops.difference(rgb, small.convert("RGB")).getextrema())
+    if error <= worst:
+        small.save(png, "PNG", optimize=True)
 
 
 def pages(items: list, per_page: int) -> list[list]:
@@ -108,9 +129,12 @@ def legend_columns(ncols: int) -> int:
 
 
 def legend(fig, handles: dict, ncols: int) -> None:
-    """One legend for the figure, below the panels: one entry per method (variant)."""
+    """One legend for the figure, below the panels: one entry per method (variant), the
+    frontier and the reference first, then the methods by name."""
     if handles:
-        fig.legend(list(handles.values()), list(handles), loc="outside lower center",
+        first = [k for k in (FRONTIER, REFERENCE) if k in handles]
+        order = first + sorted(k for k in handles if k not in first)
+        fig.legend([handles[k] for k in order], order, loc="outside lower center",
                    ncols=legend_columns(ncols), frameon=False, handlelength=2.6)
 
 
@@ -183,7 +207,8 @@ def _accuracy_panel(ax, rows, rs, axis, labels, handles) -> None:
     if len(front) > 1:
         line, = ax.step([p[0] for p in front], [p[1] for p in front], where="post",
                         color="0.6", linewidth=7, alpha=0.35, zorder=1, solid_capstyle="round")
-        _remember(handles, "Pareto frontier", line)
+        _remember(handles, FRONTIER, line)
+        _name_frontier(ax, rs, axis, front, labels)
     for (method, variant), series in _group(rs, lambda r: (r["method"], r["variant"])).items():
         series.sort(key=lambda r: r[axis])
         label, kwargs = handle(labels, rows, series[0])
@@ -197,41 +222,78 @@ def _accuracy_panel(ax, rows, rs, axis, labels, handles) -> None:
             ax.axhline(series[0]["value"], color="black", linewidth=0.8, linestyle=":", zorder=2)
 
 
+def _name_frontier(ax, rs, axis, front, labels) -> None:
+    """Name the methods on the frontier next to their points (not the reference: it is the
+    star), so the panel says who wins where without matching colours to the legend."""
+    on_front = [r for r in rs if (r[axis], r["value"]) in set(front) and r["method"] != REFERENCE]
+    named: set[tuple] = set()
+    for r in sorted(on_front, key=lambda r: r[axis])[:FRONTIER_NAMES]:
+        if (r[axis], r["value"]) in named:
+            continue
+        named.add((r[axis], r["value"]))
+        ax.annotate(labels[r["method"], r["variant"]], (r[axis], r["value"]),
+                    textcoords="offset points", xytext=(5, 4), fontsize=7, color="0.25",
+                    zorder=7)
+
+
 # ---------------------------------------------------------------------------------------------
 # RULER: methods x (length, depth) cells.
 
+RULER_ROWS = 90  # method rows per panel (0.26 in each): a taller group continues below
+
+
 def ruler_grid(plt, rows: list[dict], out: Path) -> list[Path]:
+    """One heatmap per (model, protocol), rows = method x budget, columns = length x depth;
+    panels go to ruler_grid.png, ruler_grid_2.png, ... so that no page is taller than fits."""
     runs = [r for r in rows if r["_metrics"].get("accuracy", {}).get("niah_single_grid")]
     if not runs:
         return []
     labels = variant_tags(rows)
-    groups = list(_group(runs, lambda r: (r["model"], r["protocol"])).items())
-    heights = [max(1.6, 0.26 * len(rs) + 1.3) for _, rs in groups]
-    columns = max(len(_ruler_columns(rs)) for _, rs in groups)
-    size = (min(29.0, max(7.0, 3.2 + 0.42 * columns)), min(29.0, sum(heights) + 0.8))
-    fig = plt.figure(figsize=size, layout="constrained")
-    axes = fig.subplots(len(groups), 1, squeeze=False, height_ratios=heights).ravel()
+    panels = []
+    for (model, protocol), rs in _group(runs, lambda r: (r["model"], r["protocol"])).items():
+        cols, cells, names = _ruler_matrix(rs, labels)
+        for start in range(0, len(names), RULER_ROWS):
+            panels.append((f"{model} · {protocol}", cols, cells[start:start + RULER_ROWS],
+                           names[start:start + RULER_ROWS]))
+    pages_, page, height = [], [], 0.0
+    for panel in panels:
+        h = 0.26 * len(panel[3]) + 1.3
+        if page and height + h > 27:
+            pages_.append(page)
+            page, height = [], 0.0
+        page.append(panel)
+        height += h
+    pages_.append(page)
+    made = []
+    for i, page in enumerate(pages_):
+        made.append(_ruler_page(plt, page, out / page_name("ruler_grid", i)))
+    return made
+
+
+def _ruler_page(plt, page: list, path: Path) -> Path:
+    heights = [0.26 * len(names) + 1.3 for *_, names in page]
+    width = max(9.0, 3.2 + 0.42 * max(len(cols) for _, cols, _, _ in page))
+    fig = plt.figure(figsize=(min(29.0, width), sum(heights) + 0.8), layout="constrained")
+    axes = fig.subplots(len(page), 1, squeeze=False, height_ratios=heights).ravel()
     fig.suptitle("RULER niah_single accuracy (%) per context length and needle depth")
     image = None
-    for ax, ((model, protocol), rs) in zip(axes, groups):
-        cols, cells, names = _ruler_matrix(rs, labels)
+    for ax, (title, cols, cells, names) in zip(axes, page):
         image = ax.imshow(cells, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(cols)), [f"{length}\n{depth}%" for length, depth in cols])
         ax.set_yticks(range(len(names)), names)
         for k in range(1, len(cols)):
             if cols[k][0] != cols[k - 1][0]:  # a new context length
                 ax.axvline(k - 0.5, color="white", linewidth=3)
-        if len(cols) * len(names) <= 2000:
-            for y, line in enumerate(cells):
-                for x, v in enumerate(line):
-                    if v == v:  # not NaN
-                        ax.text(x, y, f"{v:.0f}", ha="center", va="center", fontsize=7)
-        ax.set_title(f"{model} · {protocol}")
+        for y, line in enumerate(cells):
+            for x, v in enumerate(line):
+                if v == v:  # not NaN (no sample in that cell)
+                    ax.text(x, y, f"{v:.0f}", ha="center", va="center", fontsize=7)
+        ax.set_title(title, loc="left")
         ax.set_xlabel("context length (tokens) / needle depth")
     fig.colorbar(image, ax=list(axes), label="accuracy (%)", shrink=0.6)
-    made = [save(fig, out / "ruler_grid.png")]
+    save(fig, path)
     plt.close(fig)
-    return made
+    return path
 
 
 def _ruler_columns(rs: list[dict]) -> list[tuple[int, float]]:
@@ -244,14 +306,15 @@ def _ruler_columns(rs: list[dict]) -> list[tuple[int, float]]:
 def _ruler_matrix(rs: list[dict], labels: dict):
     cols = _ruler_columns(rs)
     rs = sorted(rs, key=lambda r: (r["method"] != REFERENCE, r["method"], r["variant"],
-                                   r["setting"], r["run"]))
+                                   r["setting"], r["batch"], r["run"]))
     cells, names = [], []
     for r in rs:
         g = r["_metrics"]["accuracy"]["niah_single_grid"]
         value = {(length, depth): g["accuracy"][i][j]
                  for i, depth in enumerate(g["depths"]) for j, length in enumerate(g["lengths"])}
         cells.append([float("nan") if value.get(c) is None else value[c] for c in cols])
-        names.append(f"{labels[r['method'], r['variant']]} {r['setting']}".strip())
+        batch = f" batch={r['batch']}" if r["batch"] != 1 else ""
+        names.append(f"{labels[r['method'], r['variant']]} {r['setting']}{batch}".strip())
     return cols, cells, names
 
 
@@ -288,8 +351,12 @@ def _lines(plt, rows: list[dict], points: list[tuple[dict, float, float]], panel
                 _remember(handles, label, line)
             ax.set_title(" · ".join(str(p) for p in panel) if isinstance(panel, tuple) else panel)
             ax.set(xlabel=xlabel, ylabel=ylabel)
-            if logx:
+            if logx:  # batch sizes: powers of two, labelled as the numbers they are
                 ax.set_xscale("log", base=2)
+                xs = sorted({p[0] for key, pts in series.items() if key[0] == panel
+                             for p in pts})
+                ax.set_xticks(xs, [f"{x:g}" for x in xs])
+                ax.minorticks_off()
             ax.grid(alpha=0.3)
         legend(fig, handles, min(NCOLS, len(page)))
         made.append(save(fig, out / page_name(stem, i)))
@@ -324,13 +391,15 @@ def capacity(plt, rows: list[dict], out: Path) -> list[Path]:
 
 
 def nll(plt, rows: list[dict], out: Path) -> list[Path]:
+    column = task_columns(rows)  # one panel per text and length, as the leaderboard's columns
     pts = []
     for r in rows:
         acc = r["_metrics"].get("accuracy", {})
         block = acc.get("block_tokens", 256)
         for i, value in enumerate(acc.get("nll_per_block") or []):
-            pts.append((dict(r, setting=f"{r['setting']} {r['run']}"), (i + 1) * block, value))
-    return _lines(plt, rows, pts, lambda r: (r["model"], r["protocol"]), "nll_curve",
+            pts.append((dict(r, setting=f"{r['setting']} {r['run']}", column=column[id(r)]),
+                        (i + 1) * block, value))
+    return _lines(plt, rows, pts, lambda r: (r["column"], r["model"], r["protocol"]), "nll_curve",
                   "Streaming NLL per block", "tokens", "mean NLL (nats/token)", out=out)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from harness.report import leaderboard
 from harness.report.collect import COLUMNS, fmt
-from harness.report.figures import FIGURES
+from harness.report import figures
 
 STYLE = """
 body{font:14px/1.4 system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:1.5em auto;
@@ -119,8 +119,7 @@ def runs_html(rows: list[dict]) -> str:
 def figures_html(made: list[Path]) -> str:
     out = []
     for path in made:
-        stem = path.stem.rsplit("_", 1)[0] if path.stem not in FIGURES else path.stem
-        question = FIGURES.get(stem, path.stem)
+        question = figures.question(path)
         data = base64.b64encode(path.read_bytes()).decode()
         out.append(f'<figure id="{_e(path.stem)}"><figcaption>{_e(question)} '
                    f'<span class="meta">({_e(path.name)})</span></figcaption>'
@@ -135,7 +134,7 @@ def page(rows: list[dict], board: list[dict], made: list[Path], sources: list[st
     models = sorted({r["model"] for r in rows})
     methods = sorted({r["method"] for r in rows})
     questions = "".join(f'<li><a href="#{_e(p.stem)}">{_e(p.name)}</a>: '
-                        f"{_e(FIGURES.get(p.stem, ''))}</li>" for p in made if p.stem in FIGURES)
+                        f"{_e(figures.question(p))}</li>" for p in made)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">

@@ -2,12 +2,13 @@
 in one run of the sweep's group, from the members' complete runs."""
 
 import json
+import time
 
 from omegaconf import OmegaConf
 
-from harness import report
 from harness.loggers import comparison_table
 from harness.report import leaderboard
+from harness.report.collect import collect
 from harness.sweep import SweepSummary
 from tests.harness.test_report_check import fake_run
 
@@ -35,15 +36,19 @@ def test_sweep_logs_one_comparison_table_and_the_figures(tmp_path, monkeypatch, 
     tables = list(files.glob("media/table/leaderboard_*.table.json"))
     assert len(tables) == 1
     logged = json.loads(tables[0].read_text())
-    rows, _, made = report.build_report([str(f) for f in folders], tmp_path / "again")
-    columns, data = comparison_table(leaderboard.build(rows))
+    columns, data = comparison_table(leaderboard.build(collect([str(f) for f in folders])))
+    made = list((sweep_dir / "report").glob("*.png"))
     assert logged["columns"] == columns and len(logged["data"]) == len(data) == 3
     held = columns.index("kv_held")
     assert sorted(r[held] for r in logged["data"]) == [0.2, 0.5, 1.0]
     images = list(files.glob("media/images/figures/*.png"))
     assert len(images) == len(made) >= 4
-    blob = next(sweep_dir.glob("wandb/offline-run-*/run-*.wandb")).read_bytes()
-    assert sweep_dir.name.encode() in blob  # the group: the sweep folder's name
+    log = next(sweep_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    for _ in range(100):  # W&B's service may still be appending to its log (busy machines)
+        if sweep_dir.name.encode() in log.read_bytes():
+            break
+        time.sleep(0.1)
+    assert sweep_dir.name.encode() in log.read_bytes()  # the group: the sweep folder's name
 
 
 def test_no_logger_logs_nothing(tmp_path):
