@@ -108,7 +108,8 @@ def inspect(page: Path, width: int = 1400, height: int = 900, settle_s: float = 
         proc = subprocess.Popen(
             [chromium, "--headless=new", "--remote-debugging-pipe", "--no-sandbox",
              "--disable-gpu", "--no-first-run", "--no-default-browser-check",
-             "--disable-extensions", "--disable-background-networking", "--disable-dev-shm-usage",
+             "--disable-extensions", "--disable-background-networking",
+             "--disable-dev-shm-usage",
              f"--user-data-dir={profile}", "about:blank"],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             pass_fds=(3, 4), preexec_fn=child_fds)
