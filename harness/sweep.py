@@ -270,5 +270,28 @@ class SweepSummary(Callback):
                 job = f"#{s['job']} " if isinstance(s["job"], int) else ""
                 print(f"  [{s['status']}] {job}{' '.join(s.get('overrides', []))}: {s['detail']}")
         write_json_atomic(sweep_dir / "summary.json", {"counts": counts, "members": statuses})
+        self._log_comparison(config, sweep_dir, statuses)
         if counts["failed"]:
             sys.exit(1)
+
+    @staticmethod
+    def _log_comparison(config: DictConfig, sweep_dir: Path, statuses: list[dict]) -> None:
+        """logger=wandb: the sweep's leaderboard and figures to its W&B group (a failure is a
+        warning: the members' results are already written)."""
+        from harness.loggers import log_sweep
+
+        logger = OmegaConf.to_container(config.logger, resolve=True) if "logger" in config else {}
+        folders = [Path(s["detail"]) for s in statuses if s["status"] == "ok"
+                   and (Path(str(s.get("detail"))) / "metrics.json").is_file()]
+        try:
+            facts = log_sweep(logger, sweep_dir, folders)
+        except Exception as exc:  # noqa: BLE001 - W&B down must not fail a finished sweep
+            print(f"warning: the sweep's W&B comparison was not logged: {type(exc).__name__}: "
+                  f"{exc}", file=sys.stderr)
+            return
+        if facts:
+            sync = f"; upload it with: wandb sync {facts['dir']}" if facts["mode"] == "offline" \
+                else ""
+            print(f"comparison: {facts['rows']} leaderboard rows, {facts['figures']} figures -> "
+                  f"W&B group {logger.get('group') or sweep_dir.name} ({facts['mode']}){sync}; "
+                  f"report {facts['report']}/report.html")

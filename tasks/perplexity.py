@@ -39,6 +39,8 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 @dataclass(kw_only=True)
 class Perplexity(Task):
     name: ClassVar[str] = "perplexity"
+    main_metric: ClassVar[str] = "ppl"
+    higher_is_better: ClassVar[bool] = False
     prompt_option: ClassVar[str | None] = "task.prefill_tokens"
     dataset: str = "essays"  # wikitext2 | essays | pg19 | text_file
     path: str | None = None  # a local text file (required for text_file; overrides the default copy)
