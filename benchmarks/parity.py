@@ -84,9 +84,11 @@ CASES = [
          peer={"window_size": 32, "kernel_size": 7, "beta": 20}, kept="containment", answers=False,
          note="per-layer budgets differ by design: ours = KVCache-Factory's (window + the prefix "
               "schedule), kvpress puts the window inside its schedule so the mean stays "
-              "T x (1 - cr); equal means, so kept sets nest. Kept sets only: kvpress cannot feed "
-              "a multi-token question over per-layer lengths with sdpa or eager on CPU (the mask "
-              "is sized for layer 0; transformers#35168: FA2 only)"),
+              "T x (1 - cr), and falls back to SnapKV's uniform budget when its top layer would "
+              "keep less than the window (KVCache-Factory has no such fallback: here at 25 %); "
+              "equal means and the same votes, so kept sets nest. Kept sets only: kvpress cannot "
+              "feed a multi-token question over per-layer lengths with sdpa or eager on CPU (the "
+              "mask is sized for layer 0; transformers#35168: FA2 only)"),
     Case("tova", "tova", "TOVAPress",
          note="last context query, heads averaged, one set per layer; kvpress always keeps the "
               "last token (official TOVA does not, nor do we); ours evicts per step by design: "

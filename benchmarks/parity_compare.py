@@ -31,6 +31,7 @@ class Row:
     logit_max: float = 0.0
     failures: list[str] = field(default_factory=list)
     budget_gap: int = 0  # largest |our kept count - kvpress's| over layers (containment rows)
+    schedule: str = ""  # containment rows: kept counts of the first and last layer, first sample
 
     @property
     def within(self) -> bool:
@@ -51,6 +52,10 @@ def compare_kept(row: Row, name: str, ours: list, peer: list) -> bool:
         row.failures.append(f"{name}: {len(ours)} layers compressed here, {len(peer)} in kvpress")
         return False
     same = True
+    if kind == "containment" and not row.schedule:
+        row.schedule = (f"{name}: layer 0 keeps {len(ours[0][0])} here, {len(peer[0][0])} in "
+                        f"kvpress; layer {len(ours) - 1}: {len(ours[-1][0])} here, "
+                        f"{len(peer[-1][0])} in kvpress")
     for layer, (ol, pl) in enumerate(zip(ours, peer)):
         for head, (o, p) in enumerate(zip(ol, pl)):
             a, b = set(o), set(p)
@@ -108,6 +113,7 @@ def build_rows(prompts: dict, ours: dict, peer: dict, cases: dict, logit_abs: fl
             same = spec["peer"]["press"] is None or compare_kept(row, name, so["kept"], sp["kept"])
             if same:
                 row.identical_samples += 1
+            if same and row.case.answers:
                 compare_answers(row, name, so, sp, logit_abs)
             elif go_equal(so, sp):
                 row.answers_equal += 1
@@ -127,13 +133,14 @@ def table(rows: list[Row], logit_abs: float) -> list[str]:
         kept = ("-" if r.overlap_n == 0 else
                 f"{c.kept} min {r.overlap_min:.3f} mean {r.overlap_sum / r.overlap_n:.4f}")
         if c.kept == "containment" and r.overlap_n:
-            kept += f"; kept counts differ by up to {r.budget_gap}"
+            kept += f"; kept counts differ by up to {r.budget_gap} ({r.schedule})"
         logits = f"{r.logit_max:.1e} ({r.logit_steps})" if r.logit_steps else "-"
-        tol = (f"{c.kept} >= {c.kept_min:g}; same sets => same answers, logits <= {logit_abs:g}"
-               if c.counted else "not counted")
+        answers = f"{r.answers_equal}/{r.samples}" if c.answers else "-"
+        then = f"; same sets => same answers, logits <= {logit_abs:g}" if c.answers else ""
+        tol = f"{c.kept} >= {c.kept_min:g}{then}" if c.counted else "not counted"
         verdict = ("yes" if r.within else "NO") if c.counted else "-"
         lines.append(f"| {c.name} | {kept} | {r.identical_samples}/{r.samples} | "
-                     f"{r.answers_equal}/{r.samples} | {logits} | {tol} | {verdict} | {c.note} |")
+                     f"{answers} | {logits} | {tol} | {verdict} | {c.note} |")
     return lines
 
 

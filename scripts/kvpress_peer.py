@@ -21,8 +21,8 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
+from importlib.metadata import version
 
 import torch
 from transformers import DynamicCache
@@ -88,9 +88,8 @@ def main() -> int:
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    transformers.utils.logging.disable_progress_bar()  # weight-loading bars would flood CI's log
     torch.manual_seed(0)
-    if spec.get("threads"):
-        torch.set_num_threads(spec["threads"])
     tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
     pipes = {}
 
@@ -114,24 +113,16 @@ def main() -> int:
                        for s in spec["samples"]]
             results.append({"case": case["name"], "samples": samples})
             print(f"peer: {case['name']} done ({time.perf_counter() - t0:.0f} s)", flush=True)
-    out = {"peer": {"kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else
-                    _version("kvpress"), "transformers": transformers.__version__,
+    out = {"peer": {"kvpress": version("kvpress"), "transformers": transformers.__version__,
                     "torch": torch.__version__, "python": sys.version.split()[0]},
            "results": results}
     _write_json(args.out, out)
     return 0
 
 
-def _version(package: str) -> str:
-    from importlib.metadata import version
-
-    return version(package)
-
-
 def _write_json(path: str, obj) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=folder, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
+    tmp = f"{path}.tmp"  # then renamed: never a half-written result
+    with open(tmp, "w") as f:
         json.dump(obj, f)
     os.replace(tmp, path)
 
