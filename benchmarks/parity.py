@@ -86,7 +86,8 @@ CASES = [
               "schedule), kvpress puts the window inside its schedule so the mean stays "
               "T x (1 - cr), and falls back to SnapKV's uniform budget when its top layer would "
               "keep less than the window (KVCache-Factory has no such fallback: here at 25 %); "
-              "equal means and the same votes, so kept sets nest. Kept sets only: kvpress cannot "
+              "means within 5 % (KVCache-Factory's floor divisions) and the same votes, so kept "
+              "sets nest. Kept sets only: kvpress cannot "
               "feed a multi-token question over per-layer lengths with sdpa or eager on CPU (the "
               "mask is sized for layer 0; transformers#35168: FA2 only)"),
     Case("tova", "tova", "TOVAPress",
