@@ -27,7 +27,6 @@ and kvpress's int(T x (1 - cr)) keep the same count.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
