@@ -45,6 +45,11 @@ from methods.eviction import BudgetedMethod, EvictionLayer
 @dataclass(kw_only=True)
 class Knorm(BudgetedMethod):
     name: ClassVar[str] = "knorm"
+    provenance: ClassVar[str] = "official code"
+    operating_point: ClassVar[str] = (
+        "alessiodevoto/l2compress: Llama-2-7B (LongLoRA 32K, 80K), Llama-3-8B; keep ratio "
+        "0.1..0.9 of the prompt, layers 0 (or 0, 1) uncompressed; needle, passkey"
+    )
     capabilities: ClassVar[Capabilities] = Capabilities(
         acts_during_decode=False, needs_prefill=True, prefill_modes=("dense",),
         selects_tokens=True, kv_layouts=KV_LAYOUTS)

@@ -48,6 +48,7 @@ def test_ratio_budget_per_head_and_decode_appends():
     info = ModelInfo(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, max_positions=64)
     keys = torch.randn(1, 2, 10, 8) * torch.linspace(0.1, 3, 10).view(1, 1, 10, 1).flip(-2)
     layer = build_method("knorm", budget_ratio=0.5).make_layer(0, info)
+    layer.final_tokens = 10  # the budget basis, as the engine sets it when the prompt is fed
     layer.update(keys, keys, None)
     layer.after_forward()
     layer.on_prefill_end()
