@@ -14,12 +14,14 @@ prompts.json.
 
 Protocol: kvpress's query-agnostic one (our `task.query=agnostic`): the RULER context is prefilled
 and compressed, then the question and a greedy answer are fed on the compressed cache with the
-original positions. kvpress compresses only at prefill. Our prompt compressors (snapkv, pyramidkv,
-knorm) do the same; our per-step methods (streaming_llm, tova, keydiff, h2o) would go on evicting
-while the question and answer are fed, so for the comparison their budget is lifted once the
-context is compressed (kvpress's protocol), and the row says so. The context is one forward
-(`prefill_chunk_tokens` above its length), every layer compressed (`runner.dense_layers=[]`, as
-kvpress), fp32 on the CPU. Budgets: kvpress's `compression_ratio` is the fraction removed, ours
+original positions. kvpress compresses only at prefill. Under our default protocol
+(`runner.prefill=dense`) every method compresses the context once, when it ends, as kvpress does;
+our prompt compressors (snapkv, pyramidkv, knorm) then append, but our per-step methods
+(streaming_llm, tova, keydiff, h2o) go on evicting while the question and answer are fed, so for
+the comparison their budget is lifted once the context is compressed (kvpress's protocol), and
+the row says so. The context is one forward (as kvpress's prefill, so the sums run in the same
+shape), every layer compressed (`runner.dense_layers=[]`, as kvpress), fp32 on the CPU; the budget
+basis is the context's length (our default `runner.budget_basis=final`). Budgets: kvpress's `compression_ratio` is the fraction removed, ours
 `budget_ratio` the fraction kept; kept ratios 0.5 and 0.25 are exact in binary, so our int(r x T)
 and kvpress's int(T x (1 - cr)) keep the same count.
 """
