@@ -90,6 +90,7 @@ from methods.scoring import additive_mask, attention_with_probs, expand_kv, gath
 
 EVICTIONS = ("counter", "lru", "fifo")
 GROUP_REDUCES = ("max", "mean", "prob_mean")
+HEAD_FORMS = ("query_head", "kv_head")  # skew_per / select_per: the official MHA form, or ours
 
 
 def _few_rows_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -124,7 +125,7 @@ class InfiniGen(KVMethod):
     axis_keys: ClassVar[tuple[str, ...]] = ("alpha", "budget_ratio")
     variant_keys: ClassVar[tuple[str, ...]] = (
         "partial_ratio", "dense_layers", "pool_capacity", "mode", "skewing", "column_score",
-        "group_reduce", "shared_count", "speculation_input", "skew_per")
+        "group_reduce", "shared_count", "speculation_input", "skew_per", "select_per")
     alpha: float = 5.0
     partial_ratio: float = 0.2
     budget_ratio: float = 0.2
@@ -138,7 +139,8 @@ class InfiniGen(KVMethod):
     group_reduce: str = "max"
     shared_count: bool = True
     speculation_input: str = "previous"
-    skew_per: str = "kv_head"
+    skew_per: str = "query_head"
+    select_per: str = "query_head"
     head0_threshold: bool = False
     calibration_path: str | None = None
     calibration_tokens: int = 2048
@@ -161,7 +163,7 @@ class InfiniGen(KVMethod):
         choices = {"eviction": EVICTIONS, "mode": self.capabilities.modes,
                    "partial_index": ("calibration", "prefill"), "column_score": COLUMN_SCORES,
                    "group_reduce": GROUP_REDUCES, "speculation_input": ("previous", "own"),
-                   "skew_per": ("kv_head", "query_head")}
+                   "skew_per": HEAD_FORMS, "select_per": HEAD_FORMS}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 r.append(f"method.{key}={getattr(self, key)!r}; allowed: {', '.join(allowed)}")
@@ -214,6 +216,23 @@ class InfiniGen(KVMethod):
         return layer
 
 
+def select_tokens(scores: torch.Tensor, cap: int, alpha: float, shared_count: bool,
+                  head0_threshold: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The official count-and-select rule on speculated logits `scores (B, H, T)` (H selecting
+    heads) -> `(slots (B, H, cap) best first, counts (B, H))`: a head needs the tokens scoring
+    above its max - alpha (`head0_threshold`: head 0's max for every head, the official Llama
+    simulation's `torch.max(attn, -1)[0][0]`); with `shared_count` every head takes the floor of
+    the mean count over heads (one gather size); counts are clamped to [1, cap]. Strict `>`
+    (the official system; its simulation counts `>=`)."""
+    top = scores.amax(-1, keepdim=True)
+    if head0_threshold:
+        top = top[:, :1].expand_as(top)
+    count = (scores > top - alpha).sum(-1)  # (B, H)
+    if shared_count:  # the official int(mean) over heads, one buffer size for all
+        count = count.float().mean().floor().long().expand_as(count)
+    return scores.topk(cap, dim=-1).indices, count.clamp(1, cap)
+
+
 _META = ("positions", "counter", "last_used")
 
 
@@ -242,9 +261,11 @@ class InfiniGenLayer(KVLayer):
         self._pk_len = 0
         # per stored token (see the properties below), grown in place with amortised growth
         self.meta: dict[str, ContiguousRows] = {name: ContiguousRows() for name in _META}
-        self.selected: torch.Tensor | None = None  # (B, H_kv, cap) slots, first `counts` used
-        self.counts: torch.Tensor | None = None  # (B, H_kv) how many of them are used (device)
+        # H_sel: the heads that select (select_per): H_q (official) or H_kv (ours)
+        self.selected: torch.Tensor | None = None  # (B, H_sel, cap) slots, first `counts` used
+        self.counts: torch.Tensor | None = None  # (B, H_sel) how many of them are used (device)
         self.fetched: torch.Tensor | None = None  # (B, H_kv, n_max) slots moved (system mode)
+        self._fetched_keep: torch.Tensor | None = None  # (B, H_sel, n_max) which a head attends
         self.pending = None  # (Transfer, Transfer)
         self._map: torch.Tensor | None = None  # (H_s, d, k_u) A[:, cols] of this request
         # the model's q.k multiplier (the `scaling` its attention passes; head_dim ** -0.5 for
@@ -276,12 +297,42 @@ class InfiniGenLayer(KVLayer):
     def launch_fetch(self) -> None:
         """Start the host gather + copy of the speculated rows (system mode). Called once layer
         i-1's attention kernels are queued (from its `attend`): the count is read here, the only
-        host sync of the step."""
+        host sync of the step. Per-query-head selection moves, per KV head, the union of its
+        query heads' sets (the ledger counts those rows)."""
         if not self.system or self.selected is None or self.pending is not None:
             return
-        n_max = int(self.counts.max())
-        self.fetched = self.selected[..., :n_max]
+        if self.per_query_head():
+            self.fetched, self._fetched_keep = self.union_rows()
+        else:
+            self.fetched = self.selected[..., : int(self.counts.max())]
+            self._fetched_keep = None
         self.pending = self.store.fetch(self.fetched)
+
+    def per_query_head(self) -> bool:
+        """Whether each query head has its own selection (the official code's GQA expansion)."""
+        return self.m.select_per == "query_head" and self.info.group_size > 1
+
+    def query_sets(self, tokens: int) -> torch.Tensor:
+        """(B, H_sel, tokens) bool: which of the first `tokens` slots each selecting head uses
+        this step (`tokens`: those stored when it speculated)."""
+        b, h, _ = self.selected.shape
+        used = torch.zeros(b, h, tokens, dtype=torch.bool, device=self.selected.device)
+        return used.scatter_(2, self.selected, self.valid())
+
+    def union_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-query-head selection: the rows each KV head must provide, `(B, H_kv, n_max)` (the
+        union of its g query heads' sets in slot order, padded to the widest KV head's union
+        with other distinct slots, which are moved but attended by none), and which of them
+        each query head attends `(B, H_q, n_max)`. Reads the union sizes (a host sync)."""
+        b, h_kv, g = self.selected.shape[0], self.info.num_kv_heads, self.info.group_size
+        sets = self.query_sets(self.stored())  # (B, H_q, T): called before the step's append
+        union = sets.view(b, h_kv, g, -1).any(2)  # (B, H_kv, T)
+        n_max = int(union.sum(-1).max())
+        # union first, each part in slot order (a stable sort of the 0/1 flags)
+        rows = torch.sort(union.to(torch.uint8), dim=-1, descending=True, stable=True).indices
+        rows = rows[..., :n_max]
+        keep = sets.gather(2, rows.repeat_interleave(g, 1))  # (B, H_q, n_max)
+        return rows, keep
 
     def speculate(self, x: torch.Tensor, position_ids) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots `(B, H_kv, cap)` of stored tokens and how many of them layer i needs `(B, H_kv)`,
@@ -290,7 +341,7 @@ class InfiniGenLayer(KVLayer):
         other distinct slots. No host sync: both stay on the device."""
         art, info, m = self.art, self.info, self.m
         b, h_kv, g = x.shape[0], info.num_kv_heads, info.group_size
-        h_s = self.query_map().shape[0]  # skewing heads: H_kv, or H_q (skew_per=query_head)
+        h_s = self.query_map().shape[0]  # skewing heads: H_q (skew_per=query_head), or H_kv
         q = art.project_query(self.layer_idx, x)  # (B, H_q, 1, D) pre-RoPE
         pos = (position_ids if position_ids is not None
                else torch.full((b, 1), self.seen_tokens, device=q.device))
@@ -298,22 +349,35 @@ class InfiniGenLayer(KVLayer):
         q_partial = _few_rows_matmul(q.float().view(b, h_s, -1, q.shape[-1]),
                                      self.query_map())  # (B, H_s, H_q / H_s, k_u)
         t = self._pk_len
-        cap = max(1, min(t, int(m.budget_ratio * t)))
-        self._decode_budget = cap + 1
-        if speculation_cpu.applies(q_partial, self._pk, h_kv, m.group_reduce, m.head0_threshold):
+        cap = self.fetch_cap(t)
+        self._decode_budget = (t if cap is None else cap) + 1
+        if cap is None:  # a dense step: every stored token, for every head
+            slots = torch.arange(t, device=q_partial.device)
+            h_sel = info.num_heads if self.per_query_head() else h_kv
+            self._last_counts = torch.full((b, h_sel), t, device=q_partial.device)
+            return slots.expand(b, h_sel, t), self._last_counts
+        per_query = self.per_query_head()
+        sel_heads = info.num_heads if per_query else h_kv
+        if speculation_cpu.applies(q_partial, self._pk, sel_heads, m.group_reduce,
+                                   m.head0_threshold):
             selected, self._last_counts = speculation_cpu.select(
                 q_partial, self.partial_keys(), cap, m.alpha, m.shared_count)
             return selected, self._last_counts
         scores = q_partial @ self.partial_keys()  # (B, H_s, H_q / H_s, T)
-        scores = self.group_scores(scores.view(b, h_kv, g, -1))  # (B, H_kv, T)
-        top = scores.amax(-1, keepdim=True)
-        if m.head0_threshold:
-            top = top[:, :1].expand_as(top)
-        count = (scores > top - m.alpha).sum(-1)  # (B, H_kv)
-        if m.shared_count:  # the official int(mean) over heads, one buffer size for all
-            count = count.float().mean().floor().long().expand(b, h_kv)
-        self._last_counts = count.clamp(1, cap)
-        return scores.topk(cap, dim=-1).indices, self._last_counts
+        if per_query:  # (B, H_q, T): query head h_s * (H_q / H_s) + j is row j of skew head h_s
+            scores = scores.reshape(b, info.num_heads, -1)
+        else:
+            scores = self.group_scores(scores.view(b, h_kv, g, -1))  # (B, H_kv, T)
+        selected, self._last_counts = select_tokens(scores, cap, m.alpha, m.shared_count,
+                                                    m.head0_threshold)
+        return selected, self._last_counts
+
+    def fetch_cap(self, stored_tokens: int) -> int | None:
+        """Most stored tokens a head may fetch this step: `budget_ratio` of the tokens stored
+        (at least 1); None would make the step dense (every stored token). A seam for the
+        budget basis: the official simulation caps at budget * the final length and attends
+        densely until that many tokens are stored."""
+        return max(1, min(stored_tokens, int(self.m.budget_ratio * stored_tokens)))
 
     def group_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """(B, H_kv, g, T) speculated logits -> (B, H_kv, T) one score per KV head."""
@@ -349,12 +413,20 @@ class InfiniGenLayer(KVLayer):
         return self._pk[..., : self._pk_len]
 
     def valid(self) -> torch.Tensor:
-        """(B, H_kv, cap) bool: which of `selected` are used this step."""
+        """(B, H_sel, cap) bool: which of `selected` are used this step."""
         ranks = torch.arange(self.selected.shape[-1], device=self.selected.device)
         return ranks < self.counts[..., None]
 
     def touch(self, index: torch.Tensor, counts: torch.Tensor) -> None:
+        """Pool statistics per KV head (what its pool holds): a token counts as selected when
+        any head that reads this KV head selected it (per query head: the union)."""
         self.step += 1
+        if self.per_query_head():
+            b, h_kv = index.shape[0], self.info.num_kv_heads
+            used = self.query_sets(self.stored()).view(b, h_kv, self.info.group_size, -1).any(2)
+            self.counter += used.to(self.counter.dtype)
+            self.last_used.masked_fill_(used, float(self.step))
+            return
         used = self.valid()
         self.counter.scatter_add_(2, index, used.to(self.counter.dtype))
         stamp = torch.where(used, float(self.step), self.last_used.gather(2, index))
@@ -457,10 +529,17 @@ class InfiniGenLayer(KVLayer):
             return base(module, query, keys, values, None, **kwargs)
         self._attended = self.counts.float().mean() + 1  # device tensor; read after the step
         if self.system:  # fetched rows + the new token
-            if self.m.shared_count:
+            if self._fetched_keep is not None:  # per query head: its own rows of the union
+                used = self._fetched_keep
+            elif self.m.shared_count:
                 return base(module, query, keys, values, None, **kwargs)
-            used = self.valid()[..., : self.fetched.shape[-1]]
+            else:
+                used = self.valid()[..., : self.fetched.shape[-1]]
             keep = torch.cat([used, torch.ones_like(used[..., :1])], 2)  # the new token
+            return self._masked(query, keys, values, keep, kwargs["scaling"])
+        if self.per_query_head():  # each query head its own set, the cache never expanded
+            sets = self.query_sets(keys.shape[2] - 1)  # (B, H_q, T): the new token comes last
+            keep = torch.cat([sets, torch.ones_like(sets[..., :1])], 2)
             return self._masked(query, keys, values, keep, kwargs["scaling"])
         if _use_kernel(query) and self.m.shared_count:  # gather in the kernel: no keep-mask
             n = int(self.counts.max())  # layer i-1's kernels are long queued
@@ -476,8 +555,9 @@ class InfiniGenLayer(KVLayer):
 
     @staticmethod
     def _masked(query, keys, values, keep, scaling):
-        """Attention restricted to `keep (B, H_kv, T)` (shared by the KV head's query heads)."""
-        keep = expand_kv(keep[..., None], query.shape[1] // keys.shape[1])[..., 0][:, :, None]
+        """Attention restricted to `keep (B, H_kv | H_q, T)` (per KV head: shared by its query
+        heads; per query head: each its own)."""
+        keep = expand_kv(keep[..., None], query.shape[1] // keep.shape[1])[..., 0][:, :, None]
         out, _ = attention_with_probs(query, keys, values, None, scaling, keep=keep)
         return out, None
 
@@ -487,7 +567,7 @@ class InfiniGenLayer(KVLayer):
         # their counters stay zero, so counter/lru eviction there would be arbitrary
         if not self.dense and self.stored() > limit:
             self._evict(self.stored() - limit)
-        self.selected = self.counts = self.fetched = None
+        self.selected = self.counts = self.fetched = self._fetched_keep = None
 
     def _evict(self, n: int) -> None:
         t = self.stored()
@@ -530,14 +610,17 @@ class InfiniGenLayer(KVLayer):
         return float(value) if isinstance(value, torch.Tensor) else value
 
     def kept_positions(self) -> torch.Tensor:
+        """Positions each selecting head attended `(B, H_sel, n)`: per query head (H_q rows,
+        the default) or per KV head."""
         if self.selected is None:
             return self.positions if self.positions is not None else super().kept_positions()
         # Heads with fewer tokens than the widest (shared_count=false) repeat their best slot, so
         # a mass-recall over these positions counts that token twice for them.
         n_max = int(self.counts.max())
         slots = torch.where(self.valid(), self.selected, self.selected[..., :1])[..., :n_max]
-        chosen = gather_tokens(self.positions, slots)
-        return torch.cat([chosen, self.positions[:, :, -1:]], dim=2)
+        positions = self.positions.repeat_interleave(slots.shape[1] // self.positions.shape[1], 1)
+        chosen = gather_tokens(positions, slots)
+        return torch.cat([chosen, positions[:, :, -1:]], dim=2)
 
     def allowed_tokens(self) -> int | None:
         """The fetch cap of the last sparse decode step (None for dense layers / no decode)."""

@@ -55,18 +55,25 @@ import torch
 from kvcore.storage import KV_LAYOUTS
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for, check_budget
 from methods.kernels import quest_pages, sparse_attention
-from methods.scoring import gather_tokens
+from methods.scoring import attention_with_probs, expand_kv, gather_tokens
+
+HEAD_FORMS = ("query_head", "kv_head")  # select_per: the official accuracy path's, or ours
+CURRENT_PAGE = ("scored", "forced")  # the official accuracy path's, or ours (its kernels path's)
 
 
 @dataclass(kw_only=True)
 class Quest(KVMethod):
     name: ClassVar[str] = "quest"
     capabilities: ClassVar[Capabilities] = Capabilities(selects_tokens=True, kv_layouts=KV_LAYOUTS)
-    variant_keys: ClassVar[tuple[str, ...]] = ("page_size", "group_reduce")
+    variant_keys: ClassVar[tuple[str, ...]] = ("page_size", "select_per", "current_page",
+                                               "min_pages", "group_reduce")
     budget_ratio: float | None = 0.2
     budget_tokens: int | None = None
     page_size: int = 16
     dense_layers: list[int] = field(default_factory=lambda: [0, 1])
+    select_per: str = "query_head"
+    current_page: str = "scored"
+    min_pages: int = 3
     group_reduce: str = "max"
 
     def __post_init__(self) -> None:
@@ -77,6 +84,11 @@ class Quest(KVMethod):
         reasons = check_budget(self.budget_ratio, self.budget_tokens)
         if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) or self.page_size < 1:
             reasons.append(f"method.page_size={self.page_size!r} must be a positive integer")
+        for key, allowed in (("select_per", HEAD_FORMS), ("current_page", CURRENT_PAGE)):
+            if getattr(self, key) not in allowed:
+                reasons.append(f"method.{key}={getattr(self, key)!r}; allowed: {', '.join(allowed)}")
+        if not isinstance(self.min_pages, int) or isinstance(self.min_pages, bool) or self.min_pages < 1:
+            reasons.append(f"method.min_pages={self.min_pages!r} must be a positive integer")
         if self.group_reduce not in quest_pages.REDUCTIONS:
             reasons.append(f"method.group_reduce={self.group_reduce!r}; allowed: "
                            f"{', '.join(quest_pages.REDUCTIONS)}")
@@ -138,6 +150,27 @@ def select_pages(scores: torch.Tensor, num_tokens: int, page_size: int, budget: 
     return torch.cat([slots.reshape(b, h, m * page_size), tail], dim=2)
 
 
+def scored_pages(scores: torch.Tensor, num_tokens: int, page_size: int, budget: int,
+                 min_pages: int) -> torch.Tensor:
+    """Which tokens each head attends `(B, H, T)` bool, from page scores `(B, H, P)`: the official
+    accuracy path (`local_heavy_hitter_mask`): the K = min(max(min_pages, min(T, B) // page_size),
+    P) best pages, the partial current page competing as one page (it is counted, and it is not
+    forced), every token of a chosen page attended."""
+    b, h, pages = scores.shape
+    k = min(max(min_pages, min(num_tokens, budget) // page_size), pages)
+    top = scores.topk(k, dim=-1).indices  # (B, H, K)
+    chosen = torch.zeros(b, h, pages, dtype=torch.bool, device=scores.device).scatter_(2, top, True)
+    return chosen.repeat_interleave(page_size, dim=2)[..., :num_tokens]
+
+
+def scored_allowance(num_tokens: int, page_size: int, budget: int, min_pages: int) -> int:
+    """Most tokens a head attends under `scored_pages`: K pages of page_size tokens, K as there
+    (at least `min_pages` pages, so a budget below them is exceeded by design)."""
+    pages = -(-num_tokens // page_size)
+    k = min(max(min_pages, min(num_tokens, budget) // page_size), pages)
+    return min(num_tokens, k * page_size)
+
+
 class QuestLayer(KVLayer):
     def __init__(self, layer_idx: int, info: ModelInfo, method: Quest):
         super().__init__(layer_idx, info)
@@ -145,7 +178,9 @@ class QuestLayer(KVLayer):
         self.page_min: torch.Tensor | None = None  # (B, H_kv, P, D)
         self.page_max: torch.Tensor | None = None  # (B, H_kv, P, D)
         self.slots: torch.Tensor | None = None  # (B, H_kv, n) attended at the last decode step
-        self._attended = 0
+        self.keep: torch.Tensor | None = None  # (B, H_sel, T) attended (keep-mask forms)
+        self._attended: float = 0  # mean tokens per selecting head at the last step
+        self._selected = 0  # the most tokens one head attended at the last decode step
         self._step_budget: int | None = None  # B of the last Quest step; None after a dense chunk
 
     def update(self, keys, values, position_ids):
@@ -165,16 +200,49 @@ class QuestLayer(KVLayer):
             self.page_min = torch.cat([self.page_min[:, :, :first], low], 2)
             self.page_max = torch.cat([self.page_max[:, :, :first], high], 2)
 
+    def step_budget(self) -> int:
+        """B: tokens per head at this decode step (the shared rule, methods/base.py)."""
+        return budget_for(self.seen_tokens, self.m.budget_ratio, self.m.budget_tokens)
+
+    def per_query_head(self) -> bool:
+        return self.m.select_per == "query_head" and self.info.group_size > 1
+
+    def page_scores(self, query: torch.Tensor) -> torch.Tensor:
+        """(B, H_sel, P): per query head (the official accuracy path scores after repeat_kv; the
+        page bounds are repeated for the g heads), or one per KV head by `group_reduce`."""
+        low, high = self.page_min, self.page_max
+        if self.per_query_head():
+            low, high = expand_kv(low, self.info.group_size), expand_kv(high, self.info.group_size)
+        return quest_pages.page_scores(query[:, :, 0], low, high, self.m.group_reduce)
+
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
         t = keys.shape[2]
+        self.slots = self.keep = None
         if query.shape[2] > 1:  # a prefill chunk: dense, as in the paper
-            self.slots, self._step_budget, self._attended = None, None, t
+            self._step_budget, self._attended = None, t
             return base(module, query, keys, values, attention_mask, **kwargs)
-        budget = budget_for(self.seen_tokens, self.m.budget_ratio, self.m.budget_tokens)
-        scores = quest_pages.page_scores(query[:, :, 0], self.page_min, self.page_max,
-                                         self.m.group_reduce)  # (B, H_kv, P)
-        self.slots = select_pages(scores, t, self.m.page_size, budget)
+        m = self.m
+        budget = self.step_budget()
+        scores = self.page_scores(query)  # (B, H_sel, P)
+        if m.current_page == "scored":  # the official accuracy path
+            self.keep = scored_pages(scores, t, m.page_size, budget, m.min_pages)
+            self._step_budget = scored_allowance(t, m.page_size, budget, m.min_pages)
+        elif self.per_query_head():  # ours, each query head its own set
+            slots = select_pages(scores, t, m.page_size, budget)
+            self.keep = torch.zeros(scores.shape[:2] + (t,), dtype=torch.bool,
+                                    device=scores.device).scatter_(2, slots, True)
+            self._step_budget = budget
+        if self.keep is not None:  # (B, H_sel, T): attention restricted per head
+            counts = self.keep.sum(-1)
+            self._attended = float(counts.float().mean())
+            self._selected = int(counts.max())
+            keep = expand_kv(self.keep[..., None], query.shape[1] // self.keep.shape[1])
+            out, _ = attention_with_probs(query, keys, values, None, kwargs["scaling"],
+                                          keep=keep[..., 0][:, :, None])
+            return out, None
+        self.slots = select_pages(scores, t, m.page_size, budget)  # ours: per KV head, forced
         self._step_budget, self._attended = budget, self.slots.shape[2]
+        self._selected = self._attended
         if query.is_cuda and sparse_attention.use_triton(query):  # gather inside the kernel
             out = sparse_attention.sparse_decode_attention(query[:, :, 0], keys, values,
                                                            self.slots, kwargs["scaling"])
@@ -190,6 +258,13 @@ class QuestLayer(KVLayer):
         return self._step_budget
 
     def kept_positions(self) -> torch.Tensor:
+        """Positions attended at the last step, `(B, H_sel, n)`: per query head (H_q rows) when
+        selection is per query head. With the keep-mask forms heads may attend different
+        numbers of tokens; narrower rows are padded to the widest with distinct positions they
+        did not attend (a mass recall over them is then an upper bound)."""
+        if self.keep is not None:
+            order = torch.sort(self.keep.to(torch.uint8), dim=-1, descending=True, stable=True)
+            return order.indices[..., : int(self.keep.sum(-1).max())]
         return self.slots if self.slots is not None else super().kept_positions()
 
     def stats(self) -> dict[str, int]:
@@ -197,5 +272,5 @@ class QuestLayer(KVLayer):
         if self.page_min is not None:  # the page bounds are held too (2 / page_size of K)
             out["kv_bytes"] += int(self.page_min.nbytes + self.page_max.nbytes)
         if self._step_budget is not None:
-            out["selected_tokens"] = self._attended
+            out["selected_tokens"] = self._selected
         return out
