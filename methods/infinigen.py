@@ -4,11 +4,23 @@ Lee, Lee, Seo, Sim, "InfiniGen: Efficient Generative Inference of Large Language
 Dynamic KV Cache Management", OSDI 2024, arXiv 2406.19707. Spec, defaults and official-code quirks:
 reference/methods.md §1. Components:
 
+* GQA (the official code is MHA only, OPT and Llama-2): the defaults are the official code's
+  GQA expansion (K/V repeated to the query heads, as its simulation would see a GQA model):
+  `skew_per=query_head` (one A per query head, from its own queries and its KV head's keys; the
+  partial key cache is then kept per query head, g times larger) and `select_per=query_head`
+  (each query head thresholds, counts and picks its own tokens and attends only those; a KV
+  head must then provide the union of its g heads' sets: system mode moves that union from the
+  host tier, padded to the widest KV head's union, and the transfer ledger counts those rows).
+  Ours, named variants: `skew_per=kv_head` (one A per KV head from the group's stacked queries)
+  and `select_per=kv_head` (one set per KV head from the group's scores reduced by
+  `group_reduce`; g times fewer rows moved). Measured on SmolLM2-135M (9/3 heads), WikiText-2
+  first 1024 tokens: official code 18.10; ours with both defaults switched to kv_head: see
+  README (issue 26).
 * Offline skewing (`prepare`, methods/_infinigen_prep.py): one forward over a calibration text
   (default the first 2048 tokens of PG-19's first book, the official file) captures post-RoPE Q
-  and K per layer; per KV head, the SVD of the stacked query heads of its group (g*n x d) gives
-  A = V_q. A is orthogonal, so (QA)(KA)^T = QK^T; after skewing most of Q's energy sits in few
-  columns. RoPE sits between the projection and the dot product, so A is applied at run time to
+  and K per layer; per skewing head the SVD of its queries (per query head: n x d; per KV head:
+  the group's g heads stacked, g*n x d) gives A = V_q. A is orthogonal, so (QA)(KA)^T = QK^T;
+  after skewing most of Q's energy sits in few columns. RoPE sits between the projection and the dot product, so A is applied at run time to
   the rotated q and k (§1.9). Partial columns per KV head (`column_score`): the union of the top
   k = int(d * partial_ratio) columns by sum |QA| and by sum |KA| (`qk_union`, the default: the
   official Llama setup, the only official path for RoPE models; k to 2k columns), the top k by
@@ -19,17 +31,25 @@ reference/methods.md §1. Components:
 * Speculation (at layer i-1, for every sparse layer i): q = W_q[i] x_{i-1} (the full projection;
   RoPE forbids folding A into W_q), rotated at the current position, times A[:, cols] (only the
   partial columns: one (d x k) product per head, never the d x d skew), scored against layer i's
-  partial key cache (K A[:, cols], kept on the compute device and appended every step). GQA
-  (`group_reduce`): the g query heads' scores become one score per KV head by their max
-  (default) or mean logit, or by the log of the group mean of softmax probabilities
-  (`prob_mean`, the oracle's criterion; equal to the logit up to a constant when g = 1, so alpha
-  keeps its meaning). Tokens with score > max - alpha are counted per KV head; ONE count
-  n' = floor(mean over heads), capped at budget_ratio * T, is shared by all heads (the official
-  design: one fixed-size gather buffer; `shared_count=false` counts per head); each KV head
-  fetches its own top-n' tokens. Thresholds are per head (`head0_threshold=true` reproduces the
-  official Llama simulation's head-0 quirk). On CPU the scoring, count and selection are one C
-  call per layer (methods/kernels/speculation_cpu.c: the same arithmetic; the chosen set comes
-  in slot order, not best first; metrics.json `method.prepare.speculation` says which ran).
+  partial key cache (K A[:, cols], kept on the compute device and appended every step). With
+  `select_per=kv_head` (`group_reduce`) the g query heads' scores become one score per KV head
+  by their max (default) or mean logit, or by the log of the group mean of softmax
+  probabilities (`prob_mean`, the oracle's criterion). Tokens with score > max - alpha are
+  counted per selecting head; ONE count n' = floor(mean over heads), capped at budget_ratio * T
+  (`fetch_cap`), is shared by all heads (the official design: one fixed-size gather buffer;
+  `shared_count=false` counts per head); each selecting head takes its own top-n' tokens
+  (`select_tokens`). Official quirks, each a choice: the Llama simulation thresholds every head
+  with head 0's max (`torch.max(attn, -1)[0][0]`) — fixed here (per-head max: a threshold from
+  another head's logits has no meaning for this head; on SmolLM2 it also costs perplexity, see
+  README), `head0_threshold=true` reproduces it; the simulation counts `>=`, the system `>` (we
+  use `>`); its partial columns come from the energies of a 100-token, six-sentence setup prompt
+  (`gen_partial_weight.py`) — fixed here: the columns come from the 2048 calibration tokens that
+  also build A (`partial_index=calibration`; a short prompt is a noisy energy estimate), and
+  `calibration_path`/`partial_index=prefill` choose other texts. On CPU the scoring, count and
+  selection are one C call per layer when each selecting head has one skewing matrix (both
+  per query head, the default, or both per KV head; methods/kernels/speculation_cpu.c: the same
+  arithmetic; the chosen set comes in slot order, not best first; metrics.json
+  `method.prepare.speculation` says which ran).
   The step queues no host sync: counts and indices stay on the device; system mode reads the
   count (one sync) only when it launches the host gather, after layer i-1's attention kernels
   are queued (the copy then overlaps layer i-1's FFN).
@@ -41,7 +61,13 @@ reference/methods.md §1. Components:
   gathered on the host and copied to the device on a side stream while layer i-1 computes; layer i
   waits on the copy's event and attends over the fetched rows + the new token.
   `mode=simulate` keeps the full K/V on the device and masks the attention to the same selection
-  (how the paper measured accuracy); both give the same logits (tested).
+  (how the paper measured accuracy); both give the same logits (tested). Per query head the
+  attention is masked per query head over the fetched rows (the cache is never expanded).
+* Budget basis: the cap is a share of the tokens stored so far (the shared rule of tokens seen);
+  the official simulation caps at budget * the final length and attends densely until that many
+  tokens are stored (`fetch_cap` returning None makes a step dense: the seam for issue 25's
+  final-length basis). The official row also counts the current token inside its n'; here it
+  comes on top (n' + 1 attended).
 * CPU pool limit (`pool_capacity`, 1.0 = unlimited; sparse layers only, as in the official
   simulation): past capacity * tokens seen, tokens are evicted per KV head before new ones are
   kept: `counter` (the paper's: fewest past selections), `lru` (oldest last selection) — both
@@ -59,11 +85,14 @@ Hyperparameters:
     skewing: apply the skewing matrices (false = identity, for the Fig. 13 ablation).
     partial_index: calibration | prefill (where partial columns come from).
     column_score: qk_union | q | qk_sum (how partial columns are ranked).
-    group_reduce: max | mean | prob_mean (GQA: query-head scores -> KV-head score).
+    group_reduce: max | mean | prob_mean (select_per=kv_head: query-head scores -> KV-head score).
     shared_count: one fetch count for all heads (official) or one per KV head.
     speculation_input: previous (x_{i-1}, the design) | own (x_i, ablation).
-    skew_per: kv_head (one A per KV head, the group's queries stacked) | query_head (one A per
-        query head: the partial key cache is then kept per query head, g times larger).
+    skew_per: query_head (official GQA expansion: one A per query head; the partial key cache
+        kept per query head, g times larger) | kv_head (ours: one A per KV head, the group's
+        queries stacked).
+    select_per: query_head (official GQA expansion: each query head its own tokens; the KV head
+        moves their union) | kv_head (ours: one set per KV head by `group_reduce`).
     head0_threshold: reproduce the official Llama simulation's head-0 threshold quirk.
     calibration_path: text file for skewing (default: PG-19 first book from the data folder).
     calibration_tokens: tokens of it used (default 2048; a shorter text is refused).

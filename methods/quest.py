@@ -7,39 +7,44 @@ Spec (reference/methods.md §5, methods-2.md §13.2; official code mit-han-lab/Q
   and channel the elementwise min m and max M of the (post-RoPE, as cached) keys are kept and
   updated as tokens arrive. Nothing is evicted: all K/V stay on the device; Quest saves reads.
 * At a decode step the criticality of a page is the upper bound U = sum_d max(q_d M_d, q_d m_d)
-  (methods/kernels/quest_pages.py: Triton kernel + torch reference). The current (last, possibly
-  partial) page is always attended — the official kernels path keeps "the last page" outside the
-  top-k (`kv_indices_without_last`) — and the top pages among the others fill the budget.
-  Attention is exact softmax over the selected pages' tokens only.
-* GQA (`group_reduce`, default `max`): the official accuracy path scores pages after repeat_kv,
-  so each query head picks its own pages (a KV head then reads the union, up to g times the
-  budget); the official kernels are MHA only. Here one page set per KV head serves its group,
-  chosen by the max over the group's query heads of their bounds: a page that is the best for
-  any query head of the group ranks as high as for that head, which is the closest one-set
-  analogue of the per-query-head selection. `sum` (a bound on the group's summed logit) is the
-  alternative. With g = 1 both equal the MHA rule.
+  (methods/kernels/quest_pages.py: Triton kernel + torch reference), the partial current page
+  bounded by the tokens it holds. Attention is exact softmax over the selected pages' tokens.
+* Selection, the default = the official accuracy path (`evaluation/quest_attention.py`,
+  `local_heavy_hitter_mask`), labelled `select_per=query_head, current_page=scored`:
+  - pages are scored after `repeat_kv`, so each query head picks its own pages and attends only
+    them; a KV head serves (reads) the union of its g heads' page sets;
+  - K = min(max(`min_pages` = 3, min(T, B) // page_size), P) pages per query head: at least 3
+    pages (so a small budget is exceeded by design; `allowed_tokens` is that rule's bound), the
+    partial current page counted as one page and competing with the others (never forced);
+    with B >= T the official rule still drops one page when T is not a multiple of the page.
+  Ours, named variants: `select_per=kv_head` (one page set per KV head serves its group, chosen
+  by `group_reduce` over the group's bounds: `max`, a page that is the best for any query head
+  ranks as high as for that head, or `sum`, a bound on the group's summed logit) and
+  `current_page=forced` (the current page always attended, as the official kernels path keeps
+  "the last page" outside its top-k, plus the m = (B - p) // page_size best full pages, so that
+  p + page_size * m <= B: the token budget is never exceeded; below one page, the last B
+  tokens). The published 64.4 (issue 26) was `kv_head` + `forced`; README has both.
 * Prefill chunks (q_len > 1) attend densely, as in the paper. Under the run protocol
   `prefill=sparse` the engine feeds the prompt one token at a time and every row is a Quest step.
 * Dense layers: the paper keeps layers 0 and 1 dense (`dense_layers`, default [0, 1], keyed on the
-  real layer index — the official accuracy code's layer counter starts at 32 and counts down, so
-  it leaves no layer dense on models that do not have 32 layers: a quirk not reproduced).
+  real layer index). The official accuracy code's layer counter starts at 32 and counts down, so
+  it leaves no layer dense on models that do not have 32 layers (SmolLM2's 30: none): not
+  reproduced by default; `dense_layers=[]` (and `runner.dense_layers=[]`) reproduces it on a
+  30-layer model.
 
 Budget (the shared knobs, oracle_topk's semantics): B = `budget_tokens`, else
-int(`budget_ratio` * tokens seen), is the most tokens each KV head attends at a decode step, the
-current token included. With the current page holding p tokens, the step attends that page plus
-the m = (B - p) // page_size highest-scoring other (full) pages: p + page_size * m <= B, and a
-budget covering the sequence attends every page (equal to the full cache). If B < p (a budget
-below one page) only the last B tokens of the current page are attended. Deviation: the official
-code takes K = max(3, B // page_size) pages (at least 3, so it can exceed small budgets, and it
-counts the partial page as a full one); here the page count is derived so the engine's per-step
-check `selected_tokens <= allowed_tokens()` always holds. The paper's budgets are token counts
-(512-4096); `budget_tokens` reproduces them.
+int(`budget_ratio` * tokens seen), the current token included (`step_budget`: the seam for the
+budget basis; the official perplexity script uses a fixed token budget, `min(kv_len, B)`). The
+paper's budgets are token counts (512-4096); `budget_tokens` reproduces them.
 
 Hyperparameters:
-    budget_ratio / budget_tokens: tokens attended per KV head and decode step (see above).
+    budget_ratio / budget_tokens: tokens attended per head and decode step (see above).
     page_size: tokens per page (paper 16).
     dense_layers: layers attended in full (paper [0, 1]).
-    group_reduce: max | sum (GQA: query-head bounds -> one score per KV head).
+    select_per: query_head (official) | kv_head (ours: one page set per KV head).
+    current_page: scored (official: the partial page competes, at least min_pages) | forced (ours).
+    min_pages: the official minimum of pages per head (3), with current_page=scored.
+    group_reduce: max | sum (select_per=kv_head: query-head bounds -> one score per KV head).
 
 Paper's number: up to 7.03x self-attention speedup and 2.23x end-to-end latency (README; the
 arXiv v1 abstract swaps the two), with negligible accuracy loss at 4K-token budgets on LongBench.
@@ -105,7 +110,9 @@ class Quest(KVMethod):
 
     @classmethod
     def lossless_hyperparameters(cls, seq_tokens: int) -> dict:
-        return {"budget_tokens": seq_tokens, "dense_layers": []}
+        # the official page count min(T, B) // page_size drops the partial page even when B >= T:
+        # a page minimum covering every page makes the budget lossless
+        return {"budget_tokens": seq_tokens, "dense_layers": [], "min_pages": seq_tokens}
 
     def own_dense_layers(self, info: ModelInfo) -> tuple[int, ...]:
         return tuple(sorted(set(self.dense_layers)))
