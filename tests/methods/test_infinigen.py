@@ -621,3 +621,14 @@ def test_per_query_head_ledger_counts_the_union_rows(tiny4, cache_dir, monkeypat
             expected += n_max * row
         assert engine.transfers.step_h2d[step] == expected
     assert wider  # the group's heads chose differently: more rows than one head's set
+
+
+def test_a_dense_step_from_the_budget_seam_attends_everything(tiny4, cache_dir, monkeypatch):
+    """`fetch_cap` returning None (the final-length basis before its budget is reached) makes a
+    step dense: every stored token for every head, so the run equals the full cache."""
+    monkeypatch.setattr(InfiniGenLayer, "fetch_cap", lambda self, t: None)
+    ids = torch.randint(3, 250, (1, 56), generator=torch.Generator().manual_seed(2))
+    full, _ = run(tiny4, build_method("full"), ids, 40)
+    got, engine = run(tiny4, build_method("infinigen", alpha=0.5), ids, 40)
+    assert (got - full).abs().max().item() < 1e-5
+    assert engine.attended.summary()["attended_fraction_all_layers"] == 1.0
