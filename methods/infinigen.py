@@ -63,11 +63,10 @@ reference/methods.md §1. Components:
   `mode=simulate` keeps the full K/V on the device and masks the attention to the same selection
   (how the paper measured accuracy); both give the same logits (tested). Per query head the
   attention is masked per query head over the fetched rows (the cache is never expanded).
-* Budget basis: the cap is a share of the tokens stored so far (the shared rule of tokens seen);
-  the official simulation caps at budget * the final length and attends densely until that many
-  tokens are stored (`fetch_cap` returning None makes a step dense: the seam for issue 25's
-  final-length basis). The official row also counts the current token inside its n'; here it
-  comes on top (n' + 1 attended).
+* Budget basis (`runner.budget_basis`, `fetch_cap`): the cap is budget_ratio * the final length
+  (default), dense until that many tokens are stored, as the official simulation; or a share of
+  the tokens stored so far (`seen`). The official row also counts the current token inside its
+  n'; here it comes on top (n' + 1 attended).
 * CPU pool limit (`pool_capacity`, 1.0 = unlimited; sparse layers only, as in the official
   simulation): past capacity * tokens seen, tokens are evicted per KV head before new ones are
   kept: `counter` (the paper's: fewest past selections), `lru` (oldest last selection) — both
@@ -112,7 +111,7 @@ from kvcore.offload import host_store
 from kvcore.storage import ContiguousRows, KV_LAYOUTS
 from methods._infinigen_prep import (COLUMN_SCORES, SkewingArtefacts, cache_dir_reason,
                                      calibration_reasons, prepare_skewing)
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
+from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for
 from methods.kernels import sparse_attention, speculation_cpu
 from methods.rope import rotate
 from methods.scoring import additive_mask, attention_with_probs, expand_kv, gather_tokens
@@ -148,6 +147,11 @@ def _use_kernel(query: torch.Tensor) -> bool:
 @dataclass(kw_only=True)
 class InfiniGen(KVMethod):
     name: ClassVar[str] = "infinigen"
+    provenance: ClassVar[str] = "official code"
+    operating_point: ClassVar[str] = (
+        "snu-comparch/InfiniGen: OPT-6.7B..30B, Llama-2-7B/13B; alpha 4..5, partial 0.3, "
+        "20 % budget; lm-eval, WikiText-2 perplexity"
+    )
     capabilities: ClassVar[Capabilities] = Capabilities(
         needs_prepare=True, modes=("system", "simulate"), offloads_kv=True, lookahead=True,
         needs_rope=True, selects_tokens=True, kv_layouts=KV_LAYOUTS)
@@ -196,6 +200,10 @@ class InfiniGen(KVMethod):
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 r.append(f"method.{key}={getattr(self, key)!r}; allowed: {', '.join(allowed)}")
+        if self.eviction != "counter" and number(self.pool_capacity) and self.pool_capacity >= 1:
+            r.append(f"method.eviction={self.eviction} acts only when the host pool is smaller "
+                     "than the context: set method.pool_capacity below 1 (it is "
+                     f"{self.pool_capacity}, so nothing is ever evicted)")
         for key in ("skewing", "shared_count", "head0_threshold"):
             if not isinstance(getattr(self, key), bool):
                 r.append(f"method.{key}={getattr(self, key)!r} must be true or false")
@@ -222,6 +230,11 @@ class InfiniGen(KVMethod):
     @classmethod
     def lossless_hyperparameters(cls, seq_tokens: int) -> dict:
         return {"alpha": 1e9, "budget_ratio": 1.0, "mode": "simulate"}
+
+    @classmethod
+    def compressing_hyperparameters(cls, seq_tokens: int) -> dict:
+        # a cap above most counts, so that alpha's threshold decides how many tokens are fetched
+        return {"budget_ratio": 0.5}
 
     def prepare(self, ctx) -> dict:
         self._art, facts = prepare_skewing(self, ctx)
@@ -402,11 +415,15 @@ class InfiniGenLayer(KVLayer):
         return selected, self._last_counts
 
     def fetch_cap(self, stored_tokens: int) -> int | None:
-        """Most stored tokens a head may fetch this step: `budget_ratio` of the tokens stored
-        (at least 1); None would make the step dense (every stored token). A seam for the
-        budget basis: the official simulation caps at budget * the final length and attends
-        densely until that many tokens are stored."""
-        return max(1, min(stored_tokens, int(self.m.budget_ratio * stored_tokens)))
+        """Most stored tokens a head may fetch this step: `budget_ratio` of the protocol's budget
+        basis (at least 1), or None: a dense step (every stored token). Under the final-length
+        basis the step is dense until that many tokens are stored, as in the official simulation
+        (its first budget * length rows attend in full); under the tokens-seen basis the cap is
+        that share of the tokens stored."""
+        budget = budget_for(self.basis_tokens(stored_tokens), self.m.budget_ratio, None)
+        if self.protocol.budget_basis == "final" and stored_tokens < budget:
+            return None
+        return max(1, min(stored_tokens, budget))
 
     def group_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """(B, H_kv, g, T) speculated logits -> (B, H_kv, T) one score per KV head."""

@@ -33,9 +33,10 @@ Spec (reference/methods.md §5, methods-2.md §13.2; official code mit-han-lab/Q
   30-layer model.
 
 Budget (the shared knobs, oracle_topk's semantics): B = `budget_tokens`, else
-int(`budget_ratio` * tokens seen), the current token included (`step_budget`: the seam for the
-budget basis; the official perplexity script uses a fixed token budget, `min(kv_len, B)`). The
-paper's budgets are token counts (512-4096); `budget_tokens` reproduces them.
+int(`budget_ratio` * the protocol's basis: the final length by default, or the tokens seen,
+`runner.budget_basis`), per head and decode step. The official rule uses it as is (`min(T, B)`,
+its perplexity script's fixed token budget), so it is not dense before B is reached. The paper's
+budgets are token counts (512-4096); `budget_tokens` reproduces them.
 
 Hyperparameters:
     budget_ratio / budget_tokens: tokens attended per head and decode step (see above).
@@ -69,6 +70,11 @@ CURRENT_PAGE = ("scored", "forced")  # the official accuracy path's, or ours (it
 @dataclass(kw_only=True)
 class Quest(KVMethod):
     name: ClassVar[str] = "quest"
+    provenance: ClassVar[str] = "official code"
+    operating_point: ClassVar[str] = (
+        "mit-han-lab/Quest: LongChat-7B-v1.5-32K, Yarn-Llama-2-7B-128K; page 16, "
+        "256..4096-token budget; PG19, passkey, LongBench"
+    )
     capabilities: ClassVar[Capabilities] = Capabilities(selects_tokens=True, kv_layouts=KV_LAYOUTS)
     variant_keys: ClassVar[tuple[str, ...]] = ("page_size", "select_per", "current_page",
                                                "min_pages", "group_reduce")
@@ -113,6 +119,11 @@ class Quest(KVMethod):
         # the official page count min(T, B) // page_size drops the partial page even when B >= T:
         # a page minimum covering every page makes the budget lossless
         return {"budget_tokens": seq_tokens, "dense_layers": [], "min_pages": seq_tokens}
+
+    @classmethod
+    def compressing_hyperparameters(cls, seq_tokens: int) -> dict:
+        # several pages to choose among, so the page scores (and their group reduction) decide
+        return {"budget_tokens": max(8, seq_tokens // 3), "page_size": 4}
 
     def own_dense_layers(self, info: ModelInfo) -> tuple[int, ...]:
         return tuple(sorted(set(self.dense_layers)))
@@ -209,7 +220,7 @@ class QuestLayer(KVLayer):
 
     def step_budget(self) -> int:
         """B: tokens per head at this decode step (the shared rule, methods/base.py)."""
-        return budget_for(self.seen_tokens, self.m.budget_ratio, self.m.budget_tokens)
+        return budget_for(self.basis_tokens(), self.m.budget_ratio, self.m.budget_tokens)
 
     def per_query_head(self) -> bool:
         return self.m.select_per == "query_head" and self.info.group_size > 1

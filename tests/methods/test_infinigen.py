@@ -17,7 +17,7 @@ from tests.conftest import make_engine
 
 def run(model, method, ids, prefill, chunk=16, tok=None):
     engine = make_engine(model, method, tok, chunk=chunk)
-    with engine.request() as req:
+    with engine.request(final_tokens=ids.shape[1]) as req:  # the budget basis: all of ids
         out = [req.prefill(ids[:, :prefill], all_logits=True)]
         out += [req.step(ids[:, t]) for t in range(prefill, ids.shape[1])]
     return torch.cat(out, 1), engine
@@ -115,8 +115,8 @@ def test_ledger_bytes_equal_the_formula(tiny4, cache_dir):
     cfg = tiny4.config
     row = 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4  # K+V
     expected = []
-    for t in range(40, 60):  # T stored tokens before step t
-        sparse = max(1, min(t, int(0.25 * t)))
+    for t in range(40, 60):  # T stored tokens before step t; 0.25 of the final 60 tokens
+        sparse = max(1, min(t, int(0.25 * 60)))
         expected.append(2 * t * row + 2 * sparse * row)
     assert engine.transfers.step_h2d == expected
     full_steps = [4 * t * row for t in range(40, 60)]
@@ -632,3 +632,19 @@ def test_a_dense_step_from_the_budget_seam_attends_everything(tiny4, cache_dir, 
     got, engine = run(tiny4, build_method("infinigen", alpha=0.5), ids, 40)
     assert (got - full).abs().max().item() < 1e-5
     assert engine.attended.summary()["attended_fraction_all_layers"] == 1.0
+
+
+def test_final_basis_is_dense_until_the_budget_is_reached(tiny4, cache_dir, monkeypatch):
+    """runner.budget_basis=final (the default): the cap is budget_ratio x the final length (0.8 x
+    60 = 48); steps with fewer stored tokens attend all of them (the official simulation's dense
+    first rows), later ones at most 48 speculated tokens."""
+    seen = []
+    real = InfiniGenLayer.touch
+    monkeypatch.setattr(InfiniGenLayer, "touch", lambda layer, index, counts: seen.append(
+        (layer.stored(), int(counts.min()), int(counts.max()))) or real(layer, index, counts))
+    ids = torch.randint(3, 250, (1, 60), generator=torch.Generator().manual_seed(4))
+    run(tiny4, build_method("infinigen", alpha=0.5, budget_ratio=0.8), ids, 40)
+    dense = [(t, lo, hi) for t, lo, hi in seen if t < 48]
+    assert dense and all(lo == hi == t for t, lo, hi in dense)
+    assert all(hi <= 48 for t, _, hi in seen if t >= 48)
+    assert any(hi < t for t, _, hi in seen if t >= 48)  # alpha's count decides there
