@@ -643,7 +643,7 @@ def test_final_basis_is_dense_until_the_budget_is_reached(tiny4, cache_dir, monk
     monkeypatch.setattr(InfiniGenLayer, "touch", lambda layer, index, counts: seen.append(
         (layer.stored(), int(counts.min()), int(counts.max()))) or real(layer, index, counts))
     ids = torch.randint(3, 250, (1, 60), generator=torch.Generator().manual_seed(4))
-    run(tiny4, build_method("infinigen", alpha=0.5, budget_ratio=0.8), ids, 40)
+    run(tiny4, build_method("infinigen", alpha=0.01, budget_ratio=0.8), ids, 40)
     dense = [(t, lo, hi) for t, lo, hi in seen if t < 48]
     assert dense and all(lo == hi == t for t, lo, hi in dense)
     assert all(hi <= 48 for t, _, hi in seen if t >= 48)
