@@ -204,6 +204,10 @@ class InfiniGen(KVMethod):
             r.append(f"method.eviction={self.eviction} acts only when the host pool is smaller "
                      "than the context: set method.pool_capacity below 1 (it is "
                      f"{self.pool_capacity}, so nothing is ever evicted)")
+        if self.group_reduce != "max" and self.select_per == "query_head":
+            r.append(f"method.group_reduce={self.group_reduce} acts only when a KV head selects "
+                     "for its group: set method.select_per=kv_head (each query head selects on "
+                     "its own scores)")
         for key in ("skewing", "shared_count", "head0_threshold"):
             if not isinstance(getattr(self, key), bool):
                 r.append(f"method.{key}={getattr(self, key)!r} must be true or false")
