@@ -331,6 +331,8 @@ class InfiniGenLayer(KVLayer):
             if self.system and (ahead or self.layer_idx == 0):
                 self.pending = self.store.fetch()
             return
+        if self.holding_prompt():  # prompt rows attend densely, one-token chunks too
+            return
         if ahead != (self.m.speculation_input == "previous"):
             if not ahead:  # x_{i-1} never reached this layer (e.g. a hook-less caller)
                 self.launch_fetch()
@@ -612,12 +614,19 @@ class InfiniGenLayer(KVLayer):
         return out, None
 
     def after_forward(self) -> None:
+        if not self.holding_prompt():  # a prompt is fitted to the pool once, at its end
+            self._fit_pool()
+        self.selected = self.counts = self.fetched = self._fetched_keep = None
+
+    def on_prefill_end(self) -> None:
+        self._fit_pool()
+
+    def _fit_pool(self) -> None:
         limit = max(1, math.ceil(self.m.pool_capacity * self.seen_tokens))
         # dense layers never evict (the official simulation masks only speculating layers), and
         # their counters stay zero, so counter/lru eviction there would be arbitrary
         if not self.dense and self.stored() > limit:
             self._evict(self.stored() - limit)
-        self.selected = self.counts = self.fetched = self._fetched_keep = None
 
     def _evict(self, n: int) -> None:
         t = self.stored()

@@ -242,7 +242,7 @@ class QuestLayer(KVLayer):
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
         t = keys.shape[2]
         self.slots = self.keep = None
-        if query.shape[2] > 1:  # a prefill chunk: dense, as in the paper
+        if query.shape[2] > 1 or self.holding_prompt():  # a prompt row: dense, as in the paper
             self._step_budget, self._attended = None, t
             return base(module, query, keys, values, attention_mask, **kwargs)
         m = self.m

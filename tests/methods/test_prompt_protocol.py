@@ -1,7 +1,8 @@
 """The default protocol (`runner.prefill=dense`): the whole prompt is attended in full and every
 method compresses it once, when it ends, whatever `runner.prefill_chunk_tokens` is (a memory
 knob, never a protocol one). Checked for every registered method: greedy continuations, logits
-and the KV figures the run reports are the same for chunks of 16, 40 and >= the prompt.
+and the KV figures the run reports are the same for chunks of 16, 1, 40 and >= the prompt (a one-token chunk is still a
+prompt row, never a decode step).
 """
 
 import pytest
@@ -12,7 +13,7 @@ from tests.conftest import make_engine
 from tests.methods.test_contract import get_model, skip_if_refused
 
 PROMPT_TOKENS, DECODE_STEPS = 96, 6
-CHUNKS = (16, 40, 128)
+CHUNKS = (16, 1, 40, 128)
 
 
 def continue_prompt(model, name, chunk):
