@@ -31,7 +31,7 @@ tokens between them, chosen in two fetches from the host:
   2. tokens scored by q_bar . K[t, channels]; the top k rows of K and V are fetched
      (`HostKVStore.fetch`, a sparse row gather), and attention is exact softmax over sinks +
      fetched + recent. Both fetches go through the tier's transfer ledger.
-Prefill chunks (q_len > 1) attend densely over everything (the paper's prefill is dense); under
+Prompt chunks (q_len > 1, or any chunk of a prompt held under dense prefill) attend densely over everything (the paper's prefill is dense); under
 `runner.prefill=sparse` every prompt row is a decode step.
 
 Budget (the shared knobs, as quest/shadowkv): B = `budget_tokens`, else int(`budget_ratio` * tokens
@@ -272,8 +272,13 @@ class TopKOffloadLayer(KVLayer):
         return s, r, budget - s - r
 
     # --- cache seam --------------------------------------------------------------------------
+    def _dense(self, q_len: int) -> bool:
+        # a prompt held under dense prefill is attended in full whatever its chunking (one-token
+        # chunks included); only a decode step selects
+        return q_len > 1 or self.holding_prompt()
+
     def mask_sizes(self, q_len: int) -> tuple[int, int]:
-        if q_len > 1:
+        if self._dense(q_len):
             return self.seen_tokens + q_len, 0
         s, r, _ = self.split(self.seen_tokens + 1)
         return s + r, self.seen_tokens + 1 - s - r
@@ -284,8 +289,8 @@ class TopKOffloadLayer(KVLayer):
         if self.store is None:
             self.store = HostKVStore(self.tier, self.layer_idx)
         q_len = keys.shape[-2]
-        out = self.store.past_and_new(None, keys, values) if q_len > 1 else None
-        if q_len == 1:
+        out = self.store.past_and_new(None, keys, values) if self._dense(q_len) else None
+        if out is None:
             self.store.append(keys, values)
         self._keep_on_device(keys, values)
         self.seen_tokens += q_len
@@ -308,7 +313,7 @@ class TopKOffloadLayer(KVLayer):
         self.key_absmax = absmax if held is None else torch.maximum(held, absmax)
 
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
-        if query.shape[2] > 1:  # a prefill chunk: dense, as in the paper
+        if self._dense(query.shape[2]):  # a prompt (chunk): dense, as in the paper
             self._step_budget, self.positions, self._attended = None, None, keys.shape[2]
             return base(module, query, keys, values, attention_mask, **kwargs)
         n = self.seen_tokens
