@@ -35,7 +35,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, re
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from kvcore.errors import ConfigError
-from harness.models import chat_text
+from harness.models import chat_text, parameter_count
 from harness.progress import progress
 
 log = logging.getLogger(__name__)
@@ -296,7 +296,7 @@ class KVHarnessLM(TemplateLM):
             "kvharness_scoring": self.scoring,
             "kvharness_prefill_chunk_tokens": engine.settings.prefill_chunk_tokens,
             "kvharness_max_length": self.max_length,
-            "model_num_parameters": sum(p.numel() for p in engine.model.parameters()),
+            "model_num_parameters": parameter_count(engine.model),
             "model_dtype": str(next(engine.model.parameters()).dtype),
         }
 
