@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harness.results import write_text_atomic
+from harness.results import check_writable, write_text_atomic
 from harness.schema import SchemaError, load
 from kvcore.errors import ConfigError
 
@@ -356,6 +356,7 @@ def check_out(out: Path) -> None:
             raise ConfigError(f"--out {out} holds files that are not a report "
                               f"({', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}); "
                               "choose a new or empty folder")
+    check_writable(out, f"--out {out}")  # a read-only place: one line, before any work
 
 
 def build_report(patterns: list[str], out: Path | None = None
@@ -386,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
         rows, out, made = build_report(args.paths, args.out)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the disk filled, or --out changed, while the report was written
+        print(f"error: writing the report failed ({exc.strerror or exc}: {exc.filename})",
+              file=sys.stderr)
         return 2
     sys.stdout.write(markdown(rows))
     print(f"\n{len(rows)} runs -> {out / 'report.md'}, {out / 'report.csv'}, "

@@ -156,6 +156,14 @@ def protocol_reasons(method, task, info, protocol: Protocol,
         reasons.append(f"method={method.name} compresses once the prompt is over, but "
                        f"task={task.name} (with these options) scores only prompt tokens: every "
                        "scored logit comes before the method acts")
+    elif caps.compresses and "decode" not in phases and protocol.prefill == "dense" and runner:
+        longest, chunk = task.longest_prompt_tokens(), runner.get("prefill_chunk_tokens")
+        if longest is not None and chunk and longest <= chunk:
+            reasons.append(f"method={method.name} compresses after each prefill chunk, but "
+                           f"task={task.name} (with these options) scores prompts of at most "
+                           f"{longest} tokens, each one chunk (runner.prefill_chunk_tokens="
+                           f"{chunk}): every scored logit comes before the method acts; lower "
+                           "runner.prefill_chunk_tokens or use runner.prefill=sparse")
     return reasons
 
 

@@ -160,7 +160,7 @@ def load_haystack_words(haystack: str, data_dir: str | None = None) -> list[str]
         return []
     base = data_root(data_dir)
     if haystack == "essays":
-        text = load_essays(base)
+        text = load_essays(data_dir)
     elif haystack == "ruler":
         path = base / "ruler" / "PaulGrahamEssays.json"
         try:
@@ -547,6 +547,9 @@ class Ruler(Task):
                            "integer >= 1")
         if self.haystack not in HAYSTACKS:
             reasons.append(f"task.haystack={self.haystack!r}; allowed: {', '.join(HAYSTACKS)}")
+        elif self.haystack == "repeat" and self.data_dir:
+            reasons.append(f"task.data_dir={self.data_dir} is not read with task.haystack=repeat "
+                           "(the haystack is generated); drop it, or choose task.haystack=essays|ruler")
         if self.chat_template not in CHAT_OPTIONS:
             reasons.append(f"task.chat_template={self.chat_template!r}; allowed: "
                            f"{', '.join(CHAT_OPTIONS)}")
