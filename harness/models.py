@@ -297,14 +297,21 @@ def _read_config(spec: ModelSpec):
         except Exception as exc:  # noqa: BLE001 - unsupported architecture, corrupt file
             raise ConfigError(f"model.gguf_file={spec.source}: transformers cannot read it: "
                               f"{type(exc).__name__}: {_first_line(exc)}") from None
+    if spec.kind == "folder":  # sizes first: transformers' own checks divide by them
+        try:
+            raw = json.loads((Path(spec.source) / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            raw = None
+        if isinstance(raw, dict):
+            check_model_config(raw, spec.source)
     try:
         return AutoConfig.from_pretrained(spec.source)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - any reason transformers has: one line
         if spec.kind != "folder":
             raise ConfigError(_hub_hint(spec, exc)) from None
         # e.g. config.json = {} ("Unrecognized model ... Should have a `model_type` key")
         raise ConfigError(f"model folder {spec.source}: its config.json cannot be used: "
-                          f"{_first_line(exc)}") from None
+                          f"{type(exc).__name__}: {_first_line(exc)}") from None
 
 
 # Sizes every causal LM's config gives (transformers maps each family's own names onto these),
@@ -316,22 +323,27 @@ _OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "intermediate_size",
 
 def check_model_config(config, source: str) -> None:
     """Refuse (before weights) a config that cannot describe a model: a size that is missing,
-    zero, negative or not an integer, or attention heads that do not divide."""
+    zero, negative or not an integer, or attention heads that do not divide. `config`: a
+    transformers config, or a config.json's raw mapping (only the sizes it names are checked)."""
+    raw = isinstance(config, dict)
+    get = config.get if raw else lambda key, default=None: getattr(config, key, default)
     where = f"model config of {source}"
     for key in (*_SIZES, *_OPTIONAL_SIZES):
-        value = getattr(config, key, None)
-        if value is None and key in _OPTIONAL_SIZES:
+        value = get(key, None)
+        if value is None and (raw or key in _OPTIONAL_SIZES):
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ConfigError(f"{where}: {key}={value!r} must be a positive integer (this config "
                               "cannot describe a model)")
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    heads, hidden = get("num_attention_heads", None), get("hidden_size", None)
+    if heads is None:
+        return
+    kv_heads = get("num_key_value_heads", None) or heads
     if heads % kv_heads:
         raise ConfigError(f"{where}: num_attention_heads={heads} is not a multiple of "
                           f"num_key_value_heads={kv_heads}")
-    if getattr(config, "head_dim", None) is None and config.hidden_size % heads:
-        raise ConfigError(f"{where}: hidden_size={config.hidden_size} is not a multiple of "
+    if get("head_dim", None) is None and hidden is not None and hidden % heads:
+        raise ConfigError(f"{where}: hidden_size={hidden} is not a multiple of "
                           f"num_attention_heads={heads} (and the config sets no head_dim)")
 
 

@@ -79,7 +79,10 @@ def available_bytes(device: torch.device) -> int | None:
 
 
 def fmt_bytes(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20)):
+        if nbytes >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes / 2**10:.1f} KiB"
 
 
 def check_allocation(nbytes: int, device: torch.device | str, what: str) -> None:

@@ -96,6 +96,9 @@ class Perplexity(Task):
         span = self.window_tokens if self.mode == "chunked" else self.max_tokens
         key = "task.window_tokens" if self.mode == "chunked" else "task.max_tokens"
         bounded = method.bounds_positions() and self.mode == "streaming"
+        if span < 2:
+            return [f"{key}={span} (from the model's max positions, {info.max_positions}): a "
+                    "text of fewer than 2 tokens leaves nothing to score"]
         if info.max_positions and span > info.max_positions and not bounded:
             return [f"{key}={span} is longer than the model's max positions "
                     f"({info.max_positions}); lower it (the text is not truncated for you)"]
