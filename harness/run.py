@@ -96,6 +96,14 @@ def check_runner(runner: dict[str, Any]) -> None:
                           f"{', '.join(ATTN_IMPLS)}")
     if runner.get("diagnostics"):
         positive_int("diagnostics_every_steps")
+    elif runner.get("diagnostics_every_steps", _declared("diagnostics_every_steps")) != \
+            _declared("diagnostics_every_steps"):
+        raise ConfigError(f"runner.diagnostics_every_steps={runner['diagnostics_every_steps']} "
+                          "applies with runner.diagnostics=true only; set it or drop this")
+    if runner.get("overwrite") is True and not runner.get("output_dir"):
+        raise ConfigError("runner.overwrite=true applies to runner.output_dir only (a run under "
+                          "runner.results_root always gets a new folder); set "
+                          "runner.output_dir or drop it")
     if not isinstance(runner.get("seed"), int):
         raise ConfigError(f"runner.seed={runner.get('seed')!r} must be an integer")
     dense = runner.get("dense_layers")
@@ -117,6 +125,13 @@ def check_runner(runner: dict[str, Any]) -> None:
                        if key == "output_dir" else "the default: results")
             raise ConfigError(f"runner.{key}={runner[key]!r} is empty; give a folder (or "
                               f"{default})")
+
+
+def _declared(key: str) -> Any:
+    """A runner knob's declared default (conf/runner/default.yaml)."""
+    from harness.config_check import yaml_defaults
+
+    return yaml_defaults("runner", "default").get(key)
 
 
 def protocol_from(runner: dict[str, Any]) -> Protocol:

@@ -257,6 +257,8 @@ def test_a_config_that_cannot_describe_a_model_is_refused(config, expect, tmp_pa
                                                                    "task.haystack=repeat"),
     (["runner.output_dir=''"], "runner.output_dir='' is empty"),
     (["runner.results_root=''"], "runner.results_root='' is empty"),
+    (["runner.overwrite=true"], "runner.overwrite=true applies to runner.output_dir only"),
+    (["runner.diagnostics_every_steps=4"], "applies with runner.diagnostics=true only"),
 ])
 def test_options_that_do_not_apply_are_refused(overrides, expect, tmp_path, no_weights):
     base = ST if "task=ruler" not in overrides else ["model=stories260k"]
