@@ -11,6 +11,7 @@ Checked before anything loads (`check_config`), whatever way a key arrived (`gro
   would add a key nothing reads: `struct_hint` replaces it).
 * **Finite numbers.** No value anywhere may be NaN or infinite (a knob that compares, scales or
   sizes with it would run and report a result that means nothing).
+* **Hardware profiles** hold rates and sizes: each number > 0.
 * **Types from the declared defaults** (YAML groups; methods and tasks are typed from their
   annotations, kvcore.typecheck): a knob declared `true` takes a boolean, `16` an integer, `50.0`
   a number, `results` a string. Knobs declared `null` are checked where they are used.
@@ -181,6 +182,10 @@ def check_config(cfg: DictConfig | dict[str, Any]) -> None:
         node = plain.get(group)
         if isinstance(node, dict):
             check_declared_types(group, node, _choice(group, node))
+    for key, value in (plain.get("hardware") or {}).items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value <= 0:
+            raise ConfigError(f"hardware.{key}={value} must be > 0 (a hardware profile's numbers "
+                              "are rates and sizes)")
 
 
 # --- Hydra's own messages ------------------------------------------------------------------

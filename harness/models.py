@@ -501,6 +501,11 @@ def ensure_gguf_converted(gguf: Path, folder: Path, description: str) -> Path:
     """Convert a GGUF once into an HF folder (atomic: temp dir + rename); validate on reuse."""
     if _converted_ok(folder):
         return folder
+    if folder.exists() and not (folder / _CONVERTED_MARK).is_file() and (
+            not folder.is_dir() or any(folder.iterdir())):
+        raise ConfigError(f"{folder} exists and is not a model this harness converted (it has no "
+                          f"{_CONVERTED_MARK}); nothing was changed: move it, or set "
+                          "model.cache_dir to another folder")
     if folder.exists():
         log.warning("converted model cache %s is incomplete or corrupt: rebuilding it", folder)
     from transformers import AutoModelForCausalLM, AutoTokenizer

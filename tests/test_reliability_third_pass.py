@@ -206,6 +206,8 @@ def test_sweep_with_an_added_unknown_key_is_refused_before_any_member(tmp_path):
     (["task=ruler", "runner.kv_layout=paged", "runner.kv_device_limit_mib=inf"],
      "runner.kv_device_limit_mib=inf must be a finite number"),
     (["hardware=h200_sxm", "hardware.link_gb_per_s=nan"], "hardware.link_gb_per_s=nan"),
+    (["hardware=h200_sxm", "hardware.link_gb_per_s=-1"], "hardware.link_gb_per_s=-1 must be > 0"),
+    (["hardware=pcie4_a100", "hardware.device_memory_gib=0"], "device_memory_gib=0 must be > 0"),
 ])
 def test_non_finite_numbers_are_refused(overrides, expect, tmp_path, no_weights):
     base = ST if "task=ruler" not in overrides else ["model=stories260k"]
@@ -423,6 +425,15 @@ def test_cache_dir_that_is_a_file_or_read_only(tmp_path, monkeypatch, no_weights
     monkeypatch.setattr(results.tempfile, "mkstemp", read_only)
     with pytest.raises(ConfigError, match="KVH_CACHE_DIR=.*Read-only file system"):
         models.resolve_model({"name": "smollm2_135m", "device": "cpu"})
+
+
+def test_a_users_folder_where_a_model_would_be_converted_is_left_alone(tmp_path):
+    folder = tmp_path / "smollm2-135m-instruct-q4_1"
+    folder.mkdir()
+    (folder / "mine.txt").write_text("not a converted model")
+    with pytest.raises(ConfigError, match="is not a model this harness converted"):
+        models.ensure_gguf_converted(models.smollm2_gguf_path(), folder, "SmolLM2")
+    assert (folder / "mine.txt").read_text() == "not a converted model"
 
 
 def test_throughput_benchmark_refuses_zero_batches():
