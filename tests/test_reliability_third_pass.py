@@ -401,12 +401,20 @@ def test_lm_eval_batch_size_in_model_args(monkeypatch):
         merge_cli_options({"batch_size": 2}, {"batch_size": 4})
 
 
-def test_lm_eval_unknown_task_name_is_one_line(tmp_path):
-    proc = cli("--model", "kvharness", "--model_args", "model=stories260k", "--tasks",
-               "nosuchtask", "--device", "cpu", module="harness.lm_eval")
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr
-    assert "error: lm-eval: Tasks not found: nosuchtask" in proc.stderr
+def test_lm_eval_unknown_task_name_is_one_line(monkeypatch, capsys):
+    """lm-eval 0.4.13 raises a bare ValueError for an unknown --tasks name (its
+    EvaluatorConfig.process_tasks; indexing every lm-eval task takes a minute, so raised here)."""
+    from harness.lm_eval import __main__ as lm_main
+
+    def cli_evaluate():
+        raise ValueError("Tasks not found: nosuchtask")
+
+    monkeypatch.setattr(lm_main, "cli_evaluate", cli_evaluate)
+    with pytest.raises(SystemExit) as exit_:
+        lm_main.main()
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: lm-eval: Tasks not found: nosuchtask" in err and "Traceback" not in err
 
 
 def test_cache_dir_that_is_a_file_or_read_only(tmp_path, monkeypatch, no_weights):
@@ -436,11 +444,14 @@ def test_a_users_folder_where_a_model_would_be_converted_is_left_alone(tmp_path)
     assert (folder / "mine.txt").read_text() == "not a converted model"
 
 
-def test_throughput_benchmark_refuses_zero_batches():
-    proc = subprocess.run([sys.executable, "benchmarks/throughput.py", "--batches", "0"],
-                          cwd=PROJECT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "--batches 0: each must be a positive integer" in proc.stderr
+def test_throughput_benchmark_refuses_zero_batches(monkeypatch, capsys):
+    import runpy
+
+    monkeypatch.setattr(sys, "argv", ["throughput.py", "--batches", "0"])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_path(str(PROJECT / "benchmarks" / "throughput.py"), run_name="__main__")
+    assert exit_.value.code == 2
+    assert "--batches 0: each must be a positive integer" in capsys.readouterr().err
 
 
 # --- Unclear --------------------------------------------------------------------------------
