@@ -14,9 +14,10 @@ method did not act (`kv.method_active=false`) is never within bounds: it fails a
 
 The thresholds file is checked strictly (unknown keys such as a misspelled `mxa:` are errors, a
 bound must be a number, min <= max; methods, tasks, hyperparameters and metric sections must be
-the harness's own, and a model or metric no run has at all is a typo). Runs are read through the metrics schema; a corrupt one is
-skipped with a warning naming it. Exit codes: 0 all within bounds, 1 a regression (or a check
-that matched nothing), 2 bad input (thresholds file, paths) — so CI can tell them apart.
+the harness's own, and a model or metric no run has at all is a typo). Runs are read through the
+metrics schema; a corrupt one is skipped with a warning naming it. Exit codes: 0 all within
+bounds, 1 a regression (or a check that matched nothing), 2 bad input (thresholds file, paths)
+— so CI can tell them apart.
 """
 
 from __future__ import annotations

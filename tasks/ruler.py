@@ -549,7 +549,8 @@ class Ruler(Task):
             reasons.append(f"task.haystack={self.haystack!r}; allowed: {', '.join(HAYSTACKS)}")
         elif self.haystack == "repeat" and self.data_dir:
             reasons.append(f"task.data_dir={self.data_dir} is not read with task.haystack=repeat "
-                           "(the haystack is generated); drop it, or choose task.haystack=essays|ruler")
+                           "(the haystack is generated); drop it, or choose "
+                           "task.haystack=essays|ruler")
         if self.chat_template not in CHAT_OPTIONS:
             reasons.append(f"task.chat_template={self.chat_template!r}; allowed: "
                            f"{', '.join(CHAT_OPTIONS)}")

@@ -94,7 +94,8 @@ def load_text(dataset: str, path: str | None = None, data_dir: str | None = None
 def _wikitext2_from_hub(local: Path) -> str:
     if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
         raise ConfigError(f"task.dataset=wikitext2: no local copy at {local} and the hub is "
-                          "offline; pass task.data_dir=<a folder holding wikitext2/wikitext-test.txt>")
+                          "offline; pass task.data_dir=<a folder holding "
+                          "wikitext2/wikitext-test.txt>")
     try:
         from datasets import load_dataset
 

@@ -236,7 +236,8 @@ def test_every_float_knob_of_every_method_refuses_nan_and_inf():
     ({"hidden_size": -32}, "hidden_size=-32 must be a positive integer"),
     ({"num_hidden_layers": 0}, "num_hidden_layers=0"),
     ({"num_attention_heads": 0}, "num_attention_heads=0"),
-    ({"num_key_value_heads": 3}, "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    ({"num_key_value_heads": 3}, "num_attention_heads=4 is not a multiple of "
+                                 "num_key_value_heads=3"),
     ({"max_position_embeddings": 1}, "leaves nothing to score"),
 ])
 def test_a_config_that_cannot_describe_a_model_is_refused(config, expect, tmp_path, no_weights):
