@@ -27,6 +27,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from harness.sweep import group_options as options
 from kvcore.errors import ConfigError
 from kvcore.typecheck import describe
 
@@ -41,10 +42,6 @@ def closest(name: str, allowed: list[str] | tuple[str, ...]) -> str | None:
     """The allowed name nearest to `name` (None when nothing is near)."""
     near = difflib.get_close_matches(name, list(allowed), n=1, cutoff=0.5)
     return near[0] if near else None
-
-
-def options(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF / group).glob("*.yaml") if not p.stem.startswith("_"))
 
 
 def yaml_defaults(group: str, choice: str) -> dict[str, Any]:
