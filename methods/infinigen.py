@@ -4,11 +4,23 @@ Lee, Lee, Seo, Sim, "InfiniGen: Efficient Generative Inference of Large Language
 Dynamic KV Cache Management", OSDI 2024, arXiv 2406.19707. Spec, defaults and official-code quirks:
 reference/methods.md §1. Components:
 
+* GQA (the official code is MHA only, OPT and Llama-2): the defaults are the official code's
+  GQA expansion (K/V repeated to the query heads, as its simulation would see a GQA model):
+  `skew_per=query_head` (one A per query head, from its own queries and its KV head's keys; the
+  partial key cache is then kept per query head, g times larger) and `select_per=query_head`
+  (each query head thresholds, counts and picks its own tokens and attends only those; a KV
+  head must then provide the union of its g heads' sets: system mode moves that union from the
+  host tier, padded to the widest KV head's union, and the transfer ledger counts those rows).
+  Ours, named variants: `skew_per=kv_head` (one A per KV head from the group's stacked queries)
+  and `select_per=kv_head` (one set per KV head from the group's scores reduced by
+  `group_reduce`; g times fewer rows moved). Measured on SmolLM2-135M (9/3 heads), WikiText-2
+  first 1024 tokens: official code 18.10; ours with both defaults switched to kv_head: see
+  README (issue 26).
 * Offline skewing (`prepare`, methods/_infinigen_prep.py): one forward over a calibration text
   (default the first 2048 tokens of PG-19's first book, the official file) captures post-RoPE Q
-  and K per layer; per KV head, the SVD of the stacked query heads of its group (g*n x d) gives
-  A = V_q. A is orthogonal, so (QA)(KA)^T = QK^T; after skewing most of Q's energy sits in few
-  columns. RoPE sits between the projection and the dot product, so A is applied at run time to
+  and K per layer; per skewing head the SVD of its queries (per query head: n x d; per KV head:
+  the group's g heads stacked, g*n x d) gives A = V_q. A is orthogonal, so (QA)(KA)^T = QK^T;
+  after skewing most of Q's energy sits in few columns. RoPE sits between the projection and the dot product, so A is applied at run time to
   the rotated q and k (§1.9). Partial columns per KV head (`column_score`): the union of the top
   k = int(d * partial_ratio) columns by sum |QA| and by sum |KA| (`qk_union`, the default: the
   official Llama setup, the only official path for RoPE models; k to 2k columns), the top k by
@@ -19,17 +31,25 @@ reference/methods.md §1. Components:
 * Speculation (at layer i-1, for every sparse layer i): q = W_q[i] x_{i-1} (the full projection;
   RoPE forbids folding A into W_q), rotated at the current position, times A[:, cols] (only the
   partial columns: one (d x k) product per head, never the d x d skew), scored against layer i's
-  partial key cache (K A[:, cols], kept on the compute device and appended every step). GQA
-  (`group_reduce`): the g query heads' scores become one score per KV head by their max
-  (default) or mean logit, or by the log of the group mean of softmax probabilities
-  (`prob_mean`, the oracle's criterion; equal to the logit up to a constant when g = 1, so alpha
-  keeps its meaning). Tokens with score > max - alpha are counted per KV head; ONE count
-  n' = floor(mean over heads), capped at budget_ratio * T, is shared by all heads (the official
-  design: one fixed-size gather buffer; `shared_count=false` counts per head); each KV head
-  fetches its own top-n' tokens. Thresholds are per head (`head0_threshold=true` reproduces the
-  official Llama simulation's head-0 quirk). On CPU the scoring, count and selection are one C
-  call per layer (methods/kernels/speculation_cpu.c: the same arithmetic; the chosen set comes
-  in slot order, not best first; metrics.json `method.prepare.speculation` says which ran).
+  partial key cache (K A[:, cols], kept on the compute device and appended every step). With
+  `select_per=kv_head` (`group_reduce`) the g query heads' scores become one score per KV head
+  by their max (default) or mean logit, or by the log of the group mean of softmax
+  probabilities (`prob_mean`, the oracle's criterion). Tokens with score > max - alpha are
+  counted per selecting head; ONE count n' = floor(mean over heads), capped at budget_ratio * T
+  (`fetch_cap`), is shared by all heads (the official design: one fixed-size gather buffer;
+  `shared_count=false` counts per head); each selecting head takes its own top-n' tokens
+  (`select_tokens`). Official quirks, each a choice: the Llama simulation thresholds every head
+  with head 0's max (`torch.max(attn, -1)[0][0]`) — fixed here (per-head max: a threshold from
+  another head's logits has no meaning for this head; on SmolLM2 it also costs perplexity, see
+  README), `head0_threshold=true` reproduces it; the simulation counts `>=`, the system `>` (we
+  use `>`); its partial columns come from the energies of a 100-token, six-sentence setup prompt
+  (`gen_partial_weight.py`) — fixed here: the columns come from the 2048 calibration tokens that
+  also build A (`partial_index=calibration`; a short prompt is a noisy energy estimate), and
+  `calibration_path`/`partial_index=prefill` choose other texts. On CPU the scoring, count and
+  selection are one C call per layer when each selecting head has one skewing matrix (both
+  per query head, the default, or both per KV head; methods/kernels/speculation_cpu.c: the same
+  arithmetic; the chosen set comes in slot order, not best first; metrics.json
+  `method.prepare.speculation` says which ran).
   The step queues no host sync: counts and indices stay on the device; system mode reads the
   count (one sync) only when it launches the host gather, after layer i-1's attention kernels
   are queued (the copy then overlaps layer i-1's FFN).
@@ -41,7 +61,12 @@ reference/methods.md §1. Components:
   gathered on the host and copied to the device on a side stream while layer i-1 computes; layer i
   waits on the copy's event and attends over the fetched rows + the new token.
   `mode=simulate` keeps the full K/V on the device and masks the attention to the same selection
-  (how the paper measured accuracy); both give the same logits (tested).
+  (how the paper measured accuracy); both give the same logits (tested). Per query head the
+  attention is masked per query head over the fetched rows (the cache is never expanded).
+* Budget basis (`runner.budget_basis`, `fetch_cap`): the cap is budget_ratio * the final length
+  (default), dense until that many tokens are stored, as the official simulation; or a share of
+  the tokens stored so far (`seen`). The official row also counts the current token inside its
+  n'; here it comes on top (n' + 1 attended).
 * CPU pool limit (`pool_capacity`, 1.0 = unlimited; sparse layers only, as in the official
   simulation): past capacity * tokens seen, tokens are evicted per KV head before new ones are
   kept: `counter` (the paper's: fewest past selections), `lru` (oldest last selection) — both
@@ -59,11 +84,14 @@ Hyperparameters:
     skewing: apply the skewing matrices (false = identity, for the Fig. 13 ablation).
     partial_index: calibration | prefill (where partial columns come from).
     column_score: qk_union | q | qk_sum (how partial columns are ranked).
-    group_reduce: max | mean | prob_mean (GQA: query-head scores -> KV-head score).
+    group_reduce: max | mean | prob_mean (select_per=kv_head: query-head scores -> KV-head score).
     shared_count: one fetch count for all heads (official) or one per KV head.
     speculation_input: previous (x_{i-1}, the design) | own (x_i, ablation).
-    skew_per: kv_head (one A per KV head, the group's queries stacked) | query_head (one A per
-        query head: the partial key cache is then kept per query head, g times larger).
+    skew_per: query_head (official GQA expansion: one A per query head; the partial key cache
+        kept per query head, g times larger) | kv_head (ours: one A per KV head, the group's
+        queries stacked).
+    select_per: query_head (official GQA expansion: each query head its own tokens; the KV head
+        moves their union) | kv_head (ours: one set per KV head by `group_reduce`).
     head0_threshold: reproduce the official Llama simulation's head-0 threshold quirk.
     calibration_path: text file for skewing (default: PG-19 first book from the data folder).
     calibration_tokens: tokens of it used (default 2048; a shorter text is refused).
@@ -83,13 +111,14 @@ from kvcore.offload import host_store
 from kvcore.storage import ContiguousRows, KV_LAYOUTS
 from methods._infinigen_prep import (COLUMN_SCORES, SkewingArtefacts, cache_dir_reason,
                                      calibration_reasons, prepare_skewing)
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
+from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for
 from methods.kernels import sparse_attention, speculation_cpu
 from methods.rope import rotate
 from methods.scoring import additive_mask, attention_with_probs, expand_kv, gather_tokens
 
 EVICTIONS = ("counter", "lru", "fifo")
 GROUP_REDUCES = ("max", "mean", "prob_mean")
+HEAD_FORMS = ("query_head", "kv_head")  # skew_per / select_per: the official MHA form, or ours
 
 
 def _few_rows_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -118,13 +147,18 @@ def _use_kernel(query: torch.Tensor) -> bool:
 @dataclass(kw_only=True)
 class InfiniGen(KVMethod):
     name: ClassVar[str] = "infinigen"
+    provenance: ClassVar[str] = "official code"
+    operating_point: ClassVar[str] = (
+        "snu-comparch/InfiniGen: OPT-6.7B..30B, Llama-2-7B/13B; alpha 4..5, partial 0.3, "
+        "20 % budget; lm-eval, WikiText-2 perplexity"
+    )
     capabilities: ClassVar[Capabilities] = Capabilities(
         needs_prepare=True, modes=("system", "simulate"), offloads_kv=True, lookahead=True,
         needs_rope=True, selects_tokens=True, kv_layouts=KV_LAYOUTS)
     axis_keys: ClassVar[tuple[str, ...]] = ("alpha", "budget_ratio")
     variant_keys: ClassVar[tuple[str, ...]] = (
         "partial_ratio", "dense_layers", "pool_capacity", "mode", "skewing", "column_score",
-        "group_reduce", "shared_count", "speculation_input", "skew_per")
+        "group_reduce", "shared_count", "speculation_input", "skew_per", "select_per")
     alpha: float = 5.0
     partial_ratio: float = 0.2
     budget_ratio: float = 0.2
@@ -138,7 +172,8 @@ class InfiniGen(KVMethod):
     group_reduce: str = "max"
     shared_count: bool = True
     speculation_input: str = "previous"
-    skew_per: str = "kv_head"
+    skew_per: str = "query_head"
+    select_per: str = "query_head"
     head0_threshold: bool = False
     calibration_path: str | None = None
     calibration_tokens: int = 2048
@@ -161,10 +196,18 @@ class InfiniGen(KVMethod):
         choices = {"eviction": EVICTIONS, "mode": self.capabilities.modes,
                    "partial_index": ("calibration", "prefill"), "column_score": COLUMN_SCORES,
                    "group_reduce": GROUP_REDUCES, "speculation_input": ("previous", "own"),
-                   "skew_per": ("kv_head", "query_head")}
+                   "skew_per": HEAD_FORMS, "select_per": HEAD_FORMS}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 r.append(f"method.{key}={getattr(self, key)!r}; allowed: {', '.join(allowed)}")
+        if self.eviction != "counter" and number(self.pool_capacity) and self.pool_capacity >= 1:
+            r.append(f"method.eviction={self.eviction} acts only when the host pool is smaller "
+                     "than the context: set method.pool_capacity below 1 (it is "
+                     f"{self.pool_capacity}, so nothing is ever evicted)")
+        if self.group_reduce != "max" and self.select_per == "query_head":
+            r.append(f"method.group_reduce={self.group_reduce} acts only when a KV head selects "
+                     "for its group: set method.select_per=kv_head (each query head selects on "
+                     "its own scores)")
         for key in ("skewing", "shared_count", "head0_threshold"):
             if not isinstance(getattr(self, key), bool):
                 r.append(f"method.{key}={getattr(self, key)!r} must be true or false")
@@ -192,6 +235,11 @@ class InfiniGen(KVMethod):
     def lossless_hyperparameters(cls, seq_tokens: int) -> dict:
         return {"alpha": 1e9, "budget_ratio": 1.0, "mode": "simulate"}
 
+    @classmethod
+    def compressing_hyperparameters(cls, seq_tokens: int) -> dict:
+        # a cap above most counts, so that alpha's threshold decides how many tokens are fetched
+        return {"budget_ratio": 0.5}
+
     def prepare(self, ctx) -> dict:
         self._art, facts = prepare_skewing(self, ctx)
         # which implementation speculates (its speed depends on it; configurations the C kernel
@@ -212,6 +260,23 @@ class InfiniGen(KVMethod):
         layer = self.make_layer(layer_idx, info)
         layer.dense = True
         return layer
+
+
+def select_tokens(scores: torch.Tensor, cap: int, alpha: float, shared_count: bool,
+                  head0_threshold: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The official count-and-select rule on speculated logits `scores (B, H, T)` (H selecting
+    heads) -> `(slots (B, H, cap) best first, counts (B, H))`: a head needs the tokens scoring
+    above its max - alpha (`head0_threshold`: head 0's max for every head, the official Llama
+    simulation's `torch.max(attn, -1)[0][0]`); with `shared_count` every head takes the floor of
+    the mean count over heads (one gather size); counts are clamped to [1, cap]. Strict `>`
+    (the official system; its simulation counts `>=`)."""
+    top = scores.amax(-1, keepdim=True)
+    if head0_threshold:
+        top = top[:, :1].expand_as(top)
+    count = (scores > top - alpha).sum(-1)  # (B, H)
+    if shared_count:  # the official int(mean) over heads, one buffer size for all
+        count = count.float().mean().floor().long().expand_as(count)
+    return scores.topk(cap, dim=-1).indices, count.clamp(1, cap)
 
 
 _META = ("positions", "counter", "last_used")
@@ -242,9 +307,11 @@ class InfiniGenLayer(KVLayer):
         self._pk_len = 0
         # per stored token (see the properties below), grown in place with amortised growth
         self.meta: dict[str, ContiguousRows] = {name: ContiguousRows() for name in _META}
-        self.selected: torch.Tensor | None = None  # (B, H_kv, cap) slots, first `counts` used
-        self.counts: torch.Tensor | None = None  # (B, H_kv) how many of them are used (device)
+        # H_sel: the heads that select (select_per): H_q (official) or H_kv (ours)
+        self.selected: torch.Tensor | None = None  # (B, H_sel, cap) slots, first `counts` used
+        self.counts: torch.Tensor | None = None  # (B, H_sel) how many of them are used (device)
         self.fetched: torch.Tensor | None = None  # (B, H_kv, n_max) slots moved (system mode)
+        self._fetched_keep: torch.Tensor | None = None  # (B, H_sel, n_max) which a head attends
         self.pending = None  # (Transfer, Transfer)
         self._map: torch.Tensor | None = None  # (H_s, d, k_u) A[:, cols] of this request
         # the model's q.k multiplier (the `scaling` its attention passes; head_dim ** -0.5 for
@@ -264,6 +331,8 @@ class InfiniGenLayer(KVLayer):
             if self.system and (ahead or self.layer_idx == 0):
                 self.pending = self.store.fetch()
             return
+        if self.holding_prompt():  # prompt rows attend densely, one-token chunks too
+            return
         if ahead != (self.m.speculation_input == "previous"):
             if not ahead:  # x_{i-1} never reached this layer (e.g. a hook-less caller)
                 self.launch_fetch()
@@ -276,12 +345,42 @@ class InfiniGenLayer(KVLayer):
     def launch_fetch(self) -> None:
         """Start the host gather + copy of the speculated rows (system mode). Called once layer
         i-1's attention kernels are queued (from its `attend`): the count is read here, the only
-        host sync of the step."""
+        host sync of the step. Per-query-head selection moves, per KV head, the union of its
+        query heads' sets (the ledger counts those rows)."""
         if not self.system or self.selected is None or self.pending is not None:
             return
-        n_max = int(self.counts.max())
-        self.fetched = self.selected[..., :n_max]
+        if self.per_query_head():
+            self.fetched, self._fetched_keep = self.union_rows()
+        else:
+            self.fetched = self.selected[..., : int(self.counts.max())]
+            self._fetched_keep = None
         self.pending = self.store.fetch(self.fetched)
+
+    def per_query_head(self) -> bool:
+        """Whether each query head has its own selection (the official code's GQA expansion)."""
+        return self.m.select_per == "query_head" and self.info.group_size > 1
+
+    def query_sets(self, tokens: int) -> torch.Tensor:
+        """(B, H_sel, tokens) bool: which of the first `tokens` slots each selecting head uses
+        this step (`tokens`: those stored when it speculated)."""
+        b, h, _ = self.selected.shape
+        used = torch.zeros(b, h, tokens, dtype=torch.bool, device=self.selected.device)
+        return used.scatter_(2, self.selected, self.valid())
+
+    def union_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-query-head selection: the rows each KV head must provide, `(B, H_kv, n_max)` (the
+        union of its g query heads' sets in slot order, padded to the widest KV head's union
+        with other distinct slots, which are moved but attended by none), and which of them
+        each query head attends `(B, H_q, n_max)`. Reads the union sizes (a host sync)."""
+        b, h_kv, g = self.selected.shape[0], self.info.num_kv_heads, self.info.group_size
+        sets = self.query_sets(self.stored())  # (B, H_q, T): called before the step's append
+        union = sets.view(b, h_kv, g, -1).any(2)  # (B, H_kv, T)
+        n_max = int(union.sum(-1).max())
+        # union first, each part in slot order (a stable sort of the 0/1 flags)
+        rows = torch.sort(union.to(torch.uint8), dim=-1, descending=True, stable=True).indices
+        rows = rows[..., :n_max]
+        keep = sets.gather(2, rows.repeat_interleave(g, 1))  # (B, H_q, n_max)
+        return rows, keep
 
     def speculate(self, x: torch.Tensor, position_ids) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots `(B, H_kv, cap)` of stored tokens and how many of them layer i needs `(B, H_kv)`,
@@ -290,7 +389,7 @@ class InfiniGenLayer(KVLayer):
         other distinct slots. No host sync: both stay on the device."""
         art, info, m = self.art, self.info, self.m
         b, h_kv, g = x.shape[0], info.num_kv_heads, info.group_size
-        h_s = self.query_map().shape[0]  # skewing heads: H_kv, or H_q (skew_per=query_head)
+        h_s = self.query_map().shape[0]  # skewing heads: H_q (skew_per=query_head), or H_kv
         q = art.project_query(self.layer_idx, x)  # (B, H_q, 1, D) pre-RoPE
         pos = (position_ids if position_ids is not None
                else torch.full((b, 1), self.seen_tokens, device=q.device))
@@ -298,22 +397,39 @@ class InfiniGenLayer(KVLayer):
         q_partial = _few_rows_matmul(q.float().view(b, h_s, -1, q.shape[-1]),
                                      self.query_map())  # (B, H_s, H_q / H_s, k_u)
         t = self._pk_len
-        cap = max(1, min(t, int(m.budget_ratio * t)))
-        self._decode_budget = cap + 1
-        if speculation_cpu.applies(q_partial, self._pk, h_kv, m.group_reduce, m.head0_threshold):
+        cap = self.fetch_cap(t)
+        self._decode_budget = (t if cap is None else cap) + 1
+        if cap is None:  # a dense step: every stored token, for every head
+            slots = torch.arange(t, device=q_partial.device)
+            h_sel = info.num_heads if self.per_query_head() else h_kv
+            self._last_counts = torch.full((b, h_sel), t, device=q_partial.device)
+            return slots.expand(b, h_sel, t), self._last_counts
+        per_query = self.per_query_head()
+        sel_heads = info.num_heads if per_query else h_kv
+        if speculation_cpu.applies(q_partial, self._pk, sel_heads, m.group_reduce,
+                                   m.head0_threshold):
             selected, self._last_counts = speculation_cpu.select(
                 q_partial, self.partial_keys(), cap, m.alpha, m.shared_count)
             return selected, self._last_counts
         scores = q_partial @ self.partial_keys()  # (B, H_s, H_q / H_s, T)
-        scores = self.group_scores(scores.view(b, h_kv, g, -1))  # (B, H_kv, T)
-        top = scores.amax(-1, keepdim=True)
-        if m.head0_threshold:
-            top = top[:, :1].expand_as(top)
-        count = (scores > top - m.alpha).sum(-1)  # (B, H_kv)
-        if m.shared_count:  # the official int(mean) over heads, one buffer size for all
-            count = count.float().mean().floor().long().expand(b, h_kv)
-        self._last_counts = count.clamp(1, cap)
-        return scores.topk(cap, dim=-1).indices, self._last_counts
+        if per_query:  # (B, H_q, T): query head h_s * (H_q / H_s) + j is row j of skew head h_s
+            scores = scores.reshape(b, info.num_heads, -1)
+        else:
+            scores = self.group_scores(scores.view(b, h_kv, g, -1))  # (B, H_kv, T)
+        selected, self._last_counts = select_tokens(scores, cap, m.alpha, m.shared_count,
+                                                    m.head0_threshold)
+        return selected, self._last_counts
+
+    def fetch_cap(self, stored_tokens: int) -> int | None:
+        """Most stored tokens a head may fetch this step: `budget_ratio` of the protocol's budget
+        basis (at least 1), or None: a dense step (every stored token). Under the final-length
+        basis the step is dense until that many tokens are stored, as in the official simulation
+        (its first budget * length rows attend in full); under the tokens-seen basis the cap is
+        that share of the tokens stored."""
+        budget = budget_for(self.basis_tokens(stored_tokens), self.m.budget_ratio, None)
+        if self.protocol.budget_basis == "final" and stored_tokens < budget:
+            return None
+        return max(1, min(stored_tokens, budget))
 
     def group_scores(self, scores: torch.Tensor) -> torch.Tensor:
         """(B, H_kv, g, T) speculated logits -> (B, H_kv, T) one score per KV head."""
@@ -349,12 +465,20 @@ class InfiniGenLayer(KVLayer):
         return self._pk[..., : self._pk_len]
 
     def valid(self) -> torch.Tensor:
-        """(B, H_kv, cap) bool: which of `selected` are used this step."""
+        """(B, H_sel, cap) bool: which of `selected` are used this step."""
         ranks = torch.arange(self.selected.shape[-1], device=self.selected.device)
         return ranks < self.counts[..., None]
 
     def touch(self, index: torch.Tensor, counts: torch.Tensor) -> None:
+        """Pool statistics per KV head (what its pool holds): a token counts as selected when
+        any head that reads this KV head selected it (per query head: the union)."""
         self.step += 1
+        if self.per_query_head():
+            b, h_kv = index.shape[0], self.info.num_kv_heads
+            used = self.query_sets(self.stored()).view(b, h_kv, self.info.group_size, -1).any(2)
+            self.counter += used.to(self.counter.dtype)
+            self.last_used.masked_fill_(used, float(self.step))
+            return
         used = self.valid()
         self.counter.scatter_add_(2, index, used.to(self.counter.dtype))
         stamp = torch.where(used, float(self.step), self.last_used.gather(2, index))
@@ -457,10 +581,17 @@ class InfiniGenLayer(KVLayer):
             return base(module, query, keys, values, None, **kwargs)
         self._attended = self.counts.float().mean() + 1  # device tensor; read after the step
         if self.system:  # fetched rows + the new token
-            if self.m.shared_count:
+            if self._fetched_keep is not None:  # per query head: its own rows of the union
+                used = self._fetched_keep
+            elif self.m.shared_count:
                 return base(module, query, keys, values, None, **kwargs)
-            used = self.valid()[..., : self.fetched.shape[-1]]
+            else:
+                used = self.valid()[..., : self.fetched.shape[-1]]
             keep = torch.cat([used, torch.ones_like(used[..., :1])], 2)  # the new token
+            return self._masked(query, keys, values, keep, kwargs["scaling"])
+        if self.per_query_head():  # each query head its own set, the cache never expanded
+            sets = self.query_sets(keys.shape[2] - 1)  # (B, H_q, T): the new token comes last
+            keep = torch.cat([sets, torch.ones_like(sets[..., :1])], 2)
             return self._masked(query, keys, values, keep, kwargs["scaling"])
         if _use_kernel(query) and self.m.shared_count:  # gather in the kernel: no keep-mask
             n = int(self.counts.max())  # layer i-1's kernels are long queued
@@ -476,18 +607,26 @@ class InfiniGenLayer(KVLayer):
 
     @staticmethod
     def _masked(query, keys, values, keep, scaling):
-        """Attention restricted to `keep (B, H_kv, T)` (shared by the KV head's query heads)."""
-        keep = expand_kv(keep[..., None], query.shape[1] // keys.shape[1])[..., 0][:, :, None]
+        """Attention restricted to `keep (B, H_kv | H_q, T)` (per KV head: shared by its query
+        heads; per query head: each its own)."""
+        keep = expand_kv(keep[..., None], query.shape[1] // keep.shape[1])[..., 0][:, :, None]
         out, _ = attention_with_probs(query, keys, values, None, scaling, keep=keep)
         return out, None
 
     def after_forward(self) -> None:
+        if not self.holding_prompt():  # a prompt is fitted to the pool once, at its end
+            self._fit_pool()
+        self.selected = self.counts = self.fetched = self._fetched_keep = None
+
+    def on_prefill_end(self) -> None:
+        self._fit_pool()
+
+    def _fit_pool(self) -> None:
         limit = max(1, math.ceil(self.m.pool_capacity * self.seen_tokens))
         # dense layers never evict (the official simulation masks only speculating layers), and
         # their counters stay zero, so counter/lru eviction there would be arbitrary
         if not self.dense and self.stored() > limit:
             self._evict(self.stored() - limit)
-        self.selected = self.counts = self.fetched = None
 
     def _evict(self, n: int) -> None:
         t = self.stored()
@@ -530,14 +669,17 @@ class InfiniGenLayer(KVLayer):
         return float(value) if isinstance(value, torch.Tensor) else value
 
     def kept_positions(self) -> torch.Tensor:
+        """Positions each selecting head attended `(B, H_sel, n)`: per query head (H_q rows,
+        the default) or per KV head."""
         if self.selected is None:
             return self.positions if self.positions is not None else super().kept_positions()
         # Heads with fewer tokens than the widest (shared_count=false) repeat their best slot, so
         # a mass-recall over these positions counts that token twice for them.
         n_max = int(self.counts.max())
         slots = torch.where(self.valid(), self.selected, self.selected[..., :1])[..., :n_max]
-        chosen = gather_tokens(self.positions, slots)
-        return torch.cat([chosen, self.positions[:, :, -1:]], dim=2)
+        positions = self.positions.repeat_interleave(slots.shape[1] // self.positions.shape[1], 1)
+        chosen = gather_tokens(positions, slots)
+        return torch.cat([chosen, positions[:, :, -1:]], dim=2)
 
     def allowed_tokens(self) -> int | None:
         """The fetch cap of the last sparse decode step (None for dense layers / no decode)."""

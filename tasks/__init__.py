@@ -16,7 +16,7 @@ from tasks.base import Task, TaskResult
 
 __all__ = ["Task", "TaskResult", "available_tasks", "build_task", "task_class"]
 
-_NOT_TASKS = {"base", "text_sources"}
+_NOT_TASKS = {"base", "prompts", "text_sources"}
 
 
 def available_tasks() -> list[str]:
@@ -26,6 +26,7 @@ def available_tasks() -> list[str]:
 
 
 def task_class(name: str) -> type[Task]:
+    """The Task subclass of `tasks/<name>.py`; ConfigError for an unknown name."""
     if name not in available_tasks():
         raise ConfigError(f"task={name!r} is unknown; allowed: {', '.join(available_tasks())}")
     module = importlib.import_module(f"tasks.{name}")

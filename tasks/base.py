@@ -20,6 +20,11 @@ class TaskResult:
 @dataclass(kw_only=True)
 class Task:
     name: ClassVar[str]
+    # The number a leaderboard ranks this task by (a key of TaskResult.metrics) and its
+    # direction; every task declares both (tests/tasks/test_task_contract.py), so a report never
+    # falls back to "the first number" for a new task.
+    main_metric: ClassVar[str]
+    higher_is_better: ClassVar[bool]
     # Sends independent prompts through `engine.generate_many`, so runner.batch_size > 1 decodes
     # them together (harness.batch); False: one stream or a rewound context, batch 1 only.
     batches: ClassVar[bool] = False
@@ -57,8 +62,9 @@ class Task:
 
     def longest_prompt_tokens(self) -> int | None:
         """For a task whose phases() are prefill only: the longest prompt it feeds, when its
-        options fix it (after validate()); None when unknown. A prompt that fits one prefill chunk
-        is scored before any method compresses it (dense prefill): the runner refuses that."""
+        options fix it (after validate()); None when unknown. Under runner.prefill=chunked a
+        prompt that fits one chunk is scored before any method compresses it: the runner refuses
+        that."""
         return None
 
     def check_prompts(self, tokenizer, info: ModelInfo, method: KVMethod) -> list[str]:

@@ -270,10 +270,13 @@ def test_options_that_do_not_apply_are_refused(overrides, expect, tmp_path, no_w
 
 def test_a_method_that_acts_after_the_only_chunk_is_refused(tmp_path, no_weights):
     """Chunked perplexity windows that fit one prefill chunk are scored before H2O compresses
-    them: its ppl equals full's, yet it held less (it was reported active)."""
-    message = refused(tmp_path, "model=stories260k", "method=h2o", "task.mode=chunked",
-                      "task.window_tokens=256", "task.max_tokens=512")
+    them (runner.prefill=chunked): its ppl equals full's, yet it held less (reported active).
+    Under dense prefill (one compression at the prompt's end) it never acts at all."""
+    base = ["model=stories260k", "method=h2o", "task.mode=chunked", "task.window_tokens=256",
+            "task.max_tokens=512"]
+    message = refused(tmp_path, *base, "runner.prefill=chunked")
     assert "every scored logit comes before the method acts" in message
+    assert "would never act" in refused(tmp_path, *base)
 
 
 def test_lm_eval_records_and_flags_an_inactive_method(capsys):

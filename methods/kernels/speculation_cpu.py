@@ -6,8 +6,9 @@ and a top-k: six kernels per layer and step, of which the batched matmul, the gr
 top-k run as parallel kernels whose launch, for a few thousand tokens, costs more than their
 arithmetic. The C call does the same arithmetic in one parallel region over heads.
 
-`applies(...)` says when it serves a step (CPU tensors, fp32, one skewing matrix per KV head,
-`group_reduce=max`, no head-0 threshold; a C compiler); `kernel_name(device)` names what a run
+`applies(...)` says when it serves a step (CPU tensors, fp32, one row of the partial query per
+selecting head — one skewing matrix per KV head selecting per KV head, or per query head
+selecting per query head (g = 1 rows) —, `group_reduce=max`, no head-0 threshold; a C compiler); `kernel_name(device)` names what a run
 uses. Built on first use by methods/kernels/cpu_build.py; `build_error()` says why not.
 """
 
@@ -38,19 +39,19 @@ build_error = _KERNEL.build_error  # why library() is None
 kernel_name = _KERNEL.name  # "c" when this kernel serves speculation on a device, else "torch"
 
 
-def applies(q_partial: torch.Tensor, partial_keys: torch.Tensor, num_kv_heads: int,
+def applies(q_partial: torch.Tensor, partial_keys: torch.Tensor, selecting_heads: int,
             group_reduce: str, head0_threshold: bool) -> bool:
     """Whether `select` computes what the torch path would for this layer's configuration."""
     return (q_partial.device.type == "cpu" and group_reduce == "max" and not head0_threshold
-            and q_partial.shape[1] == num_kv_heads  # one skewing matrix per KV head
+            and q_partial.shape[1] == selecting_heads  # its skewing heads are the selecting ones
             and q_partial.dtype == partial_keys.dtype == torch.float32
             and library() is not None)
 
 
 def select(q_partial: torch.Tensor, partial_keys: torch.Tensor, cap: int, alpha: float,
            shared_count: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`q_partial (B, H_kv, g, k)`, `partial_keys (B, H_kv, k, T)` fp32 -> `(slots (B, H_kv, cap),
-    counts (B, H_kv))` int64: each head uses its first `counts` slots, the best-scored tokens in
+    """`q_partial (B, H, g, k)`, `partial_keys (B, H, k, T)` fp32 (H selecting heads; g = 1 per
+    query head) -> `(slots (B, H, cap), counts (B, H))` int64: each head uses its first `counts` slots, the best-scored tokens in
     slot order (the rest are other distinct slots); counts = the tokens scoring above the head's
     max logit - alpha (shared: the floor of their mean over heads), clamped to [1, cap]."""
     b, h, g, k = q_partial.shape

@@ -17,7 +17,7 @@ from tests.conftest import make_engine
 
 def run(model, method, ids, prefill, chunk=16, tok=None):
     engine = make_engine(model, method, tok, chunk=chunk)
-    with engine.request() as req:
+    with engine.request(final_tokens=ids.shape[1]) as req:  # the budget basis: all of ids
         out = [req.prefill(ids[:, :prefill], all_logits=True)]
         out += [req.step(ids[:, t]) for t in range(prefill, ids.shape[1])]
     return torch.cat(out, 1), engine
@@ -66,10 +66,13 @@ def test_large_alpha_full_budget_equals_full_in_system_mode(tiny4, cache_dir):
     assert (got - full).abs().max().item() < 1e-5
 
 
-def test_speculation_with_own_input_and_all_columns_is_exact(tiny4, cache_dir, monkeypatch):
+@pytest.mark.parametrize("select_per", ["query_head", "kv_head"])
+def test_speculation_with_own_input_and_all_columns_is_exact(tiny4, cache_dir, select_per):
     """With partial_ratio=1 the skewed partial score is q_i . k_i / sqrt(d) exactly (A is
-    orthogonal), so feeding layer i's own input selects the true top tokens by logit."""
-    method = build_method("infinigen", partial_ratio=1.0, alpha=1e9, budget_ratio=0.25)
+    orthogonal), so feeding layer i's own input selects the true top tokens by logit: per query
+    head (the official code's GQA expansion), or per KV head by the group's max (ours)."""
+    method = build_method("infinigen", partial_ratio=1.0, alpha=1e9, budget_ratio=0.25,
+                          select_per=select_per)
     engine = make_engine(tiny4, method)
     ids = torch.randint(3, 250, (1, 41), generator=torch.Generator().manual_seed(3))
     captured = {}
@@ -98,20 +101,22 @@ def test_speculation_with_own_input_and_all_columns_is_exact(tiny4, cache_dir, m
     with torch.inference_mode():
         q = rotate(q, captured["pos"].view(1, 1, 1), hf_adapter.rope_inv_freq(tiny4))
     logits = (q @ keys.repeat_interleave(2, dim=1).transpose(2, 3))[:, :, 0] / info.head_dim ** 0.5
-    per_kv = logits.view(1, 2, 2, 41).amax(2)
-    expected = per_kv.topk(int(0.25 * 41), dim=-1).indices.sort(-1).values
+    heads = logits if select_per == "query_head" else logits.view(1, 2, 2, 41).amax(2)
+    expected = heads.topk(int(0.25 * 41), dim=-1).indices.sort(-1).values
     assert torch.equal(chosen, expected)
 
 
 def test_ledger_bytes_equal_the_formula(tiny4, cache_dir):
-    """bytes h2d per decode step = dense layers x all rows + sparse layers x selected rows."""
+    """bytes h2d per decode step = dense layers x all rows + sparse layers x selected rows (per
+    KV head selection: each KV head moves exactly its selection)."""
     ids = torch.randint(3, 250, (1, 60), generator=torch.Generator().manual_seed(4))
-    _, engine = run(tiny4, build_method("infinigen", alpha=1e9, budget_ratio=0.25), ids, 40)
+    _, engine = run(tiny4, build_method("infinigen", alpha=1e9, budget_ratio=0.25,
+                                        select_per="kv_head"), ids, 40)
     cfg = tiny4.config
     row = 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4  # K+V
     expected = []
-    for t in range(40, 60):  # T stored tokens before step t
-        sparse = max(1, min(t, int(0.25 * t)))
+    for t in range(40, 60):  # T stored tokens before step t; 0.25 of the final 60 tokens
+        sparse = max(1, min(t, int(0.25 * 60)))
         expected.append(2 * t * row + 2 * sparse * row)
     assert engine.transfers.step_h2d == expected
     full_steps = [4 * t * row for t in range(40, 60)]
@@ -273,7 +278,7 @@ def _own_input_step(model, method, prefill=40):
 
 def test_qk_union_speculates_over_the_union_columns(tiny4, cache_dir):
     method = build_method("infinigen", column_score="qk_union", partial_ratio=0.25, alpha=1e9,
-                          budget_ratio=0.25)
+                          budget_ratio=0.25, skew_per="kv_head", select_per="kv_head")
     chosen, q, keys, layer, info = _own_input_step(tiny4, method)
     art = method._art
     cols, weight = art.columns(2), art.partial_map(2).abs().sum(1) > 0  # (H_kv, k_u)
@@ -308,14 +313,15 @@ def test_prob_mean_selects_by_the_oracles_criterion(tiny4, cache_dir):
     """With every column and layer i's own input, `group_reduce=prob_mean` ranks tokens by the
     group mean of attention probabilities, exactly as oracle_topk does."""
     method = build_method("infinigen", group_reduce="prob_mean", partial_ratio=1.0, alpha=1e9,
-                          budget_ratio=0.25)
+                          budget_ratio=0.25, select_per="kv_head")
     chosen, q, keys, layer, info = _own_input_step(tiny4, method)
     logits = (q.float() @ keys.float().repeat_interleave(info.group_size, 1).transpose(2, 3))
     probs = torch.softmax(logits[:, :, 0] / info.head_dim ** 0.5, -1)  # (1, H_q, T)
     kv_probs = probs.view(1, info.num_kv_heads, info.group_size, -1).mean(2)
     want = kv_probs.topk(int(0.25 * kv_probs.shape[-1]), dim=-1).indices.sort(-1).values
     assert torch.equal(chosen, want)
-    max_method = build_method("infinigen", partial_ratio=1.0, alpha=1e9, budget_ratio=0.25)
+    max_method = build_method("infinigen", partial_ratio=1.0, alpha=1e9, budget_ratio=0.25,
+                              select_per="kv_head")
     assert not torch.equal(_own_input_step(tiny4, max_method)[0], want)  # the criteria differ
 
 
@@ -338,7 +344,11 @@ def test_per_head_count(tiny4, cache_dir):
 
 
 @pytest.mark.parametrize("kw", [{"column_score": "q"}, {"column_score": "qk_sum"},
-                                {"group_reduce": "prob_mean"},
+                                {"group_reduce": "prob_mean", "select_per": "kv_head"},
+                                {"select_per": "kv_head", "skew_per": "kv_head"},
+                                {"select_per": "query_head", "skew_per": "kv_head"},
+                                {"head0_threshold": True},
+                                {"shared_count": False, "alpha": 0.003},
                                 {"speculation_input": "own"}, {"partial_index": "prefill"},
                                 {"skew_per": "query_head"},
                                 {"skew_per": "query_head", "partial_index": "prefill",
@@ -424,7 +434,7 @@ def test_speculation_multiplies_only_the_partial_columns(tiny4, cache_dir):
     info = hf_adapter.model_info(tiny4.config)
     k = int(info.head_dim * 0.2)
     part = method._art.partial_map(2)
-    assert part.shape == (info.num_kv_heads, info.head_dim, k)
+    assert part.shape == (info.num_heads, info.head_dim, k)  # one A per query head (default)
     cols = method._art.columns(2)
     picked = method._art.skew[2].gather(2, cols[:, None].expand(-1, info.head_dim, -1))
     assert torch.equal(part, picked)
@@ -482,7 +492,7 @@ def test_per_query_head_skewing(tiny4, cache_dir):
     """`skew_per=query_head`: one A per query head (its own queries' SVD), partial keys per query
     head; with every column and the layer's own input the scores are the exact logits."""
     method = build_method("infinigen", skew_per="query_head", partial_ratio=1.0, alpha=1e9,
-                          budget_ratio=0.25)
+                          budget_ratio=0.25, select_per="kv_head")
     chosen, q, keys, layer, info = _own_input_step(tiny4, method)
     assert method._art.skew.shape[1] == info.num_heads
     assert layer.partial_keys().shape[1] == info.num_heads
@@ -528,3 +538,113 @@ def test_cpu_speculation_kernel_equals_the_torch_path(tiny4, cache_dir, monkeypa
     assert len(calls) == 50 * sparse  # the kernel was not called again
     assert kept["c"] == kept["torch"]  # the same tokens at every step, layer and head
     torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
+
+
+# --- the official code's GQA expansion (issue 26): per query head, the union moved ---------------
+
+def test_select_tokens_is_the_official_count_rule_by_hand():
+    """Count above max - alpha per head, the floor of the mean shared by all heads, top-count
+    best first; `head0_threshold`: head 0's max thresholds every head (the Llama simulation)."""
+    from methods.infinigen import select_tokens
+
+    scores = torch.tensor([[[10.0, 9.0, 7.5, 1.0, 0.0],  # head 0: 2 above 10 - 2
+                            [3.0, 2.5, 0.0, -1.0, 2.9]]])  # head 1: 3 above 3 - 2
+    slots, counts = select_tokens(scores, 4, 2.0, shared_count=True, head0_threshold=False)
+    assert counts.tolist() == [[2, 2]]  # floor((2 + 3) / 2)
+    assert slots[..., :2].tolist() == [[[0, 1], [0, 4]]]  # each head's own best, best first
+    _, counts = select_tokens(scores, 4, 2.0, shared_count=False, head0_threshold=False)
+    assert counts.tolist() == [[2, 3]]
+    _, counts = select_tokens(scores, 4, 2.0, shared_count=False, head0_threshold=True)
+    assert counts.tolist() == [[2, 1]]  # head 1: none above 8, clamped to 1
+    _, counts = select_tokens(scores, 4, 2.0, shared_count=True, head0_threshold=True)
+    assert counts.tolist() == [[1, 1]]  # floor((2 + 0) / 2)
+    _, counts = select_tokens(scores, 1, 2.0, shared_count=False, head0_threshold=False)
+    assert counts.tolist() == [[1, 1]]  # the cap
+
+
+def _union_layer(selected, counts, stored):
+    from methods.base import ModelInfo
+
+    layer = InfiniGenLayer.__new__(InfiniGenLayer)
+    layer.info = ModelInfo(num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
+                           max_positions=64)
+    layer.m = build_method("infinigen")
+    layer.meta = {name: ContiguousRows() for name in ("positions", "counter", "last_used")}
+    layer.meta["positions"].append(torch.arange(stored).expand(1, 2, stored).float())
+    layer.selected, layer.counts = torch.tensor([selected]), torch.tensor([counts])
+    return layer
+
+
+def test_per_query_head_selection_moves_the_union_of_the_group_by_hand():
+    """Two KV heads of two query heads each, 6 stored tokens, 2 tokens per query head: KV head 0
+    serves heads {1, 4} and {4, 5} -> rows [1, 4, 5]; KV head 1 serves {2, 3} twice -> [2, 3],
+    padded to 3 rows with the lowest unselected slot (moved, attended by none)."""
+    layer = _union_layer([[1, 4, 0], [4, 5, 1], [2, 3, 5], [3, 2, 0]], [2, 2, 2, 2], 6)
+    assert layer.per_query_head()
+    rows, keep = layer.union_rows()
+    assert rows.tolist() == [[[1, 4, 5], [2, 3, 0]]]
+    assert keep.tolist() == [[[True, True, False], [False, True, True],
+                              [True, True, False], [True, True, False]]]
+
+
+def test_per_query_head_ledger_counts_the_union_rows(tiny4, cache_dir, monkeypatch):
+    """System mode, the default: each sparse layer's bytes moved at a step are 2 (K, V) x H_kv x
+    the widest union of its query heads' selections; every query head's set is inside its KV
+    head's rows."""
+    seen = []
+    launch = InfiniGenLayer.launch_fetch
+
+    def spy(layer):
+        pending = layer.pending
+        launch(layer)
+        if pending is None and layer.pending is not None and layer.fetched is not None:
+            sets = layer.query_sets(layer.stored())  # (1, H_q, T)
+            seen.append((layer.layer_idx, sets.clone(), layer.fetched.clone()))
+
+    monkeypatch.setattr(InfiniGenLayer, "launch_fetch", spy)
+    ids = torch.randint(3, 250, (1, 60), generator=torch.Generator().manual_seed(4))
+    _, engine = run(tiny4, build_method("infinigen", alpha=3.0), ids, 40)
+    cfg = tiny4.config
+    row = 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4  # K+V
+    g = cfg.num_attention_heads // cfg.num_key_value_heads
+    assert len(seen) == 2 * 20  # layers 2 and 3, 20 decode steps
+    wider = False
+    for step, t in enumerate(range(40, 60)):
+        expected = 2 * t * row  # dense layers 0 and 1: every row
+        for _, sets, fetched in seen[2 * step: 2 * step + 2]:
+            union = sets.view(1, cfg.num_key_value_heads, g, -1).any(2)
+            n_max = int(union.sum(-1).max())
+            assert fetched.shape[-1] == n_max
+            for h in range(cfg.num_key_value_heads):
+                assert set(union[0, h].nonzero().flatten().tolist()) <= set(fetched[0, h].tolist())
+            wider |= n_max > int(sets.sum(-1).max())
+            expected += n_max * row
+        assert engine.transfers.step_h2d[step] == expected
+    assert wider  # the group's heads chose differently: more rows than one head's set
+
+
+def test_a_dense_step_from_the_budget_seam_attends_everything(tiny4, cache_dir, monkeypatch):
+    """`fetch_cap` returning None (the final-length basis before its budget is reached) makes a
+    step dense: every stored token for every head, so the run equals the full cache."""
+    monkeypatch.setattr(InfiniGenLayer, "fetch_cap", lambda self, t: None)
+    ids = torch.randint(3, 250, (1, 56), generator=torch.Generator().manual_seed(2))
+    full, _ = run(tiny4, build_method("full"), ids, 40)
+    got, engine = run(tiny4, build_method("infinigen", alpha=0.5), ids, 40)
+    assert (got - full).abs().max().item() < 1e-5
+    assert engine.attended.summary()["attended_fraction_all_layers"] == 1.0
+
+
+def test_final_basis_is_dense_until_the_budget_is_reached(tiny4, cache_dir, monkeypatch):
+    """runner.budget_basis=final (the default): the cap is budget_ratio x the final length (0.8 x
+    60 = 48); steps with fewer stored tokens attend all of them (the official simulation's dense
+    first rows), later ones at most 48 speculated tokens."""
+    seen = []
+    real = InfiniGenLayer.touch
+    monkeypatch.setattr(InfiniGenLayer, "touch", lambda layer, index, counts: seen.append(
+        (layer.stored(), int(counts.min()), int(counts.max()))) or real(layer, index, counts))
+    ids = torch.randint(3, 250, (1, 60), generator=torch.Generator().manual_seed(4))
+    run(tiny4, build_method("infinigen", alpha=0.01, budget_ratio=0.8), ids, 40)
+    dense = [(t, lo, hi) for t, lo, hi in seen if t < 48]
+    assert dense and all(lo == hi == t for t, lo, hi in dense)
+    assert all(hi <= 48 for t, _, hi in seen if t >= 48)
+    assert any(hi < t for t, _, hi in seen if t >= 48)  # alpha's count decides there

@@ -24,7 +24,7 @@ def cache_dir(tmp_path, monkeypatch):
 
 def run(model, method, ids, prefill, chunk=16):
     engine = make_engine(model, method, chunk=chunk)
-    with engine.request() as req:
+    with engine.request(final_tokens=ids.shape[1]) as req:  # the budget basis: all of ids
         out = [req.prefill(ids[:, :prefill], all_logits=True)]
         out += [req.step(ids[:, t]) for t in range(prefill, ids.shape[1])]
     return torch.cat(out, 1), engine
@@ -78,16 +78,17 @@ def test_large_alpha_full_budget_equals_full_in_system_mode(family, family_model
     assert (got - full).abs().max().item() < 1e-5
 
 
+@pytest.mark.parametrize("select_per", ["query_head", "kv_head"])
 @pytest.mark.parametrize("family", SERVED)
 def test_speculation_from_own_input_with_all_columns_selects_the_true_top_tokens(
-        family, family_models, cache_dir):
+        family, select_per, family_models, cache_dir):
     """partial_ratio=1: the skewed partial score is q . k exactly (A is orthogonal). Fed layer
     2's own input, speculation must pick the top tokens of the query the model itself used
     (captured at attention: bias, fused projection, RoPE theta and head_dim all the model's)."""
     model = family_models(family, 3)
     info = hf_adapter.model_info(model.config)
     method = build_method("infinigen", partial_ratio=1.0, alpha=1e9, budget_ratio=0.25,
-                          mode="simulate")
+                          mode="simulate", select_per=select_per)
     ids = torch.randint(3, 250, (1, 41), generator=torch.Generator().manual_seed(3))
 
     def inspect(layer, seen):
@@ -97,27 +98,32 @@ def test_speculation_from_own_input_with_all_columns_selects_the_true_top_tokens
 
     chosen, keys, query = decode_and_capture(model, method, ids, inspect)
     logits = (query.float() @ expand_kv(keys, info.group_size).float().transpose(2, 3))[:, :, 0]
-    per_kv = logits.view(1, info.num_kv_heads, info.group_size, 41).amax(2)
-    expected = per_kv.topk(int(0.25 * 41), dim=-1).indices.sort(-1).values
+    per_head = (logits if select_per == "query_head"
+                else logits.view(1, info.num_kv_heads, info.group_size, 41).amax(2))
+    expected = per_head.topk(int(0.25 * 41), dim=-1).indices.sort(-1).values
     assert torch.equal(chosen, expected)
 
 
+@pytest.mark.parametrize("select_per", ["query_head", "kv_head"])
 @pytest.mark.parametrize("family", ["llama", "granite"])
-def test_speculated_count_is_in_the_models_own_logits(family, family_models, cache_dir):
+def test_speculated_count_is_in_the_models_own_logits(family, select_per, family_models,
+                                                      cache_dir):
     """alpha is a margin in the logits the model's attention uses: q.k times ITS scaling
     (Granite: attention_multiplier, not head_dim ** -0.5). With exact scores (partial_ratio=1),
-    the count above max - alpha per KV head (the group's max), floor-averaged over heads, is the
-    speculated count."""
+    the count above max - alpha per selecting head (a query head, or a KV head by the group's
+    max), floor-averaged over heads, is the speculated count."""
     model = family_models(family, 3)
     info = hf_adapter.model_info(model.config)
-    method = build_method("infinigen", partial_ratio=1.0, budget_ratio=1.0, mode="simulate")
+    method = build_method("infinigen", partial_ratio=1.0, budget_ratio=1.0, mode="simulate",
+                          select_per=select_per)
     ids = torch.randint(3, 250, (1, 41), generator=torch.Generator().manual_seed(4))
     scaling = hf_adapter.attention_modules(model)[2].scaling
 
     def inspect(layer, seen):
         logits = (seen["q"].float() @ expand_kv(layer.keys, info.group_size).float()
                   .transpose(2, 3))[:, :, 0] * scaling  # (1, H_q, 41)
-        per_kv = logits.view(info.num_kv_heads, info.group_size, 41).amax(1)
+        per_kv = (logits[0] if select_per == "query_head"
+                  else logits.view(info.num_kv_heads, info.group_size, 41).amax(1))
         ranked = per_kv[0].sort(descending=True).values  # head 0 counts exactly 14
         method.alpha = float(ranked[0] - (ranked[13] + ranked[14]) / 2)
         return per_kv, layer.speculate(seen["x"], seen["pos"])[1]
@@ -126,4 +132,5 @@ def test_speculated_count_is_in_the_models_own_logits(family, family_models, cac
     per_head = (per_kv > per_kv.amax(-1, keepdim=True) - method.alpha).sum(-1)  # (H_kv,)
     assert per_head[0] == 14
     expected = int(per_head.float().mean().floor().clamp(1, 41))
-    assert counts.flatten().tolist() == [expected] * info.num_kv_heads
+    heads = info.num_heads if select_per == "query_head" else info.num_kv_heads
+    assert counts.flatten().tolist() == [expected] * heads

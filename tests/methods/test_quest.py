@@ -9,7 +9,7 @@ from harness import hf_adapter
 from kvcore.errors import ConfigError
 from methods import build_method
 from methods.kernels import quest_pages
-from methods.quest import QuestLayer, page_bounds, select_pages
+from methods.quest import QuestLayer, page_bounds, scored_allowance, scored_pages, select_pages
 from tests.conftest import make_engine
 
 
@@ -85,10 +85,14 @@ def test_kernel_arguments_are_checked():
         quest_pages.page_scores_ref(torch.zeros(1, 2, 8), low, low, "mean")
 
 
+OURS = dict(select_per="kv_head", current_page="forced")  # the named variant: our selection
+
+
 def test_every_decode_step_attends_the_hand_selected_pages(tiny_model, monkeypatch):
-    """Budget 21, pages of 4, no dense layer: at each step recompute the page bounds from the
-    cached keys, the max-over-group bounds, the pages (current + the (21 - p) // 4 best), and the
-    attention output over them, and compare with what the layer did."""
+    """Ours (`select_per=kv_head`, `current_page=forced`). Budget 21, pages of 4, no dense layer:
+    at each step recompute the page bounds from the cached keys, the max-over-group bounds, the
+    pages (current + the (21 - p) // 4 best), and the attention output over them, and compare
+    with what the layer did."""
     steps = []
     original = QuestLayer.attend
 
@@ -102,7 +106,7 @@ def test_every_decode_step_attends_the_hand_selected_pages(tiny_model, monkeypat
     monkeypatch.setattr(QuestLayer, "attend", spy)
     torch.manual_seed(5)
     ids = torch.randint(3, 250, (1, 46))
-    method = build_method("quest", budget_tokens=21, page_size=4, dense_layers=[])
+    method = build_method("quest", budget_tokens=21, page_size=4, dense_layers=[], **OURS)
     engine = make_engine(tiny_model, method, chunk=16)
     with engine.request() as req:
         req.prefill(ids[:, :30])
@@ -136,7 +140,7 @@ def test_every_decode_step_attends_the_hand_selected_pages(tiny_model, monkeypat
 
 def test_dense_layers_and_held_bytes(tiny_model):
     """The default dense layers are the paper's first two; the held bytes count the page bounds."""
-    method = build_method("quest", budget_tokens=8, dense_layers=[0])
+    method = build_method("quest", budget_tokens=8, dense_layers=[0], **OURS)
     engine = make_engine(tiny_model, method, chunk=16)
     ids = torch.randint(3, 250, (1, 40))
     with engine.request() as req:
@@ -173,3 +177,83 @@ def test_compiled_kernel_on_cuda_equals_reference(dtype):
         got = quest_pages.page_scores(q, low, high, reduce)
         want = quest_pages.page_scores_ref(q, low, high, reduce)
         assert torch.allclose(got, want, rtol=1e-4, atol=1e-3)
+
+
+# --- the official accuracy path's selection (evaluation/quest_attention.py) ----------------------
+
+def test_scored_pages_by_hand():
+    """K = min(max(3, min(T, B) // page), P) best pages per head; the partial current page is one
+    page among the others (counted, never forced); a budget below 3 pages still gets 3."""
+    scores = torch.tensor([[[5., 1., 9., 3., -100.],  # head 0: the current page scores lowest
+                            [5., 1., 9., 3., 100.]]])  # head 1: the current page scores highest
+    t = 18  # 5 pages of 4; the current page (16, 17) holds 2 tokens
+    keep = scored_pages(scores, t, 4, 11, 3)  # 11 // 4 = 2 pages, raised to the minimum of 3
+    assert keep.shape == (1, 2, 18)
+    assert keep[0, 0].nonzero().flatten().tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15]
+    assert keep[0, 1].nonzero().flatten().tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17]
+    assert scored_allowance(t, 4, 11, 3) == 12  # 3 pages of 4: above the budget, by design
+    # 16 // 4 = 4 pages: head 0 drops only its current page, head 1 page 1
+    keep = scored_pages(scores, t, 4, 16, 3)
+    assert keep[0, 0].sum() == 16 and not keep[0, 0, 16:].any()
+    assert keep[0, 1].nonzero().flatten().tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15,
+                                                       16, 17]
+    # a budget above the cache: min(T, B) // 4 = 4 of the 5 pages (the official rule drops one)
+    assert scored_pages(scores, t, 4, 1000, 3)[0, 0].sum() == 16
+    # fewer pages than the minimum: all of them
+    assert scored_pages(scores[..., :2], 6, 4, 1, 3).all()
+
+
+def test_per_query_head_pages_make_the_union_per_kv_head(tiny_model, monkeypatch):
+    """The default (the official accuracy path, K/V expanded): each query head of a group picks
+    its own pages from its own bounds and attends only them; the KV head serves the union. At
+    every step and head recompute the bounds by hand, the heads' page sets, and the outputs."""
+    steps = []
+    original = QuestLayer.attend
+
+    def spy(self, module, query, keys, values, mask, base, **kw):
+        out = original(self, module, query, keys, values, mask, base, **kw)
+        if query.shape[2] == 1:
+            steps.append(dict(q=query[0, :, 0], k=keys[0], v=values[0], out=out[0][0, 0],
+                              scaling=kw["scaling"], stats=self.stats(),
+                              allowed=self.allowed_tokens(), pos=self.kept_positions()))
+        return out
+
+    monkeypatch.setattr(QuestLayer, "attend", spy)
+    torch.manual_seed(5)
+    ids = torch.randint(3, 250, (1, 46))
+    method = build_method("quest", budget_tokens=13, page_size=4, dense_layers=[])
+    engine = make_engine(tiny_model, method, chunk=16)
+    with engine.request() as req:
+        req.prefill(ids[:, :30])
+        for t in range(30, 46):
+            req.step(ids[:, t])
+    unions_differ = False
+    for s in steps:
+        q, keys, values = s["q"], s["k"], s["v"]  # (H_q, D), (H_kv, T, D)
+        h_kv, t, _ = keys.shape
+        g = q.shape[0] // h_kv
+        n_pages = -(-t // 4)
+        k = max(3, min(t, 13) // 4)  # 13 // 4 = 3 pages (12 tokens) per query head
+        sizes = []
+        for h in range(h_kv):
+            sets = []
+            for j in range(h * g, (h + 1) * g):
+                bounds = [float(torch.maximum(q[j] * keys[h, p * 4:(p + 1) * 4].amin(0),
+                                              q[j] * keys[h, p * 4:(p + 1) * 4].amax(0)).sum())
+                          for p in range(n_pages)]  # the partial last page included
+                best = sorted(range(n_pages), key=lambda p: -bounds[p])[:k]
+                want = [i for p in sorted(best) for i in range(p * 4, min(t, p * 4 + 4))]
+                sets.append(set(want))
+                w = torch.softmax(keys[h, want] @ q[j] * s["scaling"], -1)
+                assert torch.allclose(s["out"][j], w @ values[h, want], atol=1e-5)
+                assert set(s["pos"][0, j].tolist()) >= set(want)
+            union = set().union(*sets)
+            unions_differ |= len(union) > max(len(x) for x in sets)
+            sizes.append(max(len(x) for x in sets))
+        assert s["stats"]["selected_tokens"] == max(sizes) <= s["allowed"] == 12
+    assert unions_differ  # the group's heads chose different pages: the KV head read their union
+
+
+def test_official_selection_is_the_default():
+    method = build_method("quest")
+    assert (method.select_per, method.current_page, method.min_pages) == ("query_head", "scored", 3)
