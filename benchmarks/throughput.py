@@ -40,6 +40,7 @@ included in both). `random_llama_1b` / `random_llama_8b`: random Llama-3 shapes 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -267,6 +268,16 @@ def main() -> None:
     ap.add_argument("--kv-device-limit-mib", type=float, default=None,
                     help="with --ttft-concurrency: the device KV limit (default: two requests)")
     args = ap.parse_args()
+    for key in ("prompt_tokens", "batches", "ttft_concurrency"):
+        values = getattr(args, key) or []
+        if any(v <= 0 for v in values) or (key != "ttft_concurrency" and not values):
+            ap.error(f"--{key.replace('_', '-')} {' '.join(map(str, values))}: each must be a "
+                     "positive integer")
+    for key in ("new_tokens", "rounds"):
+        if getattr(args, key) <= 0:
+            ap.error(f"--{key.replace('_', '-')} {getattr(args, key)}: must be a positive integer")
+    if args.kv_memory_gib <= 0 or not math.isfinite(args.kv_memory_gib):
+        ap.error(f"--kv-memory-gib {args.kv_memory_gib}: must be a positive number")
     skip = parse_skips(args.skip_cells)
     model, tok, device, text = load(args)
     info = hf_adapter.model_info(model.config, DTYPES[args.dtype])

@@ -1,6 +1,7 @@
 """`python -m harness model=... method=... task=...` (Hydra)."""
 
 import os
+import re
 import signal
 import sys
 
@@ -14,13 +15,21 @@ from hydra.errors import HydraException  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
+from harness.config_check import struct_hint  # noqa: E402
 from harness.run import main_guarded  # noqa: E402
+from harness.sweep import discard_claimed  # noqa: E402
 from kvcore.errors import ConfigError  # noqa: E402
+from kvcore.guards import request_stop  # noqa: E402
 
 BAD_INPUT_EXIT = 2
+DEBUG = re.compile(r"\+{0,2}runner\.debug=(true|True|TRUE|yes|1)")
 
 
-def _terminate(signum, frame):  # SIGTERM unwinds like Ctrl-C: staging removed, nothing partial
+def _stop(signum, frame):
+    """SIGINT and SIGTERM unwind like Ctrl-C: staging removed, nothing partial. The request is
+    also recorded, so storage writes raise it again should Python drop this one (a signal that
+    lands inside a finalizer): kvcore.guards."""
+    request_stop()
     raise KeyboardInterrupt
 
 
@@ -28,8 +37,8 @@ def install_signal_handlers() -> None:
     """Ctrl-C and SIGTERM both unwind through the run's cleanup. SIGINT is installed explicitly:
     a process started with SIGINT ignored (`nohup ... &`, some CI runners) inherits the ignore and
     Python then leaves it ignored."""
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -44,10 +53,16 @@ def one_line(exc: BaseException) -> str:
              and not ln.strip().startswith(("See https://", "Set the environment"))]
     if not lines:
         return type(exc).__name__
+    hint = struct_hint(f"{exc}\n{exc.__cause__ or ''}", sys.argv[1:])
+    if hint:  # "Key 'x' is not in struct": ours, naming the closest key (never `+key`)
+        return hint
     head = lines[0].removeprefix("In 'config': ")
     override = getattr(exc, "override", None)  # OverrideParseException
     if override:
         head = f"override {override!r} cannot be parsed: {head}"
+        key, _, value = str(override).partition("=")
+        if value and value[0] not in "'\"":
+            head += f" (quote the value: {key}='{value}')"
     for i, line in enumerate(raw):
         if line.strip().startswith("Available options"):
             options = []
@@ -68,11 +83,15 @@ def cli() -> None:
     """Hydra-level errors (unknown group option, override syntax, a refused sweep) print one line
     and exit 2, like the runner's own; HYDRA_FULL_ERROR=1 or runner.debug=true show tracebacks."""
     install_signal_handlers()
-    full = os.environ.get("HYDRA_FULL_ERROR") == "1" or "runner.debug=true" in sys.argv
+    full = os.environ.get("HYDRA_FULL_ERROR") == "1" or any(
+        DEBUG.fullmatch(arg) for arg in sys.argv[1:])
+    if full:
+        os.environ["KVH_FULL_ERROR"] = "1"  # the runner's errors too (harness.run), and members'
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its own report
     try:
         main()
     except (HydraException, OmegaConfBaseException, ConfigError) as exc:
+        discard_claimed()  # a sweep refused after its folder was made leaves nothing behind
         if full:
             raise
         print(f"error: {one_line(exc)}", file=sys.stderr)

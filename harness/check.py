@@ -9,12 +9,15 @@ Schema (`thresholds:` list), each entry:
 With `ratio_to_method`, the value checked is metric / the same metric of that method's run on the
 same model and task found in the same results (the most recent one), so speed gates are ratios
 measured on one machine. An entry that matches no run is itself a failure: a gate that checks
-nothing must not pass. With several matching runs, the most recent one is checked.
+nothing must not pass. With several matching runs, the most recent one is checked. A run whose
+method did not act (`kv.method_active=false`) is never within bounds: it fails as "not comparable".
 
 The thresholds file is checked strictly (unknown keys such as a misspelled `mxa:` are errors, a
-bound must be a number, min <= max). Runs are read through the metrics schema; a corrupt one is
-skipped with a warning naming it. Exit codes: 0 all within bounds, 1 a regression (or a check
-that matched nothing), 2 bad input (thresholds file, paths) — so CI can tell them apart.
+bound must be a number, min <= max; methods, tasks, hyperparameters and metric sections must be
+the harness's own, and a model or metric no run has at all is a typo). Runs are read through the
+metrics schema; a corrupt one is skipped with a warning naming it. Exit codes: 0 all within
+bounds, 1 a regression (or a check that matched nothing), 2 bad input (thresholds file, paths)
+— so CI can tell them apart.
 """
 
 from __future__ import annotations
@@ -65,7 +68,60 @@ def _entry_problem(e: Any) -> str:
         return f"min={e['min']} is above max={e['max']}: no value could pass"
     if "hyperparameters" in e and not isinstance(e["hyperparameters"], dict):
         return f"hyperparameters={e['hyperparameters']!r} must be a mapping"
+    return _name_problem(e)
+
+
+def _name_problem(e: dict) -> str:
+    """A method, task, metric section or hyperparameter this harness does not have (a typo):
+    bad input, not a regression."""
+    from harness.config_check import closest
+    from harness.schema import OPTIONAL_SECTIONS, REQUIRED
+    from methods import available_methods, method_class
+    from tasks import available_tasks
+
+    def unknown(key: str, value: str, allowed: list[str]) -> str:
+        near = closest(value, allowed)
+        return (f"{key}={value!r} is unknown" + (f" (did you mean {near!r}?)" if near else "")
+                + f"; allowed: {', '.join(allowed)}")
+
+    for key in ("method", "ratio_to_method"):
+        if key in e and e[key] not in available_methods():
+            return unknown(key, e[key], available_methods())
+    if e["task"] not in available_tasks():
+        return unknown("task", e["task"], available_tasks())
+    sections = [*REQUIRED, *OPTIONAL_SECTIONS]
+    section = e["metric"].split(".", 1)[0]
+    if section not in sections or "." not in e["metric"]:
+        return (f"metric={e['metric']!r} must be <section>.<key> of metrics.json, a section being "
+                f"one of {', '.join(sections)}")
+    names = method_class(e["method"]).hyperparameter_names()
+    for key in e.get("hyperparameters") or {}:
+        if key not in names:
+            return unknown(f"hyperparameters.{key} (of method={e['method']})", str(key),
+                           names) if names else f"method={e['method']} has no hyperparameters"
     return ""
+
+
+def check_names_in_runs(entries: list[dict], runs: list[dict], where: str) -> None:
+    """A model or metric that no run under the results has at all is a typo (or the wrong
+    results folder): bad input, said with the closest name the runs have."""
+    from harness.config_check import closest
+
+    if not runs:
+        return
+    models = sorted({m["model"]["name"] for m in runs})
+    for i, e in enumerate(entries):
+        if e["model"] not in models:
+            near = closest(e["model"], models)
+            raise ConfigError(f"thresholds[{i}] model={e['model']!r} has no run under {where}"
+                              + (f" (did you mean {near!r}?)" if near else "")
+                              + f"; models there: {', '.join(models)}")
+        if all(lookup(m, e["metric"]) is None for m in runs):
+            section = e["metric"].split(".", 1)[0]
+            keys = sorted({f"{section}.{k}" for m in runs for k in (m.get(section) or {})})
+            near = closest(e["metric"], keys)
+            raise ConfigError(f"thresholds[{i}] metric={e['metric']!r} is in no run under {where}"
+                              + (f" (did you mean {near!r}?)" if near else ""))
 
 
 def load_thresholds(path: Path) -> list[dict]:
@@ -120,6 +176,14 @@ def _latest(runs: list[dict]) -> dict | None:
     return max(runs, key=lambda m: m.get("run", {}).get("started", "")) if runs else None
 
 
+def _inactive(metrics: dict) -> str:
+    """Why a run's method did not act ('' when it did, or is a reference)."""
+    kv = metrics.get("kv") or {}
+    if kv.get("method_active") is False:
+        return f"the method did not act (kv.method_active=false: {kv.get('inactive_reason')})"
+    return ""
+
+
 def check(runs: list[dict], entries: list[dict]) -> list[dict]:
     results = []
     for e in entries:
@@ -129,6 +193,11 @@ def check(runs: list[dict], entries: list[dict]) -> list[dict]:
                "bounds": f"[{e.get('min', '-inf')}, {e.get('max', 'inf')}]", "ok": False}
         if chosen is None:
             res["why"] = "matched no run"
+            results.append(res)
+            continue
+        inactive = _inactive(chosen)
+        if inactive:  # a gate never certifies a method that did not act
+            res["why"] = f"not comparable: {inactive}"
             results.append(res)
             continue
         value = lookup(chosen, e["metric"])
@@ -143,6 +212,10 @@ def check(runs: list[dict], entries: list[dict]) -> list[dict]:
                                                        e["task"], None)
                            and _setting(m) == setting])
             ref_value = lookup(ref, e["metric"]) if ref else None
+            if ref is not None and _inactive(ref):
+                res["why"] = f"not comparable: the {e['ratio_to_method']} run: {_inactive(ref)}"
+                results.append(res)
+                continue
             if not _number(ref_value) or ref_value == 0:
                 res["why"] = (f"no {e['ratio_to_method']} run measured like it (same model, "
                               "dtype, device, task options and runner protocol) to compare with")
@@ -175,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         entries = load_thresholds(args.against)
         runs = [metrics for _, metrics in load_runs(find_runs(args.results))]
+        check_names_in_runs(entries, runs, " ".join(args.results))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return BAD_INPUT_EXIT

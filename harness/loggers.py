@@ -9,18 +9,102 @@ the run's final path (W&B's own hint would name the staging folder, gone once th
 A sweep (`-m`) ends with one more W&B run in the same group (`log_sweep`, job type "report"):
 the leaderboard as one comparison table and the report's figures, built by harness.report from
 the sweep's complete runs, so a dashboard compares the methods with no hand-made panels.
+
+Every logger option is checked before weights load (`check_logger`: mode, $WANDB_MODE, entity,
+group, project name, credentials for online mode). The runner writes the result first and mirrors
+it after: a mirror that fails costs the mirror (one warning line), never the result.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from harness.schema import SchemaError, problems
+from kvcore.errors import ConfigError
 
 LOGGERS = ("none", "wandb")
 MAX_SAMPLE_ROWS = 500
+MODES = ("online", "offline", "disabled")  # logger.mode
+# What W&B itself takes from $WANDB_MODE (its Settings.mode)
+ENV_MODES = ("online", "offline", "disabled", "dryrun", "run", "shared")
+_PROJECT_FORBIDDEN = "/\\#?%:"  # W&B refuses these in a project name (and > 128 characters)
+
+
+def wandb_mode(logger: dict) -> str:
+    """The mode a W&B run gets: logger.mode, else $WANDB_MODE, else online."""
+    return logger.get("mode") or os.environ.get("WANDB_MODE") or "online"
+
+
+def check_logger(logger: dict) -> None:
+    """Every logger option, before any weights load (W&B would refuse them only after the run)."""
+    name = logger.get("name", "none")
+    if name not in LOGGERS:
+        raise ConfigError(f"logger={name!r}; allowed: {', '.join(LOGGERS)}")
+    if name == "none":
+        return
+    if importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logger=wandb needs the wandb package (pip install wandb, the [wandb] "
+                          "extra); or use logger=none")
+    mode = logger.get("mode")
+    if mode is not None and mode not in MODES:
+        raise ConfigError(f"logger.mode={mode!r}; allowed: {', '.join(MODES)} (or null: "
+                          "$WANDB_MODE, else online)")
+    env = os.environ.get("WANDB_MODE")
+    if mode is None and env is not None and env not in ENV_MODES:
+        raise ConfigError(f"WANDB_MODE={env!r} (read because logger.mode is null); allowed: "
+                          f"{', '.join(ENV_MODES)}; or set logger.mode")
+    for key in ("entity", "group"):
+        value = logger.get(key)
+        if value is not None and (not isinstance(value, str) or not value.strip()):
+            raise ConfigError(f"logger.{key}={value!r} must be a non-empty string (quote it: "
+                              f"logger.{key}='{value}'), or null")
+    project = logger.get("project")
+    if project is not None:
+        bad = sorted({c for c in str(project) if c in _PROJECT_FORBIDDEN})
+        if not isinstance(project, str) or not project.strip() or len(project) > 128 or bad:
+            why = (f"it contains {' '.join(bad)}" if bad else "at most 128 characters"
+                   if isinstance(project, str) and len(project) > 128 else "a non-empty string")
+            raise ConfigError(f"logger.project={project!r}: a W&B project name is a non-empty "
+                              f"string of at most 128 characters without any of "
+                              f"{' '.join(_PROJECT_FORBIDDEN)} ({why})")
+    if wandb_mode(logger) in ("online", "run", "shared") and not _has_credentials():
+        raise ConfigError("logger=wandb in online mode, but no W&B credentials are set up "
+                          "(WANDB_API_KEY, or `wandb login`): log in first, or use "
+                          "logger.mode=offline (upload later with wandb sync)")
+
+
+def _has_credentials() -> bool:
+    """Whether W&B can find an API key without asking (environment or netrc), as wandb.init
+    looks for one; an unreadable or malformed one is refused with W&B's own reason."""
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    try:
+        from wandb.sdk.lib.wbauth import read_netrc_auth
+    except ImportError:  # another W&B version: let wandb.init decide
+        return True
+    host = os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
+    try:
+        return read_netrc_auth(host=host) is not None
+    except Exception as exc:  # noqa: BLE001 - W&B's AuthenticationError: a malformed key
+        raise ConfigError(f"logger=wandb: the W&B credentials in your netrc cannot be used "
+                          f"({exc})") from None
+
+
+@contextlib.contextmanager
+def quiet_logging_errors() -> Iterator[None]:
+    """A logging handler that cannot write (disk full under the run folder, where W&B keeps its
+    debug log) prints a traceback per record; the mirror's own failure is reported in one line."""
+    before = logging.raiseExceptions
+    logging.raiseExceptions = False
+    try:
+        yield
+    finally:
+        logging.raiseExceptions = before
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, Any]:
@@ -42,9 +126,15 @@ def log_run(logger: dict, folder: Path, config: dict, metrics: dict, samples: li
     wrong = problems(metrics)  # W&B gets exactly the record metrics.json holds
     if wrong:
         raise SchemaError(f"metrics for W&B break the schema: {'; '.join(wrong)}")
+    with quiet_logging_errors():
+        return _mirror(logger, folder, config, metrics, samples, group)
+
+
+def _mirror(logger: dict, folder: Path, config: dict, metrics: dict, samples: list[dict],
+            group: str | None) -> dict:
     import wandb
 
-    mode = logger.get("mode") or os.environ.get("WANDB_MODE") or "online"
+    mode = wandb_mode(logger)
     run = wandb.init(project=logger.get("project") or "kv-harness", entity=logger.get("entity"),
                      group=logger.get("group") or group, dir=str(folder), mode=mode,
                      name=f"{metrics['method']['name']}-{metrics['task']['name']}-"
@@ -90,21 +180,23 @@ def log_sweep(logger: dict, sweep_dir: Path, run_folders: list[Path]) -> dict | 
                                    warn=lambda text: None)
     board = leaderboard.build(rows)
     columns, data = comparison_table(board)
-    mode = logger.get("mode") or os.environ.get("WANDB_MODE") or "online"
-    run = wandb.init(project=logger.get("project") or "kv-harness", entity=logger.get("entity"),
-                     group=logger.get("group") or sweep_dir.name, dir=str(sweep_dir), mode=mode,
-                     name=f"report-{sweep_dir.name}", job_type="report",
-                     # the report's own definitions of what the columns and figures show
-                     config={"axes": {k: f"{name}: {what}" for k, (name, what) in AXES.items()},
-                             "figures": {p.stem: question(p) for p in made}},
-                     reinit="finish_previous", settings=wandb.Settings(silent=True))
-    try:
-        run.log({"leaderboard": wandb.Table(columns=columns, data=data),
-                 **{f"figures/{p.stem}": wandb.Image(str(p)) for p in made}})
-        facts = {"logger": "wandb", "mode": mode, "run_id": run.id, "report": str(out),
-                 "dir": str(Path(run.dir).parent), "rows": len(data), "figures": len(made)}
-    finally:
-        run.finish()
+    with quiet_logging_errors():  # as a run's mirror: W&B's log errors are not shown
+        mode = wandb_mode(logger)
+        # the report's own definitions of what the columns and figures show
+        described = {"axes": {k: f"{name}: {what}" for k, (name, what) in AXES.items()},
+                     "figures": {p.stem: question(p) for p in made}}
+        run = wandb.init(project=logger.get("project") or "kv-harness",
+                         entity=logger.get("entity"), group=logger.get("group") or sweep_dir.name,
+                         dir=str(sweep_dir), mode=mode, name=f"report-{sweep_dir.name}",
+                         job_type="report", config=described, reinit="finish_previous",
+                         settings=wandb.Settings(silent=True))
+        try:
+            run.log({"leaderboard": wandb.Table(columns=columns, data=data),
+                     **{f"figures/{p.stem}": wandb.Image(str(p)) for p in made}})
+            facts = {"logger": "wandb", "mode": mode, "run_id": run.id, "report": str(out),
+                     "dir": str(Path(run.dir).parent), "rows": len(data), "figures": len(made)}
+        finally:
+            run.finish()
     return facts
 
 

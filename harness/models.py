@@ -7,6 +7,7 @@ can validate everything before `load_model` spends time.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -91,7 +92,9 @@ def resolve_model(cfg: dict[str, Any]) -> ModelSpec:
     device = pick_device(str(cfg.get("device", "auto")))
     if name == "smollm2_135m":
         gguf = smollm2_gguf_path()
-        cache = Path(cfg.get("cache_dir") or default_cache_dir()) / "smollm2-135m-instruct-q4_1"
+        cache = _cache_base(cfg) / "smollm2-135m-instruct-q4_1"
+        if not (cache / _CONVERTED_MARK).is_file():
+            cache_root(cfg)  # it will be converted there: the place must take it
         return ModelSpec(name, str(gguf), SMOLLM2_DESCRIPTION, dtype, device, "gguf",
                          {"converted_dir": str(cache)})
     if name == "stories260k":
@@ -140,13 +143,106 @@ def _resolve_hf_gguf(cfg: dict[str, Any], dtype: torch.dtype, device: torch.devi
     gguf = gguf.resolve()
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    cache = Path(cfg.get("cache_dir") or default_cache_dir()) / f"gguf-{_slug(gguf.stem)}-{key}"
+    cache = _cache_base(cfg) / f"gguf-{_slug(gguf.stem)}-{key}"
+    if not (cache / _CONVERTED_MARK).is_file():
+        cache_root(cfg)  # it will be converted there: the place must take it
+    label = gguf_label(gguf)
     return ModelSpec("hf", str(gguf), f"{gguf.name} (GGUF, dequantized)", dtype, device, "gguf",
-                     {"converted_dir": str(cache), "label": gguf.stem})
+                     {"converted_dir": str(cache), "label": label})
 
 
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_.-") or "model"
+
+
+# Words of a file name that say nothing about which model it is: generic names, formats,
+# quantization types, hashes and numbers (`model-fee85397.gguf`, `ggml-model-q4_0.gguf`).
+_GENERIC_WORDS = {"model", "models", "ggml", "gguf", "weights", "checkpoint", "ckpt", "file",
+                  "out", "output", "converted", "quantized", "quant", "final", "latest", "tmp",
+                  "temp", "download", "default", "unnamed", "fp16", "fp32", "f16", "f32", "bf16"}
+_QUANT_WORD = re.compile(r"^(i?q\d+(_[a-z0-9]+)*|f\d+|bf\d+)$")  # q4_k_m, iq2_xs, f16
+_SIZE_WORD = re.compile(r"^\d+(\.\d+)?[kmbt]?$")  # 7b, 0.5b, 135m: a size, not a model
+_HASH_WORD = re.compile(r"^(?=.*\d)[0-9a-f]{6,}$")
+
+
+def stem_names_a_model(stem: str) -> bool:
+    """Whether a file name carries any word that names a model (see _GENERIC_WORDS)."""
+    words = []
+    for word in re.split(r"[-. ]+", stem.lower()):
+        words += [word] if _QUANT_WORD.match(word) else word.split("_")
+    return any(len(w) > 1 and w not in _GENERIC_WORDS and not _QUANT_WORD.match(w)
+               and not _SIZE_WORD.match(w) and not _HASH_WORD.match(w) for w in words)
+
+
+def gguf_metadata(path: Path) -> dict[str, Any]:
+    """The `general.*` metadata of a GGUF file (strings and integers); {} if unreadable."""
+    try:
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))
+    except Exception:  # noqa: BLE001 - not a GGUF: load_config says so in one line
+        return {}
+    out: dict[str, Any] = {}
+    for key, field_ in reader.fields.items():
+        if not key.startswith("general.") or not field_.data or len(field_.types) != 1:
+            continue
+        value = field_.parts[field_.data[0]]
+        if field_.types[0] == gguf.GGUFValueType.STRING:
+            out[key] = bytes(value).decode("utf-8", errors="replace").strip()
+        elif len(value) == 1:
+            out[key] = value[0].item()
+    return out
+
+
+def gguf_label(path: Path) -> str:
+    """What a GGUF model is called: its file stem when that names a model, else its metadata
+    (`general.name`, or basename + size label + finetune) with its quantization type."""
+    if stem_names_a_model(path.stem):
+        return path.stem
+    meta = gguf_metadata(path)
+    name = meta.get("general.name") or " ".join(
+        str(meta[k]) for k in ("general.basename", "general.size_label", "general.finetune")
+        if meta.get(k))
+    if not name:
+        return path.stem
+    quant = _gguf_file_type(meta.get("general.file_type"))
+    return "-".join(w for w in re.split(r"\s+", name) + ([quant] if quant else []) if w)
+
+
+def _gguf_file_type(code: Any) -> str | None:
+    try:
+        import gguf
+
+        return gguf.LlamaFileType(int(code)).name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    except (ImportError, TypeError, ValueError):
+        return None
+
+
+def _cache_base(cfg: dict[str, Any]) -> Path:
+    return Path(str(cfg.get("cache_dir") or default_cache_dir())).expanduser()
+
+
+def cache_root(cfg: dict[str, Any]) -> Path:
+    """Where converted models live; refused in one line when it cannot hold them (a file, a
+    read-only place), before anything is converted."""
+    from harness.results import check_writable
+
+    root = _cache_base(cfg)
+    if cfg.get("cache_dir"):
+        key = f"model.cache_dir={cfg['cache_dir']}"
+    elif os.environ.get("KVH_CACHE_DIR"):
+        key = f"KVH_CACHE_DIR={os.environ['KVH_CACHE_DIR']}"
+    else:
+        key = f"the model cache {root}"
+    if root.exists() and not root.is_dir():
+        raise ConfigError(f"{key}: {root} is a file, not a folder (converted models are kept "
+                          "there); point it at a folder")
+    try:
+        check_writable(root, key)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (converted models are kept there; point it at a writable "
+                          "folder)") from None
+    return root
 
 
 def config_hash(config) -> str:
@@ -181,7 +277,14 @@ def _check_local_folder(path: Path, key: str) -> None:
 
 
 def load_config(spec: ModelSpec):
-    """The model's transformers config, without weights."""
+    """The model's transformers config, without weights; one that cannot describe a model
+    (`check_model_config`) is refused here."""
+    config = _read_config(spec)
+    check_model_config(config, spec.source)
+    return config
+
+
+def _read_config(spec: ModelSpec):
     from transformers import AutoConfig
 
     if spec.kind == "gguf":
@@ -194,14 +297,82 @@ def load_config(spec: ModelSpec):
         except Exception as exc:  # noqa: BLE001 - unsupported architecture, corrupt file
             raise ConfigError(f"model.gguf_file={spec.source}: transformers cannot read it: "
                               f"{type(exc).__name__}: {_first_line(exc)}") from None
+    if spec.kind == "folder":  # sizes first: transformers' own checks divide by them
+        try:
+            raw = json.loads((Path(spec.source) / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            raw = None
+        if isinstance(raw, dict):
+            check_model_config(raw, spec.source)
     try:
         return AutoConfig.from_pretrained(spec.source)
-    except (OSError, ValueError, KeyError) as exc:
+    except Exception as exc:  # noqa: BLE001 - any reason transformers has: one line
         if spec.kind != "folder":
             raise ConfigError(_hub_hint(spec, exc)) from None
         # e.g. config.json = {} ("Unrecognized model ... Should have a `model_type` key")
         raise ConfigError(f"model folder {spec.source}: its config.json cannot be used: "
-                          f"{_first_line(exc)}") from None
+                          f"{type(exc).__name__}: {_first_line(exc)}") from None
+
+
+# Sizes every causal LM's config gives (transformers maps each family's own names onto these),
+# each a positive integer; `head_dim` and `intermediate_size` where the config has them.
+_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+_OPTIONAL_SIZES = ("num_key_value_heads", "head_dim", "intermediate_size",
+                   "max_position_embeddings")
+
+
+def check_model_config(config, source: str) -> None:
+    """Refuse (before weights) a config that cannot describe a model: a size that is missing,
+    zero, negative or not an integer, or attention heads that do not divide. `config`: a
+    transformers config, or a config.json's raw mapping (only the sizes it names are checked)."""
+    raw = isinstance(config, dict)
+    get = config.get if raw else lambda key, default=None: getattr(config, key, default)
+    where = f"model config of {source}"
+    for key in (*_SIZES, *_OPTIONAL_SIZES):
+        value = get(key, None)
+        if value is None and (raw or key in _OPTIONAL_SIZES):
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"{where}: {key}={value!r} must be a positive integer (this config "
+                              "cannot describe a model)")
+    heads, hidden = get("num_attention_heads", None), get("hidden_size", None)
+    if heads is None:
+        return
+    kv_heads = get("num_key_value_heads", None) or heads
+    if heads % kv_heads:
+        raise ConfigError(f"{where}: num_attention_heads={heads} is not a multiple of "
+                          f"num_key_value_heads={kv_heads}")
+    if get("head_dim", None) is None and hidden is not None and hidden % heads:
+        raise ConfigError(f"{where}: hidden_size={hidden} is not a multiple of "
+                          f"num_attention_heads={heads} (and the config sets no head_dim)")
+
+
+def check_vocab(tokenizer, embedding_rows: int, source: str) -> None:
+    """A tokenizer whose ids go beyond the model's embedding would fail mid-run (an index
+    error at the first such token): refused before the run."""
+    size = len(tokenizer)
+    if size > embedding_rows:
+        raise ConfigError(f"the tokenizer of {source} has {size} tokens but the model's embedding "
+                          f"has {embedding_rows} rows (vocab_size): ids >= {embedding_rows} "
+                          "cannot be embedded; use the tokenizer the model was trained with")
+
+
+def parameter_count(model) -> int:
+    """Parameters of the model, each tensor once: tied embeddings (one tensor, or an output
+    embedding stored as an equal copy of the input one, as GGUF conversion can leave it) count
+    once."""
+    seen, total = set(), 0
+    for param in model.parameters():
+        if param.data_ptr() not in seen:
+            seen.add(param.data_ptr())
+            total += param.numel()
+    inp, out = model.get_input_embeddings(), model.get_output_embeddings()
+    if inp is not None and out is not None and getattr(out, "weight", None) is not None:
+        a, b = inp.weight, out.weight
+        if (a.data_ptr() != b.data_ptr() and a.shape == b.shape and a.dtype == b.dtype
+                and a.device == b.device and torch.equal(a, b)):
+            total -= b.numel()
+    return total
 
 
 def _first_line(exc: BaseException) -> str:
@@ -247,17 +418,47 @@ def load_model(spec: ModelSpec, attn: str = "sdpa"):
         raise ConfigError(f"tokenizer for {source!r} could not be loaded: "
                           f"{str(exc).splitlines()[0]}") from None
     try:
-        model, loading = AutoModelForCausalLM.from_pretrained(source, dtype=spec.dtype,
-                                                              output_loading_info=True)
+        # Mismatched shapes are loaded (left at their initialisation) so that check_loading
+        # names them in one line; transformers' own report table is not shown.
+        with _quiet_loading_report():
+            model, loading = AutoModelForCausalLM.from_pretrained(
+                source, dtype=spec.dtype, output_loading_info=True, ignore_mismatched_sizes=True)
     except OSError as exc:
         raise ConfigError(_hub_hint(spec, exc)) from None
     except Exception as exc:  # corrupt safetensors, wrong shapes: one clear line naming the file
         raise ConfigError(f"model weights at {source!r} could not be read: "
-                          f"{type(exc).__name__}: {_first_line(exc)}") from None
+                          f"{_weights_reason(exc)}") from None
     check_loading(source, loading)
+    check_vocab(tokenizer, model.get_input_embeddings().num_embeddings, source)
     model.to(spec.device).eval()
     hf_adapter.set_attention(model, attn)
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def _quiet_loading_report():
+    """transformers logs a many-line LOAD REPORT for missing, unexpected or mismatched tensors
+    (pointing at options the user cannot set here): check_loading says it in one line."""
+    loggers = [logging.getLogger(n) for n in ("transformers.modeling_utils",
+                                              "transformers.utils.loading_report")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+def _weights_reason(exc: Exception) -> str:
+    """Why a weights file could not be read, without torch's advice to unpickle untrusted
+    files (`weights_only=False`)."""
+    text = _first_line(exc)
+    if "weights_only" in str(exc) or type(exc).__name__ == "UnpicklingError":
+        return ("a .bin file is corrupt or not a PyTorch checkpoint (torch.load could not read "
+                "it); replace it, or convert the model to safetensors")
+    return f"{type(exc).__name__}: {text}"
 
 
 def check_loading(source: str, loading: dict[str, Any]) -> None:
@@ -300,6 +501,11 @@ def ensure_gguf_converted(gguf: Path, folder: Path, description: str) -> Path:
     """Convert a GGUF once into an HF folder (atomic: temp dir + rename); validate on reuse."""
     if _converted_ok(folder):
         return folder
+    if folder.exists() and not (folder / _CONVERTED_MARK).is_file() and (
+            not folder.is_dir() or any(folder.iterdir())):
+        raise ConfigError(f"{folder} exists and is not a model this harness converted (it has no "
+                          f"{_CONVERTED_MARK}); nothing was changed: move it, or set "
+                          "model.cache_dir to another folder")
     if folder.exists():
         log.warning("converted model cache %s is incomplete or corrupt: rebuilding it", folder)
     from transformers import AutoModelForCausalLM, AutoTokenizer

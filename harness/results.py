@@ -7,6 +7,9 @@ the user's umask (a team can read shared results), not the 0600/0700 of temp fil
 A path given by the user is never deleted or overwritten unless it is a complete previous run of
 this harness holding only files the harness writes, at that exact path, and the user asked for
 the replacement (`runner.overwrite=true`); `check_output_dir` says so before weights load.
+Checks create nothing; the folders above a run are made when its result is written (and removed
+again if writing fails). A staging folder left by a killed run is removed only when the mark this
+harness wrote in it names a process that is gone, never because of its name.
 """
 
 from __future__ import annotations
@@ -67,25 +70,56 @@ def write_jsonl_atomic(path: Path, rows: Iterable[dict]) -> None:
     write_text_atomic(path, "".join(json.dumps(json_safe(r)) + "\n" for r in rows))
 
 
-def check_writable(folder: Path) -> None:
-    """Fail early (before weights load) if results cannot be written under `folder`."""
+def nearest_existing(path: Path) -> Path:
+    """`path` or its closest ancestor that exists."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def check_writable(folder: Path, key: str = "runner.output_dir") -> None:
+    """Fail early (before weights load) if results cannot be written under `folder`, creating
+    nothing: the closest existing ancestor must be a folder a file can be created in (`key`: the
+    option the user set, named in the message)."""
+    base = nearest_existing(folder)
+    if not base.is_dir():
+        raise ConfigError(f"{key}: cannot write under {folder} ({base} is a file, not a folder)")
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".write-test.", dir=folder)
+        fd, tmp = tempfile.mkstemp(prefix=".write-test.", dir=base)
         os.close(fd)
         os.unlink(tmp)
     except OSError as exc:
-        raise ConfigError(f"runner.output_dir: cannot write under {folder} ({exc.strerror})") from None
+        raise ConfigError(f"{key}: cannot write under {folder} ({exc.strerror or exc}"
+                          f"{'' if base == Path(os.path.abspath(folder)) else f' at {base}'})"
+                          ) from None
+
+
+def inside_a_run(path: Path) -> Path | None:
+    """The complete run of this harness that `path` would be inside, if any (a run folder holds
+    only its own files: a folder written into it makes it unrecognisable as a run)."""
+    from harness.schema import is_complete_run
+
+    for parent in Path(os.path.abspath(path)).parents:
+        if (parent / "metrics.json").is_file() and is_complete_run(parent):
+            return parent
+    return None
 
 
 def check_output_dir(path: Path, overwrite: bool) -> None:
     """Refuse (before weights load) an explicit `runner.output_dir` the run must not replace:
-    a file, a path ending in `..`, a non-empty folder that is not a run of this harness, or a
-    previous run without `runner.overwrite=true`. An empty folder is fine."""
+    a file, a path ending in `..`, a non-empty folder that is not a run of this harness, a
+    folder inside another run's folder, or a previous run without `runner.overwrite=true`. An
+    empty folder is fine."""
     key = f"runner.output_dir={path}"
     if path.name in ("", ".", ".."):
         raise ConfigError(f"{key}: must name the run folder itself "
                           f"(it ends in {path.name or '/'!r})")
+    outer = inside_a_run(path)
+    if outer is not None:
+        raise ConfigError(f"{key} is inside the run folder {outer}: a run folder holds only its "
+                          "own files (the outer run would no longer be recognised); choose a "
+                          "folder outside it")
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         raise ConfigError(f"{key} is a file (or a link), not a folder; nothing was changed. "
                           "Allowed: a new or empty folder, or a previous run of this harness "
@@ -116,14 +150,49 @@ def not_ours(folder: Path) -> str:
     return ""
 
 
+# A staging folder holds this file while it is being written, so a later run removes only
+# staging folders a run of this harness made, and only once that run's process is gone.
+STAGING_MARK = ".kvh-staging.json"
+
+
+def _process_start(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot, /proc), which tells a reused pid apart."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _mark_staging(folder: Path) -> None:
+    pid = os.getpid()
+    (folder / STAGING_MARK).write_text(json.dumps({"harness": "kv-harness", "pid": pid,
+                                                   "start": _process_start(pid)}))
+
+
+def _dead_staging(path: Path) -> bool:
+    """Whether `path` is a staging folder of a run of this harness whose process is gone: its
+    mark is there, names the pid its folder name carries, and that pid no longer runs (or now
+    belongs to a process started later). Anything else is left alone, whatever its name."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    try:
+        mark = json.loads((path / STAGING_MARK).read_text())
+        pid = int(path.name.split(".partial-")[1].split("-")[0])
+    except (OSError, ValueError, IndexError, TypeError):
+        return False
+    if not isinstance(mark, dict) or mark.get("harness") != "kv-harness" or mark.get("pid") != pid:
+        return False
+    if not _alive(pid):
+        return True
+    started = _process_start(pid)
+    return started is not None and mark.get("start") is not None and started != mark["start"]
+
+
 def remove_stale_staging(folder: Path) -> None:
-    """Remove staging folders left by killed runs (kill -9): their owning process is gone."""
+    """Remove staging folders left by killed runs of this harness (kill -9), found by their
+    mark (never by name alone: a user's folder named like one is not touched)."""
     for path in folder.glob(".*.partial-*"):
-        try:
-            pid = int(path.name.split(".partial-")[1].split("-")[0])
-        except (IndexError, ValueError):
-            continue
-        if not _alive(pid):
+        if _dead_staging(path):
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -142,11 +211,24 @@ class RunFolder:
 
     def __init__(self, final: Path):
         self.final = final
-        final.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_staging(final.parent)
-        self.staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-{os.getpid()}-",
-                                             dir=final.parent))
-        os.chmod(self.staging, user_mode("dir"))  # mkdtemp makes 0700
+        # folders created for this run, deepest first: removed again if it is abandoned
+        self.created: list[Path] = []
+        parent = Path(os.path.abspath(final.parent))
+        while not parent.exists():
+            self.created.append(parent)
+            parent = parent.parent
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            remove_stale_staging(final.parent)
+            self.staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.partial-{os.getpid()}-",
+                                                 dir=final.parent))
+            _mark_staging(self.staging)
+            os.chmod(self.staging, user_mode("dir"))  # mkdtemp makes 0700
+        except BaseException:
+            if hasattr(self, "staging"):
+                shutil.rmtree(self.staging, ignore_errors=True)
+            self._remove_created()
+            raise
 
     def write_json(self, name: str, data: Any) -> None:
         write_json_atomic(self.staging / name, data)
@@ -168,13 +250,26 @@ class RunFolder:
             if foreign or not overwrite:
                 raise OutputError(f"{self.final} changed during the run ("
                                   f"{foreign or 'it now holds a run'}); it was left untouched")
-            old = self.final.with_name(f".{self.final.name}.old-{os.getpid()}")
+            (self.staging / STAGING_MARK).unlink()
+            # a fresh empty name of our own to move the old run to (never a user's folder)
+            old = Path(tempfile.mkdtemp(prefix=f".{self.final.name}.old-", dir=self.final.parent))
             os.replace(self.final, old)
             os.replace(self.staging, self.final)
             shutil.rmtree(old, ignore_errors=True)
         else:
+            (self.staging / STAGING_MARK).unlink()
             os.replace(self.staging, self.final)
         return self.final
 
     def abandon(self) -> None:
         shutil.rmtree(self.staging, ignore_errors=True)
+        self._remove_created()
+
+    def _remove_created(self) -> None:
+        """The folders made for this run, if still empty: a failed run leaves no empty
+        `<results_root>/<task>/<model>/<method>/` behind."""
+        for folder in self.created:
+            try:
+                folder.rmdir()
+            except OSError:
+                break

@@ -7,7 +7,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import random
+import shutil
 import sys
 import time
 from datetime import datetime
@@ -17,7 +19,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvcore.errors import BudgetViolation, ConfigError, OutputError, UnsupportedCombination
-from harness.loggers import LOGGERS, log_run
+from harness.config_check import check_config
+from harness.loggers import check_logger, log_run
 from harness.projection import project
 from harness.schema import stamp
 from harness.serving import check_admission
@@ -67,6 +70,10 @@ def check_runner(runner: dict[str, Any]) -> None:
     positive_int("prefill_chunk_tokens")
     positive_int("batch_size")
     positive_int("threads", allow_none=True)
+    cpus = os.cpu_count() or 1
+    if runner.get("threads") is not None and runner["threads"] > cpus:
+        raise ConfigError(f"runner.threads={runner['threads']} is more than this machine's {cpus} "
+                          f"CPUs; allowed: 1..{cpus} (or null: all of them)")
     if runner.get("batch_size") != 1 and runner.get("diagnostics"):
         raise ConfigError(f"runner.batch_size={runner.get('batch_size')} with runner.diagnostics: "
                           "the fidelity shadow cache follows one sequence; use runner.batch_size=1")
@@ -78,12 +85,25 @@ def check_runner(runner: dict[str, Any]) -> None:
                           f"{', '.join(KV_LAYOUTS)}")
     if "kv_block_tokens" in runner:
         positive_int("kv_block_tokens")
+        if (runner.get("kv_layout", "contiguous") != "paged"
+                and runner["kv_block_tokens"] != DEFAULT_BLOCK_TOKENS):
+            raise ConfigError(f"runner.kv_block_tokens={runner['kv_block_tokens']} applies to "
+                              "runner.kv_layout=paged only (contiguous buffers have no blocks); "
+                              "set runner.kv_layout=paged or drop it")
     check_admission(runner)
     if runner.get("attn_impl") not in ATTN_IMPLS:
         raise ConfigError(f"runner.attn_impl={runner.get('attn_impl')!r}; allowed: "
                           f"{', '.join(ATTN_IMPLS)}")
     if runner.get("diagnostics"):
         positive_int("diagnostics_every_steps")
+    elif runner.get("diagnostics_every_steps", _declared("diagnostics_every_steps")) != \
+            _declared("diagnostics_every_steps"):
+        raise ConfigError(f"runner.diagnostics_every_steps={runner['diagnostics_every_steps']} "
+                          "applies with runner.diagnostics=true only; set it or drop this")
+    if runner.get("overwrite") is True and not runner.get("output_dir"):
+        raise ConfigError("runner.overwrite=true applies to runner.output_dir only (a run under "
+                          "runner.results_root always gets a new folder); set "
+                          "runner.output_dir or drop it")
     if not isinstance(runner.get("seed"), int):
         raise ConfigError(f"runner.seed={runner.get('seed')!r} must be an integer")
     dense = runner.get("dense_layers")
@@ -103,6 +123,18 @@ def check_runner(runner: dict[str, Any]) -> None:
     for key in ("output_dir", "results_root"):
         if runner.get(key) is not None and not isinstance(runner[key], str):
             raise ConfigError(f"runner.{key}={runner[key]!r} must be a path (a string)")
+        if isinstance(runner.get(key), str) and not runner[key].strip():
+            default = ("null: <results_root>/<task>/<model>/<method>/<time>"
+                       if key == "output_dir" else "the default: results")
+            raise ConfigError(f"runner.{key}={runner[key]!r} is empty; give a folder (or "
+                              f"{default})")
+
+
+def _declared(key: str) -> Any:
+    """A runner knob's declared default (conf/runner/default.yaml)."""
+    from harness.config_check import yaml_defaults
+
+    return yaml_defaults("runner", "default").get(key)
 
 
 def protocol_from(runner: dict[str, Any]) -> Protocol:
@@ -150,7 +182,40 @@ def protocol_reasons(method, task, info, protocol: Protocol,
                        "runner.prefill=chunked (compress after every prefill chunk) or "
                        "runner.prefill=sparse (every prompt row under the budget)"
                        .replace("{method.name}", method.name))
+    elif caps.compresses and protocol.prefill == "chunked" and "decode" not in phases and runner:
+        longest, chunk = task.longest_prompt_tokens(), runner.get("prefill_chunk_tokens")
+        if longest is not None and chunk and longest <= chunk:
+            reasons.append(f"runner.prefill=chunked: method={method.name} compresses after each "
+                           f"prefill chunk, but task={task.name} (with these options) scores "
+                           f"prompts of at most {longest} tokens, each one chunk "
+                           f"(runner.prefill_chunk_tokens={chunk}): every scored logit comes "
+                           "before the method acts; lower runner.prefill_chunk_tokens or use "
+                           "runner.prefill=sparse")
     return reasons
+
+
+def storage_reasons(runner: dict[str, Any], info, device) -> list[str]:
+    """KV storage sized by runner knobs that cannot fit the model or the machine (before
+    weights): a paged block longer than any sequence can be, or the first block of every layer
+    and sequence beyond the memory available (kvcore.guards estimates every later allocation)."""
+    from kvcore.guards import available_bytes, fmt_bytes
+
+    if runner.get("kv_layout", "contiguous") != "paged":
+        return []
+    block = runner.get("kv_block_tokens", DEFAULT_BLOCK_TOKENS)
+    if info.max_positions and block > info.max_positions:
+        return [f"runner.kv_block_tokens={block} is larger than the model's max positions "
+                f"({info.max_positions}): no sequence fills one block; allowed: 1.."
+                f"{info.max_positions}"]
+    first = runner.get("batch_size", 1) * block * info.kv_bytes_per_token()
+    if runner.get("kv_offload", "none") == "cpu":
+        first *= 2  # the host tier pages the same blocks
+    free = available_bytes(device)
+    if free is not None and first > free:
+        return [f"runner.kv_block_tokens={block} with runner.batch_size="
+                f"{runner.get('batch_size', 1)}: one block per layer and sequence needs "
+                f"{fmt_bytes(first)} but {fmt_bytes(free)} of {device.type} memory is available"]
+    return []
 
 
 def engine_settings(runner: dict[str, Any]):
@@ -189,14 +254,13 @@ def run(cfg: DictConfig) -> Path:
     from tasks import build_task
 
     t_start = time.time()
+    check_config(cfg)  # every key declared (`+` keys too), no NaN/inf, types of YAML knobs
     runner = _plain(cfg.runner)
     check_runner(runner)
     method_name, method_opts = _split_name("method", cfg.method)
     task_name, task_opts = _split_name("task", cfg.task)
     model_cfg = _plain(cfg.model)
-    logger_name = _plain(cfg.logger).get("name")
-    if logger_name not in LOGGERS:
-        raise ConfigError(f"logger={logger_name!r}; allowed: {', '.join(LOGGERS)}")
+    check_logger(_plain(cfg.logger))
 
     method = build_method(method_name, **method_opts)
     task = build_task(task_name, **task_opts)
@@ -215,11 +279,12 @@ def run(cfg: DictConfig) -> Path:
     spec = models.identify(spec, config)  # model=hf: <folder or hub id>-<config hash>
     info = hf_adapter.model_info(config, spec.dtype)
     reasons = (method.validate(info, runner) + task.validate(info, method)
-               + protocol_reasons(method, task, info, protocol_from(runner), runner))
+               + protocol_reasons(method, task, info, protocol_from(runner), runner)
+               + storage_reasons(runner, info, spec.device))
     if reasons:
         raise ConfigError("; ".join(reasons))
     task.check_data()
-    check_prompts(task, spec, info, method)
+    check_prompts(task, spec, info, method, config)
     out = output_dir(runner, task_name, spec.name, method_name)
     done = resolve_output(runner, out, identity)  # refuses a path it must not replace
     if done is not None:
@@ -254,7 +319,7 @@ def run(cfg: DictConfig) -> Path:
                   "num_layers": info.num_layers, "num_heads": info.num_heads,
                   "num_kv_heads": info.num_kv_heads, "head_dim": info.head_dim,
                   "max_positions": info.max_positions,
-                  "parameters": sum(p.numel() for p in model.parameters())},
+                  "parameters": models.parameter_count(model)},
         "method": {"name": method_name, "hyperparameters": method.hyperparameters(),
                    "provenance": method.provenance_label(),
                    "operating_point": method.operating_point,
@@ -285,23 +350,19 @@ def run(cfg: DictConfig) -> Path:
     if projected is not None:
         metrics["projected"] = projected
     metrics = stamp(metrics)
+    key = "runner.output_dir" if runner.get("output_dir") else "runner.results_root"
     try:
         folder = RunFolder(out)
     except OSError as exc:
-        raise OutputError(f"runner.output_dir: cannot create {out} ({exc.strerror or exc})") from None
+        raise OutputError(f"{key}: cannot create {out} ({exc.strerror or exc})") from None
     try:
         folder.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
         if engine.diagnostics is not None:
             folder.write_json("diagnostics.json", engine.diagnostics.arrays())
         if result.samples:
             folder.write_jsonl("samples.jsonl", result.samples)
-        job = multirun_job()
-        logged = log_run(_plain(cfg.logger), folder.staging, OmegaConf.to_container(cfg, resolve=True),
-                         metrics, result.samples, job[0].name if job else None)
-        if logged:
-            metrics["logger"] = {**logged, "dir": logged["dir"].replace(str(folder.staging),
-                                                                        str(out))}
-        folder.write_json("metrics.json", stamp(metrics))
+        folder.write_json("metrics.json", metrics)  # the result, before any mirror
+        mirror(cfg, folder, out, metrics, result.samples)
         final = folder.commit(overwrite=bool(runner.get("overwrite")))
     except OSError as exc:  # disk full, permissions: nothing half-written is left behind
         folder.abandon()
@@ -319,6 +380,29 @@ def run(cfg: DictConfig) -> Path:
     return final
 
 
+def mirror(cfg: DictConfig, folder, out: Path, metrics: dict[str, Any], samples) -> None:
+    """Mirror the staged result to the logger (W&B) and record where in metrics.json. A mirror
+    that fails, or whose record no longer fits on the disk, is dropped with one warning line:
+    the result is written all the same."""
+    logger = _plain(cfg.logger)
+    if logger.get("name", "none") == "none":
+        return
+    job = multirun_job()
+    try:
+        logged = log_run(logger, folder.staging, OmegaConf.to_container(cfg, resolve=True),
+                         metrics, samples, job[0].name if job else None)
+        if logged:
+            metrics["logger"] = {**logged, "dir": logged["dir"].replace(str(folder.staging),
+                                                                        str(out))}
+            folder.write_json("metrics.json", stamp(metrics))
+    except Exception as exc:  # noqa: BLE001 - a mirror never costs the result
+        metrics.pop("logger", None)
+        shutil.rmtree(folder.staging / "wandb", ignore_errors=True)
+        text = (str(exc).strip().splitlines() or [""])[0]
+        print(f"warning: logger={logger.get('name')}: the mirror failed ({type(exc).__name__}: "
+              f"{text}); the result is written without it", file=sys.stderr)
+
+
 def kv_figures(engine, method) -> dict[str, Any]:
     """The one accounting (harness.accounting) of what the method held and attended."""
     from harness.accounting import activity
@@ -332,15 +416,18 @@ def kv_figures(engine, method) -> dict[str, Any]:
     return {**kv, **activity(method.capabilities.compresses, kv)}
 
 
-def check_prompts(task, spec, info, method) -> None:
-    """Task checks that need the tokenizer (prompt sizes), before any weights load."""
+def check_prompts(task, spec, info, method, config) -> None:
+    """Checks that need the tokenizer, before any weights load: its vocabulary fits the model's
+    embedding, and the task's prompt sizes."""
+    from harness.models import check_vocab
     from tasks import Task
 
-    if type(task).check_prompts is Task.check_prompts:
-        return
     tokenizer = _tokenizer(spec)
     if tokenizer is None:
         return  # load_model reports why the tokenizer cannot load, before reading weights
+    check_vocab(tokenizer, config.vocab_size, spec.source)
+    if type(task).check_prompts is Task.check_prompts:
+        return
     reasons = task.check_prompts(tokenizer, info, method)
     if reasons:
         raise ConfigError("; ".join(reasons))
@@ -412,6 +499,12 @@ def _inactive_reason(folder: Path) -> str | None:
     return f"{folder}: {kv.get('inactive_reason')}" if kv.get("method_active") is False else None
 
 
+def traceback_wanted() -> bool:
+    """HYDRA_FULL_ERROR=1 as the user set it (the CLI sets Hydra's own copy to 1 to catch its
+    errors, and records the user's choice in KVH_FULL_ERROR)."""
+    return os.environ.get("KVH_FULL_ERROR") == "1"
+
+
 def report_error(exc: BaseException, debug: bool) -> int:
     if debug:
         raise exc
@@ -431,7 +524,7 @@ def _overrides() -> list[str]:
 def main_guarded(cfg: DictConfig) -> None:
     """Single run: one clear line and a non-zero exit on error. Sweep member: record the outcome
     (ok / skipped / failed) and return, so the other members go on."""
-    debug = bool(OmegaConf.select(cfg, "runner.debug", default=False))
+    debug = bool(OmegaConf.select(cfg, "runner.debug", default=False)) or traceback_wanted()
     sweeping = multirun_job() is not None
     try:
         folder = run(cfg)

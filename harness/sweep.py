@@ -27,7 +27,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from harness.results import check_output_dir, check_writable, write_json_atomic
+from harness.results import check_output_dir, check_writable, inside_a_run, write_json_atomic
 from harness.schema import SchemaError, load
 from kvcore.errors import ConfigError
 
@@ -94,8 +94,13 @@ def resolve_output(runner: dict[str, Any], out: Path, identity: str) -> Path | N
             return done
     if explicit:
         check_output_dir(out, bool(runner.get("overwrite")))
-    else:
-        check_writable(out.parent)
+        return None
+    root = runner.get("results_root") or "results"
+    outer = inside_a_run(out)
+    if outer is not None:
+        raise ConfigError(f"runner.results_root={root} is inside the run folder {outer}: a run "
+                          "folder holds only its own files; choose a results root outside it")
+    check_writable(out.parent, f"runner.results_root={root}")
     return None
 
 
@@ -150,18 +155,117 @@ def _quote(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def claim_sweep_dir(base: Path) -> Path:
+# Sweep folders this process set up, with the parents it created for them (deepest first): a
+# sweep Hydra refuses after that (a member that cannot be composed) leaves nothing of its own
+# behind (`discard_claimed`, called by the CLI).
+CLAIMED: list[list[Path]] = []
+SWEEP_MARK = ".kvh-sweep.json"  # written in every sweep folder of this harness
+
+
+def _missing_parents(path: Path) -> list[Path]:
+    made, parent = [], Path(os.path.abspath(path))
+    while not parent.exists():
+        made.append(parent)
+        parent = parent.parent
+    return made
+
+
+def claim_sweep_dir(base: Path, key: str = "hydra.sweep.dir") -> Path:
     """Create a sweep folder no other sweep has: `base`, else `base-2`, `base-3`, ... (mkdir is
     atomic, so two sweeps started in the same second cannot share one)."""
-    base.parent.mkdir(parents=True, exist_ok=True)
-    for n in range(1, 10_000):
-        path = base if n == 1 else base.with_name(f"{base.name}-{n}")
-        try:
-            path.mkdir()
-            return path
-        except FileExistsError:
+    made = _missing_parents(base.parent)
+    try:
+        base.parent.mkdir(parents=True, exist_ok=True)
+        for n in range(1, 10_000):
+            path = base if n == 1 else base.with_name(f"{base.name}-{n}")
+            try:
+                path.mkdir()
+                CLAIMED.append([path, *made])
+                return path
+            except FileExistsError:
+                continue
+    except OSError as exc:
+        raise ConfigError(f"{key}: cannot create the sweep folder {base} "
+                          f"({exc.strerror or exc})") from None
+    raise ConfigError(f"{key}: could not create a new folder next to {base}")
+
+
+def mark_sweep_dir(sweep_dir: Path) -> None:
+    """Record the folder as a sweep of this harness (an explicit hydra.sweep.dir is made here)."""
+    made = _missing_parents(sweep_dir)
+    try:
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(sweep_dir / SWEEP_MARK, {"harness": "kv-harness", "pid": os.getpid()})
+    except OSError as exc:
+        raise ConfigError(f"hydra.sweep.dir={sweep_dir}: cannot write there "
+                          f"({exc.strerror or exc})") from None
+    if made:
+        CLAIMED.append(made)
+    elif not any(sweep_dir == c[0] for c in CLAIMED):
+        CLAIMED.append([sweep_dir])
+
+
+def discard_claimed() -> None:
+    """Undo what this process set up for a sweep Hydra then refused: its mark and Hydra's
+    multirun.yaml, and the folders it made, if nothing else is in them."""
+    while CLAIMED:
+        folders = CLAIMED.pop()
+        sweep = folders[0]
+        if not sweep.is_dir() or {p.name for p in sweep.iterdir()} - {"multirun.yaml", SWEEP_MARK}:
             continue
-    raise ConfigError(f"hydra.sweep.dir: could not create a new folder next to {base}")
+        if (sweep / SWEEP_MARK).is_file():
+            (sweep / "multirun.yaml").unlink(missing_ok=True)
+            (sweep / SWEEP_MARK).unlink()
+        for folder in folders:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+
+
+def check_explicit_sweep_dir(sweep_dir: Path) -> None:
+    """An explicit `hydra.sweep.dir` must be new, empty, or a sweep folder of this harness (its
+    mark) holding no member statuses yet: a user's folder is never written into (Hydra would
+    overwrite a multirun.yaml of theirs), nor an earlier sweep's."""
+    if sweep_dir.exists() and not sweep_dir.is_dir():
+        raise ConfigError(f"hydra.sweep.dir={sweep_dir} is a file, not a folder")
+    if not sweep_dir.is_dir() or not any(sweep_dir.iterdir()):
+        return
+    status = sweep_dir / "status"
+    if status.is_dir() and any(status.iterdir()):
+        raise ConfigError(f"hydra.sweep.dir={sweep_dir} already holds an earlier sweep's "
+                          "member statuses; give each sweep its own folder (or leave "
+                          "hydra.sweep.dir unset)")
+    if not (sweep_dir / SWEEP_MARK).is_file():
+        held = sorted(p.name for p in sweep_dir.iterdir())
+        raise ConfigError(f"hydra.sweep.dir={sweep_dir} is a non-empty folder that is not a "
+                          f"sweep of this harness (it holds {', '.join(held[:3])}"
+                          f"{' ...' if len(held) > 3 else ''}); nothing was changed. Give the "
+                          "sweep a new or empty folder (or leave hydra.sweep.dir unset)")
+
+
+def unknown_keys(overrides: list[str]) -> str | None:
+    """The first override naming a key no option of its group declares (`+runner.foo=1,2`),
+    as a one-line reason; refused before any member runs (harness.config_check)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from harness.config_check import GROUPS, TOP_LEVEL, allowed_any, unknown_key_message
+
+    for override in OverridesParser.create().parse_overrides(overrides):
+        dotted = override.key_or_group
+        group, _, key = dotted.partition(".")
+        if override.package or (not key and (CONF / group).is_dir()):
+            continue  # a group choice (method=h2o), not a key
+        if not key:
+            if group not in TOP_LEVEL:
+                return unknown_key_message(None, group, list(GROUPS))
+            continue
+        if group not in GROUPS or "." in key:
+            continue
+        allowed = allowed_any(group, None)
+        if allowed and key not in allowed:
+            return unknown_key_message(group, key, allowed)
+    return None
 
 
 def unknown_choices(overrides: list[str], conf: Path = CONF
@@ -218,6 +322,10 @@ class SweepSummary(Callback):
         try:
             self._start(config)
         except ConfigError as exc:  # Hydra turns a callback's Exception into a warning and goes on
+            if os.environ.get("KVH_FULL_ERROR") == "1":
+                import traceback
+
+                traceback.print_exc()
             print(f"error: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
 
@@ -234,16 +342,18 @@ class SweepSummary(Callback):
             if not known:
                 raise ConfigError(f"{group}={','.join(bad)}: no known choice left to sweep; "
                                   f"allowed: {', '.join(group_options(group))}")
+        undeclared = unknown_keys(task_overrides)
+        if undeclared:
+            raise ConfigError(undeclared)
         explicit = any(o.split("=", 1)[0] == "hydra.sweep.dir"
                        for o in config.hydra.overrides.hydra)
         sweep_dir = Path(config.hydra.sweep.dir)
         if explicit:
-            if (sweep_dir / "status").is_dir() and any((sweep_dir / "status").iterdir()):
-                raise ConfigError(f"hydra.sweep.dir={sweep_dir} already holds an earlier sweep's "
-                                  "member statuses; give each sweep its own folder (or leave "
-                                  "hydra.sweep.dir unset)")
+            check_explicit_sweep_dir(sweep_dir)
         else:
-            sweep_dir = claim_sweep_dir(sweep_dir)
+            root = OmegaConf.select(config, "runner.results_root") or "results"
+            sweep_dir = claim_sweep_dir(sweep_dir, f"runner.results_root={root}")
+        mark_sweep_dir(sweep_dir)
         with read_write(config.hydra), open_dict(config.hydra):
             config.hydra.sweep.dir = str(sweep_dir)
             if not explicit:  # members compose their config again: they must see the same folder

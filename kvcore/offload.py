@@ -26,11 +26,13 @@ Streams, events and sync go through `torch.get_device_module(device.type)` (stac
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from kvcore.guards import check_allocation
 from kvcore.paged import PagedKV
 from kvcore.storage import gather_rows
 
@@ -126,6 +128,8 @@ class Tier:
         self.stream = module.Stream(device) if self.cuda else None
 
     def host_tensor(self, shape, dtype) -> torch.Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        check_allocation(nbytes, "cpu", f"a host-tier KV buffer of shape {tuple(shape)}")
         return torch.empty(shape, dtype=dtype, pin_memory=self.cuda)
 
     def to_device(self, layer: int, host: torch.Tensor, after="stream") -> "Transfer":

@@ -28,6 +28,7 @@ from typing import Callable
 
 import torch
 
+from kvcore.guards import check_allocation, check_stop
 from kvcore.storage import Rows, gather_rows
 
 DEFAULT_BLOCK_TOKENS = 16
@@ -102,6 +103,8 @@ class BlockPool:
         old = self.num_blocks
         new = old + max(short, old // 2)  # whole blocks; amortised copies of the pool
         shape = (new, *self.data.shape[1:])
+        check_allocation(new * self.block_bytes(), self.data.device,
+                         f"a paged KV pool growing to {new} blocks of {self.block_tokens} tokens")
         grown = self.empty(shape, self.data.dtype) if self.empty else self.data.new_empty(shape)
         if old:
             grown[:old].copy_(self.data)
@@ -188,6 +191,7 @@ class PagedRows(Rows):
         return self._gathered
 
     def write_at(self, start: int, new: torch.Tensor) -> None:
+        check_stop()
         q = new.shape[2]
         if q == 0:
             return

@@ -18,7 +18,11 @@ from __future__ import annotations
 
 from typing import Callable
 
+import math
+
 import torch
+
+from kvcore.guards import check_allocation, check_stop
 
 KV_LAYOUTS = ("contiguous", "paged")
 
@@ -103,10 +107,14 @@ class ContiguousRows(Rows):
         return None if self.buffer is None else self.buffer[:, :, : self.length]
 
     def write_at(self, start: int, new: torch.Tensor) -> None:
+        check_stop()
         end = start + new.shape[2]
         if self.buffer is None or end > self.buffer.shape[2]:
             old = 0 if self.buffer is None else self.buffer.shape[2]
-            grown = new.new_empty(*new.shape[:2], self.growth(end, old), *new.shape[3:])
+            shape = (*new.shape[:2], self.growth(end, old), *new.shape[3:])
+            check_allocation(math.prod(shape) * new.element_size(), new.device,
+                             f"a KV buffer of {shape[0]} x {shape[2]} tokens")
+            grown = new.new_empty(*shape)
             if self.length:
                 grown[:, :, : self.length].copy_(self.buffer[:, :, : self.length])
             self.buffer = grown
@@ -177,10 +185,13 @@ class TokenMajorRows(Rows):
 
     def _allocate(self, rows: int, like: torch.Tensor) -> torch.Tensor:
         shape = (rows, *like.shape[:2], *like.shape[3:])
+        check_allocation(math.prod(shape) * like.element_size(), like.device,
+                         f"a token-major KV buffer of {like.shape[0]} x {rows} tokens")
         return torch.empty(shape, dtype=like.dtype, device=like.device,
                            pin_memory=self.pinned and like.device.type == "cpu")
 
     def write_at(self, start: int, new: torch.Tensor) -> None:
+        check_stop()
         end = start + new.shape[2]
         if self.buffer is None or end > self.buffer.shape[0]:
             grown = self._allocate(self.growth(end, 0 if self.buffer is None

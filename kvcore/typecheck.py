@@ -4,12 +4,14 @@ tasks' options): one line naming `<prefix>.<key>`, the value and the expected ty
 Values arrive from Hydra's override grammar (`128.0` is a float, `true` a bool, `abc` a string),
 from YAML or from lm-eval's `--model_args`. The rules are strict where a lenient reading would
 record a knob that was not used: a bool is never an int, a float is never an int (even `128.0`),
-a string is never a number; an int is accepted where a float is expected.
+a string is never a number; an int is accepted where a float is expected; a float is finite
+(NaN and infinity are refused for every float knob).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from typing import Any, Union
@@ -54,8 +56,9 @@ def matches(value: Any, tp: Any) -> bool:
         return isinstance(value, bool)
     if tp is int:
         return isinstance(value, int) and not isinstance(value, bool)
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if tp is float:  # finite: NaN or infinity as a knob runs and reports a meaningless result
+        return isinstance(value, (int, float)) and not isinstance(value, bool) \
+            and math.isfinite(value)
     if isinstance(tp, type):
         return isinstance(value, tp)
     return True  # an annotation we cannot check (a forward reference): not ours to refuse
@@ -98,6 +101,8 @@ def check_types(cls: type, values: dict[str, Any], prefix: str) -> None:
         if tp is None or matches(value, tp):
             continue
         hint = ""
+        if isinstance(value, float) and not math.isfinite(value) and _wants(tp, float):
+            raise ConfigError(f"{prefix}.{key}={value!r} must be a finite number")
         if isinstance(value, str) and _wants_number(tp):
             hint = " (got a string)"
         elif isinstance(value, bool):

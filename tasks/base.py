@@ -60,6 +60,13 @@ class Task:
         token at a time), so the runner refuses a method that would never act on it."""
         return frozenset({"prefill", "decode"})
 
+    def longest_prompt_tokens(self) -> int | None:
+        """For a task whose phases() are prefill only: the longest prompt it feeds, when its
+        options fix it (after validate()); None when unknown. Under runner.prefill=chunked a
+        prompt that fits one chunk is scored before any method compresses it: the runner refuses
+        that."""
+        return None
+
     def check_prompts(self, tokenizer, info: ModelInfo, method: KVMethod) -> list[str]:
         """Reasons the prompts cannot be built (too short for their parts, ...), found with the
         tokenizer alone, before weights load. The runner loads the tokenizer only for tasks

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import ClassVar
@@ -28,6 +29,13 @@ from tasks.text_sources import TEXT_DATASETS, load_text
 
 MODES = ("chunked", "streaming")
 DEFAULT_MAX_TOKENS = 1024
+# Options read in one mode only (key -> (mode, why)): set in the other they would be ignored.
+MODE_ONLY = {
+    "window_tokens": ("chunked", "streaming scores one stream, it has no windows"),
+    "limit": ("chunked", "a limit on the windows; streaming scores one stream"),
+    "block_tokens": ("streaming", "the NLL curve's points; chunked reports per window"),
+    "prefill_tokens": ("streaming", "chunked windows are prompts already"),
+}
 
 
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -70,9 +78,17 @@ class Perplexity(Task):
                     or self.prefill_tokens < 1:
                 reasons.append(f"task.prefill_tokens={self.prefill_tokens!r} must be an integer "
                                ">= 1 or null")
-            elif self.mode != "streaming":
-                reasons.append(f"task.prefill_tokens={self.prefill_tokens} applies to "
-                               "task.mode=streaming only (chunked windows are prompts already)")
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for key, (mode, why) in MODE_ONLY.items():
+            value = getattr(self, key)
+            if self.mode in MODES and self.mode != mode and value != defaults[key]:
+                reasons.append(f"task.{key}={value!r} applies to task.mode={mode} only ({why}); "
+                               f"drop it or set task.mode={mode}")
+        if self.path and self.dataset != "text_file" and self.dataset in TEXT_DATASETS:
+            reasons.append(f"task.path={self.path} reads a text of your own: use it with "
+                           f"task.dataset=text_file (recorded as such); task.dataset="
+                           f"{self.dataset} reads its own copy (task.data_dir=<folder> for one "
+                           "elsewhere)")
         return reasons
 
     def validate(self, info: ModelInfo, method: KVMethod) -> list[str]:
@@ -82,6 +98,9 @@ class Perplexity(Task):
         span = self.window_tokens if self.mode == "chunked" else self.max_tokens
         key = "task.window_tokens" if self.mode == "chunked" else "task.max_tokens"
         bounded = method.bounds_positions() and self.mode == "streaming"
+        if span < 2:
+            return [f"{key}={span} (from the model's max positions, {info.max_positions}): a "
+                    "text of fewer than 2 tokens leaves nothing to score"]
         if info.max_positions and span > info.max_positions and not bounded:
             return [f"{key}={span} is longer than the model's max positions "
                     f"({info.max_positions}); lower it (the text is not truncated for you)"]
@@ -96,6 +115,9 @@ class Perplexity(Task):
         if self.mode == "chunked":
             return frozenset({"prefill"})
         return frozenset({"decode"} if self.prefill_tokens is None else {"prefill", "decode"})
+
+    def longest_prompt_tokens(self) -> int | None:
+        return self.window_tokens if self.mode == "chunked" else None
 
     def check_data(self) -> None:
         self._text = load_text(self.dataset, self.path, self.data_dir)

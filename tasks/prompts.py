@@ -104,7 +104,7 @@ def load_haystack_words(haystack: str, data_dir: str | None = None) -> list[str]
         return []
     base = data_root(data_dir)
     if haystack == "essays":
-        text = load_essays(base)
+        text = load_essays(data_dir)
     elif haystack == "ruler":
         path = base / "ruler" / "PaulGrahamEssays.json"
         try:

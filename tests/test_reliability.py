@@ -396,7 +396,7 @@ def test_metrics_follow_the_versioned_schema(tmp_path):
     (["hardware=nosuch"], "error: Could not find 'hardware/nosuch'; allowed: h200_sxm"),
     (["experiment=nosuch"], "error: Could not find 'experiment/nosuch'; allowed: "),
     (["method.budget_ratio=["], "error: override 'method.budget_ratio=[' cannot be parsed"),
-    (["runner.nosuch=1"], "error: Could not override 'runner.nosuch'"),
+    (["runner.nosuch=1"], "error: runner.nosuch is not a key of runner=default; allowed: "),
     (["method=_shared"], "error: method='_shared' is not a method"),
     (["method=nosuch"], "error: Could not find 'method/nosuch'; allowed: duo_attention, full, "),
 ])

@@ -19,6 +19,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from lm_eval.__main__ import cli_evaluate  # noqa: E402
 
 import harness.lm_eval  # noqa: E402,F401  (registers the kvharness model)
+from harness.lm_eval.model import ACTIVITY  # noqa: E402
 from kvcore.errors import ConfigError  # noqa: E402
 
 
@@ -28,6 +29,24 @@ def main() -> None:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
+    except ValueError as exc:  # lm-eval's own bad input, as one line (exit 2)
+        text = str(exc)
+        if not text.startswith("Tasks not found"):
+            raise
+        print(f"error: lm-eval: {text} (`python -m harness.lm_eval ls tasks` lists lm-eval's "
+              "tasks; ours are under --include_path \"$(python -m harness.lm_eval.tasks)\")",
+              file=sys.stderr)
+        sys.exit(2)
+    flag_inactive()
+
+
+def flag_inactive() -> None:
+    """An lm-eval run whose KV method did not act is flagged, as the runner flags its own
+    (its results record kvharness_method_active=false)."""
+    for method, state in ACTIVITY:
+        if state.get("method_active") is False:
+            print(f"INACTIVE: method={method} did not act: {state['inactive_reason']}",
+                  file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, re
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from kvcore.errors import ConfigError
-from harness.models import chat_text
+from harness.models import chat_text, parameter_count
 from harness.progress import progress
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,28 @@ def _positive_int(key: str, value: Any, allow_none: bool = False) -> int | None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"kvharness {key}={value!r} must be a positive integer")
     return value
+
+
+# (method, activity) of every evaluation whose model info lm-eval read (harness.lm_eval CLI)
+ACTIVITY: list[tuple[str, dict[str, Any]]] = []
+# lm-eval's own options it passes to every model, with its defaults (lm_eval EvaluatorConfig)
+_CLI_DEFAULTS = {"batch_size": 1, "max_batch_size": None, "device": "cuda:0"}
+
+
+def merge_cli_options(args: dict[str, Any], cli: dict[str, Any] | None) -> dict[str, Any]:
+    """--model_args with lm-eval's --batch_size/--max_batch_size/--device: an option given in
+    model_args (README: `--model_args ...,batch_size=2`) is taken from there; given both ways
+    with two values it is refused (lm-eval itself would pass it twice: a TypeError)."""
+    out = dict(args)
+    for key, value in (cli or {}).items():
+        if value is None:
+            continue
+        if key not in out:
+            out[key] = value
+        elif str(value) != str(_CLI_DEFAULTS.get(key)) and str(value) != str(out[key]):
+            raise ConfigError(f"kvharness {key} is given twice, --{key} {value} and --model_args "
+                              f"{key}={out[key]}; give it once")
+    return out
 
 
 def _check_batch(batch_size: Any, max_batch_size: Any) -> int:
@@ -234,6 +256,26 @@ class KVHarnessLM(TemplateLM):
         self._device = engine.device
         self._stop_ids = engine.stop_token_ids()
 
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None):
+        """lm-eval's CLI: `--model_args` plus its own --batch_size/--max_batch_size/--device."""
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls(**merge_cli_options(simple_parse_args_string(arg_string), additional_config))
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict | None = None):
+        return cls(**merge_cli_options(dict(arg_dict), additional_config))
+
+    def activity(self) -> dict[str, Any]:
+        """Whether the KV method acted over the requests served so far (harness.accounting):
+        kv.method_active / kv.inactive_reason, as the runner records them."""
+        from harness.accounting import activity
+
+        engine = self.engine
+        kv = {**engine.ledger.summary(), **engine.attended.summary()}
+        return activity(engine.method.capabilities.compresses, kv)
+
     @staticmethod
     def _check_method_options(method: str, options: dict[str, Any]) -> None:
         from methods import method_class
@@ -286,8 +328,12 @@ class KVHarnessLM(TemplateLM):
         return str(self.tokenizer.name_or_path).replace("/", "__")
 
     def get_model_info(self) -> dict[str, Any]:
-        """Recorded by lm-eval in results["config"]: which model, KV method and protocol."""
+        """Recorded by lm-eval in results["config"] once the evaluation is over: which model, KV
+        method and protocol, and whether the method acted (also kept in ACTIVITY, which the CLI
+        flags)."""
         engine = self.engine
+        activity = self.activity()
+        ACTIVITY.append((engine.method.name, activity))
         return {
             "kvharness_model": self._description or getattr(engine.model, "name_or_path",
                                                             type(engine.model).__name__),
@@ -296,8 +342,9 @@ class KVHarnessLM(TemplateLM):
             "kvharness_scoring": self.scoring,
             "kvharness_prefill_chunk_tokens": engine.settings.prefill_chunk_tokens,
             "kvharness_max_length": self.max_length,
-            "model_num_parameters": sum(p.numel() for p in engine.model.parameters()),
+            "model_num_parameters": parameter_count(engine.model),
             "model_dtype": str(next(engine.model.parameters()).dtype),
+            **{f"kvharness_{k}": v for k, v in activity.items()},
         }
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None,

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from harness.report import collect, figures, html, leaderboard
-from harness.results import write_text_atomic
+from harness.results import check_writable, write_text_atomic
 from kvcore.errors import ConfigError
 
 OUTPUTS = ("report.md", "report.csv", "leaderboard.md", "leaderboard.csv", "report.html")
@@ -33,6 +33,7 @@ def check_out(out: Path) -> None:
             raise ConfigError(f"--out {out} holds files that are not a report "
                               f"({', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}); "
                               "choose a new or empty folder")
+    check_writable(out, f"--out {out}")  # a read-only place: one line, before any work
 
 
 def default_out(patterns: list[str]) -> Path:
@@ -82,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         rows, out, made = build_report(args.paths, args.out)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # the disk filled, or --out changed, while the report was written
+        print(f"error: writing the report failed ({exc.strerror or exc}: {exc.filename})",
+              file=sys.stderr)
         return 2
     sys.stdout.write(leaderboard.markdown(leaderboard.build(rows)))
     print(f"\n{len(rows)} runs -> {out / 'report.html'} (+ report.md, leaderboard.md/.csv, "
