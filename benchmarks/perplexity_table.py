@@ -76,8 +76,12 @@ def select_rows(rows: list[list[str]], methods: list[str] | None) -> list[list[s
 def _heads_within(cls, budget_ratio: float) -> list[str]:
     """Full-cache heads alone hold `retrieval_head_ratio` of the cache; where the method's default
     already reaches the budget (DuoAttention's 0.5) the method refuses, so they get half of it."""
-    default = {f.name: f.default for f in dataclasses.fields(cls)}.get("retrieval_head_ratio")
-    if default is None or default < budget_ratio:
+    fields = {f.name: f.default for f in dataclasses.fields(cls)}
+    if "retrieval_head_ratio" not in fields:
+        return []
+    default = fields["retrieval_head_ratio"]
+    default = 0.5 if default is None else default  # null: DuoAttention's official GQA share
+    if default < budget_ratio:
         return []
     return [f"method.retrieval_head_ratio={budget_ratio / 2:g}"]
 

@@ -442,7 +442,8 @@ def prepare_context(model, tokenizer, info: ModelInfo | None = None, *,
         fingerprint=fingerprint(model), rope_inv_freq=_plain_rope(model),
         project_query=query_projector(model), capture=capture_forward(model, info),
         vocab_size=_probe_vocab(model, tokenizer),
-        data_dir=data_dir, cache_dir=cache_dir, calibration_ids=calibration_ids)
+        data_dir=data_dir, cache_dir=cache_dir, calibration_ids=calibration_ids,
+        model_id=getattr(model.config, "_name_or_path", None) or None)
 
 
 def prepare(method: KVMethod, model, tokenizer, info: ModelInfo | None = None, **extras) -> dict:

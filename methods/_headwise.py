@@ -15,12 +15,19 @@ head's rows are `[sinks, (compensation), window, padding..., new tokens]`; the p
 by a per-head additive mask, and the compensation slot gets +log|D| (RazorAttention eq. 5). Keys
 stay post-RoPE at their text positions (no re-rotation), as in both papers' code.
 
-Head identification without learned gates: RazorAttention's probe. A sequence of `P` seeded random
-tokens repeated twice goes through the model once (`ctx.capture`); for each query head and each
-query i in the repeat, the echo score is the attention on i - P (the token's earlier occurrence)
-and the induction score the attention on i - P + 1 (the token that followed it), averaged over the
-repeat. KV head score = max over its query group (conservative, methods-2.md §8 GQA). The scores
-are cached on disk per model fingerprint and probe.
+Head identification without learned gates: RazorAttention's probe, as Huawei's public tool runs it
+(MindSpore Golden Stick, `sequence_compress/razor_attention`: `DUMMY_INPUT_LENGTH = 2500`,
+`REPET_TIMES = 4`): `P` random token ids (from [10000, 12500] where the vocabulary has them, else
+[3, vocab); seeded here, the tool's are unseeded) repeated `repeats` times, the model's BOS first,
+go through the model once (`ctx.capture`); `P` is capped so that the sequence fits the model's
+positions (SmolLM2: 8192 -> P = 2047). For each query head, every query i of a repetition after
+the first attends to each earlier occurrence j of its token (echo) and to the token after it,
+j + 1 (induction); a head's score is the sum of those attention weights over all such (i, j)
+divided by S^2 (the tool's mean over the S x S attention map). KV head score = max over its
+query group (the tool's `_max_every_group`). The attention map is computed in row blocks (never
+S x S at once); the model's own output comes from its attention function. The scores are cached
+on disk per model fingerprint and probe. Not reproduced: the tool's index quirk that also counts
+the BOS as an earlier occurrence for the rows whose position is a multiple of P.
 
 Budget and accounting. Tokens per layer are reported as the *mean over KV heads* of held slots
 (rounded up), not the max: a retrieval head holds everything by design, so the max would always be
@@ -47,10 +54,10 @@ import torch
 
 from kvcore.errors import ConfigError
 from methods.base import KVLayer, KVMethod, ModelInfo, require_basis
-from methods.scoring import additive_mask, attention_with_probs
+from methods.scoring import additive_mask
 
 log = logging.getLogger(__name__)
-PROBE_FORMAT_VERSION = 1
+PROBE_FORMAT_VERSION = 2  # 2: P tokens x repeats + BOS, every earlier occurrence, / S^2
 
 
 # --------------------------------------------------------------------------------------------
@@ -73,6 +80,19 @@ def select_retrieval(echo: torch.Tensor, induction: torch.Tensor, retrieval_head
         if int(chosen.sum()) >= retrieval_heads:
             break
         chosen[idx] = True
+    return chosen.view(echo.shape)
+
+
+def select_union(echo: torch.Tensor, induction: torch.Tensor, echo_heads: int,
+                 induction_heads: int) -> torch.Tensor:
+    """Huawei's RazorAttention selection (`_finalize_compress_head`): the `echo_heads` best echo
+    heads and the `induction_heads` best induction heads of all (layer, KV head), united (an
+    overlap leaves fewer than their sum). Ties go to the lower (layer, head) index. Returns a bool
+    (L, H_kv) mask of retrieval heads."""
+    chosen = torch.zeros(echo.numel(), dtype=torch.bool)
+    for scores, count in ((echo, echo_heads), (induction, induction_heads)):
+        order = torch.sort(-scores.flatten().double(), stable=True).indices
+        chosen[order[:max(0, min(count, echo.numel()))]] = True
     return chosen.view(echo.shape)
 
 
@@ -121,54 +141,96 @@ def load_duo_pattern(path: str | Path, info: ModelInfo) -> tuple[torch.Tensor, d
 # --------------------------------------------------------------------------------------------
 # the probe (training-free identification)
 class _ProbeLayer(KVLayer):
-    def __init__(self, layer_idx: int, info: ModelInfo, period: int):
+    def __init__(self, layer_idx: int, info: ModelInfo, period: int, offset: int = 0,
+                 block_rows: int = 512):
         super().__init__(layer_idx, info)
-        self.period = period
+        self.period, self.offset, self.block_rows = period, offset, block_rows
         self.echo = self.induction = None  # (H_q,)
 
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
         scaling = kwargs.get("scaling") or module.scaling
-        out, probs = attention_with_probs(query, keys, values, attention_mask, scaling)
-        p = self.period
-        rows = torch.arange(p, 2 * p, device=probs.device)  # queries in the repeat
-        a = probs[0]  # (H_q, 2P, 2P)
-        self.echo = a[:, rows, rows - p].mean(-1).cpu()
-        self.induction = a[:, rows, rows - p + 1].mean(-1).cpu()
-        return out, None
+        self.echo, self.induction = echo_induction_scores(
+            query[0], keys[0], scaling, self.period, self.offset, self.block_rows)
+        return base(module, query, keys, values, attention_mask, **kwargs)
+
+
+def echo_induction_scores(query: torch.Tensor, keys: torch.Tensor, scaling: float, period: int,
+                          offset: int = 0, block_rows: int = 512
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per query head `(H_q,)`: the causal attention of every query on each earlier occurrence of
+    its token (echo) and on the token after it (induction), summed and divided by S^2. query
+    `(H_q, S, D)`, keys `(H_kv, S, D)`: a sequence of `offset` leading tokens (the BOS), then a
+    block of `period` tokens repeated; computed in blocks of `block_rows` query rows."""
+    h_q, s, _ = query.shape
+    groups = h_q // keys.shape[0]
+    k = keys.float().repeat_interleave(groups, 0)  # (H_q, S, D)
+    reps = (s - offset) // period
+    echo = torch.zeros(h_q, dtype=torch.float64)
+    induction = torch.zeros(h_q, dtype=torch.float64)
+    for r0 in range(0, s, block_rows):
+        rows = torch.arange(r0, min(s, r0 + block_rows))
+        logits = (query[:, rows].float() * scaling) @ k.transpose(1, 2)  # (H_q, rows, S)
+        future = torch.arange(s)[None, :] > rows[:, None]
+        probs = torch.softmax(logits.masked_fill(future, float("-inf")), -1)
+        text = rows - offset  # position in the repeated text
+        back = torch.arange(1, max(reps, 1))  # occurrences 1..reps-1 repetitions back
+        earlier = text[:, None] - back[None, :] * period  # (rows, reps - 1) in text positions
+        valid = (text[:, None] >= 0) & (earlier >= 0)
+        j = (earlier + offset).clamp(min=0)  # (rows, reps - 1) sequence positions
+        for shift, total in ((0, echo), (1, induction)):
+            got = probs.gather(-1, (j + shift).clamp(max=s - 1).expand(h_q, -1, -1))
+            total += (got * valid).sum((1, 2)).double()
+    return (echo / s ** 2).float(), (induction / s ** 2).float()
 
 
 @dataclass(kw_only=True)
 class _ProbeMethod(KVMethod):
     name = "headwise_probe"
-    period_tokens: int = 256
+    period_tokens: int = 2500
+    offset_tokens: int = 0
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
-        return _ProbeLayer(layer_idx, info, self.period_tokens)
+        return _ProbeLayer(layer_idx, info, self.period_tokens, self.offset_tokens)
 
 
-def probe_tokens(period: int, vocab: int, seed: int) -> torch.Tensor:
-    """`period` seeded random ids (avoiding the lowest ids, where special tokens live), twice."""
-    low = min(3, vocab - 1)
+def probe_tokens(period: int, repeats: int, vocab: int, seed: int,
+                 bos: int | None = None) -> torch.Tensor:
+    """`period` seeded random ids repeated `repeats` times, `bos` first if given: ids from
+    [10000, 12500] (Huawei's tool) where the vocabulary holds them, else from [3, vocab) (small
+    vocabularies; the lowest ids, where special tokens live, avoided)."""
+    low, high = (10000, 12501) if vocab > 12500 else (min(3, vocab - 1), vocab)
     g = torch.Generator().manual_seed(seed)
-    block = torch.randint(low, vocab, (period,), generator=g)
-    return torch.cat([block, block])
+    block = torch.randint(low, high, (period,), generator=g)
+    ids = block.repeat(repeats)
+    return ids if bos is None else torch.cat([torch.tensor([bos]), ids])
 
 
-def probe_scores(ctx, period: int, seed: int, cache_dir: str | None
+def probe_period(period: int, repeats: int, max_positions: int | None, offset: int) -> int:
+    """The period actually probed: capped so that offset + period * repeats fits the positions."""
+    if not max_positions:
+        return period
+    return max(2, min(period, (max_positions - offset) // repeats))
+
+
+def probe_scores(ctx, period: int, repeats: int, seed: int, cache_dir: str | None
                  ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Echo and induction scores per (layer, KV head) (max over the query group), cached on disk."""
     info = ctx.info
-    period = min(period, max(2, (info.max_positions or 2 * period) // 2))
+    tokenizer = ctx.tokenizer
+    bos = getattr(tokenizer, "bos_token_id", None) if tokenizer is not None else None
+    offset = 0 if bos is None else 1
+    period = probe_period(period, repeats, info.max_positions, offset)
     key = hashlib.sha256(json.dumps({"v": PROBE_FORMAT_VERSION, "model": ctx.fingerprint,
-                                     "period": period, "seed": seed}).encode()).hexdigest()[:24]
+                                     "period": period, "repeats": repeats, "bos": bos,
+                                     "seed": seed}).encode()).hexdigest()[:24]
     root = Path(cache_dir or ctx.cache_dir or os.environ.get("KVH_CACHE_DIR")
                 or Path.home() / ".cache" / "kv-harness") / "headwise_probe"
     path = root / f"{key}.pt"
     loaded = _load_scores(path, info)
     status = "loaded"
     if loaded is None:
-        ids = probe_tokens(period, ctx.vocab_size, seed)
-        layers = ctx.capture(_ProbeMethod(period_tokens=period), ids)
+        ids = probe_tokens(period, repeats, ctx.vocab_size, seed, bos)
+        layers = ctx.capture(_ProbeMethod(period_tokens=period, offset_tokens=offset), ids)
         g = info.group_size
         echo = torch.stack([lay.echo.view(info.num_kv_heads, g).amax(-1) for lay in layers])
         ind = torch.stack([lay.induction.view(info.num_kv_heads, g).amax(-1) for lay in layers])
@@ -176,7 +238,8 @@ def probe_scores(ctx, period: int, seed: int, cache_dir: str | None
         _save_scores(path, *loaded)
         status = "computed"
     facts = {"probe_scores": status, "probe_path": str(path), "probe_period_tokens": period,
-             "probe_seed": seed, "probe_group_reduce": "max"}
+             "probe_repeats": repeats, "probe_bos": bos, "probe_seed": seed,
+             "probe_group_reduce": "max"}
     return loaded[0], loaded[1], facts
 
 
@@ -216,7 +279,8 @@ class HeadwiseMethod(KVMethod):
 
     budget_ratio: float | None = None
     budget_tokens: int | None = None  # refused: the head-wise budget is a share of the whole cache
-    probe_period_tokens: int = 256
+    probe_period_tokens: int = 2500  # Huawei's tool: 2500 random tokens
+    probe_repeats: int = 4  # ... repeated 4 times (capped to the model's positions)
     probe_seed: int = 0
     cache_dir: str | None = None
 

@@ -176,6 +176,9 @@ class PrepareContext:
     data_dir: Path | None = None  # the shared data folder (default calibration texts), if present
     cache_dir: Path | None = None  # root for cached artefacts (None: ~/.cache/kv-harness)
     calibration_ids: torch.Tensor | None = None  # benchmarks may hand calibration tokens directly
+    # the loaded model's hub id or folder (transformers' `_name_or_path`), for methods whose
+    # authors ship per-model artefacts (TailorKV's layer lists); None for models built in code
+    model_id: str | None = None
 
 
 class KVLayer:

@@ -14,20 +14,26 @@ see the whole prompt (official behaviour, quirk 1); feed the prompt in chunks (r
 with `runner.prefill=sparse` to make them stream. Keys stay post-RoPE at their text positions.
 
 Head identification (recorded in `prepare`'s facts as `head_identification`):
-  * `learned_gates`: `pattern_path` given: the official pattern, a folder with
-    `full_attention_heads.tsv` (L rows, H_kv tab-separated gate values in [0, 1]) and `config.json`
-    (`sink_size`, `recent_size` of training; recorded, our knobs decide deployment), or the .tsv;
-  * `razor_probe` (training-free proxy, NOT DuoAttention's learned gates): no pattern is shipped for
-    SmolLM2/Qwen2/stories, so by default the heads are ranked by RazorAttention's echo/induction probe
-    on a repeated random-token sequence (methods/_headwise.py) and the top `retrieval_head_ratio` of
-    all (layer, KV head) pairs become retrieval heads (1 % of all heads from the echo ranking, the
-    rest from the induction ranking).
+  * `learned_gates`: `pattern_path` given: the official pattern as `duo_attn/utils.py`
+    `load_attn_pattern` reads it, a folder with `full_attention_heads.tsv` (np.savetxt of the
+    gates: L rows of H_kv tab-separated values, `%.18e`, slightly negative ones included, clipped
+    to [0, 1]) and `config.json` (`sink_size`, `recent_size` of training; recorded, our knobs
+    decide deployment as the official `--sink_size 64 --recent_size 256` do), or the .tsv itself;
+    the run's provenance is then the official code's;
+  * `proxy heads`: no pattern is shipped for SmolLM2/Qwen2/stories, so by default the heads are
+    ranked by RazorAttention's echo/induction probe (Huawei's tool: 2500 random tokens x 4 + BOS,
+    methods/_headwise.py) and the top `retrieval_head_ratio` of all (layer, KV head) pairs become
+    retrieval heads (1 % of all heads from the echo ranking, the rest from the induction
+    ranking). This is NOT DuoAttention's learned gates: the provenance label says "proxy heads"
+    in metrics.json and the report.
 
-Defaults (paper/README): `retrieval_head_ratio` 0.5 (the paper's GQA setting; 0.25 for MHA),
-`sink_tokens` 64 and `window_tokens` 256 (deployment, README and `scripts/longbench.sh`; training used
-128/256). `budget_ratio` (shared knob): the fraction of the full cache held over all KV heads of the
-model; the streaming window then scales with the sequence (see _headwise.py) and
-`retrieval_head_ratio` must be below it.
+Defaults, the official operating point: `retrieval_head_ratio` null = 0.5 on GQA models and 0.25 on
+MHA ones (the NIAH scripts: sparsity 0.5 for Llama-3-8B (GQA), 0.75 for Llama-2-7B-32K (MHA));
+`sink_tokens` 64 and `window_tokens` 256 fixed (`scripts/niah.sh`, `scripts/longbench.sh`;
+training used 128/256); `budget_ratio` null. The KV held is then an outcome (reported): about
+f + (1 - f) * 320 / n of the cache at n tokens. `budget_ratio` (shared knob, not the official
+setting): the fraction of the full cache held over all KV heads of the model; the streaming window
+then scales with the sequence (see _headwise.py) and the retrieval-head share must be below it.
 
 Paper's numbers: memory down up to 2.55x (MHA) / 1.67x (GQA), decoding up to 2.18x / 1.50x faster,
 NIAH comparable to full attention at a 25 % (MHA) / 50 % (GQA) retrieval-head ratio.
@@ -52,13 +58,24 @@ from methods.base import Capabilities, KVLayer, ModelInfo, PREFILL_MODES
 PROXY_ECHO_HEAD_RATIO = 0.01  # razor_probe proxy: share of all heads taken from the echo ranking
 
 
+def check_probe_knobs(method) -> list[str]:
+    """The head probe's knobs (shared by the head-wise methods)."""
+    r = []
+    if not isinstance(method.probe_period_tokens, int) or method.probe_period_tokens < 2:
+        r.append(f"method.probe_period_tokens={method.probe_period_tokens!r} must be >= 2")
+    if not isinstance(method.probe_repeats, int) or method.probe_repeats < 2:
+        r.append(f"method.probe_repeats={method.probe_repeats!r} must be >= 2 (the probe needs a "
+                 "repetition)")
+    return r
+
+
 def check_headwise_knobs(method) -> list[str]:
     """Checks shared by the head-wise methods, each naming its key."""
     r = []
     if not isinstance(method.sink_tokens, int) or method.sink_tokens < 0:
         r.append(f"method.sink_tokens={method.sink_tokens!r} must be an integer >= 0")
-    ratio = method.retrieval_head_ratio
-    if not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+    ratio = getattr(method, "retrieval_head_ratio", None)  # null: DuoAttention's GQA/MHA default
+    if ratio is not None and (not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1):
         r.append(f"method.retrieval_head_ratio={ratio!r} must be in [0, 1]")
     if method.budget_tokens is not None:
         r.append("method.budget_tokens is not supported by head-wise methods (their budget is a "
@@ -79,15 +96,15 @@ class DuoAttention(HeadwiseMethod):
     provenance: ClassVar[str] = "official code"
     operating_point: ClassVar[str] = (
         "mit-han-lab/duo-attention: Llama-2-7B-32K, Llama-3-8B-1048K, Mistral-7B; learned "
-        "gates, 25 % (MHA) / 50 % (GQA) retrieval heads, 64 sinks + 256 recent; NIAH, "
-        "LongBench"
+        "gates (attn_patterns/), 25 % (MHA) / 50 % (GQA) retrieval heads, 64 sinks + 256 "
+        "recent; NIAH, LongBench"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
         prefill_modes=PREFILL_MODES, needs_prepare=True, selects_tokens=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("budget_ratio", "retrieval_head_ratio")
     compensate: ClassVar[bool] = False  # streaming heads drop evicted tokens (Razor folds them)
 
-    retrieval_head_ratio: float = 0.5
+    retrieval_head_ratio: float | None = None
     sink_tokens: int = 64
     window_tokens: int = 256
     pattern_path: str | None = None
@@ -96,19 +113,25 @@ class DuoAttention(HeadwiseMethod):
         r = check_headwise_knobs(self)
         if not isinstance(self.window_tokens, int) or self.window_tokens < 1:
             r.append(f"method.window_tokens={self.window_tokens!r} must be a positive integer")
-        if not isinstance(self.probe_period_tokens, int) or self.probe_period_tokens < 2:
-            r.append(f"method.probe_period_tokens={self.probe_period_tokens!r} must be >= 2")
-        return r
+        return r + check_probe_knobs(self)
 
     def provenance_label(self) -> str:
         if self.pattern_path:
             return self.provenance  # the authors' learned gates
         return "reconstruction (proxy heads: an echo/induction probe, not the learned gates)"
 
+    def head_ratio(self, info: ModelInfo) -> float:
+        """The retrieval-head share: the knob, else the official NIAH setting (GQA 0.5, MHA
+        0.25)."""
+        if self.retrieval_head_ratio is not None:
+            return self.retrieval_head_ratio
+        return 0.5 if info.group_size > 1 else 0.25
+
     @classmethod
     def compressing_hyperparameters(cls, seq_tokens: int) -> dict[str, Any]:
         # The head-wise budget is a ratio of the whole cache (budget_tokens is refused).
-        return {"sink_tokens": 4, "window_tokens": max(4, seq_tokens // 8)}
+        return {"sink_tokens": 4, "window_tokens": max(4, seq_tokens // 8),
+                "retrieval_head_ratio": 0.5}
 
     @classmethod
     def lossless_hyperparameters(cls, seq_tokens: int) -> dict[str, Any]:
@@ -116,6 +139,12 @@ class DuoAttention(HeadwiseMethod):
 
     def validate(self, info: ModelInfo, runner: dict[str, Any]) -> list[str]:
         reasons = super().validate(info, runner)
+        ratio, b = self.head_ratio(info), self.budget_ratio
+        if self.retrieval_head_ratio is None and b is not None and ratio >= b and b < 1:
+            reasons.append(f"method.budget_ratio={b}: DuoAttention's retrieval heads alone hold "
+                           f"{ratio:g} of the cache on this model (official share for "
+                           f"{'GQA' if info.group_size > 1 else 'MHA'}); set "
+                           "method.retrieval_head_ratio below the budget")
         if self.pattern_path:
             try:
                 load_duo_pattern(self.pattern_path, info)
@@ -134,21 +163,24 @@ class DuoAttention(HeadwiseMethod):
         n_heads = info.num_layers * info.num_kv_heads
         if self.pattern_path:
             gates, pattern_config = load_duo_pattern(self.pattern_path, info)
-            self._retrieval = sparsify_gates(gates, 1 - self.retrieval_head_ratio)
+            self._retrieval = sparsify_gates(gates, 1 - self.head_ratio(info))
             facts = {"head_identification": "learned_gates", "pattern_path": str(self.pattern_path),
                      "pattern_training_config": pattern_config}
         else:
-            echo, induction, facts = probe_scores(ctx, self.probe_period_tokens, self.probe_seed,
+            echo, induction, facts = probe_scores(ctx, self.probe_period_tokens,
+                                                  self.probe_repeats, self.probe_seed,
                                                   self.cache_dir)
             self._retrieval = select_retrieval(echo, induction,
-                                               round(self.retrieval_head_ratio * n_heads),
+                                               round(self.head_ratio(info) * n_heads),
                                                round(PROXY_ECHO_HEAD_RATIO * n_heads))
-            facts = {"head_identification": "razor_probe", **facts}
+            facts = {"head_identification": "proxy heads (RazorAttention echo/induction probe)",
+                     **facts}
         self._retrieval_fraction = float(self._retrieval.float().mean())
         if self.budget_ratio is not None and self._retrieval_fraction >= self.budget_ratio < 1:
             raise ConfigError(f"method.budget_ratio={self.budget_ratio}: the realised retrieval-"
                               f"head fraction {self._retrieval_fraction:.3f} already exceeds it")
-        return {**facts, "retrieval_heads": int(self._retrieval.sum()),
+        return {**facts, "retrieval_head_ratio": self.head_ratio(info),
+                "retrieval_heads": int(self._retrieval.sum()),
                 "retrieval_head_fraction": round(self._retrieval_fraction, 6),
                 "retrieval_heads_per_layer": self._retrieval.sum(1).tolist()}
 

@@ -2,28 +2,36 @@
 recent buffer and one compensation token for all they dropped.
 
 Tang, Lin, Lin, Han, Ke, Hong, Yao, Wang, "RazorAttention: Efficient KV Cache Compression Through
-Retrieval Heads", ICLR 2025, arXiv 2407.15891 (no official code; spec: reference/methods-2.md §8).
+Retrieval Heads", ICLR 2025, arXiv 2407.15891. No code from the authors' paper release; Huawei's
+MindSpore Golden Stick ships the head search (`mindspore_gs ... razor_attention`, `RAConfig`):
+read for the probe and the selection (spec: reference/methods-2.md §8).
 
 Spec.
-  * Identification, training-free, once per model (`prepare`, cached): a sequence of random tokens
-    repeated twice; per query head, echo score = mean attention from a token of the repeat to its
-    earlier occurrence, induction score = mean attention to the token after it. KV head = max over
-    its query group. Retrieval heads = the best `echo_head_ratio` of all (layer, KV head) pairs by
-    echo ∪ the best by induction, up to `retrieval_head_ratio` in all (methods/_headwise.py).
-  * Non-retrieval heads with N tokens keep the first `sink_tokens` (N0) and the last
-    L_h = max(S0, N / C) tokens (`min_window_tokens` S0, `compression_ratio` C); every other token
-    is folded into a compensation token k^ = mean k_j, v^ = mean v_j over the dropped set D
-    (post-RoPE keys, as cached), attended with weight |D| (eq. 5):
+  * Identification, training-free, once per model (`prepare`, cached), as Huawei's tool: 2500
+    random token ids repeated 4 times with the model's BOS first (methods/_headwise.py: P capped
+    to the model's positions, 2047 on SmolLM2); per query head the echo score (attention from each
+    token of a repetition to its earlier occurrences) and the induction score (to the token after
+    each); KV head = max over its query group. Retrieval heads = the best `echo_head_ratio` (1 %)
+    of all (layer, KV head) pairs by echo united with the best `induction_head_ratio` (14 %) by
+    induction (`RAConfig` defaults; an overlap leaves fewer than 15 %).
+  * Non-retrieval heads with N tokens keep the first `sink_tokens` (N0, `RAConfig.sink_size` 4) and
+    the last L_h = max(S0, N / C) tokens (`min_window_tokens` S0, `RAConfig.local_capacity` 256;
+    `compression_ratio` C); every other token is folded into a compensation token k^ = mean k_j,
+    v^ = mean v_j over the dropped set D (post-RoPE keys, as cached; `use_virtual_token`),
+    attended with weight |D| (eq. 5):
         out = (sum_keep e^{s_j} v_j + |D| e^{s^} v^) / (sum_keep e^{s_j} + |D| e^{s^}),
     i.e. one extra key whose logit gets + log|D| (an additive mask, so SDPA runs it).
   * Decode: a token leaving the recent buffer is folded into the compensation token incrementally
     (k^ <- (|D| k^ + k) / (|D| + 1)); the paper's decode behaviour is not recovered (spec [sugg]).
 
-Defaults. The paper's C, S0, N0 and head fractions were not recovered (spec: unverified
-recollection ~15 % of heads, ~1 % echo, N0 = 4); here N0 = 4, C = 5, S0 = 256 (spec [sugg] is
-min(512, n/4)), 15 % retrieval, 1 % echo. A streaming head's slot count N0 + L_h + 1 includes the
-compensation token (methods-2.md §14.2). `budget_ratio` (shared knob) instead fixes the fraction
-of the whole cache held (the streaming slots scale with the sequence; see _headwise.py).
+Provenance: paper (the method) + Huawei's public tool (the probe and the head selection). Not
+reproduced from the tool: its unseeded ids (seeded here); its index quirk counting the BOS as an
+earlier occurrence for rows at multiples of P; its merge of echo into induction heads, which
+returns after the first layer holding echo heads (`_get_retrieval_heads`), so echo heads of later
+layers are dropped there and kept here (the paper's union). C = 5 is ours (the tool's deployment
+kernel, which sets the window, is not public). A streaming head's slot count N0 + L_h + 1 includes
+the compensation token (methods-2.md §14.2). `budget_ratio` (shared knob) instead fixes the
+fraction of the whole cache held (the streaming slots scale with the sequence; see _headwise.py).
 
 Paper's number: KV cache reduced by over 70 % "without noticeable impacts on performance"
 (abstract): kept fraction ~ f + (1 - f) / C = 0.15 + 0.85 / 5 = 0.32.
@@ -38,10 +46,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvcore.errors import ConfigError
-from methods._headwise import (HeadwiseLayer, HeadwiseMethod, probe_scores, select_retrieval,
+from methods._headwise import (HeadwiseLayer, HeadwiseMethod, probe_scores, select_union,
                                stream_budget_slots)
 from methods.base import Capabilities, KVLayer, ModelInfo, PREFILL_MODES
-from methods.duo_attention import check_headwise_knobs
+from methods.duo_attention import check_headwise_knobs, check_probe_knobs
 
 
 @dataclass(kw_only=True)
@@ -49,15 +57,16 @@ class RazorAttention(HeadwiseMethod):
     name: ClassVar[str] = "razor_attention"
     provenance: ClassVar[str] = "paper"
     operating_point: ClassVar[str] = (
-        "arXiv 2407.15891 (no public code): Qwen1.5-7B..72B, Llama-3-8B; 15 % retrieval "
-        "heads (14 % induction + 1 % echo), >70 % KV reduction; LongBench, NIAH"
+        "arXiv 2407.15891 + Huawei's head search (MindSpore Golden Stick): Qwen1.5-7B..72B, "
+        "Llama-3-8B; probe 2500 tokens x 4 + BOS, 14 % induction + 1 % echo heads, 4 sinks, "
+        "256 local; >70 % KV reduction; LongBench, NIAH"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
         prefill_modes=PREFILL_MODES, needs_prepare=True, selects_tokens=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("budget_ratio", "compression_ratio")
     compensate: ClassVar[bool] = True
 
-    retrieval_head_ratio: float = 0.15
+    induction_head_ratio: float = 0.14
     echo_head_ratio: float = 0.01
     sink_tokens: int = 4
     compression_ratio: float = 5.0
@@ -65,28 +74,29 @@ class RazorAttention(HeadwiseMethod):
 
     def check_hyperparameters(self) -> list[str]:
         r = check_headwise_knobs(self)
-        e = self.echo_head_ratio
-        if not isinstance(e, (int, float)) or not 0 <= e <= 1:
-            r.append(f"method.echo_head_ratio={e!r} must be in [0, 1]")
-        elif isinstance(self.retrieval_head_ratio, (int, float)) and e > self.retrieval_head_ratio:
-            r.append(f"method.echo_head_ratio={e} must not exceed "
-                     f"method.retrieval_head_ratio={self.retrieval_head_ratio} (echo heads are "
-                     "part of the retrieval heads)")
+        for key in ("induction_head_ratio", "echo_head_ratio"):
+            value = getattr(self, key)
+            if not isinstance(value, (int, float)) or not 0 <= value <= 1:
+                r.append(f"method.{key}={value!r} must be in [0, 1]")
+        b = self.budget_ratio
+        heads = self.induction_head_ratio + self.echo_head_ratio if not r else 0
+        if isinstance(b, (int, float)) and b < 1 and heads >= b and not r:
+            r.append(f"method.induction_head_ratio + method.echo_head_ratio = {heads:g} must be "
+                     f"below method.budget_ratio={b} (retrieval heads alone could hold that "
+                     "share of the cache)")
         if not isinstance(self.compression_ratio, (int, float)) or self.compression_ratio < 1:
             r.append(f"method.compression_ratio={self.compression_ratio!r} must be >= 1")
         if not isinstance(self.min_window_tokens, int) or self.min_window_tokens < 1:
             r.append(f"method.min_window_tokens={self.min_window_tokens!r} must be a positive "
                      "integer")
-        if not isinstance(self.probe_period_tokens, int) or self.probe_period_tokens < 2:
-            r.append(f"method.probe_period_tokens={self.probe_period_tokens!r} must be >= 2")
-        return r
+        return r + check_probe_knobs(self)
 
     @classmethod
     def compressing_hyperparameters(cls, seq_tokens: int) -> dict[str, Any]:
         # The head-wise budget is a ratio of the whole cache (budget_tokens is refused).
         # several retrieval heads, one of them by echo, so that both probe scores pick heads
         return {"sink_tokens": 4, "min_window_tokens": max(4, seq_tokens // 8),
-                "retrieval_head_ratio": 0.5, "echo_head_ratio": 0.17}
+                "induction_head_ratio": 0.34, "echo_head_ratio": 0.17}
 
     @classmethod
     def lossless_hyperparameters(cls, seq_tokens: int) -> dict[str, Any]:
@@ -103,16 +113,15 @@ class RazorAttention(HeadwiseMethod):
     def prepare(self, ctx) -> dict:
         info = ctx.info
         n_heads = info.num_layers * info.num_kv_heads
-        echo, induction, facts = probe_scores(ctx, self.probe_period_tokens, self.probe_seed,
-                                              self.cache_dir)
-        self._retrieval = select_retrieval(echo, induction,
-                                           round(self.retrieval_head_ratio * n_heads),
-                                           round(self.echo_head_ratio * n_heads))
+        echo, induction, facts = probe_scores(ctx, self.probe_period_tokens, self.probe_repeats,
+                                              self.probe_seed, self.cache_dir)
+        self._retrieval = select_union(echo, induction, round(self.echo_head_ratio * n_heads),
+                                       round(self.induction_head_ratio * n_heads))
         self._retrieval_fraction = float(self._retrieval.float().mean())
         if self.budget_ratio is not None and self._retrieval_fraction >= self.budget_ratio < 1:
             raise ConfigError(f"method.budget_ratio={self.budget_ratio}: the realised retrieval-"
                               f"head fraction {self._retrieval_fraction:.3f} already exceeds it")
-        return {"head_identification": "razor_probe", **facts,
+        return {"head_identification": "echo/induction probe (Huawei's tool)", **facts,
                 "retrieval_heads": int(self._retrieval.sum()),
                 "retrieval_head_fraction": round(self._retrieval_fraction, 6),
                 "retrieval_heads_per_layer": self._retrieval.sum(1).tolist()}

@@ -6,13 +6,32 @@ queries (attention below the uniform weight 1/T of that query's T visible keys),
 `recent_tokens` most recent, which have had little chance to prove themselves. Paper: up to 5x
 less KV memory without compromising model quality, 20x with 4-bit quantization (abstract).
 
-As specified in methods-2.md §3 (the released code is a mask simulation on OPT-66B without a
-budget, so the spec is the paper's algorithm with the code's windows):
+Provenance: reconstruction. The only released code (lzcemma/Scissorhands@8c7c6425e9c2,
+`Decentralized_FM_alpha/modules/hf_opt_dropkv.py`, run by `run_infer_opt_66b_sparse_c4.sh`) is a
+perplexity *mask simulation* on OPT-66B, not the method with a budget:
+  * it acts inside one full prompt forward (no decode, no cache kept or freed), in layers 5-35 of
+    64 and for query rows i >= 100 only;
+  * per row the threshold is the value at index int(0.9 * n) of the sorted softmax row, zeros of
+    the masked future included (a 90th percentile; 0 when fewer than 10 % of the row is visible,
+    so every visible key is then "important");
+  * key j stays visible to row i if it exceeded its row's threshold in at least one of the
+    previous `LRU_WINDOW` = 100 rows, or if it is among the last `POSITION_WINDOW` = 10
+    positions; the other logits are masked and the row renormalised. The kept fraction is only
+    logged: there is no budget, and nothing is evicted.
+Ours instead is the paper's algorithm with the code's windows (methods-2.md §3), a real eviction
+under the shared budget:
+  * "important" = attention at or above the uniform weight 1/T of the query's T visible keys (the
+    paper's "below average"), not the 90th percentile;
+  * a fixed budget per layer and KV head: when a layer holds more, it drops the tokens that were
+    unimportant *most often* over the last `history_tokens` (100) queries, except the
+    `recent_tokens` (10) most recent (the code's keep rule is "important at least once", without a
+    size); in every layer (the code's 5-35 of 64 has no meaning for other depths);
   * counts are per query head and summed over the g query heads of a KV head (a token unimportant
     for every head of its group goes first); one kept set per KV head;
-  * drop amount m = 1 per step in decode (the size stays exactly the budget, comparable to H2O),
-    after each prefill chunk as many as needed (with `runner.prefill=dense` the chunk's last
-    `history_tokens` rows are the history, as SnapKV's observation window);
+  * drop amount m = 1 per step in decode (the size stays exactly the budget, comparable to H2O);
+    a prompt is compressed once at its end under `runner.prefill=dense` (its last
+    `history_tokens` rows are the history, as SnapKV's observation window), after every prefill
+    chunk under `runner.prefill=chunked`;
   * ties (counts are integers) evict the older token;
   * the history costs `history_tokens` bytes per token per KV head, metadata not counted in the
     KV bytes (as H2O's scores are not).

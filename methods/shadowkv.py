@@ -21,31 +21,38 @@ At the end of a prompt (`on_prefill_end`; the prompt itself is prefilled densely
    memory on CUDA); only landmarks of the non-outlier chunks stay on the device.
 
 Each decode step (per layer): the new token's exact K/V join the local window (generated tokens are
-never compressed, as in the paper). Per query head p = softmax_j(s q . m_j) over the
+never compressed, as in the paper and the official code; the window is attended whole). Per query head p = softmax_j(s q . m_j) over the
 non-outlier landmarks; one chunk set per KV head from the max of p over the group's query heads
 (the official GQA rule); the top-k chunks' values are gathered on the host and copied to the device
 (side stream on CUDA; the bytes go to the transfer ledger), while their keys are rebuilt on the
 device as RoPE(U_r[rows] @ SV_r[head]) at their original positions. Attention is exact softmax
 over outliers + selected chunks + the local window.
 
-Budget (the shared knobs, oracle_topk's semantics): B = `budget_tokens`, else int(`budget_ratio` *
-tokens seen), is the most tokens a KV head attends per decode step, everything included. The
-outlier chunks are sized at compression as floor(`outlier_ratio` * B / chunk_size); each step the
-local window takes what remains after them and the selected chunks fill the rest: k =
-(B - outliers - local) // chunk_size. Deviation: the paper's budget (2048 at 128K, "1.56 %")
-counts only the selected chunks; outliers (48 chunks = 384 tokens), the local window and every
-generated token come on top. Its default (sparse 2048 + 384 + ~32 local) is about
-`budget_tokens=2464`; `outlier_ratio` 0.16 ~= the official CPU class's (S // 1024) * 24 outlier
-chunks for a sparse budget S (18.75 % of S, i.e. 0.1875 / 1.1875 of the total). When generated
-tokens make the local window larger than the budget allows, its oldest tokens are left out of
-attention (kept in the cache) instead of exceeding the budget.
+Budget, as the official code counts it (`models/kv_cache.py`): the *sparse budget* S is the
+number of tokens of the selected chunks per KV head and decode step, k = S // chunk_size chunks
+(all of them when fewer remain). S = `budget_tokens`, else int(`budget_ratio` * the budget basis)
+(`KVLayer.basis_tokens()`: the final length by default), else, when both are null,
+`sparse_budget_tokens` (official default 2048). Everything else comes on top and is always
+attended exactly: the O outlier chunks, O = floor(`outlier_ratio` * S) // chunk_size (default
+0.1875: the accuracy class's 48 chunks at S = 2048, and the CPU class's (S // 1024) * 24 chunks),
+the local window (the last `local_chunks` prompt chunks + the remainder) and every generated
+token (the local window grows by one per decode step). What a layer may attend at a step is thus
+k * chunk_size + O * chunk_size + (tokens seen - chunked tokens), all from the rule
+(`allowed_tokens`).
+
+When a prompt is compressed: the official prefill path runs only for a forward of more than 4096
+tokens (`models/llama.py`: `q_len > 4*1024`; shorter prompts are not served). Here
+`compress_above_tokens` (default 4096, the official threshold) decides: a prompt of more tokens is
+compressed at its end; a shorter one stays dense (full cache, exact), which the harness then
+reports as an inactive run. Set `method.compress_above_tokens=0` to compress shorter prompts (the
+harness's 1K-4K needle contexts and the tests do): a deviation from the official code, recorded in
+the run's config.
 
 Other deliberate deviations (methods-2.md §9 quirks):
-* The official prefill path runs only when q_len > 4096 and asserts budget < prompt; here any
-  prompt with at least one chunk beyond the local window is compressed (shorter prompts, and
-  requests with no prompt at all such as streaming perplexity, stay dense: the harness then
-  reports the run as inactive).
-* Landmark scores use the model's own scaling s (1/sqrt(D) for most), not a hard-coded 1/sqrt(128).
+* The official code asserts budget < prompt; here a sparse budget covering every chunk selects all
+  of them (the method is then lossless up to the rank).
+* Landmark scores use the model's own scaling s (1/sqrt(D) for most), not a hard-coded 1/sqrt(128)
+  (which is the model's own only at head_dim 128, the official models').
 * The official accuracy class keeps the "CPU" values on the GPU; here they are really on the host
   tier and the fetch is real. The CPU class's cache of chunks fetched at earlier steps (only misses
   transferred) is not implemented: every step fetches its selected chunks (an upper bound on the
@@ -54,11 +61,13 @@ Other deliberate deviations (methods-2.md §9 quirks):
   (the official code handles one prefill).
 
 Hyperparameters:
-    budget_ratio / budget_tokens: tokens attended per KV head and decode step (see above).
+    budget_ratio / budget_tokens: the sparse budget S (selected chunks' tokens, see above).
+    sparse_budget_tokens: S when both shared knobs are null (official 2048).
+    compress_above_tokens: prompts longer than this are compressed (official 4096).
     chunk_size: tokens per chunk (paper 8).
     rank / rank_ratio: SVD rank, or its share of H_kv * D (default 0.15625 = 160 / 1024).
-    local_chunks: exact trailing prompt chunks (paper 4).
-    outlier_ratio: share of the budget kept as exact outlier chunks (default 0.16, see above).
+    local_chunks: exact trailing prompt chunks (official 4).
+    outlier_ratio: outlier tokens as a share of S (default 0.1875, see above).
 
 Paper's number: up to 6x larger batches and 3.04x throughput on an A100 without accuracy loss
 (abstract), sparse budget 1.56 % at 128K, rank 160, chunk 8.
@@ -77,36 +86,48 @@ from methods.rope import rotate
 from methods.scoring import gather_tokens
 
 
+OFFICIAL_MIN_PROMPT_TOKENS = 4096  # models/llama.py: the prefill path runs for q_len > 4096
+
+
 @dataclass(kw_only=True)
 class ShadowKV(KVMethod):
     name: ClassVar[str] = "shadowkv"
     provenance: ClassVar[str] = "official code"
     operating_point: ClassVar[str] = (
         "ByteDance-Seed/ShadowKV: Llama-3-8B-1M, GLM-4-9B-1M; 128K context, sparse budget "
-        "2048 (1.56 %), chunk 8, rank 160; RULER"
+        "2048 (1.56 %) + 48 outlier chunks + local window, chunk 8, rank 160, prompts > 4096 "
+        "tokens; RULER"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
         needs_prepare=True, offloads_kv=True, needs_rope=True, prefill_modes=("dense",),
         needs_prefill=True,
         selects_tokens=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("rank", "rank_ratio", "chunk_size")
-    budget_ratio: float | None = 0.2
+    inert_knobs: ClassVar[dict[str, str]] = {
+        "sparse_budget_tokens": "applies only when budget_ratio and budget_tokens are both null "
+                                "(the shared budget takes precedence; the compressing case sets "
+                                "one)"}
+    budget_ratio: float | None = None
     budget_tokens: int | None = None
+    sparse_budget_tokens: int = 2048
+    compress_above_tokens: int = 4096
     chunk_size: int = 8
     rank: int | None = None
     rank_ratio: float = 0.15625
     local_chunks: int = 4
-    outlier_ratio: float = 0.16
+    outlier_ratio: float = 0.1875
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._inv_freq: torch.Tensor | None = None
 
     def check_hyperparameters(self) -> list[str]:
-        reasons = check_budget(self.budget_ratio, self.budget_tokens)
-        for key in ("chunk_size", "local_chunks"):
+        reasons = []
+        if self.budget_ratio is not None or self.budget_tokens is not None:
+            reasons += check_budget(self.budget_ratio, self.budget_tokens)
+        for key in ("chunk_size", "local_chunks", "sparse_budget_tokens", "compress_above_tokens"):
             value = getattr(self, key)
-            minimum = 1 if key == "chunk_size" else 0
+            minimum = 1 if key in ("chunk_size", "sparse_budget_tokens") else 0
             if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
                 reasons.append(f"method.{key}={value!r} must be an integer >= {minimum}")
         if self.rank is not None and (not isinstance(self.rank, int) or isinstance(self.rank, bool)
@@ -118,6 +139,13 @@ class ShadowKV(KVMethod):
             reasons.append(f"method.outlier_ratio={self.outlier_ratio!r} must be in [0, 1)")
         return reasons
 
+    def provenance_label(self) -> str:
+        if self.compress_above_tokens < OFFICIAL_MIN_PROMPT_TOKENS:
+            return (f"{self.provenance} (compress_above_tokens={self.compress_above_tokens}: "
+                    f"prompts of {OFFICIAL_MIN_PROMPT_TOKENS} tokens or fewer compressed too, "
+                    "which the official code does not serve)")
+        return self.provenance
+
     def validate(self, info: ModelInfo, runner) -> list[str]:
         reasons = super().validate(info, runner)
         if info.rope_theta is None:
@@ -127,12 +155,20 @@ class ShadowKV(KVMethod):
 
     @classmethod
     def lossless_hyperparameters(cls, seq_tokens: int) -> dict:
-        return {"budget_tokens": seq_tokens, "rank_ratio": 1.0}
+        return {"budget_tokens": seq_tokens, "rank_ratio": 1.0, "compress_above_tokens": 0}
 
     @classmethod
     def compressing_hyperparameters(cls, seq_tokens: int) -> dict:
-        # chunks small enough that the outlier share of the budget is at least one chunk
-        return {"budget_tokens": max(8, seq_tokens // 3), "chunk_size": 4}
+        # short prompts compressed (official: > 4096 tokens only), chunks small enough that the
+        # outlier share of the sparse budget is a chunk and the selection leaves chunks out
+        return {"budget_tokens": max(8, seq_tokens // 6), "chunk_size": 4,
+                "outlier_ratio": 0.5, "compress_above_tokens": seq_tokens // 2}
+
+    def sparse_budget(self, basis_tokens: int | None) -> int:
+        """S: tokens of the selected chunks per KV head and decode step (the official budget)."""
+        if self.budget_ratio is None and self.budget_tokens is None:
+            return self.sparse_budget_tokens
+        return budget_for(basis_tokens, self.budget_ratio, self.budget_tokens)
 
     def prepare(self, ctx) -> dict:
         if ctx.rope_inv_freq is None:
@@ -192,8 +228,8 @@ class ShadowKVLayer(KVLayer):
         # self.keys / self.values / self.positions then hold the exact local window
         self.selected_chunks: torch.Tensor | None = None  # (B, H, k) at the last decode step
         self._attended = 0
-        self._local_attended = 0
         self._step_budget: int | None = None
+        self.grant_chunks = (0, 0)  # (selected, outlier) chunks per KV head, from the rule
 
     # --- cache seam ----------------------------------------------------------------------------
     def update(self, keys, values, position_ids):
@@ -223,9 +259,10 @@ class ShadowKVLayer(KVLayer):
         c = self.m.chunk_size
         if self.compressed or self.keys is None:
             return
-        chunks = self.keys.shape[2] // c - self.m.local_chunks
-        if chunks < 1:
-            return  # too short to compress: stays dense (the official code asserts instead)
+        prompt = self.keys.shape[2]
+        chunks = prompt // c - self.m.local_chunks
+        if prompt <= self.m.compress_above_tokens or chunks < 1:
+            return  # short prompts stay dense (official: compressed above 4096 tokens only)
         self._compress(chunks)
 
     def _compress(self, chunks: int) -> None:
@@ -245,8 +282,11 @@ class ShadowKVLayer(KVLayer):
         ctx_k = keys[:, :, :n_ctx].float().view(b, h, chunks, c, d)
         means = ctx_k.mean(3)  # (B, H, chunks, D)
         badness = torch.nn.functional.cosine_similarity(means[:, :, :, None], ctx_k, dim=-1).amin(-1)
-        budget = budget_for(self.basis_tokens(n), self.m.budget_ratio, self.m.budget_tokens)
-        outliers = min(chunks, int(self.m.outlier_ratio * budget) // c)
+        sparse = self.m.sparse_budget(self.basis_tokens(n))
+        outliers = min(chunks, int(self.m.outlier_ratio * sparse) // c)
+        # the grant, from the rule: selected chunks and outlier chunks per KV head (the local
+        # window and generated tokens come on top)
+        self.grant_chunks = (min(chunks - outliers, sparse // c), outliers)
         order = badness.argsort(dim=-1, stable=True)  # lowest min-cos first
         out_chunks = order[..., :outliers].sort(-1).values
         rest = order[..., outliers:].sort(-1).values  # (B, H, C)
@@ -287,10 +327,7 @@ class ShadowKVLayer(KVLayer):
             self._attended = keys.shape[2]
             return base(module, query, keys, values, attention_mask, **kwargs)
         c = self.m.chunk_size
-        budget = budget_for(self.basis_tokens(), self.m.budget_ratio, self.m.budget_tokens)
-        n_out = self.outlier_keys.shape[2]
-        local = min(self.keys.shape[2], budget - n_out)
-        k = min(self.landmarks.shape[2], (budget - n_out - local) // c)
+        k, outliers = self.grant_chunks
         scaling = float(kwargs.get("scaling") or module.scaling)
         self.selected_chunks = self.select_chunks(query[:, :, 0], k, scaling)  # (B, H, k)
         parts_k, parts_v = [self.outlier_keys], [self.outlier_values]
@@ -298,10 +335,11 @@ class ShadowKVLayer(KVLayer):
             sel_k, sel_v = self._reconstruct(chunk_rows(self.selected_chunks, c))
             parts_k.append(sel_k)
             parts_v.append(sel_v)
-        parts_k.append(self.keys[:, :, -local:])
-        parts_v.append(self.values[:, :, -local:])
-        self._step_budget, self._local_attended = budget, local
-        self._attended = n_out + k * c + local
+        parts_k.append(self.keys)  # the whole local window, generated tokens included
+        parts_v.append(self.values)
+        local = self.seen_tokens - self.ctx_positions.numel()
+        self._step_budget = (k + outliers) * c + local  # the rule's grant for this step
+        self._attended = self.outlier_keys.shape[2] + k * c + self.keys.shape[2]
         return base(module, query, torch.cat(parts_k, 2), torch.cat(parts_v, 2), None, **kwargs)
 
     def select_chunks(self, query: torch.Tensor, k: int, scaling: float) -> torch.Tensor:
@@ -328,7 +366,7 @@ class ShadowKVLayer(KVLayer):
                 return torch.cat([self.ctx_positions, self.positions])
             return self.positions if self.positions is not None else super().kept_positions()
         rows = torch.cat([self.outlier_rows, chunk_rows(self.selected_chunks, self.m.chunk_size)], 2)
-        local = self.positions[-self._local_attended:].expand(*rows.shape[:2], -1)
+        local = self.positions.expand(*rows.shape[:2], -1)
         return torch.cat([self.ctx_positions[rows], local], 2)
 
     def stats(self) -> dict[str, int]:

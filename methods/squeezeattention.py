@@ -51,7 +51,8 @@ from kvcore.storage import KV_LAYOUTS
 from methods.base import Capabilities, KVLayer, ModelInfo, require_basis
 from methods.eviction import BudgetedMethod, EvictionLayer
 
-SCORERS = ("h2o", "streaming_llm", "tova", "scissorhands", "keydiff", "snapkv", "kvmerger")
+# (not kvmerger: its threshold, not a budget, decides what a layer keeps)
+SCORERS = ("h2o", "streaming_llm", "tova", "scissorhands", "keydiff", "snapkv")
 
 
 @dataclass(kw_only=True)

@@ -3,63 +3,69 @@
 Yao, Shen, Lin, Liu, Luan, Wang, Wang, "TailorKV: A Hybrid Framework for Long-Context Inference via
 Tailored KV Cache Optimization", arXiv 2505.19586; official code ydyhello/TailorKV@4e9fc81f12fb
 (`search_pattern.py` + `models/modeling_llama_search.py` for the layer identification,
-`models/cache_utils.py` `TailorKVCache` for the runtime). Spec: reference/methods-2.md §11.
+`models/cache_utils.py` `TailorKVCache` for the runtime, `scripts/long_test.sh` for the settings).
+Spec: reference/methods-2.md §11.
 
-Offline layer identification (`prepare`). One forward over a calibration text (`ctx.capture`); per
-layer, for the last `probe_queries` (n_q = 32) queries and every query head, the attention mass
-outside the row's top `probe_top_ratio` (alpha = 5 %) of keys; the layer's *dense score* P is the
-mean over rows and heads. P > `dense_threshold` (beta = 0.2) -> quantization-friendly (attention
-spread over many tokens: keep them all, coarsely), else sparsity-friendly (a few dominant tokens:
-keep them exact, fetch only those). `quant_layers` given in the config replaces the probe; the
-facts record which was used (`layer_split: probe | config`), the scores and the criterion.
-The paper stores the result per model: Llama-3.1-8B and Mistral-7B -> [0]; Llama-2-7B-32K,
-Yi-6B/9B-200K -> [0, 1] (config/model2quantlayer.json).
+Which layers are quantized (`prepare`, recorded in the facts as `layer_split`):
+  * `config`: `quant_layers` names them;
+  * `official list`: the authors' stored per-model lists (`config/model2quantlayer.json`, keyed by
+    hub id; matched here on the model's name, any organisation): Meta-Llama-3.1-8B/70B-Instruct
+    (and their AWQ-INT4 copies) and Mistral-7B-Instruct-v0.3 -> [0]; Llama-2-7B-32K-Instruct,
+    Yi-6B/9B-200K -> [0, 1];
+  * `probe` (any other model, e.g. SmolLM2): the official probe. One forward over a calibration
+    text (`ctx.capture`); per layer, the last `probe_queries` (32) queries attend over *every*
+    key of the text, later ones included (the official probe applies no causal mask), at the
+    model's scaling; per row and query head the attention mass outside the row's top
+    int(`probe_top_ratio` * T) keys (alpha 5 %); the layer's dense score P is the mean over rows
+    and heads, and P > `dense_threshold` (beta 0.2, strictly, no margin: the official rule) ->
+    quantization-friendly. The official code prints the split and its authors stored the lists
+    by hand; the facts record every score, so a layer within a hair of beta is visible.
 
 Quantized layers: KIVI's scheme and code (methods/kivi.py `KIVILayer`): keys per channel, values per
 token, groups of `group_size` (64), a full-precision residual of `residual_tokens` (128), **1 bit**
 for keys and values (`k_bits`, `v_bits`), held on the device (on the host tier with
 runner.kv_offload=cpu, as KIVI).
 
-Sparse layers: every token's exact K/V on the host tier (kvcore.offload.HostKVStore); on the device
-only the first `sink_tokens` (8) and the last `recent_tokens` (56) tokens, exact, and the running
-per-channel max |K| (B, H_kv, D). A decode step with budget B (below) attends, per KV head:
-the s sinks, the r most recent tokens (the current one included) and the top k = B - s - r of the
-tokens between them, chosen in two fetches from the host:
+Sparse layers, as the official `TailorKVCache`: every prompt token's exact K/V on the host tier
+(kvcore.offload.HostKVStore); on the device the first `sink_tokens` (8) and the last
+`recent_tokens` (56) *prompt* tokens, exact, the per-channel max |K| over the prompt (B, H_kv, D),
+and every token after the prompt (generated tokens, exact, never evicted). Prompt chunks attend
+densely (the official prefill is dense). At each decode step, per KV head, attention runs over the
+sinks, the recent prompt tokens, every generated token and the top k prompt tokens between sinks
+and recent window, chosen in two fetches from the host:
   1. q_bar = the mean query of the KV head's group; channel score |q_bar_c| * max_t |K[t, c]|; the
-     top c = round(`channel_ratio` * head_dim) channels (paper: 8 of 128 = 0.0625; 4 at head_dim
-     64) of every stored key are fetched (`HostKVStore.fetch_channels`);
+     top `key_channels` channels (official `num_channel` 8, whatever head_dim is) of every stored
+     prompt key are fetched (`HostKVStore.fetch_channels`);
   2. tokens scored by q_bar . K[t, channels]; the top k rows of K and V are fetched
-     (`HostKVStore.fetch`, a sparse row gather), and attention is exact softmax over sinks +
-     fetched + recent. Both fetches go through the tier's transfer ledger.
-Prompt chunks (q_len > 1, or any chunk of a prompt held under dense prefill) attend densely over everything (the paper's prefill is dense); under
-`runner.prefill=sparse` every prompt row is a decode step.
+     (`HostKVStore.fetch`, a sparse row gather), and attention is exact softmax over the set.
+     Both fetches go through the tier's transfer ledger.
 
-Budget (the shared knobs, as quest/shadowkv): B = `budget_tokens`, else int(`budget_ratio` * tokens
-seen), capped at the tokens seen, is the most tokens a KV head of a sparse layer attends per
-decode step, everything included: s = min(sink_tokens, B - 1), r = min(recent_tokens, B - s),
-k = B - s - r. The paper's setting is `budget_tokens=192` (8 sinks + 56 recent + 128 top-k).
-Quantized layers compress bytes, not tokens (no token budget, as KIVI).
+Budget (official `budget`): the prompt tokens a sparse layer's KV head attends per decode step,
+B = s + r + k, capped at the prompt's length; generated tokens come on top. B =
+`budget_tokens`, else int(`budget_ratio` * the budget basis) (the shared knobs; the final length
+by default), else, when both are null, the official fixed budget `sink_tokens` +
+`recent_tokens` + `topk_tokens` = 8 + 56 + 128 = 192 (`scripts/long_test.sh`). s =
+min(sink_tokens, B), r = min(recent_tokens, B - s), k = B - s - r. Quantized layers compress
+bytes, not tokens (no token budget, as KIVI).
 
-Defaults (paper / `scripts/long_test.sh`): k_bits = v_bits = 1, group_size 64, residual_tokens 128,
-sink 8, recent 56, 8 channels of 128, probe alpha 5 %, beta 0.2, n_q 32. Paper's number:
-Llama-3.1-8B at 128K context on one RTX 3090 at 82 ms/token, near-lossless on LongBench,
-InfiniteBench and RULER.
+Defaults (official `scripts/long_test.sh`): k_bits = v_bits = 1, group_size 64, residual 128,
+budget 192 (start 8, recent 56), num_channel 8; probe alpha 5 %, beta 0.2, last 32 queries.
+Paper's number: Llama-3.1-8B at 128K context on one RTX 3090 at 82 ms/token, near-lossless on
+LongBench, InfiniteBench and RULER.
 
 Deliberate deviations:
-  * No speculative channel prefetch: the paper picks the channels for layer l from a query computed
-    at layer l-1 (q_proj of l on l-1's input, RoPE'd) and prefetches those K^T rows on a thread;
-    here the channels are chosen from layer l's true query (more accurate, no overlap; `lookahead`
-    is not declared). The scoring and the bytes moved are the paper's.
-  * Generated tokens are treated like prompt tokens: they join the host store and, once out of the
-    recent window, compete for the top-k (the paper keeps every generated token exact on the device,
-    outside its budget). Streaming perplexity, which has no prompt, is thereby compressed too, and
-    the budget bounds every step. The per-channel max |K| covers every token seen (paper: prompt).
-  * The paper keeps a transposed copy of K on the host for contiguous channel rows; here the
-    channels are gathered from the token-major store into a staging buffer (same bytes moved).
-  * The probe masks causally (the official probe's last 32 rows see up to 31 later keys) and runs on
-    a calibration text (default: PG-19's first book in ../shared/data, as InfiniGen/KVQuant; the
-    official prompt is 50 GSM8K training Q/A pairs, not available offline); models without a
-    tokenizer (tests) use seeded random ids.
+  * No speculative channel prefetch: the official code picks the channels for layer l from a
+    query computed at layer l-1 (q_proj of l on l-1's input) and prefetches those K^T rows on a
+    thread; here the channels are chosen from layer l's true query (no overlap; `lookahead` is
+    not declared). The scoring and the bytes moved are the official ones.
+  * The official code keeps a transposed copy of K on the host for contiguous channel rows; here
+    the channels are gathered from the token-major store into a staging buffer (same bytes).
+  * Only the first prompt of a request is split into sinks / top-k / recent; tokens of a later
+    prompt join the exact generated tokens (the official code handles one prefill).
+  * The probe runs on a calibration text (default: PG-19's first book in ../shared/data, as
+    InfiniGen/KVQuant; the official prompt, 50 GSM8K training Q/A pairs, is not available
+    offline), in the model's dtype with fp32 probabilities (the official: fp16); models without
+    a tokenizer (tests) use seeded random ids.
 """
 
 from __future__ import annotations
@@ -72,12 +78,38 @@ import torch
 
 from kvcore.errors import ConfigError
 from kvcore.offload import HostKVStore
-from methods.base import (PREFILL_MODES, Capabilities, KVLayer, KVMethod, ModelInfo, budget_for,
-                          check_budget)
+from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for, check_budget
 from methods.kernels import kivi_quant as kq
 from methods.kernels.kivi_attention import decode_kernel
 from methods.kivi import KIVI, KIVILayer, quantization_reasons, value_group_reasons
-from methods.scoring import attention_with_probs
+from methods.scoring import expand_kv
+
+
+# config/model2quantlayer.json of the official code: quantized layers per model (hub id)
+OFFICIAL_QUANT_LAYERS = {
+    "NousResearch/Meta-Llama-3.1-8B-Instruct": [0],
+    "togethercomputer/Llama-2-7B-32K-Instruct": [0, 1],
+    "01-ai/Yi-9B-200K": [0, 1],
+    "01-ai/Yi-6B-200K": [0, 1],
+    "mistralai/Mistral-7B-Instruct-v0.3": [0],
+    "hugging-quants/Meta-Llama-3.1-8B-Instruct-AWQ-INT4": [0],
+    "hugging-quants/Meta-Llama-3.1-70B-Instruct-AWQ-INT4": [0],
+}
+
+
+def official_quant_layers(model_id: str | None) -> tuple[str, list[int]] | None:
+    """(official key, layers) when the model is one the authors stored a list for: matched on
+    the model's name (the hub id's last part, or a hub cache folder's `models--org--name`),
+    case-insensitively, whatever the organisation; None otherwise."""
+    if not model_id:
+        return None
+    parts = str(model_id).replace("\\", "/").rstrip("/").split("/")
+    names = {parts[-1].lower()}
+    names |= {p.split("--")[-1].lower() for p in parts if p.startswith("models--")}
+    for key, layers in OFFICIAL_QUANT_LAYERS.items():
+        if key.split("/")[-1].lower() in names:
+            return key, list(layers)
+    return None
 
 
 @dataclass(kw_only=True)
@@ -85,22 +117,28 @@ class TailorKV(KVMethod):
     name: ClassVar[str] = "tailorkv"
     provenance: ClassVar[str] = "official code"
     operating_point: ClassVar[str] = (
-        "ydyhello/TailorKV: Llama-3.1-8B-Instruct; 192 tokens (8 sink + 56 recent + 128 "
-        "top-k), 1-bit dense layers; LongBench, InfiniteBench"
+        "ydyhello/TailorKV: Llama-3.1-8B-Instruct (layer 0 1-bit); 192 prompt tokens (8 sink + "
+        "56 recent + 128 top-k on 8 key channels) + every generated token; LongBench, "
+        "InfiniteBench"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        prefill_modes=PREFILL_MODES, needs_prepare=True, offloads_kv=True, selects_tokens=True)
+        prefill_modes=("dense",), needs_prefill=True, needs_prepare=True, offloads_kv=True,
+        selects_tokens=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("k_bits", "v_bits", "quant_layers",
                                                "dense_threshold")
     inert_knobs: ClassVar[dict[str, str]] = {
-        key: "the layer probe's knob: inert when method.quant_layers names the layers (the "
-             "contract's compressing case does)"
-        for key in ("dense_threshold", "probe_top_ratio", "probe_queries", "calibration_tokens")}
-    budget_ratio: float | None = 0.2
+        **{key: "the layer probe's knob: inert when method.quant_layers names the layers (the "
+                "contract's compressing case does)"
+           for key in ("dense_threshold", "probe_top_ratio", "probe_queries",
+                       "calibration_tokens")},
+        "topk_tokens": "applies only when budget_ratio and budget_tokens are both null (the "
+                       "shared budget takes precedence; the compressing case sets one)"}
+    budget_ratio: float | None = None
     budget_tokens: int | None = None
     sink_tokens: int = 8
     recent_tokens: int = 56
-    channel_ratio: float = 0.0625
+    topk_tokens: int = 128
+    key_channels: int = 8
     k_bits: int = 1
     v_bits: int = 1
     group_size: int = 64
@@ -119,25 +157,25 @@ class TailorKV(KVMethod):
         self._quant: frozenset[int] | None = None  # the quantized layers, set by prepare
 
     def check_hyperparameters(self) -> list[str]:
-        r = check_budget(self.budget_ratio, self.budget_tokens)
+        r = []
+        if self.budget_ratio is not None or self.budget_tokens is not None:
+            r += check_budget(self.budget_ratio, self.budget_tokens)
         r += quantization_reasons(self, kq.PACKABLE_BITS)
         if self.sink_tokens < 0:
             r.append(f"method.sink_tokens={self.sink_tokens} must be an integer >= 0")
-        if self.recent_tokens < 1:
-            r.append(f"method.recent_tokens={self.recent_tokens} must be an integer >= 1 (the "
-                     "window holds the current token)")
-        for key in ("channel_ratio", "probe_top_ratio"):
-            if not 0 < getattr(self, key) <= 1:
-                r.append(f"method.{key}={getattr(self, key)} must be in (0, 1]")
+        for key in ("recent_tokens", "key_channels", "probe_queries", "calibration_tokens"):
+            if getattr(self, key) < 1:
+                r.append(f"method.{key}={getattr(self, key)} must be a positive integer")
+        if self.topk_tokens < 0:
+            r.append(f"method.topk_tokens={self.topk_tokens} must be an integer >= 0")
+        if not 0 < self.probe_top_ratio <= 1:
+            r.append(f"method.probe_top_ratio={self.probe_top_ratio} must be in (0, 1]")
         if not 0 <= self.dense_threshold <= 1:
             r.append(f"method.dense_threshold={self.dense_threshold} must be in [0, 1] (a share "
                      "of attention mass)")
-        for key in ("probe_queries", "calibration_tokens"):
-            if getattr(self, key) < 1:
-                r.append(f"method.{key}={getattr(self, key)} must be a positive integer")
         if self.quant_layers is not None and any(i < 0 for i in self.quant_layers):
             r.append(f"method.quant_layers={self.quant_layers} must be layer indices >= 0 "
-                     "(or null: found by the probe)")
+                     "(or null: the official list for the model, else the probe)")
         return r
 
     def validate(self, info: ModelInfo, runner: dict[str, Any]) -> list[str]:
@@ -145,6 +183,9 @@ class TailorKV(KVMethod):
         if self.quant_layers is not None and any(i >= info.num_layers for i in self.quant_layers):
             reasons.append(f"method.quant_layers={self.quant_layers} names a layer >= the "
                            f"model's {info.num_layers} layers")
+        if self.key_channels > info.head_dim:
+            reasons.append(f"method.key_channels={self.key_channels} exceeds the model's "
+                           f"head_dim {info.head_dim}")
         if self.calibration_path and not Path(self.calibration_path).is_file():
             reasons.append(f"method.calibration_path={self.calibration_path}: no such file")
         return reasons
@@ -159,20 +200,28 @@ class TailorKV(KVMethod):
     @classmethod
     def compressing_hyperparameters(cls, seq_tokens: int) -> dict[str, Any]:
         """Both layer kinds on a short sequence: layer 0 quantized in small groups, the others
-        sparse under a budget of a quarter of the sequence."""
+        sparse under a budget of a quarter of the sequence, scored on 2 channels."""
         return {"budget_tokens": max(4, seq_tokens // 4), "sink_tokens": 2, "recent_tokens": 4,
-                "group_size": 8, "residual_tokens": 8, "quant_layers": [0]}
+                "key_channels": 2, "group_size": 8, "residual_tokens": 8, "quant_layers": [0]}
 
-    def channels(self, head_dim: int) -> int:
-        """Key channels fetched to score the tokens of a sparse layer."""
-        return min(head_dim, max(1, round(self.channel_ratio * head_dim)))
+    def prompt_budget(self, basis_tokens: int | None) -> int:
+        """B: prompt tokens a sparse layer's KV head attends per decode step (before the cap at
+        the prompt's length)."""
+        if self.budget_ratio is None and self.budget_tokens is None:
+            return self.sink_tokens + self.recent_tokens + self.topk_tokens  # official 192
+        return budget_for(basis_tokens, self.budget_ratio, self.budget_tokens)
 
     # --- offline identification ------------------------------------------------------------
     def prepare(self, ctx) -> dict:
         info = ctx.info
+        official = official_quant_layers(getattr(ctx, "model_id", None))
         if self.quant_layers is not None:
             self._quant = frozenset(self.quant_layers)
             facts = {"layer_split": "config"}
+        elif official is not None:
+            self._quant = frozenset(official[1])
+            facts = {"layer_split": "official list",
+                     "official_list": f"config/model2quantlayer.json: {official[0]}"}
         else:
             ids, source = self._calibration_ids(ctx)
             probe = _DensityProbe(top_ratio=self.probe_top_ratio, queries=self.probe_queries)
@@ -180,14 +229,15 @@ class TailorKV(KVMethod):
             self._quant = frozenset(i for i, p in enumerate(scores) if p > self.dense_threshold)
             facts = {"layer_split": "probe", "dense_scores": [round(p, 6) for p in scores],
                      "criterion": (f"mean over the last {min(self.probe_queries, ids.numel())} "
-                                   "queries and every query head of the attention mass outside "
+                                   "queries (over every key, no causal mask, as the official "
+                                   "probe) and every query head of the attention mass outside "
                                    f"the top {self.probe_top_ratio:g} of keys > "
                                    f"{self.dense_threshold:g} -> quantized"),
                      "calibration_source": source, "calibration_tokens": int(ids.numel())}
         quant = sorted(self._quant)
         return {**facts, "quant_layers": quant,
                 "sparse_layers": [i for i in range(info.num_layers) if i not in self._quant],
-                "channels_per_kv_head": self.channels(info.head_dim),
+                "channels_per_kv_head": self.key_channels,
                 # its quantized layers decode through KIVI's kernels: which one ran, as KIVI says
                 "decode_attention": decode_kernel(ctx.device)}
 
@@ -231,10 +281,12 @@ class _ProbeLayer(KVLayer):
         self.dense_score: float | None = None
 
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
-        last = query[:, :, -self.method.queries:]  # (B, H_q, n_q, D), causal over all keys
+        last = query[:, :, -self.method.queries:]  # (B, H_q, n_q, D)
         scaling = kwargs.get("scaling") or module.scaling
-        _, probs = attention_with_probs(last, keys, values, None, scaling)
-        self.dense_score = outside_top_mass(probs, self.method.top_ratio)
+        # the official probe: softmax over every key of the text, later ones included (no mask)
+        groups = query.shape[1] // keys.shape[1]
+        logits = (last.float() * scaling) @ expand_kv(keys.float(), groups).transpose(2, 3)
+        self.dense_score = outside_top_mass(torch.softmax(logits, -1), self.method.top_ratio)
         return base(module, query, keys, values, attention_mask, **kwargs)
 
 
@@ -249,58 +301,69 @@ class _DensityProbe(KVMethod):
 
 
 class TopKOffloadLayer(KVLayer):
-    """A sparsity-friendly layer: all K/V on the host tier, sinks + recent window + per-channel
-    max |K| on the device, top-k rows fetched per decode step."""
+    """A sparsity-friendly layer: the prompt's K/V on the host tier; on the device its sinks,
+    its recent window, the per-channel max |K| and every later token; top-k prompt rows fetched
+    per decode step."""
 
     def __init__(self, layer_idx: int, info: ModelInfo, method: TailorKV):
         super().__init__(layer_idx, info)
         self.m = method
-        self.store: HostKVStore | None = None  # every token, exact
+        self.store: HostKVStore | None = None  # every prompt token, exact
         self.sink_k = self.sink_v = None  # (B, H_kv, <= sink_tokens, D) the first tokens
-        self.recent_k = self.recent_v = None  # (B, H_kv, <= recent_tokens, D) the last tokens
-        self.key_absmax: torch.Tensor | None = None  # (B, H_kv, D) max |K| per channel
+        self.recent_k = self.recent_v = None  # (B, H_kv, <= recent_tokens, D) the last prompt ones
+        self.gen_k = self.gen_v = None  # (B, H_kv, g, D) every token after the prompt, exact
+        self.key_absmax: torch.Tensor | None = None  # (B, H_kv, D) max |K| per channel (prompt)
+        self.prompt_tokens: int | None = None  # set when the (first) prompt ends
+        self.grant: tuple[int, int, int] = (0, 0, 0)  # (s, r, k) from the rule at the prompt end
         self.positions: torch.Tensor | None = None  # (B, H_kv, n) attended at the last decode step
         self._attended = 0
-        self._step_budget: int | None = None  # B of the last decode step; None after a dense chunk
+        self._step_budget: int | None = None  # B + generated at the last decode step
 
-    def split(self, seen: int) -> tuple[int, int, int]:
-        """(sinks s, recent r, top-k k) attended at a decode step after `seen` tokens."""
-        budget = min(seen, budget_for(self.basis_tokens(seen), self.m.budget_ratio,
-                                      self.m.budget_tokens))
-        s = min(self.m.sink_tokens, budget - 1)  # the current token is always attended
+    def _gen_len(self) -> int:
+        return 0 if self.gen_k is None else self.gen_k.shape[2]
+
+    def on_prefill_end(self) -> None:
+        """The first prompt is over: fix the sinks, the recent window and the split (s, r, k)."""
+        if self.prompt_tokens is not None or self.store is None:
+            return
+        n = self.prompt_tokens = self.seen_tokens
+        budget = min(n, self.m.prompt_budget(self.basis_tokens(n)))
+        s = min(self.m.sink_tokens, budget)
         r = min(self.m.recent_tokens, budget - s)
-        return s, r, budget - s - r
+        self.grant = (s, r, budget - s - r)
+        self.sink_k, self.sink_v = self.sink_k[:, :, :s], self.sink_v[:, :, :s]
+        keep = self.recent_k.shape[2] - r
+        self.recent_k, self.recent_v = self.recent_k[:, :, keep:], self.recent_v[:, :, keep:]
 
     # --- cache seam --------------------------------------------------------------------------
-    def _dense(self, q_len: int) -> bool:
-        # a prompt held under dense prefill is attended in full whatever its chunking (one-token
-        # chunks included); only a decode step selects
-        return q_len > 1 or self.holding_prompt()
-
     def mask_sizes(self, q_len: int) -> tuple[int, int]:
-        if self._dense(q_len):
+        if q_len > 1 or self.prompt_tokens is None:
             return self.seen_tokens + q_len, 0
-        s, r, _ = self.split(self.seen_tokens + 1)
-        return s + r, self.seen_tokens + 1 - s - r
+        s, r, _ = self.grant
+        rows = s + r + self._gen_len() + 1
+        return rows, self.seen_tokens + 1 - rows
 
     def update(self, keys, values, position_ids):
-        """Dense chunk: every stored token (fetched) + the new ones. Decode step: the device rows
-        (sinks, recent window with the new token); attend() adds the fetched top-k."""
+        """Before the prompt ends: every stored token (fetched) + the new ones, which are
+        stored. After: new tokens stay exact on the device; a decode step returns the device
+        rows (sinks, recent prompt tokens, generated ones), attend() adds the fetched top-k; a
+        later prompt chunk attends everything."""
         if self.store is None:
             self.store = HostKVStore(self.tier, self.layer_idx)
         q_len = keys.shape[-2]
-        out = self.store.past_and_new(None, keys, values) if self._dense(q_len) else None
-        if out is None:
-            self.store.append(keys, values)
-        self._keep_on_device(keys, values)
         self.seen_tokens += q_len
-        if out is not None:
+        if self.prompt_tokens is None:
+            out = self.store.past_and_new(None, keys, values)
+            self._keep_prompt_rows(keys, values)
             return out
-        s, r, _ = self.split(self.seen_tokens)
-        return (torch.cat([self.sink_k[:, :, :s], self.recent_k[:, :, -r:]], 2),
-                torch.cat([self.sink_v[:, :, :s], self.recent_v[:, :, -r:]], 2))
+        self.gen_k, self.gen_v = _append(self.gen_k, keys), _append(self.gen_v, values)
+        if q_len > 1:
+            past_k, past_v = (t.wait() for t in self.store.fetch())
+            return torch.cat([past_k, self.gen_k], 2), torch.cat([past_v, self.gen_v], 2)
+        return (torch.cat([self.sink_k, self.recent_k, self.gen_k], 2),
+                torch.cat([self.sink_v, self.recent_v, self.gen_v], 2))
 
-    def _keep_on_device(self, keys, values) -> None:
+    def _keep_prompt_rows(self, keys, values) -> None:
         room = self.m.sink_tokens - (0 if self.sink_k is None else self.sink_k.shape[2])
         if self.sink_k is None or room > 0:
             self.sink_k = _append(self.sink_k, keys[:, :, :max(room, 0)])
@@ -313,11 +376,10 @@ class TopKOffloadLayer(KVLayer):
         self.key_absmax = absmax if held is None else torch.maximum(held, absmax)
 
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
-        if self._dense(query.shape[2]):  # a prompt (chunk): dense, as in the paper
+        if query.shape[2] > 1 or self.prompt_tokens is None:  # a prompt chunk: dense
             self._step_budget, self.positions, self._attended = None, None, keys.shape[2]
             return base(module, query, keys, values, attention_mask, **kwargs)
-        n = self.seen_tokens
-        s, r, k = self.split(n)
+        n, (s, r, k) = self.prompt_tokens, self.grant
         b, h_kv = keys.shape[:2]
         if k in (0, n - s - r):  # nothing to choose: no middle token, or all of them
             rows = torch.arange(s, s + k).expand(b, h_kv, k)
@@ -325,27 +387,29 @@ class TopKOffloadLayer(KVLayer):
             rows = self.select(query[:, :, 0], s, n - r, k)
         if k:
             fetched_k, fetched_v = (t.wait() for t in self.store.fetch(rows))
-            keys, values = torch.cat([fetched_k, keys], 2), torch.cat([fetched_v, values], 2)
-        sinks = torch.arange(s).expand(b, h_kv, s)
-        recent = torch.arange(n - r, n).expand(b, h_kv, r)
-        self.positions = torch.cat([sinks, rows.cpu(), recent], 2)
-        self._step_budget, self._attended = s + r + k, s + r + k
+            keys = torch.cat([keys[:, :, :s], fetched_k, keys[:, :, s:]], 2)
+            values = torch.cat([values[:, :, :s], fetched_v, values[:, :, s:]], 2)
+        fixed = [torch.arange(s), None, torch.arange(n - r, n), torch.arange(n, self.seen_tokens)]
+        fixed = [rows.cpu() if t is None else t.expand(b, h_kv, -1) for t in fixed]
+        self.positions = torch.cat(fixed, 2)
+        self._step_budget = s + r + k + self.seen_tokens - n  # the grant + the generated tokens
+        self._attended = keys.shape[2]
         return base(module, query, keys, values, None, **kwargs)
 
     def select(self, query: torch.Tensor, lo: int, hi: int, k: int) -> torch.Tensor:
-        """Token rows `(B, H_kv, k)` (sorted) in [lo, hi) with the highest approximate scores
+        """Prompt rows `(B, H_kv, k)` (sorted) in [lo, hi) with the highest approximate scores
         q_bar . K[t, C] over the top channels C of |q_bar| * max |K|; query `(B, H_q, D)`."""
         b, h_q, d = query.shape
         h_kv = self.key_absmax.shape[1]
         q_bar = query.float().view(b, h_kv, h_q // h_kv, d).mean(2)  # (B, H_kv, D)
-        top_c = (q_bar.abs() * self.key_absmax.float()).topk(self.m.channels(d), -1).indices
+        top_c = (q_bar.abs() * self.key_absmax.float()).topk(self.m.key_channels, -1).indices
         partial = self.store.fetch_channels(top_c).wait()[:, :, lo:hi]  # (B, H_kv, hi - lo, c)
         scores = (partial.float() * q_bar.gather(-1, top_c)[:, :, None]).sum(-1)
         return scores.topk(k, dim=-1).indices.sort(-1).values + lo
 
     # --- accounting --------------------------------------------------------------------------
     def kept_tokens(self) -> int:
-        return self.seen_tokens  # all held (on the host)
+        return self.seen_tokens  # all held (the prompt on the host, later tokens on the device)
 
     def attended_tokens(self) -> int:
         return self._attended
@@ -357,7 +421,8 @@ class TopKOffloadLayer(KVLayer):
         return self.positions if self.positions is not None else torch.arange(self.seen_tokens)
 
     def stats(self) -> dict[str, int]:
-        device = [self.sink_k, self.sink_v, self.recent_k, self.recent_v, self.key_absmax]
+        device = [self.sink_k, self.sink_v, self.recent_k, self.recent_v, self.gen_k, self.gen_v,
+                  self.key_absmax]
         device_bytes = int(sum(t.nbytes for t in device if t is not None))
         host_bytes = 0 if self.store is None else int(self.store.nbytes())
         out = {"kv_tokens": self.seen_tokens, "kv_bytes": host_bytes + device_bytes,

@@ -2,6 +2,7 @@
 and the head-wise attention against a hand computation (shared with RazorAttention)."""
 
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -34,16 +35,43 @@ def test_union_rule_hand_case():
     assert select_retrieval(echo, induction, 1, 0).tolist() == [[False, False], [True, False]]
 
 
+PATTERN = Path(__file__).parent / "data" / "duo_pattern"
+
+
 def test_pattern_file_official_format(tmp_path):
+    """A 2-layer x 2-KV-head pattern written as the official `save_full_attention_heads` writes
+    them (np.savetxt: '%.18e', tabs, slightly negative gates) with the official config.json:
+    read as `load_attn_pattern` reads it (clipped to [0, 1])."""
     info = ModelInfo(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, max_positions=64)
-    (tmp_path / "full_attention_heads.tsv").write_text("0.9\t0.1\n0.5\t0.2\n")
-    (tmp_path / "config.json").write_text('{"sink_size": 128, "recent_size": 256}')
-    gates, config = load_duo_pattern(tmp_path, info)
-    assert gates.tolist() == [[0.9, 0.1], [0.5, 0.2]] and config == {"sink_size": 128,
-                                                                      "recent_size": 256}
+    gates, config = load_duo_pattern(PATTERN, info)
+    assert gates.tolist() == [[0.859375, 0.0], [0.0, 1.0]]  # -9.25e-05 and -2.2e-05 clipped to 0
+    assert config == {"sink_size": 128, "recent_size": 256}
+    same, _ = load_duo_pattern(PATTERN / "full_attention_heads.tsv", info)  # or the .tsv itself
+    assert torch.equal(same, gates)
     (tmp_path / "bad.tsv").write_text("0.9\t0.1\t0.3\n")
     with pytest.raises(ConfigError, match="method.pattern_path=.*3 layers|shape"):
         load_duo_pattern(tmp_path / "bad.tsv", info)
+
+
+def test_official_defaults_half_the_heads_on_gqa_a_quarter_on_mha(tiny_model, tmp_path):
+    """The NIAH operating point: sparsity 0.5 on GQA models (Llama-3-8B), 0.75 on MHA ones
+    (Llama-2-7B-32K); 64 sinks + 256 recent, no budget; the probe's heads labelled proxy."""
+    method = build_method("duo_attention")
+    gqa = ModelInfo(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, max_positions=64)
+    mha = ModelInfo(num_layers=2, num_heads=4, num_kv_heads=4, head_dim=8, max_positions=64)
+    assert method.head_ratio(gqa) == 0.5 and method.head_ratio(mha) == 0.25
+    assert (method.sink_tokens, method.window_tokens, method.budget_ratio) == (64, 256, None)
+    assert method.stream_slots(10_000) == 320
+    assert method.provenance_label().startswith("reconstruction (proxy heads")
+    assert build_method("duo_attention", pattern_path=str(PATTERN)).provenance_label() == \
+        "official code"
+    facts = hf_adapter.prepare(build_method("duo_attention", cache_dir=str(tmp_path)), tiny_model,
+                               None)
+    assert facts["head_identification"].startswith("proxy heads")
+    assert facts["retrieval_head_ratio"] == 0.5 and facts["retrieval_heads"] == 2  # of 2 x 2
+    # a budget below the official share is refused before weights load, with the reason
+    reasons = build_method("duo_attention", budget_ratio=0.2).validate(gqa, {})
+    assert any("retrieval heads alone hold 0.5" in r for r in reasons)
 
 
 def test_learned_pattern_drives_the_heads(tiny_model, tmp_path):

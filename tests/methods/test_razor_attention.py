@@ -9,7 +9,7 @@ import torch
 from harness import hf_adapter
 from kvcore.errors import ConfigError
 from methods import build_method
-from methods._headwise import HeadwiseLayer, _ProbeLayer, probe_tokens
+from methods._headwise import HeadwiseLayer, _ProbeLayer, probe_period, probe_tokens, select_union
 from methods.base import ModelInfo
 from tests.conftest import make_engine
 
@@ -45,26 +45,53 @@ def test_compensation_token_is_exact_when_dropped_keys_are_identical(weighted):
 
 
 def test_probe_scores_echo_and_induction_by_hand():
-    """A head that attends from i to i - P + 1 (induction) and one to i - P (echo)."""
-    p = 4
-    layer = _ProbeLayer(0, ModelInfo(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=2 * p,
-                                     max_positions=64), p)
-    n = 2 * p
-    # one-hot keys per position; queries point at the wanted key with a huge logit
-    keys = torch.eye(n)[None, None]  # (1, 1, n, n)
-    q = torch.zeros(1, 2, n, n)
-    for i in range(p, n):
+    """BOS + a block of P = 4 tokens repeated 3 times; head 0 attends from every query of a later
+    repetition to the token after its previous occurrence (induction), head 1 to that occurrence
+    (echo). Huawei's score: the attention on *every* earlier occurrence (or the token after it),
+    summed and divided by S^2."""
+    p, reps = 4, 3
+    s = 1 + p * reps
+    layer = _ProbeLayer(0, ModelInfo(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=s,
+                                     max_positions=64), p, offset=1, block_rows=5)
+    keys = torch.eye(s)[None, None]  # one-hot keys per position
+    q = torch.zeros(1, 2, s, s)
+    for i in range(1 + p, s):
         q[0, 0, i, i - p + 1] = 1e4
         q[0, 1, i, i - p] = 1e4
     module = SimpleNamespace(scaling=1.0)
-    layer.attend(module, q, keys, keys, None, base=None)
-    assert layer.induction.tolist() == pytest.approx([1.0, 0.0], abs=1e-6)
-    assert layer.echo.tolist() == pytest.approx([0.0, 1.0], abs=1e-6)
+    layer.attend(module, q, keys, keys, None, base=lambda *a, **k: (None, None))
+    # rows 5..12 (8 rows) each put weight 1 on one key: the previous occurrence's successor (head 0)
+    # or the previous occurrence (head 1); for rows of the third repetition that key is also the
+    # successor / the occurrence *two* repetitions back only when it coincides, which it does not
+    assert layer.induction.tolist() == pytest.approx([8 / s ** 2, 0.0], abs=1e-6)
+    assert layer.echo.tolist() == pytest.approx([0.0, 8 / s ** 2], abs=1e-6)
+    # a head attending to the occurrence two repetitions back scores there too (every occurrence)
+    q = torch.zeros(1, 2, s, s)
+    q[0, :, :, 0] = 1e4  # every other row looks at the BOS only (never an occurrence)
+    for i in range(1 + 2 * p, s):
+        q[0, 1, i, 0], q[0, 1, i, i - 2 * p] = 0.0, 1e4
+    layer.attend(module, q, keys, keys, None, base=lambda *a, **k: (None, None))
+    assert layer.echo[1].item() == pytest.approx(4 / s ** 2, abs=1e-6)
 
 
-def test_probe_sequence_repeats():
-    ids = probe_tokens(16, 300, seed=0)
-    assert ids.numel() == 32 and (ids[:16] == ids[16:]).all() and ids.min() >= 3
+def test_probe_sequence_is_huaweis():
+    ids = probe_tokens(2500, 4, 49152, seed=0, bos=1)
+    assert ids.numel() == 1 + 4 * 2500 and ids[0] == 1
+    block = ids[1:2501]
+    assert all((ids[1 + k * 2500:1 + (k + 1) * 2500] == block).all() for k in range(4))
+    assert 10000 <= int(block.min()) and int(block.max()) <= 12500
+    small = probe_tokens(16, 4, 300, seed=0)  # a small vocabulary: ids from [3, vocab)
+    assert small.numel() == 64 and small.min() >= 3 and small.max() < 300
+    assert probe_period(2500, 4, 8192, 1) == 2047  # SmolLM2: 1 + 4 x 2047 <= 8192 positions
+    assert probe_period(2500, 4, 131072, 1) == 2500
+
+
+def test_union_of_the_best_echo_and_induction_heads():
+    """Huawei's selection: top echo heads and top induction heads, united (overlap: fewer)."""
+    echo = torch.tensor([[0.9, 0.0], [0.1, 0.2]])
+    induction = torch.tensor([[0.0, 0.3], [0.8, 0.1]])
+    assert select_union(echo, induction, 1, 2).tolist() == [[True, True], [True, False]]
+    assert select_union(echo, echo, 1, 2).tolist() == [[True, False], [False, True]]  # overlap
 
 
 def test_prepare_records_identification_and_caches(stories, tmp_path):
@@ -73,15 +100,16 @@ def test_prepare_records_identification_and_caches(stories, tmp_path):
     first = hf_adapter.prepare(method, model, None)
     again = hf_adapter.prepare(build_method("razor_attention", cache_dir=str(tmp_path)), model,
                                None)
-    assert first["head_identification"] == "razor_probe"
+    assert first["head_identification"] == "echo/induction probe (Huawei's tool)"
     assert first["probe_scores"] == "computed" and again["probe_scores"] == "loaded"
-    assert first["probe_period_tokens"] == 256  # stories260K: 512 positions = 2 x 256
+    assert first["probe_period_tokens"] == 128 and first["probe_repeats"] == 4  # 512 positions
     info = hf_adapter.model_info(model.config)
-    assert first["retrieval_heads"] == round(0.15 * info.num_layers * info.num_kv_heads)
+    n = info.num_layers * info.num_kv_heads
+    assert round(0.14 * n) <= first["retrieval_heads"] <= round(0.14 * n) + round(0.01 * n)
 
 
 def test_razor_within_budget_on_a_model(tiny_model):
-    method = build_method("razor_attention", retrieval_head_ratio=0.25, echo_head_ratio=0.0,
+    method = build_method("razor_attention", induction_head_ratio=0.25, echo_head_ratio=0.0,
                           budget_ratio=0.5, probe_period_tokens=16)
     engine = make_engine(tiny_model, method, chunk=16)  # budget checked after every forward
     torch.manual_seed(2)
@@ -100,7 +128,8 @@ def test_razor_within_budget_on_a_model(tiny_model):
 
 
 @pytest.mark.parametrize("kw, key", [
-    ({"echo_head_ratio": 0.5}, "method.echo_head_ratio=0.5"),
+    ({"echo_head_ratio": 1.5}, "method.echo_head_ratio=1.5"),
+    ({"probe_repeats": 1}, "method.probe_repeats=1"),
     ({"compression_ratio": 0.5}, "method.compression_ratio=0.5"),
     ({"min_window_tokens": 0}, "method.min_window_tokens=0"),
     ({"budget_ratio": 0.1}, "must be below method.budget_ratio"),

@@ -42,7 +42,8 @@ def test_outlier_is_the_chunk_with_an_orthogonal_key_and_factors_are_exact_at_fu
     odd = torch.zeros(d)
     odd[0], odd[1] = -base[1], base[0]  # orthogonal to base
     pre[0, 0, 3 * c + 5] = odd * 3  # chunk 3 holds one orthogonal key
-    method = build_method("shadowkv", budget_tokens=100, rank_ratio=1.0, outlier_ratio=0.08)
+    method = build_method("shadowkv", budget_tokens=100, rank_ratio=1.0, outlier_ratio=0.08,
+                          compress_above_tokens=0)
     layer, inv_freq = bare_layer(method)
     post = rotate(pre, torch.arange(pre.shape[2]).float(), inv_freq)
     values = torch.randn_like(post)
@@ -62,7 +63,7 @@ def test_outlier_is_the_chunk_with_an_orthogonal_key_and_factors_are_exact_at_fu
 
 def test_low_rank_factors_are_the_truncated_svd_of_the_pre_rope_keys():
     torch.manual_seed(1)
-    method = build_method("shadowkv", budget_tokens=64, rank=3)
+    method = build_method("shadowkv", budget_tokens=64, rank=3, compress_above_tokens=0)
     layer, inv_freq = bare_layer(method, h_kv=2)
     pre = torch.randn(1, 2, 48, 8)
     feed_prompt(layer, rotate(pre, torch.arange(48).float(), inv_freq), torch.randn(1, 2, 48, 8))
@@ -77,7 +78,7 @@ def test_low_rank_factors_are_the_truncated_svd_of_the_pre_rope_keys():
 
 def test_a_query_on_a_landmark_selects_its_chunk_and_gqa_takes_the_max():
     torch.manual_seed(2)
-    method = build_method("shadowkv", budget_tokens=200, outlier_ratio=0.0)
+    method = build_method("shadowkv", budget_tokens=200, outlier_ratio=0.0, compress_above_tokens=0)
     layer, _ = bare_layer(method, h_kv=1, heads=2)
     feed_prompt(layer, torch.randn(1, 1, 12 * 8, 8), torch.randn(1, 1, 96, 8))
     assert layer.landmarks.shape == (1, 1, 8, 8)
@@ -95,9 +96,10 @@ def test_a_query_on_a_landmark_selects_its_chunk_and_gqa_takes_the_max():
 
 
 def test_model_decode_steps_match_a_hand_computation_and_respect_the_budget(tiny_model, monkeypatch):
-    """Budget 40 on a 64-token prompt of the tiny GQA Llama: per layer and step, rebuild from the
-    full-cache prompt keys the landmarks, outliers, chunk choice, low-rank keys and the attention
-    output, and check the budget and the bytes fetched from the host."""
+    """Sparse budget 16 on a 64-token prompt of the tiny GQA Llama: per layer and step, rebuild from
+    the full-cache prompt keys the landmarks, outliers, chunk choice, low-rank keys and the
+    attention output (over outliers + 2 chunks + the whole local window), and check the grant and
+    the bytes fetched from the host."""
     torch.manual_seed(7)
     ids = torch.randint(3, 250, (1, 72))
     full = make_engine(tiny_model, build_method("full"))
@@ -117,17 +119,18 @@ def test_model_decode_steps_match_a_hand_computation_and_respect_the_budget(tiny
         return out
 
     monkeypatch.setattr(ShadowKVLayer, "attend", spy)
-    method = build_method("shadowkv", budget_tokens=56, rank=12)
+    method = build_method("shadowkv", budget_tokens=16, rank=12, outlier_ratio=0.5,
+                          compress_above_tokens=0)
     engine = make_engine(tiny_model, method, chunk=16)
+    c, n_ctx = 8, 64 - 4 * 8  # 4 chunks of context, 32 local tokens
     with engine.request() as req:
         req.prefill(ids[:, :64])
         for t in range(64, 72):
             req.step(ids[:, t])
-            for kv in req.cache.kv_layers:
-                assert kv.stats()["selected_tokens"] <= kv.allowed_tokens() == 56
+            for kv in req.cache.kv_layers:  # 1 outlier + 2 chunks + the local window
+                assert kv.stats()["selected_tokens"] == kv.allowed_tokens() == 24 + t + 1 - n_ctx
     inv_freq = method._inv_freq
-    c, n_ctx = 8, 64 - 4 * 8  # 4 chunks of context, 32 local tokens
-    assert int(0.16 * 56) // c == 1  # one outlier chunk per KV head
+    assert int(0.5 * 16) // c == 1  # one outlier chunk per KV head
     assert len(steps) == 2 * 8  # both layers, every decode step
     for s in steps:
         keys, values = prompt[s["layer"]]
@@ -141,9 +144,7 @@ def test_model_decode_steps_match_a_hand_computation_and_respect_the_budget(tiny
         low = ((u[:, :12] * sv_s[:12]) @ vh[:12]).view(64, h_kv, d).transpose(0, 1)  # (H, 64, D)
         low = rotate(low, torch.arange(64).float(), inv_freq)
         groups = s["q"].shape[0] // h_kv
-        local = min(s["local_k"].shape[1], 56 - c)  # the local window after the outlier chunk
-        k = (56 - c - local) // c
-        assert k >= 1
+        k = 16 // c  # the sparse budget's chunks; the local window is on top, whole
         for h in range(h_kv):
             outlier = int(bad[h].argmin())
             rest = [j for j in range(4) if j != outlier]
@@ -153,8 +154,8 @@ def test_model_decode_steps_match_a_hand_computation_and_respect_the_budget(tiny
             assert s["chunks"][h].tolist() == want
             rows = [j * c + i for j in want for i in range(c)]
             out_rows = list(range(outlier * c, (outlier + 1) * c))
-            kk = torch.cat([keys[h, out_rows], low[h, rows], s["local_k"][h, -local:]])
-            vv = torch.cat([values[h, out_rows], values[h, rows], s["local_v"][h, -local:]])
+            kk = torch.cat([keys[h, out_rows], low[h, rows], s["local_k"][h]])
+            vv = torch.cat([values[h, out_rows], values[h, rows], s["local_v"][h]])
             for j in range(h * groups, (h + 1) * groups):
                 w = torch.softmax(kk @ s["q"][j] * s["scaling"], -1)
                 assert torch.allclose(s["out"][j], w @ vv, atol=1e-4)
@@ -162,11 +163,60 @@ def test_model_decode_steps_match_a_hand_computation_and_respect_the_budget(tiny
     per_step = engine.transfers.summary()["bytes_per_decode_step"]
     ks = [s["chunks"].shape[1] for s in steps]
     assert per_step == sum(k * c * 2 * 16 * 4 for k in ks) / 8
-    assert engine.attended.summary()["attended_fraction_all_layers"] <= 56 / 65
+
+
+def plain_attention(module, query, keys, values, mask, **kwargs):
+    """Softmax attention `(B, q, H_q, D)` over `keys (B, H_kv, T, D)` (GQA), no mask."""
+    groups = query.shape[1] // keys.shape[1]
+    k, v = (x.repeat_interleave(groups, 1) for x in (keys, values))
+    w = torch.softmax(query @ k.transpose(2, 3) * kwargs["scaling"], -1)
+    return (w @ v).transpose(1, 2), None
+
+
+def test_sparse_budget_counts_only_the_selected_chunks_and_the_local_window_grows():
+    """The official counting (models/kv_cache.py): a sparse budget of 2 chunks selects 2 chunks at
+    every decode step, however many tokens were generated; the outlier chunks, the prompt's local
+    window and every generated token are attended on top (the window taken out of the budget
+    would leave no chunk after a few steps)."""
+    torch.manual_seed(3)
+    c, d = 8, 8
+    method = build_method("shadowkv", budget_tokens=16, outlier_ratio=0.5, compress_above_tokens=0)
+    layer, _ = bare_layer(method, h_kv=1, heads=2, d=d)
+    prompt = 10 * c + 3  # 6 context chunks (1 outlier), 4 local chunks + 3 remainder tokens
+    feed_prompt(layer, torch.randn(1, 1, prompt, d), torch.randn(1, 1, prompt, d))
+    assert layer.ctx_positions.numel() == 6 * c and layer.outlier_rows.shape[2] == c
+    for step in range(60):
+        seen = prompt + step
+        keys, values = layer.update(torch.randn(1, 1, 1, d), torch.randn(1, 1, 1, d),
+                                    torch.tensor([[seen]]))
+        layer.attend(None, torch.randn(1, 2, 1, d), keys, values, None, plain_attention,
+                     scaling=d ** -0.5)
+        local = 4 * c + 3 + step + 1  # the prompt's local window + every generated token
+        assert layer.selected_chunks.shape[-1] == 2, step
+        assert layer.attended_tokens() == c + 2 * c + local == layer.allowed_tokens()
+        positions = layer.kept_positions()[0, 0].tolist()
+        assert positions[-local:] == list(range(6 * c, seen + 1))  # the whole window, in order
+
+
+def test_only_prompts_above_the_official_threshold_are_compressed():
+    """Official: the compressing prefill runs for q_len > 4096 only; the knob moves it."""
+    d = 8
+    for tokens, threshold, compressed in ((4096, 4096, False), (4097, 4096, True),
+                                          (200, 4096, False), (200, 199, True)):
+        method = build_method("shadowkv", budget_tokens=16, compress_above_tokens=threshold)
+        layer, _ = bare_layer(method, d=d)
+        feed_prompt(layer, torch.randn(1, 1, tokens, d), torch.randn(1, 1, tokens, d))
+        assert layer.compressed == compressed, (tokens, threshold)
+    assert build_method("shadowkv").provenance_label() == "official code"
+    assert "compress_above_tokens=0" in build_method(
+        "shadowkv", compress_above_tokens=0).provenance_label()
+    # the official sparse budget when no shared budget knob is set
+    assert build_method("shadowkv").sparse_budget(None) == 2048
+    assert build_method("shadowkv", budget_ratio=0.2).sparse_budget(1000) == 200
 
 
 def test_prompt_too_short_or_no_prompt_stays_dense(tiny_model):
-    method = build_method("shadowkv", budget_tokens=8)
+    method = build_method("shadowkv", budget_tokens=8, compress_above_tokens=0)
     engine = make_engine(tiny_model, method)
     with engine.request() as req:
         for t in range(40):  # streaming: no prompt, so nothing to decompose
@@ -209,7 +259,7 @@ def test_host_tier_on_cuda_gives_the_cpu_result():
     pre, values = torch.randn(1, 2, 80, 16), torch.randn(1, 2, 80, 16)
     out = []
     for device in ("cpu", "cuda"):
-        method = build_method("shadowkv", budget_tokens=64, rank=8)
+        method = build_method("shadowkv", budget_tokens=64, rank=8, compress_above_tokens=0)
         layer, inv_freq = bare_layer(method, h_kv=2, d=16)
         layer.tier = Tier(torch.device(device), TransferLedger(1), offload=True)
         post = rotate(pre, torch.arange(80).float(), inv_freq).to(device)

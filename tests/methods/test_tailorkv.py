@@ -2,8 +2,6 @@
 sparse layers' channel scoring and top-k fetch by hand (bytes in the transfer ledger), the budget at
 every decode step of a model run, and one-line config errors."""
 
-import math
-
 import pytest
 import torch
 
@@ -48,7 +46,8 @@ def test_dense_score_is_the_mass_outside_the_top_keys():
 
 def test_probe_splits_layers_as_computed_by_hand():
     """Layer 0: zero queries attend uniformly (dense); layer 1: every query points at key 0
-    (sparse). Scores recomputed by hand from the causal rows."""
+    (sparse). Scores recomputed by hand: as the official probe, each of the last rows attends
+    over every key of the text (no causal mask)."""
     t, n_q, d = 40, 4, 8
     info = info_of(layers=2, d=d)
     keys = torch.randn(1, 1, t, d, generator=torch.Generator().manual_seed(0))
@@ -65,14 +64,32 @@ def test_probe_splits_layers_as_computed_by_hand():
 
     method = build_method("tailorkv", probe_queries=n_q)
     facts = method.prepare(context(info, capture))
-    k = int(0.05 * t)  # 2 keys per row; row j of the last n_q sees t - n_q + j + 1 keys uniformly
-    dense = sum(1 - k / (t - n_q + j + 1) for j in range(n_q)) / n_q
-    assert facts["dense_scores"][0] == pytest.approx(dense, abs=1e-6)
+    k = int(0.05 * t)  # 2 keys per row; every row sees all t keys uniformly (causal: fewer)
+    assert facts["dense_scores"][0] == pytest.approx(1 - k / t, abs=1e-6)
     assert facts["dense_scores"][1] < 1e-6
     assert facts["layer_split"] == "probe" and facts["quant_layers"] == [0]
     assert facts["sparse_layers"] == [1] and "> 0.2 -> quantized" in facts["criterion"]
     assert isinstance(method.make_layer(0, info), KIVILayer)
     assert isinstance(method.make_layer(1, info), TopKOffloadLayer)
+
+
+def test_the_official_stored_lists_are_used_for_the_authors_models():
+    """config/model2quantlayer.json: matched on the model's name (any organisation, hub cache
+    folders too); other models fall back to the probe."""
+    def split(model_id, layers=32):
+        method = build_method("tailorkv")
+        ctx = context(info_of(layers=layers))  # capture=None: the probe would fail
+        ctx.model_id = model_id
+        return method.prepare(ctx)
+
+    facts = split("NousResearch/Meta-Llama-3.1-8B-Instruct")
+    assert facts["layer_split"] == "official list" and facts["quant_layers"] == [0]
+    assert split("meta-llama/Meta-Llama-3.1-8B-Instruct")["quant_layers"] == [0]
+    hub = "/cache/models--togethercomputer--Llama-2-7B-32K-Instruct/snapshots/abc123"
+    assert split(hub)["quant_layers"] == [0, 1]
+    assert split("01-ai/Yi-6B-200K")["official_list"].endswith("01-ai/Yi-6B-200K")
+    with pytest.raises(TypeError):  # no stored list: the probe runs (and needs ctx.capture)
+        split("HuggingFaceTB/SmolLM2-135M-Instruct")
 
 
 def test_split_from_config_is_labelled_and_skips_the_probe():
@@ -149,51 +166,76 @@ def test_sparse_step_fetches_the_hand_computed_top_k():
     torch.manual_seed(2)
     h_kv, g, d, n = 2, 2, 8, 40
     layer = sparse_layer(h_kv, g, d, budget_tokens=10, sink_tokens=2, recent_tokens=3,
-                         channel_ratio=0.25)  # c = 2 channels, k = 10 - 2 - 3 = 5
+                         key_channels=2)  # k = 10 - 2 - 3 = 5 prompt rows fetched
     keys, values = torch.randn(1, h_kv, n - 1, d), torch.randn(1, h_kv, n - 1, d)
     prompt_q = torch.randn(1, h_kv * g, n - 1, d)
     k_out, v_out = layer.update(keys, values, None)
     assert torch.equal(k_out, keys)  # a prefill chunk attends everything
     layer.attend(None, prompt_q, k_out, v_out, None, eager, scaling=d ** -0.5)
+    layer.on_prefill_end()
     new_k, new_v = torch.randn(1, h_kv, 1, d), torch.randn(1, h_kv, 1, d)
     q = torch.randn(1, h_kv * g, 1, d)
-    assert layer.mask_sizes(1) == (5, 35)
+    assert layer.mask_sizes(1) == (6, 34)
     dev_k, dev_v = layer.update(new_k, new_v, None)
-    assert dev_k.shape[2] == 5  # 2 sinks + 3 recent (the new token included), on the device
+    assert dev_k.shape[2] == 6  # 2 sinks + 3 recent prompt tokens + the new one, on the device
     ledger = layer.tier.ledger
     before = ledger.bytes_h2d
     out, _ = layer.attend(None, q, dev_k, dev_v, None, eager, scaling=d ** -0.5)
     all_k, all_v = torch.cat([keys, new_k], 2), torch.cat([values, new_v], 2)
     q_bar = q[0, :, 0].view(h_kv, g, d).mean(1)  # (H_kv, D)
     expected = []
-    for h in range(h_kv):
-        chans = (q_bar[h].abs() * all_k[0, h].abs().amax(0)).topk(2).indices
-        approx = all_k[0, h, 2:n - 3][:, chans] @ q_bar[h, chans]
+    for h in range(h_kv):  # max |K| over the prompt; candidates between sinks and recent window
+        chans = (q_bar[h].abs() * keys[0, h].abs().amax(0)).topk(2).indices
+        approx = keys[0, h, 2:n - 1 - 3][:, chans] @ q_bar[h, chans]
         expected.append(sorted((approx.topk(5).indices + 2).tolist()))
     rows = layer.positions[0, :, 2:7].tolist()
     assert rows == expected
     assert layer.positions[0, 0, :2].tolist() == [0, 1]  # sinks
-    assert layer.positions[0, 0, 7:].tolist() == [37, 38, 39]  # recent, the new token last
+    assert layer.positions[0, 0, 7:].tolist() == [36, 37, 38, 39]  # recent prompt, then generated
     keep = torch.zeros(1, h_kv * g, 1, n, dtype=torch.bool)
     for h in range(h_kv):
         keep[0, h * g:(h + 1) * g, 0, layer.positions[0, h]] = True
     want, _ = attention_with_probs(q, all_k, all_v, None, d ** -0.5, keep=keep)
     assert torch.allclose(out, want, atol=1e-6)
-    # channels of every stored key (n x H_kv x c), then 5 rows of K and V per head
-    assert ledger.bytes_h2d - before == 4 * (n * h_kv * 2 + 2 * 5 * h_kv * d)
+    # channels of every stored prompt key ((n-1) x H_kv x c), then 5 rows of K and V per head
+    assert ledger.bytes_h2d - before == 4 * ((n - 1) * h_kv * 2 + 2 * 5 * h_kv * d)
     stats = layer.stats()
-    assert stats["selected_tokens"] == 10 == layer.allowed_tokens() and stats["kv_tokens"] == n
-    assert stats["kv_bytes_device"] == 4 * h_kv * d * (2 * (2 + 3) + 1)  # sinks, recent, max |K|
-    assert stats["kv_bytes"] == stats["kv_bytes_device"] + 2 * all_k.nbytes
+    assert stats["selected_tokens"] == 11 == layer.allowed_tokens() and stats["kv_tokens"] == n
+    # sinks, recent prompt tokens, the generated one (K and V), max |K|
+    assert stats["kv_bytes_device"] == 4 * h_kv * d * (2 * (2 + 3 + 1) + 1)
+    assert stats["kv_bytes"] == stats["kv_bytes_device"] + keys.nbytes + values.nbytes
 
 
 def test_budget_covering_the_tokens_attends_all_of_them():
     layer = sparse_layer(budget_tokens=64, sink_tokens=2, recent_tokens=3)
     keys = torch.randn(1, 2, 12, 8)
     layer.update(keys, keys, None)
+    layer.on_prefill_end()
     dev_k, dev_v = layer.update(keys[:, :, :1], keys[:, :, :1], None)
     layer.attend(None, torch.randn(1, 4, 1, 8), dev_k, dev_v, None, eager, scaling=1.0)
     assert layer.positions[0, 0].tolist() == list(range(13)) and layer.allowed_tokens() == 13
+
+
+def test_official_192_prompt_tokens_and_every_generated_token_exact(tiny_model, tmp_path,
+                                                                   monkeypatch):
+    """The official operating point: with no shared budget set, a sparse layer attends 8 sinks +
+    56 recent + 128 top-k prompt tokens, and every generated token on top, never evicted (a
+    generated token competing for the top-k, or the window sliding over generated tokens, would
+    drop some)."""
+    monkeypatch.setenv("KVH_CACHE_DIR", str(tmp_path))
+    method = build_method("tailorkv", quant_layers=[0], key_channels=4)
+    engine = make_engine(tiny_model, method, chunk=128)
+    ids = torch.randint(3, 250, (1, 300), generator=torch.Generator().manual_seed(8))
+    with engine.request() as req:
+        req.prefill(ids[:, :260])
+        for t in range(260, 300):
+            req.step(ids[:, t])
+            layer = req.cache.kv_layers[1]
+            assert layer.grant == (8, 56, 128)
+            assert layer.allowed_tokens() == layer.attended_tokens() == 192 + t + 1 - 260
+            row = layer.kept_positions()[0, 0].tolist()
+            assert row[:8] == list(range(8)) and row[-(56 + t + 1 - 260):] == list(range(204, t + 1))
+            assert all(8 <= p < 204 for p in row[8:136])
 
 
 @pytest.mark.parametrize("quant_layers", [[], [0]])
@@ -221,28 +263,33 @@ def test_budget_holds_at_every_step_of_a_model_run(tiny_model, quant_layers, tmp
     assert torch.isfinite(logits).all()
     sample = engine.ledger.samples[-1]
     sparse = [i for i in range(info.num_layers) if i not in quant_layers]
-    assert all(sample["selected_per_layer"][i] == 12 == sample["budget_per_layer"][i]
-               for i in sparse)
+    assert all(sample["selected_per_layer"][i] == 12 + 32 == sample["budget_per_layer"][i]
+               for i in sparse)  # 12 prompt tokens + the 32 generated ones
     assert all(sample["device_bytes_per_layer"][i] < sample["bytes_per_layer"][i] for i in sparse)
     assert engine.transfers.summary()["bytes_per_decode_step"] > 0
     if checker:
         assert checker.compressed
 
 
-def test_sparse_prefill_protocol_selects_for_every_prompt_row(tiny_model):
-    """runner.prefill=sparse: the prompt goes one token at a time and each row is a sparse step."""
+def test_sparse_prefill_and_prompt_less_streams_are_refused(tiny_model):
+    """The official prefill is dense and the budget is the prompt's: runner.prefill=sparse and a
+    stream with no prompt are refused before weights load."""
+    from harness import hf_adapter
+    from harness.run import protocol_reasons
     from methods.base import Protocol
 
-    method = build_method("tailorkv", budget_tokens=6, sink_tokens=1, recent_tokens=2,
-                          quant_layers=[])
-    engine = make_engine(tiny_model, method, chunk=16, protocol=Protocol(prefill="sparse"))
-    with engine.request() as req:
-        req.prefill(torch.randint(3, 250, (1, 24), generator=torch.Generator().manual_seed(1)))
-        layer = req.cache.kv_layers[1]
-        assert layer.allowed_tokens() == 6 and layer.positions.shape[-1] == 6
-        row = layer.positions[0, 0].tolist()  # sink 0, 3 chosen in [1, 22), recent 22 and 23
-        assert row[0] == 0 and row[-2:] == [22, 23] and all(1 <= p < 22 for p in row[1:4])
-    assert engine.transfers.summary()["copies_h2d"] > 0  # rows beyond the budget were fetched
+    method = build_method("tailorkv")
+    info = hf_adapter.model_info(tiny_model.config)
+
+    class Task:
+        name = "t"
+
+        def phases(self):
+            return frozenset({"prefill", "decode"})
+
+    assert any("runner.prefill=sparse" in r for r in protocol_reasons(
+        method, Task(), info, Protocol(prefill="sparse")))
+    assert method.capabilities.needs_prompt
 
 
 def test_runner_offload_moves_the_quantized_layers_too_with_the_same_logits(tiny_model,
@@ -289,8 +336,8 @@ def test_over_budget_is_caught_by_the_engine(tiny_model, monkeypatch):
     ({"k_bits": 3}, "method.k_bits=3; allowed: 1, 2, 4, 8"),
     ({"residual_tokens": 100},
      "method.residual_tokens=100 must be a multiple of method.group_size=64"),
-    ({"recent_tokens": 0}, "method.recent_tokens=0 must be an integer >= 1"),
-    ({"channel_ratio": 0.0}, "method.channel_ratio=0.0 must be in (0, 1]"),
+    ({"recent_tokens": 0}, "method.recent_tokens=0 must be a positive integer"),
+    ({"key_channels": 0}, "method.key_channels=0 must be a positive integer"),
     ({"dense_threshold": 1.5}, "method.dense_threshold=1.5 must be in [0, 1]"),
     ({"quant_layers": [-1]}, "method.quant_layers=[-1] must be layer indices >= 0"),
     ({"budget_ratio": None, "budget_tokens": 0},
@@ -305,5 +352,8 @@ def test_bad_config_is_one_line_naming_the_key(hyper, message):
 def test_layers_beyond_the_model_are_refused_before_weights_load():
     reasons = build_method("tailorkv", quant_layers=[0, 5]).validate(info_of(layers=4), {})
     assert reasons == ["method.quant_layers=[0, 5] names a layer >= the model's 4 layers"]
-    assert math.isclose(build_method("tailorkv").channels(128), 8)  # paper: 8 of 128 channels
-    assert build_method("tailorkv").channels(64) == 4
+    # official num_channel: 8 key channels whatever head_dim (not a share of it)
+    assert build_method("tailorkv").key_channels == 8
+    assert build_method("tailorkv").validate(info_of(layers=4, d=8), {}) == []
+    assert "method.key_channels=8 exceeds the model's head_dim 4" in build_method(
+        "tailorkv").validate(info_of(layers=4, d=4), {})
