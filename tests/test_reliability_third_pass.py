@@ -603,7 +603,7 @@ def test_a_stop_requested_by_a_signal_takes_effect_at_the_next_write():
 def test_sigterm_during_a_long_prefill_leaves_nothing(tmp_path):
     env = dict(os.environ, HYDRA_FULL_ERROR="0", PYTHONUNBUFFERED="1")
     proc = subprocess.Popen([sys.executable, "-m", "harness", "model=stories260k",
-                             "method=h2o", "task.mode=chunked", "task.window_tokens=512",
+                             "method=full", "task.mode=chunked", "task.window_tokens=512",
                              "task.max_tokens=512", "runner.prefill_chunk_tokens=1",
                              f"runner.results_root={tmp_path}"], cwd=PROJECT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
