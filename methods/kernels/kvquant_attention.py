@@ -27,9 +27,10 @@ Three implementations of softmax(q K^T * scaling) V over the whole cache:
     dequantized into L1, outliers patched, rotated with the table, dotted with the g queries;
     exact softmax; then p.V from the value codes likewise.
   * `decode_attention_triton`: fused, flash-decoding style (split-K over tokens, online
-    softmax): per tile the codes are unpacked and looked up in registers, the tile's outliers
-    (a per-token offset table into the sorted list) written in with one-hot products, the score
-    taken in the coefficient form above.
+    softmax): per tile the codes are unpacked and looked up in registers, the score taken in the
+    coefficient form above; the tile's outliers (a per-token offset table into the sorted list)
+    are added as corrections, (value - its dense dequantization) times the RoPE-weighted query
+    (keys, as the official `SPMV_ATOMIC_CSR_ROPE_BALANCED`) or the probability (values).
 `decode_attention` dispatches (Triton on CUDA or under TRITON_INTERPRET=1, else C, else torch);
 `decode_kernel(device)` names the one a run uses.
 """
@@ -48,7 +49,7 @@ from methods.kernels.kivi_attention import combine_splits
 from methods.rope import rotate
 
 _INTERPRETED_AT_IMPORT = os.environ.get("TRITON_INTERPRET") == "1"
-OUTLIER_BLOCK = 16  # outliers written into a Triton tile per one-hot product
+OUTLIER_BLOCK = 16  # outliers per correction chunk of a Triton tile
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,26 +171,29 @@ def _codes(ptr, rows, row_ok, dims, dim_ok, BITS: tl.constexpr, D: tl.constexpr)
 
 
 @triton.jit
-def _patch(x, offs_ptr, tok_ptr, lane_ptr, val_ptr, h, t, t_first, t_last, dims,
-           D: tl.constexpr, BLOCK_O: tl.constexpr):
-    """x `(BLOCK_T, D_P2)` with the outliers of head h among tokens t written in: the sorted
-    list's entries for tokens [t_first, t_last) (offsets table), one-hot products per chunk."""
-    lo = tl.load(offs_ptr + t_first)
-    hi = tl.load(offs_ptr + t_last)
-    hit = tl.zeros(x.shape, tl.float32)
-    val = tl.zeros(x.shape, tl.float32)
-    for o0 in range(lo, hi, BLOCK_O):
-        o = o0 + tl.arange(0, BLOCK_O)
-        o_ok = o < hi
-        tok = tl.load(tok_ptr + o, mask=o_ok, other=-1)
-        ch = tl.load(lane_ptr + o, mask=o_ok, other=0).to(tl.int32) - h * D
-        v = tl.load(val_ptr + o, mask=o_ok, other=0.0).to(tl.float32)
-        mine = o_ok & (ch >= 0) & (ch < D)
-        at_t = ((tok[:, None] == t[None, :]) & mine[:, None]).to(tl.float32)  # (BLOCK_O, BLOCK_T)
-        at_c = (ch[:, None] == dims[None, :]).to(tl.float32)  # (BLOCK_O, D_P2)
-        hit += tl.dot(tl.trans(at_t), at_c, input_precision="ieee")
-        val += tl.dot(tl.trans(at_t), at_c * v[:, None], input_precision="ieee")
-    return tl.where(hit > 0, val, x)
+def _outliers(tok_ptr, lane_ptr, val_ptr, o0, hi, h, T0, D: tl.constexpr,
+              BLOCK_O: tl.constexpr):
+    """One chunk of the sorted list: this head's entries among [o0, min(o0 + BLOCK_O, hi)):
+    (mine, token position, channel, quantized index, value), masked entries zeroed."""
+    o = o0 + tl.arange(0, BLOCK_O)
+    ok = o < hi
+    tok = tl.load(tok_ptr + o, mask=ok, other=-1)
+    ch = tl.load(lane_ptr + o, mask=ok, other=0).to(tl.int32) - h * D
+    mine = ok & (ch >= 0) & (ch < D)
+    ch = tl.where(mine, ch, 0)
+    val = tl.load(val_ptr + o, mask=mine, other=0.0).to(tl.float32)
+    return mine, tl.where(mine, tok, -1), ch, tl.where(mine, tok - T0, 0), val
+
+
+@triton.jit
+def _code_at(row_ptr, ch, mine, BITS: tl.constexpr, D: tl.constexpr):
+    """Codes of channels `ch` of the rows at `row_ptr` (one per entry)."""
+    bit = ch * BITS
+    byte = bit // 8
+    lo = tl.load(row_ptr + byte, mask=mine, other=0).to(tl.int32)
+    hi = tl.load(row_ptr + byte + 1, mask=mine & ((byte + 1) < (D * BITS // 8)),
+                 other=0).to(tl.int32)
+    return ((lo | (hi << 8)) >> (bit % 8)) & ((1 << BITS) - 1)
 
 
 @triton.jit
@@ -238,14 +242,34 @@ def _kvquant_decode_kernel(
         ek = tl.load(ek_ptr + h * sek_h + t[:, None] * sek_t + dims[None, :], mask=em, other=0.0)
         code = _codes(kc_ptr + h * skc_h, i * skc_t, quant, dims, dim_ok, K_BITS, D)
         k = tl.load(kcb_ptr + code, mask=qmask, other=0.0) * k_scale[None, :] + k_zero[None, :]
-        k = _patch(k, ko_ptr, kt_ptr, kl_ptr, kv_ptr, h, t, t0, t_last, dims, D, BLOCK_O)
         cos = tl.load(cos_ptr + t[:, None] * HALF + pair[None, :], mask=qmask, other=0.0)
         sin = tl.load(sin_ptr + t[:, None] * HALF + pair[None, :], mask=qmask, other=0.0)
         k_cos = tl.where(qmask, k * cos, ek.to(tl.float32))  # exact rows: plain q . k
         k_sin = tl.where(qmask, k * sin, 0.0)
         s = tl.sum(q[:, None, :] * k_cos[None, :, :] + q_sin[:, None, :] * k_sin[None, :, :],
-                   axis=2) * scaling  # (G_P2, BLOCK_T)
-        s = tl.where(live[None, :], s, float("-inf"))
+                   axis=2)  # (G_P2, BLOCK_T)
+        # key outliers: (value - dense) times the RoPE-weighted query (the official SpMV)
+        lo = tl.load(ko_ptr + t0)
+        hi = tl.load(ko_ptr + t_last)
+        for o0 in range(lo, hi, BLOCK_O):
+            mine, tok, ch, io, val = _outliers(kt_ptr, kl_ptr, kv_ptr, o0, hi, h, T0, D,
+                                               BLOCK_O)
+            c = _code_at(kc_ptr + h * skc_h + io * skc_t, ch, mine, K_BITS, D)
+            dense = (tl.load(kcb_ptr + c, mask=mine, other=0.0)
+                     * tl.load(ks_ptr + h * D + ch, mask=mine, other=0.0)
+                     + tl.load(kz_ptr + h * D + ch, mask=mine, other=0.0))
+            om = head_ok[:, None] & mine[None, :]
+            p_ch = tl.where(ch < HALF, ch + HALF, ch - HALF)
+            o_sign = tl.where(ch < HALF, 1.0, -1.0)
+            o_cos = tl.load(cos_ptr + tok * HALF + ch % HALF, mask=mine, other=0.0)
+            o_sin = tl.load(sin_ptr + tok * HALF + ch % HALF, mask=mine, other=0.0)
+            coef = (tl.load(q_rows + ch[None, :], mask=om, other=0.0).to(tl.float32)
+                    * o_cos[None, :]
+                    + tl.load(q_rows + p_ch[None, :], mask=om, other=0.0).to(tl.float32)
+                    * (o_sign * o_sin)[None, :])  # (G_P2, BLOCK_O)
+            at_t = ((tok[:, None] == t[None, :]) & mine[:, None]).to(tl.float32)
+            s += tl.sum((coef * (val - dense)[None, :])[:, :, None] * at_t[None, :, :], axis=1)
+        s = tl.where(live[None, :], s * scaling, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
@@ -257,9 +281,22 @@ def _kvquant_decode_kernel(
         v_scale = tl.load(vs_ptr + i * svs_t, mask=quant, other=0.0).to(tl.float32)
         v_zero = tl.load(vz_ptr + i * svs_t, mask=quant, other=0.0).to(tl.float32)
         v = tl.load(vcb_ptr + code, mask=qmask, other=0.0) * v_scale[:, None] + v_zero[:, None]
-        v = _patch(v, vo_ptr, vt_ptr, vl_ptr, vv_ptr, h, t, t0, t_last, dims, D, BLOCK_O)
         v = tl.where(qmask, v, ev.to(tl.float32))
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        # value outliers: (value - dense) times the token's probability
+        lo = tl.load(vo_ptr + t0)
+        hi = tl.load(vo_ptr + t_last)
+        for o0 in range(lo, hi, BLOCK_O):
+            mine, tok, ch, io, val = _outliers(vt_ptr, vl_ptr, vv_ptr, o0, hi, h, T0, D,
+                                               BLOCK_O)
+            c = _code_at(vc_ptr + h * svc_h + io * svc_t, ch, mine, V_BITS, D)
+            dense = (tl.load(vcb_ptr + c, mask=mine, other=0.0)
+                     * tl.load(vs_ptr + io * svs_t, mask=mine, other=0.0).to(tl.float32)
+                     + tl.load(vz_ptr + io * svs_t, mask=mine, other=0.0).to(tl.float32))
+            at_t = ((tok[:, None] == t[None, :]) & mine[:, None]).to(tl.float32)
+            p_o = tl.sum(p[:, None, :] * at_t[None, :, :], axis=2)  # (G_P2, BLOCK_O)
+            at_c = ((ch[:, None] == dims[None, :]) & mine[:, None]).to(tl.float32)
+            acc += tl.sum((p_o * (val - dense)[None, :])[:, :, None] * at_c[None, :, :], axis=1)
     part = h * n_splits + split
     tl.store(m_ptr + part * G_P2 + heads, m_i)
     tl.store(l_ptr + part * G_P2 + heads, l_i)
@@ -306,8 +343,7 @@ def decode_attention_triton(query: torch.Tensor, cache: KVQuantCache, scaling: f
     k_out = _outlier_args(cache.k_outliers, t, dev)
     v_out = _outlier_args(cache.v_outliers, t, dev)
     q = query.reshape(hq, d).float().contiguous()
-    # D_P2 >= 16: the outlier one-hot products are tl.dot operands
-    g_p2, d_p2 = triton.next_power_of_2(g), max(16, triton.next_power_of_2(d))
+    g_p2, d_p2 = triton.next_power_of_2(g), triton.next_power_of_2(d)
     splits = splits or _splits(h, t, block_t, dev)
     per_split = triton.cdiv(triton.cdiv(t, splits), block_t) * block_t
     splits = triton.cdiv(t, per_split)

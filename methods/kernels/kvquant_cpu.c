@@ -19,12 +19,19 @@
    the size of the cache is ever written. Values likewise, accumulated into p.V. One OpenMP
    region per call: key scores by span of tokens (all heads of a token share its table row),
    softmax by row, p.V by span into partials summed in a fixed order, so the result does not
-   depend on the thread count. Strides are in elements; last axes are unit. */
+   depend on the thread count. Strides are in elements; last axes are unit.
+
+   With AVX-512 (and D a multiple of 32) a vector path replaces the blocks: 16 codes at a time
+   become codebook values with one in-register table lookup (vpermps), the key is dequantized,
+   rotated and dotted in registers, the value codes accumulate into p.V with the per-token scale
+   folded into the probability; the outliers are then added as corrections, (value - its dense
+   dequantization) times the RoPE-weighted query (keys, as the official SpMV) or the probability
+   (values). `vector` = 0 forces the portable path (tests run both). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __F16C__
+#if defined(__F16C__) || defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
@@ -56,6 +63,7 @@ typedef struct {
     int bits;
     const float *codebook;               /* (2^bits,) */
     float lut[256 * 4];                  /* 2 and 4 bits: the codebook values of each byte */
+    float table[16];                     /* the codebook, zero-padded (vector path) */
     Sparse out;
 } Codes;
 
@@ -69,9 +77,12 @@ typedef struct {
     float *out;                           /* (H, g, D) */
     long h, g, d, t0, tq, tokens;
     float scaling;
+    int vector;                           /* 1: the AVX-512 path where it applies */
 } Args;
 
 static void build_lut(Codes *c) {
+    memset(c->table, 0, sizeof c->table);
+    memcpy(c->table, c->codebook, sizeof(float) * (size_t)(1 << c->bits));
     if (c->bits != 2 && c->bits != 4) return;
     const int per = 8 / c->bits, mask = (1 << c->bits) - 1;
     for (int byte = 0; byte < 256; byte++)
@@ -93,6 +104,13 @@ static inline void lookup_row(const Codes *c, const uint8_t *src, long d, float 
                 for (int i = 0; i < 8; i++) dst[8 * j + i] = c->codebook[(w >> (3 * i)) & 7];
             }
     }
+}
+
+/* Code c of a row of d codes (a little-endian bit stream). */
+static inline int code_at(const uint8_t *row, long c, long d, int bits) {
+    const long bit = c * bits, byte = bit >> 3;
+    const uint32_t w = row[byte] | (byte + 1 < d * bits / 8 ? (uint32_t)row[byte + 1] << 8 : 0u);
+    return (int)((w >> (bit & 7)) & ((1u << bits) - 1));
 }
 
 /* First index of the sorted positions with position >= p, searching [lo, n). */
@@ -210,6 +228,186 @@ static void exact_values(const Args *a, const float *probs, float *acc) {
         }
 }
 
+
+/* The outliers as corrections of the dense scores / p.V of the quantized tokens [i0, i1):
+   (value - the element's dense dequantization) times its coefficient. Keys: the RoPE-weighted
+   query q[c] cos + q[c +- D/2] (+-sin) of channel c at the outlier's position. */
+static void key_corrections(const Args *a, long i0, long i1, float *scores) {
+    const Sparse *o = &a->k.out;
+    const long d = a->d, half = d / 2, g = a->g;
+    const long lo = lower_bound(o, 0, a->t0 + i0), hi = lower_bound(o, lo, a->t0 + i1);
+    for (long e = lo; e < hi; e++) {
+        const long p = o->token[e], i = p - a->t0, h = o->lane[e] / d, c = o->lane[e] % d;
+        const int code = code_at(a->k.codes + h * a->k.s_h + i * a->k.s_t, c, d, a->k.bits);
+        const float deq = a->k.codebook[code] * a->ks[h * d + c] + a->kz[h * d + c];
+        const float delta = (half_to_float(o->value[e]) - deq) * a->scaling;
+        const float cs = a->cos_[p * half + c % half], sn = a->sin_[p * half + c % half];
+        for (long gi = 0; gi < g; gi++) {
+            const float *q = a->q + (h * g + gi) * d;
+            const float coef = c < half ? q[c] * cs + q[c + half] * sn : q[c] * cs - q[c - half] * sn;
+            scores[(h * g + gi) * a->tokens + p] += coef * delta;
+        }
+    }
+}
+
+static void value_corrections(const Args *a, long i0, long i1, const float *probs, float *acc) {
+    const Sparse *o = &a->v.out;
+    const long d = a->d, g = a->g;
+    const long lo = lower_bound(o, 0, a->t0 + i0), hi = lower_bound(o, lo, a->t0 + i1);
+    for (long e = lo; e < hi; e++) {
+        const long p = o->token[e], i = p - a->t0, h = o->lane[e] / d, c = o->lane[e] % d;
+        const int code = code_at(a->v.codes + h * a->v.s_h + i * a->v.s_t, c, d, a->v.bits);
+        const float deq = a->v.codebook[code] * half_to_float(a->vs[i * a->s_vst])
+                          + half_to_float(a->vz[i * a->s_vst]);
+        const float delta = half_to_float(o->value[e]) - deq;
+        for (long gi = 0; gi < g; gi++)
+            acc[(h * g + gi) * d + c] += probs[(h * g + gi) * a->tokens + p] * delta;
+    }
+}
+
+#ifdef __AVX512F__
+#define MAX_CHUNKS 16 /* d <= 256 */
+#define MAX_GROUP 16  /* query heads per KV head */
+
+/* Codebook indices of codes [c0, c0 + 16) of a packed row (c0 a multiple of 16). */
+static inline __attribute__((always_inline)) __m512i code_index16(const uint8_t *row, long c0,
+                                                                  const int bits) {
+    if (bits == 4) {
+        const __m128i b = _mm_loadl_epi64((const __m128i *)(row + c0 / 2)), m = _mm_set1_epi8(0x0f);
+        const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+        return _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+    }
+    if (bits == 2) {
+        uint32_t w;
+        memcpy(&w, row + c0 / 4, sizeof w);
+        const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26,
+                                                 28, 30);
+        return _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32((int)w), shifts),
+                                _mm512_set1_epi32(3));
+    }
+    uint32_t lo;
+    uint16_t hi; /* 3 bits: 16 codes in 6 bytes; codes 0-7 in bits 0-23, codes 8-15 in 24-47 */
+    memcpy(&lo, row + c0 / 16 * 6, sizeof lo);
+    memcpy(&hi, row + c0 / 16 * 6 + 4, sizeof hi);
+    const __m512i words = _mm512_mask_set1_epi32(_mm512_set1_epi32((int)lo), 0xff00,
+                                                 (int)((lo >> 24) | (uint32_t)hi << 8));
+    const __m512i shifts = _mm512_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21, 0, 3, 6, 9, 12, 15, 18, 21);
+    return _mm512_and_si512(_mm512_srlv_epi32(words, shifts), _mm512_set1_epi32(7));
+}
+
+/* `bits` a constant after inlining (one copy per width: no branch in the inner loops). */
+static inline __attribute__((always_inline)) void key_span_bits(const Args *a, long i0, long i1,
+                                                                float *scores, const int bits) {
+    const long d = a->d, half = d / 2, nc = d / 16, nh = nc / 2, g = a->g;
+    const __m512 table = _mm512_loadu_ps(a->k.table);
+    __m512 x[MAX_CHUNKS], cs[MAX_CHUNKS / 2], sn[MAX_CHUNKS / 2], acc[MAX_GROUP];
+    for (long i = i0; i < i1; i++) {
+        const long p = a->t0 + i;
+        for (long k = 0; k < nh; k++) {
+            cs[k] = _mm512_loadu_ps(a->cos_ + p * half + 16 * k);
+            sn[k] = _mm512_loadu_ps(a->sin_ + p * half + 16 * k);
+        }
+        for (long h = 0; h < a->h; h++) {
+            const uint8_t *row = a->k.codes + h * a->k.s_h + i * a->k.s_t;
+            const float *s = a->ks + h * d, *z = a->kz + h * d, *q = a->q + h * g * d;
+            for (long k = 0; k < nc; k++)
+                x[k] = _mm512_fmadd_ps(_mm512_permutexvar_ps(code_index16(row, 16 * k, bits), table),
+                                       _mm512_loadu_ps(s + 16 * k), _mm512_loadu_ps(z + 16 * k));
+            for (long gi = 0; gi < g; gi++) acc[gi] = _mm512_setzero_ps();
+            for (long k = 0; k < nh; k++) { /* rotate-half RoPE at p, then the g dot products */
+                const __m512 lo = x[k], hi = x[k + nh];
+                const __m512 r_lo = _mm512_fmsub_ps(lo, cs[k], _mm512_mul_ps(hi, sn[k]));
+                const __m512 r_hi = _mm512_fmadd_ps(hi, cs[k], _mm512_mul_ps(lo, sn[k]));
+                for (long gi = 0; gi < g; gi++) {
+                    acc[gi] = _mm512_fmadd_ps(_mm512_loadu_ps(q + gi * d + 16 * k), r_lo, acc[gi]);
+                    acc[gi] = _mm512_fmadd_ps(_mm512_loadu_ps(q + gi * d + half + 16 * k), r_hi, acc[gi]);
+                }
+            }
+            for (long gi = 0; gi < g; gi++)
+                scores[(h * g + gi) * a->tokens + p] = _mm512_reduce_add_ps(acc[gi]) * a->scaling;
+        }
+    }
+}
+
+static void key_span_vec(const Args *a, long i0, long i1, float *scores) {
+    switch (a->k.bits) {
+        case 2: key_span_bits(a, i0, i1, scores, 2); break;
+        case 3: key_span_bits(a, i0, i1, scores, 3); break;
+        default: key_span_bits(a, i0, i1, scores, 4);
+    }
+    key_corrections(a, i0, i1, scores);
+}
+
+static inline __attribute__((always_inline)) void value_span_bits(const Args *a, long i0, long i1,
+                                                                  const float *probs, float *out,
+                                                                  const int bits) {
+    const long d = a->d, nc = d / 16, g = a->g;
+    const __m512 table = _mm512_loadu_ps(a->v.table);
+    __m512 vals[MAX_CHUNKS], acc[MAX_GROUP * MAX_CHUNKS];
+    float bias[MAX_GROUP];
+    for (long h = 0; h < a->h; h++) {
+        for (long e = 0; e < g * nc; e++) acc[e] = _mm512_setzero_ps();
+        for (long gi = 0; gi < g; gi++) bias[gi] = 0.f;
+        for (long i = i0; i < i1; i++) {
+            const uint8_t *row = a->v.codes + h * a->v.s_h + i * a->v.s_t;
+            const float sc = half_to_float(a->vs[i * a->s_vst]), zc = half_to_float(a->vz[i * a->s_vst]);
+            for (long k = 0; k < nc; k++)
+                vals[k] = _mm512_permutexvar_ps(code_index16(row, 16 * k, bits), table);
+            for (long gi = 0; gi < g; gi++) { /* p v = (p scale) code + p zero */
+                const float pr = probs[(h * g + gi) * a->tokens + a->t0 + i];
+                const __m512 ps = _mm512_set1_ps(pr * sc);
+                bias[gi] += pr * zc;
+                for (long k = 0; k < nc; k++) acc[gi * nc + k] = _mm512_fmadd_ps(ps, vals[k], acc[gi * nc + k]);
+            }
+        }
+        for (long gi = 0; gi < g; gi++) {
+            float *o = out + (h * g + gi) * d;
+            const __m512 b = _mm512_set1_ps(bias[gi]);
+            for (long k = 0; k < nc; k++)
+                _mm512_storeu_ps(o + 16 * k, _mm512_add_ps(_mm512_loadu_ps(o + 16 * k), _mm512_add_ps(acc[gi * nc + k], b)));
+        }
+    }
+}
+
+static void value_span_vec(const Args *a, long i0, long i1, const float *probs, float *out) {
+    switch (a->v.bits) {
+        case 2: value_span_bits(a, i0, i1, probs, out, 2); break;
+        case 3: value_span_bits(a, i0, i1, probs, out, 3); break;
+        default: value_span_bits(a, i0, i1, probs, out, 4);
+    }
+    value_corrections(a, i0, i1, probs, out);
+}
+#endif
+
+static int use_vector(const Args *a) {
+#ifdef __AVX512F__
+    return a->vector && a->d % 32 == 0 && a->d <= 16 * MAX_CHUNKS && a->g <= MAX_GROUP;
+#else
+    (void)a;
+    return 0;
+#endif
+}
+
+static void key_span_any(const Args *a, long i0, long i1, float *scores) {
+#ifdef __AVX512F__
+    if (use_vector(a)) {
+        key_span_vec(a, i0, i1, scores);
+        return;
+    }
+#endif
+    key_span(a, i0, i1, scores);
+}
+
+static void value_span_any(const Args *a, long i0, long i1, const float *probs, float *acc) {
+#ifdef __AVX512F__
+    if (use_vector(a)) {
+        value_span_vec(a, i0, i1, probs, acc);
+        return;
+    }
+#endif
+    value_span(a, i0, i1, probs, acc);
+}
+
 static void softmax_row(float *x, long n) {
     float top = x[0], sum = 0.f; /* n >= 1; no infinities (built with -ffast-math) */
     for (long i = 1; i < n; i++) top = x[i] > top ? x[i] : top;
@@ -234,7 +432,7 @@ static int decode(const Args *a, int threads) {
         for (long item = 0; item < items; item++) {
             const long i0 = item * SPAN_TOKENS, i1 = i0 + SPAN_TOKENS < a->tq ? i0 + SPAN_TOKENS : a->tq;
             if (item == 0) exact_scores(a, scores);
-            if (i0 < i1) key_span(a, i0, i1, scores);
+            if (i0 < i1) key_span_any(a, i0, i1, scores);
         }
 #pragma omp for schedule(static)
         for (long row = 0; row < rows; row++) softmax_row(scores + row * a->tokens, a->tokens);
@@ -243,7 +441,7 @@ static int decode(const Args *a, int threads) {
             const long i0 = item * SPAN_TOKENS, i1 = i0 + SPAN_TOKENS < a->tq ? i0 + SPAN_TOKENS : a->tq;
             float *acc = partial + item * width;
             if (item == 0) exact_values(a, scores, acc);
-            if (i0 < i1) value_span(a, i0, i1, scores, acc);
+            if (i0 < i1) value_span_any(a, i0, i1, scores, acc);
         }
     }
     memset(a->out, 0, sizeof(float) * (size_t)width);
@@ -252,6 +450,15 @@ static int decode(const Args *a, int threads) {
     free(scores);
     free(partial);
     return 0;
+}
+
+/* Whether this build has the AVX-512 path (it serves D a multiple of 32, g <= 16). */
+int kvquant_vector_path(void) {
+#ifdef __AVX512F__
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 static int bits_ok(int bits, long d) { return (bits == 2 || bits == 3 || bits == 4) && (d * bits) % 8 == 0; }
@@ -270,14 +477,14 @@ int kvquant_decode_attention(const float *q,
                              const int32_t *kt, const int16_t *kl, const uint16_t *kv, long nk,
                              const int32_t *vt, const int16_t *vl, const uint16_t *vv, long nv,
                              float *out, long h, long g, long d, long t0, long tq,
-                             int k_bits, int v_bits, float scaling, int threads) {
+                             int k_bits, int v_bits, float scaling, int vector, int threads) {
     if (h < 1 || g < 1 || d < 2 || d % 2 || t0 < 0 || tq < 0 || t0 + tq < 1 || !bits_ok(k_bits, d)
         || !bits_ok(v_bits, d))
         return 1;
     Args a = {.q = q, .ek = ek, .ev = ev, .s_ekh = s_ekh, .s_ekt = s_ekt, .s_evh = s_evh,
               .s_evt = s_evt, .ks = ks, .kz = kz, .vs = vs, .vz = vz, .s_vst = s_vst,
               .cos_ = cos_, .sin_ = sin_, .out = out, .h = h, .g = g, .d = d, .t0 = t0, .tq = tq,
-              .tokens = t0 + tq, .scaling = scaling};
+              .tokens = t0 + tq, .scaling = scaling, .vector = vector};
     a.k = (Codes){.codes = kc, .s_h = s_kch, .s_t = s_kct, .bits = k_bits, .codebook = kcb,
                   .out = {kt, kl, kv, nk}};
     a.v = (Codes){.codes = vc, .s_h = s_vch, .s_t = s_vct, .bits = v_bits, .codebook = vcb,

@@ -25,15 +25,23 @@ def _declare(lib: ctypes.CDLL) -> None:
     long_, ptr = ctypes.c_long, ctypes.c_void_p
     fn = lib.kvquant_decode_attention
     fn.restype = ctypes.c_int
+    lib.kvquant_vector_path.restype = ctypes.c_int
+    lib.kvquant_vector_path.argtypes = []
     fn.argtypes = ([ptr] + [ptr, long_, long_] * 4 + [ptr, ptr, ptr, ptr, long_] + [ptr] * 4
                    + [ptr, ptr, ptr, long_] * 2 + [ptr] + [long_] * 5
-                   + [ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int])
+                   + [ctypes.c_int, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int])
 
 
 _KERNEL = cpu_build.CKernel(_SOURCE, _declare)
 library = _KERNEL.library  # the loaded library, built once per process (None: cannot be built)
 build_error = _KERNEL.build_error  # why library() is None
 kernel_name = _KERNEL.name  # "c" when this kernel serves a device, else "torch"
+
+
+def vector_path() -> bool:
+    """Whether the built kernel has its AVX-512 path (D a multiple of 32, g <= 16)."""
+    lib = library()
+    return lib is not None and bool(lib.kvquant_vector_path())
 
 
 def _rows(x: torch.Tensor | None) -> tuple[torch.Tensor | None, int, int]:
@@ -50,8 +58,11 @@ def _ptr(x: torch.Tensor | None):
     return None if x is None else x.data_ptr()
 
 
-def decode_attention(query: torch.Tensor, cache, scaling: float) -> torch.Tensor:
-    """`query (1, H_q, 1, D)` over a `KVQuantCache` -> `(1, H_q, 1, D)`: one kernel call."""
+def decode_attention(query: torch.Tensor, cache, scaling: float, vector: bool = True
+                     ) -> torch.Tensor:
+    """`query (1, H_q, 1, D)` over a `KVQuantCache` -> `(1, H_q, 1, D)`: one kernel call.
+    `vector=False` forces the portable path (the AVX-512 one runs where the CPU has it and D is a
+    multiple of 32)."""
     b, hq, _, d = query.shape
     h = cache.key_scale.shape[0]
     q = query.reshape(hq, d).float().contiguous()  # (H * g, D)
@@ -81,6 +92,6 @@ def decode_attention(query: torch.Tensor, cache, scaling: float) -> torch.Tensor
         0 if vs is None else vs.stride(0),
         consts[2].data_ptr(), consts[3].data_ptr(), consts[4].data_ptr(), consts[5].data_ptr(),
         *sparse, out.data_ptr(), h, hq // h, d, cache.exact_tokens(), cache.quantized_tokens(),
-        cache.k_bits, cache.v_bits, float(scaling), torch.get_num_threads())
+        cache.k_bits, cache.v_bits, float(scaling), int(vector), torch.get_num_threads())
     cpu_build.check_status(status, "kvquant_decode_attention")
     return out.reshape(b, hq, 1, d).to(query.dtype)

@@ -12,13 +12,15 @@ from methods.kernels import kvquant_attention as ka  # imported under the interp
 from methods.kernels import kvquant_cpu
 from tests.methods.kernels.kvquant_cases import random_cache
 
-TOL = dict(rtol=1e-5, atol=1e-6)
+TOL = dict(rtol=1e-5, atol=1e-5)  # fp32 sums of terms up to ~20 (outliers: 6 sigma values)
 SHAPES = [  # h, g, d, t0, tq, k_bits, v_bits, k_outliers, v_outliers
     (3, 3, 16, 1, 37, 3, 2, 9, 7),
     (1, 1, 8, 0, 20, 2, 4, 5, 4),
     (2, 3, 24, 3, 300, 4, 3, 40, 30),  # > one 256-token span, d = 24: 3-bit rows of 9 bytes
     (2, 2, 16, 1, 1, 4, 4, 1, 0),  # one quantized token
     (3, 1, 32, 2, 61, 2, 2, 0, 12),  # no key outliers
+    (3, 3, 64, 1, 300, 4, 4, 600, 500),  # SmolLM2's heads (AVX-512 path: D % 32 == 0)
+    (2, 4, 128, 0, 70, 3, 2, 300, 200),  # Llama's head_dim, 3-bit keys
 ]
 
 
@@ -58,12 +60,25 @@ def test_reference_is_dequantize_rotate_attend():
     torch.testing.assert_close(ka.decode_attention_torch(q, cache, 0.3)[0, :, 0], want, **TOL)
 
 
+@pytest.mark.parametrize("vector", [True, False], ids=["vector", "portable"])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_c_kernel_equals_torch_reference(shape):
+def test_c_kernel_equals_torch_reference(shape, vector):
+    """Both C paths: AVX-512 (where built and D % 32 == 0; outliers added as corrections) and
+    the portable one (outliers written into L1 blocks)."""
     need_c_kernel()
     cache, q = case(*shape)
-    torch.testing.assert_close(kvquant_cpu.decode_attention(q, cache, 0.3),
+    torch.testing.assert_close(kvquant_cpu.decode_attention(q, cache, 0.3, vector=vector),
                                ka.decode_attention_torch(q, cache, 0.3), **TOL)
+
+
+def test_the_vector_path_runs_where_it_applies():
+    """Its sums run in another order: not bit-identical to the portable path (so it ran)."""
+    need_c_kernel()
+    if not kvquant_cpu.vector_path():
+        pytest.skip("built without AVX-512: the portable path serves every shape")
+    cache, q = case(*SHAPES[5])
+    vec = kvquant_cpu.decode_attention(q, cache, 0.3)
+    assert not torch.equal(vec, kvquant_cpu.decode_attention(q, cache, 0.3, vector=False))
 
 
 @pytest.mark.parametrize("shape,splits", [(SHAPES[0], 3), (SHAPES[1], 1), (SHAPES[3], 1),
@@ -99,7 +114,7 @@ def test_c_kernel_reads_strided_views_and_ignores_the_thread_count():
     """Codes and scales as views into larger buffers (as the layer's growing storage hands them),
     and the same result on 1 and 2 threads (a fixed split of the token sums)."""
     need_c_kernel()
-    cache, q = case(2, 3, 16, 1, 600, 4, 2, 60, 50)
+    cache, q = case(2, 3, 64, 1, 600, 4, 2, 240, 200)
     grown = {}
     for name in ("k_codes", "v_codes", "v_scale", "v_zero"):
         x = getattr(cache, name)
@@ -109,15 +124,17 @@ def test_c_kernel_reads_strided_views_and_ignores_the_thread_count():
     strided = cache._replace(**grown)
     assert not strided.k_codes.is_contiguous()
     threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = kvquant_cpu.decode_attention(q, strided, 0.2)
-        torch.set_num_threads(2)
-        two = kvquant_cpu.decode_attention(q, strided, 0.2)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, two)
-    torch.testing.assert_close(one, ka.decode_attention_torch(q, cache, 0.2), **TOL)
+    want = ka.decode_attention_torch(q, cache, 0.2)
+    for vector in (True, False):
+        try:
+            torch.set_num_threads(1)
+            one = kvquant_cpu.decode_attention(q, strided, 0.2, vector=vector)
+            torch.set_num_threads(2)
+            two = kvquant_cpu.decode_attention(q, strided, 0.2, vector=vector)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(one, two)
+        torch.testing.assert_close(one, want, **TOL)
 
 
 def test_dispatch_without_the_interpreter_takes_the_c_kernel(monkeypatch):
