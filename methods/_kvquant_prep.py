@@ -7,6 +7,7 @@ Official code: SqueezeAILab/KVQuant `quant/kvquant/simquant_module_quantizer.py`
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import tempfile
@@ -76,9 +77,15 @@ def vector_thresholds(x: torch.Tensor, outlier_ratio: float) -> tuple[torch.Tens
     """Per-vector (last axis) lower/upper thresholds: the 1 - t and t quantiles (min/max at 0)."""
     if outlier_ratio == 0:
         return x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-    t = 1 - outlier_ratio / 2
-    q = torch.quantile(x.float(), torch.tensor([1 - t, t], device=x.device), dim=-1, keepdim=True)
+    q = torch.quantile(x.float(), _quantile_points(outlier_ratio, x.device), dim=-1, keepdim=True)
     return q[0], q[1]
+
+
+@functools.lru_cache(maxsize=8)
+def _quantile_points(outlier_ratio: float, device: torch.device) -> torch.Tensor:
+    """(1 - t, t), t = 1 - outlier_ratio / 2 (built once: a decode step quantizes every layer)."""
+    t = 1 - outlier_ratio / 2
+    return torch.tensor([1 - t, t], device=device)
 
 
 def safe(scale: torch.Tensor) -> torch.Tensor:
