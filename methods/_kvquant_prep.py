@@ -29,8 +29,12 @@ KMEANS_ITERS = 50
 # the non-uniform datatype
 def nearest_centroid(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     """Index of the nearest of the sorted `centroids` for every element of x (ties: the lower)."""
-    mid = (centroids[1:] + centroids[:-1]) / 2
-    return torch.bucketize(x.contiguous(), mid.to(x.dtype))
+    return torch.bucketize(x.contiguous(), midpoints(centroids).to(x.dtype))
+
+
+def midpoints(centroids: torch.Tensor) -> torch.Tensor:
+    """The rounding boundaries of sorted centroids (bucketize against them = nearest_centroid)."""
+    return (centroids[1:] + centroids[:-1]) / 2
 
 
 def kmeans_1d(points: torch.Tensor, k: int, seed: int = 0) -> torch.Tensor:

@@ -38,14 +38,18 @@ From the official code (`quant/llama_simquant.py`, `quant/kvquant/simquant_modul
   * Decode attention from the codes with RoPE fused (official `deployment/kvquant/
     quant_cuda_kernel.cu`, `...RopeMHABatchedFusedOpt`: the pre-RoPE key codes looked up and
     multiplied by the RoPE-weighted query on the fly, the sparse outliers added by an SpMV with
-    RoPE). Ours (methods/kernels/kvquant_attention.py, written anew): a C kernel on CPU
-    (methods/kernels/kvquant_cpu.c; keys dequantized 16 tokens at a time into L1, outliers written
-    in, rotated once per key and dotted with the g query heads), a fused Triton kernel on CUDA
-    (coefficient form as the official, split-K, online softmax, outliers written into each tile),
-    the dequantize-rotate-attend torch path as the reference and without a compiler;
-    metrics.json records which ran (`prepare.decode_attention`). cos/sin come from one table per
-    position with the model's own fp32 angles (the official kernel computes cosf(theta * pos) in
-    the kernel), so the rotation is the very one the model applied.
+    RoPE, `SPMV_ATOMIC_CSR_ROPE_BALANCED`). Ours (methods/kernels/kvquant_attention.py, written
+    anew, one call per layer and step, softmax and p.V included): a C kernel on CPU
+    (methods/kernels/kvquant_cpu.c: with AVX-512 the codes become codebook values by an
+    in-register table lookup, each key is dequantized, rotated and dotted with the g query heads
+    in registers, outliers added as corrections; a portable path patches them into 16-token L1
+    blocks), a fused Triton kernel on CUDA (the official coefficient form, split-K, online
+    softmax, in-tile outlier corrections), and the dequantize-rotate-attend torch path as the
+    reference and the fallback without a compiler; metrics.json records which ran
+    (`prepare.decode_attention`). cos/sin come from one table per position with the model's own
+    fp32 angles (the official kernel computes cosf(theta * pos) in the kernel), so the rotation
+    is the very one the model applied; prefill chunks (and any attention with a mask)
+    dequantize the whole cache and run the model's attention.
 Bits: `k_bits`, `v_bits` in {2, 3, 4}; codes are packed as a little-endian bit stream per token
 (b bits per element, D * b / 8 bytes per head vector; at 2 and 4 bits this is KIVI's byte layout,
 `methods/kernels/kivi_quant.py`, which the tests check). KIVI's quantizer itself (uniform min-max
@@ -69,8 +73,7 @@ Deliberate deviations (ours):
     k-means runs on at most 2^20 sampled points per codebook (seeded); Q-Norm's statistics use
     every outlier-free element (as the official).
   * No per-token outlier cap (`--cap_outliers`).
-  * Prefill chunks (and any attention with a mask) dequantize the whole cache and run the model's
-    attention (the transient copy is not counted as held); only decode rows read the codes.
+  * The dequantized copy prefill chunks attend over is transient and not counted as held.
 """
 
 from __future__ import annotations
@@ -290,9 +293,10 @@ class KVQuantLayer(KVLayer):
         cal = method._cal
         self.key_zero = cal.key_zero[layer_idx].float()  # (H_kv, D)
         self.key_scale = cal.key_scale[layer_idx].float()
-        # rounding uses the centroids; dequantization their Q-Norm'd values
-        self.key_centroids = cal.key_codebook[layer_idx].float()
-        self.value_centroids = cal.value_codebook[layer_idx].float()
+        self.key_divisor = safe(self.key_scale)[:, None]  # (H_kv, 1, D)
+        # rounding uses the centroids (their midpoints); dequantization their Q-Norm'd values
+        self.key_mids = prep.midpoints(cal.key_codebook[layer_idx].float())
+        self.value_mids = prep.midpoints(cal.value_codebook[layer_idx].float())
         self.key_decode, self.value_decode = cal.decode_codebooks(layer_idx)
         self.constants_bytes = cal.layer_bytes()
         self.exact_k = self.exact_v = None  # (1, H_kv, T_0, D) first tokens, compute dtype
@@ -303,10 +307,10 @@ class KVQuantLayer(KVLayer):
     # --- quantize ------------------------------------------------------------------------------
     def _quantize_keys(self, keys: torch.Tensor, positions: torch.Tensor):
         pre = rotate(keys, -positions.to(keys.device).float(), self.method._inv_freq).float()
-        norm = (pre - self.key_zero[:, None]) / safe(self.key_scale[:, None])
+        norm = (pre - self.key_zero[:, None]) / self.key_divisor
         outliers = (norm.abs() > 1) if self.method.outlier_ratio > 0 else None
         # official static rule: strictly beyond the thresholds
-        codes = nearest_centroid(norm, self.key_centroids)
+        codes = torch.bucketize(norm.contiguous(), self.key_mids)  # = nearest_centroid
         return pack_bits(codes, self.method.k_bits), _sparse(pre, outliers, positions)
 
     def _quantize_values(self, values: torch.Tensor, positions: torch.Tensor):
@@ -317,7 +321,7 @@ class KVQuantLayer(KVLayer):
         zero, scale, outliers = value_normalise(per_token, self.method.outlier_ratio)
         zero, scale = zero[:, None], scale[:, None]  # (1, 1, T, 1)
         outliers = outliers.reshape(b, t, h, d).transpose(1, 2)
-        codes = nearest_centroid((v - zero) / safe(scale), self.value_centroids)
+        codes = torch.bucketize(((v - zero) / safe(scale)).contiguous(), self.value_mids)
         return (pack_bits(codes, self.method.v_bits), zero.half(), scale.half(),
                 _sparse(v, outliers if self.method.outlier_ratio > 0 else None, positions))
 

@@ -37,6 +37,7 @@ Three implementations of softmax(q K^T * scaling) V over the whole cache:
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -55,15 +56,22 @@ OUTLIER_BLOCK = 16  # outliers per correction chunk of a Triton tile
 # --------------------------------------------------------------------------------------------
 # bit packing (little-endian bit stream; at 2/4 bits identical to KIVI's byte layout)
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """(..., N) integer codes < 2^bits -> (..., N * bits / 8) uint8; N * bits % 8 == 0."""
+    """(..., N) integer codes < 2^bits -> (..., N * bits / 8) uint8; N * bits % 8 == 0. Codes
+    are whole within a byte at 2 and 4 bits; at 3 bits every 8 codes fill 3 bytes."""
     n = codes.shape[-1]
     if (n * bits) % 8:
         raise ValueError(f"{n} codes of {bits} bits do not fill whole bytes")
-    shifts = torch.arange(bits, device=codes.device, dtype=torch.int32)
-    stream = (codes.to(torch.int32)[..., None] >> shifts) & 1  # (..., N, bits)
-    stream = stream.reshape(*codes.shape[:-1], n * bits // 8, 8)
-    weights = 1 << torch.arange(8, device=codes.device, dtype=torch.int32)
-    return (stream * weights).sum(-1).to(torch.uint8)
+    per = 8 // bits if 8 % bits == 0 else 8  # codes per byte, or per 3-byte word at 3 bits
+    words = (codes.long().unflatten(-1, (-1, per)) << _shifts(per, bits, codes.device)).sum(-1)
+    if per * bits == 8:
+        return words.to(torch.uint8)
+    octets = (words[..., None] >> _shifts(bits, 8, codes.device)) & 255  # (..., N / 8, 3)
+    return octets.flatten(-2).to(torch.uint8)
+
+
+@functools.lru_cache(maxsize=16)
+def _shifts(count: int, step: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(count, device=device) * step
 
 
 def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
