@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
+from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, PREFILL_MODES
 from methods.full_offload import FullOffload, FullOffloadLayer
 
 
@@ -21,9 +21,12 @@ class Full(KVMethod):
     """Keep everything (no compression). Any batch size."""
 
     name: ClassVar[str] = "full"
+    provenance: ClassVar[str] = "reference"
+    operating_point: ClassVar[str] = "the full cache: transformers' own attention, every token kept"
     axis_keys: ClassVar[tuple[str, ...]] = ()  # a reference: no size knob
-    capabilities: ClassVar[Capabilities] = Capabilities(compresses=False, kv_layouts=KV_LAYOUTS,
-                                                        places_layers_on_host=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        prefill_modes=PREFILL_MODES, compresses=False, kv_layouts=KV_LAYOUTS,
+        places_layers_on_host=True)
 
     def make_host_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         return FullOffloadLayer(layer_idx, info, FullOffload(prefetch=True))

@@ -97,8 +97,18 @@ def test_refusals_name_the_knob_before_weights(monkeypatch, no_weight_loading, t
         run(cfg_for(*base, "method=h2o", "runner.dense_layers=[0,7]"))
     with pytest.raises(ConfigError, match="runner.dense_layers=3 must be a list"):
         run(cfg_for(*base, "method=h2o", "runner.dense_layers=3"))
-    with pytest.raises(ConfigError, match="runner.prefill='half'; allowed: dense, sparse"):
+    with pytest.raises(ConfigError, match="runner.prefill='half'; allowed: dense, chunked, sparse"):
         run(cfg_for(*base, "method=h2o", "runner.prefill=half"))
+    with pytest.raises(ConfigError, match="runner.budget_basis='end'; allowed: final, seen"):
+        run(cfg_for(*base, "method=h2o", "runner.budget_basis=end"))
+    # dense prefill compresses a prompt once it is over: a task scoring only prompt tokens would
+    # never see any method act (chunked / sparse prefill make it act inside the prompt)
+    with pytest.raises(ConfigError, match="runner.prefill=dense: every method .* method=h2o "
+                                          "would never act"):
+        run(cfg_for(*base, "method=h2o", "task.mode=chunked"))
+    with pytest.raises(ConfigError, match="runner.prefill=chunked but method=snapkv can only run "
+                                          "with runner.prefill=dense"):
+        run(cfg_for(*base, "method=snapkv", "task.prefill_tokens=50", "runner.prefill=chunked"))
     assert not any(tmp_path.iterdir())
 
 
