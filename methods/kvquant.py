@@ -264,27 +264,17 @@ class KVQuant(KVMethod):
         return KVQuantLayer(layer_idx, info, self)
 
 
-class SparseList:
-    """Outliers `(token position int32, head * D + channel int16, value fp16)`, each `(n,)`,
-    appended in token order, in buffers with amortised growth."""
+# Outliers: three columns `(token position int32, head * D + channel int16, value fp16)`, each
+# `(n,)`, appended in token order, stored as `(1, 1, n)` rows with amortised growth (plain Rows,
+# so a request snapshot forks them like the codes).
+def _sparse_columns() -> list[ContiguousRows]:
+    return [ContiguousRows() for _ in range(3)]
 
-    def __init__(self):
-        self.columns = [ContiguousRows() for _ in range(3)]
 
-    def append(self, parts: tuple[torch.Tensor, ...]) -> None:
-        for column, part in zip(self.columns, parts):
-            column.append(part[None, None])  # stored as (1, 1, n)
-
-    def view(self) -> tuple[torch.Tensor, ...] | None:
-        if not self.columns[0].length:
-            return None
-        return tuple(column.view()[0, 0] for column in self.columns)
-
-    def used_bytes(self) -> int:
-        return sum(column.used_bytes() for column in self.columns)
-
-    def allocated_bytes(self) -> int:
-        return sum(column.allocated_bytes() for column in self.columns)
+def _sparse_view(columns: list[ContiguousRows]) -> tuple[torch.Tensor, ...] | None:
+    if not columns[0].length:
+        return None
+    return tuple(column.view()[0, 0] for column in columns)
 
 
 class KVQuantLayer(KVLayer):
@@ -306,7 +296,7 @@ class KVQuantLayer(KVLayer):
         self.constants_bytes = cal.layer_bytes()
         self.exact_k = self.exact_v = None  # (1, H_kv, T_0, D) first tokens, compute dtype
         self.codes = {name: ContiguousRows() for name in ("k", "v", "v_zero", "v_scale")}
-        self.outliers = {"k": SparseList(), "v": SparseList()}
+        self.outliers = {"k": _sparse_columns(), "v": _sparse_columns()}
         self.step_cache: KVQuantCache | None = None  # what this step's attention sees
 
     # --- quantize ------------------------------------------------------------------------------
@@ -350,8 +340,8 @@ class KVQuantLayer(KVLayer):
                                ("v_scale", v_scale)):
                 self.codes[name].append(part)
             for name, sparse in (("k", k_sparse), ("v", v_sparse)):
-                if sparse is not None:
-                    self.outliers[name].append(sparse)
+                for column, part in zip(self.outliers[name], sparse or ()):
+                    column.append(part[None, None])
         self.step_cache = self._cache()
         return keys, values
 
@@ -361,7 +351,8 @@ class KVQuantLayer(KVLayer):
         return KVQuantCache(
             self.exact_k, self.exact_v, view["k"], view["v"], view["v_scale"], view["v_zero"],
             self.key_scale, self.key_zero, self.key_decode, self.value_decode,
-            self.outliers["k"].view(), self.outliers["v"].view(), self.method._inv_freq, cos, sin,
+            _sparse_view(self.outliers["k"]), _sparse_view(self.outliers["v"]), self.method._inv_freq,
+            cos, sin,
             self.method.k_bits, self.method.v_bits)
 
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
@@ -390,7 +381,7 @@ class KVQuantLayer(KVLayer):
 
     def stats(self) -> dict[str, int]:
         exact = sum(p.nbytes for p in (self.exact_k, self.exact_v) if p is not None)
-        stores = [*self.codes.values(), *self.outliers.values()]
+        stores = [*self.codes.values(), *self.outliers["k"], *self.outliers["v"]]
         used = sum(s.used_bytes() for s in stores)
         allocated = sum(s.allocated_bytes() for s in stores)
         constants = self.constants_bytes if self.seen_tokens else 0

@@ -61,6 +61,7 @@ def test_bind_is_undone_even_on_error(tiny_model):
     ("h2o", {"budget_tokens": 8}),
     ("streaming_llm", {"sink_tokens": 2, "window_tokens": 6}),  # prepared sink rotation
     ("kivi", {"group_size": 8, "residual_tokens": 8}),  # packed namedtuples, token-major rows
+    ("kvquant", {"calibration_tokens": 64, "calibration_samples": 1}),  # codes, outlier columns
 ])
 def test_snapshot_restore_rewinds_the_request(tiny_model, name, hyper):
     """Rewinding to a snapshot replays a continuation bit for bit (an evicting method's state
