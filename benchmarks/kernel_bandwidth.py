@@ -7,6 +7,10 @@ kernel and shape (Llama-3-8B KV heads: H_kv 8, H_q 32, D 128; contexts and batch
            (InfiniGen / H2O-offload gathers); bytes = index + selected K/V rows + query + output
   kivi     methods.kernels.kivi_attention (fused, 2-bit): packed key/value codes + fp16 scales and
            zeros + the fp residual rows + query + output
+  kvquant  methods.kernels.kvquant_attention (fused, nuq4 keys and values, 1 % outliers each, one
+           exact first token; batch 1 only: one sequence per call, rows after all others): codes
+           + value scales/zeros + outliers (8 bytes each) and their per-token offsets + the cos/sin
+           rows of every position + exact rows + query + output
   copy     a plain device-to-device copy of 1 GiB (bytes read + written): what this device
            really reaches, next to the nominal `--peak-gbs` (H200 SXM: 4800 GB/s)
 
@@ -100,6 +104,44 @@ def kivi_case(b: int, t: int, dtype, device: str = "cuda", residual: int = 128,
     return (lambda: ka.decode_attention_triton(query, cache, HEAD_DIM ** -0.5)), nbytes
 
 
+def kvquant_case(t: int, dtype, device: str = "cuda", bits: int = 4,
+                 outlier_ratio: float = 0.01) -> tuple:
+    from methods.kernels import kvquant_attention as ka
+
+    g = torch.Generator(device=device).manual_seed(0)
+    rand = lambda *shape: torch.randn(*shape, device=device, generator=g)  # noqa: E731
+    t_q, lanes = t - 1, H_KV * HEAD_DIM
+
+    def codes():
+        return ka.pack_bits(torch.randint(0, 1 << bits, (1, H_KV, t_q, HEAD_DIM), device=device,
+                                          generator=g), bits)
+
+    def outliers():
+        n = int(outlier_ratio * t_q * lanes)
+        flat = torch.randperm(t_q * lanes, device=device, generator=g)[:n].sort().values
+        return ((flat // lanes + 1).to(torch.int32), (flat % lanes).to(torch.int16),
+                (rand(n) * 6).half())
+
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, HEAD_DIM, 2, device=device).float() / HEAD_DIM))
+    cos, sin = ka.rope_table(torch.arange(t, device=device), inv_freq)
+    cache = ka.KVQuantCache(
+        rand(1, H_KV, 1, HEAD_DIM).to(dtype), rand(1, H_KV, 1, HEAD_DIM).to(dtype), codes(),
+        codes(), rand(1, 1, t_q, 1).abs().half() + 0.1, rand(1, 1, t_q, 1).half(),
+        rand(H_KV, HEAD_DIM).abs() + 0.3, rand(H_KV, HEAD_DIM) * 0.5,
+        rand(1 << bits).sort().values, rand(1 << bits).sort().values, outliers(), outliers(),
+        inv_freq, cos, sin, bits, bits)
+    query = torch.randn(1, H_Q, 1, HEAD_DIM, device=device, dtype=dtype, generator=g)
+    sparse = sum(p.nbytes for p in cache.k_outliers + cache.v_outliers)
+    offsets = 2 * (t + 1) * 4  # int32 per position, keys and values
+    nbytes = (cache.k_codes.nbytes + cache.v_codes.nbytes + cache.v_scale.nbytes
+              + cache.v_zero.nbytes + sparse + offsets + cos.nbytes + sin.nbytes
+              + cache.exact_k.nbytes + cache.exact_v.nbytes + 2 * query.nbytes)
+    want = ka.decode_attention_torch(query, cache, HEAD_DIM ** -0.5)
+    got = ka.decode_attention_triton(query, cache, HEAD_DIM ** -0.5)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    return (lambda: ka.decode_attention_triton(query, cache, HEAD_DIM ** -0.5)), nbytes
+
+
 def copy_gbs(device: str = "cuda", nbytes: int = 2**30) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -138,22 +180,26 @@ def main() -> int:
     out = {"device": name, "dry_run": args.dry_run, "copy_gbs": copy, "peak_gbs": args.peak_gbs,
            "goal_share": args.goal, "planned": {"contexts": args.contexts, "batches": args.batches},
            "complete_contexts": [], "finished": False, "rows": rows}
+    def measure(kernel, b, t, case):
+        fn, nbytes = case()
+        ms = time_ms(fn, iters=iters, cpu=cpu)
+        gbs = nbytes / (ms / 1e3) / GB
+        rows.append({"kernel": kernel, "batch": b, "context": t, "bytes": nbytes,
+                     "ms": ms, "gbs": gbs, "share_of_peak": gbs / args.peak_gbs,
+                     "share_of_copy": gbs / copy,
+                     "goal_met": gbs / args.peak_gbs >= args.goal})
+        print(f"{kernel:8} {b:3d} {t:7d} {nbytes / 1e6:9.2f} {ms * 1e3:9.1f} {gbs:8.0f} "
+              f"{100 * gbs / args.peak_gbs:6.1f}% {100 * gbs / copy:6.1f}%", flush=True)
+        if args.json:  # after every row: a timeout keeps the rows measured so far
+            write_json_atomic(Path(args.json), out)
+
     for t in args.contexts:
         for b in args.batches:
-            for kernel, case in (("sparse", lambda: sparse_case(b, t, args.ratio, dtype, device)),
-                                 ("kivi", lambda: kivi_case(b, t, dtype, device))):
-                fn, nbytes = case()
-                ms = time_ms(fn, iters=iters, cpu=cpu)
-                gbs = nbytes / (ms / 1e3) / GB
-                rows.append({"kernel": kernel, "batch": b, "context": t, "bytes": nbytes,
-                             "ms": ms, "gbs": gbs, "share_of_peak": gbs / args.peak_gbs,
-                             "share_of_copy": gbs / copy,
-                             "goal_met": gbs / args.peak_gbs >= args.goal})
-                print(f"{kernel:8} {b:3d} {t:7d} {nbytes / 1e6:9.2f} {ms * 1e3:9.1f} {gbs:8.0f} "
-                      f"{100 * gbs / args.peak_gbs:6.1f}% {100 * gbs / copy:6.1f}%", flush=True)
-                if args.json:  # after every row: a timeout keeps the rows measured so far
-                    write_json_atomic(Path(args.json), out)
+            measure("sparse", b, t, lambda: sparse_case(b, t, args.ratio, dtype, device))
+            measure("kivi", b, t, lambda: kivi_case(b, t, dtype, device))
         out["complete_contexts"].append(t)
+    for t in args.contexts:  # reported after the goal rows (a timeout cuts these first)
+        measure("kvquant", 1, t, lambda: kvquant_case(t, dtype, device))
     out["finished"] = True
     if args.json:
         write_json_atomic(Path(args.json), out)

@@ -92,6 +92,9 @@ def test_summary_goals_table_and_nulls(parts, tmp_path):
     assert missing["value"] is None and "part missing" in missing["note"]
     kern = goals["kernels kivi B=1 T=8192 share of peak"]
     assert kern["value"] is None and kern["min"] == 0.7
+    reported = goals["kernels kvquant B=1 T=8192 share of peak"]  # batch 1, no bound
+    assert reported["value"] is None and reported["min"] is None
+    assert "kernels kvquant B=8 T=8192 share of peak" not in goals
     assert summary["not_cuda"] == ["throughput_8b"] and summary["dry_run"] is False
     table = (tmp_path / "gpu_table.md").read_text()
     assert table.startswith("NOT CUDA: throughput_8b")

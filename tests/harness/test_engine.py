@@ -61,10 +61,13 @@ def test_bind_is_undone_even_on_error(tiny_model):
     ("h2o", {"budget_tokens": 8}),
     ("streaming_llm", {"sink_tokens": 2, "window_tokens": 6}),  # prepared sink rotation
     ("kivi", {"group_size": 8, "residual_tokens": 8}),  # packed namedtuples, token-major rows
+    ("kvquant", {"calibration_tokens": 64, "calibration_samples": 1}),  # codes, outlier columns
 ])
-def test_snapshot_restore_rewinds_the_request(tiny_model, name, hyper):
+def test_snapshot_restore_rewinds_the_request(tiny_model, name, hyper, monkeypatch, tmp_path):
     """Rewinding to a snapshot replays a continuation bit for bit (an evicting method's state
     included); a method holding a host store is not forkable and says so with None."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the rewinding, not the kernels: CPU paths
+    monkeypatch.setenv("KVH_CACHE_DIR", str(tmp_path))
     ids = torch.randint(3, 250, (30,), generator=torch.Generator().manual_seed(0))
     engine = make_engine(tiny_model, build_method(name, **hyper))
     with engine.request() as req:

@@ -325,6 +325,9 @@ KNOWN_EXCEPTIONS = {
     ("kivi", None): (False, "KIVI's fused decode path: update() returns only the full-precision "
                             "tails and attend() reads the packed cache itself (layer.step_cache); "
                             "outputs equal dequantize-then-attend (tests/methods/test_kivi.py)"),
+    ("kvquant", None): (False, "KVQuant's decode path, as KIVI's: update() returns the new tokens "
+                               "and attend() reads the codes itself (layer.step_cache); outputs "
+                               "equal dequantize-then-attend (tests/methods/test_kvquant.py)"),
     ("tailorkv", None): (False, "TailorKV's quantized layers are KIVI's layers (see kivi); its "
                                 "sparse layers alone pass strictly "
                                 "(tests/methods/test_tailorkv.py)"),

@@ -57,6 +57,8 @@ def alternatives(name: str, knob: str, value, settings: dict) -> list:
             found = re.search(r"allowed[^:]*: ([^;]+)", str(refusal))
             if found:
                 return [c.strip() for c in found.group(1).split(",") if c.strip() != value]
+            if value is None and "a boolean" in str(refusal):  # optional boolean: null = a rule
+                return [True, False]
     return []
 
 

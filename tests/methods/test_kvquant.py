@@ -1,5 +1,7 @@
-"""KVQuant: packing (KIVI's layout at 2/4 bits), the nuq codebook, pre-RoPE keys un-rotated and
-re-rotated exactly, per-token values, sparse outliers kept exactly, bytes held, calibration cache."""
+"""KVQuant: packing (KIVI's layout at 2/4 bits), the nuq codebook, Q-Norm, pre-RoPE keys un-rotated
+and re-rotated exactly, per-token values, sparse outliers kept exactly, bytes held, calibration
+cache, and decode attention from the codes in a model (the kernels themselves:
+tests/methods/kernels/test_kvquant_attention.py)."""
 
 import pytest
 import torch
@@ -8,9 +10,11 @@ from harness import hf_adapter
 from kvcore.errors import ConfigError
 from methods import build_method
 from methods.base import ModelInfo
+from methods.kernels import cpu_build
 from methods.kernels import kivi_quant as kq
+from methods import kvquant
 from methods.kvquant import (Calibration, KVQuantLayer, kmeans_1d, nearest_centroid, pack_bits,
-                             unpack_bits)
+                             q_norm, unpack_bits)
 from methods.rope import rotate
 from tests.conftest import make_engine
 
@@ -38,14 +42,60 @@ def test_codebook_hand_cases():
                                                                                            1, 3]
 
 
+def test_q_norm_hand_case():
+    """Official Q-Norm: points 0, 0.2, 0.4, 1 round to centroids 0, 0, 0, 1 (mean 0.25, std
+    sqrt(0.1875)); the points have mean 0.4, std sqrt(0.14): scale = sqrt(0.14 / 0.1875),
+    offset = 0.4 - 0.25 * scale, and the re-normed quantized points have the points' mean/std."""
+    points, codebook = torch.tensor([0.0, 0.2, 0.4, 1.0]), torch.tensor([0.0, 1.0])
+    scale, offset = q_norm(points, codebook)
+    assert scale == pytest.approx((0.14 / 0.1875) ** 0.5, abs=1e-7)  # fp32 points
+    assert offset == pytest.approx(0.4 - 0.25 * (0.14 / 0.1875) ** 0.5, abs=1e-7)
+    assert (scale, offset) == pytest.approx((0.864099, 0.183975), abs=1e-6)
+    deq = (codebook * scale + offset)[nearest_centroid(points, codebook)]
+    assert deq.mean().item() == pytest.approx(0.4, abs=1e-6)
+    assert deq.std(unbiased=False).item() == pytest.approx(0.14 ** 0.5, abs=1e-6)
+
+
+def test_layer_dequantizes_through_the_q_norm_table():
+    """Rounding uses the centroids, dequantization centroid * norm_scale + norm_offset; position 0
+    is not rotated, so the stored key is zero + scale * (normed centroid) exactly."""
+    method, _ = _layer(outlier_ratio=0)
+    method._cal.key_norm = torch.tensor([[2.0, 0.5]])
+    layer = KVQuantLayer(0, INFO, method)
+    centroids = torch.linspace(-0.75, 0.75, 4).half().float()
+    key = (0.5 + 2.0 * centroids[[0, 1, 2, 3, 3, 2, 1, 0]])[None, None, None]  # on the grid
+    layer.update(key, torch.randn(1, 1, 1, D), None)
+    k, _ = layer.dequantized_kv()
+    want = 0.5 + 2.0 * (centroids[[0, 1, 2, 3, 3, 2, 1, 0]] * 2.0 + 0.5)
+    torch.testing.assert_close(k[0, 0, 0], want)
+
+
+@pytest.mark.parametrize("bits,q_norm_knob,want", [(2, None, True), (4, None, False),
+                                                   (4, True, True), (2, False, False)])
+def test_q_norm_defaults_to_the_official_2_bit_setting(tiny_model, tmp_path, bits, q_norm_knob,
+                                                       want):
+    method = build_method("kvquant", k_bits=bits, v_bits=4, q_norm=q_norm_knob,
+                          calibration_tokens=64, calibration_samples=1, cache_dir=str(tmp_path))
+    facts = hf_adapter.prepare(method, tiny_model, None)
+    assert facts["q_norm"] == {"keys": want, "values": bool(q_norm_knob)}
+    norm = method._cal.key_norm
+    if want:
+        assert not torch.allclose(norm, torch.tensor([1.0, 0.0]).expand_as(norm))
+    else:
+        assert torch.equal(norm, torch.tensor([1.0, 0.0]).expand_as(norm))
+    assert torch.equal(method._cal.value_norm[:, 0] == 1, torch.full((2,), not q_norm_knob))
+
+
 def _layer(k_bits=2, v_bits=2, outlier_ratio=0.01, first=0):
     method = build_method("kvquant", k_bits=k_bits, v_bits=v_bits, outlier_ratio=outlier_ratio,
                           first_fp16_tokens=first)
+    no_norm = torch.tensor([[1.0, 0.0]])
     method._cal = Calibration(key_zero=torch.full((1, 1, D), 0.5).half(),
                               key_scale=torch.full((1, 1, D), 2.0).half(),
                               key_codebook=torch.linspace(-0.75, 0.75, 1 << k_bits)[None].half(),
-                              value_codebook=torch.linspace(-1, 1, 1 << v_bits)[None].half())
-    method._inv_freq = 1.0 / (10000 ** (torch.arange(0, D, 2).float() / D))
+                              value_codebook=torch.linspace(-1, 1, 1 << v_bits)[None].half(),
+                              key_norm=no_norm, value_norm=no_norm)
+    method.set_rope(1.0 / (10000 ** (torch.arange(0, D, 2).float() / D)))
     return method, KVQuantLayer(0, INFO, method)
 
 
@@ -60,10 +110,11 @@ def test_pre_rope_keys_on_the_grid_come_back_exactly_and_outliers_are_exact():
     pre[0, 0, 5, 3] = 9.0  # beyond zero + scale = 2.5: outlier
     post = rotate(pre, torch.arange(12).float(), method._inv_freq)
     values = torch.randn(1, 1, 12, D)
-    keys, _ = layer.update(post[:, :, :7], values[:, :, :7], None)
-    keys, _ = layer.update(post[:, :, 7:], values[:, :, 7:], None)  # positions continue at 7
+    layer.update(post[:, :, :7], values[:, :, :7], None)
+    layer.update(post[:, :, 7:], values[:, :, 7:], None)  # positions continue at 7
+    keys, _ = layer.dequantized_kv()
     assert (keys - post).abs().max() < 1e-5
-    k_out, v_out = layer.outliers["k"], layer.outliers["v"]
+    k_out, v_out = (kvquant._sparse_view(layer.outliers[n]) for n in ("k", "v"))
     assert k_out[0].tolist() == [5] and k_out[1].tolist() == [3] and k_out[2].item() == 9.0
     codes = 2 * 12 * D * 2 // 8  # keys + values, 2 bits
     expected = (codes + 2 * 2 * 12 + 8 * (1 + v_out[0].numel()) + layer.constants_bytes)
@@ -77,18 +128,20 @@ def test_values_per_token_hand_case():
     _, layer = _layer(outlier_ratio=0)
     base = torch.tensor([0.0, 1, 2, 3, 3, 2, 1, 0]) / 3  # levels of [0, 1] in thirds
     values = torch.stack([base * 4 - 1, base * 0.5 + 7])[None, None]  # (1, 1, 2, D)
-    _, out = layer.update(torch.zeros(1, 1, 2, D), values, None)
+    layer.update(torch.zeros(1, 1, 2, D), values, None)
+    _, out = layer.dequantized_kv()
     assert (out - values).abs().max() < 1e-3  # fp16 zero/scale
-    assert layer.v_scale.flatten().tolist() == pytest.approx([2.0, 0.25], abs=1e-3)
-    assert layer.outliers["v"] is None
+    assert layer.codes["v_scale"].view().flatten().tolist() == pytest.approx([2.0, 0.25], abs=1e-3)
+    assert kvquant._sparse_view(layer.outliers["v"]) is None
 
 
 def test_first_tokens_exact_then_quantized():
     _, layer = _layer(first=3)
     keys, values = torch.randn(1, 1, 5, D), torch.randn(1, 1, 5, D)
-    k, v = layer.update(keys, values, None)
+    layer.update(keys, values, None)
+    k, v = layer.dequantized_kv()
     assert torch.equal(k[:, :, :3], keys[:, :, :3]) and torch.equal(v[:, :, :3], values[:, :, :3])
-    assert layer.exact_k.shape[-2] == 3 and layer.k_codes.shape[-2] == 2
+    assert layer.exact_k.shape[-2] == 3 and layer.codes["k"].view().shape[-2] == 2
 
 
 def test_on_a_model_error_falls_with_bits_and_bytes_are_counted(tiny_model, tmp_path):
@@ -108,7 +161,7 @@ def test_on_a_model_error_falls_with_bits_and_bytes_are_counted(tiny_model, tmp_
             errs[bits] = (req.prefill(ids, all_logits=True) - want).abs().max().item()
             held = req.cache.kv_layers[0].stats()["kv_bytes"]
             # one value zero/scale per token over both KV heads (the v_proj output)
-            assert req.cache.kv_layers[0].v_scale.shape == (1, 1, 64, 1)
+            assert req.cache.kv_layers[0].codes["v_scale"].view().shape == (1, 1, 64, 1)
         full_bytes = 2 * 64 * 2 * 16 * 4  # K and V, 64 tokens, 2 KV heads, D 16, fp32
         assert held < full_bytes * (bits / 32 + 0.2)
     assert errs[4] < errs[3] < errs[2], errs
@@ -128,8 +181,44 @@ def test_calibration_is_cached(stories, tmp_path):
     ({"outlier_ratio": 0.7}, "method.outlier_ratio=0.7"),
     ({"first_fp16_tokens": -1}, "method.first_fp16_tokens=-1"),
     ({"calibration_samples": 0}, "method.calibration_samples=0"),
+    ({"q_norm": "maybe"}, "method.q_norm"),
 ])
 def test_bad_hyperparameters(kw, key):
     with pytest.raises(ConfigError) as err:
         build_method("kvquant", **kw)
     assert key in str(err.value)
+
+
+@pytest.fixture
+def c_path(monkeypatch):
+    """Plain CPU dispatch, as a CPU run: without TRITON_INTERPRET decode attention takes the C
+    kernel (methods/kernels/kvquant_cpu.c; torch without a compiler)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def stream_logits(model, method, ids, prefill_tokens):
+    engine = make_engine(model, method, chunk=32)
+    with torch.no_grad(), engine.request() as req:
+        out = [req.prefill(ids[:, :prefill_tokens], all_logits=True)]
+        out += [req.step(ids[:, t]) for t in range(prefill_tokens, ids.shape[1])]
+    return torch.cat(out, 1)[0]
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_decode_reads_the_codes_and_matches_dequantize_then_attend(tiny_model, tmp_path, c_path,
+                                                                   monkeypatch, bits):
+    """Every decode step of every layer runs the packed path (the C kernel here); the logits equal
+    those of the dequantize-rotate-attend path; prefill chunks take the dequantized path."""
+    ids = torch.randint(3, 250, (1, 90), generator=torch.Generator().manual_seed(3))
+    method = build_method("kvquant", k_bits=bits, v_bits=bits, calibration_tokens=64,
+                          calibration_samples=1, cache_dir=str(tmp_path))
+    calls = []
+    real = kvquant.decode_attention
+    monkeypatch.setattr(kvquant, "decode_attention", lambda *a: calls.append(1) or real(*a))
+    fused = stream_logits(tiny_model, method, ids, prefill_tokens=70)
+    assert len(calls) == 20 * tiny_model.config.num_hidden_layers
+    if cpu_build.compiler_available():
+        assert kvquant.decode_kernel(torch.device("cpu")) == "c"
+    monkeypatch.setattr(kvquant, "plain_decode_row", lambda *a: False)
+    dense = stream_logits(tiny_model, method, ids, prefill_tokens=70)
+    torch.testing.assert_close(fused, dense, rtol=1e-4, atol=1e-4)

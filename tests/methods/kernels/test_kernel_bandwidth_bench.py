@@ -23,3 +23,16 @@ def test_kivi_case_checks_the_fused_kernel_and_counts_packed_bytes():
     scales = 2 * 2 * kb.H_KV * kb.HEAD_DIM * t_q // 32 * 2  # scale + zero, fp16, per group of 32
     residual = 2 * kb.H_KV * 64 * kb.HEAD_DIM * 4
     assert nbytes == codes + scales + residual + 2 * kb.H_Q * kb.HEAD_DIM * 4
+
+
+def test_kvquant_case_checks_the_fused_kernel_and_counts_what_it_reads():
+    """The case itself checks the kernel against the torch reference (one interpreted call)."""
+    fn, nbytes = kb.kvquant_case(t=20, dtype=torch.float32, device="cpu", outlier_ratio=0.001)
+    assert callable(fn)
+    codes = 2 * kb.H_KV * 19 * kb.HEAD_DIM // 2  # 4-bit keys and values, 19 quantized tokens
+    scales = 2 * 19 * 2  # value scale + zero per token, fp16
+    outliers = 2 * int(0.001 * 19 * kb.H_KV * kb.HEAD_DIM) * 8  # token, lane, value
+    offsets = 2 * 21 * 4
+    rope = 2 * 20 * kb.HEAD_DIM // 2 * 4  # cos and sin rows of every position, fp32
+    exact = 2 * kb.H_KV * kb.HEAD_DIM * 4
+    assert nbytes == codes + scales + outliers + offsets + rope + exact + 2 * kb.H_Q * kb.HEAD_DIM * 4
