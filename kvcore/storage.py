@@ -174,8 +174,9 @@ class Rows:
         """Keep the tokens at `index (B, H, k)` per head, in that order (an eviction).
 
         `valid (B, H)` (head-wise budgets): head (b, h) keeps only `index[b, h, :valid[b, h]]`
-        (0 <= valid <= k); the entries past it are ignored but must be slots of the rows
-        (e.g. repeats). The rows are ragged after it unless every head keeps the same count."""
+        (0 <= valid <= k); the entries past it are ignored but must be slots of the padded
+        extent, `[0, length)`. The rows are ragged after it unless every head keeps the same
+        count. One device sync (the counts' range)."""
         raise NotImplementedError
 
     def drop_one(self, slot: torch.Tensor, last: torch.Tensor | None = None,
