@@ -88,10 +88,12 @@ def ragged_attention_ref(query: torch.Tensor, keys: torch.Tensor, values: torch.
     rows = torch.arange(q, device=query.device).view(1, 1, 1, q, 1)
     slots = torch.arange(t, device=query.device).view(1, 1, 1, 1, t)
     visible = slots < n - q + 1 + rows  # (B, H_kv, 1, q, T)
+    held = (slots < n)[:, :, 0, 0, :, None]  # (B, H_kv, T, 1): slots past a head's length are
+    keys, values = (torch.where(held, x.float(), 0.0) for x in (keys, values))  # never read
     qs = query.float().view(b, h_kv, g, q, d)
-    scores = torch.einsum("bhgqd,bhtd->bhgqt", qs, keys.float()) * scaling
+    scores = torch.einsum("bhgqd,bhtd->bhgqt", qs, keys) * scaling
     probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
-    out = torch.einsum("bhgqt,bhtd->bhgqd", probs, values.float())
+    out = torch.einsum("bhgqt,bhtd->bhgqd", probs, values)
     return out.reshape(b, h_q, q, d).transpose(1, 2).to(query.dtype)
 
 
