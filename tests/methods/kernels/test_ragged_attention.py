@@ -34,9 +34,9 @@ def stored(layout, k, v, lengths, block_tokens=4):
     """K/V held as ragged rows of `layout`, as HeadBlocks. Paged: blocks drawn in a scrambled
     order from pools whose free blocks are NaN; contiguous: a buffer wider than the rows."""
     rows = []
-    for x in (k, v):
-        if layout == "paged":
-            pools = [nan_pool(block_tokens, heads, x) for heads in (x.shape[1], 1)]
+    for seed, x in enumerate((k, v)):
+        if layout == "paged":  # K and V draw their blocks in different orders: own tables
+            pools = [nan_pool(block_tokens, heads, x, seed) for heads in (x.shape[1], 1)]
             r = PagedRows(pools[0], head_pool=lambda pool=pools[1]: pool)  # (rectangular, heads)
         else:
             r = ContiguousRows()
@@ -48,14 +48,15 @@ def stored(layout, k, v, lengths, block_tokens=4):
     return rows
 
 
-def nan_pool(block_tokens, heads, like):
-    """A pool of blocks of `heads` heads, all NaN, its free list scrambled."""
+def nan_pool(block_tokens, heads, like, seed):
+    """A pool of blocks of `heads` heads, all NaN, its free list shuffled by `seed`."""
     pool = BlockPool(block_tokens)
     warm = PagedRows(pool)
-    warm.append(torch.full((1, heads, 64, like.shape[-1]), NAN, dtype=like.dtype,
+    warm.append(torch.full((1, heads, 1024, like.shape[-1]), NAN, dtype=like.dtype,
                            device=like.device))
     warm.release()
-    pool.free.reverse()
+    order = torch.randperm(len(pool.free), generator=torch.Generator().manual_seed(seed))
+    pool.free = [pool.free[i] for i in order.tolist()]
     return pool
 
 
