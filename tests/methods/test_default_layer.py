@@ -111,3 +111,16 @@ def test_sliding_window_layers_take_the_model_attention(family_models, monkeypat
     assert calls == 0 and gathers > 0
     contiguous, _, _ = decode_counting(model, monkeypatch, "contiguous", steps=3)
     assert torch.equal(paged, contiguous)
+
+
+def test_in_place_decode_uses_the_models_scaling():
+    """Granite scales q.k by attention_multiplier (0.05), not head_dim ** -0.5: the in-place
+    decode equals transformers' own cache step by step."""
+    from tests.methods.test_full import engine_logits, hf_incremental
+    from tests.models import tiny_family_model
+
+    model = tiny_family_model("granite", 2)
+    ids = torch.randint(3, 250, (1, 40), generator=torch.Generator().manual_seed(1))
+    got = engine_logits(model, ids, prefill_end=30, chunk=16)
+    ref = hf_incremental(model, ids, splits=[16, 30] + list(range(31, 40)))
+    assert (got - ref).abs().max().item() <= 1e-5
