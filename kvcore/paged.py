@@ -306,8 +306,8 @@ class PagedRows(Rows):
             if self.head_pool.data is None:
                 return None
             data = self.head_pool.data.view(self.head_pool.num_blocks, bt, *self._rest)
-            return HeadBlocks(data, self._head_tensor(data.device), self._lengths, bt,
-                              self.length)
+            return HeadBlocks(data, self._head_tensor(data.device), bt, self.length,
+                              (self._batch, self._heads), self._lengths)
         if self.pool.data is None:
             return None
         n, h = self.pool.data.shape[:2]
@@ -316,7 +316,7 @@ class PagedRows(Rows):
             table = self._table_tensor(data.device)  # (B, nb)
             heads = torch.arange(h, device=data.device).view(1, h, 1)
             self._head_table_t = (table[:, None, :] * h + heads).reshape(self._batch * h, -1)
-        return HeadBlocks(data, self._head_table_t, self.lengths(), bt, self.length)
+        return HeadBlocks(data, self._head_table_t, bt, self.length, (self._batch, h))
 
     def view(self) -> torch.Tensor | None:
         """A gather of the blocks into a fresh `(B, H, T, ...)` tensor (cached until a write)."""

@@ -92,35 +92,45 @@ class HeadBlocks:
     `data[table[r, t // block_tokens], t % block_tokens]`. A contiguous buffer `(B, H, capacity,
     ...)` is one block per head (`table[r] = [r]`, `block_tokens` = its capacity); paged rows are
     their blocks seen one head at a time (vLLM's block tables, one level finer). Entries of
-    `table` past a head's last block are valid block ids that must not be read.
+    `table` past a head's last block are valid block ids that must not be read. Valid until the
+    rows are next written.
 
     data:         `(N, block_tokens, ...)` the storage itself (a view; rows are unit-strided)
     table:        `(B * H, max_blocks)` int64 block ids in token order, on data's device
-    lengths:      `(B, H)` int64 valid tokens per head, on data's device
     block_tokens: tokens per block
     length:       the longest head's length (`view()`'s T)
+    heads:        `(B, H)`
+    per_head:     `(B, H)` int64 lengths on data's device when ragged; None: every head holds
+                  `length` (rectangular rows: kernels take the one count, no tensor is built)
     """
 
     data: torch.Tensor
     table: torch.Tensor
-    lengths: torch.Tensor
     block_tokens: int
     length: int
+    heads: tuple[int, int]
+    per_head: torch.Tensor | None = None
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """Valid tokens per head `(B, H)` int64."""
+        if self.per_head is not None:
+            return self.per_head
+        return uniform_lengths(*self.heads, self.length, self.data.device)
 
     @property
     def shape(self) -> tuple[int, ...]:
         """`(B, H, T, ...)` as `view()` would give."""
-        return (*self.lengths.shape, self.length, *self.data.shape[2:])
+        return (*self.heads, self.length, *self.data.shape[2:])
 
     def gather(self) -> torch.Tensor:
         """A copy `(B, H, length, ...)` (slots past a head's length unspecified): the torch
         reference of what a kernel reads; layers use `Rows.view()` (cheaper on contiguous)."""
-        b, h = self.lengths.shape
         nb = max(1, -(-self.length // self.block_tokens))
         table = self.table[:, :nb]
         blocks = self.data.index_select(0, table.flatten())  # (BH * nb, bt, ...)
         rest = self.data.shape[2:]
-        out = blocks.reshape(b, h, table.shape[1] * self.block_tokens, *rest)
+        out = blocks.reshape(*self.heads, table.shape[1] * self.block_tokens, *rest)
         return out[:, :, : self.length]
 
 
@@ -248,8 +258,8 @@ class ContiguousRows(Rows):
             return None
         b, h, capacity = self.buffer.shape[:3]
         data = self.buffer.reshape(b * h, capacity, *self.buffer.shape[3:])  # a view when it can
-        return HeadBlocks(data, _identity_table(b * h, data.device), self.lengths(), capacity,
-                          self.length)
+        return HeadBlocks(data, _identity_table(b * h, data.device), capacity, self.length,
+                          (b, h), self._lengths)
 
     def _reserve(self, end: int, like: torch.Tensor) -> None:
         """Capacity for `end` rows (a grown buffer holding the valid rows when short)."""

@@ -62,18 +62,17 @@ def use_triton(x: torch.Tensor) -> bool:
 
 
 def _check(query: torch.Tensor, keys: HeadBlocks, values: HeadBlocks) -> None:
-    if query.dim() != 4:
-        raise ValueError(f"expected query (B, H_q, q, D); got {tuple(query.shape)}")
+    # a few attribute reads: this runs once per layer and decode step
     b, h_q, _, d = query.shape
-    h_kv = keys.lengths.shape[1]
-    if keys.lengths.shape[0] != b or h_kv == 0 or h_q % h_kv:
-        raise ValueError(f"keys hold {tuple(keys.lengths.shape)} (B, H_kv) heads; query "
+    b_kv, h_kv = keys.heads
+    if b_kv != b or h_kv == 0 or h_q % h_kv:
+        raise ValueError(f"keys hold {keys.heads} (B, H_kv) heads; query "
                          f"{tuple(query.shape)} needs B={b} and H_q a multiple of H_kv")
     if keys.data.shape[2:] != (d,) or values.data.shape[2:] != (d,):
         raise ValueError(f"K/V rows {tuple(keys.data.shape[2:])}, {tuple(values.data.shape[2:])}"
                          f" do not match the query's D={d}")
-    if values.lengths.shape != keys.lengths.shape or values.block_tokens != keys.block_tokens:
-        raise ValueError("keys and values must share lengths and block size (one layer's K/V)")
+    if values.heads != keys.heads or values.block_tokens != keys.block_tokens:
+        raise ValueError("keys and values must share heads and block size (one layer's K/V)")
 
 
 # --- reference ----------------------------------------------------------------------------------
@@ -104,7 +103,7 @@ def packed_attention(query: torch.Tensor, keys: HeadBlocks, values: HeadBlocks,
     `(m, n, D)` and attended with one SDPA call (their g query heads as a group, the chunk's
     causal `(q, n)` mask); returns `(B, q, H_q, D)`."""
     b, h_q, q, d = query.shape
-    h_kv = keys.lengths.shape[1]
+    h_kv = keys.heads[1]
     g = h_q // h_kv
     flat = keys.lengths.reshape(-1)
     qs = query.reshape(b * h_kv, g, q, d)
@@ -212,7 +211,7 @@ def ragged_decode_attention_triton(query: torch.Tensor, keys: HeadBlocks, values
     `(B, 1, H_q, D)` (CUDA tensors, or CPU ones under TRITON_INTERPRET=1)."""
     _check(query, keys, values)
     b, h_q, _, d = query.shape
-    g = h_q // keys.lengths.shape[1]
+    g = h_q // keys.heads[1]
     block_d = triton.next_power_of_2(d)
     block_n = _block_n(block_d)
     longest = max(1, keys.length)

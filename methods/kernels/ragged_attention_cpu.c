@@ -21,6 +21,8 @@
 #include <math.h>
 
 #define SPAN_TOKENS 256 /* tokens per work item (a fixed split: results do not depend on threads) */
+#define PARALLEL_MIN_MACS (1L << 17) /* below this many q.k multiply-adds: one thread */
+#define LEN(a, r) ((a)->lengths ? (a)->lengths[r] : (a)->uniform)
 
 typedef struct {
     const float *q; long s_qbh, s_qg;   /* (BH, g, D) */
@@ -29,7 +31,8 @@ typedef struct {
     const int64_t *k_table; long s_ktbh; /* (BH, blocks): key block ids in token order */
     const int64_t *v_table; long s_vtbh; /* (BH, blocks): value block ids */
     long block_tokens;
-    const int64_t *lengths;             /* (BH,) tokens per head */
+    const int64_t *lengths;             /* (BH,) tokens per head, or NULL: every head `uniform` */
+    long uniform;
     float *out;                         /* (BH, g, D) contiguous */
     long bh, g, d;
     float scaling;
@@ -102,11 +105,11 @@ static int decode(const Args *a, int threads) {
     if (!first) return 2;
     first[0] = 0;
     for (long r = 0; r < a->bh; r++) {
-        if (a->lengths[r] < 0) {
+        if (LEN(a, r) < 0) {
             free(first);
             return 1;
         }
-        first[r + 1] = first[r] + (a->lengths[r] + SPAN_TOKENS - 1) / SPAN_TOKENS;
+        first[r + 1] = first[r] + (LEN(a, r) + SPAN_TOKENS - 1) / SPAN_TOKENS;
     }
     const long items = first[a->bh], g = a->g, width = g * a->d;
     long *owner = malloc(sizeof(long) * (size_t)(items ? items : 1));
@@ -121,11 +124,15 @@ static int decode(const Args *a, int threads) {
     }
     for (long r = 0; r < a->bh; r++)
         for (long i = first[r]; i < first[r + 1]; i++) owner[i] = r;
+    long tokens = 0; /* a short cache is not worth waking the worker threads */
+    for (long r = 0; r < a->bh; r++) tokens += LEN(a, r);
+    const int parallel = tokens * g * a->d >= PARALLEL_MIN_MACS;
     if (items) {
-#pragma omp parallel for schedule(static) num_threads(items < threads ? (int)items : threads)
+#pragma omp parallel for schedule(static) num_threads(items < threads ? (int)items : threads) \
+    if (parallel)
         for (long item = 0; item < items; item++) {
             const long r = owner[item], t0 = (item - first[r]) * SPAN_TOKENS;
-            const long t1 = t0 + SPAN_TOKENS < a->lengths[r] ? t0 + SPAN_TOKENS : a->lengths[r];
+            const long t1 = t0 + SPAN_TOKENS < LEN(a, r) ? t0 + SPAN_TOKENS : LEN(a, r);
             span(a, r, t0, t1, partial + item * width, stats + item * g,
                  stats + (items + item) * g);
         }
@@ -147,10 +154,10 @@ int ragged_decode_attention(const float *q, long s_qbh, long s_qg,
                             const float *v, long s_vblk, long s_vt,
                             const int64_t *k_table, long s_ktbh,
                             const int64_t *v_table, long s_vtbh, long block_tokens,
-                            const int64_t *lengths, float *out,
+                            const int64_t *lengths, long uniform, float *out,
                             long bh, long g, long d, float scaling, int threads) {
     if (bh <= 0 || g <= 0 || d <= 0 || block_tokens <= 0) return 1;
     const Args a = {q, s_qbh, s_qg, k, s_kblk, s_kt, v, s_vblk, s_vt, k_table, s_ktbh,
-                    v_table, s_vtbh, block_tokens, lengths, out, bh, g, d, scaling};
+                    v_table, s_vtbh, block_tokens, lengths, uniform, out, bh, g, d, scaling};
     return decode(&a, threads);
 }

@@ -30,8 +30,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     long_, ptr = ctypes.c_long, ctypes.c_void_p
     fn = lib.ragged_decode_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = ([ptr, long_, long_] * 3 + [ptr, long_] * 2 + [long_, ptr, ptr] + [long_] * 3
-                   + [ctypes.c_float, ctypes.c_int])
+    fn.argtypes = ([ptr, long_, long_] * 3 + [ptr, long_] * 2 + [long_, ptr, long_, ptr]
+                   + [long_] * 3 + [ctypes.c_float, ctypes.c_int])
 
 
 _KERNEL = cpu_build.CKernel(_SOURCE, _declare)
@@ -43,11 +43,10 @@ kernel_name = _KERNEL.name  # "c" when this kernel serves decode steps on a devi
 def applies(query: torch.Tensor, keys: HeadBlocks, values: HeadBlocks) -> bool:
     """Whether `decode_attention` can serve these (CPU, fp32, one query row, rows of one
     trailing axis with a unit stride, a C compiler)."""
-    return (query.shape[2] == 1 and query.device.type == "cpu"
-            and all(x.data.dtype == torch.float32 and x.data.dim() == 3
-                    and x.data.stride(-1) == 1 and x.data.device.type == "cpu"
-                    for x in (keys, values))
-            and library() is not None)
+    k, v = keys.data, values.data
+    return (query.shape[2] == 1 and query.device.type == "cpu" and k.device.type == "cpu"
+            and k.dtype == v.dtype == torch.float32 and k.dim() == v.dim() == 3
+            and k.stride(-1) == v.stride(-1) == 1 and library() is not None)
 
 
 def decode_attention(query: torch.Tensor, keys: HeadBlocks, values: HeadBlocks,
@@ -56,17 +55,19 @@ def decode_attention(query: torch.Tensor, keys: HeadBlocks, values: HeadBlocks,
     lengths and block size, tables of their own) -> `(B, 1, H_q, D)` in query's dtype (the
     model's attention layout); a head with no token gives zeros."""
     b, hq, _, d = query.shape
-    h = keys.lengths.shape[1]
+    h = keys.heads[1]
     g = hq // h
     q = kernel_rows(query.reshape(b, h, g, d).float()).view(b * h, g, d)  # (B*H_kv, g, D)
     k_table, v_table = keys.table.contiguous(), values.table.contiguous()  # (B*H_kv, blocks)
-    lengths = keys.lengths.reshape(-1).contiguous()  # (B*H_kv,)
+    # (B*H_kv,) per head, or none: every head holds keys.length (rectangular rows)
+    lengths = None if keys.per_head is None else keys.per_head.reshape(-1).contiguous()
     out = torch.empty(b * h, g, d)  # = (B, 1, H_q, D) for one query row
     kd, vd = keys.data, values.data
     status = library().ragged_decode_attention(
         q.data_ptr(), q.stride(0), q.stride(1), kd.data_ptr(), kd.stride(0), kd.stride(1),
         vd.data_ptr(), vd.stride(0), vd.stride(1), k_table.data_ptr(), k_table.stride(0),
-        v_table.data_ptr(), v_table.stride(0), keys.block_tokens, lengths.data_ptr(), out.data_ptr(), b * h, g, d, float(scaling),
-        torch.get_num_threads())
+        v_table.data_ptr(), v_table.stride(0), keys.block_tokens,
+        None if lengths is None else lengths.data_ptr(), keys.length, out.data_ptr(),
+        b * h, g, d, float(scaling), torch.get_num_threads())
     cpu_build.check_status(status, "ragged_decode_attention")
     return out.view(b, 1, hq, d).to(query.dtype)
