@@ -10,6 +10,8 @@ allocated K/V bytes) and the paged pools' figures. Per method, the ratio to read
 over (round, step) of paged step k / contiguous step k (paired, same round). Goal (issue 27):
 full <= 1.05x (decode reads the paged blocks in place: methods.base.FullLayer); H2O still
 gathers its blocks (its fused kernel reads a contiguous tensor), reported without a goal.
+`full_sdpa` is the full cache as it was before (the model's SDPA over `keys`/`values`, paged: a
+gather): `full` vs `full_sdpa` per layout shows what the in-place reads changed.
 
     python benchmarks/paged_layout.py --context 1024 --batch 4 --new-tokens 32 --rounds 3
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+from dataclasses import dataclass
 import statistics
 import sys
 import time
@@ -33,10 +36,27 @@ from harness import hf_adapter, models  # noqa: E402
 from harness.engine import Engine, EngineSettings  # noqa: E402
 from harness.results import write_json_atomic  # noqa: E402
 from methods import build_method  # noqa: E402
+from methods.base import KVLayer, ModelInfo  # noqa: E402
+from methods.full import Full  # noqa: E402
 from tasks.text_sources import load_essays  # noqa: E402
 
-METHODS = {"full": ("full", {}), "h2o_0.2": ("h2o", {"budget_ratio": 0.2})}
+METHODS = {"full": ("full", {}), "full_sdpa": ("full_sdpa", {}),
+           "h2o_0.2": ("h2o", {"budget_ratio": 0.2})}
 GOALS = {"full": 1.05}  # paged / contiguous decode step, paired median
+
+
+@dataclass(kw_only=True)
+class FullSDPA(Full):
+    """The full cache as it was before in-place reads (issue 27): the base KVLayer, whose decode
+    steps attend with the model's SDPA over `keys`/`values` (paged: a gather of the blocks)."""
+
+    def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
+        return KVLayer(layer_idx, info)
+
+
+def make_method(name: str):
+    method, kw = METHODS[name]
+    return FullSDPA() if method == "full_sdpa" else build_method(method, **kw)
 LAYOUTS = ("contiguous", "paged")
 
 
@@ -68,10 +88,10 @@ def lockstep(model, tok, info, methods: dict, prompts, new_tokens: int, block_to
     return out
 
 
-def paired_ratio(rounds: list[dict], name: str) -> float:
-    """Median over (round, step) of paged step k / contiguous step k of method `name`."""
+def paired_ratio(rounds: list[dict], cell: tuple, reference: tuple) -> float:
+    """Median over (round, step) of cell's step k / reference cell's step k (same round)."""
     return statistics.median(a / b for r in rounds for a, b in
-                             zip(r[name, "paged"]["step_ms"], r[name, "contiguous"]["step_ms"]))
+                             zip(r[cell]["step_ms"], r[reference]["step_ms"]))
 
 
 def main() -> None:
@@ -95,8 +115,7 @@ def main() -> None:
     context = min(args.context, info.max_positions - args.new_tokens)
     lengths = [context - i * context // (2 * args.batch) for i in range(args.batch)]
     prompts = [essays[i * 97: i * 97 + n] for i, n in enumerate(lengths)]
-    methods = {name: build_method(m, **kw) for name, (m, kw) in METHODS.items()
-               if name in args.methods}
+    methods = {name: make_method(name) for name in METHODS if name in args.methods}
     load_before = os.getloadavg()[0]
     t0 = time.time()
     rounds = []
@@ -125,7 +144,8 @@ def main() -> None:
                 "decode_ms_rounds": [statistics.median(rd[name, layout]["step_ms"])
                                      for rd in rounds]}
         paged = rows[f"{name}/paged"]
-        paged["decode_paged_vs_contiguous"] = ratio = paired_ratio(rounds, name)
+        ratio = paired_ratio(rounds, (name, "paged"), (name, "contiguous"))
+        paged["decode_paged_vs_contiguous"] = ratio
         goal = GOALS.get(name)
         if goal is not None:
             paged["goal"], paged["goal_met"] = goal, ratio <= goal
@@ -140,6 +160,11 @@ def main() -> None:
                   f"{row['storage_bytes_allocated'] / 2**20:9.2f} "
                   f"{row['storage_waste_ratio']:7.3f} "
                   f"{pools['blocks_allocated'] if pools else '':>11}  {note}")
+    if "full" in methods and "full_sdpa" in methods:  # the in-place reads vs before, per layout
+        for layout in LAYOUTS:
+            ratio = paired_ratio(rounds, ("full", layout), ("full_sdpa", layout))
+            rows[f"full/{layout}"]["decode_vs_full_sdpa"] = ratio
+            print(f"full/{layout} vs full_sdpa/{layout} (before in-place reads): {ratio:.3f}")
     out = {"model": args.model, "lengths": lengths, "new_tokens": args.new_tokens,
            "block_tokens": args.block_tokens, "rounds": args.rounds,
            "threads": torch.get_num_threads(), "load_avg": round(load, 2),

@@ -111,6 +111,13 @@ class HeadBlocks:
     heads: tuple[int, int]
     per_head: torch.Tensor | None = None
 
+    @classmethod
+    def of(cls, x: torch.Tensor) -> "HeadBlocks":
+        """A plain `(B, H, T, ...)` tensor as one block per head (a view when B and H merge)."""
+        b, h, t = x.shape[:3]
+        data = x.reshape(b * h, t, *x.shape[3:])
+        return cls(data, _identity_table(b * h, x.device), max(t, 1), t, (b, h))
+
     @property
     def lengths(self) -> torch.Tensor:
         """Valid tokens per head `(B, H)` int64."""

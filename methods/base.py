@@ -348,13 +348,29 @@ class FullLayer(KVLayer):
         return keys.is_cuda and getattr(self.tier, "paged", None) is not None
 
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
-        if isinstance(keys, HeadBlocks):
-            if plain_decode_row(query, attention_mask, kwargs):
-                scaling = kwargs.get("scaling")
-                scaling = module.scaling if scaling is None else scaling
-                return ragged_attention.ragged_attention(query, keys, values, scaling), None
-            keys, values = self.keys, self.values  # anything else: the stored tensors
-        return base(module, query, keys, values, attention_mask, **kwargs)
+        if isinstance(keys, HeadBlocks) and not plain_decode_row(query, attention_mask, kwargs):
+            keys, values = self.keys, self.values  # a masked or non-plain call: the tensors
+        return exact_attention(module, query, keys, values, attention_mask, base, **kwargs)
+
+
+def exact_attention(module, query: torch.Tensor, keys, values, attention_mask, base: AttentionFn,
+                    **kwargs):
+    """The full cache's attention, one arithmetic for every layer that attends to everything it
+    holds (FullLayer, the host-tier full cache, a lossless method's exact path), so they give
+    the same bits: a plain decode row (`methods.scoring.plain_decode_row`) over stored rows read
+    in place (`HeadBlocks`), or over fp32 CPU tensors when the C kernel is built, goes through
+    methods.kernels.ragged_attention; anything else through `base`. `keys`/`values`:
+    `(B, H_kv, T, D)` tensors or `HeadBlocks` (then the call must be a plain decode row)."""
+    blocks = isinstance(keys, HeadBlocks)
+    if blocks or (plain_decode_row(query, attention_mask, kwargs) and keys.device.type == "cpu"
+                  and keys.dtype == values.dtype == torch.float32
+                  and ragged_attention_cpu.library() is not None):
+        if not blocks:
+            keys, values = HeadBlocks.of(keys), HeadBlocks.of(values)
+        scaling = kwargs.get("scaling")
+        scaling = module.scaling if scaling is None else scaling
+        return ragged_attention.ragged_attention(query, keys, values, scaling), None
+    return base(module, query, keys, values, attention_mask, **kwargs)
 
 
 @dataclass(kw_only=True)

@@ -9,11 +9,12 @@ full_offload's (stored on the host, fetched whole every step), with the same out
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
+from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, PrepareContext
 from methods.full_offload import FullOffload, FullOffloadLayer
+from methods.kernels import ragged_attention
 
 
 @dataclass(kw_only=True)
@@ -24,6 +25,10 @@ class Full(KVMethod):
     axis_keys: ClassVar[tuple[str, ...]] = ()  # a reference: no size knob
     capabilities: ClassVar[Capabilities] = Capabilities(compresses=False, kv_layouts=KV_LAYOUTS,
                                                         places_layers_on_host=True)
+
+    def prepare(self, ctx: PrepareContext) -> dict[str, Any]:
+        """Records which decode-attention implementation the run uses (its speed depends on it)."""
+        return {"decode_attention": ragged_attention.decode_kernel_name(ctx.device)}
 
     def make_host_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         return FullOffloadLayer(layer_idx, info, FullOffload(prefetch=True))

@@ -247,6 +247,15 @@ def decode_kernel(query: torch.Tensor, keys: HeadBlocks, values: HeadBlocks) -> 
     return "c" if ragged_attention_cpu.applies(query, keys, values) else "torch"
 
 
+def decode_kernel_name(device) -> str:
+    """What the full cache's decode steps run on `device` (for metrics.json): "c" on CPU when
+    the C kernel builds (else "sdpa": the model's own attention), on CUDA "triton" for paged
+    rows and "sdpa" for contiguous ones (methods.base.FullLayer)."""
+    if torch.device(device).type == "cuda":
+        return "triton (paged), sdpa (contiguous)"
+    return "c" if ragged_attention_cpu.library() is not None else "sdpa"
+
+
 def ragged_attention(query: torch.Tensor, keys: HeadBlocks, values: HeadBlocks,
                      scaling: float) -> torch.Tensor:
     """Attention of `query (B, H_q, q, D)` over ragged rows read in place -> `(B, q, H_q, D)`
