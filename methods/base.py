@@ -20,7 +20,7 @@ import torch
 from kvcore.errors import ConfigError
 from kvcore.storage import KV_LAYOUTS, ContiguousRows, HeadBlocks, Rows, grown_capacity
 from methods.kernels import ragged_attention, ragged_attention_cpu
-from methods.scoring import plain_decode_row
+from methods.scoring import plain_attention, plain_decode_row
 
 AttentionFn = Callable[..., tuple[torch.Tensor, Any]]
 
@@ -357,11 +357,18 @@ def exact_attention(module, query: torch.Tensor, keys, values, attention_mask, b
                     **kwargs):
     """The full cache's attention, one arithmetic for every layer that attends to everything it
     holds (FullLayer, the host-tier full cache, a lossless method's exact path), so they give
-    the same bits: a plain decode row (`methods.scoring.plain_decode_row`) over stored rows read
-    in place (`HeadBlocks`), or over fp32 CPU tensors when the C kernel is built, goes through
-    methods.kernels.ragged_attention; anything else through `base`. `keys`/`values`:
-    `(B, H_kv, T, D)` tensors or `HeadBlocks` (then the call must be a plain decode row)."""
+    the same bits.
+
+    `keys`/`values` are `(B, H_kv, T, D)` tensors or rows read in place (`HeadBlocks`, ragged or
+    not). Rows in place always go through methods.kernels.ragged_attention: causal attention per
+    head over its own tokens (the chunk's q tokens last; the model's mask for a sequence alone
+    is that causal mask, rebuilt per head), plain calls only (no window, soft-capping, sinks:
+    ValueError). Tensors: a plain decode row (`methods.scoring.plain_decode_row`) in fp32 on the
+    CPU goes through the same kernel when it is built; anything else through `base`."""
     blocks = isinstance(keys, HeadBlocks)
+    if blocks and not plain_attention(kwargs):
+        raise ValueError("rows read in place attend with plain causal attention only (no "
+                         "sliding window, soft-capping or sinks); pass tensors to the model's")
     if blocks or (plain_decode_row(query, attention_mask, kwargs) and keys.device.type == "cpu"
                   and keys.dtype == values.dtype == torch.float32
                   and ragged_attention_cpu.library() is not None):

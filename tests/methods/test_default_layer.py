@@ -124,3 +124,34 @@ def test_in_place_decode_uses_the_models_scaling():
     got = engine_logits(model, ids, prefill_end=30, chunk=16)
     ref = hf_incremental(model, ids, splits=[16, 30] + list(range(31, 40)))
     assert (got - ref).abs().max().item() <= 1e-5
+
+
+def test_exact_attention_over_ragged_rows_in_place():
+    """What phase-2 head-wise layers call: ragged rows read in place attend per head (a prefill
+    chunk causal over each head's own tokens, a decode row) without the model's attention;
+    calls it cannot honour (a sliding window) are refused, not served wrong."""
+    from types import SimpleNamespace
+
+    from kvcore.paged import BlockPool, PagedRows
+    from methods.base import exact_attention
+    from methods.kernels.ragged_attention import ragged_attention_ref
+
+    gen = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 2, 12, 8, generator=gen), torch.randn(1, 2, 12, 8, generator=gen)
+    lengths = torch.tensor([[12, 5]])
+    rows = [PagedRows(BlockPool(4)) for _ in range(2)]
+    for r, x in zip(rows, (k, v)):
+        r.assign(x, lengths)
+    module = SimpleNamespace(scaling=0.5)
+
+    def no_base(*args, **kwargs):
+        raise AssertionError("the model's attention was called")
+
+    for q in (3, 1):
+        query = torch.randn(1, 4, q, 8, generator=gen)
+        blocks = [r.in_place() for r in rows]
+        out, _ = exact_attention(module, query, *blocks, None, no_base, scaling=None)
+        want = ragged_attention_ref(query, k, v, lengths, 0.5)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="plain causal attention only"):
+        exact_attention(module, query, *blocks, None, no_base, sliding_window=4)
