@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum
 export OMP_WAIT_POLICY ?= PASSIVE
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test test-slurm gate bench clean
+.PHONY: setup run test test-slurm gate bench parity peer-setup clean
 
 setup: $(STAMP)
 
@@ -48,8 +48,33 @@ gate: setup
 		runner.results_root=$(GATE_DIR) hydra.sweep.dir=$(GATE_DIR)/_sweeps/smollm2
 	$(PY) -m harness.check $(GATE_DIR) --against conf/regression/ci.yaml
 
+# Peer parity with kvpress (benchmarks/parity.py): its own venv, pinned in scripts/kvpress-peer.lock
+# (kvpress 0.5.5 needs transformers<5.3); torch first, exactly pinned, so the CPU wheel is taken.
+PEER_VENV ?= .venv-peer
+PEER_PY := $(PEER_VENV)/bin/python
+PEER_STAMP := $(PEER_VENV)/.installed-$(shell cat scripts/kvpress-peer.lock | cksum | cut -d' ' -f1)
+PARITY_DIR ?= results/parity
+OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+peer-setup: $(PEER_STAMP)
+
+$(PEER_STAMP): scripts/kvpress-peer.lock
+	test -x $(PEER_PY) || python3 -m venv $(PEER_VENV)
+	$(PEER_PY) -m pip install -q torch==2.13.0
+	$(PEER_PY) -m pip install -q -r scripts/kvpress-peer.lock
+	rm -f $(PEER_VENV)/.installed-*
+	touch $@
+
+# Our side first (it writes the prompts and converts the embedded model), then kvpress, then the table.
+parity: setup peer-setup
+	rm -rf $(PARITY_DIR)
+	$(OFFLINE) $(PY) benchmarks/parity.py ours $(PARITY_DIR)
+	$(OFFLINE) $(PEER_PY) scripts/kvpress_peer.py --prompts $(PARITY_DIR)/prompts.json \
+		--out $(PARITY_DIR)/peer.json
+	$(PY) benchmarks/parity.py compare $(PARITY_DIR)
+
 bench: setup
 	$(PY) benchmarks/decode_vs_hf.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(PEER_VENV) .pytest_cache

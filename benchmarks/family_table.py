@@ -65,6 +65,19 @@ def cells(needle: dict | None, ppl: dict | None, why_needle: str, why_ppl: str,
     return out + [f"{ppl['accuracy']['ppl']:.2f}", "n/a" if attended is None else f"{attended:.3f}"]
 
 
+def protocol_cell(needle: dict | None, ppl: dict | None) -> str:
+    """When the runs compressed and what their ratio budgets were a fraction of (metrics.json's
+    protocol; runs made before these were recorded compressed after every prefill chunk and
+    budgeted on the tokens seen)."""
+    cells = []
+    for metrics in (needle, ppl):
+        if metrics is not None:
+            proto = metrics.get("protocol", {})
+            cells.append(f"prefill={proto.get('prefill', 'dense')} "
+                         f"basis={proto.get('budget_basis', 'seen')}")
+    return " / ".join(dict.fromkeys(cells)) or "-"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2_135m")
@@ -103,7 +116,7 @@ def main() -> None:
              "host MiB moved per decode step likewise ('-': nothing offloaded); ppl attended: the "
              "perplexity run's attended fraction (sparse layers).", "",
              f"| method | {heads} | needle all | KV held | attended | host MiB/step | ppl | "
-             "ppl attended |", "|---|" + "---|" * (len(args.lengths) + 6)]
+             "ppl attended | protocol |", "|---|" + "---|" * (len(args.lengths) + 7)]
     for overrides in rows:
         needle, why_needle = lookup(needle_common, overrides, "ruler")
         if args.prefill_tokens or not method_class(overrides[0].removeprefix("method=")
@@ -112,7 +125,7 @@ def main() -> None:
         else:
             ppl, why_ppl = None, "prefill-only: not streamed"
         row = cells(needle, ppl, why_needle, why_ppl, args.lengths, len(args.depths))
-        lines.append(f"| {label(overrides)} | " + " | ".join(row) + " |")
+        lines.append(f"| {label(overrides)} | " + " | ".join(row) + f" | {protocol_cell(needle, ppl)} |")
     text = "\n".join(lines) + "\n"
     if args.out:
         write_text_atomic(Path(args.out), text)

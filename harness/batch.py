@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from harness import hf_adapter
+from harness.prompting import close_prompt, open_prompt
 
 if TYPE_CHECKING:
     from harness.engine import Engine
@@ -151,6 +152,9 @@ class BatchRequest:
         `(len(prompt), V)` per sequence."""
         chunk = self.engine.prefill_chunk()
         seqs = list(range(len(prompts)))
+        for s, (cache, prompt) in enumerate(zip(self.caches, prompts)):
+            if prompt and prompt_ends:
+                open_prompt(cache.kv_layers, self.pos[s] + len(prompt))
         last = [None] * len(prompts)
         rows: list[list[torch.Tensor]] = [[] for _ in prompts]
         self.engine.transfers.begin_step(decode=False)
@@ -169,8 +173,7 @@ class BatchRequest:
         self.engine.prefill_tokens += sum(len(p) for p in prompts)
         for cache, prompt in zip(self.caches, prompts):
             if prompt and prompt_ends:
-                for kv in cache.kv_layers:
-                    kv.on_prefill_end()
+                close_prompt(self.engine, cache.kv_layers)
         if all_logits:
             return [torch.cat(r) if r else torch.empty(0) for r in rows]
         vocab = next(x for x in last if x is not None).shape[-1]

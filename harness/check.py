@@ -108,7 +108,7 @@ def _matches(metrics: dict, model: str, method: str, task: str, hyper: dict | No
 _SETTING = (("model", "name"), ("model", "dtype"), ("model", "device"), ("task", "name"),
             ("task", "options"), ("protocol", "batch_size"), ("protocol", "prefill"),
             ("protocol", "prefill_chunk_tokens"), ("protocol", "attn_impl"),
-            ("protocol", "dense_layers_runner"))
+            ("protocol", "dense_layers_runner"), ("protocol", "budget_basis"))
 
 
 def _setting(metrics: dict) -> str:

@@ -21,6 +21,7 @@ import torch
 
 from harness import batch as batching
 from harness import hf_adapter, serving
+from harness.prompting import close_prompt, open_prompt
 from harness.accounting import AttendedFraction, KVLedger
 from harness.diagnostics import Diagnostics
 from harness.profiling import SpeedSummary, Timer
@@ -78,14 +79,17 @@ class Engine:
         self.attended = AttendedFraction(info.num_layers, self.dense_layers)
 
     @contextlib.contextmanager
-    def request(self) -> Iterator["Request"]:
-        """One sample: a fresh cache, bound for the duration, accounted when it ends."""
+    def request(self, final_tokens: int | None = None) -> Iterator["Request"]:
+        """One sample: a fresh cache, bound for the duration, accounted when it ends.
+        `final_tokens`: the sequence's final length, the budget basis of a ratio budget
+        (Protocol.budget_basis="final"); a stream fed only by decode steps must declare it, a
+        prompt sets it to its own length when it is fed (unless declared here)."""
         cache = hf_adapter.MethodCache(self.method, self.info, self.tier, self.settings.protocol)
         hooks = (hf_adapter.lookahead(self.model)
                  if self.method.capabilities.lookahead or self.tier.offload
                  else contextlib.nullcontext())
         with torch.inference_mode(), hf_adapter.bind(self.model, cache), hooks:
-            req = Request(self, cache)
+            req = Request(self, cache, final_tokens)
             yield req
         if req.pos > 0:
             self.ledger.record(cache.kv_layers, self.settings.check_budget)
@@ -95,7 +99,8 @@ class Engine:
     def batch(self, size: int, host_layers: list[frozenset[int]] | None = None
               ) -> Iterator["batching.BatchRequest"]:
         """`size` samples decoded together (harness.batch): one fresh cache per sequence, all
-        accounted when the batch ends, each exactly as a batch-1 request would be.
+        accounted when the batch ends, each exactly as a batch-1 request would be (each prompt
+        sets its sequence's budget basis, as `Request.prefill`).
         `host_layers[i]`: layers of sequence i placed whole on the host tier (LayerKV)."""
         if self.diagnostics is not None:
             raise ConfigError("runner.diagnostics follows one sequence (a shadow full cache); "
@@ -212,8 +217,13 @@ def release(layers) -> None:
 class Request:
     """One sample's cache and position. Positions are explicit: `pos` = tokens fed so far."""
 
-    def __init__(self, engine: Engine, cache: hf_adapter.MethodCache):
+    def __init__(self, engine: Engine, cache: hf_adapter.MethodCache,
+                 final_tokens: int | None = None):
         self.engine, self.cache = engine, cache
+        self.declared_final = final_tokens is not None  # a declared basis outlives every prompt
+        if final_tokens is not None:
+            for kv in cache.kv_layers:
+                kv.final_tokens = final_tokens
         self.pos = 0
         self.decode_steps = 0
         diag = engine.diagnostics
@@ -256,6 +266,9 @@ class Request:
         """Feed a prompt `(B, T)` in chunks, then tell every layer the prompt is over (unless
         `prompt_ends=False`: more of the prompt follows without a prompt end, e.g. the question
         of a query-agnostic protocol). Returns logits `(B, T, V)` or, by default, `(B, 1, V)`.
+        A prompt that ends sets the budget basis to the sequence's length at its end (unless the
+        request declared `final_tokens`); tokens fed with `prompt_ends=False` are decode-time
+        input (harness.prompting.close_prompt).
 
         Protocol `prefill="sparse"`: every prompt row must attend under the method's budget, so
         the prompt goes one token at a time (each row is then exactly a decode step of the method)
@@ -263,6 +276,9 @@ class Request:
         ids = self._as_ids(tokens)
         chunk = self.engine.prefill_chunk()
         outs = []
+        if prompt_ends:
+            open_prompt(self.cache.kv_layers,
+                        None if self.declared_final else self.pos + ids.shape[1])
         self.engine.transfers.begin_step(decode=False)
         for start in range(0, ids.shape[1], chunk):
             piece = ids[:, start:start + chunk]
@@ -272,8 +288,7 @@ class Request:
                 self._shadow_forward(piece, record=False)
         self.engine.prefill_tokens += ids.numel()
         if prompt_ends:
-            for kv in self.cache.kv_layers:
-                kv.on_prefill_end()
+            close_prompt(self.engine, self.cache.kv_layers)
         return torch.cat(outs, dim=1) if all_logits else outs[-1][:, -1:]
 
     def step(self, token) -> torch.Tensor:

@@ -5,6 +5,10 @@ metrics, the streaming NLL curve and per-layer KV tokens as charts, samples as a
 by sweep. The W&B run directory lives inside the result folder. `WANDB_MODE=offline` (or
 `logger.mode=offline`) writes it locally for a later `wandb sync`: the runner prints and records
 the run's final path (W&B's own hint would name the staging folder, gone once the run is in place).
+
+A sweep (`-m`) ends with one more W&B run in the same group (`log_sweep`, job type "report"):
+the leaderboard as one comparison table and the report's figures, built by harness.report from
+the sweep's complete runs, so a dashboard compares the methods with no hand-made panels.
 """
 
 from __future__ import annotations
@@ -68,6 +72,51 @@ def log_run(logger: dict, folder: Path, config: dict, metrics: dict, samples: li
     finally:
         run.finish()
     return facts
+
+
+def log_sweep(logger: dict, sweep_dir: Path, run_folders: list[Path]) -> dict | None:
+    """The sweep's comparison on W&B: harness.report's leaderboard rows as one table and its
+    figures as images, in one run of the sweep's group; the report (report.html included) is
+    written to `<sweep dir>/report` as well. None for `logger=none` or no complete run."""
+    if logger.get("name", "none") == "none" or not run_folders:
+        return None
+    import wandb
+
+    from harness.report import AXES, build_report, leaderboard
+    from harness.report.figures import question
+
+    out = sweep_dir / "report"
+    rows, out, made = build_report([str(f / "metrics.json") for f in run_folders], out,
+                                   warn=lambda text: None)
+    board = leaderboard.build(rows)
+    columns, data = comparison_table(board)
+    mode = logger.get("mode") or os.environ.get("WANDB_MODE") or "online"
+    run = wandb.init(project=logger.get("project") or "kv-harness", entity=logger.get("entity"),
+                     group=logger.get("group") or sweep_dir.name, dir=str(sweep_dir), mode=mode,
+                     name=f"report-{sweep_dir.name}", job_type="report",
+                     # the report's own definitions of what the columns and figures show
+                     config={"axes": {k: f"{name}: {what}" for k, (name, what) in AXES.items()},
+                             "figures": {p.stem: question(p) for p in made}},
+                     reinit="finish_previous", settings=wandb.Settings(silent=True))
+    try:
+        run.log({"leaderboard": wandb.Table(columns=columns, data=data),
+                 **{f"figures/{p.stem}": wandb.Image(str(p)) for p in made}})
+        facts = {"logger": "wandb", "mode": mode, "run_id": run.id, "report": str(out),
+                 "dir": str(Path(run.dir).parent), "rows": len(data), "figures": len(made)}
+    finally:
+        run.finish()
+    return facts
+
+
+def comparison_table(board: list[dict]) -> tuple[list[str], list[list]]:
+    """The leaderboard as one flat table: its key, every task column, the measures."""
+    from harness.report import leaderboard
+
+    tasks = sorted({c for e in board for c in e["tasks"]})
+    columns = [*leaderboard.KEY, *tasks, leaderboard.MEAN, *leaderboard.MEASURES, "active"]
+    data = [[_cell(e["tasks"].get(c) if c in tasks else e.get(c)) for c in columns]
+            for e in board]
+    return columns, data
 
 
 def _cell(value: Any) -> Any:

@@ -24,7 +24,7 @@ from harness.serving import check_admission
 from harness.sweep import config_hash, group_options, multirun_job, record_status, resolve_output
 from kvcore.paged import DEFAULT_BLOCK_TOKENS
 from kvcore.storage import KV_LAYOUTS
-from methods.base import PREFILL_MODES, Protocol
+from methods.base import BUDGET_BASES, COMPRESSION_TIMING, PREFILL_MODES, Protocol
 
 log = logging.getLogger("harness")
 ATTN_IMPLS = ("sdpa", "eager")
@@ -94,6 +94,9 @@ def check_runner(runner: dict[str, Any]) -> None:
     if runner.get("prefill", "dense") not in PREFILL_MODES:
         raise ConfigError(f"runner.prefill={runner.get('prefill')!r}; allowed: "
                           f"{', '.join(PREFILL_MODES)}")
+    if runner.get("budget_basis", "final") not in BUDGET_BASES:
+        raise ConfigError(f"runner.budget_basis={runner.get('budget_basis')!r}; allowed: "
+                          f"{', '.join(BUDGET_BASES)}")
     for key in ("check_budget", "debug", "diagnostics", "skip_existing", "overwrite"):
         if not isinstance(runner.get(key, False), bool):
             raise ConfigError(f"runner.{key}={runner.get(key)!r} must be a boolean (true or false)")
@@ -104,7 +107,8 @@ def check_runner(runner: dict[str, Any]) -> None:
 
 def protocol_from(runner: dict[str, Any]) -> Protocol:
     return Protocol(dense_layers=tuple(runner.get("dense_layers") or ()),
-                    prefill=runner.get("prefill", "dense"))
+                    prefill=runner.get("prefill", "dense"),
+                    budget_basis=runner.get("budget_basis", "final"))
 
 
 def protocol_reasons(method, task, info, protocol: Protocol,
@@ -139,6 +143,13 @@ def protocol_reasons(method, task, info, protocol: Protocol,
         reasons.append(f"method={method.name} compresses once the prompt is over, but "
                        f"task={task.name} (with these options) scores only prompt tokens: every "
                        "scored logit comes before the method acts")
+    elif caps.compresses and protocol.prefill == "dense" and "decode" not in phases:
+        reasons.append(f"runner.prefill=dense: every method attends a prompt in full and "
+                       f"compresses it once it is over, but task={task.name} (with these options) "
+                       "scores only prompt tokens, so method={method.name} would never act; use "
+                       "runner.prefill=chunked (compress after every prefill chunk) or "
+                       "runner.prefill=sparse (every prompt row under the budget)"
+                       .replace("{method.name}", method.name))
     return reasons
 
 
@@ -245,13 +256,18 @@ def run(cfg: DictConfig) -> Path:
                   "max_positions": info.max_positions,
                   "parameters": sum(p.numel() for p in model.parameters())},
         "method": {"name": method_name, "hyperparameters": method.hyperparameters(),
+                   "provenance": method.provenance_label(),
+                   "operating_point": method.operating_point,
                    "axis_keys": list(method.axis_keys), "variant_keys": list(method.variant_keys),
                    "capabilities": vars(method.capabilities) if hasattr(method.capabilities, "__dict__")
                    else {}, "prepare": prepared},
         "task": {"name": task_name, "options": task.options()},
         "protocol": {**result.protocol, "dense_layers": list(engine.dense_layers),
                      "dense_layers_runner": list(runner.get("dense_layers") or []),
-                     "prefill": engine.settings.protocol.prefill, "accounting": ACCOUNTING,
+                     "prefill": engine.settings.protocol.prefill,
+                     "budget_basis": engine.settings.protocol.budget_basis,
+                     "compression_timing": COMPRESSION_TIMING[engine.settings.protocol.prefill],
+                     "accounting": ACCOUNTING,
                      "attention_kernel": ("the method's own eager attention with probabilities "
                                           "(needs_attn_scores)" if method.capabilities.needs_attn_scores
                                           else runner["attn_impl"]),
@@ -368,7 +384,7 @@ def summary(metrics: dict[str, Any], folder: Path) -> str:
     if kv.get("attended_fraction_sparse_layers") is not None or kv.get("held_ratio") is not None:
         proto = metrics["protocol"]
         lines.append(f"  protocol  dense layers {proto['dense_layers'] or 'none'}, prefill "
-                     f"{proto['prefill']} | held {_fmt(kv.get('held_ratio'))} of the full cache, "
+                     f"{proto['prefill']}, budget basis {proto.get('budget_basis', 'seen')} | held {_fmt(kv.get('held_ratio'))} of the full cache, "
                      f"attended {_fmt(kv.get('attended_fraction_sparse_layers'))} (sparse layers, "
                      f"decode steps)")
     if kv.get("method_active") is False:

@@ -189,9 +189,21 @@ def group_options(group: str, conf: Path = CONF) -> list[str]:
 
 def config_groups() -> str:
     """`--help`'s list of choices (the template in conf/config.yaml): Hydra's own list would
-    offer `_`-prefixed fragments such as method=_shared, which are not choices."""
-    return "\n".join(f"{p.name}: {', '.join(group_options(p.name))}" for p in sorted(CONF.iterdir())
-                     if p.is_dir() and p.name != "hydra" and group_options(p.name))
+    offer `_`-prefixed fragments such as method=_shared, which are not choices. Methods are
+    listed one per line with their provenance."""
+    from methods import build_method
+
+    lines = []
+    for p in sorted(CONF.iterdir()):
+        if not (p.is_dir() and p.name != "hydra" and group_options(p.name)):
+            continue
+        if p.name == "method":
+            lines.append("method (provenance: official code | paper | reconstruction | reference):")
+            lines += [f"  {name:<17} {build_method(name).provenance_label()}"
+                      for name in group_options("method")]  # the defaults' label
+        else:
+            lines.append(f"{p.name}: {', '.join(group_options(p.name))}")
+    return "\n".join(lines)
 
 
 # Registered on import: every process that runs a member (submitit's too) imports this module.
@@ -258,5 +270,28 @@ class SweepSummary(Callback):
                 job = f"#{s['job']} " if isinstance(s["job"], int) else ""
                 print(f"  [{s['status']}] {job}{' '.join(s.get('overrides', []))}: {s['detail']}")
         write_json_atomic(sweep_dir / "summary.json", {"counts": counts, "members": statuses})
+        self._log_comparison(config, sweep_dir, statuses)
         if counts["failed"]:
             sys.exit(1)
+
+    @staticmethod
+    def _log_comparison(config: DictConfig, sweep_dir: Path, statuses: list[dict]) -> None:
+        """logger=wandb: the sweep's leaderboard and figures to its W&B group (a failure is a
+        warning: the members' results are already written)."""
+        from harness.loggers import log_sweep
+
+        logger = OmegaConf.to_container(config.logger, resolve=True) if "logger" in config else {}
+        folders = [Path(s["detail"]) for s in statuses if s["status"] == "ok"
+                   and (Path(str(s.get("detail"))) / "metrics.json").is_file()]
+        try:
+            facts = log_sweep(logger, sweep_dir, folders)
+        except Exception as exc:  # noqa: BLE001 - W&B down must not fail a finished sweep
+            print(f"warning: the sweep's W&B comparison was not logged: {type(exc).__name__}: "
+                  f"{exc}", file=sys.stderr)
+            return
+        if facts:
+            sync = f"; upload it with: wandb sync {facts['dir']}" if facts["mode"] == "offline" \
+                else ""
+            print(f"comparison: {facts['rows']} leaderboard rows, {facts['figures']} figures -> "
+                  f"W&B group {logger.get('group') or sweep_dir.name} ({facts['mode']}){sync}; "
+                  f"report {facts['report']}/report.html")

@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 from kvcore.errors import ConfigError
-from methods.base import KVLayer, KVMethod, ModelInfo
+from methods.base import KVLayer, KVMethod, ModelInfo, require_basis
 from methods.scoring import additive_mask, attention_with_probs
 
 log = logging.getLogger(__name__)
@@ -327,10 +327,18 @@ class HeadwiseLayer(KVLayer):
         return base(module, query, keys, values, mask.to(query.dtype), **kwargs)
 
     def after_forward(self) -> None:
-        """Cut every streaming head back to its slots (folding the dropped tokens, if compensating)."""
+        """Cut every streaming head back to its slots (folding the dropped tokens, if
+        compensating); a prompt held in full under runner.prefill=dense is cut at its end."""
+        if not self.holding_prompt():
+            self.cut_streaming_heads()
+
+    def on_prefill_end(self) -> None:
+        self.cut_streaming_heads()
+
+    def cut_streaming_heads(self) -> None:
         if not len(self.streaming_heads) or self.s_keys is None:
             return
-        allowed = self.method.stream_slots(self.seen_tokens)
+        allowed = self.method.stream_slots(self.basis_tokens())
         if self._s_slots() <= allowed:
             return
         comp = 1 if self.method.compensate else 0
@@ -370,9 +378,11 @@ class HeadwiseLayer(KVLayer):
         self.comp_values = (v_sum / self.comp_count).to(values.dtype)
 
     # --- accounting ----------------------------------------------------------------------------
-    def allowed_tokens(self) -> int:
+    def allowed_tokens(self) -> int | None:
+        if self.holding_prompt():
+            return None
         seen = self.seen_tokens
-        return self._mean_slots(seen, min(seen, self.method.stream_slots(seen)))
+        return self._mean_slots(seen, min(seen, self.method.stream_slots(self.basis_tokens())))
 
     def attended_tokens(self) -> int:
         return self._attended_slots
@@ -403,6 +413,7 @@ def stream_budget_slots(seen: int, budget_ratio: float, retrieval_fraction: floa
                         minimum: int) -> int:
     """Slots a streaming head may hold so that the whole model holds `budget_ratio` of the full
     cache, given the realised retrieval-head fraction."""
+    seen = require_basis(seen)
     if retrieval_fraction >= 1:  # no streaming heads at all
         return seen
     share = (budget_ratio - retrieval_fraction) / (1 - retrieval_fraction)

@@ -77,7 +77,18 @@ class Capabilities:
                              "cache_formats)")
 
 
-PREFILL_MODES = ("dense", "sparse")
+# official code: read in (and checked against) the authors' repository; paper: from the paper
+# alone (no code released); reconstruction: neither gives the method as a runnable rule (ours fills
+# the gaps, named in its docstring); reference: the harness's own baselines and bounds.
+PROVENANCES = ("official code", "paper", "reconstruction", "reference")
+PREFILL_MODES = ("dense", "chunked", "sparse")
+BUDGET_BASES = ("final", "seen")
+# When a method may compress a prompt, per prefill mode (Protocol.prefill; metrics.json records it).
+COMPRESSION_TIMING = {
+    "dense": "prompt attended in full and compressed once, when it ends; decode steps per method",
+    "chunked": "compressed after every prefill chunk (memory-bounded; chunk size in the protocol)",
+    "sparse": "every prompt row attends under the budget, as a decode step would",
+}
 # RoPE variants whose rotation by delta positions is `delta * inv_freq` with unit attention
 # scaling, so stored keys can be re-rotated (methods.rope); yarn/longrope scale cos/sin and
 # dynamic changes the frequencies with the length.
@@ -90,14 +101,25 @@ class Protocol:
 
     dense_layers: layers left uncompressed (the full cache, attended in full) for every method;
         the effective set also holds a method's own structural dense layers (`own_dense_layers`).
-    prefill: "dense" = prompt rows attend the whole prompt, the method compresses after each
-        chunk; "sparse" = every prompt row attends under the method's budget, exactly as a decode
-        step would (the engine feeds the prompt one token at a time unless the method declares a
-        faster equivalent with `Capabilities.sparse_prefill_chunked`).
+    prefill: when a method may compress a prompt, whatever `runner.prefill_chunk_tokens` is:
+        "dense" (default) = the whole prompt is attended in full and every method compresses it
+        once, when it ends (the official TOVA, SnapKV, DuoAttention and kvpress protocol); decode
+        steps then act as the method says. "chunked" = memory-bounded prefill: a method that
+        compresses during a prompt does so after every chunk of `prefill_chunk_tokens` (the
+        chunk size is then part of the protocol). "sparse" = every prompt row attends under the
+        method's budget, exactly as a decode step would (the engine feeds the prompt one token
+        at a time unless the method declares `Capabilities.sparse_prefill_chunked`).
+    budget_basis: what a ratio budget (`budget_ratio`) is a fraction of: "final" (default) = the
+        sequence's final length, fixed from the start (a prompt's length for prompt tasks, the
+        whole scored text for a stream): what papers mean by "a 20 % KV budget" (InfiniGen's
+        mask simulation, Quest, TailorKV, kvpress); nothing is evicted or skipped until that many
+        tokens are held. "seen" = a fraction of the tokens seen so far, from the first token.
+        `budget_tokens` is absolute under both.
     """
 
     dense_layers: tuple[int, ...] = ()
     prefill: str = "dense"
+    budget_basis: str = "final"
 
 
 @dataclass(frozen=True)
@@ -180,6 +202,25 @@ class KVLayer:
         self.tier = None  # kvcore.offload.Tier of the request (placement, ledger, side stream)
         self.next_layer: KVLayer | None = None  # the following layer of the same request
         self.protocol = Protocol()  # set by the cache: the run's dense layers and prefill mode
+        # Set by the engine (harness.engine.open_prompt / close_prompt): a prompt is being fed,
+        # and the length a ratio budget is a fraction of under Protocol.budget_basis="final".
+        self.prompt_open = False
+        self.final_tokens: int | None = None
+
+    # --- protocol (read by every method alike) ------------------------------------------------
+    def holding_prompt(self) -> bool:
+        """True while a prompt is fed under `runner.prefill=dense`: it is held and attended in
+        full, and compressed once, at `on_prefill_end` (never after a prefill chunk)."""
+        return self.prompt_open and self.protocol.prefill == "dense"
+
+    def basis_tokens(self, seen: int | None = None) -> int | None:
+        """The length a ratio budget is a fraction of now (Protocol.budget_basis): the
+        sequence's final length ("final", set by the engine; None until a prompt is fed or a
+        stream declares it), or the tokens seen ("seen"; `seen` overrides `seen_tokens` for a
+        layer sizing a step before its update). Pass it to `budget_for`."""
+        if self.protocol.budget_basis == "seen":
+            return self.seen_tokens if seen is None else seen
+        return self.final_tokens
 
     # --- stored K/V (the default storage; subclasses read and assign these) -------------------
     def kv_rows(self, name: str, growth: Callable[[int, int], int] = grown_capacity) -> Rows:
@@ -276,11 +317,13 @@ class KVLayer:
         return self.kept_tokens()
 
     def after_forward(self) -> None:
-        """Called by the engine after every model forward: evict here (attention has run)."""
+        """Called by the engine after every model forward: evict here (attention has run), unless
+        `holding_prompt()` (the prompt is compressed once, at `on_prefill_end`)."""
 
     def on_prefill_end(self) -> None:
         """Called once after each prompt has been fed in full (whatever the chunking), before the
-        first decode step: prefill-time compressors (SnapKV-like) act here."""
+        first decode step: every method that compresses a prompt does it here under
+        `runner.prefill=dense` (`holding_prompt()` was true for the prompt's forwards)."""
 
     def kept_positions(self) -> torch.Tensor:
         """Text positions of the tokens attention used at the last step, `(B, H_kv, T)` (or (T,)).
@@ -389,11 +432,19 @@ class KVMethod:
     """
 
     name: ClassVar[str]
+    # Where its behaviour comes from (PROVENANCES) and the setting its defaults are meant for (the
+    # authors' models, contexts and budgets, with the source): shown in metrics.json, the report
+    # and --help, so a number is read as what it is.
+    provenance: ClassVar[str]
+    operating_point: ClassVar[str]
     capabilities: ClassVar[Capabilities] = Capabilities()
     # Which knobs move the method along a size axis, and which name a separate variant (curve):
     # recorded in metrics.json so reports and gates never name a method's knobs themselves.
     axis_keys: ClassVar[tuple[str, ...]] = ("budget_ratio", "budget_tokens")
     variant_keys: ClassVar[tuple[str, ...]] = ()
+    # Knobs that by design change nothing in a short compressing run, each with the reason
+    # (tests/methods/test_every_knob_acts.py holds every other knob to changing the outputs).
+    inert_knobs: ClassVar[dict[str, str]] = {}
 
     def __post_init__(self) -> None:
         for reason in self.check_hyperparameters():
@@ -425,6 +476,11 @@ class KVMethod:
 
     def hyperparameters(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def provenance_label(self) -> str:
+        """`provenance` for this configuration (a knob may turn an official method into our
+        reconstruction, e.g. DuoAttention's probe heads instead of its learned gates)."""
+        return self.provenance
 
     def check_hyperparameters(self) -> list[str]:
         """Reasons the hyperparameters alone are invalid, each naming its key (`method.x`)."""
@@ -531,8 +587,9 @@ class KVMethod:
 
 # The one budget rule of every method (methods.eviction.BudgetedMethod, README "Budgets"): the
 # config knobs are `budget_tokens` (tokens per layer and KV head) and `budget_ratio` (a fraction of
-# the tokens seen so far); when `budget_tokens` is set it takes precedence over `budget_ratio`, so
-# a sweep can set either without nulling the other. A method's own size knobs (StreamingLLM's
+# the protocol's budget basis, `KVLayer.basis_tokens()`: the sequence's final length by default,
+# or the tokens seen so far); when `budget_tokens` is set it takes precedence over `budget_ratio`,
+# so a sweep can set either without nulling the other. A method's own size knobs (StreamingLLM's
 # `window_tokens`) apply only when both are null. The per-layer figure a layer reports is
 # `KVLayer.allowed_tokens()`.
 def check_budget(budget_ratio, budget_tokens) -> list[str]:
@@ -548,9 +605,20 @@ def check_budget(budget_ratio, budget_tokens) -> list[str]:
     return []
 
 
-def budget_for(seen: int, budget_ratio: float | None, budget_tokens: int | None,
+def budget_for(basis_tokens: int | None, budget_ratio: float | None, budget_tokens: int | None,
                minimum: int = 1) -> int:
-    """Tokens allowed after `seen` tokens (tokens take precedence over the ratio)."""
+    """Tokens allowed when a ratio budget applies to `basis_tokens` (`KVLayer.basis_tokens()`);
+    `budget_tokens` takes precedence over the ratio (and needs no basis)."""
     if budget_tokens is not None:
         return budget_tokens
-    return max(minimum, int(budget_ratio * seen))
+    return max(minimum, int(budget_ratio * require_basis(basis_tokens)))
+
+
+def require_basis(basis_tokens: int | None) -> int:
+    """The budget basis, or a clear error where a ratio budget has none to apply to."""
+    if basis_tokens is None:
+        raise RuntimeError(
+            "a ratio budget under runner.budget_basis=final needs the sequence's final length, "
+            "and none was given: a stream of decode steps declares it "
+            "(Engine.request(final_tokens=N)); a prompt sets it when it is fed")
+    return basis_tokens

@@ -47,7 +47,7 @@ from typing import Any, ClassVar
 from kvcore.errors import ConfigError
 from methods._headwise import (HeadwiseLayer, HeadwiseMethod, load_duo_pattern, probe_scores,
                                select_retrieval, sparsify_gates, stream_budget_slots)
-from methods.base import Capabilities, KVLayer, ModelInfo
+from methods.base import Capabilities, KVLayer, ModelInfo, PREFILL_MODES
 
 PROXY_ECHO_HEAD_RATIO = 0.01  # razor_probe proxy: share of all heads taken from the echo ranking
 
@@ -76,7 +76,14 @@ def check_headwise_knobs(method) -> list[str]:
 @dataclass(kw_only=True)
 class DuoAttention(HeadwiseMethod):
     name: ClassVar[str] = "duo_attention"
-    capabilities: ClassVar[Capabilities] = Capabilities(needs_prepare=True, selects_tokens=True)
+    provenance: ClassVar[str] = "official code"
+    operating_point: ClassVar[str] = (
+        "mit-han-lab/duo-attention: Llama-2-7B-32K, Llama-3-8B-1048K, Mistral-7B; learned "
+        "gates, 25 % (MHA) / 50 % (GQA) retrieval heads, 64 sinks + 256 recent; NIAH, "
+        "LongBench"
+    )
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        prefill_modes=PREFILL_MODES, needs_prepare=True, selects_tokens=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("budget_ratio", "retrieval_head_ratio")
     compensate: ClassVar[bool] = False  # streaming heads drop evicted tokens (Razor folds them)
 
@@ -92,6 +99,11 @@ class DuoAttention(HeadwiseMethod):
         if not isinstance(self.probe_period_tokens, int) or self.probe_period_tokens < 2:
             r.append(f"method.probe_period_tokens={self.probe_period_tokens!r} must be >= 2")
         return r
+
+    def provenance_label(self) -> str:
+        if self.pattern_path:
+            return self.provenance  # the authors' learned gates
+        return "reconstruction (proxy heads: an echo/induction probe, not the learned gates)"
 
     @classmethod
     def compressing_hyperparameters(cls, seq_tokens: int) -> dict[str, Any]:

@@ -6,9 +6,11 @@ A method on this template (H2O, StreamingLLM, TOVA, SnapKV, PyramidKV) provides:
     per-token state declared by `new_state`, which the template moves along with the K/V);
   * `protected(budget)`: how many sink tokens (the first positions) and recent tokens (the last
     positions) are kept whatever their score;
-  * when it acts: after every forward (`compress_at = "forward"`: each decode step and each
-    prefill chunk) or once per prompt (`compress_at = "prefill_end"`: SnapKV-like compressors,
-    called by the engine through `on_prefill_end`, whatever the chunking; decode then appends);
+  * when it acts: every method compresses a prompt once, at its end (`on_prefill_end`, whatever
+    the chunking) under the default protocol (`runner.prefill=dense`); then either after every
+    decode step (`compress_at = "forward"`; also after every prefill chunk under
+    `runner.prefill=chunked|sparse`) or never again (`compress_at = "prefill_end"`: SnapKV-like
+    compressors; decode then appends);
   * optionally a per-layer budget: `BudgetedMethod.layer_budget` (PyramidKV, SqueezeAttention).
     Budgets are per layer; every KV head of a layer keeps the same number of tokens (a per-head
     allocation needs ragged caches, which this storage does not provide).
@@ -18,7 +20,10 @@ compaction of K, V, positions and state, the budget that the engine checks after
 (`allowed_tokens`), the optional host tier (`runner.kv_offload=cpu`), and the accounting.
 
 Budget rule (the one rule of every method, methods/base.py): `budget_tokens`, when set, takes
-precedence over `budget_ratio` (a fraction of the tokens seen so far).
+precedence over `budget_ratio` (a fraction of the protocol's budget basis: the final length by
+default). What a layer may hold (`allowed_tokens`) always comes from that rule at that moment,
+never from what the method kept: after a prompt compressor's compression it is the rule's budget
+then, plus the tokens appended since.
 
 Storage: K and V are the layer's own (`KVLayer.kv_rows`, so they follow runner.kv_layout:
 contiguous or paged), positions and per-token state are small contiguous `Rows` of the template
@@ -59,14 +64,16 @@ class BudgetedMethod(KVMethod):
     def lossless_hyperparameters(cls, seq_tokens: int) -> dict:
         return {"budget_tokens": seq_tokens}
 
-    def total_tokens(self, seen: int) -> int:
-        """Tokens one layer keeps after `seen` tokens under a uniform allocation."""
-        return budget_for(seen, self.budget_ratio, self.budget_tokens, minimum=self.min_budget_tokens)
+    def total_tokens(self, basis: int) -> int:
+        """Tokens one layer keeps under a uniform allocation when the budget basis is `basis`
+        tokens (`KVLayer.basis_tokens()`: the final length, or the tokens seen)."""
+        return budget_for(basis, self.budget_ratio, self.budget_tokens, minimum=self.min_budget_tokens)
 
-    def layer_budget(self, layer_idx: int, num_layers: int, seen: int) -> int:
-        """Per-layer allocation hook: tokens layer `layer_idx` of `num_layers` keeps after `seen`
-        tokens (uniform by default; PyramidKV's pyramid, SqueezeAttention's clusters)."""
-        return self.total_tokens(seen)
+    def layer_budget(self, layer_idx: int, num_layers: int, basis: int) -> int:
+        """Per-layer allocation hook: tokens layer `layer_idx` of `num_layers` keeps when the
+        budget basis is `basis` tokens (uniform by default; PyramidKV's pyramid,
+        SqueezeAttention's clusters)."""
+        return self.total_tokens(basis)
 
 
 # Aligned per-token rows `(B, H_kv, T, ...)` (K, V, positions and a method's state), one `Rows`
@@ -113,6 +120,9 @@ class EvictionLayer(KVLayer):
     """Per-request, per-layer state of a scored-eviction method (see the module docstring)."""
 
     compress_at: ClassVar[str] = "forward"  # "forward" | "prefill_end"
+    # keeps the protected tokens and the top of score() (the shared contract recomputes that
+    # set at every compression); False for a method keeping something else (KVMerger merges)
+    selects_top_scores: ClassVar[bool] = True
 
     def __init__(self, layer_idx: int, info: ModelInfo, method: BudgetedMethod):
         super().__init__(layer_idx, info)
@@ -122,7 +132,8 @@ class EvictionLayer(KVLayer):
         self.positions: torch.Tensor | None = None  # (B, H_kv, T) text positions of kept tokens
         self.store: HostKVStore | None = None  # the kept K/V on the host tier (runner.kv_offload=cpu)
         self.pending = None  # (Transfer, Transfer): the kept set prefetched one layer ahead
-        self.granted: tuple[int, int] | None = None  # prefill_end: (tokens kept, seen) at compression
+        # prefill_end: (the rule's budget, tokens seen) when the prompt was compressed
+        self.granted: tuple[int, int] | None = None
         # the one token this forward appended, as given (K, V, positions; rows nothing rewrites
         # before the eviction), so the steady-state eviction moves it without copying it first
         self.appended: dict[str, torch.Tensor] | None = None
@@ -201,25 +212,28 @@ class EvictionLayer(KVLayer):
 
     # --- eviction ---------------------------------------------------------------------------
     def budget(self) -> int:
-        return self.method.layer_budget(self.layer_idx, self.info.num_layers, self.seen_tokens)
+        return self.method.layer_budget(self.layer_idx, self.info.num_layers, self.basis_tokens())
 
     def allowed_tokens(self) -> int | None:
+        if self.holding_prompt():  # the prompt is held in full until it is over
+            return None
         if self.compress_at == "forward":
             return self.budget()
-        if self.granted is None:  # the prompt is held in full until it is over
+        if self.granted is None:  # no prompt compressed yet
             return None
-        kept, seen = self.granted
-        return kept + self.seen_tokens - seen  # decode appends without eviction
+        budget, seen = self.granted
+        return budget + self.seen_tokens - seen  # decode appends without eviction
 
     def after_forward(self) -> None:
-        if self.compress_at == "forward":
+        if self.compress_at == "forward" and not self.holding_prompt():
             self.compress_to(self.budget())
         self.appended = self.picked = None  # valid for this forward only
 
     def on_prefill_end(self) -> None:
+        budget = self.budget()
+        self.compress_to(budget)
         if self.compress_at == "prefill_end":
-            self.compress_to(self.budget())
-            self.granted = (self.kept_tokens(), self.seen_tokens)
+            self.granted = (budget, self.seen_tokens)
 
     def compress_to(self, budget: int) -> None:
         """Keep `budget` tokens per KV head: the protected ones, then the top scores."""

@@ -19,15 +19,24 @@ from typing import ClassVar
 
 from kvcore.offload import HostKVStore, host_store
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, exact_attention
+from methods.base import (PREFILL_MODES, Capabilities, KVLayer, KVMethod, ModelInfo,
+                          exact_attention)
 
 
 @dataclass(kw_only=True)
 class FullOffload(KVMethod):
     name: ClassVar[str] = "full_offload"
+    provenance: ClassVar[str] = "official code"
+    operating_point: ClassVar[str] = (
+        "FlexGen (FMInference/FlexLLMGen): OPT-30B..175B, all KV on the host, fetched one "
+        "layer ahead"
+    )
     axis_keys: ClassVar[tuple[str, ...]] = ()  # a reference: no size knob
-    capabilities: ClassVar[Capabilities] = Capabilities(offloads_kv=True, lookahead=True,
-                                                        compresses=False, kv_layouts=KV_LAYOUTS)
+    inert_knobs: ClassVar[dict[str, str]] = {
+        "prefetch": "fetching one layer ahead changes when bytes move, never the outputs"}
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        prefill_modes=PREFILL_MODES, offloads_kv=True, lookahead=True,
+        compresses=False, kv_layouts=KV_LAYOUTS)
     prefetch: bool = True
 
     def check_hyperparameters(self) -> list[str]:

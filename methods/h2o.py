@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, ModelInfo, PrepareContext
+from methods.base import Capabilities, KVLayer, ModelInfo, PrepareContext, PREFILL_MODES
 from methods.eviction import BudgetedMethod, EvictionLayer
 from methods.kernels import colsum_attention_cpu
 from methods.scoring import attention_with_probs, group_column_sums, plain_decode_row
@@ -49,10 +49,16 @@ from methods.scoring import attention_with_probs, group_column_sums, plain_decod
 @dataclass(kw_only=True)
 class H2O(BudgetedMethod):
     name: ClassVar[str] = "h2o"
+    provenance: ClassVar[str] = "official code"
+    operating_point: ClassVar[str] = (
+        "FMInference/H2O: OPT-6.7B..30B, LLaMA-7B; 20 % of the sequence (10 % heavy + 10 "
+        "% recent); lm-eval, XSUM"
+    )
     # `needs_prepare`: prepare records which decode-attention kernel the run uses.
-    capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True, offloads_kv=True,
-                                                        selects_tokens=True, kv_layouts=KV_LAYOUTS,
-                                                        needs_prepare=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        prefill_modes=PREFILL_MODES, needs_attn_scores=True, offloads_kv=True,
+        selects_tokens=True, kv_layouts=KV_LAYOUTS,
+        needs_prepare=True)
     min_budget_tokens: ClassVar[int] = 2  # one heavy hitter + one recent token
     variant_keys: ClassVar[tuple[str, ...]] = ("recent_ratio",)
     recent_ratio: float = 0.5

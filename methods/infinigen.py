@@ -83,7 +83,7 @@ from kvcore.offload import host_store
 from kvcore.storage import ContiguousRows, KV_LAYOUTS
 from methods._infinigen_prep import (COLUMN_SCORES, SkewingArtefacts, cache_dir_reason,
                                      calibration_reasons, prepare_skewing)
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
+from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for
 from methods.kernels import sparse_attention, speculation_cpu
 from methods.rope import rotate
 from methods.scoring import additive_mask, attention_with_probs, expand_kv, gather_tokens
@@ -118,6 +118,11 @@ def _use_kernel(query: torch.Tensor) -> bool:
 @dataclass(kw_only=True)
 class InfiniGen(KVMethod):
     name: ClassVar[str] = "infinigen"
+    provenance: ClassVar[str] = "official code"
+    operating_point: ClassVar[str] = (
+        "snu-comparch/InfiniGen: OPT-6.7B..30B, Llama-2-7B/13B; alpha 4..5, partial 0.3, "
+        "20 % budget; lm-eval, WikiText-2 perplexity"
+    )
     capabilities: ClassVar[Capabilities] = Capabilities(
         needs_prepare=True, modes=("system", "simulate"), offloads_kv=True, lookahead=True,
         needs_rope=True, selects_tokens=True, kv_layouts=KV_LAYOUTS)
@@ -165,6 +170,10 @@ class InfiniGen(KVMethod):
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:
                 r.append(f"method.{key}={getattr(self, key)!r}; allowed: {', '.join(allowed)}")
+        if self.eviction != "counter" and number(self.pool_capacity) and self.pool_capacity >= 1:
+            r.append(f"method.eviction={self.eviction} acts only when the host pool is smaller "
+                     "than the context: set method.pool_capacity below 1 (it is "
+                     f"{self.pool_capacity}, so nothing is ever evicted)")
         for key in ("skewing", "shared_count", "head0_threshold"):
             if not isinstance(getattr(self, key), bool):
                 r.append(f"method.{key}={getattr(self, key)!r} must be true or false")
@@ -191,6 +200,11 @@ class InfiniGen(KVMethod):
     @classmethod
     def lossless_hyperparameters(cls, seq_tokens: int) -> dict:
         return {"alpha": 1e9, "budget_ratio": 1.0, "mode": "simulate"}
+
+    @classmethod
+    def compressing_hyperparameters(cls, seq_tokens: int) -> dict:
+        # a cap above most counts, so that alpha's threshold decides how many tokens are fetched
+        return {"budget_ratio": 0.5}
 
     def prepare(self, ctx) -> dict:
         self._art, facts = prepare_skewing(self, ctx)
@@ -298,7 +312,7 @@ class InfiniGenLayer(KVLayer):
         q_partial = _few_rows_matmul(q.float().view(b, h_s, -1, q.shape[-1]),
                                      self.query_map())  # (B, H_s, H_q / H_s, k_u)
         t = self._pk_len
-        cap = max(1, min(t, int(m.budget_ratio * t)))
+        cap = max(1, min(t, budget_for(self.basis_tokens(t), m.budget_ratio, None)))
         self._decode_budget = cap + 1
         if speculation_cpu.applies(q_partial, self._pk, h_kv, m.group_reduce, m.head0_threshold):
             selected, self._last_counts = speculation_cpu.select(

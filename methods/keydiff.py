@@ -24,14 +24,20 @@ from typing import ClassVar
 import torch
 
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, ModelInfo
+from methods.base import Capabilities, KVLayer, ModelInfo, PREFILL_MODES
 from methods.eviction import BudgetedMethod, EvictionLayer
 
 
 @dataclass(kw_only=True)
 class KeyDiff(BudgetedMethod):
     name: ClassVar[str] = "keydiff"
-    capabilities: ClassVar[Capabilities] = Capabilities(selects_tokens=True, kv_layouts=KV_LAYOUTS)
+    provenance: ClassVar[str] = "paper"
+    operating_point: ClassVar[str] = (
+        "arXiv 2504.15364 (no official code): Llama-3.1-8B, Llama-3.2-3B; an 8K-token "
+        "budget, block-wise prefill; LongBench"
+    )
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        prefill_modes=PREFILL_MODES, selects_tokens=True, kv_layouts=KV_LAYOUTS)
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         return KeyDiffLayer(layer_idx, info, self)

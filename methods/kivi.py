@@ -13,9 +13,10 @@ tokens (reference/methods.md §4.1, paper §3.3):
 * Values: the last `residual_tokens` values stay full precision (a FIFO); older ones are quantized
   per token in groups of `group_size` head-dim channels, each token independently.
 * Attention: softmax([q Q(K)^T, q K_r^T]) [Q(V); V_r]. The token(s) of the current step are attended
-  exactly, before they are flushed into the quantized part (as the official code): during prefill
-  the prompt's own K/V are exact and only the stored cache is quantized; over a non-empty cache
-  (chunked prefill, decode) earlier tokens are seen through their stored, quantized form.
+  exactly, before they are flushed into the quantized part (as the official code): a prompt is
+  attended exact and quantized once it is over (`runner.prefill=dense`, whatever the chunking;
+  under `runner.prefill=chunked` each chunk is flushed after its forward, so later chunks see
+  earlier ones quantized); decode steps see earlier tokens through their stored, quantized form.
 
 Hyperparameters (units in the names):
   k_bits, v_bits    bits per key / value code, in {2, 4, 8} (KIVI-2, KIVI-4; 8: near-lossless)
@@ -57,8 +58,8 @@ from typing import Any, ClassVar
 import torch
 
 from kvcore.storage import TokenMajorRows
-from methods.base import (Capabilities, KVLayer, KVMethod, ModelInfo, PrepareContext,
-                          exact_attention)
+from methods.base import (PREFILL_MODES, Capabilities, KVLayer, KVMethod, ModelInfo,
+                          PrepareContext, exact_attention)
 from methods.kernels import kivi_quant as kq
 from methods.kernels.kivi_attention import (KIVICache, decode_attention, decode_kernel,
                                             dequantize_cache)
@@ -70,9 +71,15 @@ class KIVI(KVMethod):
     """KIVI: per-channel keys, per-token values, a full-precision residual of recent tokens."""
 
     name: ClassVar[str] = "kivi"
+    provenance: ClassVar[str] = "official code"
+    operating_point: ClassVar[str] = (
+        "jy-yuan/KIVI: Llama-2-7B/13B, Falcon-7B, Mistral-7B; 2-bit, group 32, residual "
+        "128; LongBench, lm-eval"
+    )
     # Nothing is evicted and every sequence holds the same token count: batch-agnostic.
     # `needs_prepare`: prepare records which decode-attention kernel the run uses.
-    capabilities: ClassVar[Capabilities] = Capabilities(offloads_kv=True, needs_prepare=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        prefill_modes=PREFILL_MODES, offloads_kv=True, needs_prepare=True)
 
     axis_keys: ClassVar[tuple[str, ...]] = ("k_bits", "v_bits")
     variant_keys: ClassVar[tuple[str, ...]] = ("group_size", "residual_tokens")
@@ -256,9 +263,16 @@ class KIVILayer(KVLayer):
         self.step_cache = KIVICache(k_quant, v_quant, self.k_residual, self.v_residual,
                                     self.k_bits, self.v_bits, self.key_group_tokens,
                                     self.value_group_channels)
+        if not self.holding_prompt():  # a prompt is quantized once it is over (dense prefill)
+            self._flush()
+        return self.step_cache.k_res, self.step_cache.v_res
+
+    def on_prefill_end(self) -> None:
+        self._flush()
+
+    def _flush(self) -> None:
         self._flush_keys()
         self._flush_values()
-        return self.step_cache.k_res, self.step_cache.v_res
 
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
         """Decode rows: attention straight from the packed cache; anything else (or nothing

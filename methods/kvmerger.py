@@ -50,6 +50,11 @@ from methods.snapkv import SnapKVLayer, window_votes
 @dataclass(kw_only=True)
 class KVMerger(BudgetedMethod):
     name: ClassVar[str] = "kvmerger"
+    provenance: ClassVar[str] = "reconstruction"
+    operating_point: ClassVar[str] = (
+        "paper only (arXiv 2407.08454, no code): Llama-2-7B/13B-chat; 50 % and 35 % of "
+        "the prompt KV; LongBench, ZeroScrolls"
+    )
     capabilities: ClassVar[Capabilities] = Capabilities(
         needs_attn_scores=True, acts_during_decode=False, needs_prefill=True,
         prefill_modes=("dense",), selects_tokens=True, kv_layouts=KV_LAYOUTS)
@@ -74,6 +79,7 @@ class KVMerger(BudgetedMethod):
 
 
 class KVMergerLayer(SnapKVLayer):
+    selects_top_scores: ClassVar[bool] = False  # merged sets, not the top votes (its own test)
     """SnapKV's window capture and prompt-end timing; the prefix is merged instead of selected."""
 
     def score(self) -> torch.Tensor:

@@ -169,6 +169,11 @@ class KVQuant(KVMethod):
     """KVQuant: nuq keys (pre-RoPE, per channel) and values (per token), dense-and-sparse."""
 
     name: ClassVar[str] = "kvquant"
+    provenance: ClassVar[str] = "official code"
+    operating_point: ClassVar[str] = (
+        "SqueezeAILab/KVQuant: LLaMA-7B..65B, Llama-2; 2..4-bit non-uniform, 1 % "
+        "outliers; WikiText-2 / C4 perplexity, 2K..128K"
+    )
     capabilities: ClassVar[Capabilities] = Capabilities(needs_prepare=True, needs_rope=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("k_bits", "v_bits")
 

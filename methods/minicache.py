@@ -49,6 +49,11 @@ KINDS = ("k", "v")
 @dataclass(kw_only=True)
 class MiniCache(KVMethod):
     name: ClassVar[str] = "minicache"
+    provenance: ClassVar[str] = "paper"
+    operating_point: ClassVar[str] = (
+        "arXiv 2405.14366 (project page, no code): Llama-2/3-7B..8B, Mistral-7B; layers "
+        "from L/2 merged in pairs, t 0.6, gamma 0.05"
+    )
     capabilities: ClassVar[Capabilities] = Capabilities(needs_prefill=True,
                                                         prefill_modes=("dense",))
     axis_keys: ClassVar[tuple[str, ...]] = ("start_layer_ratio", "retain_ratio")

@@ -13,9 +13,8 @@ attends to that set, with the softmax renormalised over it.
 Prefill follows the run protocol (`runner.prefill`): "dense" = prompt rows attend every causal
 key (as every evicting method's prompt does); "sparse" = each prompt row selects its own top-k
 among its causal keys, inside multi-token chunks (per-row masks; k from the tokens seen at chunk
-end), so the engine need not feed the prompt one token at a time. A multi-token forward starts a
-prompt and `on_prefill_end` ends it (its last chunk may be one token); other single-token
-forwards are decode steps (a prompt fed only in one-token chunks selects like decode steps).
+end), so the engine need not feed the prompt one token at a time. The engine says when a prompt
+is fed (`KVLayer.holding_prompt`).
 
 Hyperparameters (the one budget rule, methods/base.py):
     budget_ratio: tokens attended per KV head as a fraction of tokens seen (default 0.2).
@@ -38,6 +37,8 @@ from methods.scoring import additive_mask, attention_with_probs, expand_kv, grou
 @dataclass(kw_only=True)
 class OracleTopK(BudgetedMethod):
     name: ClassVar[str] = "oracle_topk"
+    provenance: ClassVar[str] = "reference"
+    operating_point: ClassVar[str] = "an upper bound at any budget: each query's exact top-k keys"
     capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True,
                                                         sparse_prefill_chunked=True,
                                                         selects_tokens=True, kv_layouts=KV_LAYOUTS)
@@ -52,23 +53,15 @@ class OracleTopKLayer(KVLayer):
         self.method = method
         self.selected: torch.Tensor | None = None  # (B, H_kv, k) positions chosen at the last step
         self.selected_count = 0
-        self.in_prompt = False  # a multi-token forward starts a prompt, on_prefill_end ends it
         self.dense_rows = False  # the last forward attended densely (a prompt, prefill=dense)
 
     def allowed_tokens(self) -> int | None:
         if self.dense_rows:  # the protocol lets dense prompt rows attend every causal key
             return None
-        return self.method.layer_budget(self.layer_idx, self.info.num_layers, self.seen_tokens)
-
-    def update(self, keys, values, position_ids):
-        self.in_prompt = self.in_prompt or keys.shape[2] > 1
-        return super().update(keys, values, position_ids)
-
-    def on_prefill_end(self) -> None:
-        self.in_prompt = False
+        return self.method.layer_budget(self.layer_idx, self.info.num_layers, self.basis_tokens())
 
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
-        self.dense_rows = self.in_prompt and self.protocol.prefill == "dense"
+        self.dense_rows = self.holding_prompt()
         if self.dense_rows:
             self.selected_count = keys.shape[2]
             return base(module, query, keys, values, attention_mask, **kwargs)

@@ -61,6 +61,11 @@ from methods.scoring import gather_tokens
 @dataclass(kw_only=True)
 class Quest(KVMethod):
     name: ClassVar[str] = "quest"
+    provenance: ClassVar[str] = "official code"
+    operating_point: ClassVar[str] = (
+        "mit-han-lab/Quest: LongChat-7B-v1.5-32K, Yarn-Llama-2-7B-128K; page 16, "
+        "256..4096-token budget; PG19, passkey, LongBench"
+    )
     capabilities: ClassVar[Capabilities] = Capabilities(selects_tokens=True, kv_layouts=KV_LAYOUTS)
     variant_keys: ClassVar[tuple[str, ...]] = ("page_size", "group_reduce")
     budget_ratio: float | None = 0.2
@@ -94,6 +99,11 @@ class Quest(KVMethod):
     @classmethod
     def lossless_hyperparameters(cls, seq_tokens: int) -> dict:
         return {"budget_tokens": seq_tokens, "dense_layers": []}
+
+    @classmethod
+    def compressing_hyperparameters(cls, seq_tokens: int) -> dict:
+        # several pages to choose among, so the page scores (and their group reduction) decide
+        return {"budget_tokens": max(8, seq_tokens // 3), "page_size": 4}
 
     def own_dense_layers(self, info: ModelInfo) -> tuple[int, ...]:
         return tuple(sorted(set(self.dense_layers)))
@@ -170,7 +180,7 @@ class QuestLayer(KVLayer):
         if query.shape[2] > 1:  # a prefill chunk: dense, as in the paper
             self.slots, self._step_budget, self._attended = None, None, t
             return base(module, query, keys, values, attention_mask, **kwargs)
-        budget = budget_for(self.seen_tokens, self.m.budget_ratio, self.m.budget_tokens)
+        budget = budget_for(self.basis_tokens(), self.m.budget_ratio, self.m.budget_tokens)
         scores = quest_pages.page_scores(query[:, :, 0], self.page_min, self.page_max,
                                          self.m.group_reduce)  # (B, H_kv, P)
         self.slots = select_pages(scores, t, self.m.page_size, budget)

@@ -31,7 +31,7 @@ from typing import ClassVar
 import torch
 
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, ModelInfo
+from methods.base import Capabilities, KVLayer, ModelInfo, PREFILL_MODES
 from methods.eviction import BudgetedMethod, EvictionLayer
 from methods.scoring import attention_with_probs
 
@@ -39,8 +39,14 @@ from methods.scoring import attention_with_probs
 @dataclass(kw_only=True)
 class Scissorhands(BudgetedMethod):
     name: ClassVar[str] = "scissorhands"
-    capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True,
-                                                        selects_tokens=True, kv_layouts=KV_LAYOUTS)
+    provenance: ClassVar[str] = "reconstruction"
+    operating_point: ClassVar[str] = (
+        "no released method code (only an OPT mask simulation: 90th-percentile threshold, "
+        "no budget); paper: OPT-6.7B..66B, 2-5x compression, history 100, recent 10"
+    )
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        prefill_modes=PREFILL_MODES, needs_attn_scores=True,
+        selects_tokens=True, kv_layouts=KV_LAYOUTS)
     variant_keys: ClassVar[tuple[str, ...]] = ("history_tokens", "recent_tokens")
     history_tokens: int = 100
     recent_tokens: int = 10
@@ -53,6 +59,11 @@ class Scissorhands(BudgetedMethod):
                 reasons.append(f"method.{key}={value!r} must be an integer >= "
                                f"{int(key == 'history_tokens')}")
         return reasons
+
+    @classmethod
+    def compressing_hyperparameters(cls, seq_tokens: int) -> dict:
+        # a recent window and history below the budget, so that the counts choose
+        return {"budget_tokens": max(8, seq_tokens // 6), "recent_tokens": 2, "history_tokens": 8}
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         return ScissorhandsLayer(layer_idx, info, self)

@@ -80,6 +80,11 @@ from methods.scoring import gather_tokens
 @dataclass(kw_only=True)
 class ShadowKV(KVMethod):
     name: ClassVar[str] = "shadowkv"
+    provenance: ClassVar[str] = "official code"
+    operating_point: ClassVar[str] = (
+        "ByteDance-Seed/ShadowKV: Llama-3-8B-1M, GLM-4-9B-1M; 128K context, sparse budget "
+        "2048 (1.56 %), chunk 8, rank 160; RULER"
+    )
     capabilities: ClassVar[Capabilities] = Capabilities(
         needs_prepare=True, offloads_kv=True, needs_rope=True, prefill_modes=("dense",),
         needs_prefill=True,
@@ -123,6 +128,11 @@ class ShadowKV(KVMethod):
     @classmethod
     def lossless_hyperparameters(cls, seq_tokens: int) -> dict:
         return {"budget_tokens": seq_tokens, "rank_ratio": 1.0}
+
+    @classmethod
+    def compressing_hyperparameters(cls, seq_tokens: int) -> dict:
+        # chunks small enough that the outlier share of the budget is at least one chunk
+        return {"budget_tokens": max(8, seq_tokens // 3), "chunk_size": 4}
 
     def prepare(self, ctx) -> dict:
         if ctx.rope_inv_freq is None:
@@ -235,7 +245,7 @@ class ShadowKVLayer(KVLayer):
         ctx_k = keys[:, :, :n_ctx].float().view(b, h, chunks, c, d)
         means = ctx_k.mean(3)  # (B, H, chunks, D)
         badness = torch.nn.functional.cosine_similarity(means[:, :, :, None], ctx_k, dim=-1).amin(-1)
-        budget = budget_for(n, self.m.budget_ratio, self.m.budget_tokens)
+        budget = budget_for(self.basis_tokens(n), self.m.budget_ratio, self.m.budget_tokens)
         outliers = min(chunks, int(self.m.outlier_ratio * budget) // c)
         order = badness.argsort(dim=-1, stable=True)  # lowest min-cos first
         out_chunks = order[..., :outliers].sort(-1).values
@@ -277,7 +287,7 @@ class ShadowKVLayer(KVLayer):
             self._attended = keys.shape[2]
             return base(module, query, keys, values, attention_mask, **kwargs)
         c = self.m.chunk_size
-        budget = budget_for(self.seen_tokens, self.m.budget_ratio, self.m.budget_tokens)
+        budget = budget_for(self.basis_tokens(), self.m.budget_ratio, self.m.budget_tokens)
         n_out = self.outlier_keys.shape[2]
         local = min(self.keys.shape[2], budget - n_out)
         k = min(self.landmarks.shape[2], (budget - n_out - local) // c)

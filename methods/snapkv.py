@@ -46,6 +46,11 @@ POOLINGS = ("max", "avg")
 @dataclass(kw_only=True)
 class SnapKV(BudgetedMethod):
     name: ClassVar[str] = "snapkv"
+    provenance: ClassVar[str] = "official code"
+    operating_point: ClassVar[str] = (
+        "FasterDecoding/SnapKV: Mistral-7B-Instruct-32K, LWM-7B; 1024..4096-token prompt "
+        "budget, window 32, kernel 7 max-pool; LongBench"
+    )
     capabilities: ClassVar[Capabilities] = Capabilities(
         needs_attn_scores=True, acts_during_decode=False, needs_prefill=True, prefill_modes=("dense",),
         selects_tokens=True, kv_layouts=KV_LAYOUTS)
@@ -63,6 +68,11 @@ class SnapKV(BudgetedMethod):
         if self.pooling not in POOLINGS:
             reasons.append(f"method.pooling={self.pooling!r}; allowed: {', '.join(POOLINGS)}")
         return reasons
+
+    @classmethod
+    def compressing_hyperparameters(cls, seq_tokens: int) -> dict:
+        # a window well below the budget, so that the votes choose most of the kept tokens
+        return {"budget_tokens": max(8, seq_tokens // 6), "window_tokens": 4}
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         return SnapKVLayer(layer_idx, info, self)

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 
 from kvcore.errors import ConfigError
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, ModelInfo
+from methods.base import Capabilities, KVLayer, ModelInfo, require_basis
 from methods.eviction import BudgetedMethod, EvictionLayer
 
 SCORERS = ("h2o", "streaming_llm", "tova", "scissorhands", "keydiff", "snapkv", "kvmerger")
@@ -57,6 +57,11 @@ SCORERS = ("h2o", "streaming_llm", "tova", "scissorhands", "keydiff", "snapkv", 
 @dataclass(kw_only=True)
 class SqueezeAttention(BudgetedMethod):
     name: ClassVar[str] = "squeezeattention"
+    provenance: ClassVar[str] = "official code"
+    operating_point: ClassVar[str] = (
+        "hetailang/SqueezeAttention: Llama-2-7B, Mistral-7B; 20..40 % of the sequence per "
+        "layer on average"
+    )
     capabilities: ClassVar[Capabilities] = Capabilities(  # per instance: the scorer's, adjusted
         needs_attn_scores=True, needs_prefill=True, prefill_modes=("dense",), selects_tokens=True,
         observes_attention_block=True, needs_prepare=True, kv_layouts=KV_LAYOUTS)
@@ -103,9 +108,11 @@ class SqueezeAttention(BudgetedMethod):
     def bounds_positions(self) -> bool:
         return self.inner.bounds_positions()
 
-    def layer_tokens(self, factor: float, seen: int) -> int:
-        """Tokens a layer with budget `factor` (x the uniform budget) keeps after `seen` tokens."""
-        uniform = self.budget_tokens if self.budget_tokens is not None else self.budget_ratio * seen
+    def layer_tokens(self, factor: float, basis: int) -> int:
+        """Tokens a layer with budget `factor` (x the uniform budget) keeps when the budget basis
+        is `basis` tokens."""
+        uniform = (self.budget_tokens if self.budget_tokens is not None
+                   else self.budget_ratio * require_basis(basis))
         return max(self.inner.min_budget_tokens, int(factor * uniform))
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
@@ -131,7 +138,7 @@ class SqueezedLayer(EvictionLayer):
         self.similarity_tokens += cos.numel()
 
     def budget(self) -> int:
-        return self.squeeze.layer_tokens(self.budget_factor, self.seen_tokens)
+        return self.squeeze.layer_tokens(self.budget_factor, self.basis_tokens())
 
     def allowed_tokens(self) -> int | None:
         return None if self.budget_factor is None else super().allowed_tokens()

@@ -37,7 +37,7 @@ import torch
 
 from kvcore.errors import ConfigError
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, ModelInfo, check_budget
+from methods.base import Capabilities, KVLayer, ModelInfo, check_budget, PREFILL_MODES
 from methods.eviction import BudgetedMethod, EvictionLayer
 from methods.rope import prepared, rotate_prepared
 
@@ -45,10 +45,19 @@ from methods.rope import prepared, rotate_prepared
 @dataclass(kw_only=True)
 class StreamingLLM(BudgetedMethod):
     name: ClassVar[str] = "streaming_llm"
-    capabilities: ClassVar[Capabilities] = Capabilities(needs_rope=True, bounds_positions=True,
-                                                        needs_prepare=True, selects_tokens=True,
-                                                        kv_layouts=KV_LAYOUTS)
+    provenance: ClassVar[str] = "official code"
+    operating_point: ClassVar[str] = (
+        "mit-han-lab/streaming-llm: Llama-2-7B..70B; 4 sinks + 1020..4092-token window; "
+        "PG19 streams"
+    )
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        prefill_modes=PREFILL_MODES, needs_rope=True, bounds_positions=True,
+        needs_prepare=True, selects_tokens=True,
+        kv_layouts=KV_LAYOUTS)
     axis_keys: ClassVar[tuple[str, ...]] = ("window_tokens", "budget_ratio")
+    inert_knobs: ClassVar[dict[str, str]] = {
+        "window_tokens": "applies only when budget_ratio and budget_tokens are both null (the "
+                         "shared budget takes precedence; the compressing case sets one)"}
     variant_keys: ClassVar[tuple[str, ...]] = ("sink_tokens", "rerotate")
     sink_tokens: int = 4
     window_tokens: int | None = 508
@@ -93,11 +102,11 @@ class StreamingLLM(BudgetedMethod):
         self._inv_freq = ctx.rope_inv_freq if self.rerotate else None
         return {}
 
-    def total_tokens(self, seen: int) -> int:
-        """Tokens kept after `seen` tokens: sinks + window."""
+    def total_tokens(self, basis: int) -> int:
+        """Tokens kept when the budget basis is `basis` tokens: sinks + window."""
         if self.budget_tokens is None and self.budget_ratio is None:
             return self.sink_tokens + self.window_tokens
-        return max(self.sink_tokens + 1, super().total_tokens(seen))  # never sinks alone
+        return max(self.sink_tokens + 1, super().total_tokens(basis))  # never sinks alone
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         if self.rerotate and self._inv_freq is None:

@@ -72,7 +72,8 @@ import torch
 
 from kvcore.errors import ConfigError
 from kvcore.offload import HostKVStore
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for, check_budget
+from methods.base import (PREFILL_MODES, Capabilities, KVLayer, KVMethod, ModelInfo, budget_for,
+                          check_budget)
 from methods.kernels import kivi_quant as kq
 from methods.kernels.kivi_attention import decode_kernel
 from methods.kivi import KIVI, KIVILayer, quantization_reasons, value_group_reasons
@@ -82,10 +83,19 @@ from methods.scoring import attention_with_probs
 @dataclass(kw_only=True)
 class TailorKV(KVMethod):
     name: ClassVar[str] = "tailorkv"
+    provenance: ClassVar[str] = "official code"
+    operating_point: ClassVar[str] = (
+        "ydyhello/TailorKV: Llama-3.1-8B-Instruct; 192 tokens (8 sink + 56 recent + 128 "
+        "top-k), 1-bit dense layers; LongBench, InfiniteBench"
+    )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        needs_prepare=True, offloads_kv=True, selects_tokens=True)
+        prefill_modes=PREFILL_MODES, needs_prepare=True, offloads_kv=True, selects_tokens=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("k_bits", "v_bits", "quant_layers",
                                                "dense_threshold")
+    inert_knobs: ClassVar[dict[str, str]] = {
+        key: "the layer probe's knob: inert when method.quant_layers names the layers (the "
+             "contract's compressing case does)"
+        for key in ("dense_threshold", "probe_top_ratio", "probe_queries", "calibration_tokens")}
     budget_ratio: float | None = 0.2
     budget_tokens: int | None = None
     sink_tokens: int = 8
@@ -255,7 +265,8 @@ class TopKOffloadLayer(KVLayer):
 
     def split(self, seen: int) -> tuple[int, int, int]:
         """(sinks s, recent r, top-k k) attended at a decode step after `seen` tokens."""
-        budget = min(seen, budget_for(seen, self.m.budget_ratio, self.m.budget_tokens))
+        budget = min(seen, budget_for(self.basis_tokens(seen), self.m.budget_ratio,
+                                      self.m.budget_tokens))
         s = min(self.m.sink_tokens, budget - 1)  # the current token is always attended
         r = min(self.m.recent_tokens, budget - s)
         return s, r, budget - s - r

@@ -26,15 +26,21 @@ from typing import ClassVar
 import torch
 
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, ModelInfo
+from methods.base import Capabilities, KVLayer, ModelInfo, PREFILL_MODES
 from methods.eviction import BudgetedMethod, EvictionLayer
 
 
 @dataclass(kw_only=True)
 class TOVA(BudgetedMethod):
     name: ClassVar[str] = "tova"
-    capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True,
-                                                        selects_tokens=True, kv_layouts=KV_LAYOUTS)
+    provenance: ClassVar[str] = "official code"
+    operating_point: ClassVar[str] = (
+        "schwartz-lab-NLP/TOVA: LLaMA-2-7B; a 512-token cache (1/8 of 4K), pruned once by "
+        "the prompt's last row, then per step"
+    )
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        prefill_modes=PREFILL_MODES, needs_attn_scores=True,
+        selects_tokens=True, kv_layouts=KV_LAYOUTS)
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         return TOVALayer(layer_idx, info, self)

@@ -14,9 +14,9 @@ from kvcore.errors import ConfigError
 from kvcore.typecheck import check_types
 from tasks.base import Task, TaskResult
 
-__all__ = ["Task", "TaskResult", "available_tasks", "build_task"]
+__all__ = ["Task", "TaskResult", "available_tasks", "build_task", "task_class"]
 
-_NOT_TASKS = {"base", "text_sources"}
+_NOT_TASKS = {"base", "prompts", "text_sources"}
 
 
 def available_tasks() -> list[str]:
@@ -25,8 +25,8 @@ def available_tasks() -> list[str]:
                   if m.name not in _NOT_TASKS and not m.name.startswith("_"))
 
 
-def build_task(name: str, **options) -> Task:
-    """Instantiate a task; unknown or invalid options raise ConfigError naming the key."""
+def task_class(name: str) -> type[Task]:
+    """The Task subclass of `tasks/<name>.py`; ConfigError for an unknown name."""
     if name not in available_tasks():
         raise ConfigError(f"task={name!r} is unknown; allowed: {', '.join(available_tasks())}")
     module = importlib.import_module(f"tasks.{name}")
@@ -34,6 +34,12 @@ def build_task(name: str, **options) -> Task:
                 and getattr(o, "name", None) == name), None)
     if cls is None:
         raise ConfigError(f"tasks/{name}.py defines no Task subclass with name = {name!r}")
+    return cls
+
+
+def build_task(name: str, **options) -> Task:
+    """Instantiate a task; unknown or invalid options raise ConfigError naming the key."""
+    cls = task_class(name)
     allowed = cls.option_names()
     unknown = sorted(set(options) - set(allowed))
     if unknown:

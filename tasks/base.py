@@ -20,6 +20,11 @@ class TaskResult:
 @dataclass(kw_only=True)
 class Task:
     name: ClassVar[str]
+    # The number a leaderboard ranks this task by (a key of TaskResult.metrics) and its
+    # direction; every task declares both (tests/tasks/test_task_contract.py), so a report never
+    # falls back to "the first number" for a new task.
+    main_metric: ClassVar[str]
+    higher_is_better: ClassVar[bool]
     # Sends independent prompts through `engine.generate_many`, so runner.batch_size > 1 decodes
     # them together (harness.batch); False: one stream or a rewound context, batch 1 only.
     batches: ClassVar[bool] = False

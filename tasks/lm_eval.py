@@ -40,6 +40,8 @@ DEFAULT_FEWSHOT_SEED = 1234  # lm-eval's default fewshot_random_seed: prompts ma
 @dataclass(kw_only=True)
 class LMEval(Task):
     name: ClassVar[str] = "lm_eval"
+    main_metric: ClassVar[str] = "acc_mean"  # mean acc over task.names (one name: its acc)
+    higher_is_better: ClassVar[bool] = True
     names: list[str] = field(default_factory=lambda: ["copa"])  # lm-eval task names
     num_fewshot: int | None = 5  # examples per prompt (null: each task's own default, 0 here)
     scoring: str = "stepwise"  # stepwise | chunked
@@ -265,7 +267,7 @@ def summarize(out: dict[str, Any], names: list[str]) -> tuple[dict[str, Any], li
                                          for leaf in _leaves(out, name))
         if f"{name}/acc" in metrics:
             accs.append(metrics[f"{name}/acc"])
-    if len(accs) > 1:
+    if accs:  # the task's main metric, also for one name (its acc), so reports rank by it
         metrics["acc_mean"] = sum(accs) / len(accs)
     samples = []
     leaves = dict.fromkeys(leaf for name in names for leaf in _leaves(out, name))

@@ -112,6 +112,8 @@ def chat_pieces(engine) -> tuple[list[int], list[int]]:
 @dataclass(kw_only=True)
 class LongBench(Task):
     name: ClassVar[str] = "longbench"
+    main_metric: ClassVar[str] = "average"  # mean of the datasets' LongBench scores
+    higher_is_better: ClassVar[bool] = True
     batches: ClassVar[bool] = True
     datasets: list[str] | str = field(default_factory=lambda: ["multi_news"])  # one name = a list of one
     data_dir: str | None = None  # folder of <dataset>.jsonl (default ../shared/data/longbench)

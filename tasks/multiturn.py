@@ -37,9 +37,9 @@ from harness.models import CHAT_TEMPLATE_KWARGS
 from harness.progress import progress
 from methods.base import KVMethod, ModelInfo
 from tasks.base import Task, TaskResult
-from tasks.ruler import (CHAT_OPTIONS, HAYSTACKS, KEY_WORDS, NEEDLE, RULER_DEPTHS, PromptFormat,
-                         _is_int, clean_prediction, haystack_with_needles,
-                         largest_fitting, load_haystack_words, magic_number, string_match_all)
+from tasks.prompts import (CHAT_OPTIONS, HAYSTACKS, KEY_WORDS, NEEDLE, RULER_DEPTHS, PromptFormat,
+                           clean_prediction, haystack_with_needles, is_int, largest_fitting,
+                           load_haystack_words, magic_number, string_match_all)
 
 ANSWER_MODES = ("append",)
 DEFAULT_CONTEXT_TOKENS = 1024
@@ -107,6 +107,8 @@ class MultiTurn(Task):
     """Shared context, several retrieval questions in one request (SCBench, arXiv 2412.10319)."""
 
     name: ClassVar[str] = "multiturn"
+    main_metric: ClassVar[str] = "accuracy"  # needles retrieved over every turn, %
+    higher_is_better: ClassVar[bool] = True
     context_tokens: int | None = None  # tokens of the shared context; None: min(1024, what fits)
     turns: int = 4  # needles = questions per conversation
     samples: int = 2  # conversations (contexts)
@@ -119,15 +121,15 @@ class MultiTurn(Task):
 
     def check_options(self) -> list[str]:
         reasons = []
-        if self.context_tokens is not None and (not _is_int(self.context_tokens)
+        if self.context_tokens is not None and (not is_int(self.context_tokens)
                                                 or self.context_tokens < 16):
             reasons.append(f"task.context_tokens={self.context_tokens!r} must be an integer >= 16 "
                            "or null")
         for key, low in (("turns", 1), ("samples", 1), ("max_new_tokens", 1)):
             value = getattr(self, key)
-            if not _is_int(value) or value < low:
+            if not is_int(value) or value < low:
                 reasons.append(f"task.{key}={value!r} must be an integer >= {low}")
-        if _is_int(self.turns) and self.turns > len(RULER_DEPTHS):
+        if is_int(self.turns) and self.turns > len(RULER_DEPTHS):
             reasons.append(f"task.turns={self.turns} must be <= {len(RULER_DEPTHS)} (one needle "
                            "per depth of RULER's 40-point grid)")
         if self.haystack not in HAYSTACKS:
@@ -138,7 +140,7 @@ class MultiTurn(Task):
         if self.answers not in ANSWER_MODES:
             reasons.append(f"task.answers={self.answers!r}; allowed: append (answers stay in the "
                            "cache; a compressed cache cannot be rolled back to drop them)")
-        if not _is_int(self.seed):
+        if not is_int(self.seed):
             reasons.append(f"task.seed={self.seed!r} must be an integer")
         return reasons
 

@@ -39,6 +39,8 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 @dataclass(kw_only=True)
 class Perplexity(Task):
     name: ClassVar[str] = "perplexity"
+    main_metric: ClassVar[str] = "ppl"
+    higher_is_better: ClassVar[bool] = False
     prompt_option: ClassVar[str | None] = "task.prefill_tokens"
     dataset: str = "essays"  # wikitext2 | essays | pg19 | text_file
     path: str | None = None  # a local text file (required for text_file; overrides the default copy)
@@ -149,7 +151,8 @@ class Perplexity(Task):
         first = max(prompt, 1)  # the first token scored
         nll = torch.empty(ids.numel() - first)
         device = engine.device
-        with engine.request() as req:
+        # the budget basis (runner.budget_basis=final) is the whole scored text
+        with engine.request(final_tokens=int(ids.numel())) as req:
             if prompt:  # ends with the prompt-end hook: prompt compressors act here
                 logits = req.prefill(ids[:prompt].to(device))[0, -1]
                 nll[0] = token_nll(logits[None], ids[prompt:prompt + 1].to(device))[0]

@@ -83,6 +83,8 @@ def parse_items(raw: bytes, source: str) -> list[dict[str, Any]]:
 @dataclass(kw_only=True)
 class XSum(Task):
     name: ClassVar[str] = "xsum"
+    main_metric: ClassVar[str] = "rougeL"  # ROUGE-L F x100
+    higher_is_better: ClassVar[bool] = True
     batches: ClassVar[bool] = True
     limit: int | None = 20  # items scored (the prompts are long); null: all
     path: str | None = None  # an H2O-format jsonl (overrides data_dir)

@@ -411,5 +411,6 @@ def test_hydra_errors_are_one_line_exit_2(args, expect, tmp_path):
 def test_help_offers_no_fragment(tmp_path):
     proc = _cli("--help")
     assert proc.returncode == 0
-    assert "method: duo_attention, full, full_offload, h2o" in proc.stdout
+    assert "method (provenance: official code | paper | reconstruction | reference):" in proc.stdout
+    assert "  full              reference" in proc.stdout and "  h2o               official" in proc.stdout
     assert "_shared" not in proc.stdout

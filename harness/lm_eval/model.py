@@ -474,7 +474,7 @@ class KVHarnessLM(TemplateLM):
         tokens = context + predicted[:-1]
         first_scored = len(context) - 1  # logits after this token predict predicted[0]
         total = 0.0
-        with self.engine.request() as req:
+        with self.engine.request(final_tokens=len(tokens)) as req:  # the stream's length
             for i, token in enumerate(tokens):
                 logits = req.step(token)[0, -1]
                 if i >= first_scored:

@@ -97,8 +97,18 @@ def test_refusals_name_the_knob_before_weights(monkeypatch, no_weight_loading, t
         run(cfg_for(*base, "method=h2o", "runner.dense_layers=[0,7]"))
     with pytest.raises(ConfigError, match="runner.dense_layers=3 must be a list"):
         run(cfg_for(*base, "method=h2o", "runner.dense_layers=3"))
-    with pytest.raises(ConfigError, match="runner.prefill='half'; allowed: dense, sparse"):
+    with pytest.raises(ConfigError, match="runner.prefill='half'; allowed: dense, chunked, sparse"):
         run(cfg_for(*base, "method=h2o", "runner.prefill=half"))
+    with pytest.raises(ConfigError, match="runner.budget_basis='end'; allowed: final, seen"):
+        run(cfg_for(*base, "method=h2o", "runner.budget_basis=end"))
+    # dense prefill compresses a prompt once it is over: a task scoring only prompt tokens would
+    # never see any method act (chunked / sparse prefill make it act inside the prompt)
+    with pytest.raises(ConfigError, match="runner.prefill=dense: every method .* method=h2o "
+                                          "would never act"):
+        run(cfg_for(*base, "method=h2o", "task.mode=chunked"))
+    with pytest.raises(ConfigError, match="runner.prefill=chunked but method=snapkv can only run "
+                                          "with runner.prefill=dense"):
+        run(cfg_for(*base, "method=snapkv", "task.prefill_tokens=50", "runner.prefill=chunked"))
     assert not any(tmp_path.iterdir())
 
 
@@ -141,3 +151,33 @@ def test_budgets_are_checked_at_every_step(tiny_model):
     with pytest.raises(BudgetViolation, match="holds 16 KV tokens but its budget is 12 after 16"):
         with engine.request() as req:
             req.prefill(_ids(30))
+
+
+@pytest.mark.parametrize("basis", ["final", "seen"])
+def test_a_ratio_budget_is_a_fraction_of_the_protocols_basis(basis, tiny_model):
+    """budget_ratio 0.2 over a 100-token stream: "final" = 20 tokens from the first token (dense
+    until 20 are held, then 20: InfiniGen's mask simulation), "seen" = int(0.2 x seen)."""
+    method = build_method("h2o", budget_ratio=0.2)
+    engine = make_engine(tiny_model, method, protocol=Protocol(budget_basis=basis))
+    kept = []
+    with engine.request(final_tokens=100) as req:
+        for t in range(100):
+            req.step(_ids(100)[:, t])
+            kept.append(req.cache.kv_layers[0].kept_tokens())
+    expected = [min(t + 1, 20) if basis == "final" else min(t + 1, max(2, int(0.2 * (t + 1))))
+                for t in range(100)]
+    assert kept == expected
+
+
+def test_a_prompt_sets_the_basis_and_a_stream_must_declare_one(tiny_model):
+    """A prompt of 50 sets the basis to 50 (budget 10, then constant while decoding); a stream of
+    decode steps with no declared length cannot size a ratio budget: one clear error."""
+    engine = make_engine(tiny_model, build_method("h2o", budget_ratio=0.2))
+    with engine.request() as req:
+        req.prefill(_ids(50))
+        for t in range(10):
+            req.step(_ids(10)[:, t])
+            assert [kv.allowed_tokens() for kv in req.cache.kv_layers] == [10, 10]
+    with pytest.raises(RuntimeError, match="needs the sequence's final length"):
+        with engine.request() as req:
+            req.step(_ids(1))

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from harness import hf_adapter
+from methods.eviction import EvictionLayer
 from methods import available_methods, build_method, method_class
 from tests.conftest import PROJECT, make_engine
 from tests.models import FAMILIES, family_config
@@ -42,7 +43,7 @@ def skip_if_refused(method, model):
 
 def run_logits(model, method, ids, prefill_end, chunk):
     engine = make_engine(model, method, chunk=chunk)
-    with engine.request() as req:
+    with engine.request(final_tokens=ids.shape[1]) as req:  # the final length: all of ids
         out = [req.prefill(ids[:, :prefill_end], all_logits=True)]
         out += [req.step(ids[:, i]) for i in range(prefill_end, ids.shape[1])]
     return torch.cat(out, 1), engine
@@ -68,7 +69,7 @@ def test_declared_capabilities_match_the_code():
     """Capabilities are read by the runner, so they must be true: a method with its own
     `prepare` declares needs_prepare (the runner skips prepare otherwise), one that keeps the
     full cache as a reference declares compresses=False, every prefill mode is a known one."""
-    from methods.base import PREFILL_MODES, KVMethod
+    from methods.base import PREFILL_MODES, PROVENANCES, KVMethod
 
     for name in METHODS:
         cls = method_class(name)
@@ -78,6 +79,10 @@ def test_declared_capabilities_match_the_code():
         fields = set(cls.hyperparameter_names())
         assert set(cls.axis_keys) | set(cls.variant_keys) <= fields | {"budget_ratio",
                                                                        "budget_tokens"}, name
+        # provenance and operating point are the method's own, declared (not inherited)
+        assert "provenance" in vars(cls) and cls.provenance in PROVENANCES, name
+        assert "operating_point" in vars(cls) and len(cls.operating_point) > 20, name
+        assert build_method(name).provenance_label().startswith(PROVENANCES), name
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -157,17 +162,91 @@ def test_batch_of_ragged_requests_equals_each_alone(name, which, request, tmp_pa
 SEQ_TOKENS, PREFILL_TOKENS, CHUNK_TOKENS = 64, 48, 16
 
 
+def recomputed_keep(positions, scores, sinks, recent, seen, budget):
+    """Independently of the template's code: per KV head, the text positions a method's own
+    `score()` and `protected(budget)` imply are kept, as (protected set, chosen set, candidates):
+    every protected position held is kept; the rest of the budget goes to the highest scores
+    among the unprotected (ties at the boundary: any of the tied tokens)."""
+    out = []
+    for pos_row, score_row in zip(positions.reshape(-1, positions.shape[-1]).tolist(),
+                                  scores.reshape(-1, scores.shape[-1]).tolist()):
+        guard = {p for p in pos_row if p < sinks or p >= seen - recent}
+        free = sorted(((s, p) for p, s in zip(pos_row, score_row) if p not in guard), reverse=True)
+        out.append((guard, free, max(0, budget - len(guard))))
+    return out
+
+
 class StepChecker:
-    """Wraps one request's layers (instances only) and checks the contract at every forward."""
+    """Wraps one request's layers (instances only) and checks the contract at every forward and
+    at every compression of a scored-eviction method (its kept set against its own rule)."""
 
     def __init__(self, method, info, layers):
         self.method, self.info, self.layers = method, info, layers
         self.forwards = 0
         self.compressed = False  # some layer held or attended less than the full cache
+        self.choices = 0  # compressions where the scores chose among more tokens than slots
+        self.prompt_budget: dict[int, int] = {}  # layer -> its budget at the prompt's end
         for layer in layers:
             layer.update = self._update(layer, layer.update)
             layer.attend = self._attend(layer, layer.attend)
             layer.after_forward = self._after_forward(layer, layer.after_forward)
+            layer.on_prefill_end = self._on_prefill_end(layer, layer.on_prefill_end)
+            if scored_eviction(layer):
+                layer.compress_to = self._compress_to(layer, layer.compress_to)
+
+    def _compress_to(self, layer, compress_to):
+        def checked(budget):
+            kept_before, seen = layer.kept_tokens(), layer.seen_tokens
+            where = f"layer {layer.layer_idx} after {seen} tokens, budget {budget}"
+            assert budget == self.rule(layer), (
+                f"{where}: compressed to {budget}, the rule says {self.rule(layer)}")
+            if kept_before <= budget:
+                return compress_to(budget)
+            positions, scores = layer.positions.clone(), layer.score().float().clone()
+            sinks, recent = layer.protected(budget)
+            expected = recomputed_keep(positions, scores, sinks, recent, seen, budget)
+            compress_to(budget)
+            kept = layer.kept_positions().reshape(-1, layer.kept_positions().shape[-1]).tolist()
+            for head, ((guard, free, slots), row) in enumerate(zip(expected, kept)):
+                row = set(row)
+                assert len(row) == budget, f"{where}, head {head}: keeps {len(row)}"
+                assert guard <= row or len(guard) > budget, (
+                    f"{where}, head {head}: declared protections (protected={sinks, recent}) "
+                    f"evicted: {sorted(guard - row)}")
+                chosen = [s for s, p in free if p in row]
+                dropped = [s for s, p in free if p not in row]
+                assert len(chosen) == min(slots, len(free)), f"{where}, head {head}"
+                if chosen and dropped:
+                    assert min(chosen) >= max(dropped), (
+                        f"{where}, head {head}: kept a score {min(chosen):.4g} below an evicted "
+                        f"{max(dropped):.4g} (the kept set is not the top of score())")
+                    self.choices += 1
+        return checked
+
+    def rule(self, layer) -> int:
+        """A template layer's budget now, from the method's rule and the protocol's basis (a
+        layer with a budget() of its own, SqueezeAttention's, is held to it; under the final-
+        length basis it may never change after the prompt: the basis does not)."""
+        if type(layer).budget is EvictionLayer.budget:
+            rule = layer.method.layer_budget(layer.layer_idx, self.info.num_layers,
+                                             layer.basis_tokens())
+        else:
+            rule = layer.budget()
+        if layer.protocol.budget_basis == "final":
+            first = self.prompt_budget.setdefault(layer.layer_idx, rule)
+            assert rule == first, (f"layer {layer.layer_idx}: the budget moved from {first} to "
+                                   f"{rule} under the final-length basis")
+        return rule
+
+    def _on_prefill_end(self, layer, on_prefill_end):
+        def checked():
+            on_prefill_end()
+            if isinstance(layer, EvictionLayer):  # the allowance is the rule's, never self-granted
+                assert layer.allowed_tokens() == self.rule(layer), (
+                    f"layer {layer.layer_idx} at the prompt's end: allowed "
+                    f"{layer.allowed_tokens()}, the rule says {self.rule(layer)}")
+            self.check_budget_and_positions(layer)
+        return checked
 
     def _update(self, layer, update):
         def checked(keys, values, position_ids):
@@ -223,15 +302,22 @@ class StepChecker:
         self.check_declared_keeps(layer, rows, budget, stats["kv_tokens"])
 
     def check_declared_keeps(self, layer, rows, budget, kept):
-        """Sinks and recent tokens a method declares (hyperparameters) are kept once it evicts."""
+        """Sinks a method without the scored-eviction template declares (`sink_tokens`) are kept
+        once it evicts (template methods: every compression is checked against their own
+        `protected(budget)`, above)."""
         seen, where = layer.seen_tokens, f"layer {layer.layer_idx} after {layer.seen_tokens} tokens"
-        if kept >= seen or budget is None:
+        if kept >= seen or budget is None or scored_eviction(layer):
             return
-        sinks = getattr(self.method, "sink_tokens", 0) or 0
-        recent = round(getattr(self.method, "recent_ratio", 0) * budget)
+        sinks, recent = getattr(self.method, "sink_tokens", 0) or 0, 0
         for row in rows.tolist():
             assert set(range(min(sinks, seen))) <= set(row), f"{where}: sinks evicted"
             assert set(range(seen - recent, seen)) <= set(row), f"{where}: recent tokens evicted"
+
+
+def scored_eviction(layer) -> bool:
+    """A layer on the scored-eviction template that keeps the top of its own scores, whatever
+    code of its own does it (`selects_top_scores`; KVMerger merges instead, by its own test)."""
+    return isinstance(layer, EvictionLayer) and layer.selects_top_scores
 
 
 # (method, mode or None) -> (strict, reason): the known contract exceptions, each explained.
@@ -274,6 +360,13 @@ def test_contract_holds_at_every_step_while_compressing(name, mode, which, reque
     settings = method_class(name).compressing_hyperparameters(SEQ_TOKENS)
     method = build_method(name, **settings, **({"mode": mode} if mode else {}))
     skip_if_refused(method, model)
+    check_compressing_contract(model, method)
+
+
+def check_compressing_contract(model, method):
+    """The contract while `method` compresses SEQ_TOKENS random tokens (eager attention, a
+    chunked prompt, then decode steps); raises AssertionError / BudgetViolation on a breach."""
+    name, settings = method.name, method.hyperparameters()
     info = hf_adapter.model_info(model.config)
     ids = torch.randint(3, 250, (1, SEQ_TOKENS), generator=torch.Generator().manual_seed(7))
     hf_adapter.set_attention(model, "eager")
@@ -290,6 +383,10 @@ def test_contract_holds_at_every_step_while_compressing(name, mode, which, reque
     assert checker.forwards == PREFILL_TOKENS // CHUNK_TOKENS + SEQ_TOKENS - PREFILL_TOKENS
     assert checker.compressed == method.capabilities.compresses, (
         f"{name} {settings}: held or attended less than the full cache: {checker.compressed}")
+    if any(scored_eviction(layer) for layer in req.cache.kv_layers):
+        assert checker.choices > 0, (
+            f"{name} {settings}: its scores never chose a token (every slot protected): the "
+            "compressing case must leave slots to the scores (compressing_hyperparameters)")
 
 
 # --- refusals ------------------------------------------------------------------------------------

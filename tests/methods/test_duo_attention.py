@@ -128,7 +128,8 @@ def test_duo_streams_on_a_model_within_budget(tiny_model):
         full = 80 * engine.info.kv_bytes_per_token()
         assert held <= 0.5 * full + 1e-9
         streaming = [lay for lay in layers if len(lay.streaming_heads)]
-        assert streaming and all(lay.s_keys.shape[-2] == method.stream_slots(80)
+        # slots from the budget basis: the 40-token prompt (runner.budget_basis=final)
+        assert streaming and all(lay.s_keys.shape[-2] == method.stream_slots(40)
                                  for lay in streaming)
     assert engine.ledger.samples[-1]["seen_tokens"] == 80
 

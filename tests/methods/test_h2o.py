@@ -6,6 +6,7 @@ import torch
 from harness import hf_adapter
 from kvcore.errors import ConfigError
 from methods import build_method
+from methods.base import Protocol
 from methods.h2o import H2OLayer
 from methods.scoring import group_mean
 from tests.conftest import make_engine
@@ -33,14 +34,19 @@ def test_scores_are_the_accumulated_causal_attention(tiny_model):
         assert torch.allclose(scores[layer], expected, atol=1e-5)
 
 
-def test_keeps_exactly_its_budget_and_the_right_tokens(tiny_model, monkeypatch):
+@pytest.mark.parametrize("basis, kept_at_end", [("final", 10), ("seen", 15)])
+def test_keeps_exactly_its_budget_and_the_right_tokens(basis, kept_at_end, tiny_model,
+                                                       monkeypatch):
+    """budget_ratio 0.25 of the final length (the 40-token prompt: 10) or of the tokens seen
+    (0.25 x 60 = 15 at the end); every compression keeps the recent half and the top scores."""
     checked = []
-    original = H2OLayer.after_forward
+    original = H2OLayer.compress_to
 
-    def checking_after_forward(self):
+    def checking_compress_to(self, budget):
         scores, positions = self.state("scores").clone(), self.positions.clone()
-        kept, budget, seen = self.kept_tokens(), self.allowed_tokens(), self.seen_tokens
-        original(self)
+        kept, seen = self.kept_tokens(), self.seen_tokens
+        assert budget == self.allowed_tokens()  # the rule's budget, never what was kept
+        original(self, budget)
         assert self.kept_tokens() == min(kept, budget)
         if kept > budget:
             recent = int(round(0.5 * budget))
@@ -58,16 +64,18 @@ def test_keeps_exactly_its_budget_and_the_right_tokens(tiny_model, monkeypatch):
                     assert min(older[p] for p in kept_old) >= max(older[p] for p in evicted)
             checked.append(kept)
 
-    monkeypatch.setattr(H2OLayer, "after_forward", checking_after_forward)
+    monkeypatch.setattr(H2OLayer, "compress_to", checking_compress_to)
     torch.manual_seed(1)
     ids = torch.randint(3, 250, (1, 60))
-    engine = make_engine(tiny_model, build_method("h2o", budget_ratio=0.25), chunk=20)
+    engine = make_engine(tiny_model, build_method("h2o", budget_ratio=0.25), chunk=20,
+                         protocol=Protocol(budget_basis=basis))
     with engine.request() as req:
         req.prefill(ids[:, :40])
         for t in range(40, 60):
             req.step(ids[:, t])
-    assert len(checked) > 20  # eviction really happened, at prefill and while decoding
-    assert engine.ledger.samples[-1]["tokens_per_layer"] == [15, 15]  # 0.25 x 60
+    # 2 layers: once at the prompt's end, then at every decode step ("seen": as the budget allows)
+    assert len(checked) == 2 * 21 if basis == "final" else len(checked) > 20
+    assert engine.ledger.samples[-1]["tokens_per_layer"] == [kept_at_end] * 2
 
 
 def test_heads_keep_different_tokens(stories):

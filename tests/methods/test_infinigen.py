@@ -17,7 +17,7 @@ from tests.conftest import make_engine
 
 def run(model, method, ids, prefill, chunk=16, tok=None):
     engine = make_engine(model, method, tok, chunk=chunk)
-    with engine.request() as req:
+    with engine.request(final_tokens=ids.shape[1]) as req:  # the budget basis: all of ids
         out = [req.prefill(ids[:, :prefill], all_logits=True)]
         out += [req.step(ids[:, t]) for t in range(prefill, ids.shape[1])]
     return torch.cat(out, 1), engine
@@ -110,8 +110,8 @@ def test_ledger_bytes_equal_the_formula(tiny4, cache_dir):
     cfg = tiny4.config
     row = 2 * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4  # K+V
     expected = []
-    for t in range(40, 60):  # T stored tokens before step t
-        sparse = max(1, min(t, int(0.25 * t)))
+    for t in range(40, 60):  # T stored tokens before step t; 0.25 of the final 60 tokens
+        sparse = max(1, min(t, int(0.25 * 60)))
         expected.append(2 * t * row + 2 * sparse * row)
     assert engine.transfers.step_h2d == expected
     full_steps = [4 * t * row for t in range(40, 60)]

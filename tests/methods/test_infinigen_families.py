@@ -24,7 +24,7 @@ def cache_dir(tmp_path, monkeypatch):
 
 def run(model, method, ids, prefill, chunk=16):
     engine = make_engine(model, method, chunk=chunk)
-    with engine.request() as req:
+    with engine.request(final_tokens=ids.shape[1]) as req:  # the budget basis: all of ids
         out = [req.prefill(ids[:, :prefill], all_logits=True)]
         out += [req.step(ids[:, t]) for t in range(prefill, ids.shape[1])]
     return torch.cat(out, 1), engine

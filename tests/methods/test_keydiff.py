@@ -1,9 +1,10 @@
 """KeyDiff: the keys most aligned with the mean key direction go first."""
 
+import pytest
 import torch
 
 from methods import build_method
-from methods.base import ModelInfo
+from methods.base import ModelInfo, Protocol
 from methods.keydiff import anchor_cosine
 from tests.conftest import make_engine
 
@@ -24,10 +25,13 @@ def test_hand_example():
     assert layer.keys[0, 0].tolist() in ([[1.0, 0.0], [0.0, 1.0]], [[0.0, 1.0], [1.0, 0.0]])
 
 
-def test_block_wise_prefill_and_decode_hold_n(tiny_model, monkeypatch):
-    """Prefill blocks and decode steps both prune to N; at a decode step the token dropped is the
-    one most aligned with the anchor of the N + 1 keys held; whole-prompt blocks differ from
-    smaller blocks (each block attends the pruned cache: real block-wise processing)."""
+@pytest.mark.parametrize("prefill", ["dense", "chunked"])
+def test_block_wise_prefill_and_decode_hold_n(prefill, tiny_model, monkeypatch):
+    """The prompt and decode steps both prune to N; at a decode step the token dropped is the
+    one most aligned with the anchor of the N + 1 keys held. runner.prefill=dense: the prompt is
+    pruned once at its end, whatever the chunk size; runner.prefill=chunked (the paper's
+    block-wise deployment): whole-prompt blocks differ from smaller blocks (each block attends
+    the pruned cache)."""
     from methods.keydiff import KeyDiffLayer
 
     dropped = []
@@ -44,7 +48,8 @@ def test_block_wise_prefill_and_decode_hold_n(tiny_model, monkeypatch):
     monkeypatch.setattr(KeyDiffLayer, "after_forward", spy)
     kept = []
     for chunk in (64, 16):
-        engine = make_engine(tiny_model, build_method("keydiff", budget_tokens=12), chunk=chunk)
+        engine = make_engine(tiny_model, build_method("keydiff", budget_tokens=12), chunk=chunk,
+                             protocol=Protocol(prefill=prefill))
         with engine.request() as req:
             req.prefill(ids)
             assert [kv.kept_tokens() for kv in req.cache.kv_layers] == [12, 12]
@@ -53,4 +58,4 @@ def test_block_wise_prefill_and_decode_hold_n(tiny_model, monkeypatch):
                 req.step(t.view(1))
             assert [kv.kept_tokens() for kv in req.cache.kv_layers] == [12, 12]
     assert len(dropped) == 10 and all(dropped)
-    assert kept[0] != kept[1]
+    assert (kept[0] != kept[1]) == (prefill == "chunked")

@@ -73,7 +73,7 @@ def test_oracle_beats_h2o_on_streaming_nll(stories):
     def nll(method):
         engine = make_engine(model, method, tok)
         out = []
-        with engine.request() as req:
+        with engine.request(final_tokens=ids.numel() - 1) as req:  # the stream's length
             for t in range(ids.numel() - 1):
                 logits = req.step(ids[t:t + 1])[0, -1]
                 out.append(float(token_nll(logits[None], ids[t + 1:t + 2])[0]))

@@ -97,7 +97,8 @@ def test_layers_keep_their_squeezed_budget(stories):
         assert [x.kept_tokens() for x in layers] == [int(f * 0.2 * 150) for f in factors]
         for t in ids[150:160]:
             req.step(t.view(1))
-        assert [x.kept_tokens() for x in layers] == [int(f * 0.2 * 160) for f in factors]
+        # the budget basis is the prompt's length (runner.budget_basis=final): H2O inside holds it
+        assert [x.kept_tokens() for x in layers] == [int(f * 0.2 * 150) for f in factors]
 
 
 @pytest.mark.parametrize("scorer", ["h2o", "streaming_llm"])

@@ -7,7 +7,7 @@ import types
 
 from harness import models
 from tasks.longbench import chat_pieces
-from tasks.ruler import PromptFormat
+from tasks.prompts import PromptFormat
 
 # Qwen3's rule, reduced: thinking unless the caller passes enable_thinking=false
 HYBRID_THINKING = (

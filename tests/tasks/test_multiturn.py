@@ -7,7 +7,7 @@ from kvcore.errors import ConfigError
 from methods import build_method
 from methods.base import ModelInfo
 from tasks import build_task
-from tasks.ruler import NEEDLE, PromptFormat, needle_depth_fractions
+from tasks.prompts import NEEDLE, PromptFormat, needle_depth_fractions
 from tests.conftest import make_engine
 
 

@@ -9,9 +9,10 @@ from kvcore.errors import ConfigError
 from methods import build_method
 from methods.base import ModelInfo
 from tasks import build_task
-from tasks.ruler import (NEEDLE, NOISE_SENTENCE, PromptFormat, aggregate, clean_prediction,
-                         haystack_with_needles, largest_fitting, needle_depth_fractions,
-                         split_sentences, string_match_all, string_match_part)
+from tasks.prompts import (NEEDLE, NOISE_SENTENCE, PromptFormat, clean_prediction,
+                           haystack_with_needles, largest_fitting, needle_depth_fractions,
+                           split_sentences, string_match_all, string_match_part)
+from tasks.ruler import aggregate
 from tests.conftest import make_engine
 
 NIAH = ["niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery"]

@@ -1,0 +1,5 @@
+import sys
+
+from harness.report.build import main
+
+sys.exit(main())

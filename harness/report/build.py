@@ -1,0 +1,89 @@
+"""`python -m harness.report`: runs -> leaderboard, figures, report.html, in one output folder."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+from pathlib import Path
+
+from harness.report import collect, figures, html, leaderboard
+from harness.results import write_text_atomic
+from kvcore.errors import ConfigError
+
+OUTPUTS = ("report.md", "report.csv", "leaderboard.md", "leaderboard.csv", "report.html")
+_FIGURE_FILE = re.compile(r"(%s)(_\d+)?\.png$" % "|".join(figures.FIGURES))
+# Files earlier versions of the report wrote (replaced by the names above).
+_OLD = {"ruler_heatmap.png"}
+
+
+def is_report_file(name: str) -> bool:
+    return name in OUTPUTS or name in _OLD or bool(_FIGURE_FILE.fullmatch(name))
+
+
+def check_out(out: Path) -> None:
+    """--out must be a new folder or one holding only an earlier report (never a user's files)."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; allowed: a new folder or an earlier report's")
+    if out.is_dir():
+        foreign = sorted(p.name for p in out.iterdir()
+                         if not is_report_file(p.name) and not p.name.startswith("."))
+        if foreign:
+            raise ConfigError(f"--out {out} holds files that are not a report "
+                              f"({', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}); "
+                              "choose a new or empty folder")
+
+
+def default_out(patterns: list[str]) -> Path:
+    first = Path(patterns[0])
+    return first / "_report" if first.is_dir() else Path("results") / "_report"
+
+
+def notes(board: list[dict], made: list[Path]) -> str:
+    """report.md: the leaderboard, then which figure answers which question."""
+    lines = ["# kv-harness report", "", "## Leaderboard", "", leaderboard.markdown(board),
+             "## Figures", ""]
+    lines += [f"- `{p.name}`: {figures.question(p)}" for p in made]
+    return "\n".join(lines) + "\n"
+
+
+def build_report(patterns: list[str], out: Path | None = None, warn=None
+                 ) -> tuple[list[dict], Path, list[Path]]:
+    """Rows, the output folder and the figures made. ConfigError (bad paths, no valid run)."""
+    out = out or default_out(patterns)
+    check_out(out)
+    rows = collect.collect(patterns, warn)
+    board = leaderboard.build(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    made = figures.draw_all(rows, out)
+    for stale in out.iterdir():  # figures of an earlier report these runs no longer make
+        if stale.suffix == ".png" and is_report_file(stale.name) and stale not in made:
+            stale.unlink()
+    write_text_atomic(out / "report.csv", collect.to_csv(rows))
+    write_text_atomic(out / "leaderboard.csv", leaderboard.to_csv(board))
+    write_text_atomic(out / "leaderboard.md", leaderboard.markdown(board))
+    write_text_atomic(out / "report.md", notes(board, made) + "\n## Every run\n\n"
+                      + collect.markdown(rows))
+    write_text_atomic(out / "report.html", html.page(
+        rows, board, made, patterns, time.strftime("%Y-%m-%d %H:%M")))
+    return rows, out, made
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m harness.report",
+        description="Collect runs (metrics.json) into a leaderboard, figures and report.html.")
+    ap.add_argument("paths", nargs="+", help="results folders, globs of run folders, or files")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output folder (default <first folder>/_report)")
+    args = ap.parse_args(argv)
+    try:
+        rows, out, made = build_report(args.paths, args.out)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(leaderboard.markdown(leaderboard.build(rows)))
+    print(f"\n{len(rows)} runs -> {out / 'report.html'} (+ report.md, leaderboard.md/.csv, "
+          f"report.csv), {len(made)} figures: {', '.join(p.name for p in made)}")
+    return 0

@@ -1,0 +1,149 @@
+"""The leaderboard: one row per method setting, one column per task, per (model, protocol).
+
+A row is a method at one budget (its axis knobs), variant, provenance / operating point and
+batch size; a task column holds that task's main metric (declared on the task class). Runs of a
+task whose options differ (perplexity on 150 or 400 tokens) are never one column: the options
+that differ between them tag the column ("perplexity max_tokens=400"). The mean column averages
+the higher-is-better task columns of a row that has them all. KV held, attended fraction,
+decode ms and bytes moved are means over the row's runs.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import statistics
+from typing import Any
+
+from harness.report.collect import REFERENCE, fmt
+
+# Task options that say where data lives, not what is measured.
+_NOT_SETTING = {"data_dir", "path", "include_path"}
+KEY = ("model", "protocol", "method", "variant", "setting", "provenance", "operating_point",
+       "batch")
+MEASURES = ("kv_held", "attended_fraction", "decode_ms", "bytes_per_step")
+MEAN = "mean (higher-is-better tasks)"
+
+
+def _options(r: dict) -> dict[str, str]:
+    opts = r["_metrics"].get("task", {}).get("options", {})
+    return {k: fmt(v) for k, v in opts.items() if k not in _NOT_SETTING}
+
+
+def task_columns(rows: list[dict]) -> dict[int, str]:
+    """id(row) -> its task column: the task (and metric), tagged by the options that differ
+    between runs of that task in the same (model, protocol) section."""
+    by_task: dict[tuple, list[dict]] = {}
+    for r in rows:
+        by_task.setdefault((r["model"], r["protocol"], r["task"]), []).append(r)
+    out = {}
+    for rs in by_task.values():
+        opts = [_options(r) for r in rs]
+        keys = sorted({k for o in opts for k in o})
+        differ = [k for k in keys if len({o.get(k) for o in opts}) > 1]
+        for r, o in zip(rs, opts):
+            tag = " ".join(f"{k}={o.get(k, '')}" for k in differ)
+            out[id(r)] = f"{r['task']} {r['metric']}{' ' + tag if tag else ''}"
+    return out
+
+
+def build(rows: list[dict]) -> list[dict[str, Any]]:
+    """Leaderboard rows (dicts): KEY fields, `tasks` {column: value}, the measures, `runs`."""
+    columns = task_columns(rows)
+    higher = {columns[id(r)]: r["higher_is_better"] for r in rows}
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["value"] is not None:
+            groups.setdefault(tuple(r[k] for k in KEY), []).append(r)
+    board = []
+    for key, rs in groups.items():
+        latest: dict[str, dict] = {}  # a re-run of the same cell: the latest run counts
+        for r in sorted(rs, key=lambda r: r["_metrics"].get("run", {}).get("started", "")):
+            latest[columns[id(r)]] = r
+        entry = dict(zip(KEY, key))
+        entry["tasks"] = {c: r["value"] for c, r in latest.items()}
+        entry["higher"] = {c: higher[c] for c in latest}
+        for m in MEASURES:
+            values = [r[m] for r in latest.values() if r[m] is not None]
+            entry[m] = statistics.fmean(values) if values else None
+        entry["active"] = ("INACTIVE" if any(r["active"] == "INACTIVE" for r in latest.values())
+                           else latest[next(iter(latest))]["active"])
+        entry["runs"] = [r["run"] for r in latest.values()]
+        board.append(entry)
+    _mean_column(board)
+    board.sort(key=lambda e: (e["model"], e["protocol"], e["method"] != REFERENCE,
+                              -(e["kv_held"] if e["kv_held"] is not None else 2), e["method"],
+                              e["setting"]))
+    return board
+
+
+def _mean_column(board: list[dict]) -> None:
+    """Per section, the mean over its higher-is-better task columns, for rows that have all."""
+    sections: dict[tuple, set[str]] = {}
+    for e in board:
+        sections.setdefault((e["model"], e["protocol"]), set()).update(
+            c for c, h in e["higher"].items() if h)
+    for e in board:
+        wanted = sections[e["model"], e["protocol"]]
+        have = [e["tasks"][c] for c in wanted if c in e["tasks"]]
+        e[MEAN] = statistics.fmean(have) if wanted and len(have) == len(wanted) else None
+
+
+def sections(board: list[dict]) -> dict[tuple[str, str], list[dict]]:
+    out: dict[tuple[str, str], list[dict]] = {}
+    for e in board:
+        out.setdefault((e["model"], e["protocol"]), []).append(e)
+    return out
+
+
+TEXT = ("method", "setting", "batch", "active", "provenance", "operating_point", "variant")
+
+
+def header(entries: list[dict]) -> tuple[list[str], list[str]]:
+    """(the row's key columns, the rest) of one section: method and budget first, the task
+    columns (sorted), the mean and the measures, then the labels a section has any of, the
+    variant knobs (long) last."""
+    tasks = sorted({c for e in entries for c in e["tasks"]})
+    own = ["method", "setting"] + (["batch"] if any(e["batch"] != 1 for e in entries) else [])
+    labels = [c for c in ("provenance", "operating_point", "variant") if any(e[c] for e in entries)]
+    return own, (tasks + ([MEAN] if len(tasks) > 1 else []) + list(MEASURES) + ["active"]
+                 + labels)
+
+
+def cell(e: dict, column: str) -> Any:
+    """A task column's value (None where the row has no run of it), else the row's own field."""
+    return e["tasks"].get(column, e.get(column))
+
+
+def arrow(entries: list[dict], column: str) -> str:
+    for e in entries:
+        if column in e["higher"]:
+            return " ↑" if e["higher"][column] else " ↓"
+    return ""
+
+
+def markdown(board: list[dict]) -> str:
+    out = []
+    for (model, protocol), entries in sections(board).items():
+        own, rest = header(entries)
+        names = own + [c + arrow(entries, c) for c in rest]
+        out += [f"### {model} · {protocol}", "", "| " + " | ".join(names) + " |",
+                "|" + "---|" * len(names)]
+        for e in entries:
+            out.append("| " + " | ".join(fmt(cell(e, c)).replace("|", "\\|")
+                                         for c in own + rest) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
+def to_csv(board: list[dict]) -> str:
+    """One flat table: the key, every task column of the whole report, the measures."""
+    tasks = sorted({c for e in board for c in e["tasks"]})
+    fields = list(KEY) + tasks + [MEAN, *MEASURES, "active", "runs"]
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(fields)
+    for e in board:
+        writer.writerow([fmt(e["tasks"].get(f) if f in tasks else
+                             " ".join(e["runs"]) if f == "runs" else e.get(f)) for f in fields])
+    return buf.getvalue()

@@ -1,0 +1,139 @@
+"""The shared contract must catch the bugs a newcomer plausibly writes (mutation testing).
+
+Each mutant below is a real bug planted for the duration of one test, in the scored-eviction
+template (for several methods built on it) or in one method, as a newcomer would write it. The
+contract (`tests/methods/test_contract.py`: `check_compressing_contract` and the knob check of
+`test_every_knob_acts.py`) must fail on every one. A mutant equivalent for a method (TOVA declares
+no recent window, so forgetting it changes nothing) is not run for it.
+"""
+
+import pytest
+import torch
+
+from kvcore.errors import BudgetViolation
+from methods import build_method, method_class
+from methods.eviction import EvictionLayer, keep_tokens
+from tests.methods.test_contract import SEQ_TOKENS, check_compressing_contract, get_model
+from tests.methods.test_every_knob_acts import knob_acts
+from tests.methods.test_score_direction import beats_its_mirror, pg19_ids
+
+TEMPLATE_METHODS = ("h2o", "snapkv", "pyramidkv", "tova")
+CAUGHT = (AssertionError, BudgetViolation)
+
+
+# --- mutants of the template -------------------------------------------------------------------
+def budget_doubled_at_prompt_end(monkeypatch):
+    def doubled(self):
+        budget = 2 * self.budget()
+        self.compress_to(budget)
+        if self.compress_at == "prefill_end":
+            self.granted = (budget, self.seen_tokens)  # and it certifies itself
+    monkeypatch.setattr(EvictionLayer, "on_prefill_end", doubled)
+
+
+def lowest_scores_kept(monkeypatch):
+    original = EvictionLayer.guarded_scores
+
+    def lowest(self, budget):
+        scores = original(self, budget)
+        return torch.where(torch.isinf(scores), scores, -scores)  # protections kept, rest inverted
+    monkeypatch.setattr(EvictionLayer, "guarded_scores", lowest)
+
+
+def recent_window_forgotten(monkeypatch):
+    def sinks_only(self, budget):
+        sinks, _ = self.protected(budget)
+        scores = self.score().float()
+        return scores.masked_fill(self.positions < sinks, float("inf")) if sinks else scores
+    monkeypatch.setattr(EvictionLayer, "guarded_scores", sinks_only)
+
+
+TEMPLATE_MUTANTS = {"budget_doubled_at_prompt_end": budget_doubled_at_prompt_end,
+                    "lowest_scores_kept": lowest_scores_kept,
+                    "recent_window_forgotten": recent_window_forgotten}
+EQUIVALENT = {("tova", "recent_window_forgotten"): "TOVA declares no recent window"}
+
+
+@pytest.mark.parametrize("mutant", list(TEMPLATE_MUTANTS))
+@pytest.mark.parametrize("name", TEMPLATE_METHODS)
+def test_the_contract_kills_template_mutants(name, mutant, request, monkeypatch):
+    if (name, mutant) in EQUIVALENT:
+        pytest.skip(f"equivalent mutant: {EQUIVALENT[name, mutant]}")
+    model = get_model("llama", request, layers=3)
+    method = build_method(name, **method_class(name).compressing_hyperparameters(SEQ_TOKENS))
+    check_compressing_contract(model, method)  # the real template passes
+    TEMPLATE_MUTANTS[mutant](monkeypatch)
+    with pytest.raises(CAUGHT):
+        check_compressing_contract(model, method)
+
+
+# --- a newcomer's mutants, each in one method --------------------------------------------------
+def own_compress_forgets_the_window(monkeypatch):
+    """SnapKV with its own top-k that forgets the window it declares in protected()."""
+    from methods.snapkv import SnapKVLayer
+
+    def naive(self, budget):
+        if self.kept_tokens() > budget:
+            index = self.score().float().topk(budget, dim=-1).indices.sort(dim=-1).values
+            self.kept_count = keep_tokens(self._token_rows(), index)
+            self._views()
+    monkeypatch.setattr(SnapKVLayer, "compress_to", naive)
+    return "snapkv", {}
+
+
+def never_evicts(monkeypatch):
+    from methods.h2o import H2OLayer
+
+    monkeypatch.setattr(H2OLayer, "compress_to", lambda self, budget: None)
+    return "h2o", {}
+
+
+def sign_flipped(monkeypatch):
+    """KeyDiff keeping the keys most aligned with the mean key (the score's sign flipped)."""
+    from methods import keydiff
+
+    monkeypatch.setattr(keydiff.KeyDiffLayer, "score", lambda self: keydiff.anchor_cosine(self.keys))
+
+
+def budget_rule_of_its_own(monkeypatch):
+    """TOVA sizing a ratio budget on the tokens seen so far instead of the protocol's basis."""
+    from methods.tova import TOVALayer
+
+    monkeypatch.setattr(TOVALayer, "budget", lambda self: self.method.total_tokens(
+        self.seen_tokens))
+    return "tova", {"budget_ratio": 0.2}  # a ratio: an absolute budget makes it equivalent
+
+
+NEWCOMER_MUTANTS = {"own_compress_forgets_the_window": own_compress_forgets_the_window,
+                    "never_evicts": never_evicts, "budget_rule_of_its_own": budget_rule_of_its_own}
+
+
+def test_the_direction_check_kills_a_sign_flip(stories, monkeypatch):
+    model, tok = stories
+    ids = pg19_ids(tok)
+    assert beats_its_mirror(model, tok, "keydiff", ids)[0]
+    sign_flipped(monkeypatch)
+    assert not beats_its_mirror(model, tok, "keydiff", ids)[0]
+
+
+@pytest.mark.parametrize("mutant", list(NEWCOMER_MUTANTS))
+def test_the_contract_kills_a_newcomers_mutants(mutant, request, monkeypatch):
+    model = get_model("llama", request, layers=3)
+    name, settings = NEWCOMER_MUTANTS[mutant](monkeypatch)
+    settings = {**method_class(name).compressing_hyperparameters(SEQ_TOKENS), **settings}
+    if "budget_ratio" in settings:
+        settings["budget_tokens"] = None
+    method = build_method(name, **settings)
+    with pytest.raises(CAUGHT):
+        check_compressing_contract(model, method)
+
+
+def test_the_knob_check_kills_a_uniform_split(request, monkeypatch):
+    """PyramidKV whose per-layer split came out uniform: its beta then changes nothing."""
+    from methods.pyramidkv import PyramidKV
+
+    model = get_model("llama", request, layers=3)
+    assert knob_acts(model, "pyramidkv", "beta")
+    monkeypatch.setattr(PyramidKV, "layer_budget",
+                        lambda self, layer_idx, num_layers, basis: self.total_tokens(basis))
+    assert not knob_acts(model, "pyramidkv", "beta")

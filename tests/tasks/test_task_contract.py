@@ -1,0 +1,90 @@
+"""Every task (tasks.available_tasks()) is checked as every method is: its YAML composes into
+its options, bad options are refused before any weights load, it evaluates on stories260K with
+tiny options, and it declares the main metric a leaderboard ranks it by (and that metric is in
+what it returns). A new task without an entry in TINY fails here until it gets one."""
+
+import math
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from harness import models
+from harness.run import run
+from kvcore.errors import ConfigError
+from methods import build_method
+from tasks import available_tasks, build_task, task_class
+from tests.conftest import DATA, PROJECT, STORIES, make_engine, need_shared
+
+# Options that make each task take seconds on stories260K (512 positions).
+TINY = {
+    "perplexity": {"dataset": "pg19", "max_tokens": 64},
+    "ruler": {"lengths": [256], "subtasks": ["niah_single"], "depths": [50],
+              "max_new_tokens": 8},
+    "multiturn": {"turns": 2, "samples": 1, "context_tokens": 192, "max_new_tokens": 4},
+    "longbench": {"datasets": ["multi_news"], "limit": 1, "max_length_tokens": 256,
+                  "max_new_tokens": 4},
+    "xsum": {"limit": 1, "max_new_tokens": 4},
+    "lm_eval": {"names": ["copa"], "limit": 2, "num_fewshot": 0},
+}
+TASKS = available_tasks()
+
+
+def compose_task(name: str, *overrides: str) -> dict:
+    with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"task={name}", *overrides])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def test_every_task_has_tiny_options():
+    assert sorted(TINY) == TASKS, "add the new task's tiny options to TINY"
+
+
+@pytest.mark.parametrize("name", TASKS)
+def test_yaml_composes_into_the_task_options(name):
+    options = compose_task(name)["task"]
+    assert options.pop("name") == name
+    build_task(name, **options)  # every key is an option, every value of the right type
+    assert sorted(options) == sorted(task_class(name).option_names())
+
+
+@pytest.mark.parametrize("name", TASKS)
+def test_main_metric_is_declared(name):
+    cls = task_class(name)
+    assert isinstance(cls.main_metric, str) and cls.main_metric
+    assert isinstance(cls.higher_is_better, bool)
+
+
+@pytest.fixture
+def no_weight_loading(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("weights were loaded before the config error was found")
+    monkeypatch.setattr(models, "load_model", refuse)
+
+
+@pytest.mark.parametrize("name", TASKS)
+@pytest.mark.parametrize("override, message", [("task.limit=0", "task.limit=0"),
+                                               ("+task.nosuch_tokens=3", "task.nosuch_tokens")])
+def test_bad_options_are_refused_before_weights(name, override, message, no_weight_loading,
+                                                tmp_path):
+    need_shared(STORIES)
+    with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[f"task={name}", "model=stories260k",
+                                                       override,
+                                                       f"runner.results_root={tmp_path}"])
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        run(cfg)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("name", TASKS)
+def test_evaluates_on_a_tiny_model_and_returns_its_main_metric(name, stories, monkeypatch,
+                                                                 tmp_path):
+    need_shared(DATA)
+    monkeypatch.setenv("KVH_CACHE_DIR", str(tmp_path / "cache"))
+    model, tok = stories
+    task = build_task(name, **TINY[name])
+    task.check_data()
+    result = task.evaluate(make_engine(model, build_method("full"), tok))
+    value = result.metrics.get(task.main_metric)
+    assert isinstance(value, (int, float)) and math.isfinite(value), result.metrics

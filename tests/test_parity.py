@@ -1,0 +1,105 @@
+"""`make parity` pieces that run without the peer venv: the comparer on planted results, the
+peer's kept-position recovery, and our side's protocol switch (budget lifted after the context)."""
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from benchmarks import parity, parity_compare
+from methods import build_method
+from tests.conftest import PROJECT, make_engine
+
+CASES = {c.name: c for c in parity.CASES}
+
+
+def peer_module():
+    spec = importlib.util.spec_from_file_location("kvpress_peer", PROJECT / "scripts" / "kvpress_peer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def sample(kept, generated=(5, 2), top=((5, 9.0), (7, 8.0))):
+    logits = [{"ids": [i for i, _ in top], "values": [v for _, v in top]} for _ in generated]
+    return {"id": "s0", "kept": kept, "generated": list(generated), "logits": logits}
+
+
+def write(folder, row, ours, peer, press="KnormPress"):
+    spec = {"name": f"{row}@0.5", "row": row, "peer": {"press": press}}
+    prompts = {"cases": [spec], "samples": [{}], "model": "m", "ruler": {}, "kept_ratios": [0.5]}
+    versions = {"kvpress": "x", "transformers": "y", "torch": "z"}
+    for name, obj in (("prompts", prompts), ("ours", {"ours": versions, "results": [
+            {"case": spec["name"], "samples": [ours]}]}),
+            ("peer", {"peer": versions, "results": [{"case": spec["name"], "samples": [peer]}]})):
+        (folder / f"{name}.json").write_text(json.dumps(obj))
+
+
+def test_same_sets_same_answers_within(tmp_path, capsys):
+    kept = [[[0, 3, 4], [1, 2, 4]], [[0, 1, 2], [2, 3, 4]]]
+    write(tmp_path, "knorm", sample(kept), sample(kept, top=((5, 9.0005), (7, 8.0))))
+    assert parity_compare.compare_folder(tmp_path, CASES, 2e-3) == 0
+    out = capsys.readouterr().out
+    assert "| knorm | jaccard min 1.000" in out and "parity: 1/1 methods within tolerance" in out
+
+
+def test_a_differing_position_is_named(tmp_path, capsys):
+    ours = [[[0, 3, 4], [1, 2, 4]], [[0, 1, 2], [2, 3, 4]]]
+    peer = [[[0, 3, 4], [1, 2, 4]], [[0, 1, 2], [1, 3, 4]]]
+    write(tmp_path, "knorm", sample(ours), sample(peer))
+    assert parity_compare.compare_folder(tmp_path, CASES, 2e-3) == 1
+    out = capsys.readouterr().out
+    assert ("MISMATCH knorm: knorm@0.5 s0: layer 1 head 1: jaccard 0.500 < 1.0 (kept 3 here, 3 in "
+            "kvpress; first differing position 1, kvpress only)") in out
+    assert "parity: 0/1 methods within tolerance" in out
+
+
+def test_logits_and_answers_checked_when_sets_agree(tmp_path, capsys):
+    kept = [[[0, 1]]]
+    write(tmp_path, "knorm", sample(kept), sample(kept, top=((5, 9.01), (7, 8.0))))
+    assert parity_compare.compare_folder(tmp_path, CASES, 2e-3) == 1
+    assert "step 0: max |logit diff| 1.00e-02 > 0.002" in capsys.readouterr().out
+    write(tmp_path, "knorm", sample(kept), sample(kept, generated=(5, 3)))
+    assert parity_compare.compare_folder(tmp_path, CASES, 2e-3) == 1
+    assert "answers differ at step 1 (ours [2], kvpress [3])" in capsys.readouterr().out
+
+
+def test_containment_rows_accept_nested_sets_of_other_sizes(tmp_path, capsys):
+    ours, peer = [[[0, 1, 2, 5]]], [[[0, 2, 5]]]
+    write(tmp_path, "pyramidkv", sample(ours), sample(peer), press="PyramidKVPress")
+    assert parity_compare.compare_folder(tmp_path, CASES, 2e-3) == 0
+    assert "kept counts differ by up to 1" in capsys.readouterr().out
+    write(tmp_path, "pyramidkv", sample(ours), sample([[[0, 3, 5]]]), press="PyramidKVPress")
+    assert parity_compare.compare_folder(tmp_path, CASES, 2e-3) == 1
+
+
+def test_peer_recovers_gathered_positions():
+    keys = torch.randn(1, 2, 9, 4)
+    index = torch.tensor([[[7, 1, 4]], [[0, 8, 2]]]).view(1, 2, 3)
+    kept = keys.gather(2, index[..., None].expand(1, 2, 3, 4))
+    assert peer_module().kept_positions(keys, kept) == [[1, 4, 7], [0, 2, 8]]
+    with pytest.raises(RuntimeError, match="none of the keys"):
+        peer_module().kept_positions(keys, kept + 1)
+
+
+def test_cases_map_budgets_exactly():
+    """kvpress keeps int(T x (1 - cr)), ours int(r x T): the same count at the suite's ratios."""
+    for spec in parity.case_specs():
+        if spec["peer"]["press"] is None:
+            continue
+        cr = spec["peer"]["kwargs"]["compression_ratio"]
+        assert all(int(t * (1 - cr)) == int(spec["kept_ratio"] * t) for t in range(64, 4096))
+
+
+def test_per_step_method_lifted_after_the_context(tiny_model):
+    """kvpress's protocol on our side: TOVA compresses the context once, then the question and
+    the answer append (its budget lifted), and the budget knob is restored afterwards."""
+    method = build_method("tova", budget_ratio=0.5)
+    engine = make_engine(tiny_model, method, chunk=4096)
+    s = {"id": "x", "context_ids": list(range(3, 43)), "question_ids": [50, 51, 52],
+         "max_new_tokens": 4}
+    out = parity.run_sample(engine, method, s, lift=True)
+    assert [len(h) for h in out["kept"][0]] == [20, 20] and len(out["generated"]) == 4
+    assert out["final_kept_tokens"] == [26, 26]  # 20 kept + 3 question + 3 fed answer tokens
+    assert method.budget_tokens is None
