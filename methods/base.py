@@ -181,7 +181,10 @@ class PrepareContext:
 
 
 class KVLayer:
-    """Per-request, per-layer KV state. The default stores everything (the full cache).
+    """Per-request, per-layer KV state. It stores everything (the full cache), `update` returns
+    the stored K/V as tensors and `attend` calls the model's attention: the base every method's
+    layer extends. A method's default layer is `FullLayer` (the same storage, decode rows read
+    in place).
 
     Contract (checked by tests on eager attention and chunked prefill):
       * `seen_tokens` counts every token ever given to `update` (positions never depend on how
