@@ -11,6 +11,10 @@ kernel and shape (Llama-3-8B KV heads: H_kv 8, H_q 32, D 128; contexts and batch
            exact first token; batch 1 only: one sequence per call, rows after all others): codes
            + value scales/zeros + outliers (8 bytes each) and their per-token offsets + the cos/sin
            rows of every position + exact rows + query + output
+  ragged   methods.kernels.ragged_attention (Triton): paged K/V (blocks of 16) with per-head
+           lengths of T x (0.25 .. 1.75) (mean T; Ada-KV-like head budgets) read through
+           per-head block tables in place; bytes = every head's own K/V rows + block tables +
+           lengths + query + output
   copy     a plain device-to-device copy of 1 GiB (bytes read + written): what this device
            really reaches, next to the nominal `--peak-gbs` (H200 SXM: 4800 GB/s)
 
@@ -142,6 +146,33 @@ def kvquant_case(t: int, dtype, device: str = "cuda", bits: int = 4,
     return (lambda: ka.decode_attention_triton(query, cache, HEAD_DIM ** -0.5)), nbytes
 
 
+def ragged_case(b: int, t: int, dtype, device: str = "cuda", block_tokens: int = 16) -> tuple:
+    from kvcore.paged import BlockPool, PagedRows
+    from methods.kernels import ragged_attention as ra
+
+    g = torch.Generator(device=device).manual_seed(0)
+    share = torch.linspace(0.25, 1.75, H_KV)  # per-head share of T, mean 1
+    lengths = (share[torch.randperm(H_KV)] * t).long().expand(b, H_KV).contiguous().to(device)
+    longest = int(lengths.max())
+    rows = []
+    for _ in range(2):  # K, V: each in its own pool of one-head blocks
+        x = torch.randn(b, H_KV, longest, HEAD_DIM, device=device, dtype=dtype, generator=g)
+        r = PagedRows(BlockPool(block_tokens))
+        r.assign(x, lengths)
+        rows.append(r)
+    keys, values = (r.in_place() for r in rows)
+    query = torch.randn(b, H_Q, 1, HEAD_DIM, device=device, dtype=dtype, generator=g)
+    item = query.element_size()
+    nbytes = (2 * int(lengths.sum()) * HEAD_DIM * item + keys.table.nbytes + values.table.nbytes
+              + lengths.nbytes + 2 * query.nbytes)
+    dense = [r.view() for r in rows]
+    want = ra.ragged_attention_ref(query, *dense, lengths, HEAD_DIM ** -0.5)
+    got = ra.ragged_decode_attention_triton(query, keys, values, HEAD_DIM ** -0.5)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    return (lambda: ra.ragged_decode_attention_triton(query, keys, values, HEAD_DIM ** -0.5),
+            nbytes)
+
+
 def copy_gbs(device: str = "cuda", nbytes: int = 2**30) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -197,6 +228,7 @@ def main() -> int:
         for b in args.batches:
             measure("sparse", b, t, lambda: sparse_case(b, t, args.ratio, dtype, device))
             measure("kivi", b, t, lambda: kivi_case(b, t, dtype, device))
+            measure("ragged", b, t, lambda: ragged_case(b, t, dtype, device))
         out["complete_contexts"].append(t)
     for t in args.contexts:  # reported after the goal rows (a timeout cuts these first)
         measure("kvquant", 1, t, lambda: kvquant_case(t, dtype, device))

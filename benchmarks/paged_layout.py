@@ -1,12 +1,17 @@
-"""Contiguous vs paged KV storage (runner.kv_layout): memory waste and decode ms/token.
+"""Contiguous vs paged KV storage (runner.kv_layout): decode ms per step and memory waste.
 
 A batch of `--batch` ragged essay prompts (the longest `--context` tokens, the others shorter,
-evenly spaced down to half) is decoded together (engine.batch) for `--new-tokens` steps, once
-per layout and method; layouts alternate within each round, `--rounds` rounds, medians over
-rounds. Per method and layout: decode ms per step (each sequence's ms per output token), the
-storage waste when each sequence ended (harness.accounting: used / allocated K/V bytes), and the
-paged pools' figures. The ratio to read is paged / contiguous decode ms, measured in the same
-rounds: on CPU paged reads gather the blocks into a contiguous tensor at every layer and step.
+evenly spaced down to half) is decoded together (engine.batch) for `--new-tokens` steps, per
+method and layout. Lockstep: in each round every (method, layout) cell's batch is prefilled and
+open side by side, then step k of every cell runs back to back (the order rotating each step),
+so a burst of machine noise hits every cell alike. Per cell: the median decode ms per step over
+all steps of all rounds, the storage waste when each sequence ended (harness.accounting: used /
+allocated K/V bytes) and the paged pools' figures. Per method, the ratio to read: the median
+over (round, step) of paged step k / contiguous step k (paired, same round). Goal (issue 27):
+full <= 1.05x (decode reads the paged blocks in place: methods.base.FullLayer); H2O still
+gathers its blocks (its fused kernel reads a contiguous tensor), reported without a goal.
+`full_sdpa` is the full cache as it was before (the model's SDPA over `keys`/`values`, paged: a
+gather): `full` vs `full_sdpa` per layout shows what the in-place reads changed.
 
     python benchmarks/paged_layout.py --context 1024 --batch 4 --new-tokens 32 --rounds 3
 """
@@ -14,7 +19,9 @@ rounds: on CPU paged reads gather the blocks into a contiguous tensor at every l
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+from dataclasses import dataclass
 import statistics
 import sys
 import time
@@ -29,24 +36,62 @@ from harness import hf_adapter, models  # noqa: E402
 from harness.engine import Engine, EngineSettings  # noqa: E402
 from harness.results import write_json_atomic  # noqa: E402
 from methods import build_method  # noqa: E402
+from methods.base import KVLayer, ModelInfo  # noqa: E402
+from methods.full import Full  # noqa: E402
 from tasks.text_sources import load_essays  # noqa: E402
 
-METHODS = {"full": ("full", {}), "h2o_0.2": ("h2o", {"budget_ratio": 0.2})}
+METHODS = {"full": ("full", {}), "full_sdpa": ("full_sdpa", {}),
+           "h2o_0.2": ("h2o", {"budget_ratio": 0.2})}
+GOALS = {"full": 1.05}  # paged / contiguous decode step, paired median
+
+
+@dataclass(kw_only=True)
+class FullSDPA(Full):
+    """The full cache as it was before in-place reads (issue 27): the base KVLayer, whose decode
+    steps attend with the model's SDPA over `keys`/`values` (paged: a gather of the blocks)."""
+
+    def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
+        return KVLayer(layer_idx, info)
+
+
+def make_method(name: str):
+    method, kw = METHODS[name]
+    return FullSDPA() if method == "full_sdpa" else build_method(method, **kw)
 LAYOUTS = ("contiguous", "paged")
 
 
-def measure(model, tok, info, method, prompts, new_tokens, layout, block_tokens) -> dict:
-    settings = EngineSettings(prefill_chunk_tokens=512, batch_size=len(prompts),
-                              kv_layout=layout, kv_block_tokens=block_tokens)
-    engine = Engine(model, tok, method, info, settings)
-    with engine.batch(len(prompts)) as batch:
-        batch.generate(prompts, [new_tokens] * len(prompts), stop_ids=set())
-    kv = engine.ledger.summary()
-    return {"decode_ms": engine.speed().as_dict()["decode_ms_per_token_median"],
-            "storage_bytes_used": kv["storage_bytes_used"],
-            "storage_bytes_allocated": kv["storage_bytes_allocated"],
-            "storage_waste_ratio": kv["storage_waste_ratio"],
-            "paged_pools": engine.tier.paged.summary() if engine.tier.paged else None}
+def lockstep(model, tok, info, methods: dict, prompts, new_tokens: int, block_tokens: int) -> dict:
+    """One round: every (method, layout) cell's batch prefilled, then decoded in lockstep.
+    Returns per cell the decode ms of each step and the storage figures at the end."""
+    cells = [(name, layout) for name in methods for layout in LAYOUTS]
+    engines = {}
+    for name, layout in cells:
+        settings = EngineSettings(prefill_chunk_tokens=512, batch_size=len(prompts),
+                                  kv_layout=layout, kv_block_tokens=block_tokens)
+        engines[name, layout] = Engine(model, tok, methods[name], info, settings)
+    seqs = list(range(len(prompts)))
+    with contextlib.ExitStack() as stack:
+        batches = {cell: stack.enter_context(engines[cell].batch(len(prompts))) for cell in cells}
+        tokens = {cell: batches[cell].prefill(prompts).argmax(-1).tolist() for cell in cells}
+        for k in range(new_tokens):
+            for cell in cells[k % len(cells):] + cells[:k % len(cells)]:
+                tokens[cell] = batches[cell].step(seqs, tokens[cell]).argmax(-1).tolist()
+    out = {}
+    for cell in cells:
+        engine = engines[cell]
+        kv = engine.ledger.summary()
+        out[cell] = {"step_ms": engine.speed().decode_ms,
+                     "storage_bytes_used": kv["storage_bytes_used"],
+                     "storage_bytes_allocated": kv["storage_bytes_allocated"],
+                     "storage_waste_ratio": kv["storage_waste_ratio"],
+                     "paged_pools": engine.tier.paged.summary() if engine.tier.paged else None}
+    return out
+
+
+def paired_ratio(rounds: list[dict], cell: tuple, reference: tuple) -> float:
+    """Median over (round, step) of cell's step k / reference cell's step k (same round)."""
+    return statistics.median(a / b for r in rounds for a, b in
+                             zip(r[cell]["step_ms"], r[reference]["step_ms"]))
 
 
 def main() -> None:
@@ -70,44 +115,56 @@ def main() -> None:
     context = min(args.context, info.max_positions - args.new_tokens)
     lengths = [context - i * context // (2 * args.batch) for i in range(args.batch)]
     prompts = [essays[i * 97: i * 97 + n] for i, n in enumerate(lengths)]
-    methods = {name: build_method(m, **kw) for name, (m, kw) in METHODS.items()
-               if name in args.methods}
+    methods = {name: make_method(name) for name in METHODS if name in args.methods}
     load_before = os.getloadavg()[0]
     t0 = time.time()
-    runs = {(name, layout): [] for name in methods for layout in LAYOUTS}
-    for _ in range(args.rounds):
-        for name, method in methods.items():
-            for layout in LAYOUTS:  # alternate within the round
-                r = measure(model, tok, info, method, prompts, args.new_tokens, layout,
-                            args.block_tokens)
-                runs[name, layout].append(r)
-                print(f"  {name} {layout}: {r['decode_ms']:.2f} ms/step "
-                      f"(load {os.getloadavg()[0]:.1f})", flush=True)
+    rounds = []
+    for r in range(args.rounds):
+        rounds.append(lockstep(model, tok, info, methods, prompts, args.new_tokens,
+                               args.block_tokens))
+        print(f"  round {r + 1}: " + ", ".join(
+            f"{name}/{layout} {statistics.median(v['step_ms']):.2f}"
+            for (name, layout), v in rounds[-1].items())
+            + f" ms/step (load {os.getloadavg()[0]:.1f})", flush=True)
     load = (load_before + os.getloadavg()[0]) / 2
     print(f"\n{args.model}, batch {args.batch} ragged prompts {lengths} + {args.new_tokens} new, "
-          f"blocks of {args.block_tokens}, {args.rounds} alternating rounds, threads "
+          f"blocks of {args.block_tokens}, {args.rounds} lockstep rounds, threads "
           f"{torch.get_num_threads()}, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, "
           f"load avg {load:.2f}")
     print(f"{'method':9} {'layout':11} {'decode ms':>9} {'paged/contig':>12} "
-          f"{'used MiB':>9} {'alloc MiB':>9} {'waste':>7} {'pool blocks':>11}")
+          f"{'used MiB':>9} {'alloc MiB':>9} {'waste':>7} {'pool blocks':>11}  goal")
     rows = {}
     for name in methods:
         for layout in LAYOUTS:
-            rs = runs[name, layout]
-            last = rs[-1]
-            row = {**last, "decode_ms": statistics.median(r["decode_ms"] for r in rs),
-                   "decode_ms_rounds": [r["decode_ms"] for r in rs]}
-            rows[f"{name}/{layout}"] = row
-        contiguous, paged = rows[f"{name}/contiguous"], rows[f"{name}/paged"]
-        paged["decode_paged_vs_contiguous"] = paged["decode_ms"] / contiguous["decode_ms"]
-        for layout, row in (("contiguous", contiguous), ("paged", paged)):
+            last = rounds[-1][name, layout]
+            rows[f"{name}/{layout}"] = {
+                **{k: v for k, v in last.items() if k != "step_ms"},
+                "decode_ms": statistics.median(ms for rd in rounds
+                                               for ms in rd[name, layout]["step_ms"]),
+                "decode_ms_rounds": [statistics.median(rd[name, layout]["step_ms"])
+                                     for rd in rounds]}
+        paged = rows[f"{name}/paged"]
+        ratio = paired_ratio(rounds, (name, "paged"), (name, "contiguous"))
+        paged["decode_paged_vs_contiguous"] = ratio
+        goal = GOALS.get(name)
+        if goal is not None:
+            paged["goal"], paged["goal_met"] = goal, ratio <= goal
+        for layout in LAYOUTS:
+            row = rows[f"{name}/{layout}"]
             pools = row["paged_pools"]
-            ratio = f"{row['decode_paged_vs_contiguous']:.3f}" if layout == "paged" else ""
-            print(f"{name:9} {layout:11} {row['decode_ms']:9.2f} {ratio:>12} "
+            shown = f"{ratio:.3f}" if layout == "paged" else ""
+            note = "" if layout != "paged" or goal is None else (
+                f"<= {goal:.2f}: {'met' if ratio <= goal else 'NOT met'}")
+            print(f"{name:9} {layout:11} {row['decode_ms']:9.2f} {shown:>12} "
                   f"{row['storage_bytes_used'] / 2**20:9.2f} "
                   f"{row['storage_bytes_allocated'] / 2**20:9.2f} "
                   f"{row['storage_waste_ratio']:7.3f} "
-                  f"{pools['blocks_allocated'] if pools else '':>11}")
+                  f"{pools['blocks_allocated'] if pools else '':>11}  {note}")
+    if "full" in methods and "full_sdpa" in methods:  # the in-place reads vs before, per layout
+        for layout in LAYOUTS:
+            ratio = paired_ratio(rounds, ("full", layout), ("full_sdpa", layout))
+            rows[f"full/{layout}"]["decode_vs_full_sdpa"] = ratio
+            print(f"full/{layout} vs full_sdpa/{layout} (before in-place reads): {ratio:.3f}")
     out = {"model": args.model, "lengths": lengths, "new_tokens": args.new_tokens,
            "block_tokens": args.block_tokens, "rounds": args.rounds,
            "threads": torch.get_num_threads(), "load_avg": round(load, 2),

@@ -18,7 +18,9 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from kvcore.errors import ConfigError
-from kvcore.storage import KV_LAYOUTS, ContiguousRows, Rows, grown_capacity
+from kvcore.storage import KV_LAYOUTS, ContiguousRows, HeadBlocks, Rows, grown_capacity
+from methods.kernels import ragged_attention, ragged_attention_cpu
+from methods.scoring import plain_attention, plain_decode_row
 
 AttentionFn = Callable[..., tuple[torch.Tensor, Any]]
 
@@ -182,7 +184,10 @@ class PrepareContext:
 
 
 class KVLayer:
-    """Per-request, per-layer KV state. The default stores everything (the full cache).
+    """Per-request, per-layer KV state. It stores everything (the full cache), `update` returns
+    the stored K/V as tensors and `attend` calls the model's attention: the base every method's
+    layer extends. A method's default layer is `FullLayer` (the same storage, decode rows read
+    in place).
 
     Contract (checked by tests on eager attention and chunked prefill):
       * `seen_tokens` counts every token ever given to `update` (positions never depend on how
@@ -280,10 +285,15 @@ class KVLayer:
     def update(self, keys: torch.Tensor, values: torch.Tensor, position_ids: torch.Tensor | None
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the new K/V `(B, H_kv, q_len, D)` and return what attention sees this step."""
+        self.append_kv(keys, values)
+        return self.keys, self.values
+
+    def append_kv(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append the new K/V `(B, H_kv, q_len, D)` to the stored rows (ragged rows: after each
+        head's own tokens) and count them as seen."""
         self.seen_tokens += keys.shape[-2]
         self.kv_rows("keys").append(keys)
         self.kv_rows("values").append(values)
-        return self.keys, self.values
 
     def kept_tokens(self) -> int:
         """Tokens stored now (before the next update)."""
@@ -355,6 +365,68 @@ class KVLayer:
         return {"kv_tokens": 0 if keys is None else keys.length,
                 "kv_bytes": storage.get("kv_bytes_used", 0),
                 "kv_bytes_used": 0, "kv_bytes_allocated": 0, **storage}
+
+
+class FullLayer(KVLayer):
+    """The full cache, the default layer (`KVMethod.make_layer` / `make_dense_layer`): KVLayer's
+    storage, with decode steps that attend over the stored rows where they are
+    (`Rows.in_place`: the contiguous buffer, or the paged blocks through per-head block tables —
+    no gather), one methods.kernels.ragged_attention call per layer and step: the C kernel on CPU
+    (fp32, both layouts, so paged and contiguous give the same bits), Triton on CUDA for the paged
+    layout (contiguous keeps SDPA's fused kernels there). Everything else — prefill chunks, masked
+    or non-plain calls (sliding windows, soft-capping, eager's explicit mask), dtypes or devices
+    no kernel serves — takes `base` over `keys` / `values`, as KVLayer does.
+
+    `update` then returns `kvcore.storage.HeadBlocks` instead of tensors (only this class's
+    `attend` receives them; subclasses of KVLayer keep getting tensors)."""
+
+    def update(self, keys, values, position_ids):
+        self.append_kv(keys, values)
+        if keys.shape[-2] == 1 and self.reads_in_place(keys):
+            blocks = self._kv["keys"].in_place(), self._kv["values"].in_place()
+            if None not in blocks:
+                return blocks
+        return self.keys, self.values
+
+    def reads_in_place(self, keys: torch.Tensor) -> bool:
+        """Whether this decode step's attention reads the rows in place (see the class)."""
+        if self.layer_idx in self.info.sliding_window_layers:  # the window mask: base
+            return False
+        if keys.device.type == "cpu":
+            return keys.dtype == torch.float32 and ragged_attention_cpu.library() is not None
+        return keys.is_cuda and getattr(self.tier, "paged", None) is not None
+
+    def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
+        if isinstance(keys, HeadBlocks) and not plain_decode_row(query, attention_mask, kwargs):
+            keys, values = self.keys, self.values  # a masked or non-plain call: the tensors
+        return exact_attention(module, query, keys, values, attention_mask, base, **kwargs)
+
+
+def exact_attention(module, query: torch.Tensor, keys, values, attention_mask, base: AttentionFn,
+                    **kwargs):
+    """The full cache's attention, one arithmetic for every layer that attends to everything it
+    holds (FullLayer, the host-tier full cache, a lossless method's exact path), so they give
+    the same bits.
+
+    `keys`/`values` are `(B, H_kv, T, D)` tensors or rows read in place (`HeadBlocks`, ragged or
+    not). Rows in place always go through methods.kernels.ragged_attention: causal attention per
+    head over its own tokens (the chunk's q tokens last; the model's mask for a sequence alone
+    is that causal mask, rebuilt per head), plain calls only (no window, soft-capping, sinks:
+    ValueError). Tensors: a plain decode row (`methods.scoring.plain_decode_row`) in fp32 on the
+    CPU goes through the same kernel when it is built; anything else through `base`."""
+    blocks = isinstance(keys, HeadBlocks)
+    if blocks and not plain_attention(kwargs):
+        raise ValueError("rows read in place attend with plain causal attention only (no "
+                         "sliding window, soft-capping or sinks); pass tensors to the model's")
+    if blocks or (plain_decode_row(query, attention_mask, kwargs) and keys.device.type == "cpu"
+                  and keys.dtype == values.dtype == torch.float32
+                  and ragged_attention_cpu.library() is not None):
+        if not blocks:
+            keys, values = HeadBlocks.of(keys), HeadBlocks.of(values)
+        scaling = kwargs.get("scaling")
+        scaling = module.scaling if scaling is None else scaling
+        return ragged_attention.ragged_attention(query, keys, values, scaling), None
+    return base(module, query, keys, values, attention_mask, **kwargs)
 
 
 @dataclass(kw_only=True)
@@ -496,8 +568,8 @@ class KVMethod:
         return []
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
-        """A fresh per-request state object for one decoder layer."""
-        return KVLayer(layer_idx, info)
+        """A fresh per-request state object for one decoder layer (default: the full cache)."""
+        return FullLayer(layer_idx, info)
 
     def make_host_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         """The per-request state of a layer placed on the host tier by the serving scheduler
@@ -512,7 +584,7 @@ class KVMethod:
     def make_dense_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         """The per-request state of a dense layer (protocol): the full cache by default. A method
         whose dense layers must still do something (offload, prefetch) overrides this."""
-        return KVLayer(layer_idx, info)
+        return FullLayer(layer_idx, info)
 
     def effective_dense_layers(self, info: ModelInfo, protocol: Protocol) -> tuple[int, ...]:
         """The effective dense layers: the protocol's and the method's own, sorted."""

@@ -1,6 +1,7 @@
 """Full cache: every token's K/V kept, attention unchanged. The baseline every method is judged by.
 
-Its logits equal a plain transformers forward (tests/methods/test_full.py); it has no
+Its logits equal a plain transformers forward to fp32 rounding (tests/methods/test_full.py:
+decode steps attend over the stored rows in place, `methods.base.FullLayer`); it has no
 hyperparameters and no budget. Under LayerKV admission (runner.kv_admission=layerkv) the serving
 scheduler may place some of a request's layers whole on the host tier: those layers are
 full_offload's (stored on the host, fetched whole every step), with the same outputs.
@@ -9,11 +10,13 @@ full_offload's (stored on the host, fetched whole every step), with the same out
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, PREFILL_MODES
+from methods.base import (PREFILL_MODES, Capabilities, KVLayer, KVMethod, ModelInfo,
+                          PrepareContext)
 from methods.full_offload import FullOffload, FullOffloadLayer
+from methods.kernels import ragged_attention
 
 
 @dataclass(kw_only=True)
@@ -22,11 +25,16 @@ class Full(KVMethod):
 
     name: ClassVar[str] = "full"
     provenance: ClassVar[str] = "reference"
-    operating_point: ClassVar[str] = "the full cache: transformers' own attention, every token kept"
+    operating_point: ClassVar[str] = ("the full cache: every token kept, transformers' attention "
+                                      "(decode rows read in place, to fp32 rounding)")
     axis_keys: ClassVar[tuple[str, ...]] = ()  # a reference: no size knob
     capabilities: ClassVar[Capabilities] = Capabilities(
         prefill_modes=PREFILL_MODES, compresses=False, kv_layouts=KV_LAYOUTS,
         places_layers_on_host=True)
+
+    def prepare(self, ctx: PrepareContext) -> dict[str, Any]:
+        """Records which decode-attention implementation the run uses (its speed depends on it)."""
+        return {"decode_attention": ragged_attention.decode_kernel_name(ctx.device)}
 
     def make_host_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         return FullOffloadLayer(layer_idx, info, FullOffload(prefetch=True))

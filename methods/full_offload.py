@@ -17,10 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-
 from kvcore.offload import HostKVStore, host_store
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, PREFILL_MODES
+from methods.base import (PREFILL_MODES, Capabilities, KVLayer, KVMethod, ModelInfo,
+                          exact_attention)
 
 
 @dataclass(kw_only=True)
@@ -68,6 +68,10 @@ class FullOffloadLayer(KVLayer):
         pending, self.pending = self.pending, None
         self.seen_tokens += keys.shape[-2]
         return self.store.past_and_new(pending, keys, values)
+
+    def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
+        # the full cache's own attention arithmetic: the logits equal full's bit for bit
+        return exact_attention(module, query, keys, values, attention_mask, base, **kwargs)
 
     def kept_tokens(self) -> int:
         return 0 if self.store is None else self.store.length

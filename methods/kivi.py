@@ -58,7 +58,8 @@ from typing import Any, ClassVar
 import torch
 
 from kvcore.storage import TokenMajorRows
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, PrepareContext, PREFILL_MODES
+from methods.base import (PREFILL_MODES, Capabilities, KVLayer, KVMethod, ModelInfo,
+                          PrepareContext, exact_attention)
 from methods.kernels import kivi_quant as kq
 from methods.kernels.kivi_attention import (KIVICache, decode_attention, decode_kernel,
                                             dequantize_cache)
@@ -276,7 +277,8 @@ class KIVILayer(KVLayer):
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
         """Decode rows: attention straight from the packed cache; anything else (or nothing
         quantized yet): dequantize the stored part and run the model's own attention over the
-        whole cache, so with nothing quantized KIVI equals the full cache bit for bit."""
+        whole cache through the full cache's own attention (`exact_attention`), so with nothing
+        quantized KIVI equals the full cache bit for bit."""
         cache, self.step_cache = self.step_cache, None
         quantized = cache.k_quant is not None or cache.v_quant is not None
         if quantized and plain_decode_row(query, attention_mask, kwargs):
@@ -284,7 +286,7 @@ class KIVILayer(KVLayer):
             out = decode_attention(query, cache, scaling)  # (B, H_q, 1, D)
             return out.transpose(1, 2).contiguous(), None  # as the base: (B, q_len, H_q, D)
         keys, values = dequantize_cache(cache, query.dtype)
-        return base(module, query, keys, values, attention_mask, **kwargs)
+        return exact_attention(module, query, keys, values, attention_mask, base, **kwargs)
 
     def dequantized_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole cache attention saw at the last update, dequantized `(B, H_kv, T, D)`."""

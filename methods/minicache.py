@@ -41,7 +41,7 @@ from typing import ClassVar
 import torch
 
 from kvcore.storage import ContiguousRows
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
+from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, exact_attention
 
 KINDS = ("k", "v")
 
@@ -123,6 +123,11 @@ class MiniCacheLayer(KVLayer):
             return raw_keys, raw_values
         past_keys, past_values = (holder.restore(kind, side) for kind in KINDS)
         return torch.cat([past_keys, raw_keys], dim=2), torch.cat([past_values, raw_values], dim=2)
+
+    def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
+        # attention over every token held (restored): the full cache's own arithmetic, so
+        # retaining everything equals the full cache bit for bit
+        return exact_attention(module, query, keys, values, attention_mask, base, **kwargs)
 
     def kept_tokens(self) -> int:
         holder, _ = self.holder()

@@ -71,11 +71,15 @@ def attention_with_probs(query: torch.Tensor, keys: torch.Tensor, values: torch.
 _NOT_PLAIN = ("softcap", "s_aux", "sliding_window", "dropout", "output_attentions")
 
 
+def plain_attention(kwargs: dict) -> bool:
+    """Plain softmax attention (no softcap, sinks, window, dropout, weights requested)."""
+    return not any(kwargs.get(k) for k in _NOT_PLAIN)
+
+
 def plain_decode_row(query: torch.Tensor, attention_mask, kwargs: dict) -> bool:
     """One query row, nothing masked, plain softmax attention (no softcap, sinks, window,
     dropout, weights requested): what a fused decode kernel computes."""
-    return (query.shape[2] == 1 and attention_mask is None
-            and not any(kwargs.get(k) for k in _NOT_PLAIN))
+    return query.shape[2] == 1 and attention_mask is None and plain_attention(kwargs)
 
 
 def _grouped(mask: torch.Tensor, h_kv: int, groups: int) -> torch.Tensor:

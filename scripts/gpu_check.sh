@@ -13,9 +13,11 @@
 #      exposed ms). Not run: the host-tier methods at 32K x batch 8 (full_offload, InfiniGen): their
 #      pinned host stores would need ~116 GiB of the 128 GiB (see the note at MEMORY below)
 #   2. CUDA-marked tests (offload tier pinned/overlapped/exposed ms, KIVI fused kernel at 32K,
-#      KVQuant fused kernel at 16K, sparse attention kernel at Llama scale)
-#   3. kernel bandwidth: sparse-attention and KIVI-2 kernels, achieved GB/s vs the 4.8 TB/s peak;
-#      then KVQuant's fused kernel (nuq4, 1 % outliers, batch 1; reported, no bound)
+#      KVQuant fused kernel at 16K, sparse attention kernel at Llama scale, ragged-head paged
+#      decode kernel at 8K)
+#   3. kernel bandwidth: sparse-attention, KIVI-2 and ragged-head paged decode (per-head block
+#      tables, issue 27) kernels, achieved GB/s vs the 4.8 TB/s peak; then KVQuant's fused kernel
+#      (nuq4, 1 % outliers, batch 1; reported, no bound)
 #   4. throughput at 8K for the 1B shape
 # Goals printed: InfiniGen >= 2x full_offload decode tok/s at >= 8K; KIVI-2 vs full decode tok/s
 # at 8K and 32K (reported); kernels >= 70 % of peak; the CUDA tests ran and passed.

@@ -37,7 +37,7 @@ THROUGHPUT_GOALS = (  # (method, baseline, label, minimum ratio or None: reporte
     ("infinigen", "full_offload", "infinigen/full_offload decode", 2.0),
     ("kivi", "full", "kivi2/full decode", None),
 )
-KERNELS = ("sparse", "kivi")
+KERNELS = ("sparse", "kivi", "ragged")
 REPORTED_KERNELS = ("kvquant",)  # batch 1 only (one sequence per call); reported, no bound
 KERNEL_GOAL = 0.7
 

@@ -12,7 +12,7 @@ from harness.accounting import activity
 from harness.run import run
 from kvcore.errors import BudgetViolation, ConfigError
 from methods import build_method
-from methods.base import Capabilities, KVLayer, KVMethod, Protocol
+from methods.base import Capabilities, FullLayer, KVLayer, KVMethod, Protocol
 from tests.conftest import STORIES, make_engine, need_shared
 from tests.harness.test_run import cfg_for, no_weight_loading  # noqa: F401 (fixture)
 
@@ -32,7 +32,7 @@ def test_dense_layers_apply_to_every_selecting_method(tiny_model):
             req.prefill(ids[:, :40])
             for t in range(40, 60):
                 req.step(ids[:, t])
-            assert type(req.cache.kv_layers[0]) is KVLayer  # the full cache
+            assert type(req.cache.kv_layers[0]) is FullLayer  # the full cache
             assert req.cache.kv_layers[0].kept_tokens() == 60
         summary = engine.attended.summary()
         assert summary["attended_fraction_per_layer"][0] == 1.0

@@ -36,3 +36,12 @@ def test_kvquant_case_checks_the_fused_kernel_and_counts_what_it_reads():
     rope = 2 * 20 * kb.HEAD_DIM // 2 * 4  # cos and sin rows of every position, fp32
     exact = 2 * kb.H_KV * kb.HEAD_DIM * 4
     assert nbytes == codes + scales + outliers + offsets + rope + exact + 2 * kb.H_Q * kb.HEAD_DIM * 4
+
+
+def test_ragged_case_checks_the_kernel_and_counts_each_heads_rows():
+    fn, nbytes = kb.ragged_case(b=1, t=32, dtype=torch.float32, device="cpu", block_tokens=16)
+    assert fn().shape == (1, 1, kb.H_Q, kb.HEAD_DIM)
+    lengths = (torch.linspace(0.25, 1.75, kb.H_KV) * 32).long()  # per-head tokens, mean 32
+    rows = 2 * int(lengths.sum()) * kb.HEAD_DIM * 4  # K and V: each head's own rows, fp32
+    tables = 2 * kb.H_KV * -(-int(lengths.max()) // 16) * 8  # int64 block ids, K and V
+    assert nbytes == rows + tables + kb.H_KV * 8 + 2 * kb.H_Q * kb.HEAD_DIM * 4
