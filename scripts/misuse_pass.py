@@ -1,0 +1,427 @@
+"""Misuse pass (issue 29's last requirement): bad inputs beyond the issue's list, each run as a
+subprocess in its own temp folder, and how each ended.
+
+    nice -n 10 .venv/bin/python scripts/misuse_pass.py [--json out.json] [-k SUBSTR] [--timeout S]
+
+Every case says what it expects: `refuse` (bad input) or `run` (odd but valid). Outcomes:
+
+* clean      refused as bad input: exit 2, one `error:` line naming the key/file, no traceback,
+             nothing written under the results root (for `run` cases: exit 0 and a result)
+* traceback  a Python traceback on the way out
+* accepted   exit 0 for something that should be refused
+* unclear    refused, but the message does not name the key, spans several lines, exits with
+             another code, or the refusal left files under the results root
+* destroyed  a file that existed in the case's folder before the run changed or vanished
+* timeout    still running after --timeout seconds (killed)
+
+Most cases are refused before the weights load (a few seconds each, stories260K); the whole pass
+takes a few minutes on one core. Lines that lm-eval logs (timestamped) and argparse's `usage:`
+line are not counted as part of the message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROJECT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+ST = ["model=stories260k", "runner.threads=1"]  # every harness case: stories260K, one thread
+PPL = [*ST, "task.max_tokens=40"]
+NOISE = re.compile(r"^(\d{4}-\d\d-\d\d:\d\d:\d\d:\d\d (INFO|WARNING|DEBUG) |usage: |\s{2,}\S)")
+CLASSES = ("clean", "traceback", "accepted", "unclear", "destroyed", "timeout")
+
+
+@dataclass
+class Case:
+    """`args` may hold `{tmp}` (the case's folder) and `{root}` (its results root)."""
+
+    name: str
+    args: list[str]
+    expect: str = "refuse"  # refuse | run
+    names: tuple[str, ...] = ()  # one of these in the message (default: the last key's leaf)
+    module: str = "harness"
+    setup: str = ""  # a preparation of the case folder (SETUPS)
+    root: str = "{root}"  # the results root to watch
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def m(name: str, method: str, knob: str, value: str, **kw) -> Case:
+    return Case(name, [*PPL, f"method={method}", f"method.{knob}={value}"], **kw)
+
+
+def t(name: str, task: str, *opts: str, **kw) -> Case:
+    return Case(name, [*ST, f"task={task}", *opts], **kw)
+
+
+def p(name: str, *opts: str, **kw) -> Case:
+    return Case(name, [*PPL, *opts], **kw)
+
+
+LME = ["--model", "kvharness", "--tasks", "copa", "--limit", "2", "--model_args"]
+
+CASES: list[Case] = [
+    # --- methods' knobs: zero, negative, huge, wrong type, out of range -------------------
+    m("infinigen partial_ratio=0", "infinigen", "partial_ratio", "0"),
+    m("infinigen partial_ratio=1.5", "infinigen", "partial_ratio", "1.5"),
+    m("infinigen pool_capacity=-0.5", "infinigen", "pool_capacity", "-0.5"),
+    m("infinigen eviction=random", "infinigen", "eviction", "random"),
+    m("infinigen calibration_tokens=0", "infinigen", "calibration_tokens", "0"),
+    m("infinigen dense_layers=[99]", "infinigen", "dense_layers", "[99]"),
+    m("infinigen skewing=maybe", "infinigen", "skewing", "maybe"),
+    m("infinigen column_score=k", "infinigen", "column_score", "k"),
+    m("quest page_size=0", "quest", "page_size", "0"),
+    m("quest budget_tokens=-5", "quest", "budget_tokens", "-5"),
+    m("quest min_pages=abc", "quest", "min_pages", "abc"),
+    m("quest select_per=layer", "quest", "select_per", "layer"),
+    m("quest dense_layers=[0,7]", "quest", "dense_layers", "[0,7]"),
+    m("snapkv kernel_tokens=0", "snapkv", "kernel_tokens", "0"),
+    m("snapkv window_tokens=1e12", "snapkv", "window_tokens", "1e12"),
+    m("snapkv pooling=median", "snapkv", "pooling", "median"),
+    m("snapkv budget_ratio=1.5", "snapkv", "budget_ratio", "1.5"),
+    m("snapkv budget_ratio=0", "snapkv", "budget_ratio", "0"),
+    m("kivi v_bits=16", "kivi", "v_bits", "16"),
+    m("kivi group_size=0", "kivi", "group_size", "0"),
+    m("kivi residual_tokens=50 (not a multiple of G)", "kivi", "residual_tokens", "50"),
+    m("kivi k_bits=2.5", "kivi", "k_bits", "2.5"),
+    m("kvquant k_bits=5", "kvquant", "k_bits", "5"),
+    m("kvquant outlier_ratio=-0.1", "kvquant", "outlier_ratio", "-0.1"),
+    m("kvquant outlier_ratio=2", "kvquant", "outlier_ratio", "2.0"),
+    m("kvquant calibration_samples=0", "kvquant", "calibration_samples", "0"),
+    m("kvquant q_norm=maybe", "kvquant", "q_norm", "maybe"),
+    m("kvquant calibration_path missing", "kvquant", "calibration_path", "{tmp}/nope.txt",
+      names=("calibration_path", "nope.txt")),
+    m("shadowkv chunk_size=0", "shadowkv", "chunk_size", "0"),
+    m("shadowkv rank_ratio=2", "shadowkv", "rank_ratio", "2.0"),
+    m("shadowkv local_chunks=-1", "shadowkv", "local_chunks", "-1"),
+    m("shadowkv compress_above_tokens=-1", "shadowkv", "compress_above_tokens", "-1"),
+    m("shadowkv rank=0", "shadowkv", "rank", "0"),
+    m("tailorkv k_bits=3", "tailorkv", "k_bits", "3"),
+    m("tailorkv quant_layers=[7]", "tailorkv", "quant_layers", "[7]"),
+    m("tailorkv dense_threshold=1.5", "tailorkv", "dense_threshold", "1.5"),
+    m("tailorkv probe_top_ratio=0", "tailorkv", "probe_top_ratio", "0"),
+    m("tailorkv key_channels=0", "tailorkv", "key_channels", "0"),
+    m("duo_attention retrieval_head_ratio=1.5", "duo_attention", "retrieval_head_ratio", "1.5"),
+    m("duo_attention sink_tokens=-1", "duo_attention", "sink_tokens", "-1"),
+    m("duo_attention pattern_path missing", "duo_attention", "pattern_path", "{tmp}/nope",
+      names=("pattern_path", "nope")),
+    m("duo_attention probe_repeats=0", "duo_attention", "probe_repeats", "0"),
+    m("streaming_llm window_tokens=0", "streaming_llm", "window_tokens", "0"),
+    m("streaming_llm sink_tokens=-4", "streaming_llm", "sink_tokens", "-4"),
+    m("streaming_llm rerotate=2", "streaming_llm", "rerotate", "2"),
+    m("streaming_llm budget_tokens=0", "streaming_llm", "budget_tokens", "0"),
+    Case("method=nosuch", [*PPL, "method=nosuch"], names=("method",)),
+    # --- tasks' options -------------------------------------------------------------------
+    t("ruler lengths=[0]", "ruler", "task.lengths=[0]"),
+    t("ruler lengths=[100000]", "ruler", "task.lengths=[100000]"),
+    t("ruler depths=[150]", "ruler", "task.depths=[150]"),
+    t("ruler subtasks=[nosuch]", "ruler", "task.subtasks=[nosuch]"),
+    t("ruler samples_per_cell=0", "ruler", "task.samples_per_cell=0"),
+    t("ruler query=maybe", "ruler", "task.query=maybe"),
+    t("ruler chat_template=sometimes", "ruler", "task.chat_template=sometimes"),
+    t("ruler haystack=novels", "ruler", "task.haystack=novels"),
+    t("longbench datasets=[nosuch]", "longbench", "task.datasets=[nosuch]"),
+    t("longbench max_length_tokens=0", "longbench", "task.max_length_tokens=0"),
+    t("longbench limit=-1", "longbench", "task.limit=-1"),
+    t("longbench data_dir missing", "longbench", "task.data_dir={tmp}/nope",
+      names=("data_dir", "nope")),
+    t("multiturn turns=0", "multiturn", "task.turns=0"),
+    t("multiturn answers=drop", "multiturn", "task.answers=drop"),
+    t("multiturn context_tokens=100000", "multiturn", "task.context_tokens=100000"),
+    t("multiturn max_new_tokens=0", "multiturn", "task.max_new_tokens=0"),
+    t("xsum path missing", "xsum", "task.path={tmp}/nope.jsonl", names=("path", "nope")),
+    t("xsum limit=0", "xsum", "task.limit=0"),
+    t("xsum max_new_tokens=-1", "xsum", "task.max_new_tokens=-1"),
+    t("lm_eval names=[nosuch]", "lm_eval", "task.names=[nosuch]", names=("nosuch",)),
+    t("lm_eval num_fewshot=-1", "lm_eval", "task.num_fewshot=-1"),
+    t("lm_eval scoring=both", "lm_eval", "task.scoring=both"),
+    t("lm_eval include_path missing", "lm_eval", "task.include_path={tmp}/nope",
+      names=("include_path", "nope")),
+    t("lm_eval limit=0", "lm_eval", "task.limit=0"),
+    p("perplexity text_file without path", "task.dataset=text_file", names=("path",)),
+    p("perplexity path is a folder", "task.dataset=text_file", "task.path={tmp}",
+      names=("path",)),
+    p("perplexity max_tokens=0", "task.max_tokens=0"),
+    p("perplexity block_tokens=0", "task.block_tokens=0"),
+    p("perplexity prefill_tokens=100000", "task.prefill_tokens=100000"),
+    p("perplexity chunked window_tokens=1", "task.mode=chunked", "task.window_tokens=1"),
+    p("perplexity pg19 from an empty data_dir", "task.dataset=pg19", "task.data_dir={tmp}/empty",
+      setup="empty", names=("data_dir", "empty")),
+    p("perplexity dataset=wikitext103", "task.dataset=wikitext103"),
+    # --- runner options -------------------------------------------------------------------
+    p("runner.prefill=sometimes", "runner.prefill=sometimes"),
+    p("runner.budget_basis=initial", "runner.budget_basis=initial"),
+    p("runner.dense_layers=[5] (5 layers)", "method=h2o", "runner.dense_layers=[5]"),
+    p("runner.dense_layers=[-1]", "method=h2o", "runner.dense_layers=[-1]"),
+    p("runner.dense_layers=0 (not a list)", "method=h2o", "runner.dense_layers=0"),
+    p("runner.batch_size=0", "runner.batch_size=0"),
+    p("runner.batch_size=-2", "runner.batch_size=-2"),
+    p("runner.batch_size=1.5", "runner.batch_size=1.5"),
+    p("runner.batch_size=100000000", "task=ruler", "runner.batch_size=100000000"),
+    p("runner.kv_offload=gpu", "runner.kv_offload=gpu"),
+    p("runner.kv_layout=ring", "runner.kv_layout=ring"),
+    p("paged kv_block_tokens=0", "runner.kv_layout=paged", "runner.kv_block_tokens=0"),
+    p("runner.prefill_chunk_tokens=0", "runner.prefill_chunk_tokens=0"),
+    p("runner.attn_impl=flash", "runner.attn_impl=flash"),
+    p("runner.seed=abc", "runner.seed=abc"),
+    Case("runner.threads=0", ["model=stories260k", "task.max_tokens=40", "runner.threads=0"]),
+    p("runner.kv_admission=greedy", "runner.kv_layout=paged", "runner.kv_admission=greedy"),
+    p("paged kv_device_limit_mib=-1", "runner.kv_layout=paged", "runner.kv_device_limit_mib=-1"),
+    p("runner.diagnostics=2", "runner.diagnostics=2"),
+    p("runner.diagnostics_every_steps=0", "runner.diagnostics=true",
+      "runner.diagnostics_every_steps=0"),
+    # --- model paths ----------------------------------------------------------------------
+    Case("stories path missing", [*PPL, "model.path={tmp}/nope"], names=("model.path", "nope")),
+    Case("stories path is a file", [*PPL, "model.path={tmp}/keep.txt"], names=("keep.txt",)),
+    Case("stories path is an empty folder", [*PPL, "model.path={tmp}/empty"], setup="empty",
+         names=("empty",)),
+    Case("hf without name_or_path", ["model=hf", "runner.threads=1", "task.max_tokens=40"],
+         names=("name_or_path",)),
+    Case("hf name_or_path is an empty folder", ["model=hf", "model.name_or_path={tmp}/empty",
+                                                "runner.threads=1", "task.max_tokens=40"],
+         setup="empty", names=("empty",)),
+    Case("hf name_or_path is a file", ["model=hf", "model.name_or_path={tmp}/keep.txt",
+                                       "runner.threads=1", "task.max_tokens=40"],
+         names=("keep.txt",)),
+    Case("hf gguf_file missing", ["model=hf", "model.gguf_file={tmp}/nope.gguf",
+                                  "runner.threads=1", "task.max_tokens=40"],
+         names=("nope.gguf",)),
+    Case("hf gguf_file is text", ["model=hf", "model.gguf_file={tmp}/fake.gguf",
+                                  "model.cache_dir={tmp}/cache", "runner.threads=1",
+                                  "task.max_tokens=40"], setup="fake_gguf",
+         names=("fake.gguf",)),
+    p("model.dtype=float8", "model.dtype=float8"),
+    p("model.device=tpu", "model.device=tpu"),
+    Case("smollm2 dtype=int8", ["model=smollm2_135m", "model.dtype=int8", "runner.threads=1",
+                                "task.max_tokens=40"], names=("dtype",)),
+    # --- results_root / output_dir --------------------------------------------------------
+    Case("results_root is a file", [*PPL, "runner.results_root={tmp}/keep.txt"],
+         root="", names=("results_root",)),
+    Case("results_root is a symlink loop", [*PPL, "runner.results_root={tmp}/loop"],
+         setup="loop", root="", names=("results_root",)),
+    Case("results_root with spaces and unicode (valid)", [*PPL, "runner.results_root='{tmp}/"
+                                                          "rés ults ☃'"],
+         expect="run", root="{tmp}/rés ults ☃"),
+    Case("output_dir is a user's non-empty folder", [*PPL, "runner.output_dir={tmp}/mine"],
+         setup="mine", root="", names=("output_dir",)),
+    Case("output_dir is a file", [*PPL, "runner.output_dir={tmp}/keep.txt"], root="",
+         names=("output_dir",)),
+    # --- report and check -----------------------------------------------------------------
+    Case("report without paths", [], module="harness.report", root="", names=("paths",)),
+    Case("report of a missing folder", ["{tmp}/nope"], module="harness.report", root="",
+         names=("nope",)),
+    Case("report of an empty folder", ["{tmp}/empty"], module="harness.report", setup="empty",
+         root="", names=("empty",)),
+    Case("report --out is a user's file", ["{tmp}/runs", "--out", "{tmp}/keep.txt"],
+         module="harness.report", setup="runs", root="", names=("--out", "keep.txt")),
+    Case("check without --against", ["{tmp}/runs"], module="harness.check", setup="runs",
+         root="", names=("--against",)),
+    Case("check --against missing", ["{tmp}/runs", "--against", "{tmp}/nope.yaml"],
+         module="harness.check", setup="runs", root="", names=("nope.yaml",)),
+    Case("check --against an empty file", ["{tmp}/runs", "--against", "{tmp}/empty.yaml"],
+         module="harness.check", setup="runs", root="", names=("empty.yaml",)),
+    Case("check --against a YAML list", ["{tmp}/runs", "--against", "{tmp}/list.yaml"],
+         module="harness.check", setup="runs", root="", names=("list.yaml",)),
+    Case("check of a missing folder", ["{tmp}/nope", "--against", "{tmp}/gate.yaml"],
+         module="harness.check", setup="runs", root="", names=("nope",)),
+    Case("check of a garbage metrics.json", ["{tmp}/bad", "--against", "{tmp}/gate.yaml"],
+         module="harness.check", setup="runs", root="", names=("metrics.json",)),
+    # --- sweeps with one bad member -------------------------------------------------------
+    Case("sweep method=full,nosuch", ["-m", *PPL, "method=full,nosuch",
+                                      "runner.results_root={root}"], names=("nosuch",)),
+    Case("sweep window_tokens=32,-1", ["-m", *PPL, "method=snapkv",
+                                       "method.window_tokens=32,-1",
+                                       "runner.results_root={root}"], names=("window_tokens",)),
+    Case("sweep task.max_tokens=40,0", ["-m", *ST, "task.max_tokens=40,0",
+                                        "runner.results_root={root}"], names=("max_tokens",)),
+    Case("sweep runner.batch_size=1,0", ["-m", *PPL, "runner.batch_size=1,0",
+                                         "runner.results_root={root}"], names=("batch_size",)),
+    # --- lm-eval entry point --------------------------------------------------------------
+    Case("lm_eval model_args model=nosuch", [*LME, "model=nosuch"], module="harness.lm_eval",
+         root="", names=("nosuch",)),
+    Case("lm_eval model_args budget_ratio=2", [*LME, "model=stories260k,method=h2o,"
+                                               "budget_ratio=2"], module="harness.lm_eval",
+         root="", names=("budget_ratio",)),
+    Case("lm_eval model_args foo=1", [*LME, "model=stories260k,foo=1"],
+         module="harness.lm_eval", root="", names=("foo",)),
+    Case("lm_eval model_args batch_size=abc", [*LME, "model=stories260k,batch_size=abc"],
+         module="harness.lm_eval", root="", names=("batch_size",)),
+]
+
+
+# --- case folders ---------------------------------------------------------------------------
+
+def _fake_run(folder: Path) -> None:
+    """A minimal run folder that harness.report / harness.check read."""
+    folder.mkdir(parents=True)
+    (folder / "metrics.json").write_text(json.dumps({
+        "schema_version": 1,
+        "accuracy": {"ppl": 50.0, "nll_per_block": [4.0, 3.9], "block_tokens": 100},
+        "speed": {"decode_tokens_per_s": 100.0, "decode_ms_per_token_median": 10.0},
+        "kv": {"compression_ratio": 1.0, "bytes_total": 1000.0, "bytes_device_total": 1000.0,
+               "held_ratio": 1.0, "seen_tokens_mean": 300.0, "method_active": True},
+        "protocol": {"dense_layers": [], "prefill": "dense", "batch_size": 1},
+        "transfer": {}, "memory": {}, "env": {}, "model": {"name": "stories260k"},
+        "method": {"name": "full", "hyperparameters": {}, "axis_keys": [], "variant_keys": []},
+        "task": {"name": "perplexity", "options": {}},
+        "run": {"started": "2026-11-29T10:00:00", "config_hash": "x", "status": "ok"}}))
+
+
+def setup_case(tmp: Path, how: str) -> None:
+    (tmp / "keep.txt").write_text("a user's file\n")  # every case: must survive
+    if how == "empty":
+        (tmp / "empty").mkdir()
+    elif how == "loop":
+        os.symlink(tmp / "loop", tmp / "loop")
+    elif how == "mine":
+        (tmp / "mine").mkdir()
+        (tmp / "mine" / "notes.txt").write_text("mine\n")
+    elif how == "fake_gguf":
+        (tmp / "fake.gguf").write_text("not a gguf file\n")
+    elif how == "runs":
+        _fake_run(tmp / "runs" / "perplexity" / "stories260k" / "full" / "t0")
+        (tmp / "empty.yaml").write_text("")
+        (tmp / "list.yaml").write_text("- 1\n- 2\n")
+        (tmp / "gate.yaml").write_text("thresholds:\n  - {model: stories260k, method: full, "
+                                       "task: perplexity, metric: accuracy.ppl, max: 60}\n")
+        (tmp / "bad").mkdir()
+        (tmp / "bad" / "metrics.json").write_text("{not json")
+
+
+def snapshot(tmp: Path) -> dict[str, str]:
+    out = {}
+    for path in tmp.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            out[str(path.relative_to(tmp))] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return out
+
+
+# --- one case -------------------------------------------------------------------------------
+
+def default_names(case: Case) -> tuple[str, ...]:
+    for arg in reversed(case.args):
+        key = arg.lstrip("+").split("=", 1)[0]
+        if "=" in arg and "." in key:
+            return (key.rsplit(".", 1)[1],)
+    return ()
+
+
+def message_lines(stderr: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if ln.strip() and not NOISE.match(ln)]
+
+
+def classify(case: Case, rc: int | None, out: str, err: str, tmp: Path,
+             before: dict[str, str]) -> tuple[str, str]:
+    after = snapshot(tmp)
+    lost = [p for p, digest in before.items() if after.get(p) != digest]
+    if lost:
+        return "destroyed", f"changed or removed: {', '.join(lost)}"
+    if rc is None:
+        return "timeout", "killed after the timeout"
+    if "Traceback (most recent call last)" in out + err:
+        tail = [ln for ln in err.splitlines() if ln.strip()]
+        return "traceback", tail[-1][:160] if tail else "traceback"
+    root = Path(case.root.format(tmp=tmp, root=tmp / "results")) if case.root else None
+    wrote = root is not None and root.exists() and any(root.rglob("*"))
+    lines = message_lines(err)
+    if case.expect == "run":
+        if rc == 0:
+            return "clean", "ran" + ("" if wrote else " (but wrote no result)")
+        return "unclear", f"a valid input refused (exit {rc}): {' | '.join(lines)[:160]}"
+    if rc == 0:
+        return "accepted", "exit 0"
+    names = case.names or default_names(case)
+    text = " ".join(lines)
+    why = []
+    if rc != 2:
+        why.append(f"exit {rc}")
+    if len(lines) != 1:
+        why.append(f"{len(lines)} lines")
+    if names and not any(n in text for n in names):
+        why.append(f"names none of {list(names)}")
+    if root is not None and root.exists():
+        why.append("left files under the results root" if wrote else
+                   "left an empty results root")
+    if why:
+        return "unclear", "; ".join(why) + f": {text[:160]}"
+    return "clean", text[:160]
+
+
+def run_case(case: Case, base: Path, index: int, timeout_s: float) -> dict:
+    tmp = base / f"case{index:03d}"
+    tmp.mkdir()
+    setup_case(tmp, case.setup)
+    before = snapshot(tmp)
+    root = tmp / "results"
+    args = [a.format(tmp=tmp, root=root) for a in case.args]
+    if case.module == "harness" and not any("results_root=" in a or "output_dir=" in a
+                                            for a in args):
+        args.append(f"runner.results_root={root}")
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0", "WANDB_MODE": "offline",
+           "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
+           "KVH_CACHE_DIR": os.environ.get("KVH_CACHE_DIR", str(Path.home() / ".cache" /
+                                                               "kv-harness")), **case.env}
+    start = time.monotonic()
+    try:
+        proc = subprocess.run([PYTHON, "-m", case.module, *args], cwd=PROJECT, env=env,
+                              capture_output=True, text=True, timeout=timeout_s)
+        rc, out, err = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        rc = None
+        out = (exc.stdout or b"").decode(errors="replace") if isinstance(exc.stdout, bytes) \
+            else exc.stdout or ""
+        err = (exc.stderr or b"").decode(errors="replace") if isinstance(exc.stderr, bytes) \
+            else exc.stderr or ""
+    outcome, detail = classify(case, rc, out, err, tmp, before)
+    return {"case": case.name, "expect": case.expect, "module": case.module,
+            "args": args, "exit": rc, "outcome": outcome, "detail": detail,
+            "seconds": round(time.monotonic() - start, 1)}
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, ensure_ascii=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path, default=None, help="write the results here (atomic)")
+    ap.add_argument("-k", default="", help="only cases whose name contains this")
+    ap.add_argument("--timeout", type=float, default=90.0, help="seconds per case")
+    args = ap.parse_args(argv)
+    cases = [c for c in CASES if args.k in c.name]
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvh-misuse-") as base:
+        for i, case in enumerate(cases):
+            row = run_case(case, Path(base), i, args.timeout)
+            rows.append(row)
+            print(f"{i + 1:3d} {row['outcome']:9s} {row['seconds']:5.1f}s  {case.name}: "
+                  f"{row['detail']}", flush=True)
+    totals = {c: sum(r["outcome"] == c for r in rows) for c in CLASSES}
+    print("\ntotals: " + ", ".join(f"{n} {c}" for c, n in totals.items()) +
+          f" (of {len(rows)} cases; {sum(r['expect'] == 'run' for r in rows)} expected to run)")
+    if args.json:
+        write_json_atomic(args.json, {"totals": totals, "cases": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
