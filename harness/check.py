@@ -15,7 +15,8 @@ method did not act (`kv.method_active=false`) is never within bounds: it fails a
 The thresholds file is checked strictly (unknown keys such as a misspelled `mxa:` are errors, a
 bound must be a number, min <= max; methods, tasks, hyperparameters and metric sections must be
 the harness's own, and a model or metric no run has at all is a typo). Runs are read through the
-metrics schema; a corrupt one is skipped with a warning naming it. Exit codes: 0 all within
+metrics schema; a corrupt one is skipped with a warning naming it (only corrupt ones: bad input,
+the wrong folder). Exit codes: 0 all within
 bounds, 1 a regression (or a check that matched nothing), 2 bad input (thresholds file, paths)
 — so CI can tell them apart.
 """
@@ -247,7 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         entries = load_thresholds(args.against)
-        runs = [metrics for _, metrics in load_runs(find_runs(args.results))]
+        files = find_runs(args.results)
+        runs = [metrics for _, metrics in load_runs(files)]
+        if files and not runs:  # only corrupt runs: the wrong folder, not a regression
+            raise ConfigError(f"no runs to check under {' '.join(args.results)} "
+                              f"({len(files)} metrics.json, none valid)")
         check_names_in_runs(entries, runs, " ".join(args.results))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -71,9 +71,9 @@ def write_jsonl_atomic(path: Path, rows: Iterable[dict]) -> None:
 
 
 def nearest_existing(path: Path) -> Path:
-    """`path` or its closest ancestor that exists."""
+    """`path` or its closest ancestor that exists (a link counts, even one leading nowhere)."""
     path = Path(os.path.abspath(path))
-    while not path.exists() and path != path.parent:
+    while not os.path.lexists(path) and path != path.parent:
         path = path.parent
     return path
 
@@ -83,6 +83,9 @@ def check_writable(folder: Path, key: str = "runner.output_dir") -> None:
     nothing: the closest existing ancestor must be a folder a file can be created in (`key`: the
     option the user set, named in the message)."""
     base = nearest_existing(folder)
+    if base.is_symlink() and not base.exists():  # dangling, or a loop (ELOOP)
+        raise ConfigError(f"{key}: cannot write under {folder} ({base} is a link that leads "
+                          "nowhere: dangling or a loop)")
     if not base.is_dir():
         raise ConfigError(f"{key}: cannot write under {folder} ({base} is a file, not a folder)")
     try:

@@ -519,6 +519,30 @@ def test_messages_name_the_key_the_user_set(tmp_path, no_weights):
     assert message.startswith(f"runner.results_root={a_file}/sub: cannot write under")
 
 
+@pytest.mark.parametrize("target", ["loop", "gone/away"])
+def test_a_results_root_link_leading_nowhere_is_refused_before_the_weights(target, tmp_path,
+                                                                           no_weights):
+    """A symlink loop (or a dangling link) does not `exist()`: the writability check walked past
+    it to its folder, and the run was lost at its end (ELOOP) after the weights and the work."""
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / target if target != "loop" else link)
+    message = refused(tmp_path, *ST, f"runner.results_root={link}")
+    assert message.startswith(f"runner.results_root={link}: cannot write under")
+    assert "is a link that leads nowhere" in message
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link"]
+
+
+def test_check_of_only_corrupt_runs_is_bad_input(tmp_path, capsys):
+    bad = tmp_path / "runs" / "bad"
+    bad.mkdir(parents=True)
+    (bad / "metrics.json").write_text("{not json")
+    gate = tmp_path / "gate.yaml"
+    gate.write_text(json.dumps({"thresholds": [ENTRY]}))
+    assert check.main([str(tmp_path / "runs"), "--against", str(gate)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: no runs to check under") and "none valid" in err[-1]
+
+
 def test_unquoted_tilde_gets_a_hint_to_quote_it():
     from harness.__main__ import one_line
 
