@@ -3,10 +3,13 @@ subprocess in its own temp folder, and how each ended.
 
     nice -n 10 .venv/bin/python scripts/misuse_pass.py [--json out.json] [-k SUBSTR] [--timeout S]
 
-Every case says what it expects: `refuse` (bad input) or `run` (odd but valid). Outcomes:
+Every case says what it expects: `refuse` (bad input), `run` (odd but valid) or `sweep` (a
+sweep with one bad member: by design (harness.sweep) that member fails with its one-line reason,
+the others run and the sweep exits 1). Outcomes:
 
 * clean      refused as bad input: exit 2, one `error:` line naming the key/file, no traceback,
-             nothing written under the results root (for `run` cases: exit 0 and a result)
+             nothing written under the results root (`run`: exit 0 and a result; `sweep`:
+             exit 1, a `[failed]` line naming the key, the good members' results written)
 * traceback  a Python traceback on the way out
 * accepted   exit 0 for something that should be refused
 * unclear    refused, but the message does not name the key, spans several lines, exits with
@@ -47,7 +50,7 @@ class Case:
 
     name: str
     args: list[str]
-    expect: str = "refuse"  # refuse | run
+    expect: str = "refuse"  # refuse | run | sweep (the bad member fails, the others run)
     names: tuple[str, ...] = ()  # one of these in the message (default: the last key's leaf)
     module: str = "harness"
     setup: str = ""  # a preparation of the case folder (SETUPS)
@@ -67,7 +70,8 @@ def p(name: str, *opts: str, **kw) -> Case:
     return Case(name, [*PPL, *opts], **kw)
 
 
-LME = ["--model", "kvharness", "--tasks", "copa", "--limit", "2", "--model_args"]
+LME = ["--model", "kvharness", "--device", "cpu", "--tasks", "copa", "--limit", "2",
+       "--model_args"]
 
 CASES: list[Case] = [
     # --- methods' knobs: zero, negative, huge, wrong type, out of range -------------------
@@ -132,7 +136,8 @@ CASES: list[Case] = [
     t("longbench datasets=[nosuch]", "longbench", "task.datasets=[nosuch]"),
     t("longbench max_length_tokens=0", "longbench", "task.max_length_tokens=0"),
     t("longbench limit=-1", "longbench", "task.limit=-1"),
-    t("longbench data_dir missing", "longbench", "task.data_dir={tmp}/nope",
+    t("longbench data_dir missing", "longbench", "task.max_length_tokens=256",
+      "task.max_new_tokens=16", "task.data_dir={tmp}/nope",
       names=("data_dir", "nope")),
     t("multiturn turns=0", "multiturn", "task.turns=0"),
     t("multiturn answers=drop", "multiturn", "task.answers=drop"),
@@ -166,7 +171,7 @@ CASES: list[Case] = [
     p("runner.batch_size=0", "runner.batch_size=0"),
     p("runner.batch_size=-2", "runner.batch_size=-2"),
     p("runner.batch_size=1.5", "runner.batch_size=1.5"),
-    p("runner.batch_size=100000000", "task=ruler", "runner.batch_size=100000000"),
+    p("runner.batch_size=true", "runner.batch_size=true"),
     p("runner.kv_offload=gpu", "runner.kv_offload=gpu"),
     p("runner.kv_layout=ring", "runner.kv_layout=ring"),
     p("paged kv_block_tokens=0", "runner.kv_layout=paged", "runner.kv_block_tokens=0"),
@@ -208,6 +213,8 @@ CASES: list[Case] = [
          root="", names=("results_root",)),
     Case("results_root is a symlink loop", [*PPL, "runner.results_root={tmp}/loop"],
          setup="loop", root="", names=("results_root",)),
+    Case("results_root is a dangling link", [*PPL, "runner.results_root={tmp}/dangling"],
+         setup="dangling", root="", names=("results_root",)),
     Case("results_root with spaces and unicode (valid)", [*PPL, "runner.results_root='{tmp}/"
                                                           "rés ults ☃'"],
          expect="run", root="{tmp}/rés ults ☃"),
@@ -237,22 +244,23 @@ CASES: list[Case] = [
          module="harness.check", setup="runs", root="", names=("metrics.json",)),
     # --- sweeps with one bad member -------------------------------------------------------
     Case("sweep method=full,nosuch", ["-m", *PPL, "method=full,nosuch",
-                                      "runner.results_root={root}"], names=("nosuch",)),
-    Case("sweep window_tokens=32,-1", ["-m", *PPL, "method=snapkv",
-                                       "method.window_tokens=32,-1",
-                                       "runner.results_root={root}"], names=("window_tokens",)),
+                                      "runner.results_root={root}"], expect="sweep",
+         names=("nosuch",)),
+    Case("sweep window_tokens=32,0", ["-m", *PPL, "method=streaming_llm",
+                                      "method.window_tokens=32,0", "runner.results_root={root}"],
+         expect="sweep", names=("window_tokens",)),
     Case("sweep task.max_tokens=40,0", ["-m", *ST, "task.max_tokens=40,0",
-                                        "runner.results_root={root}"], names=("max_tokens",)),
+                                        "runner.results_root={root}"], expect="sweep",
+         names=("max_tokens",)),
     Case("sweep runner.batch_size=1,0", ["-m", *PPL, "runner.batch_size=1,0",
-                                         "runner.results_root={root}"], names=("batch_size",)),
+                                         "runner.results_root={root}"], expect="sweep",
+         names=("batch_size",)),
     # --- lm-eval entry point --------------------------------------------------------------
     Case("lm_eval model_args model=nosuch", [*LME, "model=nosuch"], module="harness.lm_eval",
          root="", names=("nosuch",)),
     Case("lm_eval model_args budget_ratio=2", [*LME, "model=stories260k,method=h2o,"
                                                "budget_ratio=2"], module="harness.lm_eval",
          root="", names=("budget_ratio",)),
-    Case("lm_eval model_args foo=1", [*LME, "model=stories260k,foo=1"],
-         module="harness.lm_eval", root="", names=("foo",)),
     Case("lm_eval model_args batch_size=abc", [*LME, "model=stories260k,batch_size=abc"],
          module="harness.lm_eval", root="", names=("batch_size",)),
 ]
@@ -282,6 +290,8 @@ def setup_case(tmp: Path, how: str) -> None:
         (tmp / "empty").mkdir()
     elif how == "loop":
         os.symlink(tmp / "loop", tmp / "loop")
+    elif how == "dangling":
+        os.symlink(tmp / "gone" / "away", tmp / "dangling")
     elif how == "mine":
         (tmp / "mine").mkdir()
         (tmp / "mine" / "notes.txt").write_text("mine\n")
@@ -334,9 +344,17 @@ def classify(case: Case, rc: int | None, out: str, err: str, tmp: Path,
     wrote = root is not None and root.exists() and any(root.rglob("*"))
     lines = message_lines(err)
     if case.expect == "run":
-        if rc == 0:
-            return "clean", "ran" + ("" if wrote else " (but wrote no result)")
-        return "unclear", f"a valid input refused (exit {rc}): {' | '.join(lines)[:160]}"
+        if rc == 0 and wrote:
+            return "clean", "ran"
+        return "unclear", f"exit {rc}, wrote {wrote}: {' | '.join(lines)[:160]}"
+    if case.expect == "sweep":
+        failed = [ln.strip() for ln in (out + err).splitlines() if ln.strip().startswith("[failed]")]
+        names = case.names or default_names(case)
+        results = list(root.rglob("metrics.json")) if root is not None and root.exists() else []
+        ok = (rc == 1 and len(failed) == 1 and any(n in failed[0] for n in names)
+              and len(results) == 1)
+        detail = f"exit {rc}, {len(failed)} failed, {len(results)} results: {' '.join(failed)}"
+        return ("clean" if ok else "unclear"), detail[:200]
     if rc == 0:
         return "accepted", "exit 0"
     names = case.names or default_names(case)
@@ -356,7 +374,7 @@ def classify(case: Case, rc: int | None, out: str, err: str, tmp: Path,
     return "clean", text[:160]
 
 
-def run_case(case: Case, base: Path, index: int, timeout_s: float) -> dict:
+def run_case(case: Case, base: Path, index: int, timeout_s: float, project: Path) -> dict:
     tmp = base / f"case{index:03d}"
     tmp.mkdir()
     setup_case(tmp, case.setup)
@@ -372,7 +390,7 @@ def run_case(case: Case, base: Path, index: int, timeout_s: float) -> dict:
                                                                "kv-harness")), **case.env}
     start = time.monotonic()
     try:
-        proc = subprocess.run([PYTHON, "-m", case.module, *args], cwd=PROJECT, env=env,
+        proc = subprocess.run([PYTHON, "-m", case.module, *args], cwd=project, env=env,
                               capture_output=True, text=True, timeout=timeout_s)
         rc, out, err = proc.returncode, proc.stdout, proc.stderr
     except subprocess.TimeoutExpired as exc:
@@ -404,14 +422,17 @@ def write_json_atomic(path: Path, data: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, default=None, help="write the results here (atomic)")
-    ap.add_argument("-k", default="", help="only cases whose name contains this")
+    ap.add_argument("-k", action="append", default=[],
+                    help="only cases whose name contains this (repeatable)")
+    ap.add_argument("--project", type=Path, default=PROJECT,
+                    help="the checkout whose code runs (default: this one)")
     ap.add_argument("--timeout", type=float, default=90.0, help="seconds per case")
     args = ap.parse_args(argv)
-    cases = [c for c in CASES if args.k in c.name]
+    cases = [c for c in CASES if not args.k or any(k in c.name for k in args.k)]
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvh-misuse-") as base:
         for i, case in enumerate(cases):
-            row = run_case(case, Path(base), i, args.timeout)
+            row = run_case(case, Path(base), i, args.timeout, args.project)
             rows.append(row)
             print(f"{i + 1:3d} {row['outcome']:9s} {row['seconds']:5.1f}s  {case.name}: "
                   f"{row['detail']}", flush=True)
