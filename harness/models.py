@@ -98,7 +98,11 @@ def resolve_model(cfg: dict[str, Any]) -> ModelSpec:
         return ModelSpec(name, str(gguf), SMOLLM2_DESCRIPTION, dtype, device, "gguf",
                          {"converted_dir": str(cache)})
     if name == "stories260k":
-        path = Path(cfg.get("path") or SHARED_DIR / "models" / "stories260K")
+        given = cfg.get("path")
+        if isinstance(given, str) and not given.strip():  # not silently the default folder
+            raise ConfigError(f"model.path={given!r} is empty; give the stories260K folder (or "
+                              "null: ../shared/models/stories260K)")
+        path = Path(given or SHARED_DIR / "models" / "stories260K")
         _check_local_folder(path, "model.path")
         return ModelSpec(name, str(path), "stories260K (llama2.c tinyllamas, 5 layers, GQA 8/4)",
                          dtype, device, "folder")

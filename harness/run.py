@@ -104,8 +104,10 @@ def check_runner(runner: dict[str, Any]) -> None:
         raise ConfigError("runner.overwrite=true applies to runner.output_dir only (a run under "
                           "runner.results_root always gets a new folder); set "
                           "runner.output_dir or drop it")
-    if not isinstance(runner.get("seed"), int):
-        raise ConfigError(f"runner.seed={runner.get('seed')!r} must be an integer")
+    seed = runner.get("seed")
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
+        # numpy's legacy seeding (seed_everything) takes 0 .. 2**32 - 1 only
+        raise ConfigError(f"runner.seed={seed!r} must be an integer in [0, 2**32 - 1]")
     dense = runner.get("dense_layers")
     if dense is not None and (not isinstance(dense, list) or not all(
             isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in dense)):

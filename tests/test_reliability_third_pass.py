@@ -260,6 +260,7 @@ def test_a_config_that_cannot_describe_a_model_is_refused(config, expect, tmp_pa
                                                                    "task.haystack=repeat"),
     (["runner.output_dir=''"], "runner.output_dir='' is empty"),
     (["runner.results_root=''"], "runner.results_root='' is empty"),
+    (["model.path=''"], "model.path='' is empty"),
     (["runner.overwrite=true"], "runner.overwrite=true applies to runner.output_dir only"),
     (["runner.diagnostics_every_steps=4"], "applies with runner.diagnostics=true only"),
 ])
@@ -313,6 +314,12 @@ def test_check_never_certifies_an_inactive_run(tmp_path):
 def test_huge_thread_count_is_one_line(tmp_path, no_weights):
     assert "runner.threads=100000000000 is more than this machine's" in refused(
         tmp_path, *ST, "runner.threads=100000000000")
+
+
+@pytest.mark.parametrize("seed", ["-1", "4294967296", "99999999999999999999"])
+def test_a_seed_numpy_cannot_take_is_one_line(seed, tmp_path, no_weights):
+    """numpy's legacy seeding raised ValueError after the weights loaded."""
+    assert "must be an integer in [0, 2**32 - 1]" in refused(tmp_path, *ST, f"runner.seed={seed}")
 
 
 def test_tokenizer_larger_than_the_embedding_is_refused_before_the_run(tmp_path, no_weights):
