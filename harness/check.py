@@ -127,6 +127,9 @@ def check_names_in_runs(entries: list[dict], runs: list[dict], where: str) -> No
 
 def load_thresholds(path: Path) -> list[dict]:
     """The entries of a thresholds file; ConfigError naming the file (and entry) otherwise."""
+    if path.is_dir():
+        raise ConfigError(f"--against {path} is a folder; give a thresholds file (YAML), e.g. "
+                          "conf/regression/ci.yaml")
     if not path.is_file():
         raise ConfigError(f"--against {path}: no such file")
     try:

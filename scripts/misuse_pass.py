@@ -246,6 +246,8 @@ CASES: list[Case] = [
          root="", names=("--against",)),
     Case("check --against missing", ["{tmp}/runs", "--against", "{tmp}/nope.yaml"],
          module="harness.check", setup="runs", root="", names=("nope.yaml",)),
+    Case("check --against a folder", ["{tmp}/runs", "--against", "{tmp}/empty"],
+         module="harness.check", setup="runs", root="", names=("--against", "is a folder")),
     Case("check --against an empty file", ["{tmp}/runs", "--against", "{tmp}/empty.yaml"],
          module="harness.check", setup="runs", root="", names=("empty.yaml",)),
     Case("check --against a YAML list", ["{tmp}/runs", "--against", "{tmp}/list.yaml"],
@@ -317,6 +319,7 @@ def setup_case(tmp: Path, how: str) -> None:
                                        "task: perplexity, metric: accuracy.ppl, max: 60}\n")
         (tmp / "bad").mkdir()
         (tmp / "bad" / "metrics.json").write_text("{not json")
+        (tmp / "empty").mkdir()
 
 
 def snapshot(tmp: Path) -> dict[str, str]:

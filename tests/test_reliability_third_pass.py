@@ -550,6 +550,12 @@ def test_check_of_only_corrupt_runs_is_bad_input(tmp_path, capsys):
     assert err[-1].startswith("error: no runs to check under") and "none valid" in err[-1]
 
 
+def test_check_against_a_folder_says_so(tmp_path, capsys):
+    fake_run(tmp_path / "runs", "full", 50.0, 100.0)
+    assert check.main([str(tmp_path / "runs"), "--against", str(tmp_path)]) == 2
+    assert f"--against {tmp_path} is a folder" in capsys.readouterr().err
+
+
 def test_unquoted_tilde_gets_a_hint_to_quote_it():
     from harness.__main__ import one_line
 
