@@ -26,7 +26,9 @@ of the `THUDM/LongBench` dataset repo (what its loading script reads). Only mult
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
 import os
 import re
 import zipfile
@@ -63,6 +65,19 @@ def first_line(text: str) -> str:
     """eval.py's post-processing for trec/triviaqa/samsum/lsht: the first line after leading
     newlines."""
     return text.lstrip("\n").split("\n")[0]
+
+
+@contextlib.contextmanager
+def _hub_quiet():
+    """huggingface_hub's per-retry warnings off during the download: a failure is said in one
+    line (the ConfigError of `_load`), not a dozen retry lines before it."""
+    log = logging.getLogger("huggingface_hub")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
 
 
 def _hub_offline() -> bool:
@@ -195,7 +210,8 @@ class LongBench(Task):
         try:
             from huggingface_hub import hf_hub_download
 
-            archive = hf_hub_download(HUB_REPO, HUB_ARCHIVE, repo_type="dataset")
+            with _hub_quiet():
+                archive = hf_hub_download(HUB_REPO, HUB_ARCHIVE, repo_type="dataset")
             with zipfile.ZipFile(archive) as zipped:
                 raw = zipped.read(f"data/{dataset}.jsonl")
         except Exception as exc:  # network, hub or archive error: say what was asked

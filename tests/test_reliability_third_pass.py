@@ -556,6 +556,30 @@ def test_check_against_a_folder_says_so(tmp_path, capsys):
     assert f"--against {tmp_path} is a folder" in capsys.readouterr().err
 
 
+def test_longbench_hub_fallback_offline_is_one_line(tmp_path, monkeypatch, caplog):
+    """Without network, huggingface_hub logged a warning per retry (12 lines, half a minute)
+    before the task's one ConfigError line."""
+    import huggingface_hub
+
+    from tasks import build_task
+
+    def download(*a, **k):
+        logging.getLogger("huggingface_hub.utils._http").warning(
+            "'[Errno -2] Name or service not known' thrown while requesting HEAD ...")
+        logging.getLogger("huggingface_hub.utils._http").warning("Retrying in 1s [Retry 1/5].")
+        raise OSError("[Errno -2] Name or service not known")
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    task = build_task("longbench", datasets=["qasper"], data_dir=str(tmp_path / "nope"))
+    level = logging.getLogger("huggingface_hub").level
+    with caplog.at_level(logging.DEBUG), pytest.raises(ConfigError, match="hub download"):
+        task.check_data()
+    assert not [r for r in caplog.records if r.name.startswith("huggingface_hub")]
+    assert logging.getLogger("huggingface_hub").level == level  # restored
+
+
 def test_unquoted_tilde_gets_a_hint_to_quote_it():
     from harness.__main__ import one_line
 
