@@ -251,11 +251,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         entries = load_thresholds(args.against)
-        files = find_runs(args.results)
-        runs = [metrics for _, metrics in load_runs(files)]
+        files, skipped = find_runs(args.results), []
+        runs = [metrics for _, metrics in load_runs(files, warn=skipped.append)]
         if files and not runs:  # only corrupt runs: the wrong folder, not a regression
             raise ConfigError(f"no runs to check under {' '.join(args.results)} "
-                              f"({len(files)} metrics.json, none valid)")
+                              f"({len(files)} metrics.json, none valid; "
+                              f"{skipped[0].removeprefix('warning: ')})")
+        for line in skipped:
+            print(line, file=sys.stderr)
         check_names_in_runs(entries, runs, " ".join(args.results))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
