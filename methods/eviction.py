@@ -260,7 +260,8 @@ class EvictionLayer(KVLayer):
         return self.positions.masked_fill(slots >= lengths[..., None], -1)
 
     def kept_lengths(self) -> torch.Tensor | None:
-        """Tokens each KV head holds `(B, H_kv)`; None while every head holds `kept_tokens()`."""
+        """Tokens each KV head holds `(B, H_kv)` (the storage's own tensor: it grows with the
+        rows, clone it to keep it); None while every head holds `kept_tokens()`."""
         return self.token_state["positions"].lengths() if self.ragged else None
 
     def mask_sizes(self, q_len: int) -> tuple[int, int]:
