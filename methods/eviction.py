@@ -28,7 +28,8 @@ held: `kv_bytes` counts each head's own tokens). Decoding appends one token to e
   * attention (`over_heads(base)`): each head over its own tokens (methods.kernels.
     ragged_attention for plain calls, else the model's attention with a per-head mask);
   * a later compression scores the padded rows: padded slots carry position PAD_POSITION (past
-    every real one, so causal-by-position scorers ignore them) and score -inf.
+    every real one, so causal-by-position scorers ignore them; re-marked as the rows grow) and
+    score -inf.
 
 The template does the rest: text positions `(B, H_kv, T)`, the protection, top-k per KV head,
 compaction of K, V, positions and state, the budget that the engine checks after every forward
@@ -241,6 +242,9 @@ class EvictionLayer(KVLayer):
 
     def _views(self) -> None:
         self.positions = self.state("positions")
+        if self.ragged:  # the padding past each head's tokens: PAD_POSITION (module docstring)
+            slots = torch.arange(self.positions.shape[-1], device=self.positions.device)
+            self.positions.masked_fill_(slots >= self.kept_lengths()[..., None], PAD_POSITION)
 
     def kept_tokens(self) -> int:
         return self.kept_count
@@ -352,10 +356,6 @@ class EvictionLayer(KVLayer):
         keep_tokens(self._token_rows(), per_head_index(scores, counts), valid=counts)
         self.ragged = self.token_state["positions"].ragged
         self.kept_count = -(-int(counts.sum()) // counts.numel())  # the mean, rounded up
-        if self.ragged:  # mark the padding (module docstring)
-            positions, lengths = self.state("positions"), self.kept_lengths()
-            slots = torch.arange(positions.shape[-1], device=positions.device)
-            positions.masked_fill_(slots >= lengths[..., None], PAD_POSITION)
 
     def one_token_eviction(self) -> tuple[int, int, int] | None:
         """`(budget, lo, hi)` when this forward's compression will evict exactly one token per

@@ -134,3 +134,39 @@ def test_ragged_kernel_equals_the_masked_model_attention(stories, monkeypatch):
     assert (kernel - masked).abs().max().item() <= 1e-5
     snap, _, _ = prefill_and_decode(model, tok, "snapkv")
     assert (kernel - snap).abs().max().item() > 1e-4  # the split changed what was attended
+
+
+def two_turns(model, tok):
+    """A second prompt fed over ragged heads (chunks attend each head's own tokens), compressed
+    again at its end (its padded slots no candidates)."""
+    ids = tok("Once upon a time there was a little dog named Max. " * 8)["input_ids"]
+    engine = make_engine(model, build_method("adakv", budget_tokens=24, window_tokens=8), tok,
+                         chunk=16)
+    with engine.request() as req:
+        logits = [req.prefill(ids[:60])[0, -1]]
+        for t in ids[60:64]:
+            logits.append(req.step(t)[0, -1])
+        logits.append(req.prefill(ids[64:100])[0, -1])
+        layers = req.cache.kv_layers
+        second = [(None if kv.kept_lengths() is None else kv.kept_lengths().clone(),
+                   held_positions(kv)) for kv in layers]
+        logits.append(req.step(ids[100])[0, -1])
+    return torch.stack(logits), second
+
+
+def held_positions(kv):
+    return [sorted(set(r) - {-1}) for r in kv.kept_positions()[0].tolist()]
+
+
+def test_a_second_prompt_over_ragged_heads(stories, monkeypatch):
+    model, tok = stories
+    kernel, second = two_turns(model, tok)
+    assert any(lengths is not None for lengths, _ in second)
+    for lengths, held in second:
+        if lengths is not None:
+            assert [len(h) for h in held] == lengths[0].tolist()
+            assert int(lengths.sum()) <= lengths.shape[1] * 24  # each head clamped to its own
+            assert all(100 - 8 <= min(h[-8:]) and h[-1] == 99 for h in held)  # window kept
+    monkeypatch.setattr("methods.eviction.plain_attention", lambda kwargs: False)
+    masked, _ = two_turns(model, tok)
+    assert (kernel - masked).abs().max().item() <= 1e-5
