@@ -25,9 +25,9 @@ default is 0.20 too (its floor: each head's top n_safe forced in, then one flatt
 `normalize` is off in every released script (a store_true flag they do not pass): not offered.
 Deviations, each to keep the one budget rule exact: (1) the adaptive part is scaled by
 (base - floor) / base instead of (1 - floor_alpha) and rounded by largest remainder instead of
-per-head `round`, so the counts sum to exactly H x B (the official total drifts by the rounding,
-up to H / 2 tokens); identical to the official counts when floor_alpha x base is an integer and
-no rounding ties. (2) One allocation per KV head (the GQA branch, `test_gqa_support`: votes
+per-head `round`, so the counts sum to exactly H x B (the official total drifts with the floor's
+`int()` and the rounding: 26 of 28 tokens at B = 7, w = 4, 4 heads); identical to the official
+counts when floor_alpha x base is an integer and no rounding ties (tests/methods/test_adakv.py). (2) One allocation per KV head (the GQA branch, `test_gqa_support`: votes
 averaged over the group, as our SnapKV); the main branch allocates per query head.
 
 Hyperparameters: SnapKV's (budget: tokens per KV head on average, window included; window 32,
