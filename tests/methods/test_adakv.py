@@ -170,3 +170,36 @@ def test_a_second_prompt_over_ragged_heads(stories, monkeypatch):
     monkeypatch.setattr("methods.eviction.plain_attention", lambda kwargs: False)
     masked, _ = two_turns(model, tok)
     assert (kernel - masked).abs().max().item() <= 1e-5
+
+
+def test_decode_equals_the_full_cache_masked_to_each_heads_kept_tokens(stories, monkeypatch):
+    """An independent reference: the full cache, its decode step's attention masked per KV head
+    to the positions AdaKV's head kept (plus the new token), gives AdaKV's logits."""
+    from methods.base import FullLayer
+
+    model, tok = stories
+    ids = tok("Once upon a time there was a little dog named Max. " * 8)["input_ids"][:81]
+    engine = make_engine(model, build_method("adakv", budget_tokens=24, window_tokens=8), tok)
+    with engine.request() as req:
+        req.prefill(ids[:80])
+        kept = [kv.kept_positions().clone() for kv in req.cache.kv_layers]
+        assert any(kv.kept_lengths() is not None for kv in req.cache.kv_layers)
+        got = req.step(ids[80])[0, -1]
+
+    def masked(self, module, query, keys, values, attention_mask, base, **kwargs):
+        if query.shape[2] > 1:
+            return base(module, query, keys, values, attention_mask, **kwargs)
+        allowed = torch.zeros(keys.shape[:3], dtype=torch.bool)  # (1, H_kv, 81)
+        positions = kept[self.layer_idx]
+        allowed.scatter_(-1, positions.clamp(min=0), positions >= 0)
+        allowed[..., -1] = True  # the new token
+        allowed = allowed.repeat_interleave(query.shape[1] // keys.shape[1], dim=1)[:, :, None]
+        mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        return base(module, query, keys, values, mask, **kwargs)
+
+    monkeypatch.setattr(FullLayer, "reads_in_place", lambda self, keys: False)
+    monkeypatch.setattr(FullLayer, "attend", masked)
+    with make_engine(model, build_method("full"), tok).request() as req:
+        req.prefill(ids[:80])
+        want = req.step(ids[80])[0, -1]
+    assert (got - want).abs().max().item() <= 1e-4
