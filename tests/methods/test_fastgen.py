@@ -61,7 +61,7 @@ def test_each_head_takes_its_cheapest_policy():
         "special", "special+frequent+local", "special+frequent", "full"]
     held = [sorted(p for p in row if p >= 0) for row in layer.kept_positions()[0].tolist()]
     assert held[0] == [0]
-    assert set(range(14, 20)) <= set(held[1])  # the window
+    assert {0, *range(14, 20)} <= set(held[1])  # special + the window
     assert {0, 2, 5, 8, 11, 13} <= set(held[2]) and len(held[2]) <= 1 + 6  # special + r_f x N
     assert held[3] == list(range(N))
     assert layer.kept_lengths()[0].tolist() == [len(h) for h in held]
@@ -89,12 +89,13 @@ def test_the_chosen_policy_recovers_t_and_the_cheaper_one_does_not():
     assert chosen == set(range(len(POLICIES)))  # every policy was somebody's cheapest
 
 
-def test_the_policy_applies_at_every_decode_step(stories):
+@pytest.mark.parametrize("recovery", [0.3, 0.9])  # stories260K: frequent/local, local/full heads
+def test_the_policy_applies_at_every_decode_step(stories, recovery):
     """After the prompt each head keeps its policy's set: special heads only the first token,
     local heads the sliding window, frequency heads grow by r_f per token."""
     model, tok = stories
     ids = torch.tensor(tok("Once upon a time there was a little dog named Max. " * 8)["input_ids"])
-    engine = make_engine(model, build_method("fastgen", recovery_ratio=0.6, window_tokens=8),
+    engine = make_engine(model, build_method("fastgen", recovery_ratio=recovery, window_tokens=8),
                          tok, chunk=32)
     with engine.request() as req:
         req.prefill(ids[:80])
@@ -102,10 +103,11 @@ def test_the_policy_applies_at_every_decode_step(stories):
             req.step(t.view(1))
         layers = req.cache.kv_layers
         policies = torch.cat([kv.policy.flatten() for kv in layers]).tolist()
-        assert len(set(policies)) > 1, policies  # heads differ
+        assert len(set(policies)) > 1, policies  # heads differ (special heads: the unit test)
         for kv in layers:
             seen, held = kv.seen_tokens, kv.kept_positions()[0].tolist()
-            for p, row in zip(kv.policy[0].tolist(), held):
+            scores = kv.score()[0]
+            for head, (p, row) in enumerate(zip(kv.policy[0].tolist(), held)):
                 row = sorted(x for x in row if x >= 0)
                 if POLICIES[p] == "special":
                     assert row == [0]
@@ -114,6 +116,10 @@ def test_the_policy_applies_at_every_decode_step(stories):
                     assert kv.local_tokens == int(0.3 * 80)
                 if POLICIES[p] == "full":
                     assert row == list(range(seen))
+                    # frequencies kept up to date: every prompt and decode row gave it mass 1
+                    assert abs(float(scores[head].sum()) - seen) < 1e-3
+                if "frequent" in POLICIES[p]:  # the heavy hitters grow with the length
+                    assert len(row) >= int(0.3 * seen)
                 if POLICIES[p] != "full":
                     assert len(row) <= 1 + int(0.3 * seen) + (kv.local_tokens if "local" in
                                                              POLICIES[p] else 0)
@@ -147,3 +153,36 @@ def test_no_budget_knob_and_checked_ratios():
     for key, value in (("recovery_ratio", 1.5), ("local_ratio", -0.1), ("window_tokens", 0)):
         with pytest.raises(Exception, match=key):
             build_method("fastgen", **{key: value})
+
+
+def test_decode_equals_the_full_cache_masked_to_each_heads_kept_tokens(stories, monkeypatch):
+    """An independent reference for the ragged heads' attention: the full cache, its decode
+    step masked per KV head to the positions FastGen's head kept (plus the new token)."""
+    from methods.base import FullLayer
+
+    model, tok = stories
+    ids = tok("Once upon a time there was a little dog named Max. " * 8)["input_ids"][:81]
+    engine = make_engine(model, build_method("fastgen", recovery_ratio=0.5, window_tokens=8), tok)
+    with engine.request() as req:
+        req.prefill(ids[:80])
+        kept = [kv.kept_positions().clone() for kv in req.cache.kv_layers]
+        assert any(kv.kept_lengths() is not None for kv in req.cache.kv_layers)
+        got = req.step(ids[80])[0, -1]
+
+    def masked(self, module, query, keys, values, attention_mask, base, **kwargs):
+        if query.shape[2] > 1:
+            return base(module, query, keys, values, attention_mask, **kwargs)
+        allowed = torch.zeros(keys.shape[:3], dtype=torch.bool)  # (1, H_kv, 81)
+        positions = kept[self.layer_idx]
+        allowed.scatter_(-1, positions.clamp(min=0), positions >= 0)
+        allowed[..., -1] = True  # the new token
+        allowed = allowed.repeat_interleave(query.shape[1] // keys.shape[1], dim=1)[:, :, None]
+        mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        return base(module, query, keys, values, mask, **kwargs)
+
+    monkeypatch.setattr(FullLayer, "reads_in_place", lambda self, keys: False)
+    monkeypatch.setattr(FullLayer, "attend", masked)
+    with make_engine(model, build_method("full"), tok).request() as req:
+        req.prefill(ids[:80])
+        want = req.step(ids[80])[0, -1]
+    assert (got - want).abs().max().item() <= 1e-4
