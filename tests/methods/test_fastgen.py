@@ -55,7 +55,8 @@ def crafted_mass():
 
 def test_each_head_takes_its_cheapest_policy():
     scores = crafted_mass()  # accumulated attention: as the window's, but head 1's heavy
-    scores[1] = torch.linspace(1.0, 0.0, N)  # hitters are early tokens (not its window)
+    scores[1] = 0.0  # hitters are early tokens, neither the first nor its window
+    scores[1, 1:7] = 1.0
     layer = profiled_layer(crafted_mass(), scores=scores)
     assert [POLICIES[p] for p in layer.policy[0].tolist()] == [
         "special", "special+frequent+local", "special+frequent", "full"]
@@ -143,6 +144,21 @@ def test_recovery_one_is_the_full_cache(stories):
     assert (got - want).abs().max().item() <= 2e-5
     lossy, _ = logits(build_method("fastgen", recovery_ratio=0.5))
     assert (lossy - want).abs().max().item() > 1e-3  # a lower threshold does evict
+
+
+def test_paged_ragged_heads_equal_contiguous(stories):
+    """Ragged heads (the shared paged test's tiny model gives its 2 KV heads equal counts):
+    per-head block tables give the contiguous layout's logits, every step."""
+    from tests.methods.test_paged_layout import assert_paged, decode, paged_engine
+
+    model, tok = stories
+    prompt = tok("Once upon a time there was a little dog named Max. " * 8)["input_ids"][:80]
+    method = build_method("fastgen", recovery_ratio=0.5, window_tokens=8)
+    reference, _ = decode(paged_engine(model, method, layout="contiguous"), prompt, 8)
+    got, layers = decode(paged_engine(model, method), prompt, 8)
+    assert torch.equal(got, reference), (got - reference).abs().max().item()
+    assert_paged(layers, "fastgen")
+    assert any(kv.ragged for kv in layers)
 
 
 def test_no_budget_knob_and_checked_ratios():
