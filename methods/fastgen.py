@@ -25,6 +25,9 @@ Our reading where the paper is not explicit:
   * GQA (the paper is MHA only): one policy per KV head, from the group's mean attention;
   * unions are of the separately chosen sets, so a head keeps at most their sizes' sum.
 
+Cost: every forward computes attention probabilities (the frequencies are updated at every step),
+so decode takes the eager path, not SDPA or the ragged kernels.
+
 No budget knob (budget_ratio / budget_tokens are refused, as kvmerger's); move along the size axis
 with `recovery_ratio`. What a layer holds is its heads' policies' outcome (`kv.tokens_per_layer`,
 `kv.held_ratio` report it); heads are stored ragged (methods/eviction.py).
