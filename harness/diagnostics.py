@@ -48,13 +48,15 @@ class _Reference(KVMethod):
 
 
 def _recall(probs: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Mass of `probs (B, H_q, 1, T)` on `positions` ((T',) or (B, H_kv, T')) -> (H_q,)."""
+    """Mass of `probs (B, H_q, 1, T)` on `positions` ((T',) or (B, H_kv, T'); -1: a ragged
+    head's padding, not a token) -> (H_q,)."""
     b, h_q, _, t = probs.shape
     if positions.dim() == 1:
         positions = positions.view(1, 1, -1).expand(b, 1, -1)
     groups = h_q // positions.shape[1]
     pos = positions.repeat_interleave(groups, dim=1).clamp(max=t - 1).to(probs.device)
-    return probs[:, :, 0].gather(-1, pos).sum(-1).mean(0)
+    mass = probs[:, :, 0].gather(-1, pos.clamp(min=0))
+    return mass.masked_fill(pos < 0, 0).sum(-1).mean(0)
 
 
 @dataclass

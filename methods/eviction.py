@@ -11,9 +11,25 @@ A method on this template (H2O, StreamingLLM, TOVA, SnapKV, PyramidKV) provides:
     decode step (`compress_at = "forward"`; also after every prefill chunk under
     `runner.prefill=chunked|sparse`) or never again (`compress_at = "prefill_end"`: SnapKV-like
     compressors; decode then appends);
-  * optionally a per-layer budget: `BudgetedMethod.layer_budget` (PyramidKV, SqueezeAttention).
-    Budgets are per layer; every KV head of a layer keeps the same number of tokens (a per-head
-    allocation needs ragged caches, which this storage does not provide).
+  * optionally a per-layer budget: `BudgetedMethod.layer_budget` (PyramidKV, SqueezeAttention),
+    and a per-head split of it: `BudgetedMethod.head_budgets` (AdaKV). By default every KV head
+    keeps the layer's budget (rectangular rows, the path every uniform method takes unchanged).
+
+Head-wise budgets (a method overriding `head_budgets`). At each compression the method splits
+the layer's budget B over its KV heads, `(B_rows, H_kv)` counts; each head keeps the top of its
+own guarded scores (protected tokens first, they score +inf), as many as its count (clamped to
+the tokens it holds), and the rows become ragged (kvcore.storage: per-head lengths, no padding
+held: `kv_bytes` counts each head's own tokens). Decoding appends one token to every head.
+  * the token figure (`kept_tokens()`, hence `kv_tokens`, the budget check and the attended
+    fraction): the mean over (batch row, KV head) of the tokens each head holds, rounded up;
+    equal to the layer's budget right after a compression when the counts sum to H_kv x B;
+  * `kept_positions()`: `(B, H_kv, T)` padded to the longest head, the slots past a head's own
+    length set to -1 (`kept_lengths()` gives the per-head counts);
+  * attention (`over_heads(base)`): each head over its own tokens (methods.kernels.
+    ragged_attention for plain calls, else the model's attention with a per-head mask);
+  * a later compression scores the padded rows: padded slots carry position PAD_POSITION (past
+    every real one, so causal-by-position scorers ignore them; re-marked as the rows grow) and
+    score -inf.
 
 The template does the rest: text positions `(B, H_kv, T)`, the protection, top-k per KV head,
 compaction of K, V, positions and state, the budget that the engine checks after every forward
@@ -46,7 +62,10 @@ import torch
 
 from kvcore.offload import HostKVStore, host_store
 from kvcore.storage import ContiguousRows, Rows, doubled_capacity
-from methods.base import KVLayer, KVMethod, ModelInfo, budget_for, check_budget
+from methods.base import KVLayer, KVMethod, ModelInfo, budget_for, check_budget, exact_attention
+from methods.scoring import plain_attention
+
+PAD_POSITION = 2 ** 62  # the position of a ragged head's padded slots (never a real one)
 
 
 @dataclass(kw_only=True)
@@ -75,6 +94,18 @@ class BudgetedMethod(KVMethod):
         SqueezeAttention's clusters)."""
         return self.total_tokens(basis)
 
+    def head_budgets(self, scores: torch.Tensor, budget: int) -> torch.Tensor:
+        """Per-head allocation hook: tokens each KV head keeps, `(B, H_kv)` int64, given the
+        layer's guarded scores `(B, H_kv, T)` fp32 (protected tokens +inf, slots a head does not
+        hold -inf) and the layer's budget (uniform by default: every head keeps `budget`; AdaKV
+        splits H_kv x budget by a flattened top-k)."""
+        return torch.full(scores.shape[:2], budget, dtype=torch.int64, device=scores.device)
+
+    @classmethod
+    def allocates_per_head(cls) -> bool:
+        """Whether `head_budgets` is the method's own (the template then keeps per head)."""
+        return cls.head_budgets is not BudgetedMethod.head_budgets
+
 
 # Aligned per-token rows `(B, H_kv, T, ...)` (K, V, positions and a method's state), one `Rows`
 # each (kvcore.storage), every one holding the same tokens in the same slots.
@@ -90,13 +121,24 @@ def append_tokens(rows_for: Callable[[str], Rows], new: dict[str, torch.Tensor])
     return length
 
 
-def keep_tokens(rows: dict[str, Rows], index: torch.Tensor) -> int:
+def keep_tokens(rows: dict[str, Rows], index: torch.Tensor,
+                valid: torch.Tensor | None = None) -> int:
     """Keep the tokens at `index (B, H_kv, k)` per head, in that order (contiguous: fresh fitted
     buffers with one slot of decode headroom, so a long prompt compressed to its budget frees its
-    memory; paged: the surplus blocks go back to the pool)."""
+    memory; paged: the surplus blocks go back to the pool). `valid (B, H_kv)`: head-wise counts
+    (Rows.keep). Returns the rows' extent (the longest head's count)."""
     for r in rows.values():
-        r.keep(index, headroom=1)
-    return index.shape[-1]
+        r.keep(index, headroom=1, valid=valid)
+    return next(iter(rows.values())).length
+
+
+def per_head_index(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Slots `(B, H, max(counts))` keeping head (b, h)'s top `counts[b, h]` scores, in slot
+    order; the entries past a head's count are the last slot (ignored by Rows.keep)."""
+    t = scores.shape[-1]
+    index = scores.topk(int(counts.max()), dim=-1).indices  # (B, H, k) best first
+    inside = torch.arange(index.shape[-1], device=index.device) < counts[..., None]
+    return torch.where(inside, index, t).sort(dim=-1).values.clamp_(max=t - 1)
 
 
 def drop_one_token(rows: dict[str, Rows], slot: torch.Tensor,
@@ -141,6 +183,7 @@ class EvictionLayer(KVLayer):
         # fused kernel that had the updated scores at hand (`one_token_eviction`); used only by
         # the compression of that same forward (same tokens seen, same budget)
         self.picked: tuple[int, int, torch.Tensor] | None = None
+        self.ragged = False  # heads hold different counts (head-wise budgets); see the docstring
 
     # --- what a method writes ---------------------------------------------------------------
     def score(self) -> torch.Tensor:
@@ -190,7 +233,8 @@ class EvictionLayer(KVLayer):
             self.store = self.store or host_store(self.tier, self.layer_idx)
             pending, self.pending = self.pending, None
             return self.store.past_and_new(pending, keys, values)
-        self.kept_count = append_tokens(self._rows_for, {"keys": keys, "values": values, **new})
+        extent = append_tokens(self._rows_for, {"keys": keys, "values": values, **new})
+        self.kept_count = self.kept_count + q if self.ragged else extent  # every head grew by q
         self.appended = ({"keys": keys, "values": values, "positions": new["positions"]}
                          if q == 1 else None)
         self._views()
@@ -198,6 +242,9 @@ class EvictionLayer(KVLayer):
 
     def _views(self) -> None:
         self.positions = self.state("positions")
+        if self.ragged:  # the padding past each head's tokens: PAD_POSITION (module docstring)
+            slots = torch.arange(self.positions.shape[-1], device=self.positions.device)
+            self.positions.masked_fill_(slots >= self.kept_lengths()[..., None], PAD_POSITION)
 
     def kept_tokens(self) -> int:
         return self.kept_count
@@ -208,7 +255,46 @@ class EvictionLayer(KVLayer):
             self.store.release()
 
     def kept_positions(self) -> torch.Tensor:
-        return self.positions if self.positions is not None else super().kept_positions()
+        if self.positions is None:
+            return super().kept_positions()
+        if not self.ragged:
+            return self.positions
+        lengths = self.kept_lengths()  # ragged: the padding is -1 (module docstring)
+        slots = torch.arange(self.positions.shape[-1], device=lengths.device)
+        return self.positions.masked_fill(slots >= lengths[..., None], -1)
+
+    def kept_lengths(self) -> torch.Tensor | None:
+        """Tokens each KV head holds `(B, H_kv)` (the storage's own tensor: it grows with the
+        rows, clone it to keep it); None while every head holds `kept_tokens()`."""
+        return self.token_state["positions"].lengths() if self.ragged else None
+
+    def mask_sizes(self, q_len: int) -> tuple[int, int]:
+        # the rows' padded extent (the longest head's), what update returns
+        extent = self.token_state["positions"].length if self.ragged else self.kept_tokens()
+        return extent + q_len, self.seen_tokens - extent
+
+    def over_heads(self, base):
+        """`base` (the model's attention) when every head holds the same count; ragged rows:
+        attention of each head over its own tokens (the chunk's new ones are each head's last):
+        the ragged kernels for plain calls, else `base` with a per-head mask over the padded
+        rows (their padding zeroed, never read)."""
+        if not self.ragged:
+            return base
+
+        def attend(module, query, keys, values, attention_mask, **kwargs):
+            if plain_attention(kwargs):
+                blocks = self._kv["keys"].in_place(), self._kv["values"].in_place()
+                return exact_attention(module, query, *blocks, None, base, **kwargs)
+            lengths, q, t = self.kept_lengths(), query.shape[2], keys.shape[2]
+            seen = (lengths - q)[..., None] + 1 + torch.arange(q, device=keys.device)
+            visible = torch.arange(t, device=keys.device) < seen[..., None]  # (B, H_kv, q, T)
+            held = visible[:, :, -1:].transpose(2, 3)  # (B, H_kv, T, 1) a head's own slots
+            keys, values = keys.masked_fill(~held, 0), values.masked_fill(~held, 0)
+            visible = visible.repeat_interleave(query.shape[1] // keys.shape[1], dim=1)
+            mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
+            mask = mask.masked_fill(~visible, torch.finfo(query.dtype).min)
+            return base(module, query, keys, values, mask, **kwargs)
+        return attend
 
     # --- eviction ---------------------------------------------------------------------------
     def budget(self) -> int:
@@ -236,11 +322,14 @@ class EvictionLayer(KVLayer):
             self.granted = (budget, self.seen_tokens)
 
     def compress_to(self, budget: int) -> None:
-        """Keep `budget` tokens per KV head: the protected ones, then the top scores."""
+        """Keep `budget` tokens per KV head: the protected ones, then the top scores (head-wise
+        budgets: `head_budgets`' count per head, see the module docstring)."""
         kept = self.kept_tokens()
         if kept <= budget:
             return
-        if kept - budget == 1 and not self.offloaded():  # steady state: no copy of the cache
+        if self.method.allocates_per_head():
+            self.keep_per_head(budget)
+        elif kept - budget == 1 and not self.offloaded():  # steady state: no copy of the cache
             self.kept_count = drop_one_token(self._token_rows(), self.lowest_slot(budget),
                                              self.appended)
         else:
@@ -250,12 +339,30 @@ class EvictionLayer(KVLayer):
             self.kept_count = keep_tokens(self._token_rows(), index)
         self._views()
 
+    def keep_per_head(self, budget: int) -> None:
+        """Keep `head_budgets(scores, budget)` tokens per KV head (clamped to what it holds),
+        each its top guarded scores; the rows become ragged unless the counts are equal."""
+        if self.offloaded():
+            raise ValueError("head-wise budgets keep ragged rows; the host tier holds rectangular "
+                             "ones (runner.kv_offload=cpu is for uniform methods)")
+        scores = self.guarded_scores(budget)
+        held = self.kept_lengths()
+        if held is not None:  # padded slots are no candidates
+            slots = torch.arange(scores.shape[-1], device=scores.device)
+            scores = scores.masked_fill(slots >= held[..., None], float("-inf"))
+        else:
+            held = torch.full(scores.shape[:2], scores.shape[-1], device=scores.device)
+        counts = torch.minimum(self.method.head_budgets(scores, budget).to(held), held)
+        keep_tokens(self._token_rows(), per_head_index(scores, counts), valid=counts)
+        self.ragged = self.token_state["positions"].ragged
+        self.kept_count = -(-int(counts.sum()) // counts.numel())  # the mean, rounded up
+
     def one_token_eviction(self) -> tuple[int, int, int] | None:
         """`(budget, lo, hi)` when this forward's compression will evict exactly one token per
         head (the steady state of decoding), the unprotected tokens being those with text
         positions lo <= p < hi; else None. For a method scoring while it attends: it may pick
         the slot then (`picked`), as `lowest_slot` would from the same scores."""
-        if self.compress_at != "forward" or self.offloaded():
+        if self.compress_at != "forward" or self.offloaded() or self.method.allocates_per_head():
             return None
         budget = self.allowed_tokens()  # what after_forward compresses to (None: it will not)
         if budget is None or self.kept_tokens() - budget != 1:

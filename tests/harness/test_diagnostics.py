@@ -43,3 +43,12 @@ def test_lossy_methods_lose_mass_and_oracle_keeps_most(stories):
     assert len(arrays["attention_recall_per_layer_head"]) == 5  # layers
     assert len(arrays["attention_recall_per_layer_head"][0]) == 8  # query heads
     json.dumps(arrays)
+
+
+def test_recall_skips_a_ragged_heads_padding():
+    """kept_positions of ragged heads pads with -1: no mass is counted for it."""
+    from harness.diagnostics import _recall
+
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4]).view(1, 1, 1, 4).expand(1, 2, 1, 4)
+    positions = torch.tensor([[[3, 1, -1], [0, 2, 3]]])  # head 0 holds 2 tokens, head 1 three
+    assert torch.allclose(_recall(probs, positions), torch.tensor([0.6, 0.8]))

@@ -162,18 +162,26 @@ def test_batch_of_ragged_requests_equals_each_alone(name, which, request, tmp_pa
 SEQ_TOKENS, PREFILL_TOKENS, CHUNK_TOKENS = 64, 48, 16
 
 
-def recomputed_keep(positions, scores, sinks, recent, seen, budget):
+def recomputed_keep(positions, scores, sinks, recent, seen, budgets):
     """Independently of the template's code: per KV head, the text positions a method's own
     `score()` and `protected(budget)` imply are kept, as (protected set, chosen set, candidates):
-    every protected position held is kept; the rest of the budget goes to the highest scores
-    among the unprotected (ties at the boundary: any of the tied tokens)."""
+    every protected position held is kept; the rest of the head's budget (`budgets`: one per
+    head, or one for all) goes to the highest scores among the unprotected (ties at the
+    boundary: any of the tied tokens)."""
     out = []
-    for pos_row, score_row in zip(positions.reshape(-1, positions.shape[-1]).tolist(),
-                                  scores.reshape(-1, scores.shape[-1]).tolist()):
+    rows = positions.reshape(-1, positions.shape[-1]).tolist()
+    budgets = budgets if isinstance(budgets, list) else [budgets] * len(rows)
+    for pos_row, score_row, budget in zip(rows, scores.reshape(-1, scores.shape[-1]).tolist(),
+                                          budgets):
         guard = {p for p in pos_row if p < sinks or p >= seen - recent}
         free = sorted(((s, p) for p, s in zip(pos_row, score_row) if p not in guard), reverse=True)
         out.append((guard, free, max(0, budget - len(guard))))
     return out
+
+
+def held_rows(positions):
+    """Per (batch row, KV head): the positions a layer holds (a ragged head's -1 padding out)."""
+    return [[p for p in r if p >= 0] for r in positions.reshape(-1, positions.shape[-1]).tolist()]
 
 
 class StepChecker:
@@ -204,12 +212,22 @@ class StepChecker:
                 return compress_to(budget)
             positions, scores = layer.positions.clone(), layer.score().float().clone()
             sinks, recent = layer.protected(budget)
-            expected = recomputed_keep(positions, scores, sinks, recent, seen, budget)
             compress_to(budget)
-            kept = layer.kept_positions().reshape(-1, layer.kept_positions().shape[-1]).tolist()
+            kept = held_rows(layer.kept_positions())
+            counts = [len(row) for row in kept]
+            h_kv = layer.kept_positions().shape[1]
+            if layer.method.allocates_per_head():  # head-wise: the split must hold the rule's total
+                for b in range(len(counts) // h_kv):
+                    assert sum(counts[b * h_kv:(b + 1) * h_kv]) == h_kv * budget, (
+                        f"{where}: heads keep {counts[b * h_kv:(b + 1) * h_kv]}, the rule says "
+                        f"{h_kv} x {budget}")
+            else:
+                assert counts == [budget] * len(counts), f"{where}: heads keep {counts}"
+            expected = recomputed_keep(positions, scores, sinks, recent, seen, counts)
             for head, ((guard, free, slots), row) in enumerate(zip(expected, kept)):
                 row = set(row)
-                assert len(row) == budget, f"{where}, head {head}: keeps {len(row)}"
+                assert len(row) == counts[head], f"{where}, head {head}: repeated positions"
+                budget = counts[head]
                 assert guard <= row or len(guard) > budget, (
                     f"{where}, head {head}: declared protections (protected={sinks, recent}) "
                     f"evicted: {sorted(guard - row)}")
@@ -293,13 +311,30 @@ class StepChecker:
         self.compressed |= used < seen or stats["kv_bytes"] < full_bytes
         positions = layer.kept_positions()
         assert not positions.is_floating_point(), where
-        assert positions.numel() == 0 or 0 <= int(positions.min()) <= int(positions.max()) < seen, (
-            f"{where}: positions out of range")
-        rows = positions.reshape(-1, positions.shape[-1]).cpu()
-        assert all(len(set(r.tolist())) == r.numel() for r in rows), f"{where}: repeated positions"
-        if "selected_tokens" not in stats:
+        lengths = layer.kept_lengths() if isinstance(layer, EvictionLayer) else None
+        if lengths is not None:  # ragged heads: padded with -1 past each head's own length
+            self.check_ragged(layer, positions, lengths, stats)
+        held = held_rows(positions)
+        assert all(0 <= p < seen for r in held for p in r), f"{where}: positions out of range"
+        assert all(len(set(r)) == len(r) for r in held), f"{where}: repeated positions"
+        if "selected_tokens" not in stats and lengths is None:
             assert positions.shape[-1] == stats["kv_tokens"], where
+        rows = positions.reshape(-1, positions.shape[-1]).cpu()
         self.check_declared_keeps(layer, rows, budget, stats["kv_tokens"])
+
+    def check_ragged(self, layer, positions, lengths, stats):
+        """Ragged heads: exactly `lengths` held positions per head, the padding -1; the token
+        figure is the mean over heads (rounded up) and the bytes count only what heads hold."""
+        where = f"layer {layer.layer_idx} after {layer.seen_tokens} tokens"
+        counts = (positions >= 0).sum(-1)
+        assert torch.equal(counts.cpu(), lengths.cpu()), f"{where}: padding is not -1"
+        slots = torch.arange(positions.shape[-1], device=positions.device)
+        assert bool(((slots < lengths[..., None]) == (positions >= 0)).all()), where
+        assert stats["kv_tokens"] == -(-int(lengths.sum()) // lengths.numel()), (
+            f"{where}: kv_tokens {stats['kv_tokens']} for heads holding {lengths.tolist()}")
+        token_bytes = 2 * self.info.head_dim * layer.keys.element_size()  # K and V, one head
+        assert stats["kv_bytes"] == int(lengths.sum()) * token_bytes, (
+            f"{where}: kv_bytes {stats['kv_bytes']} for heads holding {lengths.tolist()}")
 
     def check_declared_keeps(self, layer, rows, budget, kept):
         """Sinks a method without the scored-eviction template declares (`sink_tokens`) are kept
