@@ -363,7 +363,8 @@ def classify(case: Case, rc: int | None, out: str, err: str, tmp: Path,
             return "clean", "ran"
         return "unclear", f"exit {rc}, wrote {wrote}: {' | '.join(lines)[:160]}"
     if case.expect == "sweep":
-        failed = [ln.strip() for ln in (out + err).splitlines() if ln.strip().startswith("[failed]")]
+        failed = [ln.strip() for ln in (out + err).splitlines()
+                  if ln.strip().startswith("[failed]")]
         names = case.names or default_names(case)
         results = list(root.rglob("metrics.json")) if root is not None and root.exists() else []
         ok = (rc == 1 and len(failed) == 1 and any(n in failed[0] for n in names)
