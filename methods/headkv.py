@@ -134,6 +134,9 @@ class HeadKV(SnapKV):
         protected = torch.isposinf(scores).sum(-1)  # (B, H): the window
         room = (scores > float("-inf")).sum(-1) - protected  # prefix tokens each head holds
         total = scores.shape[1] * budget - protected.sum(-1)
+        if (layer_idx, budget) not in self._uniform:
+            raise RuntimeError(f"{self.name}: layer {layer_idx}'s budget {budget} did not come "
+                               "from layer_budget (the pool it splits is unknown)")
         caps = self.capacities(self._uniform[layer_idx, budget])[layer_idx]
         return protected + split_tokens(caps.expand(room.shape).to(scores.device), total, room)
 
