@@ -45,7 +45,8 @@ import torch
 
 from kvcore.errors import ConfigError
 from methods._headwise import probe_scores
-from methods.base import ModelInfo
+from methods.adakv import AdaKVLayer
+from methods.base import KVLayer, ModelInfo
 from methods.duo_attention import check_probe_knobs
 from methods.snapkv import SnapKV
 
@@ -91,6 +92,9 @@ class HeadKV(SnapKV):
         if self.head_scores_path:
             return self.provenance
         return "reconstruction (proxy head scores: the echo/induction probe's induction score)"
+
+    def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
+        return AdaKVLayer(layer_idx, info, self)  # SnapKV's, each head over its own tokens
 
     def validate(self, info: ModelInfo, runner: dict) -> list[str]:
         reasons = super().validate(info, runner)

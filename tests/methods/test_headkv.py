@@ -179,3 +179,39 @@ def test_a_much_higher_scoring_head_holds_more(stories, tmp_path):
     held = sum(int(n.sum()) if n is not None else 4 * t for n, t in zip(lengths, tokens))
     assert held == 5 * 4 * 24
     assert tokens == [16, 16, 57, 16, 15] and sum(tokens) == 5 * 24  # largest remainder
+
+
+def test_decode_equals_the_full_cache_masked_to_each_heads_kept_tokens(stories, tmp_path,
+                                                                       monkeypatch):
+    """An independent reference over ragged heads: the full cache, its decode step's attention
+    masked per KV head to the positions HeadKV's head kept (plus the new token), gives HeadKV's
+    logits (each head attends its own tokens, never another head's padding)."""
+    from methods.base import FullLayer
+
+    model, tok = stories
+    ids = tok("Once upon a time there was a little dog named Max. " * 8)["input_ids"][:81]
+    path = stories_file(tmp_path, (2, (0, 1)))
+    engine = make_engine(model, build_method("headkv", budget_tokens=24, window_tokens=WINDOW,
+                                             head_scores_path=path), tok)
+    with engine.request() as req:
+        req.prefill(ids[:80])
+        kept = [kv.kept_positions().clone() for kv in req.cache.kv_layers]
+        assert any(kv.kept_lengths() is not None for kv in req.cache.kv_layers)
+        got = req.step(ids[80])[0, -1]
+
+    def masked(self, module, query, keys, values, attention_mask, base, **kwargs):
+        if query.shape[2] > 1:
+            return base(module, query, keys, values, attention_mask, **kwargs)
+        allowed = torch.zeros(keys.shape[:3], dtype=torch.bool)  # (1, H_kv, 81)
+        allowed.scatter_(-1, kept[self.layer_idx].clamp(min=0), kept[self.layer_idx] >= 0)
+        allowed[..., -1] = True  # the new token
+        allowed = allowed.repeat_interleave(query.shape[1] // keys.shape[1], dim=1)[:, :, None]
+        mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
+        return base(module, query, keys, values, mask, **kwargs)
+
+    monkeypatch.setattr(FullLayer, "reads_in_place", lambda self, keys: False)
+    monkeypatch.setattr(FullLayer, "attend", masked)
+    with make_engine(model, build_method("full"), tok).request() as req:
+        req.prefill(ids[:80])
+        want = req.step(ids[80])[0, -1]
+    assert (got - want).abs().max().item() <= 1e-4
