@@ -28,7 +28,8 @@ and head is exactly L x H x B) and within a layer the heads' prefix tokens are s
 proportion to their official capacities (largest remainder) instead of per-head `round` (whose
 total drifts); each head is within 2 tokens of the official capacity. (2) A capacity above the
 tokens a head holds: the official code keeps what there is (the layer holds less); here the excess
-goes to the layer's other heads in proportion to their room. (3) One allocation per KV head (GQA):
+goes to the layer's other heads in proportion to their room; likewise a layer's share above the
+budget basis (the whole sequence) goes to the other layers (peaked scores would else waste it). (3) One allocation per KV head (GQA):
 with an official file, a KV head's share is the sum of its query heads' (its capacity the mean of
 theirs). Defaults: the official scripts (`head_start_*.sh`: beta 1.005, temp 1; `run_longbench.py`:
 window 8, kernel 7, max pooling).
@@ -128,8 +129,9 @@ class HeadKV(SnapKV):
         budget = self.total_tokens(basis)
         caps = self.capacities(budget)
         base = budget - min(self.window_tokens, budget)
+        room = torch.full((1, num_layers), max(basis - (budget - base), 0))  # all there will be
         per_layer = split_tokens(caps.sum(-1)[None] / caps.shape[1],
-                                 torch.tensor([num_layers * base]), None)[0]
+                                 torch.tensor([num_layers * base]), room)[0]
         layer = budget - base + int(per_layer[layer_idx])
         self._uniform[layer_idx, layer] = budget  # the pool it came from, for head_budgets
         return layer

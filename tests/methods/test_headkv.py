@@ -215,3 +215,13 @@ def test_decode_equals_the_full_cache_masked_to_each_heads_kept_tokens(stories, 
         req.prefill(ids[:80])
         want = req.step(ids[80])[0, -1]
     assert (got - want).abs().max().item() <= 1e-4
+
+
+def test_a_layer_share_above_the_sequence_goes_to_the_other_layers():
+    """One layer holding nearly every score: its budget is capped at the budget basis (the whole
+    sequence, 30 tokens; uncapped 8 + 1 + 33 = 42), the rest spread over the other layers (uncapped
+    8 + 1 each); the total exact."""
+    method = build_method("headkv", budget_tokens=20, window_tokens=WINDOW)
+    method._shares = head_shares(torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0]]), 1.0, 2)
+    budgets = [method.layer_budget(layer, 3, 30) for layer in range(3)]
+    assert budgets == [30, 15, 15]
