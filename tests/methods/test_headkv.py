@@ -202,8 +202,11 @@ def test_decode_equals_the_full_cache_masked_to_each_heads_kept_tokens(stories, 
     def masked(self, module, query, keys, values, attention_mask, base, **kwargs):
         if query.shape[2] > 1:
             return base(module, query, keys, values, attention_mask, **kwargs)
-        allowed = torch.zeros(keys.shape[:3], dtype=torch.bool)  # (1, H_kv, 81)
-        allowed.scatter_(-1, kept[self.layer_idx].clamp(min=0), kept[self.layer_idx] >= 0)
+        b, h, t = keys.shape[:3]  # (1, H_kv, 81)
+        positions = kept[self.layer_idx]  # the padding (-1) into a spare slot, dropped (clamped
+        allowed = torch.zeros(b, h, t + 1, dtype=torch.bool)  # to 0 it could collide with a kept 0)
+        allowed.scatter_(-1, positions.masked_fill(positions < 0, t), True)
+        allowed = allowed[..., :t]
         allowed[..., -1] = True  # the new token
         allowed = allowed.repeat_interleave(query.shape[1] // keys.shape[1], dim=1)[:, :, None]
         mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)

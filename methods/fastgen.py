@@ -1,0 +1,184 @@
+"""FastGen (Ge et al., "Model Tells You What to Discard", ICLR 2024, arXiv 2310.01801): one eviction
+policy per KV head, profiled at the prompt's end; the compression is an outcome, not a budget.
+
+Paper (§3.3-3.4, eq. 1-2): for each head, among the feasible policies in order of memory cost,
+the cheapest whose compressed cache recovers the head's attention map A to a ratio T,
+|A - softmax(Q K_C^T)| <= 1 - T; then, during generation, each head keeps what its policy keeps
+(Algorithm 2: the new token too, if the policy keeps it). Policies: special tokens, punctuation,
+locality (the last r_l x prompt-length tokens, sliding), frequency (the r_f x current-length
+tokens with the most accumulated attention, H2O's score, updated every step), their greedy
+unions in the order special -> punct -> frequent -> local, and the full cache. Paper defaults:
+r_l = r_f = 0.3 (§5.1, A.2); T = 0.95 in the profiling study (§4.1, and the middle of Table 1's
+0.91..0.98, ~40 % pruned on Llama-1-65B). The paper names github.com/machilusZ/FastGen for code;
+that repository holds a README and a licence only: provenance "paper".
+
+Our reading where the paper is not explicit:
+  * recovery: the attention mass the policy's kept set holds, from the prompt's last
+    `window_tokens` query rows (the rows nearest the decode steps that will attend to the kept
+    set; the paper's A is the whole prompt's map): a head takes the first policy whose dropped
+    mass is <= 1 - T (the paper's inequality; renormalised, the L1 gap is twice the dropped mass).
+    T = 1 drops nothing with any mass: the full cache;
+  * the layer sees K/V and positions, never token ids, so special tokens are the first token
+    (BOS where the tokenizer adds one, the attention sink otherwise) and punctuation is left out:
+    the set is {special, special+frequent, special+frequent+local, full}, the paper's own
+    ablation set (Table 4: 34.2 % pruned, win rate 49.56 % vs 49.75 % with punctuation);
+  * GQA (the paper is MHA only): one policy per KV head, from the group's mean attention;
+  * unions are of the separately chosen sets, so a head keeps at most their sizes' sum.
+
+Cost: every forward computes attention probabilities (the frequencies are updated at every step),
+so decode takes the eager path, not SDPA or the ragged kernels.
+
+No budget knob (budget_ratio / budget_tokens are refused, as kvmerger's); move along the size axis
+with `recovery_ratio`. What a layer holds is its heads' policies' outcome (`kv.tokens_per_layer`,
+`kv.held_ratio` report it); heads are stored ragged (methods/eviction.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from kvcore.storage import KV_LAYOUTS
+from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
+from methods.eviction import EvictionLayer, keep_tokens, per_head_index
+from methods.scoring import attention_with_probs, group_column_sums
+from methods.snapkv import window_votes
+
+POLICIES = ("special", "special+frequent", "special+frequent+local", "full")  # by memory cost
+SPECIAL_TOKENS = 1  # the first token: the only special token a layer can locate without ids
+
+
+@dataclass(kw_only=True)
+class FastGen(KVMethod):
+    name: ClassVar[str] = "fastgen"
+    provenance: ClassVar[str] = "paper"
+    operating_point: ClassVar[str] = (
+        "paper only (arXiv 2310.01801; the named repo has no code): Llama-1 7B..65B (MHA); "
+        "r_l = r_f = 0.3, T 0.91..0.98 (0.95 in its profiling study); AlpacaEval, GSM8k, "
+        "HumanEval, NQ, TQA at 512-token sequences")
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        needs_attn_scores=True, needs_prefill=True, prefill_modes=("dense",),
+        selects_tokens=True, kv_layouts=KV_LAYOUTS)
+    axis_keys: ClassVar[tuple[str, ...]] = ("recovery_ratio",)
+    variant_keys: ClassVar[tuple[str, ...]] = ("local_ratio", "frequent_ratio", "window_tokens")
+    recovery_ratio: float = 0.95
+    local_ratio: float = 0.3
+    frequent_ratio: float = 0.3
+    window_tokens: int = 32
+
+    def check_hyperparameters(self) -> list[str]:
+        reasons = [f"method.{key}={getattr(self, key)!r} must be a number in [0, 1]"
+                   for key in ("recovery_ratio", "local_ratio", "frequent_ratio")
+                   if isinstance(getattr(self, key), bool)
+                   or not isinstance(getattr(self, key), (int, float))
+                   or not 0 <= getattr(self, key) <= 1]
+        if isinstance(self.window_tokens, bool) or not isinstance(self.window_tokens, int) \
+                or self.window_tokens <= 0:
+            reasons.append(f"method.window_tokens={self.window_tokens!r} must be a positive integer")
+        return reasons
+
+    @classmethod
+    def lossless_hyperparameters(cls, seq_tokens: int) -> dict:
+        return {"recovery_ratio": 1.0}  # no mass may be dropped: every head full
+
+    @classmethod
+    def compressing_hyperparameters(cls, seq_tokens: int) -> dict:
+        # a random tiny model attends diffusely: a low threshold so that heads compress
+        return {"recovery_ratio": 0.5, "window_tokens": 8}
+
+    def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
+        return FastGenLayer(layer_idx, info, self)
+
+
+class FastGenLayer(EvictionLayer):
+    """The template's storage (ragged heads) and accounting; the policies instead of a budget."""
+
+    selects_top_scores: ClassVar[bool] = False  # policy sets, not a top-k (tests/methods/test_fastgen.py)
+
+    def __init__(self, layer_idx: int, info: ModelInfo, method: FastGen):
+        super().__init__(layer_idx, info, method)
+        self.window_queries: torch.Tensor | None = None  # (B, H_q, <=w, D) the last queries
+        self.scaling = 1.0
+        self.policy: torch.Tensor | None = None  # (B, H_kv) index into POLICIES
+        self.local_tokens = 0  # int(r_l x the prompt's length), fixed at profiling
+
+    def new_state(self, b, h, q, device):
+        return {"scores": torch.zeros(b, h, q, device=device)}  # accumulated attention, fp32
+
+    def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
+        self.scaling = kwargs["scaling"]
+        if self.holding_prompt():
+            past = self.window_queries
+            recent = query if past is None else torch.cat([past, query], dim=2)
+            self.window_queries = recent[:, :, -self.method.window_tokens:]
+        keep = None
+        if self.ragged:  # each head over its own tokens, its chunk last (the template's over_heads)
+            q, t = query.shape[2], keys.shape[2]
+            seen = (self.kept_lengths() - q)[..., None] + 1 + torch.arange(q, device=keys.device)
+            keep = torch.arange(t, device=keys.device) < seen[..., None]  # (B, H_kv, q, T)
+            held = keep[:, :, -1:].transpose(2, 3)  # (B, H_kv, T, 1); padding zeroed, never read
+            keys, values, attention_mask = keys.masked_fill(~held, 0), values.masked_fill(~held, 0), None
+            keep = keep.repeat_interleave(query.shape[1] // keys.shape[1], dim=1)
+        out, probs = attention_with_probs(query, keys, values, attention_mask, self.scaling, keep)
+        self.state("scores").add_(group_column_sums(probs, keys.shape[1]))
+        return out, None
+
+    def score(self) -> torch.Tensor:
+        return self.state("scores")  # the frequency policy's ranking (diagnostics read it too)
+
+    def held(self) -> torch.Tensor:
+        """Slots holding a token `(B, H_kv, T)` bool (ragged rows: not the padding)."""
+        lengths = self.kept_lengths()
+        if lengths is None:
+            return torch.ones_like(self.positions, dtype=torch.bool)
+        return torch.arange(self.positions.shape[-1], device=lengths.device) < lengths[..., None]
+
+    def policy_sets(self) -> torch.Tensor:
+        """What each policy keeps now, `(P, B, H_kv, T)` bool over the slots (POLICIES' order)."""
+        held, n = self.held(), self.seen_tokens
+        special = held & (self.positions < SPECIAL_TOKENS)
+        frequent = torch.zeros_like(held)
+        top = min(int(self.method.frequent_ratio * n), self.positions.shape[-1])
+        if top:
+            scores = self.state("scores").masked_fill(~held, float("-inf"))
+            frequent.scatter_(-1, scores.topk(top, dim=-1).indices, True)
+            frequent &= held
+        local = held & (self.positions >= n - self.local_tokens)
+        return torch.stack([special, special | frequent, special | frequent | local, held])
+
+    def on_prefill_end(self) -> None:
+        """Profile every head (module docstring), then keep what its policy keeps."""
+        w = self.window_queries.shape[2]
+        self.local_tokens = int(self.method.local_ratio * self.seen_tokens)
+        mass = window_votes(self.window_queries, self.keys, self.positions, self.seen_tokens - w,
+                            self.scaling).double() / w  # (B, H_kv, T): each row's mass, averaged
+        sets = self.policy_sets()
+        dropped = (mass * (self.held() & ~sets)).sum(-1)  # (P, B, H_kv)
+        fits = dropped <= 1 - self.method.recovery_ratio
+        fits[-1] = True  # the full cache always recovers A
+        self.policy = fits.to(torch.int8).argmax(dim=0)  # the first (cheapest) that fits
+        self.window_queries = None
+        self.apply_policies()
+
+    def after_forward(self) -> None:
+        if self.policy is not None and not self.holding_prompt():
+            self.apply_policies()  # each decode step: the window slides, frequencies update
+        self.appended = self.picked = None
+
+    def apply_policies(self) -> None:
+        keep = self.policy_sets().gather(0, self.policy[None, ..., None].expand(
+            1, *self.positions.shape).to(torch.int64))[0]  # (B, H_kv, T)
+        counts = keep.sum(-1)
+        if torch.equal(counts, self.held().sum(-1)):
+            return  # every head keeps all it holds
+        index = per_head_index(keep.float().masked_fill(~self.held(), float("-inf")), counts)
+        keep_tokens(self._token_rows(), index, valid=counts)
+        self.ragged = self.token_state["positions"].ragged
+        self.kept_count = -(-int(counts.sum()) // counts.numel())  # the mean, rounded up
+        self._views()
+
+    def budget(self) -> int:
+        """Not a budget: what the heads' policies keep now (the outcome, as kvmerger's)."""
+        return self.kept_tokens()
