@@ -66,7 +66,7 @@ class AdaKV(SnapKV):
             reasons.append(f"method.floor_alpha={self.floor_alpha!r} must be a number in [0, 1]")
         return reasons
 
-    def head_budgets(self, scores: torch.Tensor, budget: int) -> torch.Tensor:
+    def head_budgets(self, scores: torch.Tensor, budget: int, layer_idx: int) -> torch.Tensor:
         return adaptive_budgets(scores, budget, self.floor_alpha)
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:

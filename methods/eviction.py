@@ -94,11 +94,12 @@ class BudgetedMethod(KVMethod):
         SqueezeAttention's clusters)."""
         return self.total_tokens(basis)
 
-    def head_budgets(self, scores: torch.Tensor, budget: int) -> torch.Tensor:
+    def head_budgets(self, scores: torch.Tensor, budget: int, layer_idx: int) -> torch.Tensor:
         """Per-head allocation hook: tokens each KV head keeps, `(B, H_kv)` int64, given the
         layer's guarded scores `(B, H_kv, T)` fp32 (protected tokens +inf, slots a head does not
         hold -inf) and the layer's budget (uniform by default: every head keeps `budget`; AdaKV
-        splits H_kv x budget by a flattened top-k)."""
+        splits H_kv x budget by a flattened top-k; HeadKV by static per-(layer, head) scores, hence
+        `layer_idx`)."""
         return torch.full(scores.shape[:2], budget, dtype=torch.int64, device=scores.device)
 
     @classmethod
@@ -352,7 +353,7 @@ class EvictionLayer(KVLayer):
             scores = scores.masked_fill(slots >= held[..., None], float("-inf"))
         else:
             held = torch.full(scores.shape[:2], scores.shape[-1], device=scores.device)
-        counts = torch.minimum(self.method.head_budgets(scores, budget).to(held), held)
+        counts = torch.minimum(self.method.head_budgets(scores, budget, self.layer_idx).to(held), held)
         keep_tokens(self._token_rows(), per_head_index(scores, counts), valid=counts)
         self.ragged = self.token_state["positions"].ragged
         self.kept_count = -(-int(counts.sum()) // counts.numel())  # the mean, rounded up
