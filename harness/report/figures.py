@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import sys
+import textwrap
 from pathlib import Path
 
 from harness.report.collect import AXES, REFERENCE
@@ -43,6 +44,13 @@ FIGURES = {
     "nll_curve": "Does a method's loss drift as the stream grows? (streaming NLL per block)",
     "bytes_per_step": "How much does each method move host-to-device per decode step?",
 }
+
+
+
+def wrapped(*lines: str, width: int = 52) -> str:
+    """A panel title on as many lines as it needs: long task and protocol labels otherwise run
+    into the neighbouring panel's title."""
+    return "\n".join(part for line in lines for part in textwrap.wrap(line, width))
 
 
 def question(path: Path) -> str:
@@ -190,7 +198,7 @@ def accuracy(plt, rows: list[dict], axis: str, out: Path) -> list[Path]:
         for ax, ((task, model, protocol), rs) in zip(axes, page):
             _accuracy_panel(ax, rows, rs, axis, labels, handles)
             higher = rs[0]["higher_is_better"]
-            ax.set_title(f"{task} · {model}\n{protocol}")
+            ax.set_title(wrapped(f"{task} · {model}", protocol), fontsize=9)
             ax.set_xlabel(short)
             ax.set_ylabel(f"{rs[0]['metric']} ({'higher' if higher else 'lower'} is better)")
             ax.set_xlim(0, max(1.05, 1.05 * max(r[axis] for r in rs)))  # offloading holds > 1

@@ -139,7 +139,9 @@ def test_unknown_member_is_recorded_and_the_others_run(tmp_path):
     summary = json.loads(next(tmp_path.glob("_sweeps/*/summary.json")).read_text())
     assert summary["counts"] == {"ok": 2, "inactive": 0, "skipped": 0, "failed": 1}
     failed = [m for m in summary["members"] if m["status"] == "failed"][0]
-    assert failed["detail"].startswith("method=nosuch is unknown; allowed: duo_attention, full, ")
+    assert failed["detail"].startswith("method=nosuch is unknown; allowed: ")
+    allowed = failed["detail"].split("allowed: ", 1)[1].split(", ")
+    assert {"full", "h2o", "duo_attention"} <= set(allowed) and allowed == sorted(allowed)
     assert "_shared" not in failed["detail"]
     assert "3 members, 2 ok, 0 skipped, 1 failed" in proc.stdout
     assert len(complete_runs(tmp_path)) == 2
