@@ -14,6 +14,7 @@ from kvcore.errors import ConfigError
 from methods import build_method
 from methods.headkv import head_shares, load_head_scores
 from tests.conftest import make_engine
+from tests.methods.headwise_reference import masked_full_gap
 
 FIXTURE = Path(__file__).parent / "data" / "headkv_tiny_llama.json"  # 2 layers x 4 query heads
 WINDOW = 8
@@ -186,38 +187,10 @@ def test_decode_equals_the_full_cache_masked_to_each_heads_kept_tokens(stories, 
     """An independent reference over ragged heads: the full cache, its decode step's attention
     masked per KV head to the positions HeadKV's head kept (plus the new token), gives HeadKV's
     logits (each head attends its own tokens, never another head's padding)."""
-    from methods.base import FullLayer
-
     model, tok = stories
-    ids = tok("Once upon a time there was a little dog named Max. " * 8)["input_ids"][:81]
     path = stories_file(tmp_path, (2, (0, 1)))
-    engine = make_engine(model, build_method("headkv", budget_tokens=24, window_tokens=WINDOW,
-                                             head_scores_path=path), tok)
-    with engine.request() as req:
-        req.prefill(ids[:80])
-        kept = [kv.kept_positions().clone() for kv in req.cache.kv_layers]
-        assert any(kv.kept_lengths() is not None for kv in req.cache.kv_layers)
-        got = req.step(ids[80])[0, -1]
-
-    def masked(self, module, query, keys, values, attention_mask, base, **kwargs):
-        if query.shape[2] > 1:
-            return base(module, query, keys, values, attention_mask, **kwargs)
-        b, h, t = keys.shape[:3]  # (1, H_kv, 81)
-        positions = kept[self.layer_idx]  # the padding (-1) into a spare slot, dropped (clamped
-        allowed = torch.zeros(b, h, t + 1, dtype=torch.bool)  # to 0 it could collide with a kept 0)
-        allowed.scatter_(-1, positions.masked_fill(positions < 0, t), True)
-        allowed = allowed[..., :t]
-        allowed[..., -1] = True  # the new token
-        allowed = allowed.repeat_interleave(query.shape[1] // keys.shape[1], dim=1)[:, :, None]
-        mask = torch.zeros(allowed.shape).masked_fill(~allowed, torch.finfo(torch.float32).min)
-        return base(module, query, keys, values, mask, **kwargs)
-
-    monkeypatch.setattr(FullLayer, "reads_in_place", lambda self, keys: False)
-    monkeypatch.setattr(FullLayer, "attend", masked)
-    with make_engine(model, build_method("full"), tok).request() as req:
-        req.prefill(ids[:80])
-        want = req.step(ids[80])[0, -1]
-    assert (got - want).abs().max().item() <= 1e-4
+    method = build_method("headkv", budget_tokens=24, window_tokens=WINDOW, head_scores_path=path)
+    assert masked_full_gap(model, tok, method, monkeypatch) <= 1e-4
 
 
 def test_a_layer_share_above_the_sequence_goes_to_the_other_layers():
