@@ -77,6 +77,7 @@ class KVLedger:
             "selected_per_layer": [s.get("selected_tokens") for s in stats],
             "storage_used_per_layer": [s.get("kv_bytes_used") for s in stats],
             "storage_allocated_per_layer": [s.get("kv_bytes_allocated") for s in stats],
+            "method_facts": summed_facts(layers),
         }
         if check:
             for i, (s, b) in enumerate(zip(stats, budgets)):
@@ -111,7 +112,15 @@ class KVLedger:
             "compression_ratio": (round(sum(full_bytes) / sum(bytes_total), 4)
                                   if sum(bytes_total) else None),
             **self.storage_summary(),
+            "method_facts": self.facts_summary(),
         }
+
+    def facts_summary(self) -> dict | None:
+        """`KVLayer.facts()`, summed over each request's layers, mean per request (None: none)."""
+        keys = sorted({k for s in self.samples for k in s["method_facts"]})
+        n = len(self.samples)
+        return {k: round(sum(s["method_facts"].get(k, 0) for s in self.samples) / n, 3)
+                for k in keys} or None
 
     def storage_summary(self) -> dict:
         """Storage waste (module docstring): means per sample over the accounted layers."""
@@ -127,6 +136,15 @@ class KVLedger:
             "storage_bytes_allocated": round(allocated / n, 1) if pairs else None,
             "storage_waste_ratio": waste_ratio(used, allocated) if pairs else None,
         }
+
+
+def summed_facts(layers) -> dict[str, float]:
+    """One request's `KVLayer.facts()`, summed over its layers."""
+    total: dict[str, float] = {}
+    for kv in layers:
+        for key, value in kv.facts().items():
+            total[key] = total.get(key, 0) + value
+    return total
 
 
 def waste_ratio(used_bytes: int, allocated_bytes: int) -> float | None:

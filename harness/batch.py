@@ -83,6 +83,11 @@ class FanOutLayer:
             pos = None if position_ids is None else position_ids[r:r + 1, :n]
             kv.prefetch(hidden[r:r + 1, :n], pos, ahead)
 
+    def observe_token_ids(self, ids: torch.Tensor) -> None:
+        """(B, T): row r's real ids to its sequence's layer (padding never seen)."""
+        for r, kv, n in self.routing.rows(self.layer_idx):
+            kv.observe_token_ids(ids[r:r + 1, :n])
+
     def observe_attention_block(self, residual: torch.Tensor, output: torch.Tensor) -> None:
         """(B, T, hidden) each: row r's real rows to its sequence's layer."""
         for r, kv, n in self.routing.rows(self.layer_idx):

@@ -11,6 +11,8 @@ Seams used, all public in 5.24:
   * each layer's attention mask built by the registered mask functions from that layer's own
     sizes (`sequence_mask`): the model builds one from the first layer's, which is wrong for a
     layer holding a different number of keys, and for ragged per-sequence caches (batches);
+  * for methods declaring `needs_token_ids` only, the forward's input ids handed to every layer
+    before the model runs (`forward`: every prefill chunk, decode step and batched step);
   * for methods declaring `observes_attention_block` only, torch forward hooks during a request's
     `bind`: a pre-hook on each decoder layer (its input) and a hook on its attention module (its
     output).
@@ -130,6 +132,7 @@ class MethodCache(Cache):
             kv.tier, kv.next_layer, kv.protocol = tier, nxt, protocol
         super().__init__(layers=[_BridgeLayer(kv, info) for kv in self.kv_layers])
         self.observes_attention_block = method.capabilities.observes_attention_block
+        self.needs_token_ids = method.capabilities.needs_token_ids
 
 
 class BatchCache(Cache):
@@ -139,6 +142,7 @@ class BatchCache(Cache):
     def __init__(self, caches: list[MethodCache], fan_out_layers: list, routing):
         self.caches, self.kv_layers, self.routing = caches, fan_out_layers, routing
         self.observes_attention_block = caches[0].observes_attention_block
+        self.needs_token_ids = caches[0].needs_token_ids
         for layer, nxt in zip(fan_out_layers, fan_out_layers[1:] + [None]):
             layer.next_layer = nxt
         super().__init__(layers=[_BridgeLayer(layer) for layer in fan_out_layers])
@@ -264,6 +268,9 @@ def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: C
     # Attention finds its layer through the module binding: bind this forward's own cache, so
     # requests open side by side (nested contexts, a diagnostics shadow) never cross.
     ours = isinstance(cache, (MethodCache, BatchCache))
+    if ours and cache.needs_token_ids:  # before the model runs: each layer's next update's ids
+        for layer in cache.kv_layers:  # (a batch's fan-out layers route rows to sequences)
+            layer.observe_token_ids(input_ids)
     with bind(model, cache, hooks=False) if ours else contextlib.nullcontext():
         out = model(input_ids=input_ids, position_ids=position_ids, cache=cache,
                     use_cache=cache is not None, logits_to_keep=logits_to_keep)

@@ -59,6 +59,10 @@ class Capabilities:
     # residual stream entering each decoder layer and its attention block's output
     # (SqueezeAttention).
     observes_attention_block: bool = False
+    # Wants `KVLayer.observe_token_ids(ids)` before every forward: the forward's input ids, this
+    # request's rows only (a batch: each sequence its own real ids, never padding) — for policies
+    # on token identity (FastGen's special and punctuation tokens); the layers see K/V otherwise.
+    needs_token_ids: bool = False
     # Any of its layers may be placed whole on the host tier and fetched whole at every step
     # (LayerKV, runner.kv_admission=layerkv): `KVMethod.make_host_layer` builds such a layer,
     # with the same outputs (lossless methods only).
@@ -318,6 +322,11 @@ class KVLayer:
         before its norm) and `attention_output` what the attention block adds to it (after the
         output projection), both `(B, q_len, hidden)`."""
 
+    def observe_token_ids(self, ids: torch.Tensor) -> None:
+        """Called before every forward for methods declaring `needs_token_ids`: the ids `(B, q)`
+        whose K/V this layer's next `update` receives (a prefill chunk, a decode step; in a batch,
+        this sequence's real ids only, so `q` is its own count)."""
+
     def attended_tokens(self) -> int:
         """Tokens the last decode step attended to (for the density / relative-KV-size figure)."""
         return self.kept_tokens()
@@ -349,6 +358,12 @@ class KVLayer:
         """Most tokens this layer may hold (or, for selection methods, attend) now under the
         method's budget; None: unbounded. Checked by the engine after every forward."""
         return None
+
+    def facts(self) -> dict[str, float]:
+        """What this layer's method chose for the request, as numbers to sum (e.g. FastGen's
+        heads per policy), read when the request ends: summed over the request's layers, then
+        averaged over requests into metrics.json `kv.method_facts` (harness.accounting)."""
+        return {}
 
     def stats(self) -> dict[str, int]:
         """Tokens and bytes really held by this layer now (per KV head, tokens are the max).

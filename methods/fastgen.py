@@ -4,13 +4,27 @@ policy per KV head, profiled at the prompt's end; the compression is an outcome,
 Paper (§3.3-3.4, eq. 1-2): for each head, among the feasible policies in order of memory cost,
 the cheapest whose compressed cache recovers the head's attention map A to a ratio T,
 |A - softmax(Q K_C^T)| <= 1 - T; then, during generation, each head keeps what its policy keeps
-(Algorithm 2: the new token too, if the policy keeps it). Policies: special tokens, punctuation,
-locality (the last r_l x prompt-length tokens, sliding), frequency (the r_f x current-length
-tokens with the most accumulated attention, H2O's score, updated every step), their greedy
-unions in the order special -> punct -> frequent -> local, and the full cache. Paper defaults:
-r_l = r_f = 0.3 (§5.1, A.2); T = 0.95 in the profiling study (§4.1, and the middle of Table 1's
-0.91..0.98, ~40 % pruned on Llama-1-65B). The paper names github.com/machilusZ/FastGen for code;
-that repository holds a README and a licence only: provenance "paper".
+(Algorithm 2: the new token too, if the policy keeps it). Policies: special tokens (C_special),
+punctuation (C_punct), locality (C_local: the last r_l x prompt-length tokens, sliding), frequency
+(C_frequent: the r_f x current-length tokens with the most accumulated attention, H2O's score,
+updated every step), their greedy unions in the order special -> special+punct ->
+special+punct+frequent -> special+punct+frequent+local, and the full cache (`POLICIES`). Paper
+defaults: r_l = r_f = 0.3 (§5.1, A.2); T = 0.95 in the profiling study (§4.1, and the middle of
+Table 1's 0.91..0.98, ~40 % pruned on Llama-1-65B). The paper names github.com/machilusZ/FastGen
+for code; that repository holds a README and a licence only: provenance "paper".
+
+Token identity reaches the layers through the token-id seam (`Capabilities.needs_token_ids`: the
+engine hands each forward's ids to `observe_token_ids` before it runs); every token carries its
+kind (special, punctuation bits) as per-token state, moved with its K/V. The sets come from the
+tokenizer in `prepare` (metrics.json `method.prepare` records their sizes and the rules):
+  * special: the tokenizer's special ids (`all_special_ids`: BOS, EOS, pad, unk, chat markers)
+    present in the sequence; where a prompt holds none (tokenizers adding no BOS: SmolLM2), its
+    first token instead (the attention sink), and `kv.method_facts.special_fallback_heads`
+    counts the heads concerned;
+  * punctuation: every non-special id whose decoded text, whitespace stripped, is non-empty and
+    all punctuation: Unicode categories P* or ASCII punctuation (Python's string.punctuation,
+    which adds $ + < = > ^ ` | ~); so " ." and "?!" are punctuation, "\n", "a." and byte pieces
+    of a character are not.
 
 Our reading where the paper is not explicit:
   * recovery: the attention mass the policy's kept set holds, from the prompt's last
@@ -18,12 +32,12 @@ Our reading where the paper is not explicit:
     set; the paper's A is the whole prompt's map): a head takes the first policy whose dropped
     mass is <= 1 - T (the paper's inequality; renormalised, the L1 gap is twice the dropped mass).
     T = 1 drops nothing with any mass: the full cache;
-  * the layer sees K/V and positions, never token ids, so special tokens are the first token
-    (BOS where the tokenizer adds one, the attention sink otherwise) and punctuation is left out:
-    the set is {special, special+frequent, special+frequent+local, full}, the paper's own
-    ablation set (Table 4: 34.2 % pruned, win rate 49.56 % vs 49.75 % with punctuation);
   * GQA (the paper is MHA only): one policy per KV head, from the group's mean attention;
   * unions are of the separately chosen sets, so a head keeps at most their sizes' sum.
+
+The compression chosen is reported: `kv.method_facts.heads_<policy>` (mean per request of the
+(layer, KV head) pairs that took each policy; dense protocol layers take none) next to
+`kv.held_ratio`.
 
 Cost: every forward computes attention probabilities (the frequencies are updated at every step),
 so decode takes the eager path, not SDPA or the ragged kernels.
@@ -35,19 +49,22 @@ with `recovery_ratio`. What a layer holds is its heads' policies' outcome (`kv.t
 
 from __future__ import annotations
 
+import string
+import unicodedata
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
+from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, PrepareContext
 from methods.eviction import EvictionLayer, keep_tokens, per_head_index
 from methods.scoring import attention_with_probs, group_column_sums
 from methods.snapkv import window_votes
 
-POLICIES = ("special", "special+frequent", "special+frequent+local", "full")  # by memory cost
-SPECIAL_TOKENS = 1  # the first token: the only special token a layer can locate without ids
+POLICIES = ("special", "special+punct", "special+punct+frequent", "special+punct+frequent+local",
+            "full")  # by memory cost (the paper's greedy order)
+SPECIAL, PUNCT = 1, 2  # bits of a token's kind (FastGen.token_kinds)
 
 
 @dataclass(kw_only=True)
@@ -60,7 +77,7 @@ class FastGen(KVMethod):
         "HumanEval, NQ, TQA at 512-token sequences")
     capabilities: ClassVar[Capabilities] = Capabilities(
         needs_attn_scores=True, needs_prefill=True, prefill_modes=("dense",),
-        selects_tokens=True, kv_layouts=KV_LAYOUTS)
+        selects_tokens=True, kv_layouts=KV_LAYOUTS, needs_prepare=True, needs_token_ids=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("recovery_ratio",)
     variant_keys: ClassVar[tuple[str, ...]] = ("local_ratio", "frequent_ratio", "window_tokens")
     recovery_ratio: float = 0.95
@@ -88,8 +105,37 @@ class FastGen(KVMethod):
         # a random tiny model attends diffusely: a low threshold so that heads compress
         return {"recovery_ratio": 0.5, "window_tokens": 8}
 
+    def prepare(self, ctx: PrepareContext) -> dict[str, Any]:
+        """The kind of every id (module docstring): `token_kinds` `(V,)` uint8, SPECIAL | PUNCT."""
+        tok = ctx.tokenizer
+        special = sorted(set(getattr(tok, "all_special_ids", None) or [])) if tok is not None else []
+        punct = punctuation_ids(tok, set(special)) if tok is not None else []
+        kinds = torch.zeros(len(tok) if tok is not None else ctx.vocab_size, dtype=torch.uint8)
+        kinds[torch.as_tensor(special, dtype=torch.long)] |= SPECIAL
+        kinds[torch.as_tensor(punct, dtype=torch.long)] |= PUNCT
+        self.token_kinds = kinds.to(ctx.device)
+        return {"special_ids": len(special), "punctuation_ids": len(punct),
+                "punctuation_examples": [tok.decode([i]) for i in punct[:12]] if punct else [],
+                "special_rule": "the tokenizer's special ids in the sequence; none in a prompt: "
+                                "its first token",
+                "punctuation_rule": "decoded text, whitespace stripped, non-empty and all "
+                                    "Unicode P* or ASCII punctuation; special ids excluded",
+                "no_tokenizer": tok is None}
+
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         return FastGenLayer(layer_idx, info, self)
+
+
+def punctuation_ids(tokenizer, special: set[int]) -> list[int]:
+    """Ids whose decoded text is punctuation only (module docstring)."""
+    texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+    return [i for i, text in enumerate(texts) if i not in special and is_punctuation(text)]
+
+
+def is_punctuation(text: str) -> bool:
+    text = text.strip()
+    return bool(text) and all(c in string.punctuation or unicodedata.category(c).startswith("P")
+                              for c in text)
 
 
 class FastGenLayer(EvictionLayer):
@@ -103,9 +149,24 @@ class FastGenLayer(EvictionLayer):
         self.scaling = 1.0
         self.policy: torch.Tensor | None = None  # (B, H_kv) index into POLICIES
         self.local_tokens = 0  # int(r_l x the prompt's length), fixed at profiling
+        self.next_kinds: torch.Tensor | None = None  # (B, q) the kinds of the next update's tokens
+        self.fallback_rows: torch.Tensor | None = None  # (B,) no special id in the prompt
+
+    def observe_token_ids(self, ids: torch.Tensor) -> None:
+        kinds = getattr(self.method, "token_kinds", None)
+        if kinds is None:
+            raise RuntimeError("method=fastgen needs prepare(ctx) (its token kinds) before a request")
+        known = ids < kinds.numel()  # ids past the tokenizer (embedding padding rows): no kind
+        self.next_kinds = kinds[ids.clamp(max=kinds.numel() - 1)] * known
 
     def new_state(self, b, h, q, device):
-        return {"scores": torch.zeros(b, h, q, device=device)}  # accumulated attention, fp32
+        kinds, self.next_kinds = self.next_kinds, None
+        if kinds is None or kinds.shape != (b, q):
+            raise RuntimeError(f"fastgen layer {self.layer_idx}: {q} new tokens but the ids of "
+                               f"{None if kinds is None else tuple(kinds.shape)} observed; the "
+                               "engine hands them before every forward (needs_token_ids)")
+        return {"scores": torch.zeros(b, h, q, device=device),  # accumulated attention, fp32
+                "kinds": kinds[:, None].expand(b, h, q).to(device)}  # SPECIAL | PUNCT bits
 
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
         self.scaling = kwargs["scaling"]
@@ -137,8 +198,9 @@ class FastGenLayer(EvictionLayer):
 
     def policy_sets(self) -> torch.Tensor:
         """What each policy keeps now, `(P, B, H_kv, T)` bool over the slots (POLICIES' order)."""
-        held, n = self.held(), self.seen_tokens
-        special = held & (self.positions < SPECIAL_TOKENS)
+        held, n, kinds = self.held(), self.seen_tokens, self.state("kinds")
+        special = held & (kinds & SPECIAL).bool()
+        punct = held & (kinds & PUNCT).bool()
         frequent = torch.zeros_like(held)
         top = min(int(self.method.frequent_ratio * n), self.positions.shape[-1])
         if top:
@@ -146,11 +208,13 @@ class FastGenLayer(EvictionLayer):
             frequent.scatter_(-1, scores.topk(top, dim=-1).indices, True)
             frequent &= held
         local = held & (self.positions >= n - self.local_tokens)
-        return torch.stack([special, special | frequent, special | frequent | local, held])
+        cheap = special | punct
+        return torch.stack([special, cheap, cheap | frequent, cheap | frequent | local, held])
 
     def on_prefill_end(self) -> None:
         """Profile every head (module docstring), then keep what its policy keeps."""
         w = self.window_queries.shape[2]
+        self.mark_fallback_special()
         self.local_tokens = int(self.method.local_ratio * self.seen_tokens)
         mass = window_votes(self.window_queries, self.keys, self.positions, self.seen_tokens - w,
                             self.scaling).double() / w  # (B, H_kv, T): each row's mass, averaged
@@ -161,6 +225,23 @@ class FastGenLayer(EvictionLayer):
         self.policy = fits.to(torch.int8).argmax(dim=0)  # the first (cheapest) that fits
         self.window_queries = None
         self.apply_policies()
+
+    def mark_fallback_special(self) -> None:
+        """A sequence row whose prompt holds no special id: its first token is special instead."""
+        kinds = self.state("kinds")  # (B, H_kv, T) a view: marked in place
+        self.fallback_rows = ~((kinds & SPECIAL).bool() & self.held()).flatten(1).any(-1)  # (B,)
+        first = (self.positions == 0) & self.fallback_rows[:, None, None]
+        kinds |= first.to(kinds.dtype) * SPECIAL
+
+    def facts(self) -> dict[str, float]:
+        """The (KV head) count per policy this request chose here; the heads whose special set
+        is the first token (module docstring)."""
+        if self.policy is None:
+            return {}
+        counts = torch.bincount(self.policy.flatten().long(), minlength=len(POLICIES)).tolist()
+        facts = {f"heads_{name.replace('+', '_')}": c for name, c in zip(POLICIES, counts)}
+        facts["special_fallback_heads"] = int(self.policy[self.fallback_rows].numel())
+        return facts
 
     def after_forward(self) -> None:
         if self.policy is not None and not self.holding_prompt():

@@ -141,6 +141,68 @@ def test_attention_block_seam_gives_layer_input_and_attention_output(family, fam
         assert all(a.shape == r.shape for r, a in layer.seen)
 
 
+class _IdObserver(KVLayer):
+    def __init__(self, layer_idx, info):
+        super().__init__(layer_idx, info)
+        self.events = []
+
+    def observe_token_ids(self, ids):
+        self.events.append(ids.tolist())
+
+    def update(self, keys, values, position_ids):
+        self.events.append(keys.shape[2])
+        return super().update(keys, values, position_ids)
+
+
+@dataclasses.dataclass(kw_only=True)
+class _IdMethod(KVMethod):
+    name = "id_observer"
+    capabilities = Capabilities(needs_token_ids=True)
+
+    def make_layer(self, layer_idx, info):
+        return _IdObserver(layer_idx, info)
+
+
+class _BlindIdMethod(_IdMethod):
+    name = "blind_id_observer"
+    capabilities = Capabilities()
+
+
+def test_token_id_seam_hands_each_forwards_ids_before_its_update(tiny_model):
+    """`needs_token_ids`: before each forward every layer gets that forward's ids (B, q), then
+    the update of those q tokens: chunked prefill, decode steps, prepare's capture; a method not
+    declaring it gets nothing."""
+    ids = torch.arange(3, 13)
+    with make_engine(tiny_model, _IdMethod(), chunk=4).request() as req:
+        req.prefill(ids)  # chunks of 4 + 4 + 2
+        req.step(20)
+        layers = req.cache.kv_layers
+    chunks = [ids[:4], ids[4:8], ids[8:]]
+    want = [e for c in chunks for e in ([c.tolist()], len(c))] + [[[20]], 1]
+    assert all(kv.events == want for kv in layers), layers[0].events
+    captured = hf_adapter.capture_forward(tiny_model, hf_adapter.model_info(tiny_model.config))
+    assert all(kv.events == [[ids.tolist()], 10] for kv in captured(_IdMethod(), ids))
+    with make_engine(tiny_model, _BlindIdMethod(), chunk=4).request() as req:
+        req.prefill(ids)
+        req.step(20)
+        assert all(kv.events == [4, 4, 2, 1] for kv in req.cache.kv_layers)
+
+
+def test_token_id_seam_in_a_batch_routes_real_ids_per_sequence(tiny_model):
+    """Batched steps: each sequence's layers get only their own row's real ids (padding never
+    seen, an empty chunk never called), then the update of as many tokens."""
+    prompts = [list(range(3, 9)), [40, 41, 42]]  # chunks of 4: (4 + 2) and (3, then nothing)
+    with make_engine(tiny_model, _IdMethod(), chunk=4).batch(2) as req:
+        req.prefill(prompts)
+        req.step([0, 1], [50, 51])
+        req.step([1], [52])  # sequence 0 has left the batch
+        caches = req.caches
+    want = [[[[3, 4, 5, 6]], 4, [[7, 8]], 2, [[50]], 1],
+            [[[40, 41, 42]], 3, [[51]], 1, [[52]], 1]]
+    for cache, events in zip(caches, want):
+        assert all(kv.events == events for kv in cache.kv_layers), cache.kv_layers[0].events
+
+
 class _Prefetcher(KVLayer):
     calls: list = []
 
