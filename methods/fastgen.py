@@ -229,8 +229,10 @@ class FastGenLayer(EvictionLayer):
     def mark_fallback_special(self) -> None:
         """A sequence row whose prompt holds no special id: its first token is special instead."""
         kinds = self.state("kinds")  # (B, H_kv, T) a view: marked in place
-        self.fallback_rows = ~((kinds & SPECIAL).bool() & self.held()).flatten(1).any(-1)  # (B,)
-        first = (self.positions == 0) & self.fallback_rows[:, None, None]
+        none = ~((kinds & SPECIAL).bool() & self.held()).flatten(1).any(-1)  # (B,)
+        first = (self.positions == 0) & none[:, None, None]
+        # a later prompt of the request finds the marked first token: still the fallback
+        self.fallback_rows = none if self.fallback_rows is None else self.fallback_rows | none
         kinds |= first.to(kinds.dtype) * SPECIAL
 
     def facts(self) -> dict[str, float]:
