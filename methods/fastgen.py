@@ -108,7 +108,7 @@ class FastGen(KVMethod):
     def prepare(self, ctx: PrepareContext) -> dict[str, Any]:
         """The kind of every id (module docstring): `token_kinds` `(V,)` uint8, SPECIAL | PUNCT."""
         tok = ctx.tokenizer
-        special = sorted(set(getattr(tok, "all_special_ids", None) or [])) if tok is not None else []
+        special = [] if tok is None else sorted(set(getattr(tok, "all_special_ids", None) or []))
         punct = punctuation_ids(tok, set(special)) if tok is not None else []
         kinds = torch.zeros(len(tok) if tok is not None else ctx.vocab_size, dtype=torch.uint8)
         kinds[torch.as_tensor(special, dtype=torch.long)] |= SPECIAL
@@ -155,7 +155,7 @@ class FastGenLayer(EvictionLayer):
     def observe_token_ids(self, ids: torch.Tensor) -> None:
         kinds = getattr(self.method, "token_kinds", None)
         if kinds is None:
-            raise RuntimeError("method=fastgen needs prepare(ctx) (its token kinds) before a request")
+            raise RuntimeError("method=fastgen needs prepare(ctx) (its token kinds) first")
         known = ids < kinds.numel()  # ids past the tokenizer (embedding padding rows): no kind
         self.next_kinds = kinds[ids.clamp(max=kinds.numel() - 1)] * known
 
