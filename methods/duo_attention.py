@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvcore.errors import ConfigError
+from kvcore.storage import KV_LAYOUTS
 from methods._headwise import (HeadwiseLayer, HeadwiseMethod, load_duo_pattern, probe_scores,
                                select_retrieval, sparsify_gates, stream_budget_slots)
 from methods.base import Capabilities, KVLayer, ModelInfo, PREFILL_MODES
@@ -100,7 +101,8 @@ class DuoAttention(HeadwiseMethod):
         "recent; NIAH, LongBench"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        prefill_modes=PREFILL_MODES, needs_prepare=True, selects_tokens=True)
+        prefill_modes=PREFILL_MODES, needs_prepare=True, selects_tokens=True,
+        kv_layouts=KV_LAYOUTS)
     axis_keys: ClassVar[tuple[str, ...]] = ("budget_ratio", "retrieval_head_ratio")
     compensate: ClassVar[bool] = False  # streaming heads drop evicted tokens (Razor folds them)
 

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvcore.errors import ConfigError
+from kvcore.storage import KV_LAYOUTS
 from methods._headwise import (HeadwiseLayer, HeadwiseMethod, probe_scores, select_union,
                                stream_budget_slots)
 from methods.base import Capabilities, KVLayer, ModelInfo, PREFILL_MODES
@@ -62,7 +63,8 @@ class RazorAttention(HeadwiseMethod):
         "256 local; >70 % KV reduction; LongBench, NIAH"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        prefill_modes=PREFILL_MODES, needs_prepare=True, selects_tokens=True)
+        prefill_modes=PREFILL_MODES, needs_prepare=True, selects_tokens=True,
+        kv_layouts=KV_LAYOUTS)
     axis_keys: ClassVar[tuple[str, ...]] = ("budget_ratio", "compression_ratio")
     compensate: ClassVar[bool] = True
 

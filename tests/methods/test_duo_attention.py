@@ -125,8 +125,8 @@ def test_per_head_kept_sets_and_attention_by_hand(compensate):
     layer.after_forward()
     window = 3  # slots: 2 sinks + 3 window (+ 1 compensation token)
     for t in range(10, 14):
-        assert layer.s_positions.tolist() == [0, 1] + list(range(t - window, t))
-        assert layer.r_keys.shape[-2] == t
+        assert layer.streaming_positions() == [0, 1] + list(range(t - window, t))
+        assert layer.kept_lengths()[0, 0] == t  # the retrieval head: every token
         q = torch.randn(1, 4, 1, 8, dtype=torch.float64)
         keys, values = layer.update(k_all[:, :, t:t + 1], v_all[:, :, t:t + 1], None)
         out, _ = layer.attend(module, q, keys, values, None, base=hf_adapter.eager_attention)
@@ -157,8 +157,9 @@ def test_duo_streams_on_a_model_within_budget(tiny_model):
         assert held <= 0.5 * full + 1e-9
         streaming = [lay for lay in layers if len(lay.streaming_heads)]
         # slots from the budget basis: the 40-token prompt (runner.budget_basis=final)
-        assert streaming and all(lay.s_keys.shape[-2] == method.stream_slots(40)
-                                 for lay in streaming)
+        assert streaming and all(
+            lay.kept_lengths()[0, lay.streaming_heads].tolist()
+            == [method.stream_slots(40)] * len(lay.streaming_heads) for lay in streaming)
     assert engine.ledger.samples[-1]["seen_tokens"] == 80
 
 
@@ -182,7 +183,7 @@ def test_sinks_never_take_the_window_when_slots_are_few():
     k = torch.randn(1, 2, 30, 8)
     layer.update(k, k, None)
     layer.after_forward()
-    assert layer.s_positions.tolist() == [0, 1, 2, 3] + list(range(25, 30))
+    assert layer.streaming_positions() == [0, 1, 2, 3] + list(range(25, 30))
 
 
 def test_sinks_dropped_early_are_never_replaced_by_window_tokens():
@@ -194,9 +195,9 @@ def test_sinks_dropped_early_are_never_replaced_by_window_tokens():
     k = torch.randn(1, 2, 40, 8)
     layer.update(k[:, :, :10], k[:, :, :10], None)
     layer.after_forward()  # 3 slots: 1 sink (half, at least one) + 2 recent
-    assert layer.s_positions.tolist() == [0, 8, 9]
+    assert layer.streaming_positions() == [0, 8, 9]
     slots["n"] = 12
     for t in range(10, 40):
         layer.update(k[:, :, t:t + 1], k[:, :, t:t + 1], None)
         layer.after_forward()
-    assert layer.s_positions.tolist() == [0] + list(range(29, 40))
+    assert layer.streaming_positions() == [0] + list(range(29, 40))

@@ -33,7 +33,7 @@ def test_compensation_token_is_exact_when_dropped_keys_are_identical(weighted):
     v = torch.randn(1, 1, 20, 8, dtype=torch.float64)
     layer.update(k[:, :, :19], v[:, :, :19], None)
     layer.after_forward()  # keeps 0, 1 | compensation of 2..15 | 16, 17, 18
-    assert layer.comp_count == 14 and layer.s_positions.tolist() == [0, 1, 16, 17, 18]
+    assert layer.comp_count == 14 and layer.streaming_positions() == [0, 1, 16, 17, 18]
     if not weighted:
         layer.comp_count = 1  # a plain extra token: weight 1 instead of |D|
     q = torch.randn(1, 2, 1, 8, dtype=torch.float64)
@@ -124,7 +124,8 @@ def test_razor_within_budget_on_a_model(tiny_model):
         assert any(lay.comp_count for lay in layers)
         for lay in layers:
             if len(lay.streaming_heads):
-                assert lay.comp_count + lay.s_keys.shape[-2] == 90
+                held = lay.kept_lengths()[0, lay.streaming_heads]
+                assert (lay.comp_count + held == 90).all()
 
 
 @pytest.mark.parametrize("kw, key", [
