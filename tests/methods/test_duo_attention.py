@@ -201,3 +201,33 @@ def test_sinks_dropped_early_are_never_replaced_by_window_tokens():
         layer.update(k[:, :, t:t + 1], k[:, :, t:t + 1], None)
         layer.after_forward()
     assert layer.streaming_positions() == [0] + list(range(29, 40))
+
+
+@pytest.mark.parametrize("compensate", [False, True])
+def test_one_shared_ragged_store_holds_both_head_classes(compensate):
+    """The move onto kvcore storage: the layer's K/V are one ragged `Rows` pair (no private
+    tensors); the retrieval head's length is every token, the streaming head's sinks + window
+    (+ the compensation slot), the bytes count exactly those rows, and without a compensation
+    slot decode attends through the ragged kernels (the model's attention, `base`, unused)."""
+    torch.manual_seed(0)
+    layer = _layer([True, False], compensate)
+    k = torch.randn(1, 2, 30, 8)
+    layer.update(k[:, :, :20], k[:, :, :20], None)
+    layer.after_forward()
+    module = SimpleNamespace(scaling=8 ** -0.5, num_key_value_groups=2)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model's attention was called")
+    for t in range(20, 30):
+        keys, values = layer.update(k[:, :, t:t + 1], k[:, :, t:t + 1], None)
+        q = torch.randn(1, 4, 1, 8)
+        base = hf_adapter.eager_attention if compensate else refuse
+        layer.attend(module, q, keys, values, None, base=base)
+        layer.after_forward()
+        lengths = layer._kv["keys"].lengths()
+        assert lengths.tolist() == [[t + 1, 2 + 3 + (1 if compensate else 0)]]
+        assert torch.equal(layer._kv["values"].lengths(), lengths)
+        assert layer.stats()["kv_bytes"] == int(lengths.sum()) * 2 * 8 * 4
+        assert layer.kept_lengths().tolist() == [[t + 1, 5]]
+    tensors = [n for n, v in vars(layer).items() if isinstance(v, torch.Tensor) and v.dim() > 1]
+    assert not tensors, f"K/V held outside the shared rows: {tensors}"
