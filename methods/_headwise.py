@@ -4,16 +4,26 @@ Per layer, every KV head is either a *retrieval* head (keeps the full cache) or 
 (keeps `sink_tokens` + a recent window; RazorAttention adds one compensation token). Which heads are
 which is decided offline, once per model (`prepare`), and is the same for every request.
 
-Layout (methods-2.md §14.8: "store the head classes as separate tensors"):
-  * retrieval store `(B, H_r, T, D)`: every token seen, heads `retrieval_heads` of the layer;
-  * streaming store `(B, H_s, T_s, D)`: sinks + window, heads `streaming_heads`, with one `(T_s,)`
-    vector of text positions (eviction is positional, so all streaming heads of a layer keep the
-    same positions); optional compensation token `(B, H_s, 1, D)` + the count |D| it stands for.
-Only these are held (and counted by `stats()`). For attention, `update` assembles a transient
-`(B, H_kv, S, D)` view with S = max over heads of the held slots + the new tokens: a streaming
-head's rows are `[sinks, (compensation), window, padding..., new tokens]`; the padding is hidden
-by a per-head additive mask, and the compensation slot gets +log|D| (RazorAttention eq. 5). Keys
-stay post-RoPE at their text positions (no re-rotation), as in both papers' code.
+Layout: one ragged store per layer, the harness's shared storage (kvcore.storage: K and V are
+the layer's `kv_rows`, so they follow runner.kv_layout, contiguous or paged; a small contiguous
+`(B, H_kv, T)` positions row travels with them). Every (sequence, KV head) has its own length:
+a retrieval head holds every token seen; a streaming head its sinks + window and, compensating,
+one compensation slot (the running mean of the tokens it dropped, post-RoPE keys as cached;
+position entry COMP_POSITION) + the count |D| it stands for. Nothing is padded or held twice
+(methods-2.md §14.8's "separate tensors per head class": each head holds only its own tokens),
+and `stats()` counts each head's own rows (`kv_bytes`, and the storage's used/allocated bytes).
+Eviction is positional, so every streaming head of a layer holds the same positions; a decode step
+appends the new token to every head and each streaming head then drops its oldest non-sink token
+(its last row moves into that slot: the rows are not in text order, attention is order-free);
+cuts of more than one token (a prompt's end, a prefill chunk) rewrite the rows in text order.
+Attention: each head over its own slots, the chunk's new tokens last. Without a compensation
+slot (DuoAttention; RazorAttention before its first fold) through methods.kernels.
+ragged_attention over the rows in place (no mask: the C kernel or Triton for decode rows, heads of
+equal length packed into SDPA for prefill chunks); with one, the model's attention over the padded
+rows with a per-head additive mask (causal per head, padding hidden) and +log|D| on that slot
+(RazorAttention eq. 5). Keys stay post-RoPE at their text positions (no re-rotation), as in both
+papers' code. `kept_positions()` lists each head's text positions first, -1 after
+(`kept_lengths()` per head; `virtual_slots()` counts the compensation slot, which has none).
 
 Head identification without learned gates: RazorAttention's probe, as Huawei's public tool runs it
 (MindSpore Golden Stick, `sequence_compress/razor_attention`: `DUMMY_INPUT_LENGTH = 2500`,

@@ -38,11 +38,12 @@ then scales with the sequence (see _headwise.py) and the retrieval-head share mu
 Paper's numbers: memory down up to 2.55x (MHA) / 1.67x (GQA), decoding up to 2.18x / 1.50x faster,
 NIAH comparable to full attention at a 25 % (MHA) / 50 % (GQA) retrieval-head ratio.
 
-Deliberate deviations: the streaming heads are not permuted in the projection weights (the two
-head classes are stored as separate tensors per layer and assembled, with a per-head mask, for the
-model's own attention); attention runs over a transient padded view, so the speed-up is not
-reproduced, only the memory held. Sink/window are not rounded to 128-token blocks (the block-sparse
-training kernel's granularity).
+Deliberate deviations: the streaming heads are not permuted in the projection weights (both head
+classes live in one ragged store per layer, each head with its own length, and attention reads
+each head over its own tokens through the ragged kernels, methods/_headwise.py); the official
+block-sparse/streaming kernels are not reproduced, so their speed-up is not either, only the
+memory held. Sink/window are not rounded to 128-token blocks (the block-sparse training kernel's
+granularity).
 """
 
 from __future__ import annotations

@@ -36,8 +36,9 @@ fraction of the whole cache held (the streaming slots scale with the sequence; s
 Paper's number: KV cache reduced by over 70 % "without noticeable impacts on performance"
 (abstract): kept fraction ~ f + (1 - f) / C = 0.15 + 0.85 / 5 = 0.32.
 
-Deliberate deviations: as DuoAttention here (separate head-class tensors + a masked padded view for
-the model's own attention; the compensation token sits right after the sinks in that view).
+Deliberate deviations: as DuoAttention here (one ragged store for both head classes); the
+compensation token is one slot of each streaming head in that store, and once it exists the
+model's attention runs over the padded rows with a per-head mask carrying its +log|D|.
 """
 
 from __future__ import annotations
