@@ -2,6 +2,7 @@
 
     python benchmarks/family_table.py --needle-root <root> --ppl-root <root> [--out table.md]
     python benchmarks/family_table.py ... --budgets 0.05 0.1 0.2 --bits --methods quest infinigen
+    python benchmarks/family_table.py ... --previous results/reports/issues12_13/tables.md
 
 Runs nothing: every row of the family (each compressing method at each budget_ratio, the
 quantizers at each bit width, full; benchmarks/perplexity_table.family_rows) is looked up in the
@@ -78,6 +79,34 @@ def protocol_cell(needle: dict | None, ppl: dict | None) -> str:
     return " / ".join(dict.fromkeys(cells)) or "-"
 
 
+def row_key(label_text: str) -> tuple[str, str | None]:
+    """(method, its budget or bit-width setting) of a row label: what identifies a row across
+    tables whose other overrides differ (a knob added since, a head share)."""
+    words = label_text.split()
+    setting = next((w for w in words[1:] if w.startswith(("budget_ratio=", "k_bits="))), None)
+    return words[0], setting
+
+
+def previous_rows(path: Path) -> dict[tuple[str, str | None], tuple[str, str]]:
+    """From the first table of an earlier family_table.py output: row key -> (needle all, ppl)."""
+    header, out = None, {}
+    for line in path.read_text().splitlines():
+        if not line.startswith("|"):
+            if header is not None and out:
+                break
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = cells
+        elif not set(line) <= set("|-: "):
+            got = dict(zip(header, cells))
+            out.setdefault(row_key(cells[0]), (got.get("needle all", ""), got.get("ppl", "")))
+    if header is None or "needle all" not in header:
+        raise SystemExit(f"--previous {path}: no family table (a '| method | ... | needle all |' "
+                         "header) in it")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2_135m")
@@ -93,7 +122,11 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", type=int, default=None,
                     help="the perplexity runs' task.prefill_tokens (a prompt, then streamed)")
     ap.add_argument("--out", default=None, help="also write the markdown table here")
+    ap.add_argument("--previous", type=Path, default=None,
+                    help="an earlier family table (markdown): its needle-all and ppl cells are "
+                         "shown beside each row's, matched by method and budget (or bits)")
     args = ap.parse_args()
+    before = previous_rows(args.previous) if args.previous else None
 
     from harness.results import write_text_atomic
     from methods import method_class
@@ -115,8 +148,13 @@ def main() -> None:
              "KV held and attended fraction (sparse layers, decode steps) are the needle runs'; "
              "host MiB moved per decode step likewise ('-': nothing offloaded); ppl attended: the "
              "perplexity run's attended fraction (sparse layers).", "",
-             f"| method | {heads} | needle all | KV held | attended | host MiB/step | ppl | "
-             "ppl attended | protocol |", "|---|" + "---|" * (len(args.lengths) + 7)]
+             *([f"'before': the same method and budget in {args.previous} (its own protocol; "
+                "'-': no such row there).", ""] if before is not None else []),
+             f"| method | {heads} | needle all | "
+             + ("needle all before | " if before is not None else "")
+             + "KV held | attended | host MiB/step | ppl | "
+             + ("ppl before | " if before is not None else "") + "ppl attended | protocol |",
+             "|---|" + "---|" * (len(args.lengths) + 7 + (2 if before is not None else 0))]
     for overrides in rows:
         needle, why_needle = lookup(needle_common, overrides, "ruler")
         if args.prefill_tokens or not method_class(overrides[0].removeprefix("method=")
@@ -125,6 +163,10 @@ def main() -> None:
         else:
             ppl, why_ppl = None, "prefill-only: not streamed"
         row = cells(needle, ppl, why_needle, why_ppl, args.lengths, len(args.depths))
+        if before is not None:
+            old_needle, old_ppl = before.get(row_key(label(overrides)), ("-", "-"))
+            n = len(args.lengths)
+            row = row[:n + 1] + [old_needle or "-"] + row[n + 1:n + 5] + [old_ppl or "-"] + row[n + 5:]
         lines.append(f"| {label(overrides)} | " + " | ".join(row) + f" | {protocol_cell(needle, ppl)} |")
     text = "\n".join(lines) + "\n"
     if args.out:
