@@ -14,6 +14,7 @@ from methods import build_method
 from methods._headwise import HeadwiseLayer, load_duo_pattern, select_retrieval, sparsify_gates
 from methods.base import ModelInfo
 from tests.conftest import make_engine
+from tests.methods.headwise_reference import masked_full_gap
 
 INFO = ModelInfo(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, max_positions=512)
 
@@ -231,3 +232,14 @@ def test_one_shared_ragged_store_holds_both_head_classes(compensate):
         assert layer.kept_lengths().tolist() == [[t + 1, 5]]
     tensors = [n for n, v in vars(layer).items() if isinstance(v, torch.Tensor) and v.dim() > 1]
     assert not tensors, f"K/V held outside the shared rows: {tensors}"
+
+
+def test_duo_equals_the_full_cache_masked_to_what_each_head_kept(stories, monkeypatch, tmp_path):
+    """tests/methods/headwise_reference.py: the full cache, its decode step masked per KV head to
+    the positions DuoAttention's head kept, gives DuoAttention's logits (retrieval heads every
+    token, streaming heads 4 sinks + 16 recent; an independent check of the ragged path)."""
+    monkeypatch.setenv("KVH_CACHE_DIR", str(tmp_path))
+    model, tok = stories
+    method = build_method("duo_attention", sink_tokens=4, window_tokens=16,
+                          retrieval_head_ratio=0.5, probe_period_tokens=16)
+    assert masked_full_gap(model, tok, method, monkeypatch) <= 1e-4
