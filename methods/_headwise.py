@@ -4,16 +4,27 @@ Per layer, every KV head is either a *retrieval* head (keeps the full cache) or 
 (keeps `sink_tokens` + a recent window; RazorAttention adds one compensation token). Which heads are
 which is decided offline, once per model (`prepare`), and is the same for every request.
 
-Layout (methods-2.md §14.8: "store the head classes as separate tensors"):
-  * retrieval store `(B, H_r, T, D)`: every token seen, heads `retrieval_heads` of the layer;
-  * streaming store `(B, H_s, T_s, D)`: sinks + window, heads `streaming_heads`, with one `(T_s,)`
-    vector of text positions (eviction is positional, so all streaming heads of a layer keep the
-    same positions); optional compensation token `(B, H_s, 1, D)` + the count |D| it stands for.
-Only these are held (and counted by `stats()`). For attention, `update` assembles a transient
-`(B, H_kv, S, D)` view with S = max over heads of the held slots + the new tokens: a streaming
-head's rows are `[sinks, (compensation), window, padding..., new tokens]`; the padding is hidden
-by a per-head additive mask, and the compensation slot gets +log|D| (RazorAttention eq. 5). Keys
-stay post-RoPE at their text positions (no re-rotation), as in both papers' code.
+Layout: one ragged store per layer, the harness's shared storage (kvcore.storage: K and V are
+the layer's `kv_rows`, so they follow runner.kv_layout, contiguous or paged; a small contiguous
+`(B, H_kv, T)` positions row travels with them). Every (sequence, KV head) has its own length:
+a retrieval head holds every token seen; a streaming head its sinks + window and, compensating,
+one compensation slot (the running mean of the tokens it dropped, post-RoPE keys as cached;
+position entry COMP_POSITION) + the count |D| it stands for. Each head holds only its own tokens
+(methods-2.md §14.8's aim for "separate tensors per head class"): `kv_bytes` counts each head's own
+rows; the contiguous layout's padding to the longest head is storage waste (`kv_bytes_allocated`),
+the paged layout's per-head block tables hold none.
+Eviction is positional, so every streaming head of a layer holds the same positions; a decode step
+appends the new token to every head and each streaming head then drops its oldest non-sink token
+(its last row moves into that slot: the rows are not in text order, attention is order-free);
+cuts of more than one token (a prompt's end, a prefill chunk) rewrite the rows in text order.
+Attention: each head over its own slots, the chunk's new tokens last. Without a compensation
+slot (DuoAttention; RazorAttention before its first fold) through methods.kernels.
+ragged_attention over the rows in place (no mask: the C kernel or Triton for decode rows, heads of
+equal length packed into SDPA for prefill chunks); with one, the model's attention over the padded
+rows with a per-head additive mask (causal per head, padding hidden) and +log|D| on that slot
+(RazorAttention eq. 5). Keys stay post-RoPE at their text positions (no re-rotation), as in both
+papers' code. `kept_positions()` lists each head's text positions first, -1 after
+(`kept_lengths()` per head; `virtual_slots()` counts the compensation slot, which has none).
 
 Head identification without learned gates: RazorAttention's probe, as Huawei's public tool runs it
 (MindSpore Golden Stick, `sequence_compress/razor_attention`: `DUMMY_INPUT_LENGTH = 2500`,
@@ -53,11 +64,14 @@ from pathlib import Path
 import torch
 
 from kvcore.errors import ConfigError
-from methods.base import KVLayer, KVMethod, ModelInfo, require_basis
-from methods.scoring import additive_mask
+from kvcore.storage import ContiguousRows, Rows, doubled_capacity, gather_rows
+from methods.base import KVLayer, KVMethod, ModelInfo, exact_attention, require_basis
+from methods.eviction import PAD_POSITION, append_tokens
+from methods.scoring import plain_attention
 
 log = logging.getLogger(__name__)
 PROBE_FORMAT_VERSION = 2  # 2: P tokens x repeats + BOS, every earlier occurrence, / S^2
+COMP_POSITION = -2  # the compensation slot's entry in the positions rows (no text position)
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,7 +305,8 @@ class HeadwiseMethod(KVMethod):
 
 
 class HeadwiseLayer(KVLayer):
-    """Retrieval heads keep everything; streaming heads keep sinks + window (+ compensation).
+    """Retrieval heads keep everything; streaming heads keep sinks + window (+ compensation),
+    all in one ragged store per layer (module docstring, "Layout").
 
     `method` provides: sink_tokens, stream_slots(seen) (slots a streaming head may hold after
     `seen` tokens, compensation included) and compensate (bool).
@@ -300,95 +315,77 @@ class HeadwiseLayer(KVLayer):
     def __init__(self, layer_idx: int, info: ModelInfo, method, retrieval: torch.Tensor):
         super().__init__(layer_idx, info)
         self.method = method
+        self.streaming = ~retrieval.bool()  # (H_kv,) the streaming heads of this layer
         self.retrieval_heads = torch.nonzero(retrieval).flatten()  # (H_r,)
-        self.streaming_heads = torch.nonzero(~retrieval).flatten()  # (H_s,)
-        self.r_keys = self.r_values = None  # (B, H_r, T, D)
-        self.s_keys = self.s_values = None  # (B, H_s, T_s, D)
-        self.s_positions = torch.empty(0, dtype=torch.long)  # (T_s,)
-        self.comp_keys = self.comp_values = None  # (B, H_s, 1, D) mean of the dropped tokens
-        self.comp_count = 0  # |D|: tokens the compensation token stands for
-        self.s_sinks = 0  # sinks kept at the last eviction (fewer than sink_tokens if slots are few)
-        self._extra_mask = None  # (H_kv, S) additive mask for this step's attention
+        self.streaming_heads = torch.nonzero(self.streaming).flatten()  # (H_s,)
+        self.token_state: dict[str, Rows] = {}  # "positions" (B, H_kv, T), aligned with K/V
+        # Host-side counts (every streaming head of every batch row holds the same positions:
+        # eviction is positional), so no decision below reads the device.
+        self.s_tokens = 0  # text tokens a streaming head holds
+        self.s_sinks: int | None = None  # sinks kept at the last cut (None: no cut yet)
+        self.comp_count = 0  # |D|: tokens the compensation slot stands for (0: no such slot)
         self._attended_slots = 0
 
     # --- sizes ---------------------------------------------------------------------------------
-    def _r_len(self) -> int:
-        return 0 if self.r_keys is None else self.r_keys.shape[-2]
-
     def _s_slots(self) -> int:
-        held = 0 if self.s_keys is None else self.s_keys.shape[-2]
-        return held + (1 if self.comp_count else 0)
-
-    def kept_tokens(self) -> int:
-        """Slots before the new tokens in what `update` returns (max over heads)."""
-        r = self._r_len() if len(self.retrieval_heads) else 0
-        s = self._s_slots() if len(self.streaming_heads) else 0
-        return max(r, s)
+        return self.s_tokens + (1 if self.comp_count else 0)
 
     def _mean_slots(self, r: int, s: int) -> int:
         h_r, h_s = len(self.retrieval_heads), len(self.streaming_heads)
         return math.ceil((h_r * r + h_s * s) / (h_r + h_s))
 
+    def _rows_for(self, name: str) -> Rows:
+        if name in ("keys", "values"):  # the layer's K/V storage (runner.kv_layout)
+            return self.kv_rows(name, growth=doubled_capacity)
+        if name not in self.token_state:  # small; contiguous in both layouts
+            self.token_state[name] = ContiguousRows(doubled_capacity)
+        return self.token_state[name]
+
+    def _token_rows(self) -> dict[str, Rows]:
+        return {**self._kv, **self.token_state}
+
+    def _stream_mask(self, batch: int, device) -> torch.Tensor:
+        return self.streaming.to(device).expand(batch, -1)  # (B, H_kv)
+
     # --- cache seam ----------------------------------------------------------------------------
     def update(self, keys, values, position_ids):
-        q_len = keys.shape[-2]
-        text_pos = torch.arange(self.seen_tokens, self.seen_tokens + q_len)
-        self.seen_tokens += q_len
-        before = self.kept_tokens()
-        r_len, s_slots = self._r_len(), self._s_slots()
-        b, h_kv, _, d = keys.shape
-        out_k = keys.new_zeros(b, h_kv, before + q_len, d)
-        out_v = values.new_zeros(b, h_kv, before + q_len, d)
-        hidden = torch.zeros(h_kv, before + q_len, dtype=torch.bool)
-        bias = torch.zeros(h_kv, before + q_len)
-        r, s = self.retrieval_heads, self.streaming_heads
-        if len(r):
-            if r_len:
-                out_k[:, r, :r_len], out_v[:, r, :r_len] = self.r_keys, self.r_values
-            hidden[r, r_len:before] = True
-            self.r_keys = self._append(self.r_keys, keys[:, r])
-            self.r_values = self._append(self.r_values, values[:, r])
-        if len(s):
-            if s_slots:
-                old_k, old_v = self._streaming_slots()
-                out_k[:, s, :s_slots], out_v[:, s, :s_slots] = old_k, old_v
-            hidden[s, s_slots:before] = True
-            if self.comp_count:
-                bias[s, self.s_sinks] = math.log(self.comp_count)
-            self.s_keys = self._append(self.s_keys, keys[:, s])
-            self.s_values = self._append(self.s_values, values[:, s])
-            self.s_positions = torch.cat([self.s_positions, text_pos])
-        out_k[:, :, before:], out_v[:, :, before:] = keys, values
-        extra = bias.masked_fill(hidden, float("-inf"))
-        self._extra_mask = extra.to(keys.device) if (hidden.any() or self.comp_count) else None
-        self._attended_slots = self._mean_slots(r_len + q_len, s_slots + q_len)
-        return out_k, out_v
-
-    @staticmethod
-    def _append(held, new):
-        return new if held is None else torch.cat([held, new], dim=-2)
-
-    def _streaming_slots(self):
-        """(B, H_s, slots, D): sinks, then the compensation token (if any), then the window."""
-        if not self.comp_count:
-            return self.s_keys, self.s_values
-        n = self.s_sinks
-        k = torch.cat([self.s_keys[:, :, :n], self.comp_keys, self.s_keys[:, :, n:]], dim=-2)
-        v = torch.cat([self.s_values[:, :, :n], self.comp_values, self.s_values[:, :, n:]], dim=-2)
-        return k, v
+        b, h, q, _ = keys.shape
+        positions = torch.arange(self.seen_tokens, self.seen_tokens + q, device=keys.device)
+        self.seen_tokens += q
+        append_tokens(self._rows_for, {"keys": keys, "values": values,
+                                       "positions": positions.expand(b, h, q)})
+        self.s_tokens += q
+        self._attended_slots = self._mean_slots(self.seen_tokens, self._s_slots())
+        return self.keys, self.values
 
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
-        """The model's attention with causality rebuilt for this layer's own length: transformers
-        builds one mask per forward from layer 0's sizes, but kept lengths differ per layer here
-        (batch size 1, so the mask carries nothing but causality)."""
-        q_len, kv_len = query.shape[2], keys.shape[2]
-        if self._extra_mask is None and q_len == 1:
-            return base(module, query, keys, values, None, **kwargs)
-        mask = additive_mask(None, q_len, kv_len, query.device)[None, None]  # (1, 1, q, S)
-        if self._extra_mask is not None:
-            groups = query.shape[1] // keys.shape[1]
-            mask = mask + self._extra_mask.repeat_interleave(groups, dim=0)[None, :, None, :]
-        return base(module, query, keys, values, mask.to(query.dtype), **kwargs)
+        """Each head over its own slots (the chunk's new tokens are each head's last; causality
+        rebuilt per head: the caches are per sequence, so the model's mask carries nothing
+        else). No compensation slot: the ragged kernels over the rows in place (no mask);
+        with one: the model's attention with a per-head additive mask (+log|D| on that slot)."""
+        if not self.comp_count and plain_attention(kwargs):
+            blocks = self._kv["keys"].in_place(), self._kv["values"].in_place()
+            return exact_attention(module, query, *blocks, None, base, **kwargs)
+        keys, values, mask = self._masked(query, keys, values)
+        return base(module, query, keys, values, mask, **kwargs)
+
+    def _masked(self, query, keys, values):
+        """The padded rows with what a head does not hold zeroed, and the additive mask
+        `(B, H_q, q, T)`: causal per head over its own length, the compensation slot +log|D|."""
+        lengths, q, t = self._kv["keys"].lengths(), query.shape[2], keys.shape[2]
+        slots = torch.arange(t, device=keys.device)
+        seen = (lengths - q)[..., None] + 1 + torch.arange(q, device=keys.device)
+        visible = slots < seen[..., None]  # (B, H_kv, q, T)
+        held = visible[:, :, -1:].transpose(2, 3)  # (B, H_kv, T, 1) a head's own slots
+        keys, values = keys.masked_fill(~held, 0), values.masked_fill(~held, 0)
+        mask = torch.zeros(visible.shape, device=keys.device)
+        mask = mask.masked_fill(~visible, float("-inf"))
+        if self.comp_count:  # RazorAttention eq. 5: the slot stands for |D| tokens
+            comp = (slots == self._comp_slot()[..., None]) & self._stream_mask(
+                keys.shape[0], keys.device)[..., None]  # (B, H_kv, T)
+            mask = mask + comp[:, :, None].float() * math.log(self.comp_count)
+        mask = mask.repeat_interleave(query.shape[1] // keys.shape[1], dim=1)
+        return keys, values, mask.to(query.dtype)
 
     def after_forward(self) -> None:
         """Cut every streaming head back to its slots (folding the dropped tokens, if
@@ -400,7 +397,7 @@ class HeadwiseLayer(KVLayer):
         self.cut_streaming_heads()
 
     def cut_streaming_heads(self) -> None:
-        if not len(self.streaming_heads) or self.s_keys is None:
+        if not len(self.streaming_heads) or not self.s_tokens:
             return
         allowed = self.method.stream_slots(self.basis_tokens())
         if self._s_slots() <= allowed:
@@ -409,37 +406,87 @@ class HeadwiseLayer(KVLayer):
         # Slots fewer than sinks + window (a budget below the method's own shape): the sinks take
         # at most half (at least the first token), so a streaming head keeps a recent window
         # (all-sinks heads, e.g. DuoAttention's 64 sinks in 33 slots, lose the local context every
-        # head relies on). Sinks dropped once never come back: only the leading rows that still
-        # are text positions 0, 1, ... count as sinks (never a window token frozen in place).
-        sinks = min(self.method.sink_tokens, max(1, (allowed - comp) // 2), self._real_sinks())
-        self.s_sinks = sinks
+        # head relies on). Sinks dropped once never come back: after a cut, only the sinks it
+        # kept are still text positions 0, 1, ... (never a window token frozen in place).
+        real_sinks = self.s_tokens if self.s_sinks is None else self.s_sinks
+        sinks = min(self.method.sink_tokens, max(1, (allowed - comp) // 2), real_sinks)
         window = max(0, allowed - sinks - comp)
-        held = self.s_keys.shape[-2]
-        drop = slice(sinks, held - window)
+        if self.s_tokens - sinks - window == 1 and (self.comp_count or not comp):
+            self._drop_oldest(sinks)  # the steady state of decoding: no copy of the rows
+        else:
+            self._cut(sinks, window)
+        self.s_sinks, self.s_tokens = sinks, sinks + window
+
+    def _drop_oldest(self, sinks: int) -> None:
+        """Each streaming head drops its oldest non-sink token (folded first, if compensating):
+        its last token moves into that slot (the rows are not in text order; nothing needs it)."""
+        rows = self._token_rows()
+        positions, lengths = rows["positions"].view(), rows["positions"].lengths()
+        b = positions.shape[0]
+        slots = torch.arange(positions.shape[-1], device=positions.device)
+        candidate = (slots < lengths[..., None]) & (positions >= sinks)  # no sink, no comp slot
+        oldest = positions.masked_fill(~candidate, PAD_POSITION).argmin(-1)  # (B, H_kv)
+        s = self.streaming_heads
         if self.method.compensate:
-            self._fold(self.s_keys[:, :, drop], self.s_values[:, :, drop])
-        keep = torch.cat([torch.arange(sinks), torch.arange(held - window, held)])
-        self.s_keys = self.s_keys[:, :, keep].contiguous()
-        self.s_values = self.s_values[:, :, keep].contiguous()
-        self.s_positions = self.s_positions[keep]
+            comp_k, comp_v = self._fold(read_slots(rows["keys"], oldest)[:, s],
+                                        read_slots(rows["values"], oldest)[:, s])
+            slot = self._comp_slot()
+            write_slots(rows["keys"], slot, comp_k, s)
+            write_slots(rows["values"], slot, comp_v, s)
+        heads = None if not len(self.retrieval_heads) else self._stream_mask(b, oldest.device)
+        for r in rows.values():
+            r.drop_one(oldest, heads=heads)
 
-    def _real_sinks(self) -> int:
-        """Leading streaming rows that hold text positions 0, 1, ... (the sinks still held)."""
-        n = len(self.s_positions)
-        return int((self.s_positions == torch.arange(n)).long().cumprod(0).sum())
+    def _cut(self, sinks: int, window: int) -> None:
+        """Rewrite the rows: retrieval heads keep everything, streaming heads their `sinks`
+        first and `window` last text positions, then (compensating) the compensation slot, all
+        in text order; the tokens between are folded into it."""
+        rows = self._token_rows()
+        positions, lengths = rows["positions"].view(), rows["positions"].lengths()
+        b, h, t = positions.shape
+        slots = torch.arange(t, device=positions.device)
+        real = (slots < lengths[..., None]) & (positions >= 0)
+        order = positions.masked_fill(~real, PAD_POSITION).argsort(-1)  # (B, H_kv, T) by position
+        held, kept = self.s_tokens, sinks + window
+        comp = 1 if self.method.compensate else 0
+        stream = self._stream_mask(b, positions.device)
+        width = max(int(lengths.max()), kept + comp)  # retrieval heads keep all they hold
+        j = torch.arange(width, device=positions.device)
+        rank = torch.where(stream[..., None] & (j >= sinks), j - sinks + held - window, j)
+        index = order.gather(-1, rank.clamp(max=t - 1))  # (B, H_kv, width) slots to keep
+        new_lengths = torch.where(stream, kept + comp, lengths)
+        s = self.streaming_heads
+        comp_k = comp_v = None
+        if comp:  # the dropped ranks sinks .. held - window - 1, in text order
+            dropped = order[:, s, sinks:held - window]  # (B, H_s, m)
+            comp_k, comp_v = self._fold(gather_rows(rows["keys"].view()[:, s], dropped),
+                                        gather_rows(rows["values"].view()[:, s], dropped))
+        fill = {"keys": comp_k, "values": comp_v}
+        for name, r in rows.items():
+            x = gather_rows(r.view(), index)  # a fresh tensor (B, H_kv, width, ...)
+            if comp:  # the compensation slot, after the streaming heads' kept tokens
+                x[:, s, kept] = COMP_POSITION if name == "positions" else fill[name][:, :, 0]
+            r.assign(x, lengths=new_lengths)
 
-    def _fold(self, keys, values) -> None:
-        """Running mean of the dropped keys/values (post-RoPE, as cached) and their count |D|."""
+    def _comp_slot(self) -> torch.Tensor:
+        """The compensation slot of every head `(B, H_kv)` (meaningful for streaming heads)."""
+        rows = self.token_state["positions"]
+        positions, lengths = rows.view(), rows.lengths()
+        slots = torch.arange(positions.shape[-1], device=positions.device)
+        return ((positions == COMP_POSITION) & (slots < lengths[..., None])).to(
+            torch.int8).argmax(-1)
+
+    def _fold(self, keys, values) -> tuple[torch.Tensor, torch.Tensor]:
+        """The compensation token `(B, H_s, 1, D)` with the dropped `keys`/`values` `(B, H_s, m,
+        D)` (post-RoPE, as cached) folded in: the running mean, and the count |D|."""
         m = keys.shape[-2]
-        if m == 0:
-            return
         k_sum, v_sum = keys.float().sum(-2, keepdim=True), values.float().sum(-2, keepdim=True)
         if self.comp_count:
-            k_sum = k_sum + self.comp_keys.float() * self.comp_count
-            v_sum = v_sum + self.comp_values.float() * self.comp_count
+            slot, s = self._comp_slot(), self.streaming_heads
+            k_sum = k_sum + read_slots(self._kv["keys"], slot)[:, s].float() * self.comp_count
+            v_sum = v_sum + read_slots(self._kv["values"], slot)[:, s].float() * self.comp_count
         self.comp_count += m
-        self.comp_keys = (k_sum / self.comp_count).to(keys.dtype)
-        self.comp_values = (v_sum / self.comp_count).to(values.dtype)
+        return (k_sum / self.comp_count).to(keys.dtype), (v_sum / self.comp_count).to(values.dtype)
 
     # --- accounting ----------------------------------------------------------------------------
     def allowed_tokens(self) -> int | None:
@@ -448,29 +495,84 @@ class HeadwiseLayer(KVLayer):
         seen = self.seen_tokens
         return self._mean_slots(seen, min(seen, self.method.stream_slots(self.basis_tokens())))
 
+    def head_allowed_tokens(self) -> torch.Tensor | None:
+        """Slots each KV head may hold now under the rule `(B, H_kv)` (retrieval heads: every
+        token seen; streaming heads: `stream_slots`); None while a prompt is held in full."""
+        rows = self.token_state.get("positions")
+        if self.holding_prompt() or rows is None:
+            return None
+        seen = self.seen_tokens
+        streaming = min(seen, self.method.stream_slots(self.basis_tokens()))
+        stream = self._stream_mask(rows.view().shape[0], rows.view().device)
+        return torch.where(stream, streaming, seen).to(torch.int64)
+
     def attended_tokens(self) -> int:
         return self._attended_slots
 
     def stats(self) -> dict[str, int]:
-        parts = (self.r_keys, self.r_values, self.s_keys, self.s_values, self.comp_keys,
-                 self.comp_values)
-        held = sum(p.nbytes for p in parts if p is not None)
-        tokens = self._mean_slots(self._r_len(), self._s_slots()) if self.seen_tokens else 0
-        return {"kv_tokens": tokens, "kv_bytes": int(held)}
+        storage = self.storage_stats()
+        tokens = self._mean_slots(self.seen_tokens, self._s_slots()) if self.seen_tokens else 0
+        return {"kv_tokens": tokens, "kv_bytes": storage.get("kv_bytes_used", 0), **storage}
+
+    def virtual_slots(self) -> torch.Tensor | None:
+        """Slots each KV head holds that are no text position `(B, H_kv)`: the compensation
+        token of a streaming head (RazorAttention's "virtual token"), else 0."""
+        rows = self.token_state.get("positions")
+        if rows is None:
+            return None
+        stream = self._stream_mask(rows.view().shape[0], rows.view().device)
+        return (stream & bool(self.comp_count)).to(torch.int64)
+
+    def kept_lengths(self) -> torch.Tensor | None:
+        """Text positions each KV head holds `(B, H_kv)` (the store's lengths less
+        `virtual_slots()`); None before the first token."""
+        rows = self.token_state.get("positions")
+        return None if rows is None else rows.lengths() - self.virtual_slots()
 
     def kept_positions(self) -> torch.Tensor:
-        """(1, H_kv, S) text positions per head; a streaming head's row is padded with its last
-        kept position (duplicates: a recall figure over it double counts that one token), and
-        the compensation token has no position, so it is not listed."""
-        h_kv = len(self.retrieval_heads) + len(self.streaming_heads)
-        width = max(self._r_len(), len(self.s_positions), 1)
-        out = torch.zeros(1, h_kv, width, dtype=torch.long)
-        out[0, self.retrieval_heads, :self._r_len()] = torch.arange(self._r_len())
-        if len(self.streaming_heads) and len(self.s_positions):
-            row = torch.full((width,), int(self.s_positions[-1]), dtype=torch.long)
-            row[:len(self.s_positions)] = self.s_positions
-            out[0, self.streaming_heads] = row
-        return out
+        """`(B, H_kv, T)` text positions per head, each head's first, -1 past `kept_lengths()`
+        (the compensation slot has no position: not listed)."""
+        rows = self.token_state.get("positions")
+        if rows is None:
+            return torch.full((1, self.info.num_kv_heads, 0), -1, dtype=torch.long)
+        positions, lengths = rows.view(), rows.lengths()
+        slots = torch.arange(positions.shape[-1], device=positions.device)
+        real = (slots < lengths[..., None]) & (positions >= 0)
+        order = (~real).to(torch.int8).argsort(dim=-1, stable=True)  # real slots first, in order
+        return positions.gather(-1, order).masked_fill(~real.gather(-1, order), -1)
+
+    def streaming_positions(self) -> list[int]:
+        """The text positions the streaming heads hold, sorted (all of them hold the same)."""
+        if not len(self.streaming_heads):
+            return []
+        row = self.kept_positions()[0, int(self.streaming_heads[0])]
+        return sorted(p for p in row.tolist() if p >= 0)
+
+
+def read_slots(rows: Rows, slot: torch.Tensor) -> torch.Tensor:
+    """Head (b, h)'s row at slot `slot[b, h]`, read in place: `(B, H, 1, ...)` (a copy)."""
+    blocks = rows.in_place()
+    b, h = blocks.heads
+    flat = slot.reshape(-1).to(blocks.table.device)
+    block = blocks.table[torch.arange(b * h, device=flat.device), flat // blocks.block_tokens]
+    out = blocks.data[block, flat % blocks.block_tokens]  # (B * H, ...)
+    return out.view(b, h, 1, *out.shape[1:])
+
+
+def write_slots(rows: Rows, slot: torch.Tensor, new: torch.Tensor, heads: torch.Tensor) -> None:
+    """Overwrite head (b, heads[i])'s row at slot `slot[b, heads[i]]` with `new[b, i]`
+    (`new (B, H_sel, 1, ...)`), every other row unchanged, through the `Rows` interface: the
+    rows are appended to every head (the selected heads' values, the others' any), then each
+    head drops one token with that last one moving into its slot, the others into their own
+    (appended) slot: lengths unchanged, one row written per selected head."""
+    b = new.shape[0]
+    lengths = rows.lengths()  # (B, H): the slot the append writes
+    full = new.new_zeros(b, lengths.shape[1], *new.shape[2:])
+    full[:, heads] = new
+    target = lengths.clone()
+    target[:, heads] = slot[:, heads].to(target)
+    rows.append(full)
+    rows.drop_one(target, last=full)
 
 
 def stream_budget_slots(seen: int, budget_ratio: float, retrieval_fraction: float,

@@ -38,11 +38,12 @@ then scales with the sequence (see _headwise.py) and the retrieval-head share mu
 Paper's numbers: memory down up to 2.55x (MHA) / 1.67x (GQA), decoding up to 2.18x / 1.50x faster,
 NIAH comparable to full attention at a 25 % (MHA) / 50 % (GQA) retrieval-head ratio.
 
-Deliberate deviations: the streaming heads are not permuted in the projection weights (the two
-head classes are stored as separate tensors per layer and assembled, with a per-head mask, for the
-model's own attention); attention runs over a transient padded view, so the speed-up is not
-reproduced, only the memory held. Sink/window are not rounded to 128-token blocks (the block-sparse
-training kernel's granularity).
+Deliberate deviations: the streaming heads are not permuted in the projection weights (both head
+classes live in one ragged store per layer, each head with its own length, and attention reads
+each head over its own tokens through the ragged kernels, methods/_headwise.py); the official
+block-sparse/streaming kernels are not reproduced, so their speed-up is not either, only the
+memory held. Sink/window are not rounded to 128-token blocks (the block-sparse training kernel's
+granularity).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvcore.errors import ConfigError
+from kvcore.storage import KV_LAYOUTS
 from methods._headwise import (HeadwiseLayer, HeadwiseMethod, load_duo_pattern, probe_scores,
                                select_retrieval, sparsify_gates, stream_budget_slots)
 from methods.base import Capabilities, KVLayer, ModelInfo, PREFILL_MODES
@@ -100,7 +102,8 @@ class DuoAttention(HeadwiseMethod):
         "recent; NIAH, LongBench"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        prefill_modes=PREFILL_MODES, needs_prepare=True, selects_tokens=True)
+        prefill_modes=PREFILL_MODES, needs_prepare=True, selects_tokens=True,
+        kv_layouts=KV_LAYOUTS)
     axis_keys: ClassVar[tuple[str, ...]] = ("budget_ratio", "retrieval_head_ratio")
     compensate: ClassVar[bool] = False  # streaming heads drop evicted tokens (Razor folds them)
 

@@ -36,8 +36,9 @@ fraction of the whole cache held (the streaming slots scale with the sequence; s
 Paper's number: KV cache reduced by over 70 % "without noticeable impacts on performance"
 (abstract): kept fraction ~ f + (1 - f) / C = 0.15 + 0.85 / 5 = 0.32.
 
-Deliberate deviations: as DuoAttention here (separate head-class tensors + a masked padded view for
-the model's own attention; the compensation token sits right after the sinks in that view).
+Deliberate deviations: as DuoAttention here (one ragged store for both head classes); the
+compensation token is one slot of each streaming head in that store, and once it exists the
+model's attention runs over the padded rows with a per-head mask carrying its +log|D|.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvcore.errors import ConfigError
+from kvcore.storage import KV_LAYOUTS
 from methods._headwise import (HeadwiseLayer, HeadwiseMethod, probe_scores, select_union,
                                stream_budget_slots)
 from methods.base import Capabilities, KVLayer, ModelInfo, PREFILL_MODES
@@ -62,7 +64,8 @@ class RazorAttention(HeadwiseMethod):
         "256 local; >70 % KV reduction; LongBench, NIAH"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        prefill_modes=PREFILL_MODES, needs_prepare=True, selects_tokens=True)
+        prefill_modes=PREFILL_MODES, needs_prepare=True, selects_tokens=True,
+        kv_layouts=KV_LAYOUTS)
     axis_keys: ClassVar[tuple[str, ...]] = ("budget_ratio", "compression_ratio")
     compensate: ClassVar[bool] = True
 

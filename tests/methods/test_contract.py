@@ -311,7 +311,7 @@ class StepChecker:
         self.compressed |= used < seen or stats["kv_bytes"] < full_bytes
         positions = layer.kept_positions()
         assert not positions.is_floating_point(), where
-        lengths = layer.kept_lengths() if isinstance(layer, EvictionLayer) else None
+        lengths = layer.kept_lengths() if hasattr(layer, "kept_lengths") else None
         if lengths is not None:  # ragged heads: padded with -1 past each head's own length
             self.check_ragged(layer, positions, lengths, stats)
         held = held_rows(positions)
@@ -324,17 +324,25 @@ class StepChecker:
 
     def check_ragged(self, layer, positions, lengths, stats):
         """Ragged heads: exactly `lengths` held positions per head, the padding -1; the token
-        figure is the mean over heads (rounded up) and the bytes count only what heads hold."""
+        figure is the mean over heads (rounded up) and the bytes count only what heads hold
+        (with the slots that stand for no position, `virtual_slots()`: RazorAttention's
+        compensation token); a layer with a per-head rule (`head_allowed_tokens()`) holds at
+        most that in every head."""
         where = f"layer {layer.layer_idx} after {layer.seen_tokens} tokens"
         counts = (positions >= 0).sum(-1)
         assert torch.equal(counts.cpu(), lengths.cpu()), f"{where}: padding is not -1"
         slots = torch.arange(positions.shape[-1], device=positions.device)
         assert bool(((slots < lengths[..., None]) == (positions >= 0)).all()), where
-        assert stats["kv_tokens"] == -(-int(lengths.sum()) // lengths.numel()), (
-            f"{where}: kv_tokens {stats['kv_tokens']} for heads holding {lengths.tolist()}")
+        held = lengths + (layer.virtual_slots() if hasattr(layer, "virtual_slots") else 0)
+        assert stats["kv_tokens"] == -(-int(held.sum()) // held.numel()), (
+            f"{where}: kv_tokens {stats['kv_tokens']} for heads holding {held.tolist()}")
         token_bytes = 2 * self.info.head_dim * layer.keys.element_size()  # K and V, one head
-        assert stats["kv_bytes"] == int(lengths.sum()) * token_bytes, (
-            f"{where}: kv_bytes {stats['kv_bytes']} for heads holding {lengths.tolist()}")
+        assert stats["kv_bytes"] == int(held.sum()) * token_bytes, (
+            f"{where}: kv_bytes {stats['kv_bytes']} for heads holding {held.tolist()}")
+        allowed = layer.head_allowed_tokens() if hasattr(layer, "head_allowed_tokens") else None
+        if allowed is not None:
+            assert bool((held <= allowed).all()), (
+                f"{where}: heads hold {held.tolist()}, the rule allows {allowed.tolist()}")
 
     def check_declared_keeps(self, layer, rows, budget, kept):
         """Sinks a method without the scored-eviction template declares (`sink_tokens`) are kept
@@ -366,11 +374,6 @@ KNOWN_EXCEPTIONS = {
     ("tailorkv", None): (False, "TailorKV's quantized layers are KIVI's layers (see kivi); its "
                                 "sparse layers alone pass strictly "
                                 "(tests/methods/test_tailorkv.py)"),
-    **{(name, None): (False, "head-wise caches: streaming heads hold fewer keys than retrieval "
-                             "heads, so kept_positions pads their rows by repeating the last "
-                             "position (kept positions are not unique per head); outputs are "
-                             "checked per head in tests/methods/test_duo_attention.py")
-       for name in ("duo_attention", "razor_attention")},
 }
 
 

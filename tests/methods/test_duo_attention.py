@@ -14,6 +14,7 @@ from methods import build_method
 from methods._headwise import HeadwiseLayer, load_duo_pattern, select_retrieval, sparsify_gates
 from methods.base import ModelInfo
 from tests.conftest import make_engine
+from tests.methods.headwise_reference import masked_full_gap
 
 INFO = ModelInfo(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, max_positions=512)
 
@@ -125,8 +126,8 @@ def test_per_head_kept_sets_and_attention_by_hand(compensate):
     layer.after_forward()
     window = 3  # slots: 2 sinks + 3 window (+ 1 compensation token)
     for t in range(10, 14):
-        assert layer.s_positions.tolist() == [0, 1] + list(range(t - window, t))
-        assert layer.r_keys.shape[-2] == t
+        assert layer.streaming_positions() == [0, 1] + list(range(t - window, t))
+        assert layer.kept_lengths()[0, 0] == t  # the retrieval head: every token
         q = torch.randn(1, 4, 1, 8, dtype=torch.float64)
         keys, values = layer.update(k_all[:, :, t:t + 1], v_all[:, :, t:t + 1], None)
         out, _ = layer.attend(module, q, keys, values, None, base=hf_adapter.eager_attention)
@@ -157,8 +158,9 @@ def test_duo_streams_on_a_model_within_budget(tiny_model):
         assert held <= 0.5 * full + 1e-9
         streaming = [lay for lay in layers if len(lay.streaming_heads)]
         # slots from the budget basis: the 40-token prompt (runner.budget_basis=final)
-        assert streaming and all(lay.s_keys.shape[-2] == method.stream_slots(40)
-                                 for lay in streaming)
+        assert streaming and all(
+            lay.kept_lengths()[0, lay.streaming_heads].tolist()
+            == [method.stream_slots(40)] * len(lay.streaming_heads) for lay in streaming)
     assert engine.ledger.samples[-1]["seen_tokens"] == 80
 
 
@@ -182,7 +184,7 @@ def test_sinks_never_take_the_window_when_slots_are_few():
     k = torch.randn(1, 2, 30, 8)
     layer.update(k, k, None)
     layer.after_forward()
-    assert layer.s_positions.tolist() == [0, 1, 2, 3] + list(range(25, 30))
+    assert layer.streaming_positions() == [0, 1, 2, 3] + list(range(25, 30))
 
 
 def test_sinks_dropped_early_are_never_replaced_by_window_tokens():
@@ -194,9 +196,50 @@ def test_sinks_dropped_early_are_never_replaced_by_window_tokens():
     k = torch.randn(1, 2, 40, 8)
     layer.update(k[:, :, :10], k[:, :, :10], None)
     layer.after_forward()  # 3 slots: 1 sink (half, at least one) + 2 recent
-    assert layer.s_positions.tolist() == [0, 8, 9]
+    assert layer.streaming_positions() == [0, 8, 9]
     slots["n"] = 12
     for t in range(10, 40):
         layer.update(k[:, :, t:t + 1], k[:, :, t:t + 1], None)
         layer.after_forward()
-    assert layer.s_positions.tolist() == [0] + list(range(29, 40))
+    assert layer.streaming_positions() == [0] + list(range(29, 40))
+
+
+@pytest.mark.parametrize("compensate", [False, True])
+def test_one_shared_ragged_store_holds_both_head_classes(compensate):
+    """The move onto kvcore storage: the layer's K/V are one ragged `Rows` pair (no private
+    tensors); the retrieval head's length is every token, the streaming head's sinks + window
+    (+ the compensation slot), the bytes count exactly those rows, and without a compensation
+    slot decode attends through the ragged kernels (the model's attention, `base`, unused)."""
+    torch.manual_seed(0)
+    layer = _layer([True, False], compensate)
+    k = torch.randn(1, 2, 30, 8)
+    layer.update(k[:, :, :20], k[:, :, :20], None)
+    layer.after_forward()
+    module = SimpleNamespace(scaling=8 ** -0.5, num_key_value_groups=2)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model's attention was called")
+    for t in range(20, 30):
+        keys, values = layer.update(k[:, :, t:t + 1], k[:, :, t:t + 1], None)
+        q = torch.randn(1, 4, 1, 8)
+        base = hf_adapter.eager_attention if compensate else refuse
+        layer.attend(module, q, keys, values, None, base=base)
+        layer.after_forward()
+        lengths = layer._kv["keys"].lengths()
+        assert lengths.tolist() == [[t + 1, 2 + 3 + (1 if compensate else 0)]]
+        assert torch.equal(layer._kv["values"].lengths(), lengths)
+        assert layer.stats()["kv_bytes"] == int(lengths.sum()) * 2 * 8 * 4
+        assert layer.kept_lengths().tolist() == [[t + 1, 5]]
+    tensors = [n for n, v in vars(layer).items() if isinstance(v, torch.Tensor) and v.dim() > 1]
+    assert not tensors, f"K/V held outside the shared rows: {tensors}"
+
+
+def test_duo_equals_the_full_cache_masked_to_what_each_head_kept(stories, monkeypatch, tmp_path):
+    """tests/methods/headwise_reference.py: the full cache, its decode step masked per KV head to
+    the positions DuoAttention's head kept, gives DuoAttention's logits (retrieval heads every
+    token, streaming heads 4 sinks + 16 recent; an independent check of the ragged path)."""
+    monkeypatch.setenv("KVH_CACHE_DIR", str(tmp_path))
+    model, tok = stories
+    method = build_method("duo_attention", sink_tokens=4, window_tokens=16,
+                          retrieval_head_ratio=0.5, probe_period_tokens=16)
+    assert masked_full_gap(model, tok, method, monkeypatch) <= 1e-4

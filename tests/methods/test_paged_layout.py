@@ -28,9 +28,9 @@ def test_the_methods_on_the_shared_storage_declare_paged():
     """The default layer's, the eviction template's and the host store's users page; methods
     with storage of their own do not."""
     for name in ("full", "h2o", "streaming_llm", "tova", "snapkv", "quest", "infinigen",
-                 "full_offload"):
+                 "full_offload", "duo_attention", "razor_attention"):
         assert name in PAGED, name
-    for name in ("kivi", "kvquant", "shadowkv", "duo_attention"):
+    for name in ("kivi", "kvquant", "shadowkv"):
         assert name not in PAGED, name
     with pytest.raises(ValueError, match="model cache formats are cache_formats"):
         Capabilities(kv_layouts=("heads",))  # the old meaning of the name is caught at import

@@ -33,7 +33,7 @@ def test_compensation_token_is_exact_when_dropped_keys_are_identical(weighted):
     v = torch.randn(1, 1, 20, 8, dtype=torch.float64)
     layer.update(k[:, :, :19], v[:, :, :19], None)
     layer.after_forward()  # keeps 0, 1 | compensation of 2..15 | 16, 17, 18
-    assert layer.comp_count == 14 and layer.s_positions.tolist() == [0, 1, 16, 17, 18]
+    assert layer.comp_count == 14 and layer.streaming_positions() == [0, 1, 16, 17, 18]
     if not weighted:
         layer.comp_count = 1  # a plain extra token: weight 1 instead of |D|
     q = torch.randn(1, 2, 1, 8, dtype=torch.float64)
@@ -124,7 +124,8 @@ def test_razor_within_budget_on_a_model(tiny_model):
         assert any(lay.comp_count for lay in layers)
         for lay in layers:
             if len(lay.streaming_heads):
-                assert lay.comp_count + lay.s_keys.shape[-2] == 90
+                held = lay.kept_lengths()[0, lay.streaming_heads]
+                assert (lay.comp_count + held == 90).all()
 
 
 @pytest.mark.parametrize("kw, key", [
@@ -138,3 +139,41 @@ def test_bad_hyperparameters(kw, key):
     with pytest.raises(ConfigError) as err:
         build_method("razor_attention", **kw)
     assert key in str(err.value)
+
+
+def test_the_compensation_slot_lives_in_the_shared_rows():
+    """The compensation token is one slot of each streaming head in the layer's rows: the mean of
+    the dropped keys and values, no text position (kept_positions skips it; virtual_slots
+    counts it), attended with +log|D| in the additive mask and nowhere else."""
+    from methods._headwise import COMP_POSITION, read_slots
+
+    torch.manual_seed(1)
+    method = SimpleNamespace(sink_tokens=2, compensate=True, stream_slots=lambda seen: 6)
+    info = ModelInfo(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, max_positions=512)
+    layer = HeadwiseLayer(0, info, method, torch.tensor([True, False]))
+    k, v = torch.randn(1, 2, 20, 8), torch.randn(1, 2, 20, 8)
+    layer.update(k[:, :, :12], v[:, :, :12], None)
+    layer.after_forward()  # streaming head: 0, 1 | mean of 2..8 | 9, 10, 11
+    for t in range(12, 20):
+        keys, values = layer.update(k[:, :, t:t + 1], v[:, :, t:t + 1], None)
+        q = torch.randn(1, 4, 1, 8)
+        _, _, mask = layer._masked(q, keys, values)
+        slot = layer._comp_slot()[0, 1]
+        bias = mask[0, 2:, 0]  # the streaming head's query heads
+        assert torch.allclose(bias[:, slot], torch.tensor(t - 5.0).log())  # |D| = 2 .. t - 4
+        others = torch.ones(keys.shape[2], dtype=torch.bool)
+        others[slot] = False
+        assert (bias[:, others][bias[:, others].isfinite()] == 0).all()
+        assert (mask[0, :2, 0][mask[0, :2, 0].isfinite()] == 0).all()  # retrieval: no bias
+        layer.after_forward()
+        dropped = list(range(2, t - 2))
+        assert layer.comp_count == len(dropped)
+        assert layer.token_state["positions"].view()[0, 1, layer._comp_slot()[0, 1]] == \
+            COMP_POSITION
+        comp_k = read_slots(layer._kv["keys"], layer._comp_slot())[0, 1, 0]
+        comp_v = read_slots(layer._kv["values"], layer._comp_slot())[0, 1, 0]
+        assert torch.allclose(comp_k, k[0, 1, dropped].mean(0), atol=1e-6)
+        assert torch.allclose(comp_v, v[0, 1, dropped].mean(0), atol=1e-6)
+        assert layer.streaming_positions() == [0, 1, t - 2, t - 1, t]
+        assert layer.virtual_slots().tolist() == [[0, 1]]
+        assert layer.kept_lengths().tolist() == [[t + 1, 5]]
