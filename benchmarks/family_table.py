@@ -107,6 +107,13 @@ def previous_rows(path: Path) -> dict[tuple[str, str | None], tuple[str, str]]:
     return out
 
 
+def provenance_cell(needle: dict | None, ppl: dict | None) -> str:
+    """Where the runs' behaviour comes from (metrics.json's method.provenance: official code /
+    paper / reconstruction, with any deviation the method names)."""
+    labels = [m["method"].get("provenance", "-") for m in (needle, ppl) if m is not None]
+    return " / ".join(dict.fromkeys(labels)) or "-"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2_135m")
@@ -153,8 +160,8 @@ def main() -> None:
              f"| method | {heads} | needle all | "
              + ("needle all before | " if before is not None else "")
              + "KV held | attended | host MiB/step | ppl | "
-             + ("ppl before | " if before is not None else "") + "ppl attended | protocol |",
-             "|---|" + "---|" * (len(args.lengths) + 7 + (2 if before is not None else 0))]
+             + ("ppl before | " if before is not None else "") + "ppl attended | protocol | provenance |",
+             "|---|" + "---|" * (len(args.lengths) + 8 + (2 if before is not None else 0))]
     for overrides in rows:
         needle, why_needle = lookup(needle_common, overrides, "ruler")
         if args.prefill_tokens or not method_class(overrides[0].removeprefix("method=")
@@ -167,7 +174,7 @@ def main() -> None:
             old_needle, old_ppl = before.get(row_key(label(overrides)), ("-", "-"))
             n = len(args.lengths)
             row = row[:n + 1] + [old_needle or "-"] + row[n + 1:n + 5] + [old_ppl or "-"] + row[n + 5:]
-        lines.append(f"| {label(overrides)} | " + " | ".join(row) + f" | {protocol_cell(needle, ppl)} |")
+        lines.append(f"| {label(overrides)} | " + " | ".join(row) + f" | {protocol_cell(needle, ppl)} | {provenance_cell(needle, ppl)} |")
     text = "\n".join(lines) + "\n"
     if args.out:
         write_text_atomic(Path(args.out), text)
