@@ -49,6 +49,13 @@ def lookup(common: list[str], overrides: list[str], task: str) -> tuple[dict | N
     return json.loads((folder / "metrics.json").read_text()), ""
 
 
+IDLE = " (idle)"  # the run's kv.inactive_reason is set: the method never compressed in it
+
+
+def idle(metrics: dict) -> str:
+    return IDLE if metrics["kv"].get("inactive_reason") else ""
+
+
 def cells(needle: dict | None, ppl: dict | None, why_needle: str, why_ppl: str,
           lengths: list[int], per_length: int) -> list[str]:
     if needle is None:
@@ -57,13 +64,15 @@ def cells(needle: dict | None, ppl: dict | None, why_needle: str, why_ppl: str,
         acc, kv = needle["accuracy"], needle["kv"]
         fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
         out = [found(acc, n, per_length) for n in lengths]
-        out += [f"{round(acc['niah_single'] / 100 * acc['samples'])}/{acc['samples']}",
+        out += [f"{round(acc['niah_single'] / 100 * acc['samples'])}/{acc['samples']}"
+                + idle(needle),
                 fmt(kv.get("held_ratio")), fmt(kv.get("attended_fraction_sparse_layers")),
                 moved_per_step(needle)]
     if ppl is None:
         return out + [why_ppl, ""]
     attended = ppl["kv"].get("attended_fraction_sparse_layers")
-    return out + [f"{ppl['accuracy']['ppl']:.2f}", "n/a" if attended is None else f"{attended:.3f}"]
+    return out + [f"{ppl['accuracy']['ppl']:.2f}" + idle(ppl),
+                  "n/a" if attended is None else f"{attended:.3f}"]
 
 
 def protocol_cell(needle: dict | None, ppl: dict | None) -> str:
@@ -154,7 +163,8 @@ def main() -> None:
              + f"); {protocol[0]} for every row, dense prefill, greedy.",
              "KV held and attended fraction (sparse layers, decode steps) are the needle runs'; "
              "host MiB moved per decode step likewise ('-': nothing offloaded); ppl attended: the "
-             "perplexity run's attended fraction (sparse layers).", "",
+             "perplexity run's attended fraction (sparse layers); '(idle)': the run never compressed "
+             "(its kv.inactive_reason), so the cell is the full cache's.", "",
              *([f"'before': the same method and budget in {args.previous} (its own protocol; "
                 "'-': no such row there).", ""] if before is not None else []),
              f"| method | {heads} | needle all | "

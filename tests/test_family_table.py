@@ -41,3 +41,15 @@ def test_a_file_without_a_family_table_is_refused(tmp_path):
     path.write_text("| a | b |\n|---|---|\n| 1 | 2 |\n")
     with pytest.raises(SystemExit, match="no family table"):
         previous_rows(path)
+
+
+def test_a_run_that_never_compressed_is_marked_idle():
+    from benchmarks.family_table import cells
+
+    def ppl_run(reason):
+        return {"accuracy": {"ppl": 9.03}, "kv": {"inactive_reason": reason,
+                                                   "attended_fraction_sparse_layers": 1.0}}
+
+    row = cells(None, ppl_run("held the full cache ..."), "not measured", "", [1024], 5)
+    assert row[-2] == "9.03 (idle)"
+    assert cells(None, ppl_run(None), "not measured", "", [1024], 5)[-2] == "9.03"
