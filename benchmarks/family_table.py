@@ -163,14 +163,15 @@ def main() -> None:
              + f"); {protocol[0]} for every row, dense prefill, greedy.",
              "KV held and attended fraction (sparse layers, decode steps) are the needle runs'; "
              "host MiB moved per decode step likewise ('-': nothing offloaded); ppl attended: the "
-             "perplexity run's attended fraction (sparse layers); '(idle)': the run never compressed "
-             "(its kv.inactive_reason), so the cell is the full cache's.", "",
+             "perplexity run's attended fraction (sparse layers); '(idle)': the run never "
+             "compressed (its kv.inactive_reason), so the cell is the full cache's.", "",
              *([f"'before': the same method and budget in {args.previous} (its own protocol; "
                 "'-': no such row there).", ""] if before is not None else []),
              f"| method | {heads} | needle all | "
              + ("needle all before | " if before is not None else "")
              + "KV held | attended | host MiB/step | ppl | "
-             + ("ppl before | " if before is not None else "") + "ppl attended | protocol | provenance |",
+             + ("ppl before | " if before is not None else "")
+             + "ppl attended | protocol | provenance |",
              "|---|" + "---|" * (len(args.lengths) + 8 + (2 if before is not None else 0))]
     for overrides in rows:
         needle, why_needle = lookup(needle_common, overrides, "ruler")
@@ -183,8 +184,10 @@ def main() -> None:
         if before is not None:
             old_needle, old_ppl = before.get(row_key(label(overrides)), ("-", "-"))
             n = len(args.lengths)
-            row = row[:n + 1] + [old_needle or "-"] + row[n + 1:n + 5] + [old_ppl or "-"] + row[n + 5:]
-        lines.append(f"| {label(overrides)} | " + " | ".join(row) + f" | {protocol_cell(needle, ppl)} | {provenance_cell(needle, ppl)} |")
+            row = (row[:n + 1] + [old_needle or "-"] + row[n + 1:n + 5] + [old_ppl or "-"]
+                   + row[n + 5:])
+        lines.append(f"| {label(overrides)} | " + " | ".join(row)
+                     + f" | {protocol_cell(needle, ppl)} | {provenance_cell(needle, ppl)} |")
     text = "\n".join(lines) + "\n"
     if args.out:
         write_text_atomic(Path(args.out), text)

@@ -27,11 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from harness import hf_adapter, models  # noqa: E402
 from harness.results import write_json_atomic  # noqa: E402
 from methods import build_method  # noqa: E402
-from paged_layout import LAYOUTS, lockstep, paired_ratio  # noqa: E402
-from tasks.text_sources import load_essays  # noqa: E402
+from paged_layout import (  # noqa: E402
+    LAYOUTS, batch_prompts, load_model_and_essays, lockstep, paired_ratio)
 
 PAIR = ("adakv", "snapkv")  # (head-wise, uniform)
 GOAL = 1.15  # head-wise / uniform decode step, paired median
@@ -49,12 +48,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None, help="write the figures as JSON here (atomically)")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    spec = models.resolve_model({"name": args.model, "device": "auto"})
-    model, tok = models.load_model(spec, "sdpa")
-    info = hf_adapter.model_info(model.config)
-    essays = tok(load_essays(), verbose=False)["input_ids"]
+    model, tok, info, essays = load_model_and_essays(args.model, args.threads)
     methods = {name: build_method(name, budget_ratio=args.budget_ratio) for name in PAIR}
     load_before, t0 = os.getloadavg()[0], time.time()
     out = {}
@@ -64,9 +58,8 @@ def main() -> None:
     print(f"{'context':>7} {'layout':11} {PAIR[0] + ' ms':>9} {PAIR[1] + ' ms':>10} "
           f"{'ratio':>6}  goal")
     for context in args.contexts:
-        context = min(context, info.max_positions - args.new_tokens)
-        lengths = [context - i * context // (2 * args.batch) for i in range(args.batch)]
-        prompts = [essays[i * 97: i * 97 + n] for i, n in enumerate(lengths)]
+        lengths, prompts = batch_prompts(essays, context, args.batch, info, args.new_tokens)
+        context = lengths[0]
         rounds = [lockstep(model, tok, info, methods, prompts, args.new_tokens, args.block_tokens)
                   for _ in range(args.rounds)]
         for layout in LAYOUTS:

@@ -88,6 +88,24 @@ def lockstep(model, tok, info, methods: dict, prompts, new_tokens: int, block_to
     return out
 
 
+def load_model_and_essays(model_name: str, threads: int | None):
+    """(model, tokenizer, ModelInfo, the essays' token ids) with `threads` torch threads."""
+    if threads:
+        torch.set_num_threads(threads)
+    spec = models.resolve_model({"name": model_name, "device": "auto"})
+    model, tok = models.load_model(spec, "sdpa")
+    essays = tok(load_essays(), verbose=False)["input_ids"]
+    return model, tok, hf_adapter.model_info(model.config), essays
+
+
+def batch_prompts(essays: list[int], context: int, batch: int, info, new_tokens: int):
+    """`batch` essay prompts, the longest `context` tokens (capped so that `new_tokens` fit the
+    positions), the others evenly shorter down to half: (lengths, prompts)."""
+    context = min(context, info.max_positions - new_tokens)
+    lengths = [context - i * context // (2 * batch) for i in range(batch)]
+    return lengths, [essays[i * 97: i * 97 + n] for i, n in enumerate(lengths)]
+
+
 def paired_ratio(rounds: list[dict], cell: tuple, reference: tuple) -> float:
     """Median over (round, step) of cell's step k / reference cell's step k (same round)."""
     return statistics.median(a / b for r in rounds for a, b in
@@ -106,15 +124,8 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--json", default=None, help="write the table as JSON here (atomically)")
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    spec = models.resolve_model({"name": args.model, "device": "auto"})
-    model, tok = models.load_model(spec, "sdpa")
-    info = hf_adapter.model_info(model.config)
-    essays = tok(load_essays(), verbose=False)["input_ids"]
-    context = min(args.context, info.max_positions - args.new_tokens)
-    lengths = [context - i * context // (2 * args.batch) for i in range(args.batch)]
-    prompts = [essays[i * 97: i * 97 + n] for i, n in enumerate(lengths)]
+    model, tok, info, essays = load_model_and_essays(args.model, args.threads)
+    lengths, prompts = batch_prompts(essays, args.context, args.batch, info, args.new_tokens)
     methods = {name: make_method(name) for name in METHODS if name in args.methods}
     load_before = os.getloadavg()[0]
     t0 = time.time()

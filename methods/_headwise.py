@@ -64,9 +64,9 @@ from pathlib import Path
 import torch
 
 from kvcore.errors import ConfigError
-from kvcore.storage import ContiguousRows, Rows, doubled_capacity, gather_rows
+from kvcore.storage import Rows, gather_rows
 from methods.base import KVLayer, KVMethod, ModelInfo, exact_attention, require_basis
-from methods.eviction import PAD_POSITION, append_tokens
+from methods.eviction import PAD_POSITION, TokenRows, append_tokens
 from methods.scoring import plain_attention
 
 log = logging.getLogger(__name__)
@@ -304,7 +304,7 @@ class HeadwiseMethod(KVMethod):
         self._retrieval_fraction = 0.0
 
 
-class HeadwiseLayer(KVLayer):
+class HeadwiseLayer(TokenRows, KVLayer):
     """Retrieval heads keep everything; streaming heads keep sinks + window (+ compensation),
     all in one ragged store per layer (module docstring, "Layout").
 
@@ -333,16 +333,6 @@ class HeadwiseLayer(KVLayer):
     def _mean_slots(self, r: int, s: int) -> int:
         h_r, h_s = len(self.retrieval_heads), len(self.streaming_heads)
         return math.ceil((h_r * r + h_s * s) / (h_r + h_s))
-
-    def _rows_for(self, name: str) -> Rows:
-        if name in ("keys", "values"):  # the layer's K/V storage (runner.kv_layout)
-            return self.kv_rows(name, growth=doubled_capacity)
-        if name not in self.token_state:  # small; contiguous in both layouts
-            self.token_state[name] = ContiguousRows(doubled_capacity)
-        return self.token_state[name]
-
-    def _token_rows(self) -> dict[str, Rows]:
-        return {**self._kv, **self.token_state}
 
     def _stream_mask(self, batch: int, device) -> torch.Tensor:
         return self.streaming.to(device).expand(batch, -1)  # (B, H_kv)

@@ -159,7 +159,26 @@ def _text_positions(start: int, count: int, device: torch.device) -> torch.Tenso
     return torch.arange(start, start + count, device=device)
 
 
-class EvictionLayer(KVLayer):
+class TokenRows:
+    """The rows a layer keeps in step with its K/V (a KVLayer mixin): K/V in the layer's storage
+    (runner.kv_layout), per-token state (`token_state`: positions, scores, ...) contiguous beside
+    them, so one `keep`/`drop_one` moves a token's K, V and state together."""
+
+    token_state: dict[str, Rows]
+
+    def _rows_for(self, name: str) -> Rows:
+        if name in ("keys", "values"):  # the layer's K/V storage (runner.kv_layout)
+            return self.kv_rows(name, growth=doubled_capacity)
+        if name not in self.token_state:  # small; contiguous in both layouts
+            self.token_state[name] = ContiguousRows(doubled_capacity)
+        return self.token_state[name]
+
+    def _token_rows(self) -> dict[str, Rows]:
+        """Every per-token `Rows` of the kept tokens (K/V on the device tier, positions, state)."""
+        return {**self._kv, **self.token_state}
+
+
+class EvictionLayer(TokenRows, KVLayer):
     """Per-request, per-layer state of a scored-eviction method (see the module docstring)."""
 
     compress_at: ClassVar[str] = "forward"  # "forward" | "prefill_end"
@@ -202,17 +221,6 @@ class EvictionLayer(KVLayer):
     def state(self, name: str) -> torch.Tensor:
         """A per-token state of the kept tokens, `(B, H_kv, T, ...)` (a view: add to it in place)."""
         return self.token_state[name].view()
-
-    def _rows_for(self, name: str) -> Rows:
-        if name in ("keys", "values"):  # the layer's K/V storage (runner.kv_layout)
-            return self.kv_rows(name, growth=doubled_capacity)
-        if name not in self.token_state:  # small; contiguous in both layouts
-            self.token_state[name] = ContiguousRows(doubled_capacity)
-        return self.token_state[name]
-
-    def _token_rows(self) -> dict[str, Rows]:
-        """Every per-token `Rows` of the kept tokens (K/V on the device tier, positions, state)."""
-        return {**self._kv, **self.token_state}
 
     # --- cache seam -------------------------------------------------------------------------
     def offloaded(self) -> bool:
