@@ -96,23 +96,33 @@ def row_key(label_text: str) -> tuple[str, str | None]:
     return words[0], setting
 
 
-def previous_rows(path: Path) -> dict[tuple[str, str | None], tuple[str, str]]:
-    """From the first table of an earlier family_table.py output: row key -> (needle all, ppl)."""
-    header, out = None, {}
-    for line in path.read_text().splitlines():
+def markdown_tables(text: str) -> list[list[list[str]]]:
+    """Every markdown table of `text` as its rows of cells (header first, the rule left out)."""
+    tables, current = [], None
+    for line in text.splitlines():
         if not line.startswith("|"):
-            if header is not None and out:
-                break
+            current = None
             continue
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if header is None:
-            header = cells
-        elif not set(line) <= set("|-: "):
-            got = dict(zip(header, cells))
-            out.setdefault(row_key(cells[0]), (got.get("needle all", ""), got.get("ppl", "")))
-    if header is None or "needle all" not in header:
-        raise SystemExit(f"--previous {path}: no family table (a '| method | ... | needle all |' "
-                         "header) in it")
+        if current is None:
+            current = []
+            tables.append(current)
+        if not set(line.strip()) <= set("|-: "):
+            current.append([c.strip() for c in line.strip().strip("|").split("|")])
+    return tables
+
+
+def previous_rows(path: Path, table: int = 1) -> dict[tuple[str, str | None], tuple[str, str]]:
+    """From the `table`-th table (from 1) of an earlier family_table.py output: row key ->
+    (needle all, ppl)."""
+    tables = markdown_tables(path.read_text())
+    if len(tables) < table or "needle all" not in tables[table - 1][0]:
+        raise SystemExit(f"--previous {path}: table {table} is not a family table (a '| method "
+                         "| ... | needle all |' header)")
+    header, *rows = tables[table - 1]
+    out = {}
+    for cells in rows:
+        got = dict(zip(header, cells))
+        out.setdefault(row_key(cells[0]), (got.get("needle all", ""), got.get("ppl", "")))
     return out
 
 
@@ -141,8 +151,10 @@ def main() -> None:
     ap.add_argument("--previous", type=Path, default=None,
                     help="an earlier family table (markdown): its needle-all and ppl cells are "
                          "shown beside each row's, matched by method and budget (or bits)")
+    ap.add_argument("--previous-table", type=int, default=1,
+                    help="which table of --previous (from 1; e.g. 2: the prompt-protocol table)")
     args = ap.parse_args()
-    before = previous_rows(args.previous) if args.previous else None
+    before = previous_rows(args.previous, args.previous_table) if args.previous else None
 
     from harness.results import write_text_atomic
     from methods import method_class
@@ -165,7 +177,8 @@ def main() -> None:
              "host MiB moved per decode step likewise ('-': nothing offloaded); ppl attended: the "
              "perplexity run's attended fraction (sparse layers); '(idle)': the run never "
              "compressed (its kv.inactive_reason), so the cell is the full cache's.", "",
-             *([f"'before': the same method and budget in {args.previous} (its own protocol; "
+             *([f"'before': the same method and budget in {args.previous}, table "
+                f"{args.previous_table} (its own protocol; "
                 "'-': no such row there).", ""] if before is not None else []),
              f"| method | {heads} | needle all | "
              + ("needle all before | " if before is not None else "")

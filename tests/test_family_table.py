@@ -34,13 +34,17 @@ def test_rows_match_by_method_and_budget_from_the_first_table_only(tmp_path):
     assert rows[row_key("full")] == ("15/15", "14.08")
     assert row_key("h2o budget_ratio=0.5") not in rows  # another budget is another row
     assert len(rows) == 3  # the second table (another protocol) is not read
+    assert previous_rows(path, 2) == {row_key("h2o budget_ratio=0.2"): ("9/15", "99.99")}
 
 
 def test_a_file_without_a_family_table_is_refused(tmp_path):
     path = tmp_path / "notes.md"
     path.write_text("| a | b |\n|---|---|\n| 1 | 2 |\n")
-    with pytest.raises(SystemExit, match="no family table"):
+    with pytest.raises(SystemExit, match="not a family table"):
         previous_rows(path)
+    path.write_text(EARLIER)
+    with pytest.raises(SystemExit, match="table 3 is not"):
+        previous_rows(path, 3)
 
 
 def test_a_run_that_never_compressed_is_marked_idle():
