@@ -186,6 +186,18 @@ class AttendedFraction:
         }
 
 
+def layer_held_less(kv: dict) -> bool:
+    """Whether some layer held less than its own full cache: a method that keeps a full copy on
+    the host tier beside its compressed layers (TailorKV: KIVI-quantized layers plus offloaded
+    sparse ones) holds more than the full cache in total, yet its quantized layers act. Every
+    layer's full cache is the same share of `full_cache_bytes` (ModelInfo.kv_bytes_per_token)."""
+    per_layer, full = kv.get("bytes_per_layer"), kv.get("full_cache_bytes")
+    if not per_layer or not full:
+        return False
+    layer_full = full / len(per_layer)
+    return any(b < (1 - ACTIVE_TOLERANCE) * layer_full - 1 for b in per_layer)  # 1: rounding
+
+
 def activity(compresses: bool, kv: dict) -> dict:
     """Whether a compressing method acted over the run, from the two figures above."""
     if not compresses:
@@ -194,11 +206,12 @@ def activity(compresses: bool, kv: dict) -> dict:
     attended = kv.get("attended_fraction_sparse_layers")
     held_less = held is not None and held < 1 - ACTIVE_TOLERANCE
     attended_less = attended is not None and attended < 1 - ACTIVE_TOLERANCE
-    if held_less or attended_less:
+    if held_less or attended_less or layer_held_less(kv):
         return {"method_active": True, "inactive_reason": None}
     seen = kv.get("seen_tokens_mean")
     steps = kv.get("decode_steps_accounted", 0)
-    why = (f"held the full cache ({held if held is not None else 'n/a'} of the full bytes) and "
+    why = (f"held the full cache in every layer ({held if held is not None else 'n/a'} of the "
+           "full bytes) and "
            f"attended every token at all {steps} decode steps (mean {seen} tokens per sample): "
            "the data are too short for this budget/window, or the task has no phase in which "
            "the method compresses")

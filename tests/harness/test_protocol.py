@@ -127,6 +127,19 @@ def test_a_method_that_did_not_act_is_flagged(tmp_path):
     assert activity(False, {"held_ratio": 1.0})["method_active"] is None  # references
 
 
+def test_a_layer_holding_less_than_its_full_cache_is_activity():
+    """TailorKV at a budget covering the text: its sparse layers keep a full host copy (held
+    1.03 of the full bytes in total) and attend every token, but its quantized layers hold a
+    quarter of theirs: the method acted. Every layer at its full bytes: it did not."""
+    full = 4_000.0
+    tailor = {"held_ratio": 1.03, "attended_fraction_sparse_layers": 1.0, "full_cache_bytes": full,
+              "bytes_per_layer": [1_000.0, 250.0, 1_560.0, 1_310.0], "decode_steps_accounted": 9}
+    assert activity(True, tailor) == {"method_active": True, "inactive_reason": None}
+    idle = {**tailor, "held_ratio": 1.0, "bytes_per_layer": [1_000.0] * 4}
+    got = activity(True, idle)
+    assert got["method_active"] is False and "every layer" in got["inactive_reason"]
+
+
 class _OverBudgetMidway(KVLayer):
     """Within budget when the request ends, over it for a few steps in between."""
 
