@@ -53,7 +53,12 @@ IDLE = " (idle)"  # the run's kv.inactive_reason is set: the method never compre
 
 
 def idle(metrics: dict) -> str:
-    return IDLE if metrics["kv"].get("inactive_reason") else ""
+    """IDLE for a run flagged inactive, re-judged by today's rule (harness.accounting.activity:
+    runs recorded before a layer holding less counted as acting may carry a stale flag)."""
+    from harness.accounting import activity
+
+    kv = metrics["kv"]
+    return IDLE if kv.get("inactive_reason") and not activity(True, kv)["method_active"] else ""
 
 
 def cells(needle: dict | None, ppl: dict | None, why_needle: str, why_ppl: str,
