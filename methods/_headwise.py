@@ -531,13 +531,6 @@ class HeadwiseLayer(TokenRows, KVLayer):
         order = (~real).to(torch.int8).argsort(dim=-1, stable=True)  # real slots first, in order
         return positions.gather(-1, order).masked_fill(~real.gather(-1, order), -1)
 
-    def streaming_positions(self) -> list[int]:
-        """The text positions the streaming heads hold, sorted (all of them hold the same)."""
-        if not len(self.streaming_heads):
-            return []
-        row = self.kept_positions()[0, int(self.streaming_heads[0])]
-        return sorted(p for p in row.tolist() if p >= 0)
-
 
 def read_slots(rows: Rows, slot: torch.Tensor) -> torch.Tensor:
     """Head (b, h)'s row at slot `slot[b, h]`, read in place: `(B, H, 1, ...)` (a copy)."""

@@ -43,3 +43,12 @@ def masked_full_gap(model, tok, method, monkeypatch, prompt_tokens: int = 80) ->
             req.prefill(ids[:prompt_tokens])
             want = req.step(ids[prompt_tokens])[0, -1]
     return (got - want).abs().max().item()
+
+
+def streaming_positions(layer) -> list[int]:
+    """The text positions a head-wise layer's streaming heads hold, sorted (all of them hold the
+    same): DuoAttention's and RazorAttention's sinks and window, read from `kept_positions`."""
+    if not len(layer.streaming_heads):
+        return []
+    row = layer.kept_positions()[0, int(layer.streaming_heads[0])]
+    return sorted(p for p in row.tolist() if p >= 0)

@@ -14,7 +14,7 @@ from methods import build_method
 from methods._headwise import HeadwiseLayer, load_duo_pattern, select_retrieval, sparsify_gates
 from methods.base import ModelInfo
 from tests.conftest import make_engine
-from tests.methods.headwise_reference import masked_full_gap
+from tests.methods.headwise_reference import masked_full_gap, streaming_positions
 
 INFO = ModelInfo(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, max_positions=512)
 
@@ -126,7 +126,7 @@ def test_per_head_kept_sets_and_attention_by_hand(compensate):
     layer.after_forward()
     window = 3  # slots: 2 sinks + 3 window (+ 1 compensation token)
     for t in range(10, 14):
-        assert layer.streaming_positions() == [0, 1] + list(range(t - window, t))
+        assert streaming_positions(layer) == [0, 1] + list(range(t - window, t))
         assert layer.kept_lengths()[0, 0] == t  # the retrieval head: every token
         q = torch.randn(1, 4, 1, 8, dtype=torch.float64)
         keys, values = layer.update(k_all[:, :, t:t + 1], v_all[:, :, t:t + 1], None)
@@ -184,7 +184,7 @@ def test_sinks_never_take_the_window_when_slots_are_few():
     k = torch.randn(1, 2, 30, 8)
     layer.update(k, k, None)
     layer.after_forward()
-    assert layer.streaming_positions() == [0, 1, 2, 3] + list(range(25, 30))
+    assert streaming_positions(layer) == [0, 1, 2, 3] + list(range(25, 30))
 
 
 def test_sinks_dropped_early_are_never_replaced_by_window_tokens():
@@ -196,12 +196,12 @@ def test_sinks_dropped_early_are_never_replaced_by_window_tokens():
     k = torch.randn(1, 2, 40, 8)
     layer.update(k[:, :, :10], k[:, :, :10], None)
     layer.after_forward()  # 3 slots: 1 sink (half, at least one) + 2 recent
-    assert layer.streaming_positions() == [0, 8, 9]
+    assert streaming_positions(layer) == [0, 8, 9]
     slots["n"] = 12
     for t in range(10, 40):
         layer.update(k[:, :, t:t + 1], k[:, :, t:t + 1], None)
         layer.after_forward()
-    assert layer.streaming_positions() == [0] + list(range(29, 40))
+    assert streaming_positions(layer) == [0] + list(range(29, 40))
 
 
 @pytest.mark.parametrize("compensate", [False, True])

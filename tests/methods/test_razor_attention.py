@@ -12,6 +12,7 @@ from methods import build_method
 from methods._headwise import HeadwiseLayer, _ProbeLayer, probe_period, probe_tokens, select_union
 from methods.base import ModelInfo
 from tests.conftest import make_engine
+from tests.methods.headwise_reference import streaming_positions
 
 INFO = ModelInfo(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=8, max_positions=512)
 
@@ -33,7 +34,7 @@ def test_compensation_token_is_exact_when_dropped_keys_are_identical(weighted):
     v = torch.randn(1, 1, 20, 8, dtype=torch.float64)
     layer.update(k[:, :, :19], v[:, :, :19], None)
     layer.after_forward()  # keeps 0, 1 | compensation of 2..15 | 16, 17, 18
-    assert layer.comp_count == 14 and layer.streaming_positions() == [0, 1, 16, 17, 18]
+    assert layer.comp_count == 14 and streaming_positions(layer) == [0, 1, 16, 17, 18]
     if not weighted:
         layer.comp_count = 1  # a plain extra token: weight 1 instead of |D|
     q = torch.randn(1, 2, 1, 8, dtype=torch.float64)
@@ -174,6 +175,6 @@ def test_the_compensation_slot_lives_in_the_shared_rows():
         comp_v = read_slots(layer._kv["values"], layer._comp_slot())[0, 1, 0]
         assert torch.allclose(comp_k, k[0, 1, dropped].mean(0), atol=1e-6)
         assert torch.allclose(comp_v, v[0, 1, dropped].mean(0), atol=1e-6)
-        assert layer.streaming_positions() == [0, 1, t - 2, t - 1, t]
+        assert streaming_positions(layer) == [0, 1, t - 2, t - 1, t]
         assert layer.virtual_slots().tolist() == [[0, 1]]
         assert layer.kept_lengths().tolist() == [[t + 1, 5]]
