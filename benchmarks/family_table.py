@@ -62,21 +62,25 @@ def idle(metrics: dict) -> str:
 
 
 def cells(needle: dict | None, ppl: dict | None, why_needle: str, why_ppl: str,
-          lengths: list[int], per_length: int) -> list[str]:
+          lengths: list[int], per_length: int, before: tuple[str, str] | None = None
+          ) -> list[str]:
+    """The row's cells between its label and its protocol; `before`: (needle all, ppl) of an
+    earlier table, each placed after its new counterpart."""
+    old_needle, old_ppl = ([before[0]], [before[1]]) if before is not None else ([], [])
     if needle is None:
-        out = [why_needle] + [""] * (len(lengths) + 3)
+        out = [why_needle] + [""] * len(lengths) + old_needle + ["", "", ""]
     else:
         acc, kv = needle["accuracy"], needle["kv"]
         fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
         out = [found(acc, n, per_length) for n in lengths]
         out += [f"{round(acc['niah_single'] / 100 * acc['samples'])}/{acc['samples']}"
-                + idle(needle),
+                + idle(needle), *old_needle,
                 fmt(kv.get("held_ratio")), fmt(kv.get("attended_fraction_sparse_layers")),
                 moved_per_step(needle)]
     if ppl is None:
-        return out + [why_ppl, ""]
+        return out + [why_ppl, *old_ppl, ""]
     attended = ppl["kv"].get("attended_fraction_sparse_layers")
-    return out + [f"{ppl['accuracy']['ppl']:.2f}" + idle(ppl),
+    return out + [f"{ppl['accuracy']['ppl']:.2f}" + idle(ppl), *old_ppl,
                   "n/a" if attended is None else f"{attended:.3f}"]
 
 
@@ -198,12 +202,9 @@ def main() -> None:
             ppl, why_ppl = lookup(ppl_common, overrides, "perplexity")
         else:
             ppl, why_ppl = None, "prefill-only: not streamed"
-        row = cells(needle, ppl, why_needle, why_ppl, args.lengths, len(args.depths))
-        if before is not None:
-            old_needle, old_ppl = before.get(row_key(label(overrides)), ("-", "-"))
-            n = len(args.lengths)
-            row = (row[:n + 1] + [old_needle or "-"] + row[n + 1:n + 5] + [old_ppl or "-"]
-                   + row[n + 5:])
+        old = None if before is None else [c or "-" for c in
+                                           before.get(row_key(label(overrides)), ("-", "-"))]
+        row = cells(needle, ppl, why_needle, why_ppl, args.lengths, len(args.depths), old)
         lines.append(f"| {label(overrides)} | " + " | ".join(row)
                      + f" | {protocol_cell(needle, ppl)} | {provenance_cell(needle, ppl)} |")
     text = "\n".join(lines) + "\n"

@@ -211,8 +211,8 @@ def activity(compresses: bool, kv: dict) -> dict:
     seen = kv.get("seen_tokens_mean")
     steps = kv.get("decode_steps_accounted", 0)
     why = (f"held the full cache in every layer ({held if held is not None else 'n/a'} of the "
-           "full bytes) and "
-           f"attended every token at all {steps} decode steps (mean {seen} tokens per sample): "
+           f"full bytes) and attended every token at all {steps} decode steps (mean {seen} "
+           "tokens per sample): "
            "the data are too short for this budget/window, or the task has no phase in which "
            "the method compresses")
     return {"method_active": False, "inactive_reason": why}
