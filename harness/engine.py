@@ -79,11 +79,14 @@ class Engine:
         self.attended = AttendedFraction(info.num_layers, self.dense_layers)
 
     @contextlib.contextmanager
-    def request(self, final_tokens: int | None = None) -> Iterator["Request"]:
+    def request(self, final_tokens: int | None = None, account: bool = True
+                ) -> Iterator["Request"]:
         """One sample: a fresh cache, bound for the duration, accounted when it ends.
         `final_tokens`: the sequence's final length, the budget basis of a ratio budget
         (Protocol.budget_basis="final"); a stream fed only by decode steps must declare it, a
-        prompt sets it to its own length when it is fed (unless declared here)."""
+        prompt sets it to its own length when it is fed (unless declared here). `account=False`:
+        a request that only prefills a prompt for others to continue (harness.sweep_engine) is
+        not a sample of this engine."""
         cache = hf_adapter.MethodCache(self.method, self.info, self.tier, self.settings.protocol)
         hooks = (hf_adapter.lookahead(self.model)
                  if self.method.capabilities.lookahead or self.tier.offload
@@ -91,7 +94,7 @@ class Engine:
         with torch.inference_mode(), hf_adapter.bind(self.model, cache), hooks:
             req = Request(self, cache, final_tokens)
             yield req
-        if req.pos > 0:
+        if req.pos > 0 and account:
             self.ledger.record(cache.kv_layers, self.settings.check_budget)
         release(cache.kv_layers)
 
@@ -273,6 +276,16 @@ class Request:
         Protocol `prefill="sparse"`: every prompt row must attend under the method's budget, so
         the prompt goes one token at a time (each row is then exactly a decode step of the method)
         unless the method honours sparse rows inside a chunk itself."""
+        logits = self.feed_prompt(tokens, all_logits, prompt_ends)
+        if prompt_ends:
+            self.close_prompt()
+        return logits
+
+    def feed_prompt(self, tokens, all_logits: bool = False, prompt_ends: bool = True
+                    ) -> torch.Tensor:
+        """`prefill` up to, not including, the prompt's end: the layers hold what they
+        recorded while the prompt was fed (a sweep snapshots that state here and hands each
+        setting its own copy, harness.sweep_engine); `close_prompt` compresses it."""
         ids = self._as_ids(tokens)
         chunk = self.engine.prefill_chunk()
         outs = []
@@ -287,9 +300,11 @@ class Request:
             if self.shadow is not None:
                 self._shadow_forward(piece, record=False)
         self.engine.prefill_tokens += ids.numel()
-        if prompt_ends:
-            close_prompt(self.engine, self.cache.kv_layers)
         return torch.cat(outs, dim=1) if all_logits else outs[-1][:, -1:]
+
+    def close_prompt(self) -> None:
+        """The prompt fed by `feed_prompt` is over: every layer compresses it now."""
+        close_prompt(self.engine, self.cache.kv_layers)
 
     def step(self, token) -> torch.Tensor:
         """One decode step: feed one token per sequence, return logits `(B, 1, V)`."""
@@ -320,27 +335,52 @@ class Request:
         """
         if self.shadow is not None:
             return None
-        shared = self._shared_ids()
+        refs = self._refs()
+        shared = {id(r): r for r in refs}
         states = []
         for kv in self.cache.kv_layers:
             state = _clone_state(kv.__dict__, shared)
             if state is _UNFORKABLE:
                 return None
             states.append(state)
-        return RequestSnapshot(self.pos, self.decode_steps, states)
+        return RequestSnapshot(self.pos, self.decode_steps, states, refs)
 
     def restore(self, snapshot: "RequestSnapshot", consume: bool = False) -> None:
-        """Rewind to `snapshot` (`consume=True` hands its tensors over instead of cloning)."""
-        shared = self._shared_ids()
+        """Rewind to `snapshot` (`consume=True` hands its tensors over instead of cloning).
+
+        A snapshot taken in another engine's request (a sweep handing one prompt state to each
+        setting, harness.sweep_engine) is restored with that engine's method, tier and layers
+        replaced by this request's own, position for position (`RequestSnapshot.refs`)."""
+        shared = {id(old): new for old, new in zip(snapshot.refs, self._refs())}
+        if len(snapshot.refs) != len(self._refs()):
+            raise ValueError("a snapshot restores into a request of the same model only")
+        foreign = snapshot.refs[2] is not self.engine.tier  # another engine's storage
         for kv, state in zip(self.cache.kv_layers, snapshot.states):
+            rows = state.get("_kv", {})
+            state = _clone_state({k: v for k, v in state.items() if k != "_kv"}, shared,
+                                 copy=not consume)
+            state["_kv"] = {name: self._own_rows(kv.layer_idx, name, r, foreign, consume)
+                            for name, r in rows.items()}
             kv.__dict__.clear()
-            kv.__dict__.update(state if consume else _clone_state(state, shared))
+            kv.__dict__.update(state)
         self.pos, self.decode_steps = snapshot.pos, snapshot.decode_steps
 
-    def _shared_ids(self) -> set[int]:
+    def _own_rows(self, layer_idx: int, name: str, rows: Rows, foreign: bool, consume: bool
+                  ) -> Rows:
+        """A layer's K/V storage for this request: paged rows of another engine are rewritten
+        into this engine's block pools (its pool figures count them), anything else forked."""
+        paged = self.engine.tier.paged
+        if not foreign or paged is None:
+            return rows if consume else rows.fork()
+        mine = paged.rows(layer_idx, name)
+        if rows.view() is not None:
+            mine.assign(rows.view(), rows.lengths() if rows.ragged else None)
+        return mine
+
+    def _refs(self) -> list:
+        """What a layer's state refers to without owning it, in a fixed order."""
         engine = self.engine
-        refs = [engine.method, engine.info, engine.tier, *self.cache.kv_layers]
-        return {id(r) for r in refs}
+        return [engine.method, engine.info, engine.tier, *self.cache.kv_layers]
 
     def generate(self, prompt, max_new_tokens: int, stop_ids: set[int] | None = None,
                  min_new_tokens: int = 0, query=None) -> list[int]:
@@ -348,7 +388,11 @@ class Request:
         first `min_new_tokens` tokens are never stop tokens (their logits are masked). `query`:
         fed after the prompt is over (and compressed), before generating."""
         stop_ids = self.engine.stop_token_ids() if stop_ids is None else stop_ids
-        logits = self.prefill(prompt)
+        return self.answer(self.prefill(prompt), max_new_tokens, stop_ids, min_new_tokens, query)
+
+    def answer(self, logits: torch.Tensor, max_new_tokens: int, stop_ids: set[int],
+               min_new_tokens: int = 0, query=None) -> list[int]:
+        """`generate` once the prompt is over and compressed: its last logits `(1, 1, V)`."""
         if query:
             logits = self.prefill(query, prompt_ends=False)
         out: list[int] = []
@@ -366,22 +410,27 @@ class RequestSnapshot:
     pos: int
     decode_steps: int
     states: list[dict]  # one cloned KVLayer.__dict__ per layer
+    refs: list  # what the states refer to without owning (Request._refs of the source request)
 
 
 _UNFORKABLE = object()
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, Protocol)  # immutable
 
 
-def _clone_state(value, shared: set[int]):
-    """A copy of a KV layer's state safe to mutate independently, or _UNFORKABLE."""
+def _clone_state(value, shared: dict[int, object], copy: bool = True):
+    """A copy of a KV layer's state safe to mutate independently, or _UNFORKABLE. `shared`:
+    objects referred to, not owned, by id -> the object the copy refers to instead. With
+    `copy=False` tensors and storage are handed over as they are (the references still mapped)."""
+    if id(value) in shared:
+        return shared[id(value)]
     if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, _PLAIN) or id(value) in shared:
+        return value.clone() if copy else value
+    if isinstance(value, _PLAIN):
         return value
     if isinstance(value, Rows):  # K/V storage (kvcore.storage): copied by its layout
-        return value.fork()
+        return value.fork() if copy else value
     if isinstance(value, (list, tuple)):
-        items = [_clone_state(v, shared) for v in value]
+        items = [_clone_state(v, shared, copy) for v in value]
         if any(v is _UNFORKABLE for v in items):
             return _UNFORKABLE
         if isinstance(value, list):
@@ -390,6 +439,6 @@ def _clone_state(value, shared: set[int]):
             return type(value)._make(items)
         return tuple(items)
     if type(value) is dict:
-        items = {k: _clone_state(v, shared) for k, v in value.items()}
+        items = {k: _clone_state(v, shared, copy) for k, v in value.items()}
         return _UNFORKABLE if any(v is _UNFORKABLE for v in items.values()) else items
     return _UNFORKABLE

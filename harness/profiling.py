@@ -38,6 +38,10 @@ class Timer:
                 self._record(name, start.elapsed_time(end))
             self._pending.clear()
 
+    def add(self, name: str, ms: list[float]) -> None:
+        """Regions timed elsewhere, counted as this timer's (a prefill shared by a sweep)."""
+        self.ms.setdefault(name, []).extend(ms)
+
     def values(self, name: str) -> list[float]:
         self.flush()
         return list(self.ms.get(name, []))

@@ -19,12 +19,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvcore.errors import BudgetViolation, ConfigError, OutputError, UnsupportedCombination
-from harness.config_check import check_config
-from harness.loggers import check_logger, log_run
+from harness.loggers import log_run
 from harness.projection import project
 from harness.schema import stamp
 from harness.serving import check_admission
-from harness.sweep import config_hash, group_options, multirun_job, record_status, resolve_output
+from harness.sweep import group_options, multirun_job, record_status, resolve_output
 from kvcore.paged import DEFAULT_BLOCK_TOKENS
 from kvcore.storage import KV_LAYOUTS
 from methods.base import BUDGET_BASES, COMPRESSION_TIMING, PREFILL_MODES, Protocol
@@ -252,63 +251,49 @@ def seed_everything(seed: int) -> None:
 
 def run(cfg: DictConfig) -> Path:
     """Run one (model, method, task) and return the result folder."""
-    from methods import build_method
-    from tasks import build_task
+    from harness.session import Session
 
     t_start = time.time()
-    check_config(cfg)  # every key declared (`+` keys too), no NaN/inf, types of YAML knobs
-    runner = _plain(cfg.runner)
-    check_runner(runner)
-    method_name, method_opts = _split_name("method", cfg.method)
-    task_name, task_opts = _split_name("task", cfg.task)
-    model_cfg = _plain(cfg.model)
-    check_logger(_plain(cfg.logger))
-
-    method = build_method(method_name, **method_opts)
-    task = build_task(task_name, **task_opts)
-    identity = config_hash(cfg)
+    session = Session.of([cfg])
+    setting = session.settings[0]
+    runner = setting.runner
+    session.validate(setting)
+    out = output_dir(runner, setting.task_name, session.spec.name, setting.method_name)
+    done = resolve_output(runner, out, setting.identity)  # refuses a path it must not replace
+    if done is not None:
+        print(f"skipped: a complete result for this config ({setting.identity}) exists at {done}")
+        return done
 
     import torch
 
-    from harness import hf_adapter, models
-    from harness.engine import Engine
-    from harness.env import environment
-    from harness.profiling import peak_memory, reset_peak_memory
-    from harness.results import RunFolder
-
-    spec = models.resolve_model(model_cfg)
-    config = models.load_config(spec)
-    spec = models.identify(spec, config)  # model=hf: <folder or hub id>-<config hash>
-    info = hf_adapter.model_info(config, spec.dtype)
-    reasons = (method.validate(info, runner) + task.validate(info, method)
-               + protocol_reasons(method, task, info, protocol_from(runner), runner)
-               + storage_reasons(runner, info, spec.device))
-    if reasons:
-        raise ConfigError("; ".join(reasons))
-    task.check_data()
-    check_prompts(task, spec, info, method, config)
-    out = output_dir(runner, task_name, spec.name, method_name)
-    done = resolve_output(runner, out, identity)  # refuses a path it must not replace
-    if done is not None:
-        print(f"skipped: a complete result for this config ({identity}) exists at {done}")
-        return done
+    from harness.profiling import reset_peak_memory
 
     if runner.get("threads"):
         torch.set_num_threads(int(runner["threads"]))
     seed_everything(int(runner["seed"]))
-    log.info("loading %s", spec.description)
-    model, tokenizer = models.load_model(spec, runner["attn_impl"])
-    prepared = (hf_adapter.prepare(method, model, tokenizer, info, data_dir=models.SHARED_DIR / "data")
-                if method.capabilities.needs_prepare else {})
-    handles = method.install(model)
-    engine = Engine(model, tokenizer, method, info, engine_settings(runner))
+    session.load(runner["attn_impl"])
+    engine = session.engine(setting)
+    handles = setting.method.install(session.model)
     reset_peak_memory(engine.device)
     try:
-        result = task.evaluate(engine)
+        result = setting.task.evaluate(engine)
     finally:
         for handle in handles:
             handle.remove()
+    metrics = build_metrics(session, setting, engine, result, t_start)
+    return write_result(setting, out, metrics, result, engine)
 
+
+def build_metrics(session, setting, engine, result, t_start: float,
+                  run_extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """metrics.json of one setting (harness.schema), from its engine's accounting and its task
+    result: the one construction for a single run and for each setting of a sweep."""
+    from harness import models
+    from harness.env import environment
+    from harness.profiling import peak_memory
+
+    cfg, runner, method, spec, info = (setting.cfg, setting.runner, setting.method,
+                                       session.spec, session.info)
     metrics = {
         "accuracy": result.metrics,
         "speed": engine.speed().as_dict(),
@@ -321,14 +306,14 @@ def run(cfg: DictConfig) -> Path:
                   "num_layers": info.num_layers, "num_heads": info.num_heads,
                   "num_kv_heads": info.num_kv_heads, "head_dim": info.head_dim,
                   "max_positions": info.max_positions,
-                  "parameters": models.parameter_count(model)},
-        "method": {"name": method_name, "hyperparameters": method.hyperparameters(),
+                  "parameters": models.parameter_count(session.model)},
+        "method": {"name": setting.method_name, "hyperparameters": method.hyperparameters(),
                    "provenance": method.provenance_label(),
                    "operating_point": method.operating_point,
                    "axis_keys": list(method.axis_keys), "variant_keys": list(method.variant_keys),
                    "capabilities": vars(method.capabilities) if hasattr(method.capabilities, "__dict__")
-                   else {}, "prepare": prepared},
-        "task": {"name": task_name, "options": task.options()},
+                   else {}, "prepare": setting.prepared},
+        "task": {"name": setting.task_name, "options": setting.task.options()},
         "protocol": {**result.protocol, "dense_layers": list(engine.dense_layers),
                      "dense_layers_runner": list(runner.get("dense_layers") or []),
                      "prefill": engine.settings.protocol.prefill,
@@ -343,15 +328,22 @@ def run(cfg: DictConfig) -> Path:
                      "positions": "text positions, explicit position_ids", "seed": runner["seed"]},
         "env": environment(Path(__file__).resolve().parents[1]),
         "run": {"started": datetime.fromtimestamp(t_start).isoformat(timespec="seconds"),
-                "wall_s": round(time.time() - t_start, 3), "config_hash": identity,
-                "status": "ok"},
+                "wall_s": round(time.time() - t_start, 3), "config_hash": setting.identity,
+                "status": "ok", **(run_extra or {})},
     }
     if engine.diagnostics is not None:
         metrics["diagnostics"] = engine.diagnostics.summary()
     projected = project(_plain(cfg.hardware), metrics["speed"], metrics["transfer"])
     if projected is not None:
         metrics["projected"] = projected
-    metrics = stamp(metrics)
+    return stamp(metrics)
+
+
+def write_result(setting, out: Path, metrics: dict[str, Any], result, engine) -> Path:
+    """The run folder, written atomically (staged, mirrored, committed); returns where."""
+    from harness.results import RunFolder
+
+    cfg, runner = setting.cfg, setting.runner
     key = "runner.output_dir" if runner.get("output_dir") else "runner.results_root"
     try:
         folder = RunFolder(out)

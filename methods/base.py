@@ -466,6 +466,11 @@ class KVMethod:
     # Knobs that by design change nothing in a short compressing run, each with the reason
     # (tests/methods/test_every_knob_acts.py holds every other knob to changing the outputs).
     inert_knobs: ClassVar[dict[str, str]] = {}
+    # Knobs its layers read from the prompt's end on only: under runner.prefill=dense they change
+    # nothing a layer records while a prompt is fed, so a sweep's settings that differ only in
+    # them share one prefill of each prompt (harness.sweep_engine). Declare a knob only when
+    # its layers neither read it nor keep anything derived from it before `on_prefill_end`.
+    prompt_end_knobs: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         for reason in self.check_hyperparameters():

@@ -75,6 +75,8 @@ class BudgetedMethod(KVMethod):
     budget_ratio: float | None = 0.2
     budget_tokens: int | None = None
     min_budget_tokens: ClassVar[int] = 1  # a ratio budget never goes below this
+    # the budget is first applied when a dense prompt is compressed (KVMethod.prompt_end_knobs)
+    prompt_end_knobs: ClassVar[tuple[str, ...]] = ("budget_ratio", "budget_tokens")
 
     def check_hyperparameters(self) -> list[str]:
         return check_budget(self.budget_ratio, self.budget_tokens)

@@ -1,0 +1,135 @@
+"""One entry path: compose -> validate every setting (no weights) -> load model, tokenizer once ->
+one engine per setting.
+
+A `Session` holds the settings of one model and one task (a single run is a session of one;
+a sweep, harness.sweep_engine, a session of many). Every setting is composed and validated
+before any weights load; the model and tokenizer then load once and `engine(setting)` builds
+each setting's method (prepare included) and engine over them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig
+
+from kvcore.errors import ConfigError
+
+log = logging.getLogger("harness")
+
+
+@dataclass
+class Setting:
+    """One composed and checked config: a method and its knobs, a task, the runner."""
+
+    cfg: DictConfig
+    runner: dict[str, Any]
+    model_cfg: dict[str, Any]
+    method_name: str
+    method: Any  # methods.base.KVMethod
+    task_name: str
+    task: Any  # tasks.base.Task
+    identity: str  # harness.sweep.config_hash
+    prepared: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        knobs = ",".join(f"{k}={v}" for k, v in self.method.hyperparameters().items()
+                         if k in self.method.axis_keys and v is not None)
+        return f"{self.method_name}" + (f"({knobs})" if knobs else "")
+
+
+def compose(cfg: DictConfig) -> Setting:
+    """Every check of one config that needs no model (keys, types, runner, method, task)."""
+    from harness.config_check import check_config
+    from harness.loggers import check_logger
+    from harness.run import _plain, _split_name, check_runner
+    from harness.sweep import config_hash
+    from methods import build_method
+    from tasks import build_task
+
+    check_config(cfg)  # every key declared (`+` keys too), no NaN/inf, types of YAML knobs
+    runner = _plain(cfg.runner)
+    check_runner(runner)
+    method_name, method_opts = _split_name("method", cfg.method)
+    task_name, task_opts = _split_name("task", cfg.task)
+    check_logger(_plain(cfg.logger))
+    method = build_method(method_name, **method_opts)
+    task = build_task(task_name, **task_opts)
+    return Setting(cfg, runner, _plain(cfg.model), method_name, method, task_name, task,
+                   config_hash(cfg))
+
+
+class Session:
+    """The settings of one model and one task; the model and tokenizer load once for all."""
+
+    def __init__(self, settings: list[Setting]):
+        if not settings:
+            raise ConfigError("a session needs at least one setting")
+        first = settings[0]
+        for s in settings[1:]:
+            if s.model_cfg != first.model_cfg:
+                raise ConfigError(f"a sweep shares one model: model={s.model_cfg.get('name')} "
+                                  f"differs from model={first.model_cfg.get('name')}")
+            if s.runner["attn_impl"] != first.runner["attn_impl"]:
+                raise ConfigError(f"a sweep loads the model once, with one attention: "
+                                  f"runner.attn_impl={s.runner['attn_impl']} differs from "
+                                  f"{first.runner['attn_impl']}")
+            if s.task_name != first.task_name or s.task.options() != first.task.options():
+                raise ConfigError(f"a sweep shares one task: task={s.task_name} "
+                                  f"{s.task.options()} differs from task={first.task_name} "
+                                  f"{first.task.options()}")
+        self.settings = settings
+        self.model = self.tokenizer = None
+        from harness import hf_adapter, models
+
+        spec = models.resolve_model(first.model_cfg)
+        self.config = models.load_config(spec)
+        self.spec = models.identify(spec, self.config)  # model=hf: <folder or hub id>-<hash>
+        self.info = hf_adapter.model_info(self.config, self.spec.dtype)
+
+    @classmethod
+    def of(cls, cfgs: list[DictConfig]) -> "Session":
+        return cls([compose(cfg) for cfg in cfgs])
+
+    def reasons(self, setting: Setting) -> list[str]:
+        """Why this setting cannot run on this model (method x task x protocol x storage)."""
+        from harness.run import protocol_from, protocol_reasons, storage_reasons
+
+        runner, method, task = setting.runner, setting.method, setting.task
+        return (method.validate(self.info, runner) + task.validate(self.info, method)
+                + protocol_reasons(method, task, self.info, protocol_from(runner), runner)
+                + storage_reasons(runner, self.info, self.spec.device))
+
+    def validate(self, setting: Setting) -> None:
+        """Every check before weights load, one ConfigError naming the key."""
+        from harness.run import check_prompts
+
+        reasons = self.reasons(setting)
+        if reasons:
+            raise ConfigError("; ".join(reasons))
+        setting.task.check_data()
+        check_prompts(setting.task, self.spec, self.info, setting.method, self.config)
+
+    def load(self, attn_impl: str) -> None:
+        """Weights and tokenizer, once."""
+        from harness import models
+
+        if self.model is None:
+            log.info("loading %s", self.spec.description)
+            self.model, self.tokenizer = models.load_model(self.spec, attn_impl)
+
+    def engine(self, setting: Setting):
+        """The setting's method prepared on the loaded model, and its engine."""
+        from harness import hf_adapter, models
+        from harness.engine import Engine
+        from harness.run import engine_settings
+
+        method = setting.method
+        if method.capabilities.needs_prepare:
+            setting.prepared = hf_adapter.prepare(method, self.model, self.tokenizer, self.info,
+                                                  data_dir=models.SHARED_DIR / "data")
+        return Engine(self.model, self.tokenizer, method, self.info,
+                      engine_settings(setting.runner))

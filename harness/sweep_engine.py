@@ -1,0 +1,268 @@
+"""Prefill once, compress many: one task pass answers every setting of a sweep.
+
+The settings of a sweep share the model and the task (harness.session). The task is evaluated
+once through a `FanOut` in place of an engine: each prompt it sends to `generate_many` is
+prefilled once per *prefill group*, and every setting of the group continues from its own copy
+of that prompt state: it compresses it (the prompt's end), is fed the query, decodes. Each
+other setting then runs its own task pass over a `Replay` of its answers, so its rows and
+metrics come from its own task code and its own engine's accounting, as in a single run.
+
+Prefill groups. Under runner.prefill=dense a layer holds the prompt in full while it is fed and
+compresses it once, at its end (harness.prompting); what a layer has recorded by then depends on
+its method's class and knobs, except the knobs a method declares it reads from the prompt's end
+on only (`KVMethod.prompt_end_knobs`, e.g. the budget), and on the runner (chunking, attention,
+layout, dense layers, ...). Settings equal in all of that share one prefill, run by a prefill
+engine of their own; the state handed over is each layer's whole state (`Request.snapshot`:
+K/V storage, per-token and per-layer records), which every setting restores as its own copy,
+its own method, tier and layers in place of the prefill engine's (`Request.restore`). A setting
+gets its own prefill when its fresh layers differ from the group's in anything but those
+references (a knob copied into a layer), when the prompt state cannot be copied (a host KV
+store, a diagnostics shadow), when its runner feeds prompts otherwise (chunked or sparse
+prefill, batches, a device KV limit, an offloaded cache), or when its method installs hooks on
+the model (`KVMethod.install`): those are evaluated by their own task pass and engine.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from harness.engine import Engine
+from harness.progress import progress
+from kvcore.storage import Rows
+from methods.base import KVMethod, Protocol
+
+# Runner keys that say where or how results are written or shown, not what is computed.
+_NOT_COMPUTE = ("output_dir", "results_root", "debug", "skip_existing", "overwrite", "threads")
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, Protocol)
+
+
+@dataclass
+class Member:
+    """One setting of the sweep and its engine."""
+
+    setting: Any  # harness.session.Setting
+    engine: Engine
+    own_pass: bool = False  # evaluated by its own task pass (hooks, batches, device limit)
+
+
+@dataclass
+class Group:
+    """Settings whose layers record the same state while a prompt is fed."""
+
+    members: list[int]  # indices into the sweep's members
+    prefill_engine: Engine | None = None  # None: one member, it prefills for itself
+    shared_prefills: int = 0  # prompts prefilled once for the group
+    own_prefills: int = 0  # prompts whose state could not be copied: each member prefilled
+
+
+@dataclass
+class Call:
+    """One `generate_many` call of the task and every member's answers to it."""
+
+    prompts: list[list[int]]
+    limits: list[int]
+    queries: list[list[int]] | None
+    outputs: list[list[list[int]]] = field(default_factory=list)  # per member, per prompt
+
+
+def shares_prefill(setting) -> bool:
+    """Whether this setting's runner feeds a prompt the one way a prefill can be shared: dense,
+    one sequence at a time, no device limit, no host tier, no diagnostics shadow."""
+    r = setting.runner
+    return (r.get("prefill", "dense") == "dense" and r.get("batch_size", 1) == 1
+            and r.get("kv_device_limit_mib") is None and r.get("kv_offload", "none") == "none"
+            and not r.get("diagnostics"))
+
+
+def installs_hooks(method: KVMethod) -> bool:
+    return type(method).install is not KVMethod.install
+
+
+def prefill_key(setting) -> str:
+    """Settings with equal keys record the same state while a dense prompt is fed."""
+    method = setting.method
+    knobs = {k: v for k, v in method.hyperparameters().items()
+             if k not in method.prompt_end_knobs}
+    runner = {k: v for k, v in setting.runner.items() if k not in _NOT_COMPUTE}
+    return json.dumps([method.name, knobs, runner], sort_keys=True, default=str)
+
+
+def fresh_layers_agree(lead: KVMethod, other: KVMethod, info, protocol: Protocol) -> bool:
+    """Whether `other`'s fresh layers equal `lead`'s but for their method (so that a prompt state
+    recorded by `lead`'s layers is `other`'s too, once its references are swapped)."""
+    from harness.hf_adapter import MethodCache
+
+    mine = MethodCache(lead, info, None, protocol).kv_layers
+    theirs = MethodCache(other, info, None, protocol).kv_layers
+    swap = {id(lead): other, **{id(a): b for a, b in zip(mine, theirs)}}
+    return all(type(a) is type(b) and _same(a.__dict__, b.__dict__, swap)
+               for a, b in zip(mine, theirs))
+
+
+def _same(a, b, swap: dict[int, object]) -> bool:
+    if id(a) in swap:
+        return swap[id(a)] is b
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+    if isinstance(a, _PLAIN):
+        return a == b
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y, swap) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k], swap) for k in a)
+    if isinstance(a, Rows):
+        return a.length == b.length == 0
+    return False
+
+
+def plan_groups(members: list[Member], info) -> list[Group]:
+    """Prefill groups of the members evaluated in the shared pass (see the module docstring)."""
+    groups: list[Group] = []
+    leads: dict[str, Group] = {}
+    for i, m in enumerate(members):
+        if m.own_pass:
+            continue
+        key = prefill_key(m.setting) if shares_prefill(m.setting) else None
+        group = leads.get(key) if key is not None else None
+        if group is not None:
+            lead = members[group.members[0]]
+            if fresh_layers_agree(lead.setting.method, m.setting.method, info,
+                                  m.engine.settings.protocol):
+                group.members.append(i)
+                continue
+        group = Group([i])
+        groups.append(group)
+        if key is not None and key not in leads:
+            leads[key] = group
+    for group in groups:
+        if len(group.members) > 1:
+            lead = members[group.members[0]].engine
+            group.prefill_engine = Engine(lead.model, lead.tokenizer, lead.method, lead.info,
+                                          lead.settings)
+    return groups
+
+
+class FanOut:
+    """The engine a sweep's first task pass sees: `generate_many` answers every prompt for every
+    member (prompt by prompt, so one prompt state is held at a time) and yields the first
+    member's answers; anything else is the first member's engine."""
+
+    def __init__(self, members: list[Member], groups: list[Group], copy_on_use: bool = True):
+        self.members, self.groups = members, groups
+        self.calls: list[Call] = []
+        self.copy_on_use = copy_on_use  # False only in the test that plants the sharing bug
+        self._first = next(i for g in groups for i in g.members)
+
+    def __getattr__(self, name: str):
+        return getattr(self.members[self._first].engine, name)
+
+    def generate_many(self, prompts: list[list[int]], max_new_tokens: int | list[int],
+                      stop_ids: set[int] | None = None, min_new_tokens: int = 0,
+                      queries: list[list[int]] | None = None) -> Iterator[list[int]]:
+        first = self.members[self._first].engine
+        stop_ids = first.stop_token_ids() if stop_ids is None else stop_ids
+        limits = (list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple))
+                  else [max_new_tokens] * len(prompts))
+        call = Call([list(p) for p in prompts], limits,
+                    None if queries is None else [list(q) for q in queries],
+                    [[] for _ in self.members])
+        self.calls.append(call)
+        for i, prompt in enumerate(call.prompts):
+            query = None if queries is None else call.queries[i]
+            for group in self.groups:
+                self._answer(group, call, prompt, limits[i], stop_ids, min_new_tokens, query)
+            yield call.outputs[self._first][i]
+
+    def _answer(self, group: Group, call: Call, prompt: list[int], limit: int,
+                stop_ids: set[int], min_new_tokens: int, query) -> None:
+        shared = self._prefill(group, prompt) if group.prefill_engine is not None else None
+        for k in group.members:
+            engine = self.members[k].engine
+            with engine.request() as req:
+                if shared is None:
+                    out = req.generate(prompt, limit, stop_ids, min_new_tokens, query)
+                else:
+                    snapshot, logits, ms = shared
+                    req.restore(snapshot, consume=not self.copy_on_use)
+                    engine.prefill_tokens += len(prompt)
+                    engine.timer.add("prefill", ms)
+                    engine.transfers.begin_step(decode=False)
+                    req.close_prompt()
+                    out = req.answer(logits.clone(), limit, stop_ids, min_new_tokens, query)
+            call.outputs[k].append(out)
+
+    def _prefill(self, group: Group, prompt: list[int]):
+        """The group's prompt state once the prompt is fed, before its end: (snapshot, last
+        logits, prefill ms), or None when it cannot be copied (each member then prefills)."""
+        engine = group.prefill_engine
+        before = len(engine.timer.values("prefill"))
+        with engine.request(account=False) as req:
+            logits = req.feed_prompt(prompt)
+            snapshot = req.snapshot()
+        if snapshot is None:
+            group.own_prefills += 1
+            return None
+        group.shared_prefills += 1
+        return snapshot, logits, engine.timer.values("prefill")[before:]
+
+
+class Replay:
+    """A member's engine for its own task pass: `generate_many` answers from the first pass
+    (the same prompts, checked); anything else is the member's engine."""
+
+    def __init__(self, engine: Engine, calls: list[Call], index: int):
+        self._engine, self._calls, self._index = engine, list(calls), index
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def generate_many(self, prompts, max_new_tokens, stop_ids=None, min_new_tokens=0,
+                      queries=None) -> Iterator[list[int]]:
+        if not self._calls:
+            raise RuntimeError("the task asked more of generate_many in a sweep member's pass "
+                               "than in the first pass")
+        call = self._calls.pop(0)
+        limits = (list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple))
+                  else [max_new_tokens] * len(prompts))
+        asked = ([list(p) for p in prompts], limits,
+                 None if queries is None else [list(q) for q in queries])
+        if asked != (call.prompts, call.limits, call.queries):
+            raise RuntimeError("the task sent a sweep member other prompts than the first pass "
+                               "(its samples must not depend on the method)")
+        yield from call.outputs[self._index]
+
+
+def evaluate(members: list[Member], info, copy_on_use: bool = True
+             ) -> tuple[list[Any], list[Group]]:
+    """Every member's TaskResult (in order), and the prefill groups of the shared pass."""
+    for m in members:
+        m.own_pass = m.own_pass or installs_hooks(m.setting.method) or (
+            m.setting.runner.get("batch_size", 1) != 1
+            or m.setting.runner.get("kv_device_limit_mib") is not None)
+    groups = plan_groups(members, info)
+    results: list[Any] = [None] * len(members)
+    if groups:
+        fan = FanOut(members, groups, copy_on_use)
+        first = fan._first
+        results[first] = members[first].setting.task.evaluate(fan)
+        shared = [i for g in groups for i in g.members if i != first]
+        for i in progress(shared, "sweep: settings", "setting"):
+            results[i] = members[i].setting.task.evaluate(
+                Replay(members[i].engine, fan.calls, i))
+    for i, m in enumerate(members):
+        if m.own_pass:
+            handles = m.setting.method.install(m.engine.model)
+            try:
+                results[i] = m.setting.task.evaluate(m.engine)
+            finally:
+                for handle in handles:
+                    handle.remove()
+    return results, groups
