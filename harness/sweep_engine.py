@@ -18,8 +18,9 @@ its own method, tier and layers in place of the prefill engine's (`Request.resto
 gets its own prefill when its fresh layers differ from the group's in anything but those
 references (a knob copied into a layer), when the prompt state cannot be copied (a host KV
 store, a diagnostics shadow), when its runner feeds prompts otherwise (chunked or sparse
-prefill, batches, a device KV limit, an offloaded cache), or when its method installs hooks on
-the model (`KVMethod.install`): those are evaluated by their own task pass and engine.
+prefill, batches, a device KV limit, an offloaded cache) or its method moves K/V between tiers
+(`offloads_kv`), or when its method installs hooks on the model (`KVMethod.install`; those
+settings are evaluated by their own task pass and engine).
 """
 
 from __future__ import annotations
@@ -71,9 +72,12 @@ class Call:
 
 def shares_prefill(setting) -> bool:
     """Whether this setting's runner feeds a prompt the one way a prefill can be shared: dense,
-    one sequence at a time, no device limit, no host tier, no diagnostics shadow."""
+    one sequence at a time, no device limit, no host tier, no diagnostics shadow; and its method
+    moves no K/V between tiers while the prompt is fed (`offloads_kv`: those transfers are its
+    own figures)."""
     r = setting.runner
-    return (r.get("prefill", "dense") == "dense" and r.get("batch_size", 1) == 1
+    return (not setting.method.capabilities.offloads_kv
+            and r.get("prefill", "dense") == "dense" and r.get("batch_size", 1) == 1
             and r.get("kv_device_limit_mib") is None and r.get("kv_offload", "none") == "none"
             and not r.get("diagnostics"))
 

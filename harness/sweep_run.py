@@ -1,0 +1,89 @@
+"""A sweep in one process: the settings of one model and one task, each written to its own
+result folder exactly as `harness.run.run` writes a single run (the same metrics.json, built
+by `harness.run.build_metrics`), evaluated together by harness.sweep_engine (model, tokenizer
+and task loaded once, each prompt prefilled once per prefill group).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from kvcore.errors import UnsupportedCombination
+
+
+@dataclass
+class Outcome:
+    """What became of one setting: ok (its folder), skipped (a complete result existed, or the
+    combination is refused before weights) or failed (one line)."""
+
+    status: str  # ok | skipped | failed
+    detail: str
+    folder: Path | None = None
+
+
+def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True) -> list[Outcome]:
+    """Run every config (same model and task) through the sweep engine; one Outcome each, in
+    order. Refused settings are reported and the others run."""
+    from harness import sweep_engine
+    from harness.profiling import reset_peak_memory
+    from harness.run import build_metrics, output_dir, seed_everything, write_result
+    from harness.session import Session, compose
+    from harness.sweep import resolve_output
+
+    t_start = time.time()
+    outcomes: list[Outcome | None] = [None] * len(cfgs)
+    composed = {}
+    for i, cfg in enumerate(cfgs):
+        try:
+            composed[i] = compose(cfg)
+        except UnsupportedCombination as exc:
+            outcomes[i] = Outcome("skipped", str(exc))
+    if not composed:
+        return outcomes
+    session = Session(list(composed.values()))
+    todo, outs = [], {}
+    for i, setting in composed.items():
+        try:
+            session.validate(setting)
+        except UnsupportedCombination as exc:
+            outcomes[i] = Outcome("skipped", str(exc))
+            continue
+        out = output_dir(setting.runner, setting.task_name, session.spec.name,
+                         setting.method_name)
+        done = resolve_output(setting.runner, out, setting.identity)
+        if done is not None:
+            outcomes[i] = Outcome("skipped", f"a complete result exists at {done}", done)
+            continue
+        todo.append(i)
+        outs[i] = out
+    if not todo:
+        return outcomes
+
+    import torch
+
+    first = composed[todo[0]].runner
+    if first.get("threads"):
+        torch.set_num_threads(int(first["threads"]))
+    seed_everything(int(first["seed"]))
+    session.load(first["attn_impl"])
+    members = []
+    for i in todo:
+        seed_everything(int(composed[i].runner["seed"]))  # as a single run seeds before prepare
+        members.append(sweep_engine.Member(composed[i], session.engine(composed[i])))
+    reset_peak_memory(members[0].engine.device)
+    results, groups = sweep_engine.evaluate(members, session.info, copy_on_use)
+    group_of = {k: g for g in groups for k in g.members}
+    for k, (i, member, result) in enumerate(zip(todo, members, results)):
+        group = group_of.get(k)
+        extra = {"sweep": {"settings": len(todo),
+                           "prefill_shared_with": (len(group.members) - 1) if group else 0,
+                           "prompts_prefilled_once": group.shared_prefills if group else 0}}
+        metrics = build_metrics(session, member.setting, member.engine, result, t_start, extra)
+        folder = write_result(member.setting, outs[i], metrics, result, member.engine)
+        outcomes[i] = Outcome("ok", str(folder), folder)
+    return outcomes
+

@@ -1,0 +1,102 @@
+"""The default local launcher: `python -m harness -m method=h2o,snapkv method.budget_ratio=0.2,0.5`
+composes every member, then runs the members of each (model, task) through the sweep engine in
+this process (harness.sweep_run: model, tokenizer and task loaded once, each prompt prefilled
+once per prefill group), each member writing its own result folder and status as a member of
+Hydra's basic launcher would. `runner.sweep_engine=false` (on every member) keeps Hydra's basic
+launcher: one member after another, each loading everything itself."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from hydra._internal.core_plugins.basic_launcher import BasicLauncher
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
+
+from harness.results import write_json_atomic
+
+log = logging.getLogger(__name__)
+
+
+class SweepLauncher(BasicLauncher):
+    """`hydra/launcher=kvh_sweep` (see the module docstring)."""
+
+    def launch(self, job_overrides: Sequence[Sequence[str]],
+               initial_job_idx: int) -> Sequence[JobReturn]:
+        setup_globals()
+        assert self.hydra_context is not None and self.config is not None
+        members = []
+        for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
+            cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+            with open_dict(cfg):
+                cfg.hydra.job.id = cfg.hydra.job.num = idx
+            members.append((idx, list(overrides), cfg))
+        if not all(OmegaConf.select(cfg, "runner.sweep_engine", default=True) is not False
+                   for _, _, cfg in members):
+            return super().launch(job_overrides, initial_job_idx)
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        groups: dict[str, list] = {}
+        for member in members:
+            groups.setdefault(shared_key(member[2]), []).append(member)
+        log.info(f"Launching {len(members)} members locally through the sweep engine "
+                 f"({len(groups)} model x task group(s))")
+        for group in groups.values():
+            run_group(group, sweep_dir)
+        return [JobReturn(overrides=overrides, status=JobStatus.COMPLETED)
+                for _, overrides, _ in members]
+
+
+def shared_key(cfg: DictConfig) -> str:
+    """Members with equal keys share one model load and one task (one sweep-engine pass)."""
+    plain = OmegaConf.to_container(cfg, resolve=False)
+    return json.dumps([plain.get("model"), plain.get("task"),
+                       (plain.get("runner") or {}).get("attn_impl")], sort_keys=True, default=str)
+
+
+def run_group(group: list, sweep_dir: Path) -> None:
+    """One sweep-engine pass over `group`'s members; a status file per member."""
+    from harness.run import _inactive_reason, traceback_wanted
+    from harness.sweep_run import run_sweep
+
+    HydraConfig.instance().set_config(group[0][2])  # multirun_job(): the sweep's folder
+    cfgs = []
+    for _, _, cfg in group:
+        task_cfg = cfg.copy()
+        with read_write(task_cfg), open_dict(task_cfg):
+            del task_cfg["hydra"]
+        cfgs.append(task_cfg)
+    for idx, overrides, _ in group:
+        log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
+    try:
+        outcomes = run_sweep(cfgs)
+    except KeyboardInterrupt:
+        print("interrupted: settings not written yet have no result (a folder is only created "
+              "when complete)", file=sys.stderr)
+        sys.exit(130)
+    except Exception as exc:  # noqa: BLE001 - the group fails together, other groups go on
+        if traceback_wanted() or any(OmegaConf.select(c, "runner.debug", default=False)
+                                     for c in cfgs):
+            raise
+        line = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc) else ''}"
+        print(f"failed: {line}", file=sys.stderr)
+        outcomes = None
+    for k, (idx, overrides, _) in enumerate(group):
+        if outcomes is None:
+            status, detail = "failed", line
+        else:
+            outcome = outcomes[k]
+            status, detail = outcome.status, outcome.detail
+            inactive = _inactive_reason(outcome.folder) if outcome.status == "ok" else None
+            if inactive:
+                status, detail = "inactive", inactive
+        write_json_atomic(sweep_dir / "status" / f"{int(idx):04d}.json",
+                          {"job": int(idx), "status": status, "detail": detail,
+                           "overrides": filter_overrides(overrides), "pid": os.getpid()})

@@ -1,0 +1,98 @@
+"""The sweep engine gives every setting what a single run of it gives (harness.sweep_engine):
+predictions, scores and KV figures, for every method and both K/V layouts."""
+
+import json
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from harness.run import run
+from harness.sweep_run import run_sweep
+from kvcore.errors import ConfigError, UnsupportedCombination
+from methods import available_methods, method_class
+from tests.conftest import PROJECT, STORIES, need_shared
+
+PROMPT_TOKENS = 300  # RULER length 320 on stories260K: a niah prompt of about this many tokens
+TASK = ["model=stories260k", "task=ruler", "task.lengths=[320]", "task.subtasks=[niah_single]",
+        "task.depths=[25,75]", "task.max_new_tokens=8", "runner.threads=1"]
+# Figures of the run as a whole, not of the setting: the sweep's are its own.
+NOT_COMPARED = {"speed", "memory", "env", "run"}
+
+
+def cfg_for(*overrides):
+    with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def knob_settings(name: str) -> list[list[str]]:
+    """Two settings of the method: compressing at two budgets where it has a budget knob, else
+    its defaults twice (identical settings share a prefill too)."""
+    cls = method_class(name)
+    knobs = cls.compressing_hyperparameters(PROMPT_TOKENS)
+    first = [f"method.{k}={v}" for k, v in knobs.items()]
+    if "budget_tokens" in knobs:
+        second = [f"method.budget_tokens={knobs['budget_tokens'] * 2}"]
+    elif "budget_ratio" in knobs:
+        second = ["method.budget_ratio=0.5"]
+    else:
+        second = first
+    return [first, second]
+
+
+def folder_figures(folder):
+    metrics = json.loads((folder / "metrics.json").read_text())
+    samples = [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
+    kept = {k: v for k, v in metrics.items() if k not in NOT_COMPARED}
+    kept["speed"] = {k: metrics["speed"][k] for k in ("prefill_tokens", "decode_steps",
+                                                         "decode_tokens")}
+    return kept, samples
+
+
+def single_runs(overrides_list, tmp_path):
+    folders = []
+    for i, knobs in enumerate(overrides_list):
+        try:
+            folders.append(run(cfg_for(*knobs, f"runner.output_dir={tmp_path}/single{i}")))
+        except (ConfigError, UnsupportedCombination) as exc:
+            pytest.skip(f"refused on this model/task before weights: {exc}")
+    return folders
+
+
+def sweep_folders(overrides_list, tmp_path, copy_on_use=True):
+    cfgs = [cfg_for(*knobs, f"runner.results_root={tmp_path}/sweep") for knobs in overrides_list]
+    outcomes = run_sweep(cfgs, copy_on_use=copy_on_use)
+    assert [o.status for o in outcomes] == ["ok"] * len(cfgs), [o.detail for o in outcomes]
+    return [o.folder for o in outcomes]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("name", available_methods())
+def test_sweep_equals_single_runs(name, layout, tmp_path):
+    need_shared(STORIES)
+    runner = [f"runner.kv_layout={layout}"]
+    settings = [[*TASK, *runner, f"method={name}", *knobs] for knobs in knob_settings(name)]
+    settings.append([*TASK, *runner, "method=full"])  # another prefill group beside
+    alone = single_runs(settings, tmp_path)
+    swept = sweep_folders(settings, tmp_path)
+    for a, b in zip(alone, swept):
+        (ma, sa), (mb, sb) = folder_figures(a), folder_figures(b)
+        assert sb == sa  # every sample's prediction, score, generated tokens
+        assert mb == ma  # accuracy, KV figures, protocol, method, task
+    shared = json.loads((swept[0] / "metrics.json").read_text())["run"]["sweep"]
+    assert shared["settings"] == 3
+
+
+def test_a_prompt_state_mutated_by_one_setting_is_caught(tmp_path):
+    """The planted bug: every setting continues from the one shared prompt state (no copy), so
+    the first setting's compression and decode change what the next one starts from: the
+    comparison above fails (a wrong answer, or a state that no longer fits the next layer)."""
+    need_shared(STORIES)
+    settings = [[*TASK, "method=h2o", f"method.budget_tokens={b}"] for b in (24, 48)]
+    alone = [folder_figures(f) for f in single_runs(settings, tmp_path)]
+    try:
+        planted = [folder_figures(f) for f in sweep_folders(settings, tmp_path, False)]
+    except RuntimeError:  # the shared K/V rows already compressed by the first setting
+        planted = None
+    assert planted != alone
+    right = sweep_folders(settings, tmp_path / "right")
+    assert [folder_figures(f) for f in right] == alone
