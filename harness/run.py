@@ -118,7 +118,8 @@ def check_runner(runner: dict[str, Any]) -> None:
     if runner.get("budget_basis", "final") not in BUDGET_BASES:
         raise ConfigError(f"runner.budget_basis={runner.get('budget_basis')!r}; allowed: "
                           f"{', '.join(BUDGET_BASES)}")
-    for key in ("check_budget", "debug", "diagnostics", "skip_existing", "overwrite"):
+    for key in ("check_budget", "debug", "diagnostics", "skip_existing", "overwrite",
+                "sweep_engine"):
         if not isinstance(runner.get(key, False), bool):
             raise ConfigError(f"runner.{key}={runner.get(key)!r} must be a boolean (true or false)")
     for key in ("output_dir", "results_root"):

@@ -18,9 +18,10 @@ its own method, tier and layers in place of the prefill engine's (`Request.resto
 gets its own prefill when its fresh layers differ from the group's in anything but those
 references (a knob copied into a layer), when the prompt state cannot be copied (a host KV
 store, a diagnostics shadow), when its runner feeds prompts otherwise (chunked or sparse
-prefill, batches, a device KV limit, an offloaded cache) or its method moves K/V between tiers
-(`offloads_kv`), or when its method installs hooks on the model (`KVMethod.install`; those
-settings are evaluated by their own task pass and engine).
+prefill, batches, a device KV limit, an offloaded cache), or when its method installs hooks on
+the model (`KVMethod.install`; those settings are evaluated by their own task pass and engine).
+What the shared prefill cost (its timed chunks, its tokens, the bytes it moved between tiers)
+is counted in every setting's figures, as a single run of it would count it.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ from kvcore.storage import Rows
 from methods.base import KVMethod, Protocol
 
 # Runner keys that say where or how results are written or shown, not what is computed.
-_NOT_COMPUTE = ("output_dir", "results_root", "debug", "skip_existing", "overwrite", "threads")
+_NOT_COMPUTE = ("output_dir", "results_root", "debug", "skip_existing", "overwrite", "threads",
+                "sweep_engine")
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, Protocol)
 
 
@@ -72,12 +74,9 @@ class Call:
 
 def shares_prefill(setting) -> bool:
     """Whether this setting's runner feeds a prompt the one way a prefill can be shared: dense,
-    one sequence at a time, no device limit, no host tier, no diagnostics shadow; and its method
-    moves no K/V between tiers while the prompt is fed (`offloads_kv`: those transfers are its
-    own figures)."""
+    one sequence at a time, no device limit, no host tier, no diagnostics shadow."""
     r = setting.runner
-    return (not setting.method.capabilities.offloads_kv
-            and r.get("prefill", "dense") == "dense" and r.get("batch_size", 1) == 1
+    return (r.get("prefill", "dense") == "dense" and r.get("batch_size", 1) == 1
             and r.get("kv_device_limit_mib") is None and r.get("kv_offload", "none") == "none"
             and not r.get("diagnostics"))
 
@@ -194,11 +193,12 @@ class FanOut:
                 if shared is None:
                     out = req.generate(prompt, limit, stop_ids, min_new_tokens, query)
                 else:
-                    snapshot, logits, ms = shared
+                    snapshot, logits, ms, moved = shared
                     req.restore(snapshot, consume=not self.copy_on_use)
                     engine.prefill_tokens += len(prompt)
                     engine.timer.add("prefill", ms)
                     engine.transfers.begin_step(decode=False)
+                    add_transfers(engine.transfers, moved)
                     req.close_prompt()
                     out = req.answer(logits.clone(), limit, stop_ids, min_new_tokens, query)
             call.outputs[k].append(out)
@@ -207,7 +207,7 @@ class FanOut:
         """The group's prompt state once the prompt is fed, before its end: (snapshot, last
         logits, prefill ms), or None when it cannot be copied (each member then prefills)."""
         engine = group.prefill_engine
-        before = len(engine.timer.values("prefill"))
+        before, sent = len(engine.timer.values("prefill")), transfer_counts(engine.transfers)
         with engine.request(account=False) as req:
             logits = req.feed_prompt(prompt)
             snapshot = req.snapshot()
@@ -215,7 +215,32 @@ class FanOut:
             group.own_prefills += 1
             return None
         group.shared_prefills += 1
-        return snapshot, logits, engine.timer.values("prefill")[before:]
+        moved = {k: _minus(v, sent[k]) for k, v in transfer_counts(engine.transfers).items()}
+        return snapshot, logits, engine.timer.values("prefill")[before:], moved
+
+
+_COUNTS = ("bytes_h2d", "bytes_d2h", "copies_h2d", "copies_d2h", "h2d_per_layer",
+           "exposed_ms_resolved", "transfer_ms_resolved")
+
+
+def transfer_counts(ledger) -> dict[str, Any]:
+    """The transfer ledger's running totals (kvcore.offload.TransferLedger)."""
+    ledger.exposed_ms, ledger.transfer_ms  # noqa: B018 - resolve pending CUDA timings first
+    return {k: list(getattr(ledger, k)) if k == "h2d_per_layer" else getattr(ledger, k)
+            for k in _COUNTS}
+
+
+def add_transfers(ledger, moved: dict[str, Any]) -> None:
+    """Count a shared prefill's transfers in a setting's ledger (prefill: no decode step)."""
+    for k, v in moved.items():
+        if k == "h2d_per_layer":
+            ledger.h2d_per_layer = [a + b for a, b in zip(ledger.h2d_per_layer, v)]
+        else:
+            setattr(ledger, k, getattr(ledger, k) + v)
+
+
+def _minus(after, before):
+    return [a - b for a, b in zip(after, before)] if isinstance(after, list) else after - before
 
 
 class Replay:

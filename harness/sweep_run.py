@@ -85,5 +85,23 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True) -> list[Outcome]
         metrics = build_metrics(session, member.setting, member.engine, result, t_start, extra)
         folder = write_result(member.setting, outs[i], metrics, result, member.engine)
         outcomes[i] = Outcome("ok", str(folder), folder)
+    print(shared_summary(members, groups))
     return outcomes
+
+
+def shared_summary(members, groups) -> str:
+    """One line per prefill group: who shared each prompt's prefill, and how often it could."""
+    lines = [f"sweep engine: {len(members)} settings, {len(groups)} prefill group(s)"]
+    for g in groups:
+        names = ", ".join(members[k].setting.label for k in g.members)
+        if len(g.members) == 1:
+            lines.append(f"  own prefill      {names}")
+        else:
+            lines.append(f"  shared prefill   {names}: {g.shared_prefills} prompt(s) prefilled "
+                         f"once" + (f", {g.own_prefills} per setting (state not copyable)"
+                                    if g.own_prefills else ""))
+    own = [m.setting.label for m in members if m.own_pass]
+    if own:
+        lines.append(f"  own task pass    {', '.join(own)}")
+    return "\n".join(lines)
 

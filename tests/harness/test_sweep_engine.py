@@ -45,6 +45,8 @@ def folder_figures(folder):
     kept = {k: v for k, v in metrics.items() if k not in NOT_COMPARED}
     kept["speed"] = {k: metrics["speed"][k] for k in ("prefill_tokens", "decode_steps",
                                                          "decode_tokens")}
+    for timed in ("exposed_ms", "transfer_ms"):  # wall-clock figures
+        kept["transfer"].pop(timed, None)
     return kept, samples
 
 

@@ -1,0 +1,127 @@
+"""What the sweep engine saves: the same settings x samples through the old path (one run per
+setting, each loading the model, building the task and prefilling every prompt) and through the
+sweep engine (harness.sweep_run: all of that once, each prompt prefilled once per prefill
+group), alternated in one process, CPU-seconds per (setting, sample) and their ratio.
+
+    python benchmarks/sweep_cost.py [--model smollm2_135m] [--length 1024] [--limit 3]
+        [--methods snapkv tova knorm] [--budgets 0.2 0.5] [--rounds 1] [--threads 1]
+
+The old path here runs in this process (`harness.run.run` per setting), so it does not pay a
+new Python process and its imports per setting as `runner.sweep_engine=false` does: the ratio
+is a lower bound of the saving. Both paths write real result folders (under a temporary root);
+their predictions are compared (they must be equal). At the end: where the sweep's time goes
+(model load and task, shared prefills, decode steps, the rest: compression at each prompt's end,
+replaying each setting's task pass, writing results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def configs(args, root: Path) -> list:
+    from hydra import compose, initialize_config_dir
+
+    common = [f"model={args.model}", "task=ruler", f"task.lengths=[{args.length}]",
+              f"task.limit={args.limit}", f"runner.threads={args.threads}",
+              f"runner.results_root={root}"]
+    cfgs = []
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        for method in args.methods:
+            for budget in args.budgets:
+                cfgs.append(compose(config_name="config", overrides=[
+                    *common, f"method={method}", f"method.budget_ratio={budget}"]))
+    return cfgs
+
+
+def old_path(cfgs) -> list[Path]:
+    from harness.run import run
+
+    return [run(cfg) for cfg in cfgs]
+
+
+def sweep_path(cfgs) -> list[Path]:
+    from harness.sweep_run import run_sweep
+
+    outcomes = run_sweep(cfgs)
+    bad = [o.detail for o in outcomes if o.status != "ok"]
+    if bad:
+        raise SystemExit(f"sweep member not ok: {bad[0]}")
+    return [o.folder for o in outcomes]
+
+
+def predictions(folders: list[Path]) -> list[list[str]]:
+    return [[json.loads(line)["prediction"] for line in
+             (f / "samples.jsonl").read_text().splitlines()] for f in folders]
+
+
+def breakdown(folders: list[Path]) -> dict[str, float]:
+    """Seconds of the sweep spent in shared prefills and in decode steps (from metrics.json)."""
+    prefill = decode = 0.0
+    for f in folders:
+        m = json.loads((f / "metrics.json").read_text())
+        sharing = 1 + m["run"]["sweep"]["prefill_shared_with"]
+        prefill += m["speed"]["prefill_ms_total"] / sharing / 1e3  # each member reports it
+        tps = m["speed"]["decode_tokens_per_s"]
+        decode += m["speed"]["decode_tokens"] / tps if tps else 0.0
+    return {"prefill_s": prefill, "decode_s": decode}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2_135m")
+    ap.add_argument("--length", type=int, default=1024, help="RULER length (tokens)")
+    ap.add_argument("--limit", type=int, default=3, help="samples (RULER's six sub-tasks, "
+                    "round-robin)")
+    ap.add_argument("--methods", nargs="+", default=["snapkv", "tova", "knorm"])
+    ap.add_argument("--budgets", type=float, nargs="+", default=[0.2, 0.5])
+    ap.add_argument("--rounds", type=int, default=1, help="old/sweep pairs, alternated")
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(args.threads)
+    n_settings = len(args.methods) * len(args.budgets)
+    cost = {"old": [], "sweep": []}
+    last = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for path, fn in (("old", old_path), ("sweep", sweep_path)):
+                cfgs = configs(args, Path(tmp) / f"{path}{r}")
+                t0, c0 = time.perf_counter(), time.process_time()
+                folders = fn(cfgs)
+                cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+                cost[path].append((cpu, wall))
+                last[path] = folders
+                print(f"round {r} {path:5s}: {cpu:.1f} CPU-s, {wall:.1f} s wall", flush=True)
+        same = predictions(last["old"]) == predictions(last["sweep"])
+        parts = breakdown(last["sweep"])
+    cells = n_settings * args.limit
+    old = statistics.median(c for c, _ in cost["old"])
+    new = statistics.median(c for c, _ in cost["sweep"])
+    new_wall = statistics.median(w for _, w in cost["sweep"])
+    print(f"\n{n_settings} settings x {args.limit} samples (RULER {args.length}, {args.model}, "
+          f"{args.threads} thread(s), {args.rounds} round(s))")
+    print(f"  old path     {old / cells:.2f} CPU-s per (setting, sample)")
+    print(f"  sweep engine {new / cells:.2f} CPU-s per (setting, sample)")
+    print(f"  ratio        {old / new:.2f}x  (predictions equal: {same})")
+    rest = new_wall - parts["prefill_s"] - parts["decode_s"]
+    print(f"  sweep wall {new_wall:.1f} s: shared prefills {parts['prefill_s']:.1f} s, decode "
+          f"steps {parts['decode_s']:.1f} s, the rest {rest:.1f} s (model load, samples, "
+          "compression at each prompt's end, task passes, writing)")
+
+
+if __name__ == "__main__":
+    main()
