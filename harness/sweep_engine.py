@@ -32,6 +32,7 @@ from typing import Any, Iterator
 
 import torch
 
+from harness import sweep_records
 from harness.engine import Engine
 from harness.progress import progress
 from kvcore.storage import Rows
@@ -153,16 +154,47 @@ def plan_groups(members: list[Member], info) -> list[Group]:
     return groups
 
 
+class MemoTokenizer:
+    """The tokenizer, remembering the ids of each text it encoded: every setting's task pass
+    builds the same samples, so they are tokenized once, in the first pass. Only plain calls
+    (a text, `add_special_tokens`, `verbose`) are remembered; each caller gets its own lists."""
+
+    _PLAIN_KWARGS = {"add_special_tokens", "verbose"}
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self._encoded = tokenizer, {}
+
+    def __getattr__(self, name: str):
+        return getattr(self._tokenizer, name)
+
+    def __len__(self) -> int:
+        return len(self._tokenizer)
+
+    def __call__(self, text, **kwargs):
+        if not isinstance(text, str) or set(kwargs) - self._PLAIN_KWARGS:
+            return self._tokenizer(text, **kwargs)
+        key = (text, tuple(sorted(kwargs.items())))
+        if key not in self._encoded:
+            self._encoded[key] = {k: list(v) for k, v in self._tokenizer(text, **kwargs).items()}
+        from transformers import BatchEncoding
+
+        return BatchEncoding({k: list(v) for k, v in self._encoded[key].items()})
+
+
 class FanOut:
     """The engine a sweep's first task pass sees: `generate_many` answers every prompt for every
     member (prompt by prompt, so one prompt state is held at a time) and yields the first
     member's answers; anything else is the first member's engine."""
 
-    def __init__(self, members: list[Member], groups: list[Group], copy_on_use: bool = True):
+    def __init__(self, members: list[Member], groups: list[Group], copy_on_use: bool = True,
+                 records: list | None = None):
         self.members, self.groups = members, groups
+        # per member: its harness.sweep_records.Records (answers kept across a kill), or None
+        self.records = records or [None] * len(members)
         self.calls: list[Call] = []
         self.copy_on_use = copy_on_use  # False only in the test that plants the sharing bug
         self._first = next(i for g in groups for i in g.members)
+        self.tokenizer = MemoTokenizer(members[self._first].engine.tokenizer)
 
     def __getattr__(self, name: str):
         return getattr(self.members[self._first].engine, name)
@@ -180,15 +212,25 @@ class FanOut:
         self.calls.append(call)
         for i, prompt in enumerate(call.prompts):
             query = None if queries is None else call.queries[i]
+            key = sweep_records.prompt_key(prompt, query, limits[i])
             for group in self.groups:
-                self._answer(group, call, prompt, limits[i], stop_ids, min_new_tokens, query)
+                self._answer(group, call, (len(self.calls) - 1, i, key), prompt, limits[i],
+                             stop_ids, min_new_tokens, query)
             yield call.outputs[self._first][i]
 
-    def _answer(self, group: Group, call: Call, prompt: list[int], limit: int,
-                stop_ids: set[int], min_new_tokens: int, query) -> None:
-        shared = self._prefill(group, prompt) if group.prefill_engine is not None else None
+    def _answer(self, group: Group, call: Call, where: tuple[int, int, str], prompt: list[int],
+                limit: int, stop_ids: set[int], min_new_tokens: int, query) -> None:
+        kept = {k: self.records[k].get(*where) for k in group.members if self.records[k]}
+        todo = [k for k in group.members if kept.get(k) is None]
+        shared = (self._prefill(group, prompt) if group.prefill_engine is not None and todo
+                  else None)
         for k in group.members:
-            engine = self.members[k].engine
+            engine, records = self.members[k].engine, self.records[k]
+            if kept.get(k) is not None:  # answered before a restart: counted as it was
+                sweep_records.apply(engine, kept[k]["tally"])
+                call.outputs[k].append(kept[k]["output"])
+                continue
+            before = sweep_records.tally(engine) if records else None
             with engine.request() as req:
                 if shared is None:
                     out = req.generate(prompt, limit, stop_ids, min_new_tokens, query)
@@ -202,6 +244,8 @@ class FanOut:
                     req.close_prompt()
                     out = req.answer(logits.clone(), limit, stop_ids, min_new_tokens, query)
             call.outputs[k].append(out)
+            if records:
+                records.append(*where, out, sweep_records.added(engine, before))
 
     def _prefill(self, group: Group, prompt: list[int]):
         """The group's prompt state once the prompt is fed, before its end: (snapshot, last
@@ -247,8 +291,9 @@ class Replay:
     """A member's engine for its own task pass: `generate_many` answers from the first pass
     (the same prompts, checked); anything else is the member's engine."""
 
-    def __init__(self, engine: Engine, calls: list[Call], index: int):
+    def __init__(self, engine: Engine, calls: list[Call], index: int, tokenizer=None):
         self._engine, self._calls, self._index = engine, list(calls), index
+        self.tokenizer = tokenizer or engine.tokenizer
 
     def __getattr__(self, name: str):
         return getattr(self._engine, name)
@@ -269,9 +314,10 @@ class Replay:
         yield from call.outputs[self._index]
 
 
-def evaluate(members: list[Member], info, copy_on_use: bool = True
+def evaluate(members: list[Member], info, copy_on_use: bool = True, records: list | None = None
              ) -> tuple[list[Any], list[Group]]:
-    """Every member's TaskResult (in order), and the prefill groups of the shared pass."""
+    """Every member's TaskResult (in order), and the prefill groups of the shared pass.
+    `records[i]`: member i's per-sample records (harness.sweep_records), or None."""
     for m in members:
         m.own_pass = m.own_pass or installs_hooks(m.setting.method) or (
             m.setting.runner.get("batch_size", 1) != 1
@@ -279,13 +325,13 @@ def evaluate(members: list[Member], info, copy_on_use: bool = True
     groups = plan_groups(members, info)
     results: list[Any] = [None] * len(members)
     if groups:
-        fan = FanOut(members, groups, copy_on_use)
+        fan = FanOut(members, groups, copy_on_use, records)
         first = fan._first
         results[first] = members[first].setting.task.evaluate(fan)
         shared = [i for g in groups for i in g.members if i != first]
         for i in progress(shared, "sweep: settings", "setting"):
             results[i] = members[i].setting.task.evaluate(
-                Replay(members[i].engine, fan.calls, i))
+                Replay(members[i].engine, fan.calls, i, fan.tokenizer))
     for i, m in enumerate(members):
         if m.own_pass:
             handles = m.setting.method.install(m.engine.model)

@@ -31,6 +31,7 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True) -> list[Outcome]
     from harness import sweep_engine
     from harness.profiling import reset_peak_memory
     from harness.run import build_metrics, output_dir, seed_everything, write_result
+    from harness.sweep_records import Records, record_path
     from harness.session import Session, compose
     from harness.sweep import resolve_output
 
@@ -74,8 +75,13 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True) -> list[Outcome]
     for i in todo:
         seed_everything(int(composed[i].runner["seed"]))  # as a single run seeds before prepare
         members.append(sweep_engine.Member(composed[i], session.engine(composed[i])))
+    records = [None if m.setting.runner.get("diagnostics") else
+               Records(record_path(m.setting.runner, m.setting.identity)) for m in members]
+    resumed = sum(r.resumed for r in records if r)
+    if resumed:
+        print(f"sweep engine: resuming, {resumed} (setting, sample) answers recorded before")
     reset_peak_memory(members[0].engine.device)
-    results, groups = sweep_engine.evaluate(members, session.info, copy_on_use)
+    results, groups = sweep_engine.evaluate(members, session.info, copy_on_use, records)
     group_of = {k: g for g in groups for k in g.members}
     for k, (i, member, result) in enumerate(zip(todo, members, results)):
         group = group_of.get(k)
@@ -84,6 +90,8 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True) -> list[Outcome]
                            "prompts_prefilled_once": group.shared_prefills if group else 0}}
         metrics = build_metrics(session, member.setting, member.engine, result, t_start, extra)
         folder = write_result(member.setting, outs[i], metrics, result, member.engine)
+        if records[k]:
+            records[k].remove()
         outcomes[i] = Outcome("ok", str(folder), folder)
     print(shared_summary(members, groups))
     return outcomes

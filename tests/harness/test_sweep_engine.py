@@ -98,3 +98,42 @@ def test_a_prompt_state_mutated_by_one_setting_is_caught(tmp_path):
     assert planted != alone
     right = sweep_folders(settings, tmp_path / "right")
     assert [folder_figures(f) for f in right] == alone
+
+
+def test_batched_settings_equal_their_single_runs_and_batch_one(tmp_path):
+    """runner.batch_size>1: each such setting runs its own task pass (harness.batch); the batch
+    size is a memory knob and changes no prediction or score."""
+    need_shared(STORIES)
+    settings = [[*TASK, "method=snapkv", f"method.budget_tokens={b}", f"runner.batch_size={n}"]
+                for n in (2, 1) for b in (24, 48)]
+    alone = [folder_figures(f)[1] for f in single_runs(settings[:2], tmp_path)]
+    swept = [folder_figures(f)[1] for f in sweep_folders(settings, tmp_path)]
+    assert swept[:2] == alone
+    assert swept[2:] == swept[:2]
+
+
+def test_a_killed_sweep_resumes_from_its_records(tmp_path, monkeypatch, capsys):
+    """Killed after three (setting, sample) answers: the next start reuses those three (their
+    accounting included) and computes the rest; every setting equals its single run."""
+    from harness import sweep_records
+
+    need_shared(STORIES)
+    settings = [[*TASK, "method=tova", f"method.budget_tokens={b}"] for b in (24, 48)]
+    alone = [folder_figures(f) for f in single_runs(settings, tmp_path)]
+    append, written = sweep_records.Records.append, []
+
+    def killed_after_three(self, *args):
+        if len(written) == 3:
+            raise KeyboardInterrupt
+        written.append(args)
+        append(self, *args)
+
+    monkeypatch.setattr(sweep_records.Records, "append", killed_after_three)
+    with pytest.raises(KeyboardInterrupt):
+        sweep_folders(settings, tmp_path)
+    assert not list((tmp_path / "sweep" / "ruler").rglob("metrics.json"))  # nothing half-written
+    monkeypatch.setattr(sweep_records.Records, "append", append)
+    resumed = sweep_folders(settings, tmp_path)
+    assert "resuming, 3 (setting, sample) answers recorded before" in capsys.readouterr().out
+    assert [folder_figures(f) for f in resumed] == alone
+    assert not list((tmp_path / "sweep" / sweep_records.FOLDER).iterdir())  # done: removed
