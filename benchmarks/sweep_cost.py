@@ -35,6 +35,7 @@ def configs(args, root: Path) -> list:
     from hydra import compose, initialize_config_dir
 
     common = [f"model={args.model}", "task=ruler", f"task.lengths=[{args.length}]",
+              "task.depths=[50]",
               f"task.limit={args.limit}", f"runner.threads={args.threads}",
               f"runner.results_root={root}"]
     cfgs = []
@@ -83,8 +84,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2_135m")
     ap.add_argument("--length", type=int, default=1024, help="RULER length (tokens)")
-    ap.add_argument("--limit", type=int, default=3, help="samples (RULER's six sub-tasks, "
-                    "round-robin)")
+    ap.add_argument("--limit", type=int, default=3, help="samples: RULER's sub-tasks in order "
+                    "(niah_single at depth 50, niah_multikey, ...)")
     ap.add_argument("--methods", nargs="+", default=["snapkv", "tova", "knorm"])
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.2, 0.5])
     ap.add_argument("--rounds", type=int, default=1, help="old/sweep pairs, alternated")

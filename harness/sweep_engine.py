@@ -34,7 +34,6 @@ import torch
 
 from harness import sweep_records
 from harness.engine import Engine
-from harness.progress import progress
 from kvcore.storage import Rows
 from methods.base import KVMethod, Protocol
 
@@ -315,29 +314,28 @@ class Replay:
 
 
 def evaluate(members: list[Member], info, copy_on_use: bool = True, records: list | None = None
-             ) -> tuple[list[Any], list[Group]]:
-    """Every member's TaskResult (in order), and the prefill groups of the shared pass.
+             ) -> Iterator[tuple[int, Any, list[Group]]]:
+    """(member index, its TaskResult, the prefill groups of the shared pass), each member as
+    soon as its result is complete (so its folder can be written before the next is computed).
     `records[i]`: member i's per-sample records (harness.sweep_records), or None."""
     for m in members:
         m.own_pass = m.own_pass or installs_hooks(m.setting.method) or (
             m.setting.runner.get("batch_size", 1) != 1
             or m.setting.runner.get("kv_device_limit_mib") is not None)
     groups = plan_groups(members, info)
-    results: list[Any] = [None] * len(members)
     if groups:
         fan = FanOut(members, groups, copy_on_use, records)
         first = fan._first
-        results[first] = members[first].setting.task.evaluate(fan)
-        shared = [i for g in groups for i in g.members if i != first]
-        for i in progress(shared, "sweep: settings", "setting"):
-            results[i] = members[i].setting.task.evaluate(
-                Replay(members[i].engine, fan.calls, i, fan.tokenizer))
+        yield first, members[first].setting.task.evaluate(fan), groups
+        for i in [i for g in groups for i in g.members if i != first]:
+            replay = Replay(members[i].engine, fan.calls, i, fan.tokenizer)
+            yield i, members[i].setting.task.evaluate(replay), groups
     for i, m in enumerate(members):
         if m.own_pass:
             handles = m.setting.method.install(m.engine.model)
             try:
-                results[i] = m.setting.task.evaluate(m.engine)
+                result = m.setting.task.evaluate(m.engine)
             finally:
                 for handle in handles:
                     handle.remove()
-    return results, groups
+            yield i, result, groups

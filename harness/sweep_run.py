@@ -12,7 +12,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from kvcore.errors import UnsupportedCombination
+from kvcore.errors import ConfigError, UnsupportedCombination
 
 
 @dataclass
@@ -43,6 +43,8 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True) -> list[Outcome]
             composed[i] = compose(cfg)
         except UnsupportedCombination as exc:
             outcomes[i] = Outcome("skipped", str(exc))
+        except ConfigError as exc:  # this setting's bad input; the others go on
+            outcomes[i] = Outcome("failed", str(exc))
     if not composed:
         return outcomes
     session = Session(list(composed.values()))
@@ -53,11 +55,16 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True) -> list[Outcome]
         except UnsupportedCombination as exc:
             outcomes[i] = Outcome("skipped", str(exc))
             continue
+        except ConfigError as exc:
+            outcomes[i] = Outcome("failed", str(exc))
+            continue
         out = output_dir(setting.runner, setting.task_name, session.spec.name,
                          setting.method_name)
         done = resolve_output(setting.runner, out, setting.identity)
         if done is not None:
-            outcomes[i] = Outcome("skipped", f"a complete result exists at {done}", done)
+            print(f"skipped: a complete result for this config ({setting.identity}) exists at "
+                  f"{done}")
+            outcomes[i] = Outcome("ok", str(done), done)  # as a single run returns it
             continue
         todo.append(i)
         outs[i] = out
@@ -81,10 +88,10 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True) -> list[Outcome]
     if resumed:
         print(f"sweep engine: resuming, {resumed} (setting, sample) answers recorded before")
     reset_peak_memory(members[0].engine.device)
-    results, groups = sweep_engine.evaluate(members, session.info, copy_on_use, records)
-    group_of = {k: g for g in groups for k in g.members}
-    for k, (i, member, result) in enumerate(zip(todo, members, results)):
-        group = group_of.get(k)
+    groups: list = []
+    for k, result, groups in sweep_engine.evaluate(members, session.info, copy_on_use, records):
+        i, member = todo[k], members[k]
+        group = next((g for g in groups if k in g.members), None)
         extra = {"sweep": {"settings": len(todo),
                            "prefill_shared_with": (len(group.members) - 1) if group else 0,
                            "prompts_prefilled_once": group.shared_prefills if group else 0}}

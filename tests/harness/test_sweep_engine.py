@@ -19,6 +19,13 @@ TASK = ["model=stories260k", "task=ruler", "task.lengths=[320]", "task.subtasks=
 NOT_COMPARED = {"speed", "memory", "env", "run"}
 
 
+@pytest.fixture(autouse=True)
+def cpu_dispatch(monkeypatch):
+    """Kernels dispatch as in a CPU run of the CLI (tests/conftest.py sets TRITON_INTERPRET=1,
+    which sends KIVI's decode through Triton's interpreter: seconds per step)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
 def cfg_for(*overrides):
     with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
         return compose(config_name="config", overrides=list(overrides))
