@@ -27,7 +27,7 @@ from harness.diagnostics import Diagnostics
 from harness.profiling import SpeedSummary, Timer
 from kvcore.errors import ConfigError
 from kvcore.offload import Tier, TransferLedger
-from kvcore.paged import DEFAULT_BLOCK_TOKENS, PagedKV
+from kvcore.paged import DEFAULT_BLOCK_TOKENS, PagedKV, PagedRows
 from kvcore.storage import Rows
 from methods.base import KVMethod, ModelInfo, Protocol
 
@@ -356,11 +356,12 @@ class Request:
             raise ValueError("a snapshot restores into a request of the same model only")
         foreign = snapshot.refs[2] is not self.engine.tier  # another engine's storage
         for kv, state in zip(self.cache.kv_layers, snapshot.states):
-            rows = state.get("_kv", {})
+            rows = state.get("_kv")
             state = _clone_state({k: v for k, v in state.items() if k != "_kv"}, shared,
                                  copy=not consume)
-            state["_kv"] = {name: self._own_rows(kv.layer_idx, name, r, foreign, consume)
-                            for name, r in rows.items()}
+            if rows is not None:
+                state["_kv"] = {name: self._own_rows(kv.layer_idx, name, r, foreign, consume)
+                                for name, r in rows.items()}
             kv.__dict__.clear()
             kv.__dict__.update(state)
         self.pos, self.decode_steps = snapshot.pos, snapshot.decode_steps
@@ -370,7 +371,7 @@ class Request:
         """A layer's K/V storage for this request: paged rows of another engine are rewritten
         into this engine's block pools (its pool figures count them), anything else forked."""
         paged = self.engine.tier.paged
-        if not foreign or paged is None:
+        if not foreign or paged is None or not isinstance(rows, PagedRows):
             return rows if consume else rows.fork()
         mine = paged.rows(layer_idx, name)
         if rows.view() is not None:

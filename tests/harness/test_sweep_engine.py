@@ -2,6 +2,7 @@
 predictions, scores and KV figures, for every method and both K/V layouts."""
 
 import json
+import re
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -80,7 +81,10 @@ def test_sweep_equals_single_runs(name, layout, tmp_path):
     need_shared(STORIES)
     runner = [f"runner.kv_layout={layout}"]
     settings = [[*TASK, *runner, f"method={name}", *knobs] for knobs in knob_settings(name)]
-    settings.append([*TASK, *runner, "method=full"])  # another prefill group beside
+    assert_equal_to_single_runs(settings, tmp_path)
+
+
+def assert_equal_to_single_runs(settings, tmp_path):
     alone = single_runs(settings, tmp_path)
     swept = sweep_folders(settings, tmp_path)
     for a, b in zip(alone, swept):
@@ -88,7 +92,23 @@ def test_sweep_equals_single_runs(name, layout, tmp_path):
         assert sb == sa  # every sample's prediction, score, generated tokens
         assert mb == ma  # accuracy, KV figures, protocol, method, task
     shared = json.loads((swept[0] / "metrics.json").read_text())["run"]["sweep"]
-    assert shared["settings"] == 3
+    assert shared["settings"] == len(settings)
+    return swept
+
+
+def test_settings_of_several_methods_in_one_sweep(tmp_path, capsys):
+    """Prefill groups side by side: two budgets of SnapKV share one prefill of each prompt,
+    H2O and the full cache prefill for themselves; each equals its single run."""
+    need_shared(STORIES)
+    settings = [[*TASK, "method=snapkv", "method.budget_tokens=24"],
+                [*TASK, "method=h2o", "method.budget_tokens=24"],
+                [*TASK, "method=snapkv", "method.budget_tokens=48"], [*TASK, "method=full"]]
+    swept = assert_equal_to_single_runs(settings, tmp_path)
+    shared = [json.loads((f / "metrics.json").read_text())["run"]["sweep"] for f in swept]
+    assert [s["prefill_shared_with"] for s in shared] == [1, 0, 1, 0]
+    assert shared[0]["prompts_prefilled_once"] == 2
+    out = capsys.readouterr().out
+    assert re.search(r"shared prefill   snapkv\(.*budget_tokens=24\), snapkv\(.*48\)", out), out
 
 
 def test_a_prompt_state_mutated_by_one_setting_is_caught(tmp_path):
