@@ -164,3 +164,42 @@ def test_a_killed_sweep_resumes_from_its_records(tmp_path, monkeypatch, capsys):
     assert "resuming, 3 (setting, sample) answers recorded before" in capsys.readouterr().out
     assert [folder_figures(f) for f in resumed] == alone
     assert not list((tmp_path / "sweep" / sweep_records.FOLDER).iterdir())  # done: removed
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "paged"])
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "tova"])
+def test_a_handed_over_prompt_state_decodes_to_the_same_logits(tiny_model, name, layout):
+    """A prompt fed by one engine, its state restored in another engine's request (another
+    budget), compressed and decoded there: every step's logits equal the receiving engine's own
+    prefill's (fp32, same arithmetic: exactly)."""
+    import dataclasses
+
+    import torch
+
+    from harness import hf_adapter
+    from harness.engine import Engine, EngineSettings
+    from methods import build_method
+
+    info = hf_adapter.model_info(tiny_model.config)
+    settings = dataclasses.replace(EngineSettings(prefill_chunk_tokens=64), kv_layout=layout)
+    feeder = Engine(tiny_model, None, build_method(name, budget_tokens=12), info, settings)
+    target = Engine(tiny_model, None, build_method(name, budget_tokens=20), info, settings)
+    prompt = torch.randint(0, 256, (150,), generator=torch.Generator().manual_seed(1)).tolist()
+
+    def decode(req, logits):
+        out = [logits]
+        for _ in range(6):
+            out.append(req.step(int(out[-1][0, -1].argmax())))
+        return torch.cat(out, dim=1)
+
+    with target.request() as req:
+        expected = decode(req, req.prefill(prompt))
+    with feeder.request(account=False) as req:
+        logits = req.feed_prompt(prompt)
+        snapshot = req.snapshot()
+    with target.request() as req:
+        req.restore(snapshot)
+        req.close_prompt()
+        got = decode(req, logits.clone())
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert target.ledger.samples[0] == target.ledger.samples[1]  # what each request held
