@@ -192,16 +192,16 @@ class FanOut:
         self.records = records or [None] * len(members)
         self.calls: list[Call] = []
         self.copy_on_use = copy_on_use  # False only in the test that plants the sharing bug
-        self._first = next(i for g in groups for i in g.members)
-        self.tokenizer = MemoTokenizer(members[self._first].engine.tokenizer)
+        self.first = next(i for g in groups for i in g.members)
+        self.tokenizer = MemoTokenizer(members[self.first].engine.tokenizer)
 
     def __getattr__(self, name: str):
-        return getattr(self.members[self._first].engine, name)
+        return getattr(self.members[self.first].engine, name)
 
     def generate_many(self, prompts: list[list[int]], max_new_tokens: int | list[int],
                       stop_ids: set[int] | None = None, min_new_tokens: int = 0,
                       queries: list[list[int]] | None = None) -> Iterator[list[int]]:
-        first = self.members[self._first].engine
+        first = self.members[self.first].engine
         stop_ids = first.stop_token_ids() if stop_ids is None else stop_ids
         limits = (list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple))
                   else [max_new_tokens] * len(prompts))
@@ -215,7 +215,7 @@ class FanOut:
             for group in self.groups:
                 self._answer(group, call, (len(self.calls) - 1, i, key), prompt, limits[i],
                              stop_ids, min_new_tokens, query)
-            yield call.outputs[self._first][i]
+            yield call.outputs[self.first][i]
 
     def _answer(self, group: Group, call: Call, where: tuple[int, int, str], prompt: list[int],
                 limit: int, stop_ids: set[int], min_new_tokens: int, query) -> None:
@@ -234,12 +234,10 @@ class FanOut:
                 if shared is None:
                     out = req.generate(prompt, limit, stop_ids, min_new_tokens, query)
                 else:
-                    snapshot, logits, ms, moved = shared
+                    snapshot, logits, cost = shared
                     req.restore(snapshot, consume=not self.copy_on_use)
-                    engine.prefill_tokens += len(prompt)
-                    engine.timer.add("prefill", ms)
+                    sweep_records.apply(engine, cost)  # what this prefill costs it alone
                     engine.transfers.begin_step(decode=False)
-                    add_transfers(engine.transfers, moved)
                     req.close_prompt()
                     out = req.answer(logits.clone(), limit, stop_ids, min_new_tokens, query)
             call.outputs[k].append(out)
@@ -248,9 +246,11 @@ class FanOut:
 
     def _prefill(self, group: Group, prompt: list[int]):
         """The group's prompt state once the prompt is fed, before its end: (snapshot, last
-        logits, prefill ms), or None when it cannot be copied (each member then prefills)."""
+        logits, what the prefill added to the prefill engine's accounting: its timed chunks,
+        tokens and transfers), or None when the state cannot be copied (each member then
+        prefills for itself)."""
         engine = group.prefill_engine
-        before, sent = len(engine.timer.values("prefill")), transfer_counts(engine.transfers)
+        before = sweep_records.tally(engine)
         with engine.request(account=False) as req:
             logits = req.feed_prompt(prompt)
             snapshot = req.snapshot()
@@ -258,32 +258,7 @@ class FanOut:
             group.own_prefills += 1
             return None
         group.shared_prefills += 1
-        moved = {k: _minus(v, sent[k]) for k, v in transfer_counts(engine.transfers).items()}
-        return snapshot, logits, engine.timer.values("prefill")[before:], moved
-
-
-_COUNTS = ("bytes_h2d", "bytes_d2h", "copies_h2d", "copies_d2h", "h2d_per_layer",
-           "exposed_ms_resolved", "transfer_ms_resolved")
-
-
-def transfer_counts(ledger) -> dict[str, Any]:
-    """The transfer ledger's running totals (kvcore.offload.TransferLedger)."""
-    ledger.exposed_ms, ledger.transfer_ms  # noqa: B018 - resolve pending CUDA timings first
-    return {k: list(getattr(ledger, k)) if k == "h2d_per_layer" else getattr(ledger, k)
-            for k in _COUNTS}
-
-
-def add_transfers(ledger, moved: dict[str, Any]) -> None:
-    """Count a shared prefill's transfers in a setting's ledger (prefill: no decode step)."""
-    for k, v in moved.items():
-        if k == "h2d_per_layer":
-            ledger.h2d_per_layer = [a + b for a, b in zip(ledger.h2d_per_layer, v)]
-        else:
-            setattr(ledger, k, getattr(ledger, k) + v)
-
-
-def _minus(after, before):
-    return [a - b for a, b in zip(after, before)] if isinstance(after, list) else after - before
+        return snapshot, logits, sweep_records.added(engine, before)
 
 
 class Replay:
@@ -325,7 +300,7 @@ def evaluate(members: list[Member], info, copy_on_use: bool = True, records: lis
     groups = plan_groups(members, info)
     if groups:
         fan = FanOut(members, groups, copy_on_use, records)
-        first = fan._first
+        first = fan.first
         yield first, members[first].setting.task.evaluate(fan), groups
         for i in [i for g in groups for i in g.members if i != first]:
             replay = Replay(members[i].engine, fan.calls, i, fan.tokenizer)
