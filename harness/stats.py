@@ -207,11 +207,13 @@ def bootstrap_interval(d: Design, resamples: int = RESAMPLES, seed: int = SEED,
 
 def bootstrap_p(differences) -> float:
     """Two-sided p-value of "no difference" from bootstrap draws of a difference: twice the
-    smaller share of draws on either side of 0 (the percentile interval's inversion)."""
+    smaller share of draws on either side of 0 (the percentile interval's inversion), counted
+    as (k + 1) / (B + 1) so that B draws never claim p = 0."""
     x = np.asarray(differences, dtype=float)
     if np.all(x == 0):
         return 1.0
-    return float(min(1.0, 2 * min(np.mean(x <= 0), np.mean(x >= 0))))
+    side = min(np.sum(x <= 0), np.sum(x >= 0))
+    return float(min(1.0, 2 * (side + 1) / (x.size + 1)))
 
 
 @dataclass(frozen=True)
