@@ -169,6 +169,12 @@ def cell_uncertainty(task: str, metrics: dict[str, Any], samples: list[dict],
     else:
         out.update(ci95=list(stats.bootstrap_interval(d, resamples, seed)),
                    interval=f"{u.what}; percentile, {resamples} resamples, seed {seed}")
+    value = out["value"]
+    if isinstance(value, (int, float)) and abs(out["estimate"] - value) > 0.01 * max(1, abs(value)):
+        # e.g. an lm-eval group whose own weighting the samples do not say: the interval is the
+        # design's, around its estimate; said so rather than hidden
+        out["interval"] += (f"; NOTE: around the design's estimate {out['estimate']:.4g}, not the "
+                            f"reported {value:.4g}")
     return out
 
 

@@ -95,3 +95,13 @@ def test_multiturn_pairs_turns_inside_conversations():
     assert result["n"] == 6 and result["n_unit"] == "turns"
     assert result["difference"] == pytest.approx(-100 / 6)
     assert result["test"] == "paired bootstrap"  # turns share a context: no McNemar
+
+
+def test_an_interval_around_another_estimate_says_so():
+    """lm-eval's acc_mean of a group weights its tasks its own way: the samples alone give the
+    equal-weight estimate, and the record says the interval is around that one."""
+    rows = [{"sample_id": f"{t}{i}", "task": t, "acc": float(a)}
+            for t, accs in (("a", [1, 1, 1, 1]), ("b", [0, 0])) for i, a in enumerate(accs)]
+    cell = cell_uncertainty("lm_eval", {"acc_mean": 4 / 6}, rows, resamples=200)
+    assert cell["estimate"] == 0.5 and "NOTE: around the design's estimate 0.5" in cell["interval"]
+    assert "NOTE" not in cell_uncertainty("lm_eval", {"acc_mean": 0.5}, rows, 200)["interval"]
