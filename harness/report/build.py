@@ -71,7 +71,8 @@ def build_report(patterns: list[str], out: Path | None = None, warn=None,
     compared, floors = compare.comparisons(board, rows, resamples)
     for c in compared:
         c["entry"].setdefault("verdicts", {})[c["column"]] = c["verdict"]
-    paired = compare.markdown(compared, floors, compare.flags(board, compared))
+    paired = compare.markdown(compared, floors, compare.flags(board, compared),
+                              compare.distinguishable(board))
     out.mkdir(parents=True, exist_ok=True)
     made = figures.draw_all(rows, out)
     for stale in out.iterdir():  # figures of an earlier report these runs no longer make

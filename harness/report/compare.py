@@ -238,6 +238,28 @@ def flags(board: list[dict], compared: list[dict]) -> list[str]:
     return out
 
 
+def distinguishable(board: list[dict], top: int = 10) -> list[str]:
+    """Per section and column, the top entries by value and which pairs of them the bootstrap
+    tells apart (disjoint rank intervals), one line each."""
+    from harness.report.leaderboard import sections
+
+    out = []
+    for (model, protocol), entries in sections(board).items():
+        for column in sorted({c for e in entries for c in e.get("ranks", {})}):
+            ranked = [e for e in entries if column in e["ranks"]]
+            higher = ranked[0]["higher"][column]
+            ranked.sort(key=lambda e: -e["tasks"][column] if higher else e["tasks"][column])
+            ranked = ranked[:top]
+            name = {id(e): f"{e['method']} {e['setting']}".strip() for e in ranked}
+            apart = [f"{name[id(a)]} > {name[id(b)]}" for i, a in enumerate(ranked)
+                     for b in ranked[i + 1:] if a["ranks"][column][1] < b["ranks"][column][0]]
+            total = len(ranked) * (len(ranked) - 1) // 2
+            out.append(f"{model} · {protocol} · {column}: top {len(ranked)}, {len(apart)} of "
+                       f"{total} pairs distinguishable" + (f": {'; '.join(apart)}" if apart
+                                                            else ""))
+    return out
+
+
 def _scale(e: dict, column: str) -> float | None:
     """100 for scores in points, 1 for lm-eval's acc, None for unbounded metrics (ppl)."""
     task = column.split(" ", 1)[0]
@@ -277,7 +299,8 @@ def _ci(pair) -> str:
     return f"[{_f(pair[0])}, {_f(pair[1])}]" if pair else ""
 
 
-def markdown(compared: list[dict], floors: list[dict], flagged: list[str]) -> str:
+def markdown(compared: list[dict], floors: list[dict], flagged: list[str],
+             apart: list[str] = ()) -> str:
     """The paired comparisons with the full cache, the noise floors and the flags."""
     out = [f"Each setting against the full cache of its section, on identical samples (paired "
            f"by content id; {stats.RESAMPLES} paired-bootstrap resamples, seed {stats.SEED}). "
@@ -309,6 +332,8 @@ def markdown(compared: list[dict], floors: list[dict], flagged: list[str]) -> st
                       f"(n={f['n']} {f['n_unit']})" if f["paired"]
                       else f"not paired: {f['why']}"))
     out += ["", "Flags:", ""] + ([f"- {x}" for x in flagged] or ["- none"])
+    out += ["", "Which pairs the bootstrap tells apart (disjoint 95 % rank intervals):", ""] + (
+        [f"- {x}" for x in apart] or ["- no ranked column"])
     return "\n".join(out) + "\n"
 
 
