@@ -337,3 +337,10 @@ def test_report_cells_carry_interval_n_and_rank(tmp_path):
     assert board.count(" n=399 #") == 2 and "#1 " in board  # two board rows, ranked
     assert "worse than full" in board and "Noise floor" in board and "floor ±" in board
     assert (out / "comparisons.csv").read_text().count("worse than full") == 1
+
+
+def test_the_ci_gate_holds_paired_thresholds_on_a_committed_reference():
+    entries = check.load_thresholds(FROZEN.parents[1] / "ci.yaml")
+    paired = [e for e in entries if e["metric"] == "paired.difference"]
+    assert len(paired) >= 1 and all(len(e["_reference_samples"][0]["token_nll"]) == 399
+                                    for e in paired)
