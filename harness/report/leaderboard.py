@@ -143,7 +143,7 @@ def shown(e: dict, column: str) -> str:
     verdict = e.get("verdicts", {}).get(column, "")
     return (text + (f" n={n}" if n else "")
             + (f" #{rank[0]}" + (f"-{rank[1]}" if rank[1] != rank[0] else "") if rank else "")
-            + (f" ({verdict})" if verdict.startswith(("worse", "better", "tie")) else ""))
+            + (f" · {verdict}" if verdict.startswith(("worse", "better", "tie")) else ""))
 
 
 def arrow(entries: list[dict], column: str) -> str:
