@@ -35,6 +35,11 @@ def plan(paths: list[str], half_width: float, resamples: int = stats.RESAMPLES) 
             continue
         low, high = c["difference_ci95"]
         pilot = (high - low) / 2
+        if pilot == 0:  # every pair agreed, or every pair changed alike: no variance to scale
+            out.append({**record, "why": f"no variation in the pilot's {c['n']} paired "
+                                         f"{c['n_unit']} (difference {c['difference']:.4g} on "
+                                         "every one): it cannot size a sweep"})
+            continue
         record.update(n=c["n"], unit=c["n_unit"], half_width=pilot, discordance=c["discordance"],
                       needed=stats.n_for_half_width(c["n"], pilot, half_width))
         if "lost" in c:  # pass/fail: from the discordance, in the metric's units (x100 or x1)
@@ -52,7 +57,8 @@ def table(records: list[dict], half_width: float) -> str:
     for r in records:
         if "why" in r:
             cells = [r["model"], r["protocol"], r["column"], r["method"], r["setting"],
-                     "", "", "", f"not paired: {r['why']}"]
+                     "", "", "", r["why"] if r["why"].startswith("no variation")
+                     else f"not paired: {r['why']}"]
         else:
             needed = f"{r['needed']} {r['unit']}" + (
                 f" ({r['needed_from_discordance']} from the discordance)"

@@ -37,3 +37,10 @@ def test_a_pilot_without_a_full_cache_run_is_refused(tmp_path, capsys):
     assert plan.main([str(tmp_path), "--half-width", "2"]) == 2
     assert "no setting paired with a full-cache run" in capsys.readouterr().err
     assert plan.main([str(tmp_path), "--half-width", "0"]) == 2
+
+
+def test_a_pilot_without_variation_cannot_size_a_sweep(tmp_path):
+    ruler_run(tmp_path, "full", [1] * 10)
+    ruler_run(tmp_path, "h2o", [0] * 10, budget=0.2)  # every sample lost: no variance to scale
+    [record] = plan.plan([str(tmp_path)], half_width=2, resamples=200)
+    assert "needed" not in record and record["why"].startswith("no variation")
