@@ -8,7 +8,14 @@ Schema (`thresholds:` list), each entry:
      hyperparameters: <optional dict the run's method hyperparameters must contain>}
 With `ratio_to_method`, the value checked is metric / the same metric of that method's run on the
 same model and task found in the same results (the most recent one), so speed gates are ratios
-measured on one machine. An entry that matches no run is itself a failure: a gate that checks
+measured on one machine.
+
+With `paired_reference: <frozen samples.jsonl, relative to the thresholds file>` and metric
+`paired.difference` (run - reference) or `paired.retained` (run / reference), the run's task main
+metric is compared with the frozen reference predictions on identical samples (paired by content
+id; refused otherwise) and the bounds apply to its 95 % paired-bootstrap interval: the check fails
+only when the whole interval is beyond a bound (lower bound above max, upper bound below min),
+never on noise. Deterministic figures keep plain min/max bands. An entry that matches no run is itself a failure: a gate that checks
 nothing must not pass. With several matching runs, the most recent one is checked. A run whose
 method did not act (`kv.method_active=false`) is never within bounds: it fails as "not comparable".
 
@@ -37,8 +44,9 @@ from harness.schema import lookup
 from kvcore.errors import ConfigError
 
 REQUIRED = ("model", "method", "task", "metric")
-STRING_KEYS = ("model", "method", "task", "metric", "ratio_to_method")
-ALLOWED = (*REQUIRED, "min", "max", "ratio_to_method", "hyperparameters")
+STRING_KEYS = ("model", "method", "task", "metric", "ratio_to_method", "paired_reference")
+ALLOWED = (*REQUIRED, "min", "max", "ratio_to_method", "hyperparameters", "paired_reference")
+PAIRED_METRICS = ("paired.difference", "paired.retained")
 REGRESSION_EXIT, BAD_INPUT_EXIT = 1, 2
 
 __all__ = ["check", "load_thresholds", "lookup", "main", "table"]
@@ -69,6 +77,11 @@ def _entry_problem(e: Any) -> str:
         return f"min={e['min']} is above max={e['max']}: no value could pass"
     if "hyperparameters" in e and not isinstance(e["hyperparameters"], dict):
         return f"hyperparameters={e['hyperparameters']!r} must be a mapping"
+    if ("paired_reference" in e) != (e["metric"] in PAIRED_METRICS):
+        return (f"metric={e['metric']!r}: {' or '.join(PAIRED_METRICS)} go with "
+                "paired_reference: <frozen samples.jsonl>, and only they")
+    if "paired_reference" in e and "ratio_to_method" in e:
+        return "ratio_to_method does not apply to a paired metric"
     return _name_problem(e)
 
 
@@ -92,7 +105,7 @@ def _name_problem(e: dict) -> str:
         return unknown("task", e["task"], available_tasks())
     sections = [*REQUIRED, *OPTIONAL_SECTIONS]
     section = e["metric"].split(".", 1)[0]
-    if section not in sections or "." not in e["metric"]:
+    if e["metric"] not in PAIRED_METRICS and (section not in sections or "." not in e["metric"]):
         return (f"metric={e['metric']!r} must be <section>.<key> of metrics.json, a section being "
                 f"one of {', '.join(sections)}")
     names = method_class(e["method"]).hyperparameter_names()
@@ -117,7 +130,7 @@ def check_names_in_runs(entries: list[dict], runs: list[dict], where: str) -> No
             raise ConfigError(f"thresholds[{i}] model={e['model']!r} has no run under {where}"
                               + (f" (did you mean {near!r}?)" if near else "")
                               + f"; models there: {', '.join(models)}")
-        if all(lookup(m, e["metric"]) is None for m in runs):
+        if e["metric"] not in PAIRED_METRICS and all(lookup(m, e["metric"]) is None for m in runs):
             section = e["metric"].split(".", 1)[0]
             keys = sorted({f"{section}.{k}" for m in runs for k in (m.get(section) or {})})
             near = closest(e["metric"], keys)
@@ -151,7 +164,24 @@ def load_thresholds(path: Path) -> list[dict]:
         problem = _entry_problem(e)
         if problem:
             raise ConfigError(f"{path}: thresholds[{i}] {problem}")
+        if "paired_reference" in e:
+            e["_reference_samples"] = _frozen(path.parent / e["paired_reference"],
+                                              f"{path}: thresholds[{i}] paired_reference")
     return entries
+
+
+def _frozen(path: Path, where: str) -> list[dict]:
+    """Frozen reference predictions (a samples.jsonl whose rows carry sample_id)."""
+    try:
+        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
+                if line.strip()]
+    except OSError as exc:
+        raise ConfigError(f"{where}={path}: unreadable ({exc.strerror or exc})") from None
+    except ValueError as exc:
+        raise ConfigError(f"{where}={path}: not JSON lines ({exc})") from None
+    if not rows or not all(isinstance(r, dict) and "sample_id" in r for r in rows):
+        raise ConfigError(f"{where}={path}: needs samples.jsonl rows with sample_id")
+    return rows
 
 
 def _matches(metrics: dict, model: str, method: str, task: str, hyper: dict | None) -> bool:
@@ -204,6 +234,9 @@ def check(runs: list[dict], entries: list[dict]) -> list[dict]:
             res["why"] = f"not comparable: {inactive}"
             results.append(res)
             continue
+        if "paired_reference" in e:
+            results.append(_paired_check(res, chosen, e))
+            continue
         value = lookup(chosen, e["metric"])
         if not _number(value):
             res["why"] = (f"{e['metric']} missing in the run" if value is None
@@ -235,10 +268,51 @@ def check(runs: list[dict], entries: list[dict]) -> list[dict]:
     return results
 
 
+def _paired_check(res: dict, chosen: dict, e: dict) -> dict:
+    """The run against frozen reference predictions: fails only when the paired 95 % interval
+    lies wholly beyond a bound."""
+    from harness.uncertainty import PairingError, compare
+
+    res["entry"] += f" vs {e['paired_reference']}"
+    res["bounds"] += " (95 % interval)"
+    samples = _samples(chosen)
+    if samples is None:
+        res["why"] = "the run has no samples.jsonl to pair"
+        return res
+    try:
+        c = compare(e["task"], e["_reference_samples"], samples)
+    except (PairingError, ValueError, KeyError) as exc:
+        res["why"] = f"not comparable: {exc}"
+        return res
+    value, ci = ((c["difference"], c["difference_ci95"]) if e["metric"] == "paired.difference"
+                 else (c["retained"], c["retained_ci95"]))
+    if value is None or not ci:
+        res["why"] = f"{e['metric']} undefined (the reference scores 0)"
+        return res
+    res["value"], res["ci95"] = value, ci
+    low, high = e.get("min"), e.get("max")
+    below, above = low is not None and ci[1] < low, high is not None and ci[0] > high
+    res["ok"] = not (below or above)
+    res["why"] = ("" if res["ok"] else "interval wholly below min" if below
+                  else "interval wholly above max")
+    return res
+
+
+def _samples(metrics: dict) -> list[dict] | None:
+    folder = metrics.get("_folder")
+    try:
+        return [json.loads(line) for line in (Path(folder) / "samples.jsonl").read_text()
+                .splitlines() if line.strip()] if folder else None
+    except (OSError, ValueError):
+        return None
+
+
 def table(results: list[dict]) -> str:
     lines = ["| check | value | allowed | status |", "|---|---|---|---|"]
     for r in results:
         value = f"{r['value']:.4g}" if isinstance(r["value"], (int, float)) else "-"
+        if r.get("ci95"):
+            value += f" [{r['ci95'][0]:.4g}, {r['ci95'][1]:.4g}]"
         status = "ok" if r["ok"] else f"REGRESSION: {r['why']}"
         lines.append(f"| {r['entry']} | {value} | {r['bounds']} | {status} |")
     return "\n".join(lines)
@@ -252,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         entries = load_thresholds(args.against)
         files, skipped = find_runs(args.results), []
-        runs = [metrics for _, metrics in load_runs(files, warn=skipped.append)]
+        runs = [dict(metrics, _folder=str(path.parent))
+                for path, metrics in load_runs(files, warn=skipped.append)]
         if files and not runs:  # only corrupt runs: the wrong folder, not a regression
             raise ConfigError(f"no runs to check under {' '.join(args.results)} "
                               f"({len(files)} metrics.json, none valid; "

@@ -178,7 +178,10 @@ def log_sweep(logger: dict, sweep_dir: Path, run_folders: list[Path]) -> dict | 
     out = sweep_dir / "report"
     rows, out, made = build_report([str(f / "metrics.json") for f in run_folders], out,
                                    warn=lambda text: None)
-    board = leaderboard.build(rows)
+    from harness.report.compare import rank_intervals
+
+    board = leaderboard.build(rows)  # rows carry their intervals (build_report attached them)
+    rank_intervals(board, rows)
     columns, data = comparison_table(board)
     with quiet_logging_errors():  # as a run's mirror: W&B's log errors are not shown
         mode = wandb_mode(logger)
@@ -201,14 +204,16 @@ def log_sweep(logger: dict, sweep_dir: Path, run_folders: list[Path]) -> dict | 
 
 
 def comparison_table(board: list[dict]) -> tuple[list[str], list[list]]:
-    """The leaderboard as one flat table: its key, every task column, the measures."""
+    """The leaderboard as one flat table: its key, every task column, the measures, then each
+    task column's 95 % interval, n and rank interval."""
     from harness.report import leaderboard
 
     tasks = sorted({c for e in board for c in e["tasks"]})
     columns = [*leaderboard.KEY, *tasks, leaderboard.MEAN, *leaderboard.MEASURES, "active"]
     data = [[_cell(e["tasks"].get(c) if c in tasks else e.get(c)) for c in columns]
+            + [_cell(v) for c in tasks for v in leaderboard.interval_parts(e, c)]
             for e in board]
-    return columns, data
+    return columns + [f"{c} {part}" for c in tasks for part in leaderboard.INTERVAL_PARTS], data
 
 
 def _cell(value: Any) -> Any:

@@ -292,11 +292,13 @@ def build_metrics(session, setting, engine, result, t_start: float,
     from harness import models
     from harness.env import environment
     from harness.profiling import peak_memory
+    from harness.uncertainty import cell_uncertainty
 
     cfg, runner, method, spec, info = (setting.cfg, setting.runner, setting.method,
                                        session.spec, session.info)
     metrics = {
         "accuracy": result.metrics,
+        "uncertainty": cell_uncertainty(setting.task_name, result.metrics, result.samples),
         "speed": engine.speed().as_dict(),
         "memory": peak_memory(engine.device),
         "kv": kv_figures(engine, method),
@@ -444,6 +446,14 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _interval_line(cell: dict[str, Any]) -> list[str]:
+    if not cell.get("ci95"):
+        return []
+    low, high = cell["ci95"]
+    return [f"  interval  {cell['metric']} {_fmt(cell['value'])}, 95 % [{_fmt(low)}, "
+            f"{_fmt(high)}], n={cell['n']} {cell['n_unit']} ({cell['interval'].split(';')[0]})"]
+
+
 def summary(metrics: dict[str, Any], folder: Path) -> str:
     acc = {k: v for k, v in metrics["accuracy"].items() if not isinstance(v, (list, dict))}
     speed, mem, kv = metrics["speed"], metrics["memory"], metrics["kv"]
@@ -451,6 +461,7 @@ def summary(metrics: dict[str, Any], folder: Path) -> str:
         f"kv-harness  task={metrics['task']['name']}  model={metrics['model']['name']}  "
         f"method={metrics['method']['name']}",
         "  accuracy  " + "  ".join(f"{k}={_fmt(v)}" for k, v in acc.items()),
+        *_interval_line(metrics.get("uncertainty") or {}),
         f"  speed     prefill {_fmt(speed['prefill_ms_total'])} ms for {speed['prefill_tokens']} tok"
         f" | decode {_fmt(speed['decode_ms_per_token_median'])} ms/tok median "
         f"(p90 {_fmt(speed['decode_ms_per_token_p90'])}), {_fmt(speed['decode_tokens_per_s'])} tok/s",

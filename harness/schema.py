@@ -25,6 +25,7 @@ OPT_NUMBER = "number or null"
 STRING = "string"
 MAPPING = "mapping"
 LIST = "list"
+OPT_LIST = "list or null"
 OPT_BOOL = "boolean or null"
 
 # section -> {key: type}; every section is a mapping that may hold more keys.
@@ -51,8 +52,10 @@ OPTIONAL: dict[str, dict[str, str]] = {
     "transfer": {"bytes_per_decode_step": OPT_NUMBER},
     "accuracy": {"nll_per_block": LIST, "block_tokens": NUMBER},
     "logger": {"dir": STRING},
+    # harness.uncertainty.cell_uncertainty: the main metric's 95 % interval, n and its method
+    "uncertainty": {"n": OPT_NUMBER, "ci95": OPT_LIST, "interval": STRING},
 }
-OPTIONAL_SECTIONS = ("diagnostics", "projected", "logger")
+OPTIONAL_SECTIONS = ("diagnostics", "projected", "logger", "uncertainty")
 
 
 class SchemaError(ValueError):
@@ -72,6 +75,8 @@ def _type_ok(value: Any, kind: str) -> bool:
         return isinstance(value, dict)
     if kind == LIST:
         return isinstance(value, list)
+    if kind == OPT_LIST:
+        return value is None or isinstance(value, list)
     raise AssertionError(kind)
 
 

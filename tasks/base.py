@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -10,10 +12,18 @@ from kvcore.errors import ConfigError
 from methods.base import KVMethod, ModelInfo
 
 
+def content_id(prompt: Any, reference: Any) -> str:
+    """A sample's identity from its content (the prompt's token ids or text, and what it is
+    scored against): two runs on the same samples pair up by it, whatever their order."""
+    blob = json.dumps([prompt, reference], sort_keys=True, default=str, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
 @dataclass
 class TaskResult:
     metrics: dict[str, Any]  # accuracy-side numbers (ppl, acc, f1, ...)
-    samples: list[dict[str, Any]] = field(default_factory=list)  # one per prompt: id, prediction, ...
+    # one per prompt: id, sample_id (content_id), prediction, score(s), ...
+    samples: list[dict[str, Any]] = field(default_factory=list)
     protocol: dict[str, Any] = field(default_factory=dict)  # how it was scored (recorded verbatim)
 
 

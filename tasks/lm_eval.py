@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from kvcore.errors import ConfigError
-from tasks.base import Task, TaskResult
+from tasks.base import Task, TaskResult, content_id
 
 SCORING = ("stepwise", "chunked")
 DEFAULT_FEWSHOT_SEED = 1234  # lm-eval's default fewshot_random_seed: prompts match lm-eval runs
@@ -224,7 +224,8 @@ def _leaves(out: dict[str, Any], name: str) -> list[str]:
 
 def _sample_row(task: str, s: dict[str, Any]) -> dict[str, Any]:
     """One logged lm-eval document (for one filter) as a samples.jsonl row."""
-    row = {"task": task, "doc_id": s["doc_id"], "target": s["target"]}
+    row = {"task": task, "doc_id": s["doc_id"], "target": s["target"],
+           "sample_id": content_id([task, s["arguments"]], s["target"])}
     if s.get("filter", "none") != "none":
         row["filter"] = s["filter"]
     resps, args = s["filtered_resps"], s["arguments"][0]

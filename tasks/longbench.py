@@ -44,7 +44,7 @@ from harness.models import CHAT_TEMPLATE_KWARGS, chat_text
 from harness.progress import progress
 from methods.base import KVMethod, ModelInfo
 from tasks._longbench_config import DATASETS, HUB_ARCHIVE, HUB_REPO, DatasetSpec
-from tasks.base import Task, TaskResult
+from tasks.base import Task, TaskResult, content_id
 from tasks.text_sources import data_root, jsonl_objects
 
 CHAT_MODES = ("auto", "always", "never")
@@ -312,7 +312,8 @@ class LongBench(Task):
             score_one = (functools.partial(metric, all_classes=row["all_classes"])
                          if spec.metric == "classification" else metric)
             score = max(0.0, *(score_one(scored_text, answer) for answer in row["answers"]))
-            sample = {"id": row.get("_id", f"{dataset}-{index}"), "dataset": dataset,
+            sample = {"id": row.get("_id", f"{dataset}-{index}"),
+                      "sample_id": content_id(ids, list(row["answers"])), "dataset": dataset,
                       "prediction": prediction, "references": list(row["answers"]),
                       "score": score, "prompt_tokens": len(ids),
                       "prompt_tokens_untruncated": untruncated,

@@ -36,7 +36,7 @@ from kvcore.errors import ConfigError
 from harness.models import CHAT_TEMPLATE_KWARGS
 from harness.progress import progress
 from methods.base import KVMethod, ModelInfo
-from tasks.base import Task, TaskResult
+from tasks.base import Task, TaskResult, content_id
 from tasks.prompts import (CHAT_OPTIONS, HAYSTACKS, KEY_WORDS, NEEDLE, RULER_DEPTHS, PromptFormat,
                            clean_prediction, haystack_with_needles, is_int, largest_fitting,
                            load_haystack_words, magic_number, string_match_all)
@@ -299,7 +299,8 @@ class MultiTurn(Task):
                                   "prediction": prediction,
                                   "correct": string_match_all(prediction, [d.values[k]])})
                 positions = req.pos
-            rows.append({"id": i, "context_tokens": len(d.context_ids),
+            rows.append({"id": i, "sample_id": content_id(list(d.context_ids), d.values),
+                         "context_tokens": len(d.context_ids),
                          "haystack_units": d.haystack_units, "positions_fed": positions,
                          "turns": turns})
         metrics = aggregate(rows, self.turns)

@@ -24,7 +24,7 @@ import torch
 from harness.progress import progress
 
 from methods.base import KVMethod, ModelInfo
-from tasks.base import Task, TaskResult
+from tasks.base import Task, TaskResult, content_id
 from tasks.text_sources import TEXT_DATASETS, load_text
 
 MODES = ("chunked", "streaming")
@@ -164,8 +164,7 @@ class Perplexity(Task):
                 logits = req.prefill(window, all_logits=True)[0]
             nll = token_nll(logits[:-1], window[1:].to(logits.device)).cpu()
             nlls.append(nll)
-            samples.append({"id": i, "tokens": int(window.numel()), "nll_mean": float(nll.mean()),
-                            "ppl": math.exp(float(nll.mean()))})
+            samples.append({"id": i, **_scored(window.tolist(), 1, nll)})
         return torch.cat(nlls), samples
 
     def _streaming(self, engine, ids: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
@@ -181,5 +180,12 @@ class Perplexity(Task):
             for t in progress(range(prompt, ids.numel() - 1), "streaming perplexity", "tok"):
                 logits = req.step(ids[t:t + 1].to(device))[0, -1]
                 nll[t + 1 - first] = token_nll(logits[None], ids[t + 1:t + 2].to(device))[0]
-        return nll, [{"id": 0, "tokens": int(ids.numel()), "nll_mean": float(nll.mean()),
-                      "ppl": math.exp(float(nll.mean()))}]
+        return nll, [{"id": 0, **_scored(ids.tolist(), first, nll)}]
+
+
+def _scored(ids: list[int], first: int, nll: torch.Tensor) -> dict:
+    """A sample record: its content id (the tokens, from which one scoring starts) and the NLL of
+    every scored token, so intervals resample contiguous blocks of them."""
+    return {"sample_id": content_id(ids, {"scored_from": first}), "tokens": len(ids),
+            "nll_mean": float(nll.mean()), "ppl": math.exp(float(nll.mean())),
+            "token_nll": [round(float(x), 6) for x in nll]}

@@ -50,7 +50,7 @@ from kvcore.errors import ConfigError
 from harness.models import CHAT_TEMPLATE_KWARGS
 from harness.progress import progress
 from methods.base import KVMethod, ModelInfo
-from tasks.base import Task, TaskResult
+from tasks.base import Task, TaskResult, content_id
 from tasks.prompts import (CHAT_OPTIONS, CWE_WORDS, HAYSTACKS, KEY_WORDS, NEEDLE, NOISE_SENTENCE,
                            RULER_DEPTHS, PromptFormat, clean_prediction, distinct,
                            haystack_with_needles, is_int, join_keys, largest_fitting,
@@ -449,7 +449,8 @@ class Ruler(Task):
         for s, out in zip(samples, progress(outs, "ruler", "sample", total=len(samples))):
             answer_ids = [t for t in out if t not in stop_ids]
             prediction = clean_prediction(tok.decode(answer_ids, skip_special_tokens=True))
-            rows.append({"id": s.id, "subtask": s.subtask, "length_tokens": s.length_tokens,
+            rows.append({"id": s.id, "sample_id": content_id(list(s.input_ids), s.answers),
+                         "subtask": s.subtask, "length_tokens": s.length_tokens,
                          "depth_percent": s.depth_percent, "prompt_tokens": s.prompt_tokens,
                          "haystack_units": s.haystack_units, "generated_tokens": len(out),
                          "answers": s.answers, "prediction": prediction,

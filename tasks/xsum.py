@@ -35,7 +35,7 @@ from typing import Any, ClassVar
 from kvcore.errors import ConfigError
 from harness.metrics import rouge_scores
 from harness.progress import progress
-from tasks.base import Task, TaskResult
+from tasks.base import Task, TaskResult, content_id
 from tasks.text_sources import data_root, jsonl_objects
 
 HUB_DATASET = "EdinburghNLP/xsum"
@@ -146,7 +146,8 @@ class XSum(Task):
         samples, scored = [], []
         for item, ids, gen, fits in planned:
             if not fits:
-                samples.append({"id": item["id"], "skipped": True, "prompt_tokens": len(ids),
+                samples.append({"id": item["id"], "sample_id": content_id(ids, item["summary_gt"]),
+                                "skipped": True, "prompt_tokens": len(ids),
                                 "max_new_tokens": gen})
                 continue
             new_ids = next(outs)
@@ -154,7 +155,8 @@ class XSum(Task):
             prediction = cut_at_stop(text, item["stop"])
             rouge = {k: 100 * v for k, v in rouge_scores(prediction, item["summary_gt"]).items()}
             scored.append(rouge)
-            samples.append({"id": item["id"], "skipped": False, "prediction": prediction,
+            samples.append({"id": item["id"], "sample_id": content_id(ids, item["summary_gt"]),
+                            "skipped": False, "prediction": prediction,
                             "reference": item["summary_gt"], **rouge, "prompt_tokens": len(ids),
                             "max_new_tokens": gen, "new_tokens": len(new_ids)})
         if not scored:

@@ -8,11 +8,13 @@ import sys
 import time
 from pathlib import Path
 
-from harness.report import collect, figures, html, leaderboard
+from harness import stats
+from harness.report import collect, compare, figures, html, leaderboard
 from harness.results import check_writable, write_text_atomic
 from kvcore.errors import ConfigError
 
-OUTPUTS = ("report.md", "report.csv", "leaderboard.md", "leaderboard.csv", "report.html")
+OUTPUTS = ("report.md", "report.csv", "leaderboard.md", "leaderboard.csv", "report.html",
+           "comparisons.csv")
 _FIGURE_FILE = re.compile(r"(%s)(_\d+)?\.png$" % "|".join(figures.FIGURES))
 # Files earlier versions of the report wrote (replaced by the names above).
 _OLD = {"ruler_heatmap.png"}
@@ -41,21 +43,36 @@ def default_out(patterns: list[str]) -> Path:
     return first / "_report" if first.is_dir() else Path("results") / "_report"
 
 
-def notes(board: list[dict], made: list[Path]) -> str:
+def board_markdown(board: list[dict], paired: str) -> str:
+    """leaderboard.md: the tables (cells "value [95 % interval] n=N #rank interval"), then the
+    paired comparisons with the full cache, the noise floor and the flags."""
+    return (leaderboard.markdown(board) + "\nCells: value [95 % interval] n=<units> "
+            "#<rank interval> (bootstrap ranks inside the section and column).\n\n"
+            "## Paired comparison with the full cache\n\n" + paired)
+
+
+def notes(board: list[dict], made: list[Path], paired: str) -> str:
     """report.md: the leaderboard, then which figure answers which question."""
-    lines = ["# kv-harness report", "", "## Leaderboard", "", leaderboard.markdown(board),
+    lines = ["# kv-harness report", "", "## Leaderboard", "", board_markdown(board, paired),
              "## Figures", ""]
     lines += [f"- `{p.name}`: {figures.question(p)}" for p in made]
     return "\n".join(lines) + "\n"
 
 
-def build_report(patterns: list[str], out: Path | None = None, warn=None
-                 ) -> tuple[list[dict], Path, list[Path]]:
+def build_report(patterns: list[str], out: Path | None = None, warn=None,
+                 resamples: int = stats.RESAMPLES) -> tuple[list[dict], Path, list[Path]]:
     """Rows, the output folder and the figures made. ConfigError (bad paths, no valid run)."""
     out = out or default_out(patterns)
     check_out(out)
     rows = collect.collect(patterns, warn)
+    compare.attach(rows)
     board = leaderboard.build(rows)
+    compare.rank_intervals(board, rows, resamples)
+    compared, floors = compare.comparisons(board, rows, resamples)
+    for c in compared:
+        c["entry"].setdefault("verdicts", {})[c["column"]] = c["verdict"]
+    paired = compare.markdown(compared, floors, compare.flags(board, compared),
+                              compare.distinguishable(board))
     out.mkdir(parents=True, exist_ok=True)
     made = figures.draw_all(rows, out)
     for stale in out.iterdir():  # figures of an earlier report these runs no longer make
@@ -63,11 +80,12 @@ def build_report(patterns: list[str], out: Path | None = None, warn=None
             stale.unlink()
     write_text_atomic(out / "report.csv", collect.to_csv(rows))
     write_text_atomic(out / "leaderboard.csv", leaderboard.to_csv(board))
-    write_text_atomic(out / "leaderboard.md", leaderboard.markdown(board))
-    write_text_atomic(out / "report.md", notes(board, made) + "\n## Every run\n\n"
+    write_text_atomic(out / "comparisons.csv", compare.to_csv(compared))
+    write_text_atomic(out / "leaderboard.md", board_markdown(board, paired))
+    write_text_atomic(out / "report.md", notes(board, made, paired) + "\n## Every run\n\n"
                       + collect.markdown(rows))
     write_text_atomic(out / "report.html", html.page(
-        rows, board, made, patterns, time.strftime("%Y-%m-%d %H:%M")))
+        rows, board, made, patterns, time.strftime("%Y-%m-%d %H:%M"), paired))
     return rows, out, made
 
 
@@ -78,9 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("paths", nargs="+", help="results folders, globs of run folders, or files")
     ap.add_argument("--out", type=Path, default=None,
                     help="output folder (default <first folder>/_report)")
+    ap.add_argument("--resamples", type=int, default=stats.RESAMPLES,
+                    help=f"bootstrap resamples per interval and comparison "
+                         f"(default {stats.RESAMPLES})")
     args = ap.parse_args(argv)
     try:
-        rows, out, made = build_report(args.paths, args.out)
+        if args.resamples < 100:
+            raise ConfigError(f"--resamples {args.resamples}: at least 100")
+        rows, out, made = build_report(args.paths, args.out, resamples=args.resamples)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -88,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: writing the report failed ({exc.strerror or exc}: {exc.filename})",
               file=sys.stderr)
         return 2
-    sys.stdout.write(leaderboard.markdown(leaderboard.build(rows)))
+    sys.stdout.write((out / "leaderboard.md").read_text())
     print(f"\n{len(rows)} runs -> {out / 'report.html'} (+ report.md, leaderboard.md/.csv, "
           f"report.csv), {len(made)} figures: {', '.join(p.name for p in made)}")
     return 0

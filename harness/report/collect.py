@@ -19,7 +19,9 @@ COLUMNS = ["run", "model", "method", "budget", "protocol", "batch", "task", "met
            "active", "kv_held", "attended_fraction", "paper_relative_kv_size", "decode_tok_s",
            "decode_ms", "kv_bytes", "bytes_per_step",
            # added after the first reports (appended: readers of the CSV keep their columns)
-           "variant", "provenance", "operating_point", "context_tokens"]
+           "variant", "provenance", "operating_point", "context_tokens",
+           # the main metric's 95 % interval and n (harness.report.compare.attach)
+           "ci95_low", "ci95_high", "n", "interval"]
 # The two trade-off axes, both defined once in harness.accounting and read the same way for every
 # run: the figures, the leaderboard and W&B take their names and units from here.
 # {key: (short name for an axis, its definition for a caption)}.
@@ -159,7 +161,8 @@ def row(path: Path, metrics: dict, root: Path | None) -> dict[str, Any]:
         "decode_ms": speed.get("decode_ms_per_token_median"),
         "kv_bytes": kv.get("bytes_total"), "bytes_per_step": transfer.get("bytes_per_decode_step"),
         "context_tokens": kv.get("seen_tokens_mean"),
-        "_metrics": metrics,
+        "ci95_low": None, "ci95_high": None, "n": None, "interval": "",
+        "_metrics": metrics, "_folder": path.parent,
     }
 
 

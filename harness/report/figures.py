@@ -31,9 +31,11 @@ FRONTIER_NAMES = 6  # frontier points named in the panel, at most (more would ov
 
 FIGURES = {
     "accuracy_vs_kv_held": "Which method keeps the most accuracy for the memory it holds? "
-                           "(task metric vs KV held; the grey band is the Pareto frontier)",
+                           "(task metric vs KV held, bars: 95 % intervals; the grey band is the "
+                           "Pareto frontier)",
     "accuracy_vs_attended": "Which method keeps the most accuracy for the tokens it attends? "
-                            "(task metric vs attended fraction; grey band: Pareto frontier)",
+                            "(task metric vs attended fraction, bars: 95 % intervals; grey band: "
+                            "Pareto frontier)",
     "ruler_grid": "Where in the context does retrieval fail? (RULER single needle, accuracy per "
                   "context length x needle depth, one row per method and budget)",
     "decode_ms_vs_context": "How does decode latency grow with the context? (median ms per "
@@ -222,12 +224,23 @@ def _accuracy_panel(ax, rows, rs, axis, labels, handles) -> None:
         label, kwargs = handle(labels, rows, series[0])
         line, = ax.plot([r[axis] for r in series], [r["value"] for r in series], **kwargs)
         _remember(handles, label, line)
+        _error_bars(ax, [r for r in series if r.get("ci95_low") is not None], axis,
+                    line.get_color())
         dead = [r for r in series if r["active"] == "INACTIVE"]
         if dead:  # the method did not act: drawn, but crossed out
             ax.plot([r[axis] for r in dead], [r["value"] for r in dead], "x", color="red",
                     markersize=10, zorder=6)
         if method == REFERENCE:
             ax.axhline(series[0]["value"], color="black", linewidth=0.8, linestyle=":", zorder=2)
+
+
+def _error_bars(ax, rs: list[dict], axis: str, color) -> None:
+    """Each point's 95 % interval (harness.report.compare.attach) as a vertical bar."""
+    if rs:
+        ax.errorbar([r[axis] for r in rs], [r["value"] for r in rs],
+                    yerr=[[max(0.0, r["value"] - r["ci95_low"]) for r in rs],
+                          [max(0.0, r["ci95_high"] - r["value"]) for r in rs]],
+                    fmt="none", ecolor=color, elinewidth=1, capsize=2.5, alpha=0.7, zorder=3)
 
 
 def _name_frontier(ax, rs, axis, front, labels) -> None:

@@ -67,12 +67,12 @@ def _e(text) -> str:
     return html.escape(str(text), quote=True)
 
 
-def _td(value, text_column: bool = False, best: bool = False) -> str:
+def _td(value, text_column: bool = False, best: bool = False, shown: str | None = None) -> str:
     cls = " ".join(filter(None, ("text" if text_column else "", "best" if best else "")))
     data = "" if value is None else (repr(float(value)) if isinstance(value, (int, float))
                                      and not isinstance(value, bool) else str(value))
     return (f'<td{f" class={chr(34)}{cls}{chr(34)}" if cls else ""} data-v="{_e(data)}">'
-            f"{_e(fmt(value))}</td>")
+            f"{_e(fmt(value) if shown is None else shown)}</td>")
 
 
 def _best(entries: list[dict], column: str) -> float | None:
@@ -99,7 +99,8 @@ def board_html(board: list[dict]) -> str:
                    "inactive" if e["active"] == "INACTIVE" else "")
             cells = [_td(leaderboard.cell(e, c), c in text,
                          best.get(c) is not None and leaderboard.cell(e, c) == best[c]
-                         and e["method"] != "full") for c in own + rest]
+                         and e["method"] != "full", leaderboard.shown(e, c))
+                     for c in own + rest]
             out.append(f'<tr class="{cls}" title="{_e(" ".join(e["runs"]))}">'
                        + "".join(cells) + "</tr>")
         out.append("</tbody></table>")
@@ -128,8 +129,37 @@ def figures_html(made: list[Path]) -> str:
     return "\n".join(out)
 
 
+def markdown_html(text: str) -> str:
+    """The comparisons' markdown (a table, list items, paragraphs) as HTML."""
+    out, table = [], []
+
+    def close() -> None:
+        if table:
+            head, body = table[0], [r for r in table[2:]]
+            out.append('<table class="sortable paired"><thead><tr>'
+                       + "".join(f'<th class="text">{_e(c)}</th>' for c in head)
+                       + "</tr></thead><tbody>" + "".join(
+                           "<tr>" + "".join(f'<td class="text" data-v="{_e(c)}">{_e(c)}</td>'
+                                            for c in r) + "</tr>" for r in body)
+                       + "</tbody></table>")
+            table.clear()
+
+    for line in text.splitlines():
+        if line.startswith("|"):
+            table.append([c.strip().replace("\\|", "|")
+                          for c in line.strip("|").split(" | ")])
+            continue
+        close()
+        if line.startswith("- "):
+            out.append(f"<li>{_e(line[2:])}</li>")
+        elif line.strip():
+            out.append(f"<p>{_e(line)}</p>")
+    close()
+    return "\n".join(out)
+
+
 def page(rows: list[dict], board: list[dict], made: list[Path], sources: list[str],
-         generated: str) -> str:
+         generated: str, paired: str = "") -> str:
     protocols = sorted({r["protocol"] for r in rows})
     models = sorted({r["model"] for r in rows})
     methods = sorted({r["method"] for r in rows})
@@ -150,9 +180,13 @@ Protocols: {"; ".join(f"<code>{_e(p)}</code>" for p in protocols)}.</p>
 column is the task's main metric (↑ higher / ↓ lower is better; the best non-reference value is
 shaded); the full cache is the bold row. KV held = bytes on every tier / full cache; attended =
 tokens attended / seen at decode steps (sparse layers); decode ms = median per token; bytes =
-host-to-device per decode step. Click a column to sort.
+host-to-device per decode step. A task cell reads value [95 % interval] n=units #rank interval
+(bootstrap ranks in its section); a verdict against the full cache follows where there is one.
+Click a column to sort (by value).
 <input id="filter" type="search" placeholder="filter rows (method, knob, …)"></p>
 {board_html(board)}
+<h2>Paired comparison with the full cache</h2>
+{markdown_html(paired)}
 <h2>Figures</h2>
 <ul>{questions}</ul>
 {figures_html(made)}

@@ -6,12 +6,18 @@ task whose options differ (perplexity on 150 or 400 tokens) are never one column
 that differ between them tag the column ("perplexity max_tokens=400"). The mean column averages
 the higher-is-better task columns of a row that has them all. KV held, attended fraction,
 decode ms and bytes moved are means over the row's runs.
+
+Every task cell carries its 95 % interval and n (`ci`, `n`; harness.report.compare attaches them
+to the rows) and, once compare.rank_intervals ran, its rank interval: markdown shows
+"value [low, high] n=N #best-worst". The mean column's interval combines the task columns'
+half-widths as independent estimates (sqrt of the sum of squares / k).
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import math
 import statistics
 from typing import Any
 
@@ -53,7 +59,7 @@ def build(rows: list[dict]) -> list[dict[str, Any]]:
     higher = {columns[id(r)]: r["higher_is_better"] for r in rows}
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        if r["value"] is not None:
+        if r["value"] is not None and not r.get("_floor"):  # noise-floor runs: compare.py
             groups.setdefault(tuple(r[k] for k in KEY), []).append(r)
     board = []
     for key, rs in groups.items():
@@ -62,6 +68,11 @@ def build(rows: list[dict]) -> list[dict[str, Any]]:
             latest[columns[id(r)]] = r
         entry = dict(zip(KEY, key))
         entry["tasks"] = {c: r["value"] for c, r in latest.items()}
+        entry["cells"] = {c: r["run"] for c, r in latest.items()}
+        entry["ci"] = {c: ((r["ci95_low"], r["ci95_high"]) if r.get("ci95_low") is not None
+                           else None) for c, r in latest.items()}
+        entry["n"] = {c: r.get("n") for c, r in latest.items()}
+        entry["ranks"] = {}
         entry["higher"] = {c: higher[c] for c in latest}
         for m in MEASURES:
             values = [r[m] for r in latest.values() if r[m] is not None]
@@ -87,6 +98,11 @@ def _mean_column(board: list[dict]) -> None:
         wanted = sections[e["model"], e["protocol"]]
         have = [e["tasks"][c] for c in wanted if c in e["tasks"]]
         e[MEAN] = statistics.fmean(have) if wanted and len(have) == len(wanted) else None
+        halves = [(e["ci"][c][1] - e["ci"][c][0]) / 2 for c in wanted if e["ci"].get(c)]
+        e["mean_ci"] = None
+        if e[MEAN] is not None and len(halves) == len(wanted) > 1:
+            half = math.sqrt(sum(h * h for h in halves)) / len(halves)
+            e["mean_ci"] = (e[MEAN] - half, e[MEAN] + half)
 
 
 def sections(board: list[dict]) -> dict[tuple[str, str], list[dict]]:
@@ -115,6 +131,21 @@ def cell(e: dict, column: str) -> Any:
     return e["tasks"].get(column, e.get(column))
 
 
+def shown(e: dict, column: str) -> str:
+    """A cell as text: a task column with its interval, n and rank interval."""
+    value = cell(e, column)
+    ci = e.get("mean_ci") if column == MEAN else e.get("ci", {}).get(column)
+    if column not in e["tasks"] and column != MEAN or value is None:
+        return fmt(value)
+    text = fmt(value) + (f" [{fmt(ci[0])}, {fmt(ci[1])}]" if ci else " [no interval]")
+    n = e["n"].get(column)
+    rank = e.get("ranks", {}).get(column)
+    verdict = e.get("verdicts", {}).get(column, "")
+    return (text + (f" n={n}" if n else "")
+            + (f" #{rank[0]}" + (f"-{rank[1]}" if rank[1] != rank[0] else "") if rank else "")
+            + (f" · {verdict}" if verdict.startswith(("worse", "better", "tie")) else ""))
+
+
 def arrow(entries: list[dict], column: str) -> str:
     for e in entries:
         if column in e["higher"]:
@@ -130,7 +161,7 @@ def markdown(board: list[dict]) -> str:
         out += [f"### {model} · {protocol}", "", "| " + " | ".join(names) + " |",
                 "|" + "---|" * len(names)]
         for e in entries:
-            out.append("| " + " | ".join(fmt(cell(e, c)).replace("|", "\\|")
+            out.append("| " + " | ".join(shown(e, c).replace("|", "\\|")
                                          for c in own + rest) + " |")
         out.append("")
     return "\n".join(out)
@@ -139,11 +170,24 @@ def markdown(board: list[dict]) -> str:
 def to_csv(board: list[dict]) -> str:
     """One flat table: the key, every task column of the whole report, the measures."""
     tasks = sorted({c for e in board for c in e["tasks"]})
-    fields = list(KEY) + tasks + [MEAN, *MEASURES, "active", "runs"]
+    extra = [f"{c} {part}" for c in tasks for part in INTERVAL_PARTS]
+    fields = list(KEY) + tasks + [MEAN, *MEASURES, "active", "runs"] + extra
     buf = io.StringIO()
     writer = csv.writer(buf)
     writer.writerow(fields)
     for e in board:
         writer.writerow([fmt(e["tasks"].get(f) if f in tasks else
-                             " ".join(e["runs"]) if f == "runs" else e.get(f)) for f in fields])
+                             " ".join(e["runs"]) if f == "runs" else e.get(f))
+                         for f in fields[:len(fields) - len(extra)]]
+                        + [fmt(v) for c in tasks for v in interval_parts(e, c)])
     return buf.getvalue()
+
+
+INTERVAL_PARTS = ("ci95_low", "ci95_high", "n", "rank_best", "rank_worst")
+
+
+def interval_parts(e: dict, column: str) -> list:
+    """A task cell's INTERVAL_PARTS (None where it has none)."""
+    ci = e.get("ci", {}).get(column) or (None, None)
+    rank = e.get("ranks", {}).get(column) or (None, None)
+    return [ci[0], ci[1], e.get("n", {}).get(column), rank[0], rank[1]]

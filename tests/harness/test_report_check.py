@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from harness import check, report
@@ -258,3 +259,88 @@ def test_query_agnostic_runs_are_their_own_curve(tmp_path):
     rows, _, _ = report.build_report([str(tmp_path)], tmp_path / "out")
     assert sorted({r["series"] for r in rows}) == [
         "snapkv [dense=[] prefill=dense query-agnostic]", "snapkv [dense=[] prefill=dense query-aware]"]
+
+
+FROZEN = Path(__file__).resolve().parents[2] / "conf" / "regression" / "reference" / \
+    "stories260k-pg19-400-full.samples.jsonl"
+
+
+def paired_tree(root: Path, token_nll, started="2026-11-29T10:00:00") -> Path:
+    """An h2o run whose samples are the frozen full-cache sample with other token losses."""
+    folder = fake_run(root, "h2o", float(np.exp(np.mean(token_nll))), 90.0, budget=0.2,
+                      started=started)
+    frozen = json.loads(FROZEN.read_text().splitlines()[0])
+    (folder / "samples.jsonl").write_text(json.dumps(dict(frozen, token_nll=list(token_nll))))
+    return folder
+
+
+def paired_gate(tmp_path: Path) -> Path:
+    gate = tmp_path / "gate.yaml"
+    gate.write_text("thresholds:\n  - {model: stories260k, method: h2o, task: perplexity, "
+                    f"metric: paired.difference, paired_reference: {FROZEN}, max: 5.0}}\n")
+    return gate
+
+
+@pytest.mark.parametrize("shift, noise, fails", [
+    (0.0, 0.3, False),   # zero-mean noise on every token's loss: ppl -0.56 [-2.1, 1.0]
+    (0.2, 0.0, True),    # a planted regression of +0.2 nats/token: ppl +11.0 [7.8, 15.8]
+    (0.12, 0.5, False),  # the point (+7.3) is over the bound, its interval [3.9, 12.4] is not
+])
+def test_paired_gate_fails_outside_the_noise_only(shift, noise, fails, tmp_path, capsys):
+    base = np.array(json.loads(FROZEN.read_text().splitlines()[0])["token_nll"])
+    nll = base + shift + np.random.default_rng(3 if shift else 0).normal(0, noise, base.size)
+    paired_tree(tmp_path / "runs", nll.round(6))
+    assert check.main([str(tmp_path / "runs"), "--against", str(paired_gate(tmp_path))]) == \
+        (1 if fails else 0)
+    out = capsys.readouterr().out
+    assert ("REGRESSION: interval wholly above max" in out) == fails
+
+
+def test_paired_gate_refuses_other_samples(tmp_path, capsys):
+    """A run on another text (other token ids, so another sample_id) is not comparable."""
+    folder = paired_tree(tmp_path / "runs", [3.9] * 399)
+    row = json.loads((folder / "samples.jsonl").read_text())
+    (folder / "samples.jsonl").write_text(json.dumps(dict(row, sample_id="0123456789abcdef")))
+    assert check.main([str(tmp_path / "runs"), "--against", str(paired_gate(tmp_path))]) == 1
+    assert "not comparable: not the same samples" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("entry, expect", [
+    ("metric: paired.difference, max: 1", "go with paired_reference"),
+    ("metric: accuracy.ppl, paired_reference: x.jsonl, max: 1", "go with paired_reference"),
+    ("metric: paired.difference, paired_reference: nope.jsonl, max: 1", "nope.jsonl: unreadable"),
+])
+def test_bad_paired_thresholds_are_bad_input(entry, expect, tree, tmp_path, capsys):
+    gate = tmp_path / "gate.yaml"
+    gate.write_text(f"thresholds:\n  - {{model: stories260k, method: h2o, task: perplexity, "
+                    f"{entry}}}\n")
+    assert check.main([str(tree), "--against", str(gate)]) == 2
+    assert expect in capsys.readouterr().err
+
+
+def test_report_cells_carry_interval_n_and_rank(tmp_path):
+    """Runs with samples: every leaderboard cell shows [low, high] n=..., the comparison with
+    the full cache is paired and the noise floor (eager) run is not a board row."""
+    base = np.array(json.loads(FROZEN.read_text().splitlines()[0])["token_nll"])
+    frozen = json.loads(FROZEN.read_text().splitlines()[0])
+    for method, nll, attn in (("full", base, "sdpa"), ("full", base + 1e-6, "eager"),
+                              ("h2o", base + 0.2, "sdpa")):
+        folder = fake_run(tmp_path, method, float(np.exp(nll.mean())), 90.0,
+                          budget=0.2 if method == "h2o" else None,
+                          started=f"2026-11-29T1{len(attn)}:00:00")
+        metrics = json.loads((folder / "metrics.json").read_text())
+        metrics["protocol"]["attn_impl"] = attn
+        (folder / "metrics.json").write_text(json.dumps(metrics))
+        (folder / "samples.jsonl").write_text(json.dumps(dict(frozen, token_nll=list(nll))))
+    rows, out, _ = report.build_report([str(tmp_path)], tmp_path / "out", resamples=500)
+    board = (out / "leaderboard.md").read_text()
+    assert board.count(" n=399 #") == 2 and "#1 " in board  # two board rows, ranked
+    assert "worse than full" in board and "Noise floor" in board and "floor ±" in board
+    assert (out / "comparisons.csv").read_text().count("worse than full") == 1
+
+
+def test_the_ci_gate_holds_paired_thresholds_on_a_committed_reference():
+    entries = check.load_thresholds(FROZEN.parents[1] / "ci.yaml")
+    paired = [e for e in entries if e["metric"] == "paired.difference"]
+    assert len(paired) >= 1 and all(len(e["_reference_samples"][0]["token_nll"]) == 399
+                                    for e in paired)

@@ -40,6 +40,8 @@ def test_sweep_logs_one_comparison_table_and_the_figures(tmp_path, monkeypatch, 
     made = list((sweep_dir / "report").glob("*.png"))
     assert logged["columns"] == columns and len(logged["data"]) == len(data) == 3
     held = columns.index("kv_held")
+    assert [c for c in columns if c.startswith("perplexity")][1:] == [
+        f"perplexity ppl {part}" for part in leaderboard.INTERVAL_PARTS]  # each cell's interval
     assert sorted(r[held] for r in logged["data"]) == [0.2, 0.5, 1.0]
     images = list(files.glob("media/images/figures/*.png"))
     assert len(images) == len(made) >= 4

@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 
 from harness import models
 from harness.run import run
+from harness.uncertainty import cell_uncertainty
 from kvcore.errors import ConfigError
 from methods import build_method
 from tasks import available_tasks, build_task, task_class
@@ -88,3 +89,10 @@ def test_evaluates_on_a_tiny_model_and_returns_its_main_metric(name, stories, mo
     result = task.evaluate(make_engine(model, build_method("full"), tok))
     value = result.metrics.get(task.main_metric)
     assert isinstance(value, (int, float)) and math.isfinite(value), result.metrics
+    # every sample is identified by its content, and the main metric gets its interval from them
+    assert result.samples and all(len(s["sample_id"]) == 16 for s in result.samples)
+    cell = cell_uncertainty(name, result.metrics, result.samples, resamples=500)
+    assert cell["metric"] == task.main_metric and cell["n"] >= 1
+    assert cell["estimate"] == pytest.approx(value, abs=0.01, rel=1e-4)  # the official average
+    if cell["ci95"] is not None:
+        assert cell["ci95"][0] <= value + 0.01 and value - 0.01 <= cell["ci95"][1]

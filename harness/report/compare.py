@@ -1,0 +1,356 @@
+"""Every leaderboard number with its uncertainty: intervals, rank intervals, paired comparisons
+against the full cache, the noise floor, and the flags read from them.
+
+* A cell's interval and n come from its run's `uncertainty` (harness.uncertainty), recomputed
+  from samples.jsonl for runs written before it.
+* Comparisons: each setting against the full cache of its section (model x protocol) and task
+  column, on identical samples only (paired by content id; a run on other samples is listed as
+  not paired, with what differs). "worse than full" / "better than full" are decided after a
+  Benjamini-Hochberg correction over every comparison of the report (FDR 5 %).
+* Noise floor: the full cache run again with the other attention path (runner.attn_impl=eager
+  beside sdpa) on the same samples; its paired difference is the harness's own noise, and a
+  method whose difference lies within it is a tie. Those floor runs are left out of the board.
+* Rank intervals: ranks in each bootstrap resample (joint for runs on the reference's samples),
+  their 95 % percentile range.
+* Flags: a column where the full cache's interval reaches within 10 points (10 % of the scale) of
+  the task's floor of 0 is non-discriminative; a budget curve is non-monotonic when a smaller
+  budget's interval lies wholly better than a larger budget's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from harness import stats
+from harness.report.collect import REFERENCE
+from harness.uncertainty import PairingError, cell_uncertainty, compare, units
+
+FDR = 0.05
+FLOOR_MARGIN = 0.10  # of the scale: a full cache this close to scoring nothing
+ATTN_FLOOR = "eager"  # the attention path whose full-cache run is the noise floor's second run
+
+
+def samples_of(r: dict) -> list[dict] | None:
+    """The run's samples.jsonl rows (cached on the row); None when it has none."""
+    if "_samples" not in r:
+        path = Path(r["_folder"]) / "samples.jsonl"
+        try:
+            r["_samples"] = [json.loads(line) for line in path.read_text().splitlines() if line]
+        except (OSError, ValueError):
+            r["_samples"] = None
+    return r["_samples"]
+
+
+def cell(r: dict) -> dict[str, Any]:
+    """The run's interval record for its main metric ({} when none can be given)."""
+    if "_cell" not in r:
+        got = r["_metrics"].get("uncertainty") or {}
+        if got.get("metric") != r["metric"]:
+            samples = samples_of(r)
+            got = (cell_uncertainty(r["task"], r["_metrics"]["accuracy"], samples)
+                   if samples else {})
+            got = got if got.get("metric") == r["metric"] else {}
+        r["_cell"] = got
+    return r["_cell"]
+
+
+def attach(rows: list[dict]) -> None:
+    """Each row's ci95, n and interval method, as the leaderboard and figures read them."""
+    for r in rows:
+        c = cell(r)
+        r["ci95_low"], r["ci95_high"] = (c["ci95"] if c.get("ci95") else (None, None))
+        r["n"] = c.get("n")
+        r["interval"] = c.get("interval", "")
+        r["_floor"] = False
+    for group in _full_runs(rows).values():
+        attn = {_attn(r) for r in group}
+        if ATTN_FLOOR in attn and len(attn) > 1:
+            for r in group:
+                r["_floor"] = _attn(r) == ATTN_FLOOR
+
+
+def _attn(r: dict) -> str:
+    return r["_metrics"].get("protocol", {}).get("attn_impl", "sdpa")
+
+
+def _full_runs(rows: list[dict]) -> dict[tuple, list[dict]]:
+    out: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["method"] == REFERENCE and r["value"] is not None:
+            out.setdefault((r["model"], r["protocol"], r["task"], r["metric"], r["batch"],
+                            json.dumps(r["_metrics"]["task"].get("options"), sort_keys=True,
+                                       default=str)), []).append(r)
+    return out
+
+
+def _latest(rs: list[dict]) -> dict:
+    return max(rs, key=lambda r: r["_metrics"].get("run", {}).get("started", ""))
+
+
+def _compare(reference: dict, r: dict, resamples: int) -> dict[str, Any]:
+    ref_samples, samples = samples_of(reference), samples_of(r)
+    if not ref_samples or not samples:
+        return {"paired": False, "why": "no samples.jsonl to pair"}
+    try:
+        return {"paired": True, **compare(r["task"], ref_samples, samples, resamples)}
+    except (PairingError, ValueError, KeyError) as exc:
+        return {"paired": False, "why": str(exc)}
+
+
+def comparisons(board: list[dict], rows: list[dict], resamples: int = stats.RESAMPLES
+                ) -> tuple[list[dict], list[dict]]:
+    """(comparisons with the full cache, noise floors): one record per (board entry, task
+    column) whose section has a full-cache cell, BH-adjusted over the whole report."""
+    from harness.report.leaderboard import sections
+
+    by_run = {r["run"]: r for r in rows}
+    floors = _floors(rows, resamples)
+    out = []
+    for (model, protocol), entries in sections(board).items():
+        full = next((e for e in entries if e["method"] == REFERENCE and e["batch"] == 1), None)
+        if full is None:
+            continue
+        for e in entries:
+            if e is full:
+                continue
+            for column, run in e["cells"].items():
+                ref = full["cells"].get(column)
+                if ref is None:
+                    continue
+                c = {"model": model, "protocol": protocol, "method": e["method"],
+                     "setting": e["setting"], "variant": e["variant"], "column": column,
+                     "higher": e["higher"][column], "entry": e,
+                     **_compare(by_run[ref], by_run[run], resamples)}
+                c["floor"] = floors.get((model, protocol, column))
+                out.append(c)
+    paired = [c for c in out if c["paired"]]
+    adjusted, rejected = stats.benjamini_hochberg([c["p_value"] for c in paired], FDR)
+    for c, q, hit in zip(paired, adjusted, rejected):
+        c["q_value"] = q
+        c["verdict"] = _verdict(c, hit)
+    for c in out:
+        c.setdefault("verdict", "not paired")
+    return out, list(floors.values())
+
+
+def _verdict(c: dict, significant: bool) -> str:
+    floor = c["floor"]
+    if floor is not None and abs(c["difference"]) <= floor["magnitude"]:
+        return "tie (noise floor)"
+    if not significant:
+        return "not distinguishable"
+    worse = c["difference"] < 0 if c["higher"] else c["difference"] > 0
+    return "worse than full" if worse else "better than full"
+
+
+def _floors(rows: list[dict], resamples: int) -> dict[tuple, dict]:
+    """(model, protocol, column) -> the full cache eager vs sdpa paired difference."""
+    from harness.report.leaderboard import task_columns
+
+    columns = task_columns(rows)
+    out = {}
+    for group in _full_runs(rows).values():
+        floor_runs = [r for r in group if r["_floor"]]
+        main = [r for r in group if not r["_floor"]]
+        if not floor_runs or not main:
+            continue
+        sdpa, eager = _latest(main), _latest(floor_runs)
+        c = _compare(sdpa, eager, resamples)
+        key = (sdpa["model"], sdpa["protocol"], columns[id(sdpa)])
+        if c["paired"]:
+            low, high = c["difference_ci95"]
+            c["magnitude"] = max(abs(low), abs(high), abs(c["difference"]))
+        out[key] = {"model": key[0], "protocol": key[1], "column": key[2],
+                    "runs": (sdpa["run"], eager["run"]), **c}
+    return out
+
+
+def rank_intervals(board: list[dict], rows: list[dict], resamples: int = stats.RESAMPLES
+                   ) -> None:
+    """Each board entry's `ranks` {column: (best, worst)} within its section and column."""
+    from harness.report.leaderboard import sections
+
+    by_run = {r["run"]: r for r in rows}
+    for entries in sections(board).values():
+        for e in entries:
+            e["ranks"] = {}
+        for column in sorted({c for e in entries for c in e["cells"]}):
+            have = [e for e in entries if column in e["cells"]]
+            draws = _column_draws([by_run[e["cells"][column]] for e in have], resamples)
+            if draws is None or len(have) < 2:
+                continue
+            for e, rank in zip(have, stats.rank_intervals(draws, have[0]["higher"][column])):
+                e["ranks"][column] = rank
+
+
+def _column_draws(runs: list[dict], resamples: int) -> np.ndarray | None:
+    """(resamples, M): each run's estimate per resample; runs on the first full-cache run's
+    samples (or else the first run's) are resampled jointly, the others on their own."""
+    loaded = []
+    for r in runs:
+        samples = samples_of(r)
+        try:
+            loaded.append(units(r["task"], samples) if samples else None)
+        except (PairingError, ValueError, KeyError):
+            loaded.append(None)
+    if any(u is None for u in loaded):
+        return None
+    anchor = next((i for i, r in enumerate(runs) if r["method"] == REFERENCE), 0)
+    keys = loaded[anchor].keys
+    joint = [i for i, u in enumerate(loaded) if sorted(u.keys) == sorted(keys)]
+    out = np.empty((resamples, len(runs)))
+    a = loaded[anchor]
+    stacked = np.stack([_aligned(loaded[i], keys) for i in joint], axis=1)
+    out[:, joint] = stats.draws(stats.design(stacked, a.strata, a.weights, a.clusters,
+                                             a.transform), resamples)
+    for i, u in enumerate(loaded):
+        if i not in joint:
+            out[:, i] = stats.draws(stats.design(u.values, u.strata, u.weights, u.clusters,
+                                                 u.transform), resamples, seed=i + 1)[:, 0]
+    return out
+
+
+def _aligned(u, keys) -> np.ndarray:
+    index = {k: i for i, k in enumerate(u.keys)}
+    return u.values[[index[k] for k in keys]]
+
+
+def flags(board: list[dict], compared: list[dict]) -> list[str]:
+    """Non-discriminative columns and budget curves whose non-monotonicity exceeds their
+    intervals, one sentence each."""
+    from harness.report.leaderboard import sections
+
+    out = []
+    for (model, protocol), entries in sections(board).items():
+        full = next((e for e in entries if e["method"] == REFERENCE), None)
+        for column, ci in (full or {}).get("ci", {}).items():
+            scale = _scale(full, column)
+            if full["higher"][column] and ci and scale and ci[0] <= FLOOR_MARGIN * scale:
+                out.append(f"{model} · {protocol} · {column}: non-discriminative: the full "
+                           f"cache's 95 % interval [{ci[0]:.3g}, {ci[1]:.3g}] reaches within "
+                           f"{FLOOR_MARGIN:.0%} of the scale of the floor (0); no method can "
+                           "be shown to lose accuracy here")
+        out += _non_monotonic(model, protocol, entries)
+    return out
+
+
+def distinguishable(board: list[dict], top: int = 10) -> list[str]:
+    """Per section and column, the top entries by value and which pairs of them the bootstrap
+    tells apart (disjoint rank intervals), one line each."""
+    from harness.report.leaderboard import sections
+
+    out = []
+    for (model, protocol), entries in sections(board).items():
+        for column in sorted({c for e in entries for c in e.get("ranks", {})}):
+            ranked = [e for e in entries if column in e["ranks"]]
+            higher = ranked[0]["higher"][column]
+            ranked.sort(key=lambda e: -e["tasks"][column] if higher else e["tasks"][column])
+            ranked = ranked[:top]
+            name = {id(e): f"{e['method']} {e['setting']}".strip() for e in ranked}
+            apart = [f"{name[id(a)]} > {name[id(b)]}" for i, a in enumerate(ranked)
+                     for b in ranked[i + 1:] if a["ranks"][column][1] < b["ranks"][column][0]]
+            total = len(ranked) * (len(ranked) - 1) // 2
+            out.append(f"{model} · {protocol} · {column}: top {len(ranked)}, {len(apart)} of "
+                       f"{total} pairs distinguishable" + (f": {'; '.join(apart)}" if apart
+                                                            else ""))
+    return out
+
+
+def _scale(e: dict, column: str) -> float | None:
+    """100 for scores in points, 1 for lm-eval's acc, None for unbounded metrics (ppl)."""
+    task = column.split(" ", 1)[0]
+    return {"ruler": 100.0, "longbench": 100.0, "multiturn": 100.0, "xsum": 100.0,
+            "lm_eval": 1.0}.get(task)
+
+
+def _non_monotonic(model: str, protocol: str, entries: list[dict]) -> list[str]:
+    out = []
+    curves: dict[tuple, list[dict]] = {}
+    for e in entries:
+        if e["method"] != REFERENCE and e["kv_held"] is not None:
+            curves.setdefault((e["method"], e["variant"]), []).append(e)
+    for (method, variant), curve in curves.items():
+        curve.sort(key=lambda e: e["kv_held"])
+        for column in sorted({c for e in curve for c in e["ci"]}):
+            points = [e for e in curve if e["ci"].get(column)]
+            higher = points[0]["higher"][column] if points else True
+            for i, small in enumerate(points):
+                for large in points[i + 1:]:
+                    lo_s, hi_s = small["ci"][column]
+                    lo_l, hi_l = large["ci"][column]
+                    if (lo_s > hi_l) if higher else (hi_s < lo_l):
+                        out.append(f"{model} · {protocol} · {column}: {method} {variant} "
+                                   f"non-monotonic beyond its intervals: {small['setting']} "
+                                   f"(KV held {small['kv_held']:.3g}) [{lo_s:.3g}, {hi_s:.3g}] "
+                                   f"beats {large['setting']} (KV held {large['kv_held']:.3g}) "
+                                   f"[{lo_l:.3g}, {hi_l:.3g}]".replace("  ", " "))
+    return out
+
+
+def _f(x) -> str:
+    return "" if x is None else f"{x:.4g}"
+
+
+def _ci(pair) -> str:
+    return f"[{_f(pair[0])}, {_f(pair[1])}]" if pair else ""
+
+
+def markdown(compared: list[dict], floors: list[dict], flagged: list[str],
+             apart: list[str] = ()) -> str:
+    """The paired comparisons with the full cache, the noise floors and the flags."""
+    out = [f"Each setting against the full cache of its section, on identical samples (paired "
+           f"by content id; {stats.RESAMPLES} paired-bootstrap resamples, seed {stats.SEED}). "
+           f"Verdicts after Benjamini-Hochberg over the {sum(c['paired'] for c in compared)} "
+           f"paired comparisons of this report, FDR {FDR:.0%}; a difference within the noise "
+           "floor (full cache, eager vs sdpa attention) is a tie.", ""]
+    cols = ["model", "protocol", "method", "setting", "column", "n", "difference [95 %]",
+            "retained [95 %]", "test", "p", "q (BH)", "discordance", "verdict"]
+    out += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for c in compared:
+        if c["paired"]:
+            cells = [c["model"], c["protocol"], c["method"], c["setting"], c["column"],
+                     f"{c['n']} {c['n_unit']}",
+                     f"{_f(c['difference'])} {_ci(c['difference_ci95'])}",
+                     f"{_f(c['retained'])} {_ci(c['retained_ci95'])}", c["test"],
+                     _f(c["p_value"]), _f(c["q_value"]), _f(c["discordance"]), c["verdict"]]
+        else:
+            cells = [c["model"], c["protocol"], c["method"], c["setting"], c["column"]] + [""] * 7 \
+                + [f"not paired: {c['why']}"]
+        out.append("| " + " | ".join(str(x).replace("|", "\\|") for x in cells) + " |")
+    out += ["", "Noise floor (full cache, eager vs sdpa attention, same samples):", ""]
+    if not floors:
+        out.append("- none measured (run the full cache with runner.attn_impl=eager beside "
+                   "sdpa on the same samples)")
+    for f in floors:
+        out.append(f"- {f['model']} · {f['protocol']} · {f['column']}: "
+                   + (f"difference {_f(f['difference'])} {_ci(f['difference_ci95'])}, "
+                      f"floor ±{_f(f['magnitude'])}, discordance {_f(f['discordance'])} "
+                      f"(n={f['n']} {f['n_unit']})" if f["paired"]
+                      else f"not paired: {f['why']}"))
+    out += ["", "Flags:", ""] + ([f"- {x}" for x in flagged] or ["- none"])
+    out += ["", "Which pairs the bootstrap tells apart (disjoint 95 % rank intervals):", ""] + (
+        [f"- {x}" for x in apart] or ["- no ranked column"])
+    return "\n".join(out) + "\n"
+
+
+CSV_FIELDS = ("model", "protocol", "method", "setting", "variant", "column", "paired", "n",
+              "n_unit", "reference", "value", "difference", "difference_ci95", "retained",
+              "retained_ci95", "test", "p_value", "q_value", "discordance", "verdict", "why")
+
+
+def to_csv(compared: list[dict]) -> str:
+    import csv
+    import io
+
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    writer.writerow(CSV_FIELDS)
+    for c in compared:
+        writer.writerow([" ".join(_f(v) for v in c[k]) if isinstance(c.get(k), (list, tuple))
+                         else _f(c[k]) if isinstance(c.get(k), float) else c.get(k, "")
+                         for k in CSV_FIELDS])
+    return buf.getvalue()
