@@ -27,6 +27,7 @@ from harness.serving import check_admission
 from harness.sweep import config_hash, group_options, multirun_job, record_status, resolve_output
 from kvcore.paged import DEFAULT_BLOCK_TOKENS
 from kvcore.storage import KV_LAYOUTS
+from methods import _sidefiles as sidefiles
 from methods.base import BUDGET_BASES, COMPRESSION_TIMING, PREFILL_MODES, Protocol
 
 log = logging.getLogger("harness")
@@ -256,6 +257,7 @@ def run(cfg: DictConfig) -> Path:
     from tasks import build_task
 
     t_start = time.time()
+    sidefiles.reset()  # metrics.json records the side files this run reads
     check_config(cfg)  # every key declared (`+` keys too), no NaN/inf, types of YAML knobs
     runner = _plain(cfg.runner)
     check_runner(runner)
@@ -327,7 +329,7 @@ def run(cfg: DictConfig) -> Path:
                    "operating_point": method.operating_point,
                    "axis_keys": list(method.axis_keys), "variant_keys": list(method.variant_keys),
                    "capabilities": vars(method.capabilities) if hasattr(method.capabilities, "__dict__")
-                   else {}, "prepare": prepared},
+                   else {}, "prepare": prepared, "side_files": sidefiles.read()},
         "task": {"name": task_name, "options": task.options()},
         "protocol": {**result.protocol, "dense_layers": list(engine.dense_layers),
                      "dense_layers_runner": list(runner.get("dense_layers") or []),

@@ -95,6 +95,7 @@ import torch
 from kvcore.errors import ConfigError
 from kvcore.storage import ContiguousRows
 from methods import _kvquant_prep as prep
+from methods import _sidefiles as sidefiles
 from methods._kvquant_prep import (Calibration, kmeans_1d, nearest_centroid,  # noqa: F401
                                    q_norm, safe, value_normalise)
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
@@ -195,10 +196,22 @@ class KVQuant(KVMethod):
             if (info.head_dim * getattr(self, key)) % 8:
                 reasons.append(f"method.{key}={getattr(self, key)}: head_dim={info.head_dim} codes "
                                "do not fill whole bytes")
-        if self.calibration_path and not Path(self.calibration_path).exists():
-            reasons.append(f"method.calibration_path={self.calibration_path}: no such file or "
-                           "folder")
+        if self.calibration_path and self.calibration_path.strip():
+            try:  # UTF-8 text files, before weights load
+                self._calibration_texts(Path(self.calibration_path))
+            except ConfigError as exc:
+                reasons.append(str(exc))
         return reasons
+
+    @staticmethod
+    def _calibration_texts(path: Path) -> str:
+        if not path.exists():
+            raise ConfigError(f"method.calibration_path={path}: no such file or folder (KVQuant's "
+                              "calibration text; default: PG-19's first book in ../shared/data)")
+        files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
+        if not files:
+            raise ConfigError(f"method.calibration_path={path}: a folder with no .txt file")
+        return "\n\n".join(sidefiles.read_text("method.calibration_path", f) for f in files)
 
     # --- offline calibration ------------------------------------------------------------------
     def prepare(self, ctx) -> dict:
@@ -247,8 +260,7 @@ class KVQuant(KVMethod):
             source = "seeded random token ids (no tokenizer)"
         else:
             path = self._calibration_file(ctx.data_dir)
-            files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
-            text = "\n\n".join(f.read_text(encoding="utf-8") for f in files)
+            text = self._calibration_texts(path)
             ids = torch.tensor(ctx.tokenizer(text, verbose=False)["input_ids"])
             source = str(path)
         n = min(self.calibration_samples, max(1, ids.numel() // length))

@@ -1,0 +1,144 @@
+"""Reliability, fourth pass: the side files a method reads checked like its knobs (and recorded
+in metrics.json), an empty path never read as "not given", sizes refused before they allocate,
+a model named by what it is, non-finite models and results caught, hints and impossible
+combinations, third-party errors naming the input, and `harness.check` / `harness.report` edges.
+
+Most cases are refused before any weights load (the `no_weights` fixture)."""
+
+import errno
+import hashlib
+import json
+import logging
+import math
+
+import pytest
+import torch
+
+from kvcore.errors import ConfigError
+from methods import _sidefiles as sidefiles
+from methods import build_method
+from methods.base import ModelInfo
+from tests.conftest import DATA, STORIES, need_shared
+from tests.test_reliability_third_pass import ST, cfg, model_folder, no_weights, refused  # noqa: F401
+
+INFO = ModelInfo(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_positions=512,
+                 rope_theta=10000.0)
+
+
+def one_reason(method, info=INFO) -> str:
+    reasons = method.validate(info, {"batch_size": 1})
+    assert reasons, "accepted"
+    assert all("\n" not in r for r in reasons)
+    return "; ".join(reasons)
+
+
+# --- Side files -----------------------------------------------------------------------------
+
+@pytest.fixture
+def binary(tmp_path):
+    path = tmp_path / "calib.bin"
+    path.write_bytes(bytes(range(256)) * 8)
+    return path
+
+
+@pytest.mark.parametrize("name", ["infinigen", "kvquant"])
+def test_a_binary_calibration_text_is_one_line_before_the_weights(name, binary):
+    reason = one_reason(build_method(name, calibration_path=str(binary)))
+    assert f"method.calibration_path={binary}: a binary file" in reason
+    latin = binary.with_name("latin1.txt")
+    latin.write_bytes("caf\xe9 ".encode("latin-1") * 200)
+    reason = one_reason(build_method(name, calibration_path=str(latin)))
+    assert "not UTF-8 text (byte 0xe9 at offset 3)" in reason
+
+
+def duo_pattern(folder, gates, config='{"sink_size": 64, "recent_size": 256}'):
+    folder.mkdir(exist_ok=True)
+    (folder / "full_attention_heads.tsv").write_text(
+        "\n".join("\t".join(repr(float(g)) for g in row) for row in gates) + "\n")
+    if config is not None:
+        (folder / "config.json").write_text(config)
+    return folder
+
+
+@pytest.mark.parametrize("gates, config, expect", [
+    ([[0.2, 0.9], [0.1, 0.5]], "{not json", "config.json: not valid JSON"),
+    ([[0.2, 0.9], [0.1, 0.5]], "[64, 256]", "config.json: a JSON list, expected an object"),
+    ([[0.2, 0.9], [0.1, 0.5]], '{"sink_size": -4}', "sink_size=-4; allowed: an integer >= 0"),
+    ([[0.2, float("nan")], [0.1, 0.5]], None, "the gate of layer 0 KV head 1 is nan"),
+    ([[0.2, 0.9], [3.0, 0.5]], None, "the gate of layer 1 KV head 0 is 3.0; allowed: finite "
+                                     "gates in [0, 1]"),
+])
+def test_duo_attention_pattern_checked_like_a_knob(gates, config, expect, tmp_path):
+    folder = duo_pattern(tmp_path / "pattern", gates, config)
+    reason = one_reason(build_method("duo_attention", pattern_path=str(folder)))
+    assert expect in reason and "method.pattern_path=" in reason
+
+
+def head_scores(path, value_of):
+    table = {f"{l}-{h}": value_of(l, h) for l in range(2) for h in range(4)}
+    path.write_text(json.dumps(table) + "\n")
+    return path
+
+
+@pytest.mark.parametrize("value_of, expect", [
+    (lambda l, h: [float("nan"), 0.5], "score 0 of head (0, 0) is nan"),
+    (lambda l, h: [float("inf")], "score 0 of head (0, 0) is inf"),
+    (lambda l, h: [1e308, 1e308], "a head's mean score overflows"),
+    (lambda l, h: [-0.5], "every head's score is <= 0"),
+])
+def test_headkv_scores_checked_like_a_knob(value_of, expect, tmp_path):
+    path = head_scores(tmp_path / "scores.json", value_of)
+    reason = one_reason(build_method("headkv", budget_tokens=16, head_scores_path=str(path)))
+    assert f"method.head_scores_path={path}" in reason and expect in reason
+
+
+@pytest.mark.parametrize("name, key", [("headkv", "head_scores_path"),
+                                       ("duo_attention", "pattern_path"),
+                                       ("infinigen", "calibration_path"),
+                                       ("kvquant", "calibration_path"),
+                                       ("kvquant", "cache_dir")])
+def test_an_empty_path_is_refused_not_read_as_not_given(name, key):
+    knobs = {"budget_tokens": 16} if name == "headkv" else {}
+    reason = one_reason(build_method(name, **knobs, **{key: ""}))
+    assert f"method.{key}='' is empty; give a file or folder, or null" in reason
+
+
+def test_a_cache_on_a_full_disk_costs_the_cache_not_the_run(tmp_path, monkeypatch, caplog):
+    from methods import _infinigen_prep
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    t = torch.zeros(2, 2)
+    with caplog.at_level(logging.WARNING):
+        _infinigen_prep._save(tmp_path / "c" / "art.pt", t, t, t)
+    assert "cannot write the cache" in caplog.text and "No space left on device" in caplog.text
+    assert list((tmp_path / "c").iterdir()) == []  # no temporary file left behind
+
+
+def test_side_files_read_are_recorded_with_their_hash(tmp_path):
+    path = head_scores(tmp_path / "scores.json", lambda l, h: [0.1 * (l + h + 1)])
+    sidefiles.reset()
+    build_method("headkv", budget_tokens=16, head_scores_path=str(path)).validate(INFO, {})
+    (entry,) = sidefiles.read()
+    assert entry == {"key": "method.head_scores_path", "path": str(path.resolve()),
+                     "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+                     "bytes": path.stat().st_size}
+    sidefiles.reset()
+    assert sidefiles.read() == []
+
+
+def test_a_run_records_the_side_files_it_read(tmp_path):
+    from harness.run import run
+
+    need_shared(STORIES)
+    table = {f"{l}-{h}": [0.1 * (l + h + 1)] for l in range(5) for h in range(8)}
+    path = tmp_path / "scores.json"
+    path.write_text(json.dumps(table))
+    out = run(cfg(*ST, "task.prefill_tokens=16", "method=headkv", "method.budget_tokens=8",
+                  f"method.head_scores_path={path}", f"runner.output_dir={tmp_path / 'o'}"))
+    metrics = json.loads((out / "metrics.json").read_text())
+    files = metrics["method"]["side_files"]
+    assert [f["key"] for f in files] == ["method.head_scores_path"]
+    assert files[0]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
