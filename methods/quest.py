@@ -58,6 +58,7 @@ from typing import ClassVar
 
 import torch
 
+from kvcore.guards import size_reason
 from kvcore.storage import KV_LAYOUTS
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for, check_budget
 from methods.kernels import quest_pages, sparse_attention
@@ -118,6 +119,9 @@ class Quest(KVMethod):
         if any(i >= info.num_layers for i in self.dense_layers):
             reasons.append(f"method.dense_layers={self.dense_layers} names a layer >= the model's "
                            f"{info.num_layers} layers")
+        page = 2 * self.page_size * info.num_kv_heads * info.head_dim * 4  # page_bounds: (H, P, D)
+        reasons += filter(None, [size_reason(f"method.page_size={self.page_size}", page,
+                                             "one padded page of keys per layer (page bounds)")])
         return reasons
 
     @classmethod

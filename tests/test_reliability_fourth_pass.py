@@ -142,3 +142,47 @@ def test_a_run_records_the_side_files_it_read(tmp_path):
     files = metrics["method"]["side_files"]
     assert [f["key"] for f in files] == ["method.head_scores_path"]
     assert files[0]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# --- Sizes estimated before they allocate ----------------------------------------------------
+
+HUGE_MODEL = ModelInfo(num_layers=5, num_heads=8, num_kv_heads=4, head_dim=8,
+                       max_positions=10**12, rope_theta=10000.0)  # claims 10^12 positions
+
+
+@pytest.fixture
+def eight_gib(monkeypatch):
+    """The machine has 8 GiB available, whatever this one has (the estimates are compared)."""
+    from kvcore import guards
+
+    monkeypatch.setattr(guards, "available_bytes", lambda device: 8 * 2**30)
+
+
+@pytest.mark.parametrize("task, options, expect", [
+    ("ruler", {"lengths": [100_000_000]}, "task.lengths=[100000000]: the KV cache of the longest "
+                                          "sample would need 119.21 GiB but 8.00 GiB"),
+    ("ruler", {"samples_per_cell": 1_000_000_000}, "task.samples_per_cell=1000000000: "
+                                                   "10000000000 prompts built would need"),
+    ("multiturn", {"context_tokens": 100_000_000}, "task.context_tokens=100000000: the "
+                                                    "conversation's KV cache and its text"),
+])
+def test_task_sizes_are_estimated_not_bounded_by_max_positions(task, options, expect, eight_gib):
+    from tasks import build_task
+
+    reasons = build_task(task, **options).validate(HUGE_MODEL, build_method("full"))
+    assert any(expect in r for r in reasons), reasons
+
+
+def test_quest_page_size_is_estimated_before_the_weights(eight_gib):
+    reason = one_reason(build_method("quest", budget_tokens=64, page_size=1_000_000_000),
+                        HUGE_MODEL)
+    assert "method.page_size=1000000000: one padded page of keys per layer" in reason
+
+
+def test_a_ruler_sample_count_is_estimated_without_building_the_cells(eight_gib, monkeypatch):
+    from tasks import build_task
+    from tasks.ruler import Ruler
+
+    monkeypatch.setattr(Ruler, "cells", lambda self: pytest.fail("cells() were built"))
+    task = build_task("ruler", samples_per_cell=10**12)
+    assert task.validate(HUGE_MODEL, build_method("full"))
