@@ -262,10 +262,26 @@ def identify(spec: ModelSpec, config) -> ModelSpec:
     The named models keep their names."""
     digest = config_hash(config)
     extra = {**spec.extra, "identity": {"source": spec.source, "config_hash": digest}}
+    if spec.name == "stories260k":
+        _same_model(spec, digest, SHARED_DIR / "models" / "stories260K")
     if spec.name != "hf":
         return replace(spec, extra=extra)
     return replace(spec, name=f"{_slug(spec.extra.get('label') or spec.source)}-{digest}",
                    extra=extra)
+
+
+def _same_model(spec: ModelSpec, digest: str, reference: Path) -> None:
+    """A named model read from another folder (`model.path`) must be that model: results, the
+    report and gate thresholds are filed under its name and description. Refused when its config
+    differs from the named model's own (reference folder absent: nothing to compare)."""
+    if Path(spec.source).resolve() == reference.resolve() or not reference.is_dir():
+        return
+    want = config_hash(_read_config(replace(spec, source=str(reference))))
+    if digest != want:
+        raise ConfigError(f"model=stories260k model.path={spec.source} holds another model (its "
+                          f"config hash {digest}, stories260K's {want}): results would be filed "
+                          f"under stories260k; run it as model=hf "
+                          f"model.name_or_path={spec.source}")
 
 
 def _check_local_folder(path: Path, key: str) -> None:

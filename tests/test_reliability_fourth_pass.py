@@ -186,3 +186,25 @@ def test_a_ruler_sample_count_is_estimated_without_building_the_cells(eight_gib,
     monkeypatch.setattr(Ruler, "cells", lambda self: pytest.fail("cells() were built"))
     task = build_task("ruler", samples_per_cell=10**12)
     assert task.validate(HUGE_MODEL, build_method("full"))
+
+
+# --- A model named by what it is -------------------------------------------------------------
+
+def test_a_named_model_from_another_folder_is_refused(tmp_path, no_weights):
+    need_shared(STORIES)
+    other = model_folder(tmp_path, "other")
+    message = refused(tmp_path, *ST, f"model.path={other}")
+    assert f"model=stories260k model.path={other} holds another model" in message
+    assert f"model=hf model.name_or_path={other}" in message
+
+
+def test_a_copy_of_the_named_model_keeps_its_name(tmp_path):
+    import shutil
+
+    from harness import models
+
+    need_shared(STORIES)
+    copy = tmp_path / "stories_copy"
+    shutil.copytree(STORIES, copy)
+    spec = models.resolve_model({"name": "stories260k", "path": str(copy), "device": "cpu"})
+    assert models.identify(spec, models.load_config(spec)).name == "stories260k"
