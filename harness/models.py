@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -348,6 +349,14 @@ def check_model_config(config, source: str) -> None:
     raw = isinstance(config, dict)
     get = config.get if raw else lambda key, default=None: getattr(config, key, default)
     where = f"model config of {source}"
+    _check_finite(config if raw else config.to_dict(), where)
+    if not raw:
+        from harness.hf_adapter import rope_type_names, unknown_rope_types
+
+        unknown = unknown_rope_types(config)
+        if unknown:
+            raise ConfigError(f"{where}: rope_type={unknown[0]!r} is not a RoPE type this "
+                              f"transformers builds; allowed: {', '.join(rope_type_names())}")
     for key in (*_SIZES, *_OPTIONAL_SIZES):
         value = get(key, None)
         if value is None and (raw or key in _OPTIONAL_SIZES):
@@ -365,6 +374,26 @@ def check_model_config(config, source: str) -> None:
     if get("head_dim", None) is None and hidden is not None and hidden % heads:
         raise ConfigError(f"{where}: hidden_size={hidden} is not a multiple of "
                           f"num_attention_heads={heads} (and the config sets no head_dim)")
+
+
+def _check_finite(node: Any, where: str, prefix: str = "") -> None:
+    """No NaN or infinite number in a config (a NaN rms_norm_eps gives a NaN model whose
+    perplexity is NaN, written as if it were a result)."""
+    if isinstance(node, float) and not math.isfinite(node):
+        raise ConfigError(f"{where}: {prefix}={node!r} must be a finite number")
+    items = node.items() if isinstance(node, dict) else (
+        enumerate(node) if isinstance(node, list) else ())
+    for key, value in items:
+        _check_finite(value, where, f"{prefix}.{key}" if prefix else str(key))
+
+
+def check_finite_weights(model, source: str) -> None:
+    """Every weight finite (a NaN weight makes every output NaN, written as a result)."""
+    for name, tensor in model.named_parameters():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ConfigError(f"model weights at {source!r}: {name} holds {bad} NaN or infinite "
+                              f"value(s) of {tensor.numel()}; the model cannot give a result")
 
 
 def check_vocab(tokenizer, embedding_rows: int, source: str) -> None:
@@ -449,6 +478,7 @@ def load_model(spec: ModelSpec, attn: str = "sdpa"):
         raise ConfigError(f"model weights at {source!r} could not be read: "
                           f"{_weights_reason(exc)}") from None
     check_loading(source, loading)
+    check_finite_weights(model, source)
     check_vocab(tokenizer, model.get_input_embeddings().num_embeddings, source)
     model.to(spec.device).eval()
     hf_adapter.set_attention(model, attn)

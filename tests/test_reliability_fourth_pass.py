@@ -208,3 +208,39 @@ def test_a_copy_of_the_named_model_keeps_its_name(tmp_path):
     shutil.copytree(STORIES, copy)
     spec = models.resolve_model({"name": "stories260k", "path": str(copy), "device": "cpu"})
     assert models.identify(spec, models.load_config(spec)).name == "stories260k"
+
+
+# --- Non-finite models -----------------------------------------------------------------------
+
+def test_a_nan_in_the_model_config_is_refused_before_the_weights(tmp_path, no_weights):
+    need_shared(STORIES)
+    folder = model_folder(tmp_path, "nan_eps", rms_norm_eps=float("nan"))
+    message = refused(tmp_path, "model=hf", f"model.name_or_path={folder}", "task.max_tokens=40")
+    assert "rms_norm_eps=nan must be a finite number" in message
+
+
+def test_nan_weights_are_refused_not_written_as_ppl_nan(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from harness.run import run
+
+    need_shared(STORIES)
+    folder = model_folder(tmp_path, "nan_weights")
+    weights = load_file(folder / "model.safetensors")
+    name = next(k for k in weights if k.endswith("q_proj.weight"))
+    weights[name][0, 0] = float("nan")
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    root = tmp_path / "results"
+    with pytest.raises(ConfigError, match=f"{name} holds 1 NaN or infinite value"):
+        run(cfg("model=hf", f"model.name_or_path={folder}", "task.max_tokens=40",
+                f"runner.results_root={root}"))
+    assert not root.exists()
+
+
+def test_an_unknown_rope_type_names_the_config_not_the_weights(tmp_path, no_weights):
+    need_shared(STORIES)
+    folder = model_folder(tmp_path, "bogus_rope",
+                          rope_parameters={"rope_theta": 10000.0, "rope_type": "bogus"})
+    message = refused(tmp_path, "model=hf", f"model.name_or_path={folder}", "task.max_tokens=40")
+    assert "rope_type='bogus' is not a RoPE type this transformers builds; allowed: default" \
+        in message
