@@ -48,6 +48,10 @@ def _split_name(group: str, node) -> tuple[str, dict[str, Any]]:
     if not name:  # e.g. method=_shared: a fragment the choices include, not a choice
         raise ConfigError(f"{group}={_choice(group)!r} is not a {group} (its config sets no "
                           f"{group}.name); allowed: {', '.join(group_options(group))}")
+    choice = _choice(group)
+    if choice in group_options(group) and str(name) != choice:  # settings of one, name of another
+        raise ConfigError(f"{group}.name={name} overrides {group}={choice} (whose settings were "
+                          f"composed); choose it as {group}={name}")
     return str(name), options
 
 

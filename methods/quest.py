@@ -101,7 +101,8 @@ class Quest(KVMethod):
                 reasons.append(f"method.{key}={getattr(self, key)!r}; allowed: {', '.join(allowed)}")
         if not isinstance(self.min_pages, int) or isinstance(self.min_pages, bool) or self.min_pages < 1:
             reasons.append(f"method.min_pages={self.min_pages!r} must be a positive integer")
-        if self.group_reduce != "max" and self.select_per == "query_head":
+        if self.group_reduce in quest_pages.REDUCTIONS and self.group_reduce != "max" \
+                and self.select_per == "query_head":
             reasons.append(f"method.group_reduce={self.group_reduce} acts only when a KV head "
                            "selects for its group: set method.select_per=kv_head")
         if self.min_pages != 3 and self.current_page == "forced":

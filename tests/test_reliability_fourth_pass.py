@@ -244,3 +244,35 @@ def test_an_unknown_rope_type_names_the_config_not_the_weights(tmp_path, no_weig
     message = refused(tmp_path, "model=hf", f"model.name_or_path={folder}", "task.max_tokens=40")
     assert "rope_type='bogus' is not a RoPE type this transformers builds; allowed: default" \
         in message
+
+
+# --- Hints -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value, got", [(None, "null is not one of its values"),
+                                        (["max"], "got a list; give one value")])
+def test_null_or_a_list_for_a_text_knob_lists_the_allowed_values(value, got):
+    with pytest.raises(ConfigError) as err:
+        build_method("quest", budget_tokens=64, group_reduce=value)
+    assert got in str(err.value) and "allowed: max, sum" in str(err.value)
+    assert "quote it" not in str(err.value)
+
+
+def test_a_value_not_allowed_is_named_before_what_it_would_need():
+    with pytest.raises(ConfigError, match=r"method.group_reduce='mean'; allowed: max, sum"):
+        build_method("quest", budget_tokens=64, group_reduce="mean")
+
+
+def test_null_for_a_text_key_of_a_yaml_group_is_not_told_to_quote(tmp_path, no_weights):
+    message = refused(tmp_path, *ST, "runner.attn_impl=null")
+    assert "quote it" not in message
+
+
+def test_overriding_method_name_is_refused(tmp_path):
+    from tests.test_reliability_third_pass import cli
+
+    proc = cli(*ST, "method=snapkv", "method.name=pyramidkv",
+               f"runner.results_root={tmp_path / 'r'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert ("method.name=pyramidkv overrides method=snapkv (whose settings were composed); "
+            "choose it as method=pyramidkv") in proc.stderr
+    assert not (tmp_path / "r").exists()
