@@ -276,3 +276,38 @@ def test_overriding_method_name_is_refused(tmp_path):
     assert ("method.name=pyramidkv overrides method=snapkv (whose settings were composed); "
             "choose it as method=pyramidkv") in proc.stderr
     assert not (tmp_path / "r").exists()
+
+
+# --- Impossible combinations refused before loading ------------------------------------------
+
+STORIES_INFO = ModelInfo(num_layers=5, num_heads=8, num_kv_heads=4, head_dim=8, max_positions=512,
+                         rope_theta=10000.0)
+
+
+def test_shadowkv_threshold_beyond_the_models_positions_is_named(tmp_path, no_weights):
+    message = refused(tmp_path, *ST, "task.prefill_tokens=16", "method=shadowkv",
+                      "method.budget_tokens=8")
+    assert ("method.compress_above_tokens=4096: ShadowKV compresses only prompts longer than "
+            "that, but this model has 512 max positions") in message
+
+
+def test_shadowkv_rank_beyond_the_key_width_is_refused():
+    reason = one_reason(build_method("shadowkv", compress_above_tokens=0, rank=64), STORIES_INFO)
+    assert "method.rank=64 is larger than the keys' width on this model (H_kv x head_dim = 32)" \
+        in reason
+    assert not build_method("shadowkv", compress_above_tokens=0, rank=32).validate(
+        STORIES_INFO, {"batch_size": 1})
+
+
+def test_shadowkv_rank_and_rank_ratio_both_set_is_refused():
+    with pytest.raises(ConfigError, match="the rank would win and the ratio be ignored"):
+        build_method("shadowkv", rank=8, rank_ratio=0.5)
+    build_method("shadowkv", rank=8)
+    build_method("shadowkv", rank_ratio=0.5)
+
+
+def test_scissorhands_recent_window_larger_than_the_budget_is_refused():
+    with pytest.raises(ConfigError, match="method.recent_tokens=20 is more than "
+                                          "method.budget_tokens=8"):
+        build_method("scissorhands", budget_tokens=8, recent_tokens=20)
+    build_method("scissorhands", budget_tokens=8, recent_tokens=8)
