@@ -311,3 +311,18 @@ def test_scissorhands_recent_window_larger_than_the_budget_is_refused():
                                           "method.budget_tokens=8"):
         build_method("scissorhands", budget_tokens=8, recent_tokens=20)
     build_method("scissorhands", budget_tokens=8, recent_tokens=8)
+
+
+# --- Third-party errors name the input -------------------------------------------------------
+
+def test_a_bad_line_in_an_include_path_data_file_is_named(tmp_path, no_weights, monkeypatch):
+    from tests.tasks.test_lm_eval import write_custom_tasks
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    folder = write_custom_tasks(tmp_path / "yaml", tmp_path / "data")
+    data = tmp_path / "data" / "gen.jsonl"
+    lines = data.read_text().splitlines()
+    data.write_text(lines[0] + "\n" + '{"question": "b", "answer": \n' + lines[1] + "\n")
+    message = refused(tmp_path, "task=lm_eval", "model=stories260k", "task.names=[my_gen]",
+                      f"task.include_path={folder}", "task.num_fewshot=0")
+    assert f"{data} line 2: Expecting value" in message
