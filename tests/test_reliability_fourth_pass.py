@@ -326,3 +326,71 @@ def test_a_bad_line_in_an_include_path_data_file_is_named(tmp_path, no_weights, 
     message = refused(tmp_path, "task=lm_eval", "model=stories260k", "task.names=[my_gen]",
                       f"task.include_path={folder}", "task.num_fewshot=0")
     assert f"{data} line 2: Expecting value" in message
+
+
+# --- harness.check / harness.report edges ----------------------------------------------------
+
+def thresholds(path, body):
+    path.write_text("thresholds:\n" + body)
+    return path
+
+
+def test_check_ratio_to_a_method_no_run_has_is_bad_input(tmp_path, capsys):
+    from harness import check
+    from tests.harness.test_report_check import fake_run
+
+    fake_run(tmp_path / "r", "full", 50.0, 100.0)
+    fake_run(tmp_path / "r", "h2o", 55.0, 100.0, budget=0.2)
+    gate = thresholds(tmp_path / "t.yaml", "  - {model: stories260k, method: h2o, task: "
+                      "perplexity, metric: accuracy.ppl, ratio_to_method: snapkv, max: 1.2}\n")
+    assert check.main([str(tmp_path / "r"), "--against", str(gate)]) == 2
+    assert "ratio_to_method='snapkv' has no run of model='stories260k'" in capsys.readouterr().err
+
+
+def test_check_refuses_a_key_given_twice_in_an_entry(tmp_path, capsys):
+    from harness import check
+    from tests.harness.test_report_check import fake_run
+
+    fake_run(tmp_path / "r", "full", 50.0, 100.0)
+    gate = thresholds(tmp_path / "t.yaml", "  - {model: stories260k, method: full, task: "
+                      "perplexity, metric: accuracy.ppl, max: 60, max: 40}\n")
+    assert check.main([str(tmp_path / "r"), "--against", str(gate)]) == 2
+    assert "key 'max' given twice in one mapping" in capsys.readouterr().err
+
+
+def test_check_against_a_device_says_what_it_is(tmp_path, capsys):
+    from harness import check
+    from tests.harness.test_report_check import fake_run
+
+    fake_run(tmp_path / "r", "full", 50.0, 100.0)
+    assert check.main([str(tmp_path / "r"), "--against", "/dev/zero"]) == 2
+    err = capsys.readouterr().err
+    assert "/dev/zero is not a regular file" in err and "no such file" not in err
+
+
+def test_a_metrics_json_that_is_a_fifo_or_device_link_is_skipped_with_a_warning(tmp_path):
+    import os
+
+    from harness.report.collect import find_runs
+    from tests.harness.test_report_check import fake_run
+
+    good = fake_run(tmp_path / "r", "full", 50.0, 100.0)
+    fifo = tmp_path / "r" / "x" / "metrics.json"
+    fifo.parent.mkdir()
+    os.mkfifo(fifo)
+    link = tmp_path / "r" / "y" / "metrics.json"
+    link.parent.mkdir()
+    link.symlink_to("/dev/zero")
+    warnings = []
+    assert find_runs([str(tmp_path / "r")], warn=warnings.append) == [good / "metrics.json"]
+    assert sorted(w.split(": not a regular")[0] for w in warnings) == [
+        f"warning: skipped {fifo}", f"warning: skipped {link}"]
+
+
+def test_runs_reached_through_a_link_are_counted_once(tmp_path):
+    from harness.report.collect import find_runs
+    from tests.harness.test_report_check import fake_run
+
+    fake_run(tmp_path / "r", "full", 50.0, 100.0)
+    (tmp_path / "alias").symlink_to(tmp_path / "r")
+    assert len(find_runs([str(tmp_path / "r"), str(tmp_path / "alias")])) == 1
