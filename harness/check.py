@@ -231,9 +231,9 @@ def check(runs: list[dict], entries: list[dict]) -> list[dict]:
             results.append(res)
             continue
         value = lookup(chosen, e["metric"])
-        if not _number(value):
+        if not _number(value) or not math.isfinite(value):
             res["why"] = (f"{e['metric']} missing in the run" if value is None
-                          else f"{e['metric']}={value!r} is not a number")
+                          else f"{e['metric']}={value!r} is not a finite number")
             results.append(res)
             continue
         if e.get("ratio_to_method"):

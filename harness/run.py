@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import shutil
@@ -484,6 +485,10 @@ def summary(metrics: dict[str, Any], folder: Path) -> str:
                      f"decode steps)")
     if kv.get("method_active") is False:
         lines.append(f"  INACTIVE  the method did not act: {kv['inactive_reason']}")
+    nonfinite = [k for k, v in acc.items() if isinstance(v, float) and not math.isfinite(v)]
+    if nonfinite:  # harness.check never passes such a run
+        lines.append(f"  NOT FINITE  {', '.join(f'{k}={acc[k]}' for k in nonfinite)}: the "
+                     "model's outputs overflowed or hold NaN; this is no result")
     diag = metrics.get("diagnostics")
     if diag and diag.get("steps_sampled"):
         lines.append(f"  fidelity  attention recall {_fmt(diag['attention_recall_mean'])}, "

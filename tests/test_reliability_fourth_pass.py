@@ -394,3 +394,20 @@ def test_runs_reached_through_a_link_are_counted_once(tmp_path):
     fake_run(tmp_path / "r", "full", 50.0, 100.0)
     (tmp_path / "alias").symlink_to(tmp_path / "r")
     assert len(find_runs([str(tmp_path / "r"), str(tmp_path / "alias")])) == 1
+
+
+def test_a_non_finite_result_is_flagged_in_the_summary_and_never_passes_a_gate(tmp_path):
+    from harness import check
+    from harness.run import summary
+    from tests.harness.test_report_check import fake_run
+
+    folder = fake_run(tmp_path / "r", "full", float("nan"), 100.0)
+    metrics = json.loads((folder / "metrics.json").read_text())
+    metrics["kv"], metrics["transfer"] = {}, {}
+    metrics["memory"] = {"kind": "cpu", "peak_bytes": 0}
+    metrics["speed"].update(prefill_ms_total=1.0, prefill_tokens=1, decode_ms_per_token_p90=1.0)
+    assert "NOT FINITE  ppl=nan" in summary(metrics, folder)
+    (result,) = check.check([metrics], [{"model": "stories260k", "method": "full",
+                                         "task": "perplexity", "metric": "accuracy.ppl",
+                                         "max": 60}])
+    assert not result["ok"] and "not a finite number" in result["why"]
