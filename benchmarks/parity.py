@@ -49,6 +49,13 @@ SAMPLES = {"subtasks": ["niah_single"], "lengths": [1024, 2048], "depths": [25, 
 # fp32 on one CPU, two transformers versions and two attention call paths: sums in another order.
 LOGIT_ABS = 2e-3
 SNAP = {"window_tokens": 32, "kernel_tokens": 7}  # ours (SnapKV paper configs); kvpress: 64 / 5
+# A top-k cut at a near-tie flips with fp noise (another CPU, another summation order): a
+# position may be kept on one side only when, on both sides, its score lies within this margin
+# of the score at the cut (the budget-th largest), relative to the head's largest |score|. fp32
+# sums of a few thousand terms in another order differ by ~1e-6 relative; 1e-4 leaves room for
+# the two transformers versions and attention paths and is still far below a real disagreement
+# (a kept position moved far from the cut).
+TIE_MARGIN_REL = 1e-4
 
 
 @dataclass(frozen=True)
@@ -149,17 +156,58 @@ def head_sets(positions, num_kv_heads: int) -> list[list[int]]:
     return [sorted(h) for h in rows.tolist()]
 
 
+def near_cut(scores, kept_count: int, margin_rel: float) -> list[list[int]]:
+    """Positions whose score lies within `margin_rel` x the head's largest |score| of the score
+    at the cut (the `kept_count`-th largest), per KV head; `scores (1, H, T)` indexed by text
+    position. Protected positions (+inf) are never near a cut."""
+    out = []
+    for row in scores[0].float():
+        finite = row[row.isfinite()]
+        if finite.numel() == 0 or not 0 < kept_count <= row.numel():
+            out.append([])
+            continue
+        cut = row.topk(kept_count).values[-1]
+        if not cut.isfinite():
+            out.append([])
+            continue
+        band = margin_rel * float(finite.abs().max())
+        out.append(sorted(((row - cut).abs() <= band).nonzero().flatten().tolist()))
+    return out
+
+
+def recording_scores(method, store: dict):
+    """Make `method`'s eviction layers record their first cut's guarded scores `(1, H, T)` in
+    `store[layer]` (the context's compression: slots are text positions then)."""
+    make = type(method).make_layer
+
+    def making(layer_idx, info):
+        layer = make(method, layer_idx, info)
+        guarded = getattr(layer, "guarded_scores", None)
+        if guarded is not None:
+            def recording(budget):
+                scores = guarded(budget)
+                store.setdefault(layer_idx, (scores.detach().clone(), budget))
+                return scores
+            layer.guarded_scores = recording
+        return layer
+    method.make_layer = making
+
+
 def run_sample(engine, method, sample: dict, lift: bool) -> dict:
     """One sample through an engine request: context (compressed at its end), kept positions,
     then question + greedy answer (a per-step method's budget lifted: kvpress's protocol)."""
     from harness import batch as batching
 
     budget = getattr(method, "budget_tokens", None)
+    scores: dict = {}
+    recording_scores(method, scores)
     try:
         with engine.request() as req:
             req.prefill(sample["context_ids"])
             kept = [head_sets(kv.kept_positions(), engine.info.num_kv_heads)
                     for kv in req.cache.kv_layers]
+            ties = [near_cut(*scores.pop(i), TIE_MARGIN_REL) if i in scores else []
+                    for i in range(len(kept))]
             if lift:
                 method.budget_tokens = LIFTED_BUDGET_TOKENS
             logits = req.prefill(sample["question_ids"], prompt_ends=False)
@@ -176,7 +224,9 @@ def run_sample(engine, method, sample: dict, lift: bool) -> dict:
     finally:
         if lift:
             method.budget_tokens = budget
-    return {"id": sample["id"], "kept": kept, "generated": generated, "logits": steps,
+        del method.make_layer
+    return {"id": sample["id"], "kept": kept, "near_cut": ties, "generated": generated,
+            "logits": steps,
             "final_kept_tokens": final}
 
 
@@ -197,7 +247,8 @@ def run_ours(folder: Path) -> None:
     specs = case_specs()
     prompts = {"model_dir": spec.extra["converted_dir"], "model": spec.description,
                "top_logits": TOP_LOGITS, "samples": samples, "cases": specs,
-               "ruler": SAMPLES, "kept_ratios": list(KEPT_RATIOS)}
+               "ruler": SAMPLES, "kept_ratios": list(KEPT_RATIOS),
+               "tie_margin_rel": TIE_MARGIN_REL}
     write_json(folder / "prompts.json", prompts)
     results, t0 = [], time.perf_counter()
     for c in specs:

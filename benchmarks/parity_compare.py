@@ -7,6 +7,13 @@ and head kept the same set, the two caches hold the same K/V, so the greedy answ
 same and the logits of each answer step (while the answers agree, at the ids in both top lists)
 within the fp32 tolerance. A row out of tolerance names its first failure: the sample, the
 layer, the head and the first differing position (or the first differing answer step).
+
+Ties. A top-k cut at a near-tie flips with fp noise (another CPU, another summation order), so
+a position kept on one side only is a tie flip, not a disagreement, when on both sides its score
+lies within the stated margin of the score at the cut (prompts.json `tie_margin_rel`, relative to
+the head's largest |score|; both sides record those positions as `near_cut`). Sets that differ by
+tie flips alone count as the same sets for the kept check (the row reports how many); their
+caches differ by near-tied tokens, so their answers and logits are not held to the tolerance.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ class Row:
     logit_steps: int = 0
     logit_max: float = 0.0
     failures: list[str] = field(default_factory=list)
+    tie_flips: int = 0  # positions kept on one side only, each at a near-tie on both sides
     budget_gap: int = 0  # largest |our kept count - kvpress's| over layers (containment rows)
     schedule: str = ""  # containment rows: kept counts of the first and last layer, first sample
 
@@ -45,8 +53,18 @@ def overlap(a: set, b: set, kind: str) -> float:
     return inter / max(1, len(a | b))
 
 
-def compare_kept(row: Row, name: str, ours: list, peer: list) -> bool:
-    """Kept sets of one sample; True when every layer and head kept the same set."""
+def tie_flips(a: set, b: set, ours_near: list, peer_near: list, layer: int, head: int) -> bool:
+    """Whether every position kept on one side only is near the cut on both sides."""
+    def near(record: list) -> set:
+        return set(record[layer][head]) if layer < len(record) and head < len(record[layer]) \
+            else set()
+    return bool(a ^ b) and (a ^ b) <= (near(ours_near) & near(peer_near))
+
+
+def compare_kept(row: Row, name: str, ours: list, peer: list, ours_near: list = (),
+                 peer_near: list = ()) -> bool:
+    """Kept sets of one sample; True when every layer and head kept the same set (`ours_near`,
+    `peer_near`: per layer and head, the positions near each side's cut: see Ties)."""
     kind = row.case.kept
     if len(ours) != len(peer):
         row.failures.append(f"{name}: {len(ours)} layers compressed here, {len(peer)} in kvpress")
@@ -59,6 +77,10 @@ def compare_kept(row: Row, name: str, ours: list, peer: list) -> bool:
     for layer, (ol, pl) in enumerate(zip(ours, peer)):
         for head, (o, p) in enumerate(zip(ol, pl)):
             a, b = set(o), set(p)
+            if kind == "jaccard" and tie_flips(a, b, ours_near, peer_near, layer, head):
+                row.tie_flips += len(a ^ b)
+                same = False  # near-tied tokens differ: answers are not compared
+                a = b
             value = overlap(a, b, kind)
             row.overlap_min = min(row.overlap_min, value)
             row.overlap_sum += value
@@ -110,7 +132,8 @@ def build_rows(prompts: dict, ours: dict, peer: dict, cases: dict, logit_abs: fl
             name = f"{spec['name']} {so['id']}"
             row.samples += 1
             # the control compresses nothing: kvpress records no layer then, we record all
-            same = spec["peer"]["press"] is None or compare_kept(row, name, so["kept"], sp["kept"])
+            same = spec["peer"]["press"] is None or compare_kept(
+                row, name, so["kept"], sp["kept"], so.get("near_cut", []), sp.get("near_cut", []))
             if same:
                 row.identical_samples += 1
             if same and row.case.answers:
@@ -132,6 +155,8 @@ def table(rows: list[Row], logit_abs: float) -> list[str]:
         c = r.case
         kept = ("-" if r.overlap_n == 0 else
                 f"{c.kept} min {r.overlap_min:.3f} mean {r.overlap_sum / r.overlap_n:.4f}")
+        if r.tie_flips:
+            kept += f"; {r.tie_flips} tie flip(s) at the cut"
         if c.kept == "containment" and r.overlap_n:
             kept += f"; kept counts differ by up to {r.budget_gap} ({r.schedule})"
         logits = f"{r.logit_max:.1e} ({r.logit_steps})" if r.logit_steps else "-"
@@ -152,6 +177,9 @@ def compare_folder(folder: Path, cases: dict, logit_abs: float) -> int:
           f"ours: transformers {ours['ours']['transformers']}; torch {ours['ours']['torch']}")
     print(f"model: {prompts['model']}; {len(prompts['samples'])} RULER samples "
           f"({prompts['ruler']}), kept ratios {prompts['kept_ratios']}")
+    print(f"ties: a position kept on one side only counts as a tie flip when, on both sides, "
+          f"its score is within {prompts.get('tie_margin_rel', 0):g} x the head's largest "
+          "|score| of the score at the cut")
     print("\n".join(table(rows, logit_abs)))
     for r in rows:
         for failure in r.failures[:3] if r.case.counted else []:

@@ -136,6 +136,29 @@ def check_names_in_runs(entries: list[dict], runs: list[dict], where: str) -> No
             near = closest(e["metric"], keys)
             raise ConfigError(f"thresholds[{i}] metric={e['metric']!r} is in no run under {where}"
                               + (f" (did you mean {near!r}?)" if near else ""))
+        ref = e.get("ratio_to_method")
+        methods = sorted({m["method"]["name"] for m in runs if m["model"]["name"] == e["model"]})
+        if ref and ref not in methods:
+            near = closest(ref, methods)
+            raise ConfigError(f"thresholds[{i}] ratio_to_method={ref!r} has no run of "
+                              f"model={e['model']!r} under {where}"
+                              + (f" (did you mean {near!r}?)" if near else "")
+                              + f"; methods there: {', '.join(methods)}")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping (plain YAML keeps the last,
+    so a threshold typed twice would silently lose one of its values)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice in one mapping", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def load_thresholds(path: Path) -> list[dict]:
@@ -143,10 +166,13 @@ def load_thresholds(path: Path) -> list[dict]:
     if path.is_dir():
         raise ConfigError(f"--against {path} is a folder; give a thresholds file (YAML), e.g. "
                           "conf/regression/ci.yaml")
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(f"--against {path}: no such file")
+    if not path.is_file():
+        raise ConfigError(f"--against {path} is not a regular file (a device, FIFO or socket); "
+                          "give a thresholds file (YAML)")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
     except (OSError, UnicodeDecodeError) as exc:
         raise ConfigError(f"--against {path}: unreadable ({exc})") from None
     except yaml.YAMLError as exc:
@@ -238,9 +264,9 @@ def check(runs: list[dict], entries: list[dict]) -> list[dict]:
             results.append(_paired_check(res, chosen, e))
             continue
         value = lookup(chosen, e["metric"])
-        if not _number(value):
+        if not _number(value) or not math.isfinite(value):
             res["why"] = (f"{e['metric']} missing in the run" if value is None
-                          else f"{e['metric']}={value!r} is not a number")
+                          else f"{e['metric']}={value!r} is not a finite number")
             results.append(res)
             continue
         if e.get("ratio_to_method"):

@@ -163,7 +163,9 @@ def check_declared_types(group: str, node: dict[str, Any], choice: str | None) -
               isinstance(value, int) and not isinstance(value, bool) if tp is int else
               isinstance(value, tp))
         if not ok:
-            quote = f" (quote it: {group}.{key}='{value}')" if tp is str else ""
+            quote = (f" (quote it: {group}.{key}='{value}')" if tp is str
+                     and isinstance(value, (int, float)) else
+                     " (null is not one of its values)" if value is None else "")
             raise ConfigError(f"{group}.{key}={value!r} must be {describe(tp)}{quote}")
 
 

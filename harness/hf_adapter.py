@@ -309,6 +309,25 @@ def model_info(config: PretrainedConfig, dtype: torch.dtype = torch.float32) -> 
     )
 
 
+def unknown_rope_types(config: PretrainedConfig) -> list[str]:
+    """The config's RoPE types transformers cannot build (it would fail inside the model's
+    constructor with a bare KeyError), each once."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope = rope if isinstance(rope, dict) else {}
+    tables = [p for p in rope.values() if isinstance(p, dict)] or [rope]
+    known = ("default", *ROPE_INIT_FUNCTIONS)
+    found = [str(p.get("rope_type", "default")) for p in tables]
+    return sorted({kind for kind in found if kind not in known})
+
+
+def rope_type_names() -> list[str]:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return ["default", *sorted(ROPE_INIT_FUNCTIONS)]
+
+
 def _rope_parameters(config: PretrainedConfig) -> tuple[dict[str, Any], str]:
     """(RoPE parameters, rope_type). Gemma-3 keys its `rope_parameters` by layer type
     ({"sliding_attention": {...}, "full_attention": {...}}): a RoPE model all the same, whose

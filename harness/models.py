@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -262,10 +263,26 @@ def identify(spec: ModelSpec, config) -> ModelSpec:
     The named models keep their names."""
     digest = config_hash(config)
     extra = {**spec.extra, "identity": {"source": spec.source, "config_hash": digest}}
+    if spec.name == "stories260k":
+        _same_model(spec, digest, SHARED_DIR / "models" / "stories260K")
     if spec.name != "hf":
         return replace(spec, extra=extra)
     return replace(spec, name=f"{_slug(spec.extra.get('label') or spec.source)}-{digest}",
                    extra=extra)
+
+
+def _same_model(spec: ModelSpec, digest: str, reference: Path) -> None:
+    """A named model read from another folder (`model.path`) must be that model: results, the
+    report and gate thresholds are filed under its name and description. Refused when its config
+    differs from the named model's own (reference folder absent: nothing to compare)."""
+    if Path(spec.source).resolve() == reference.resolve() or not reference.is_dir():
+        return
+    want = config_hash(_read_config(replace(spec, source=str(reference))))
+    if digest != want:
+        raise ConfigError(f"model=stories260k model.path={spec.source} holds another model (its "
+                          f"config hash {digest}, stories260K's {want}): results would be filed "
+                          f"under stories260k; run it as model=hf "
+                          f"model.name_or_path={spec.source}")
 
 
 def _check_local_folder(path: Path, key: str) -> None:
@@ -332,6 +349,14 @@ def check_model_config(config, source: str) -> None:
     raw = isinstance(config, dict)
     get = config.get if raw else lambda key, default=None: getattr(config, key, default)
     where = f"model config of {source}"
+    _check_finite(config if raw else config.to_dict(), where)
+    if not raw:
+        from harness.hf_adapter import rope_type_names, unknown_rope_types
+
+        unknown = unknown_rope_types(config)
+        if unknown:
+            raise ConfigError(f"{where}: rope_type={unknown[0]!r} is not a RoPE type this "
+                              f"transformers builds; allowed: {', '.join(rope_type_names())}")
     for key in (*_SIZES, *_OPTIONAL_SIZES):
         value = get(key, None)
         if value is None and (raw or key in _OPTIONAL_SIZES):
@@ -349,6 +374,26 @@ def check_model_config(config, source: str) -> None:
     if get("head_dim", None) is None and hidden is not None and hidden % heads:
         raise ConfigError(f"{where}: hidden_size={hidden} is not a multiple of "
                           f"num_attention_heads={heads} (and the config sets no head_dim)")
+
+
+def _check_finite(node: Any, where: str, prefix: str = "") -> None:
+    """No NaN or infinite number in a config (a NaN rms_norm_eps gives a NaN model whose
+    perplexity is NaN, written as if it were a result)."""
+    if isinstance(node, float) and not math.isfinite(node):
+        raise ConfigError(f"{where}: {prefix}={node!r} must be a finite number")
+    items = node.items() if isinstance(node, dict) else (
+        enumerate(node) if isinstance(node, list) else ())
+    for key, value in items:
+        _check_finite(value, where, f"{prefix}.{key}" if prefix else str(key))
+
+
+def check_finite_weights(model, source: str) -> None:
+    """Every weight finite (a NaN weight makes every output NaN, written as a result)."""
+    for name, tensor in model.named_parameters():
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise ConfigError(f"model weights at {source!r}: {name} holds {bad} NaN or infinite "
+                              f"value(s) of {tensor.numel()}; the model cannot give a result")
 
 
 def check_vocab(tokenizer, embedding_rows: int, source: str) -> None:
@@ -433,6 +478,7 @@ def load_model(spec: ModelSpec, attn: str = "sdpa"):
         raise ConfigError(f"model weights at {source!r} could not be read: "
                           f"{_weights_reason(exc)}") from None
     check_loading(source, loading)
+    check_finite_weights(model, source)
     check_vocab(tokenizer, model.get_input_embeddings().num_embeddings, source)
     model.to(spec.device).eval()
     hf_adapter.set_attention(model, attn)

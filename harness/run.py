@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import random
 import shutil
@@ -40,12 +41,18 @@ def _plain(node) -> dict[str, Any]:
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node)
 
 
-def _split_name(group: str, node) -> tuple[str, dict[str, Any]]:
+def _split_name(group: str, node, choice: str | None = None) -> tuple[str, dict[str, Any]]:
+    """The group's name and options; `choice` is the config file the CLI chose for the group
+    (by default, the running Hydra job's)."""
     options = _plain(node)
     name = options.pop("name", None)
+    choice = _choice(group) if choice is None else choice
     if not name:  # e.g. method=_shared: a fragment the choices include, not a choice
-        raise ConfigError(f"{group}={_choice(group)!r} is not a {group} (its config sets no "
+        raise ConfigError(f"{group}={choice!r} is not a {group} (its config sets no "
                           f"{group}.name); allowed: {', '.join(group_options(group))}")
+    if choice in group_options(group) and str(name) != choice:  # settings of one, name of another
+        raise ConfigError(f"{group}.name={name} overrides {group}={choice} (whose settings were "
+                          f"composed); choose it as {group}={name}")
     return str(name), options
 
 
@@ -315,7 +322,7 @@ def build_metrics(session, setting, engine, result, t_start: float,
                    "operating_point": method.operating_point,
                    "axis_keys": list(method.axis_keys), "variant_keys": list(method.variant_keys),
                    "capabilities": vars(method.capabilities) if hasattr(method.capabilities, "__dict__")
-                   else {}, "prepare": setting.prepared},
+                   else {}, "prepare": setting.prepared, "side_files": setting.side_files},
         "task": {"name": setting.task_name, "options": setting.task.options()},
         "protocol": {**result.protocol, "dense_layers": list(engine.dense_layers),
                      "dense_layers_runner": list(runner.get("dense_layers") or []),
@@ -482,6 +489,10 @@ def summary(metrics: dict[str, Any], folder: Path) -> str:
                      f"decode steps)")
     if kv.get("method_active") is False:
         lines.append(f"  INACTIVE  the method did not act: {kv['inactive_reason']}")
+    nonfinite = [k for k, v in acc.items() if isinstance(v, float) and not math.isfinite(v)]
+    if nonfinite:  # harness.check never passes such a run
+        lines.append(f"  NOT FINITE  {', '.join(f'{k}={acc[k]}' for k in nonfinite)}: the "
+                     "model's outputs overflowed or hold NaN; this is no result")
     diag = metrics.get("diagnostics")
     if diag and diag.get("steps_sampled"):
         lines.append(f"  fidelity  attention recall {_fmt(diag['attention_recall_mean'])}, "

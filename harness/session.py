@@ -10,6 +10,7 @@ each setting's method (prepare included) and engine over them.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,7 @@ class Setting:
     task: Any  # tasks.base.Task
     identity: str  # harness.sweep.config_hash
     prepared: dict[str, Any] = field(default_factory=dict)
+    side_files: list[dict[str, Any]] = field(default_factory=list)  # read by validate, prepare
 
     @property
     def label(self) -> str:
@@ -41,8 +43,9 @@ class Setting:
         return f"{self.method_name}" + (f"({knobs})" if knobs else "")
 
 
-def compose(cfg: DictConfig) -> Setting:
-    """Every check of one config that needs no model (keys, types, runner, method, task)."""
+def compose(cfg: DictConfig, choices: dict[str, str] | None = None) -> Setting:
+    """Every check of one config that needs no model (keys, types, runner, method, task).
+    `choices`: the config file chosen per group (a sweep member's; by default the Hydra job's)."""
     from harness.config_check import check_config
     from harness.loggers import check_logger
     from harness.run import _plain, _split_name, check_runner
@@ -53,8 +56,9 @@ def compose(cfg: DictConfig) -> Setting:
     check_config(cfg)  # every key declared (`+` keys too), no NaN/inf, types of YAML knobs
     runner = _plain(cfg.runner)
     check_runner(runner)
-    method_name, method_opts = _split_name("method", cfg.method)
-    task_name, task_opts = _split_name("task", cfg.task)
+    choices = choices or {}
+    method_name, method_opts = _split_name("method", cfg.method, choices.get("method"))
+    task_name, task_opts = _split_name("task", cfg.task, choices.get("task"))
     check_logger(_plain(cfg.logger))
     method = build_method(method_name, **method_opts)
     task = build_task(task_name, **task_opts)
@@ -107,7 +111,8 @@ class Session:
         """Every check before weights load, one ConfigError naming the key."""
         from harness.run import check_prompts
 
-        reasons = self.reasons(setting)
+        with _recording(setting):
+            reasons = self.reasons(setting)
         if reasons:
             raise ConfigError("; ".join(reasons))
         setting.task.check_data()
@@ -129,7 +134,22 @@ class Session:
 
         method = setting.method
         if method.capabilities.needs_prepare:
-            setting.prepared = hf_adapter.prepare(method, self.model, self.tokenizer, self.info,
-                                                  data_dir=models.SHARED_DIR / "data")
+            with _recording(setting):
+                setting.prepared = hf_adapter.prepare(method, self.model, self.tokenizer,
+                                                      self.info,
+                                                      data_dir=models.SHARED_DIR / "data")
         return Engine(self.model, self.tokenizer, method, self.info,
                       engine_settings(setting.runner))
+
+
+@contextmanager
+def _recording(setting: Setting):
+    """The side files read inside the block, added to the setting's record (metrics.json)."""
+    from methods import _sidefiles as sidefiles
+
+    sidefiles.reset()
+    try:
+        yield
+    finally:
+        seen = {(f["key"], f["path"]) for f in setting.side_files}
+        setting.side_files += [f for f in sidefiles.read() if (f["key"], f["path"]) not in seen]

@@ -25,9 +25,11 @@ class Outcome:
     folder: Path | None = None
 
 
-def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True) -> list[Outcome]:
+def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True,
+              choices: list[dict[str, str]] | None = None) -> list[Outcome]:
     """Run every config (same model and task) through the sweep engine; one Outcome each, in
-    order. Refused settings are reported and the others run."""
+    order. Refused settings are reported and the others run. `choices`: each member's config
+    file per group (Hydra's runtime choices), when the configs come from a multirun."""
     from harness import sweep_engine
     from harness.profiling import reset_peak_memory
     from harness.run import build_metrics, output_dir, seed_everything, write_result
@@ -40,7 +42,7 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True) -> list[Outcome]
     composed = {}
     for i, cfg in enumerate(cfgs):
         try:
-            composed[i] = compose(cfg)
+            composed[i] = compose(cfg, choices[i] if choices else None)
         except UnsupportedCombination as exc:
             outcomes[i] = Outcome("skipped", str(exc))
         except ConfigError as exc:  # this setting's bad input; the others go on

@@ -6,6 +6,10 @@
   cgroup's limit; CUDA: free + cached) raises `MemoryLimit`, one line with the estimate and the
   limit, instead of swapping the machine to a halt or being killed by the OOM killer. Small
   allocations (< GUARD_MIN_BYTES) are not checked: they cannot be what exhausts the machine.
+* **Sizes typed as knobs** (`size_reason`): a task's lengths and sample counts, a method's page
+  size, estimated before anything loads from what they will allocate (the KV of the longest
+  sequence, the prompts built, a padded page), against the memory available; the model's max
+  positions are no bound (a config may claim 10^12).
 * **Stop** (`request_stop` / `check_stop`): the CLI's SIGINT/SIGTERM handler raises
   KeyboardInterrupt and records the request; a KeyboardInterrupt raised where Python discards it
   (inside a finalizer) would be lost, so storage writes and allocations check the record between
@@ -22,6 +26,10 @@ import torch
 from kvcore.errors import ConfigError
 
 GUARD_MIN_BYTES = 64 * 2**20
+# Host bytes a built prompt takes per token before it is fed: its text (~4 bytes a token), the
+# Python list of ids (~36 bytes an int) and the tokenizer's encoding (ids, offsets, masks: ~40),
+# rounded up.
+PROMPT_HOST_BYTES_PER_TOKEN = 128
 _stop = {"requested": False}
 
 
@@ -83,6 +91,20 @@ def fmt_bytes(nbytes: float) -> str:
         if nbytes >= size:
             return f"{nbytes / size:.2f} {unit}"
     return f"{nbytes / 2**10:.1f} KiB"
+
+
+def size_reason(knob: str, nbytes: int, what: str, device: torch.device | str = "cpu"
+                ) -> str | None:
+    """Why the size typed in `knob` cannot fit: `nbytes` (what it allocates: `what`) beyond the
+    memory available on `device`; None when it fits or is small."""
+    if nbytes < GUARD_MIN_BYTES:
+        return None
+    device = torch.device(device)
+    free = available_bytes(device)
+    if free is None or nbytes <= free:
+        return None
+    return (f"{knob}: {what} would need {fmt_bytes(nbytes)} but {fmt_bytes(free)} of "
+            f"{device.type} memory is available; lower it")
 
 
 def check_allocation(nbytes: int, device: torch.device | str, what: str) -> None:

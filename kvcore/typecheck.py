@@ -109,9 +109,28 @@ def check_types(cls: type, values: dict[str, Any], prefix: str) -> None:
             hint = " (got a boolean)"
         elif isinstance(value, float) and _wants(tp, int):
             hint = " (got a float; write it without a decimal point)"
+        elif value is None and _wants(tp, str):
+            hint = f" (null is not one of its values){_allowed(cls, values, key, prefix)}"
+        elif isinstance(value, (list, tuple, dict)) and _wants(tp, str):
+            kind = "list" if isinstance(value, (list, tuple)) else "mapping"
+            hint = f" (got a {kind}; give one value){_allowed(cls, values, key, prefix)}"
         elif not isinstance(value, str) and _wants(tp, str):
             hint = f" (quote it: {prefix}.{key}='{value}')"
         raise ConfigError(f"{prefix}.{key}={value!r} must be {describe(tp)}{hint}")
+
+
+def _allowed(cls: type, values: dict[str, Any], key: str, prefix: str) -> str:
+    """'; allowed: ...' as the class's own check lists it for a text knob (its refusal of a
+    value it cannot take), or ''."""
+    try:
+        cls(**{**values, key: "\x00?"})
+    except ConfigError as exc:
+        text = str(exc)
+        if text.startswith(f"{prefix}.{key}=") and "allowed: " in text:
+            return "; allowed: " + text.split("allowed: ", 1)[1]
+    except Exception:  # noqa: BLE001 - another knob's trouble: no hint
+        pass
+    return ""
 
 
 def _wants(tp: Any, base: type) -> bool:

@@ -57,7 +57,6 @@ import json
 import logging
 import math
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,6 +64,7 @@ import torch
 
 from kvcore.errors import ConfigError
 from kvcore.storage import Rows, gather_rows
+from methods import _sidefiles as sidefiles
 from methods.base import KVLayer, KVMethod, ModelInfo, exact_attention, require_basis
 from methods.eviction import PAD_POSITION, TokenRows, append_tokens
 from methods.scoring import plain_attention
@@ -125,30 +125,45 @@ def sparsify_gates(gates: torch.Tensor, sparsity: float, seed: int = 42) -> torc
     return noisy >= threshold
 
 
+# The official pattern files hold slightly negative gates, which its loader clips to [0, 1]; a
+# gate further out is no gate of a trained pattern.
+GATE_SLACK = 0.1
+
+
 def load_duo_pattern(path: str | Path, info: ModelInfo) -> tuple[torch.Tensor, dict]:
     """The official DuoAttention pattern: a folder holding `full_attention_heads.tsv` (one row per
     layer, one tab-separated gate alpha in [0, 1] per KV head) and `config.json` (`sink_size`,
     `recent_size` used in training), or the .tsv file itself. Returns (gates (L, H_kv) fp64, config)."""
-    path = Path(path)
+    key, path = "method.pattern_path", Path(path)
     tsv = path / "full_attention_heads.tsv" if path.is_dir() else path
     if not tsv.is_file():
-        raise ConfigError(f"method.pattern_path={path}: no full_attention_heads.tsv there (the "
+        raise ConfigError(f"{key}={path}: no full_attention_heads.tsv there (the "
                           "official DuoAttention pattern folder or its .tsv file)")
+    text = sidefiles.read_text(key, tsv)
     try:
-        rows = [[float(v) for v in line.split("\t")]
-                for line in tsv.read_text().splitlines() if line.strip()]
+        rows = [[float(v) for v in line.split("\t")] for line in text.splitlines() if line.strip()]
         gates = torch.tensor(rows, dtype=torch.float64)
     except ValueError as exc:
-        raise ConfigError(f"method.pattern_path={tsv}: not a tab-separated matrix of gate values "
+        raise ConfigError(f"{key}={tsv}: not a tab-separated matrix of gate values "
                           f"({exc})") from exc
     if tuple(gates.shape) != (info.num_layers, info.num_kv_heads):
-        raise ConfigError(f"method.pattern_path={tsv}: gates of shape {tuple(gates.shape)}, but "
+        raise ConfigError(f"{key}={tsv}: gates of shape {tuple(gates.shape)}, but "
                           f"this model has {info.num_layers} layers x {info.num_kv_heads} KV heads")
+    heads = info.num_kv_heads
+    sidefiles.check_numbers(key, tsv, gates.flatten().tolist(),
+                            lambda i: f"the gate of layer {i // heads} KV head {i % heads}",
+                            -GATE_SLACK, 1 + GATE_SLACK,
+                            f"finite gates in [0, 1] (within {GATE_SLACK:g}, which the official "
+                            "loader clips)")
     config = {}
     cfg = (path if path.is_dir() else path.parent) / "config.json"
     if cfg.is_file():
-        raw = json.loads(cfg.read_text())
+        raw = sidefiles.parse_json(key, cfg, sidefiles.read_text(key, cfg), dict,
+                                   'an object such as {"sink_size": 64, "recent_size": 256}')
         config = {k: raw[k] for k in ("sink_size", "recent_size") if k in raw}
+        for k, v in config.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"{key}={cfg}: {k}={v!r}; allowed: an integer >= 0 (tokens)")
     return gates.clamp(0, 1), config
 
 
@@ -258,21 +273,16 @@ def probe_scores(ctx, period: int, repeats: int, seed: int, cache_dir: str | Non
 
 
 def _save_scores(path: Path, echo: torch.Tensor, induction: torch.Tensor) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        torch.save({"version": PROBE_FORMAT_VERSION, "echo": echo, "induction": induction}, tmp)
-        os.replace(tmp, path)  # atomic: a reader never sees half a file
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    payload = {"version": PROBE_FORMAT_VERSION, "echo": echo, "induction": induction}
+    sidefiles.save_cache(path, lambda tmp: torch.save(payload, tmp), "head probe scores")
 
 
 def _load_scores(path: Path, info: ModelInfo):
     if not path.is_file():
         return None
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = sidefiles.load_cache("method.cache_dir", path, lambda p: torch.load(
+            p, map_location="cpu", weights_only=True))
         echo, ind = payload["echo"], payload["induction"]
     except Exception as exc:  # unreadable: rebuild
         log.warning("head probe scores %s unreadable (%s): recomputing", path, exc)

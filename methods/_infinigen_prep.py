@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from kvcore.errors import ConfigError
+from methods import _sidefiles as sidefiles
 from methods.base import KVLayer, KVMethod, ModelInfo
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ def calibration_ids(method, ctx) -> torch.Tensor:
         return torch.randint(3, ctx.vocab_size, (want,), generator=torch.Generator().manual_seed(0))
     else:
         path = calibration_file(method, ctx.data_dir)
-        text = path.read_text(encoding="utf-8")
+        text = sidefiles.read_text("method.calibration_path", path)
         ids = torch.tensor(ctx.tokenizer(text, verbose=False)["input_ids"])
         source = f"method.calibration_path={path}"
     least = min_calibration_tokens(info)
@@ -189,6 +190,7 @@ def calibration_reasons(method, info: ModelInfo) -> list[str]:
     if method.calibration_path:  # the default text is located at prepare (runner's data dir)
         try:
             path = calibration_file(method, None)
+            sidefiles.read_text("method.calibration_path", path)  # UTF-8 text, or one line
         except ConfigError as exc:
             return reasons + [str(exc)]
         size, least = path.stat().st_size, min_calibration_tokens(info)
@@ -297,27 +299,17 @@ def prepare_skewing(method, ctx) -> tuple[SkewingArtefacts, dict]:
 
 
 def _save(path: Path, skew: torch.Tensor, q_energy: torch.Tensor, k_energy: torch.Tensor) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    except OSError as exc:
-        raise ConfigError(f"method.cache_dir: cannot write InfiniGen artefacts under {path.parent} "
-                          f"({exc.strerror or exc})") from None
-    os.close(fd)
     payload = {"version": FORMAT_VERSION, "skew": skew, "q_energy": q_energy, "k_energy": k_energy,
                "sha256": _tensor_hash(skew, q_energy, k_energy)}
-    try:
-        torch.save(payload, tmp)
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    sidefiles.save_cache(path, lambda tmp: torch.save(payload, tmp), "infinigen artefacts")
 
 
 def _load(path: Path, info: ModelInfo, skew_heads: int):
     if not path.is_file():
         return None
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=True)
+        payload = sidefiles.load_cache("method.cache_dir", path, lambda p: torch.load(
+            p, map_location="cpu", weights_only=True))
         skew, q_e, k_e = payload["skew"], payload["q_energy"], payload["k_energy"]
         heads = (info.num_layers, skew_heads)
         shape_ok = (tuple(skew.shape) == (*heads, info.head_dim, info.head_dim)

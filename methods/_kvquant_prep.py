@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from methods import _sidefiles as sidefiles
 from methods.base import ModelInfo
 from methods.rope import rotate
 
@@ -175,14 +174,8 @@ def calibrate(ctx, samples: list[torch.Tensor], method, capture_method) -> Calib
 
 
 def save(path: Path, cal: Calibration) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
-        torch.save({"version": FORMAT_VERSION, "tensors": list(cal.tensors())}, tmp)
-        os.replace(tmp, path)  # atomic
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+    payload = {"version": FORMAT_VERSION, "tensors": list(cal.tensors())}
+    sidefiles.save_cache(path, lambda tmp: torch.save(payload, tmp), "kvquant calibration")
 
 
 def load(path: Path, info: ModelInfo, k_bits: int, v_bits: int) -> Calibration | None:
@@ -190,7 +183,8 @@ def load(path: Path, info: ModelInfo, k_bits: int, v_bits: int) -> Calibration |
     if not path.is_file():
         return None
     try:
-        tensors = torch.load(path, map_location="cpu", weights_only=True)["tensors"]
+        tensors = sidefiles.load_cache("method.cache_dir", path, lambda p: torch.load(
+            p, map_location="cpu", weights_only=True))["tensors"]
         cal = Calibration(*tensors)
     except Exception as exc:  # unreadable: recalibrate
         log.warning("kvquant calibration %s unreadable (%s): recomputing", path, exc)

@@ -19,6 +19,7 @@ import torch
 
 from kvcore.errors import ConfigError
 from kvcore.storage import KV_LAYOUTS, ContiguousRows, HeadBlocks, Rows, grown_capacity
+from methods._sidefiles import empty_path_reasons
 from methods.kernels import ragged_attention, ragged_attention_cpu
 from methods.scoring import plain_attention, plain_decode_row
 
@@ -532,7 +533,7 @@ class KVMethod:
         if mode is not None and mode not in self.capabilities.modes:
             reasons.append(f"method.mode={mode!r}; allowed for {self.name}: "
                            f"{', '.join(self.capabilities.modes)}")
-        return reasons + self.architecture_reasons(info)
+        return reasons + empty_path_reasons(self) + self.architecture_reasons(info)
 
     def layout_reasons(self, runner: dict[str, Any]) -> list[str]:
         """Reasons this configuration cannot store its K/V in runner.kv_layout."""

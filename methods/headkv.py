@@ -38,13 +38,15 @@ window 8, kernel 7, max pooling).
 from __future__ import annotations
 
 import dataclasses
-import json
+import math
+from pathlib import Path
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from kvcore.errors import ConfigError
+from methods import _sidefiles as sidefiles
 from methods._headwise import probe_scores
 from methods.adakv import AdaKVLayer
 from methods.base import KVLayer, ModelInfo
@@ -181,15 +183,26 @@ def head_shares(scores: torch.Tensor, temp: float, kv_heads: int) -> torch.Tenso
 def load_head_scores(path, info: ModelInfo) -> torch.Tensor:
     """The official score file: one line of JSON {"layer-head": [scores]} over every query head
     (L x H_q, or L x H_kv); a head's score is the mean of its list. `(L, H)` float64."""
-    where = f"method.head_scores_path={path}"
+    key, where = "method.head_scores_path", f"method.head_scores_path={path}"
+    first = (sidefiles.read_text(key, Path(path)).splitlines() or [""])[0]
+    table = sidefiles.parse_json(key, path, first, dict, 'one JSON line {"layer-head": [scores]}')
     try:
-        with open(path) as f:
-            table = json.loads(f.readline())
         heads = {tuple(int(i) for i in k.split("-")): v for k, v in table.items()}
+        for head, v in heads.items():
+            sidefiles.check_numbers(key, path, v, lambda i: f"score {i} of head {head}",
+                                    allowed="finite numbers")
         means = {k: sum(v) / len(v) for k, v in heads.items()}
-    except (OSError, ValueError, TypeError, ZeroDivisionError, AttributeError) as exc:
+    except ConfigError:
+        raise
+    except (ValueError, TypeError, ZeroDivisionError, AttributeError) as exc:
         raise ConfigError(f"{where}: not an official HeadKV score file (one JSON line "
                           f'{{"layer-head": [scores]}}): {exc}') from None
+    if not all(math.isfinite(m) for m in means.values()):
+        raise ConfigError(f"{where}: a head's mean score overflows; allowed: finite scores")
+    if means and max(means.values()) <= 0:
+        raise ConfigError(f"{where}: every head's score is <= 0, so no head would get a share "
+                          "(the allocation would silently be uniform); allowed: scores >= 0, "
+                          "some > 0")
     layers = info.num_layers
     for h in (info.num_heads, info.num_kv_heads):
         if set(means) == {(l, i) for l in range(layers) for i in range(h)}:

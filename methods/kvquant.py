@@ -34,7 +34,11 @@ From the official code (`quant/llama_simquant.py`, `quant/kvquant/simquant_modul
   * `first_fp16_tokens`: the first N tokens kept exact (official `--first_few_fp16`, off by
     default in the code, "e.g. 5" in the README, 1 for the DBRX checkpoints). Default here: 1, the
     attention-sink token (our choice for any model, not tuned here; 0 = the code's default).
-  * As in the official simulation, a token's own K/V are quantized before it attends.
+  * As in the official simulation, a token's own K/V are quantized before it attends (decode
+    steps; prompts under `runner.prefill=chunked|sparse`). Under the default protocol
+    (`runner.prefill=dense`) a prompt is attended in full and quantized once, at its end, from
+    the whole prompt's exact K/V: the codes are then a function of the prompt's K/V alone,
+    whatever `runner.prefill_chunk_tokens` is.
   * Decode attention from the codes with RoPE fused (official `deployment/kvquant/
     quant_cuda_kernel.cu`, `...RopeMHABatchedFusedOpt`: the pre-RoPE key codes looked up and
     multiplied by the RoPE-weighted query on the fly, the sparse outliers added by an SpMV with
@@ -91,6 +95,7 @@ import torch
 from kvcore.errors import ConfigError
 from kvcore.storage import ContiguousRows
 from methods import _kvquant_prep as prep
+from methods import _sidefiles as sidefiles
 from methods._kvquant_prep import (Calibration, kmeans_1d, nearest_centroid,  # noqa: F401
                                    q_norm, safe, value_normalise)
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
@@ -191,10 +196,22 @@ class KVQuant(KVMethod):
             if (info.head_dim * getattr(self, key)) % 8:
                 reasons.append(f"method.{key}={getattr(self, key)}: head_dim={info.head_dim} codes "
                                "do not fill whole bytes")
-        if self.calibration_path and not Path(self.calibration_path).exists():
-            reasons.append(f"method.calibration_path={self.calibration_path}: no such file or "
-                           "folder")
+        if self.calibration_path and self.calibration_path.strip():
+            try:  # UTF-8 text files, before weights load
+                self._calibration_texts(Path(self.calibration_path))
+            except ConfigError as exc:
+                reasons.append(str(exc))
         return reasons
+
+    @staticmethod
+    def _calibration_texts(path: Path) -> str:
+        if not path.exists():
+            raise ConfigError(f"method.calibration_path={path}: no such file or folder (KVQuant's "
+                              "calibration text; default: PG-19's first book in ../shared/data)")
+        files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
+        if not files:
+            raise ConfigError(f"method.calibration_path={path}: a folder with no .txt file")
+        return "\n\n".join(sidefiles.read_text("method.calibration_path", f) for f in files)
 
     # --- offline calibration ------------------------------------------------------------------
     def prepare(self, ctx) -> dict:
@@ -243,8 +260,7 @@ class KVQuant(KVMethod):
             source = "seeded random token ids (no tokenizer)"
         else:
             path = self._calibration_file(ctx.data_dir)
-            files = sorted(path.glob("*.txt")) if path.is_dir() else [path]
-            text = "\n\n".join(f.read_text(encoding="utf-8") for f in files)
+            text = self._calibration_texts(path)
             ids = torch.tensor(ctx.tokenizer(text, verbose=False)["input_ids"])
             source = str(path)
         n = min(self.calibration_samples, max(1, ids.numel() // length))
@@ -298,6 +314,8 @@ class KVQuantLayer(KVLayer):
         self.codes = {name: ContiguousRows() for name in ("k", "v", "v_zero", "v_scale")}
         self.outliers = {"k": _sparse_columns(), "v": _sparse_columns()}
         self.step_cache: KVQuantCache | None = None  # what this step's attention sees
+        # a prompt held exact until it is over (prefill=dense): (1, H_kv, T_p, D) each
+        self.pending_k = self.pending_v = None
 
     # --- quantize ------------------------------------------------------------------------------
     def _quantize_keys(self, keys: torch.Tensor, positions: torch.Tensor):
@@ -322,12 +340,29 @@ class KVQuantLayer(KVLayer):
 
     # --- cache seam ----------------------------------------------------------------------------
     def update(self, keys, values, position_ids):
-        """Store the new tokens (quantized before they attend, as the official simulation);
-        returns them as given. What attention sees (the whole cache: exact first tokens, codes,
-        outliers) is `self.step_cache`, consumed by `attend`."""
+        """Store the new tokens (quantized before they attend, as the official simulation, or
+        held exact while a dense prompt is fed: `holding_prompt`); returns them as given. What
+        attention sees (the whole cache: exact first tokens, codes, outliers, the held prompt)
+        is `self.step_cache` (+ the held rows), consumed by `attend`."""
+        self.pending_k = _cat(self.pending_k, keys)
+        self.pending_v = _cat(self.pending_v, values)
+        self.seen_tokens += keys.shape[-2]
+        if not self.holding_prompt():
+            self._flush()
+        self.step_cache = self._cache()
+        return keys, values
+
+    def on_prefill_end(self) -> None:
+        self._flush()
+
+    def _flush(self) -> None:
+        """Quantize the held rows (the tokens after the quantized ones), in one call."""
+        if self.pending_k is None:
+            return
+        keys, values, self.pending_k, self.pending_v = (self.pending_k, self.pending_v,
+                                                        None, None)
         q_len = keys.shape[-2]
-        positions = torch.arange(self.seen_tokens, self.seen_tokens + q_len)
-        self.seen_tokens += q_len
+        positions = torch.arange(self.seen_tokens - q_len, self.seen_tokens)
         n_exact = max(0, min(q_len, self.method.first_fp16_tokens - int(positions[0])))
         if n_exact:
             self.exact_k = _cat(self.exact_k, keys[:, :, :n_exact])
@@ -342,8 +377,6 @@ class KVQuantLayer(KVLayer):
             for name, sparse in (("k", k_sparse), ("v", v_sparse)):
                 for column, part in zip(self.outliers[name], sparse or ()):
                     column.append(part[None, None])
-        self.step_cache = self._cache()
-        return keys, values
 
     def _cache(self) -> KVQuantCache:
         view = {name: rows.view() for name, rows in self.codes.items()}
@@ -359,6 +392,10 @@ class KVQuantLayer(KVLayer):
         """Decode rows: attention straight from the codes; anything else (or nothing quantized
         yet): dequantize the whole cache and run the model's own attention over it."""
         cache, self.step_cache = self.step_cache, None
+        if self.pending_k is not None:  # a dense prompt: its held rows exact, after the rest
+            keys, values = self._with_pending(dequantize_cache(cache, query.dtype)
+                                              if cache.tokens() else None)
+            return base(module, query, keys, values, attention_mask, **kwargs)
         if (cache.k_codes is not None and query.shape[0] == 1
                 and plain_decode_row(query, attention_mask, kwargs)):
             scaling = kwargs.get("scaling") or module.scaling
@@ -367,10 +404,20 @@ class KVQuantLayer(KVLayer):
         keys, values = dequantize_cache(cache, query.dtype)
         return base(module, query, keys, values, attention_mask, **kwargs)
 
+    def _with_pending(self, stored):
+        """`stored` (dequantized K/V or None) followed by the held exact rows."""
+        if stored is None:
+            return self.pending_k, self.pending_v
+        return (torch.cat([stored[0], self.pending_k.to(stored[0].dtype)], -2),
+                torch.cat([stored[1], self.pending_v.to(stored[1].dtype)], -2))
+
     def dequantized_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole cache as attention reads it now, dequantized and rotated `(1, H_kv, T, D)`."""
-        dtype = (self.exact_k if self.exact_k is not None else self.key_scale).dtype
-        return dequantize_cache(self._cache(), dtype)
+        cache = self._cache()
+        dtype = next(t for t in (self.exact_k, self.pending_k, self.key_scale) if t is not None
+                     ).dtype
+        stored = dequantize_cache(cache, dtype) if cache.tokens() else None
+        return stored if self.pending_k is None else self._with_pending(stored)
 
     def kept_tokens(self) -> int:
         return self.seen_tokens  # KVQuant evicts nothing
@@ -380,7 +427,8 @@ class KVQuantLayer(KVLayer):
         return None  # bits, not tokens
 
     def stats(self) -> dict[str, int]:
-        exact = sum(p.nbytes for p in (self.exact_k, self.exact_v) if p is not None)
+        exact = sum(p.nbytes for p in (self.exact_k, self.exact_v, self.pending_k,
+                                       self.pending_v) if p is not None)
         stores = [*self.codes.values(), *self.outliers["k"], *self.outliers["v"]]
         used = sum(s.used_bytes() for s in stores)
         allocated = sum(s.allocated_bytes() for s in stores)

@@ -58,6 +58,7 @@ from typing import ClassVar
 
 import torch
 
+from kvcore.guards import size_reason
 from kvcore.storage import KV_LAYOUTS
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for, check_budget
 from methods.kernels import quest_pages, sparse_attention
@@ -100,7 +101,8 @@ class Quest(KVMethod):
                 reasons.append(f"method.{key}={getattr(self, key)!r}; allowed: {', '.join(allowed)}")
         if not isinstance(self.min_pages, int) or isinstance(self.min_pages, bool) or self.min_pages < 1:
             reasons.append(f"method.min_pages={self.min_pages!r} must be a positive integer")
-        if self.group_reduce != "max" and self.select_per == "query_head":
+        if self.group_reduce in quest_pages.REDUCTIONS and self.group_reduce != "max" \
+                and self.select_per == "query_head":
             reasons.append(f"method.group_reduce={self.group_reduce} acts only when a KV head "
                            "selects for its group: set method.select_per=kv_head")
         if self.min_pages != 3 and self.current_page == "forced":
@@ -118,6 +120,9 @@ class Quest(KVMethod):
         if any(i >= info.num_layers for i in self.dense_layers):
             reasons.append(f"method.dense_layers={self.dense_layers} names a layer >= the model's "
                            f"{info.num_layers} layers")
+        page = 2 * self.page_size * info.num_kv_heads * info.head_dim * 4  # page_bounds: (H, P, D)
+        reasons += filter(None, [size_reason(f"method.page_size={self.page_size}", page,
+                                             "one padded page of keys per layer (page bounds)")])
         return reasons
 
     @classmethod

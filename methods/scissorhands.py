@@ -77,6 +77,11 @@ class Scissorhands(BudgetedMethod):
             if not isinstance(value, int) or isinstance(value, bool) or value < (key == "history_tokens"):
                 reasons.append(f"method.{key}={value!r} must be an integer >= "
                                f"{int(key == 'history_tokens')}")
+        if isinstance(self.budget_tokens, int) and isinstance(self.recent_tokens, int) \
+                and self.recent_tokens > self.budget_tokens:
+            reasons.append(f"method.recent_tokens={self.recent_tokens} is more than "
+                           f"method.budget_tokens={self.budget_tokens}: the protected window "
+                           f"cannot fit the budget; allowed: 0..{self.budget_tokens}")
         return reasons
 
     @classmethod

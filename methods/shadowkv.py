@@ -137,6 +137,11 @@ class ShadowKV(KVMethod):
             reasons.append(f"method.rank_ratio={self.rank_ratio!r} must be in (0, 1]")
         if not isinstance(self.outlier_ratio, (int, float)) or not 0 <= self.outlier_ratio < 1:
             reasons.append(f"method.outlier_ratio={self.outlier_ratio!r} must be in [0, 1)")
+        default_ratio = type(self).__dataclass_fields__["rank_ratio"].default
+        if self.rank is not None and self.rank_ratio != default_ratio:
+            reasons.append(f"method.rank={self.rank} and method.rank_ratio={self.rank_ratio}: the "
+                           "rank would win and the ratio be ignored; set one (method.rank=null, "
+                           f"or method.rank_ratio={default_ratio})")
         return reasons
 
     def provenance_label(self) -> str:
@@ -151,6 +156,16 @@ class ShadowKV(KVMethod):
         if info.rope_theta is None:
             reasons.append(f"method=shadowkv needs a RoPE model (it un-rotates keys to pre-RoPE); "
                            f"{info.model_type} has no rope_theta")
+        width = info.num_kv_heads * info.head_dim
+        if self.rank is not None and self.rank > width:
+            reasons.append(f"method.rank={self.rank} is larger than the keys' width on this model "
+                           f"(H_kv x head_dim = {width}): the factors would hold more than the keys;"
+                           f" allowed: 1..{width}")
+        if info.max_positions and self.compress_above_tokens >= info.max_positions:
+            reasons.append(f"method.compress_above_tokens={self.compress_above_tokens}: ShadowKV "
+                           "compresses only prompts longer than that, but this model has "
+                           f"{info.max_positions} max positions, so it would never act; allowed: "
+                           f"0..{info.max_positions - 1}")
         return reasons
 
     @classmethod

@@ -11,7 +11,9 @@ goes through kvpress's own pipeline code (`KVPressTextGenerationPipeline._forwar
 prefilled under the press, which compresses it in the forward hooks, then the question and a greedy
 answer on the compressed cache with the original positions). Recorded per sample: the positions
 each layer and KV head kept (read off the press's `compress` call: every kept key is one of the
-keys it was given, matched row by row), the greedy ids, and the top logits of each answer step.
+keys it was given, matched row by row), the positions near each cut (scores within
+prompts.json's `tie_margin_rel` of the cut: a top-k there may flip with fp noise), the greedy ids,
+and the top logits of each answer step.
 A case with `"answers": false` runs the pipeline's prefill step alone (kept positions only).
 """
 
@@ -41,19 +43,43 @@ def kept_positions(keys_in: torch.Tensor, keys_out: torch.Tensor) -> list[list[i
     return kept
 
 
+def near_cut(scores: torch.Tensor, kept_count: int, margin_rel: float) -> list[list[int]]:
+    """Positions whose score lies within `margin_rel` x the head's largest |score| of the score
+    at the cut (the `kept_count`-th largest), per head of `scores (1, H, T)`: where fp noise may
+    flip a top-k (the rule prompts.json's `tie_margin_rel` states; the comparer reads it)."""
+    out = []
+    for row in scores[0].float():
+        finite = row[row.isfinite()]
+        if finite.numel() == 0 or not 0 < kept_count <= row.numel():
+            out.append([])
+            continue
+        cut = row.topk(kept_count).values[-1]
+        if not cut.isfinite():
+            out.append([])
+            continue
+        band = margin_rel * float(finite.abs().max())
+        out.append(sorted(((row - cut).abs() <= band).nonzero().flatten().tolist()))
+    return out
+
+
 def top_logits(logits: torch.Tensor, k: int) -> dict:
     values, ids = logits.float().topk(k)
     return {"ids": ids.tolist(), "values": [round(v, 6) for v in values.tolist()]}
 
 
-def run_sample(pipe, model, press, sample: dict, top_k: int, answers: bool) -> dict:
+def run_sample(pipe, model, press, sample: dict, top_k: int, answers: bool,
+               margin_rel: float) -> dict:
     kept: dict[int, list[list[int]]] = {}
+    ties: dict[int, list[list[int]]] = {}
     if press is not None:
         compress = type(press).compress
 
         def recording(module, hidden_states, keys, values, attentions, kwargs):
             k, v = compress(press, module, hidden_states, keys, values, attentions, kwargs)
             kept[module.layer_idx] = kept_positions(keys, k)
+            if hasattr(press, "score"):  # a ScorerPress: its top-k cut
+                scores = press.score(module, hidden_states, keys, values, attentions, kwargs)
+                ties[module.layer_idx] = near_cut(scores, k.shape[2], margin_rel)
             return k, v
 
         press.compress = recording  # the instance attribute shadows the method for this sample
@@ -73,6 +99,7 @@ def run_sample(pipe, model, press, sample: dict, top_k: int, answers: bool) -> d
         if press is not None:
             del press.compress
     return {"id": sample["id"], "kept": [kept[i] for i in sorted(kept)],
+            "near_cut": [ties.get(i, []) for i in sorted(kept)],
             "generated": [int(s.argmax()) for s in steps],
             "logits": [top_logits(s, top_k) for s in steps]}
 
@@ -109,8 +136,8 @@ def main() -> int:
             pipe, model = pipeline_for(peer.get("attn_implementation", "sdpa"))
             press = None if peer["press"] is None else getattr(kvpress, peer["press"])(**peer["kwargs"])
             answers = peer.get("answers", True)
-            samples = [run_sample(pipe, model, press, s, spec["top_logits"], answers)
-                       for s in spec["samples"]]
+            samples = [run_sample(pipe, model, press, s, spec["top_logits"], answers,
+                                  spec.get("tie_margin_rel", 0.0)) for s in spec["samples"]]
             results.append({"case": case["name"], "samples": samples})
             print(f"peer: {case['name']} done ({time.perf_counter() - t0:.0f} s)", flush=True)
     out = {"peer": {"kvpress": version("kvpress"), "transformers": transformers.__version__,

@@ -269,6 +269,63 @@ CASES: list[Case] = [
     Case("sweep runner.batch_size=1,0", ["-m", *PPL, "runner.batch_size=1,0",
                                          "runner.results_root={root}"], expect="sweep",
          names=("batch_size",)),
+    # --- side files a method reads (issue 38) ---------------------------------------------
+    m("infinigen calibration_path binary", "infinigen", "calibration_path", "{tmp}/calib.bin",
+      setup="sidefiles", names=("calibration_path", "calib.bin")),
+    m("kvquant calibration_path binary", "kvquant", "calibration_path", "{tmp}/calib.bin",
+      setup="sidefiles", names=("calibration_path", "calib.bin")),
+    m("kvquant calibration_path latin-1 text", "kvquant", "calibration_path", "{tmp}/latin1.txt",
+      setup="sidefiles", names=("latin1.txt",)),
+    *[m(f"duo_attention pattern {what}", "duo_attention", "pattern_path", f"{{tmp}}/duo_{what}",
+        setup="sidefiles", names=(f"duo_{what}",))
+      for what in ("corrupt_config", "list_config", "nan_gate", "gate_3")],
+    *[Case(f"headkv head_scores_path {what}", [*PPL, "task.prefill_tokens=16", "method=headkv",
+                                               "method.budget_tokens=8",
+                                               f"method.head_scores_path={{tmp}}/headkv_{what}.json"],
+           setup="sidefiles", names=(f"headkv_{what}.json",))
+      for what in ("nan", "inf", "negative", "huge")],
+    Case("headkv head_scores_path=''", [*PPL, "task.prefill_tokens=16", "method=headkv",
+                                        "method.budget_tokens=8", "method.head_scores_path=''"],
+         names=("head_scores_path",)),
+    Case("duo_attention pattern_path=''", [*PPL, "task.prefill_tokens=16",
+                                           "method=duo_attention", "method.pattern_path=''"],
+         names=("pattern_path",)),
+    m("kvquant cache_dir=''", "kvquant", "cache_dir", "''", names=("cache_dir",)),
+    # --- sizes estimated before they allocate (issue 38) ----------------------------------
+    m("quest page_size=1e9", "quest", "page_size", "1000000000", names=("page_size",)),
+    t("ruler samples_per_cell=1e9", "ruler", "task.samples_per_cell=1000000000"),
+    Case("ruler lengths=[1e8] on a model claiming 1e12 positions",
+         ["model=hf", "model.name_or_path={tmp}/huge", "runner.threads=1", "task=ruler",
+          "task.lengths=[100000000]"], setup="huge_positions", names=("lengths",)),
+    Case("multiturn context_tokens=1e8 on a model claiming 1e12 positions",
+         ["model=hf", "model.name_or_path={tmp}/huge", "runner.threads=1", "task=multiturn",
+          "task.context_tokens=100000000"], setup="huge_positions", names=("context_tokens",)),
+    # --- a model named by what it is; non-finite models (issue 38) ------------------------
+    Case("stories260k model.path=another model", [*PPL, "model.path={tmp}/huge"],
+         setup="huge_positions", names=("model.path",)),
+    Case("hf model with rms_norm_eps=NaN", ["model=hf", "model.name_or_path={tmp}/nan_eps",
+                                            "runner.threads=1", "task.max_tokens=40"],
+         setup="nan_eps", names=("rms_norm_eps",)),
+    p("method.name overriding method=snapkv", "method=snapkv", "method.name=pyramidkv",
+      names=("method.name",)),
+    # --- impossible combinations and hints (issue 38) -------------------------------------
+    Case("shadowkv threshold beyond 512 positions", [*PPL, "task.prefill_tokens=16",
+                                                     "method=shadowkv", "method.budget_tokens=8"],
+         names=("compress_above_tokens",)),
+    m("shadowkv rank=64 > key width 32", "shadowkv", "rank", "64"),
+    Case("shadowkv rank and rank_ratio", [*PPL, "method=shadowkv", "method.rank=8",
+                                          "method.rank_ratio=0.5"], names=("rank_ratio",)),
+    Case("scissorhands recent_tokens > budget_tokens",
+         [*PPL, "method=scissorhands", "method.budget_tokens=8", "method.recent_tokens=20"],
+         names=("recent_tokens",)),
+    m("quest group_reduce=mean", "quest", "group_reduce", "mean"),
+    m("quest group_reduce=null", "quest", "group_reduce", "null"),
+    Case("check ratio_to_method no run has", ["{tmp}/runs", "--against", "{tmp}/ratio.yaml"],
+         module="harness.check", setup="runs", root="", names=("ratio_to_method",)),
+    Case("check a key twice in an entry", ["{tmp}/runs", "--against", "{tmp}/twice.yaml"],
+         module="harness.check", setup="runs", root="", names=("twice",)),
+    Case("check --against /dev/zero", ["{tmp}/runs", "--against", "/dev/zero"],
+         module="harness.check", setup="runs", root="", names=("/dev/zero",)),
     # --- lm-eval entry point --------------------------------------------------------------
     Case("lm_eval model_args model=nosuch", [*LME, "model=nosuch"], module="harness.lm_eval",
          root="", names=("nosuch",)),
@@ -320,6 +377,54 @@ def setup_case(tmp: Path, how: str) -> None:
         (tmp / "bad").mkdir()
         (tmp / "bad" / "metrics.json").write_text("{not json")
         (tmp / "empty").mkdir()
+        (tmp / "ratio.yaml").write_text("thresholds:\n  - {model: stories260k, method: full, "
+                                        "task: perplexity, metric: accuracy.ppl, "
+                                        "ratio_to_method: snapkv, max: 1.2}\n")
+        (tmp / "twice.yaml").write_text("thresholds:\n  - {model: stories260k, method: full, "
+                                        "task: perplexity, metric: accuracy.ppl, max: 60, "
+                                        "max: 40}\n")
+    elif how == "sidefiles":
+        _side_files(tmp)
+    elif how == "huge_positions":
+        _model_copy(tmp / "huge", max_position_embeddings=10**12)
+    elif how == "nan_eps":
+        _model_copy(tmp / "nan_eps", rms_norm_eps=float("nan"))
+
+
+STORIES = Path(os.environ.get("KVH_SHARED_DIR", PROJECT.parent / "shared")) / "models" / "stories260K"
+
+
+def _model_copy(folder: Path, **config) -> None:
+    """stories260K's files (links) with its config.json edited: another model by its config."""
+    folder.mkdir()
+    for f in STORIES.iterdir():
+        if f.name != "config.json":
+            os.symlink(f, folder / f.name)
+    raw = json.loads((STORIES / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**raw, **config}))
+
+
+def _side_files(tmp: Path) -> None:
+    """Broken side files for stories260K (5 layers, 8 query / 4 KV heads)."""
+    (tmp / "calib.bin").write_bytes(bytes(range(256)) * 8)
+    (tmp / "latin1.txt").write_bytes("caf\xe9 ".encode("latin-1") * 200)
+    gates = [[0.5] * 4 for _ in range(5)]
+    for what, config, bad in (("corrupt_config", "{not json", None),
+                              ("list_config", "[64, 256]", None),
+                              ("nan_gate", None, float("nan")), ("gate_3", None, 3.0)):
+        folder = tmp / f"duo_{what}"
+        folder.mkdir()
+        rows = [list(r) for r in gates]
+        if bad is not None:
+            rows[1][2] = bad
+        (folder / "full_attention_heads.tsv").write_text(
+            "\n".join("\t".join(repr(g) for g in r) for r in rows) + "\n")
+        if config is not None:
+            (folder / "config.json").write_text(config)
+    for what, score in (("nan", "NaN"), ("inf", "Infinity"), ("negative", "-0.5"),
+                        ("huge", "1e308, 1e308")):
+        table = ", ".join(f'"{l}-{h}": [{score}]' for l in range(5) for h in range(8))
+        (tmp / f"headkv_{what}.json").write_text("{" + table + "}\n")
 
 
 def snapshot(tmp: Path) -> dict[str, str]:

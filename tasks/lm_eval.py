@@ -25,6 +25,7 @@ Protocol choices (recorded in metrics.json):
 
 from __future__ import annotations
 
+import json
 import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,7 +144,8 @@ class LMEval(Task):
                     except Exception as exc:  # lm-eval / datasets error: name the task and why
                         text = " ".join(str(exc).split())
                         raise ConfigError(f"task.include_path: lm-eval could not load task "
-                                          f"{name!r} ({type(exc).__name__}: {text})") from None
+                                          f"{name!r} ({type(exc).__name__}: {text})"
+                                          f"{bad_data_line(manager, name)}") from None
                     for task_name, task in loaded["tasks"].items():
                         self._check_fewshot_pool(task_name, task)
 
@@ -275,3 +277,27 @@ def summarize(out: dict[str, Any], names: list[str]) -> tuple[dict[str, Any], li
     for leaf in leaves:
         samples.extend(_sample_row(leaf, s) for s in out["samples"][leaf])
     return metrics, samples
+
+
+def bad_data_line(manager, name: str) -> str:
+    """Where the local JSON-lines data files of task `name` (its YAML's
+    `dataset_kwargs.data_files`) first fail to parse, as "; <file> line <n>: <why>" ("" when
+    they parse: the error is elsewhere). lm-eval and datasets report a bad line without the file
+    or the line."""
+    cfg = getattr(manager.task_index.get(name), "cfg", None) or {}
+    files = (cfg.get("dataset_kwargs") or {}).get("data_files")
+    files = list(files.values()) if isinstance(files, dict) else [files]
+    paths = [Path(p) for f in files for p in (f if isinstance(f, list) else [f])
+             if isinstance(p, str) and p.endswith(".jsonl")]
+    for path in paths:
+        try:
+            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except OSError:
+            continue
+        for number, line in enumerate(lines, 1):
+            try:
+                if line.strip():
+                    json.loads(line)
+            except ValueError as exc:
+                return f"; {path} line {number}: {exc}"
+    return ""

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from kvcore.errors import ConfigError
+from kvcore.guards import PROMPT_HOST_BYTES_PER_TOKEN, size_reason
 from harness.models import CHAT_TEMPLATE_KWARGS
 from harness.progress import progress
 from methods.base import KVMethod, ModelInfo
@@ -149,9 +150,16 @@ class MultiTurn(Task):
         return reasons
 
     def validate(self, info: ModelInfo, method: KVMethod) -> list[str]:
-        if self.context_tokens is None or not info.max_positions or method.bounds_positions():
+        if self.context_tokens is None:
             return []
         need = self.context_tokens + self.turns * (self.max_new_tokens + 1)
+        size = size_reason(f"task.context_tokens={self.context_tokens}", need * (
+            info.kv_bytes_per_token() + PROMPT_HOST_BYTES_PER_TOKEN),
+            "the conversation's KV cache and its text")
+        if size:
+            return [size]
+        if not info.max_positions or method.bounds_positions():
+            return []
         if need > info.max_positions:
             return [f"task.context_tokens={self.context_tokens} + task.turns={self.turns} x "
                     f"(task.max_new_tokens={self.max_new_tokens} + 1) = {need} tokens, more than "

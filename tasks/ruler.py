@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from kvcore.errors import ConfigError
+from kvcore.guards import PROMPT_HOST_BYTES_PER_TOKEN, size_reason
 from harness.models import CHAT_TEMPLATE_KWARGS
 from harness.progress import progress
 from methods.base import KVMethod, ModelInfo
@@ -337,7 +338,19 @@ class Ruler(Task):
         if too_long:
             return [f"task.lengths contains {too_long[0]} tokens, more than the model's "
                     f"{info.max_positions} max positions; allowed: lengths <= {info.max_positions}"]
-        return []
+        # the longest sample held in full (the prompt is attended whole before any method
+        # compresses it), and every sample's prompt built before the first is fed
+        per_round = [length for length in self.lengths for subtask in self.subtasks
+                     for _ in (self.depths if subtask == "niah_single" else [None])]
+        count = len(per_round) * self.samples_per_cell  # cells() without building them
+        tokens = sum(per_round) * self.samples_per_cell
+        if self.limit and count > self.limit:
+            count, tokens = self.limit, self.limit * max(self.lengths)
+        sizes = [size_reason(f"task.lengths={self.lengths}", max(self.lengths) *
+                             info.kv_bytes_per_token(), "the KV cache of the longest sample"),
+                 size_reason(f"task.samples_per_cell={self.samples_per_cell}",
+                             tokens * PROMPT_HOST_BYTES_PER_TOKEN, f"{count} prompts built")]
+        return [reason for reason in sizes if reason]
 
     def check_prompts(self, tokenizer, info: ModelInfo, method: KVMethod) -> list[str]:
         """Every (sub-task, length) can hold its smallest prompt plus the generation (the

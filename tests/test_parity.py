@@ -103,3 +103,45 @@ def test_per_step_method_lifted_after_the_context(tiny_model):
     assert [len(h) for h in out["kept"][0]] == [20, 20] and len(out["generated"]) == 4
     assert out["final_kept_tokens"] == [26, 26]  # 20 kept + 3 question + 3 fed answer tokens
     assert method.budget_tokens is None
+
+
+def test_a_tie_flip_at_the_cut_is_noise_a_far_move_is_a_disagreement(tmp_path, capsys):
+    """Ties: position 3 kept here, 1 in kvpress, both near the cut on both sides -> within (and
+    counted); the same swap with 1 far from kvpress's cut, or a kept position moved far from the
+    cut (here: 0 for 4), still fails."""
+    ours, peer = [[[0, 3, 4]]], [[[0, 1, 4]]]
+    near = [[[1, 3]]]
+    write(tmp_path, "knorm", {**sample(ours), "near_cut": near}, {**sample(peer), "near_cut": near})
+    assert parity_compare.compare_folder(tmp_path, CASES, 2e-3) == 0
+    out = capsys.readouterr().out
+    assert "2 tie flip(s) at the cut" in out and "parity: 1/1" in out
+    write(tmp_path, "knorm", {**sample(ours), "near_cut": near},
+          {**sample(peer), "near_cut": [[[3]]]})
+    assert parity_compare.compare_folder(tmp_path, CASES, 2e-3) == 1
+    moved = [[[1, 3, 4]]]  # position 0 (far from the cut) moved to 1
+    write(tmp_path, "knorm", {**sample(ours), "near_cut": near}, {**sample(moved), "near_cut": near})
+    assert parity_compare.compare_folder(tmp_path, CASES, 2e-3) == 1
+    assert "first differing position 0, ours only" in capsys.readouterr().out
+
+
+def test_near_cut_is_the_band_around_the_kth_score_on_both_sides():
+    """Our side's and the peer's rule are the same: positions within margin x max|score| of the
+    kept_count-th largest score; +inf (protected) never near."""
+    scores = torch.tensor([[[5.0, 1.0, 1.00001, float("inf"), 0.99999, 0.5]]])
+    for near_cut in (parity.near_cut, peer_module().near_cut):
+        assert near_cut(scores, 3, 1e-5) == [[1, 2, 4]]
+        assert near_cut(scores, 3, 1e-8) == [[2]]
+        assert near_cut(scores, 1, 1e-5) == [[]]
+
+
+def test_our_side_records_the_scores_at_its_cut(tiny_model):
+    """run_sample records, per layer and KV head, the positions near the context's cut; the
+    kept sets hold exactly the top budget of those scores."""
+    method = build_method("knorm", budget_ratio=0.5)
+    engine = make_engine(tiny_model, method, chunk=4096)
+    s = {"id": "x", "context_ids": list(range(3, 43)), "question_ids": [50, 51],
+         "max_new_tokens": 2}
+    out = parity.run_sample(engine, method, s, lift=False)
+    assert len(out["near_cut"]) == len(out["kept"]) and all(
+        len(layer) == 2 and all(len(head) >= 1 for head in layer) for layer in out["near_cut"])
+    assert "make_layer" not in vars(method)

@@ -31,10 +31,13 @@ AXES = {"kv_held": ("KV held", "bytes on every tier / the full cache in the mode
 REFERENCE = "full"  # the method every figure emphasises (the full cache)
 
 
-def find_runs(patterns: list[str]) -> list[Path]:
+def find_runs(patterns: list[str], warn=None) -> list[Path]:
     """metrics.json files under folders, globs or files; ConfigError when a path matches nothing.
-    Folders whose name starts with "." (a run being written, kept aside) are left out."""
-    files: set[Path] = set()
+    Folders whose name starts with "." (a run being written, kept aside) are left out; a
+    metrics.json that is no regular file (a FIFO, a link to a device) is skipped with a warning;
+    a run reached twice (through a link, or two patterns) is counted once."""
+    warn = warn or (lambda text: print(text, file=sys.stderr))
+    files: dict[Path, Path] = {}  # resolved -> the first path it was reached by
     for pattern in patterns:
         path = Path(pattern)
         if path.is_dir():
@@ -47,10 +50,15 @@ def find_runs(patterns: list[str]) -> list[Path]:
                           for p in matched]
         for root, f in candidates:
             inside = f.parent.relative_to(root).parts if f.parent != root else ()
-            if f.name == "metrics.json" and f.is_file() and not any(
-                    part.startswith(".") for part in inside):
-                files.add(f)
-    return sorted(files)
+            if f.name != "metrics.json" or any(part.startswith(".") for part in inside):
+                continue
+            if not f.is_file():
+                if f.exists() or f.is_symlink():
+                    warn(f"warning: skipped {f}: not a regular file (a FIFO, device or broken "
+                         "link)")
+                continue
+            files.setdefault(f.resolve(), f)
+    return sorted(files.values())
 
 
 def load_runs(files: list[Path], warn=None) -> list[tuple[Path, dict]]:

@@ -67,8 +67,9 @@ def run_group(group: list, sweep_dir: Path) -> None:
     from harness.sweep_run import run_sweep
 
     HydraConfig.instance().set_config(group[0][2])  # multirun_job(): the sweep's folder
-    cfgs = []
+    cfgs, choices = [], []
     for _, _, cfg in group:
+        choices.append({k: str(v) for k, v in cfg.hydra.runtime.choices.items()})
         task_cfg = cfg.copy()
         with read_write(task_cfg), open_dict(task_cfg):
             del task_cfg["hydra"]
@@ -76,7 +77,7 @@ def run_group(group: list, sweep_dir: Path) -> None:
     for idx, overrides, _ in group:
         log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
     try:
-        outcomes = run_sweep(cfgs)
+        outcomes = run_sweep(cfgs, choices=choices)
     except KeyboardInterrupt:
         print("interrupted: settings not written yet have no result (a folder is only created "
               "when complete)", file=sys.stderr)

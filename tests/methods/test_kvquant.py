@@ -9,7 +9,7 @@ import torch
 from harness import hf_adapter
 from kvcore.errors import ConfigError
 from methods import build_method
-from methods.base import ModelInfo
+from methods.base import ModelInfo, Protocol
 from methods.kernels import cpu_build
 from methods.kernels import kivi_quant as kq
 from methods import kvquant
@@ -156,7 +156,9 @@ def test_on_a_model_error_falls_with_bits_and_bytes_are_counted(tiny_model, tmp_
                               cache_dir=str(tmp_path))
         facts = hf_adapter.prepare(method, tiny_model, None)
         assert facts["calibration"] == "computed" and facts["calibration_samples"] == 2
-        engine = make_engine(tiny_model, method)
+        # prefill=chunked: the prompt's rows attend quantized K/V (the official simulation);
+        # under prefill=dense a prompt is attended exact and quantized once it is over
+        engine = make_engine(tiny_model, method, protocol=Protocol(prefill="chunked"))
         with torch.no_grad(), engine.request() as req:
             errs[bits] = (req.prefill(ids, all_logits=True) - want).abs().max().item()
             held = req.cache.kv_layers[0].stats()["kv_bytes"]
