@@ -32,6 +32,7 @@ import torch
 
 from harness import hf_adapter
 from harness.accounting import KVLedger
+from harness.methods_table import serving_requirements
 from harness.prompting import close_prompt, open_prompt
 from harness.run import check_runner, engine_settings, kv_figures, protocol_reasons
 from kvcore.errors import ConfigError
@@ -169,11 +170,13 @@ class MethodKVCache(hf_adapter.MethodCache):
     def report(self) -> dict[str, Any]:
         """The run's figures as `python -m harness` writes them to metrics.json: `kv` (held and
         attended: `held_ratio`, `attended_fraction_sparse_layers`, bytes and tokens per layer,
-        `method_active`) and `transfer` (bytes moved between tiers), for this sequence so far."""
+        `method_active`) and `transfer` (bytes moved between tiers), for this sequence so far;
+        `serving`: what a serving engine must offer the method (harness.methods_table)."""
         self.engine.ledger = KVLedger(self.info)
         if self.pos:
             self.engine.ledger.record(self.kv_layers, check=False)
         return {"method": self.method.name, "tokens_seen": self.pos,
+                "serving": serving_requirements(self.method.capabilities),
                 "kv": kv_figures(self.engine, self.method),
                 "transfer": {"kv_offload": self.engine.settings.kv_offload,
                              **self.engine.transfers.summary()}}

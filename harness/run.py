@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from kvcore.errors import BudgetViolation, ConfigError, OutputError, UnsupportedCombination
 from harness.config_check import check_config
 from harness.loggers import check_logger, log_run
+from harness.methods_table import serving_requirements
 from harness.projection import project
 from harness.schema import stamp
 from harness.serving import check_admission
@@ -327,7 +328,8 @@ def run(cfg: DictConfig) -> Path:
                    "operating_point": method.operating_point,
                    "axis_keys": list(method.axis_keys), "variant_keys": list(method.variant_keys),
                    "capabilities": vars(method.capabilities) if hasattr(method.capabilities, "__dict__")
-                   else {}, "prepare": prepared},
+                   else {}, "prepare": prepared,
+                   "serving": serving_requirements(method.capabilities)},
         "task": {"name": task_name, "options": task.options()},
         "protocol": {**result.protocol, "dense_layers": list(engine.dense_layers),
                      "dense_layers_runner": list(runner.get("dense_layers") or []),

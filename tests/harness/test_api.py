@@ -73,3 +73,37 @@ def test_generate_through_the_api_equals_the_runner(stories, tmp_path, name):
     assert report["tokens_seen"] == inputs.input_ids.shape[1] + len(new) - 1
     if method_class(name).capabilities.compresses and name != "full_offload":
         assert report["kv"]["method_active"], report["kv"]["inactive_reason"]
+
+
+@pytest.mark.parametrize("name, knobs, message", [
+    ("snapkv", {"budget_ratio": 2.0}, "method.budget_ratio=2.0 must be in (0, 1]"),
+    ("snapkv", {"window": 4}, "method.window is not a hyperparameter of method=snapkv"),
+    ("kivi", {"budget_ratio": 0.2}, "method=kivi does not take method.budget_ratio"),
+    ("snapkv", {"dense_layers": [7]}, "runner.dense_layers=[7] names layer(s) [7] but the model "
+                                      "has 5 layers"),
+    ("snapkv", {"kv_offload": "cpu"}, "runner.kv_offload=cpu but method=snapkv cannot keep its "
+                                      "KV on the host tier"),
+    ("h2o", {"budget_basis": "all"}, "runner.budget_basis='all'; allowed: final, seen"),
+])
+def test_refusals_are_the_runners_and_come_before_anything_runs(stories, monkeypatch, name,
+                                                                 knobs, message):
+    from harness import hf_adapter
+
+    model, tokenizer = stories
+    monkeypatch.setattr(hf_adapter, "prepare", lambda *a, **k: pytest.fail("prepared"))
+    with pytest.raises(ConfigError) as err:
+        api.cache(model, tokenizer, name, **knobs)
+    assert message in str(err.value)
+    assert model.config._attn_implementation == "sdpa"  # the model untouched
+
+
+def test_one_sequence_per_cache_and_the_model_restored_after(stories):
+    model, tokenizer = stories
+    inputs = tokenizer([PROMPT, PROMPT], return_tensors="pt")
+    plain = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    with api.cache(model, tokenizer, "h2o", budget_tokens=16) as cache:
+        with pytest.raises(ConfigError, match="serves one sequence"):
+            model.generate(**inputs, cache=cache, max_new_tokens=4, do_sample=False)
+    assert model.config._attn_implementation == "sdpa"
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    assert torch.equal(model.generate(**inputs, max_new_tokens=4, do_sample=False), plain)
