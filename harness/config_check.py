@@ -22,7 +22,6 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
