@@ -16,6 +16,7 @@ import pytest
 from harness import models
 from tests.conftest import PROJECT, STORIES, need_shared
 
+pytestmark = pytest.mark.integration
 SOURCES = ("pyproject.toml", "README.md", "conf", "harness", "hydra_plugins", "kvcore", "methods",
            "tasks")
 
