@@ -15,6 +15,7 @@ from hydra.errors import HydraException  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
+from harness import CONF_DIR  # noqa: E402
 from harness.config_check import struct_hint  # noqa: E402
 from harness.run import main_guarded  # noqa: E402
 from harness.sweep import discard_claimed  # noqa: E402
@@ -41,7 +42,7 @@ def install_signal_handlers() -> None:
     signal.signal(signal.SIGTERM, _stop)
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+@hydra.main(version_base="1.3", config_path=str(CONF_DIR), config_name="config")
 def main(cfg: DictConfig) -> None:
     main_guarded(cfg)
 

@@ -22,16 +22,16 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from harness import CONF_DIR
 from harness.sweep import group_options as options
 from kvcore.errors import ConfigError
 from kvcore.typecheck import describe
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = CONF_DIR
 YAML_GROUPS = ("runner", "model", "logger", "hardware")
 CLASS_GROUPS = ("method", "task")
 GROUPS = (*CLASS_GROUPS, *YAML_GROUPS)

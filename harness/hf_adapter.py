@@ -15,7 +15,10 @@ Seams used, all public in 5.24:
     before the model runs (`forward`: every prefill chunk, decode step and batched step);
   * for methods declaring `observes_attention_block` only, torch forward hooks during a request's
     `bind`: a pre-hook on each decoder layer (its input) and a hook on its attention module (its
-    output).
+    output);
+  * for a cache handed to the model's own `generate` (harness.api), a pre-hook and a hook on the
+    model that run the request's protocol around every forward given that cache (`watch_forwards`:
+    the forward's `cache` argument, 5.24's name, or the deprecated `past_key_values`).
 
 `tests/harness/test_hf_adapter.py` pins these seams: upgrading transformers breaks it first.
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import weakref
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -34,6 +38,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import (AttentionMaskInterface, causal_mask_function, eager_mask,
                                         sdpa_mask, sliding_window_causal_mask_function)
 
+from kvcore.errors import ConfigError
 from methods.base import KVLayer, KVMethod, ModelInfo, PrepareContext, Protocol
 from methods.scoring import expand_kv
 
@@ -275,6 +280,66 @@ def forward(model, input_ids: torch.Tensor, position_ids: torch.Tensor, cache: C
         out = model(input_ids=input_ids, position_ids=position_ids, cache=cache,
                     use_cache=cache is not None, logits_to_keep=logits_to_keep)
     return out.logits
+
+
+CACHE_ARGUMENTS = ("cache", "past_key_values")  # a forward's cache: 5.24's name, the deprecated one
+_API_USERS_ATTR = "_kvh_api_users"  # [open API caches, the attention implementation to restore]
+
+
+def watch_forwards(model, owner) -> list:
+    """Hooks on `model` calling `owner.before_forward(input_ids, q_len)` and
+    `owner.after_forward()` around every forward given `owner` as its cache (transformers'
+    `generate` passes it at every step; a caller's own loop does the same). `owner` is held
+    weakly: the hooks never keep a cache alive. Returns the handles (`.remove()`)."""
+    ref = weakref.ref(owner)
+
+    def given(kwargs) -> bool:
+        cache = next((kwargs[k] for k in CACHE_ARGUMENTS if kwargs.get(k) is not None), None)
+        return cache is not None and cache is ref()
+
+    def before(module, args, kwargs):
+        if given(kwargs):
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            embeds = kwargs.get("inputs_embeds")
+            q_len = (ids if ids is not None else embeds).shape[1]
+            ref().before_forward(ids, q_len)
+
+    def after(module, args, kwargs, output):
+        if given(kwargs):
+            ref().after_forward()
+
+    return [model.register_forward_pre_hook(before, with_kwargs=True),
+            model.register_forward_hook(after, with_kwargs=True)]
+
+
+def attach_attention(model) -> None:
+    """Switch a model loaded with transformers' sdpa or eager attention to ours (`set_attention`;
+    the same arithmetic while no request is bound) for as long as some API cache is open on it;
+    `detach_attention` restores the model's own when the last one closes."""
+    users = getattr(model, _API_USERS_ATTR, None)
+    if users is None:
+        current = getattr(model.config, "_attn_implementation", None)
+        ours = {v: k for k, v in ATTN_IMPLEMENTATIONS.items()}
+        kind = ours.get(current, current)
+        if kind not in ATTN_IMPLEMENTATIONS:
+            raise ConfigError(f"the model attends with attn_implementation={current!r}; the "
+                              "harness's attention seams wrap transformers' sdpa or eager "
+                              "attention (methods needing attention weights compute their own): "
+                              "load it with attn_implementation='sdpa' or 'eager'")
+        set_attention(model, kind)
+        users = [0, current]
+        setattr(model, _API_USERS_ATTR, users)
+    users[0] += 1
+
+
+def detach_attention(model) -> None:
+    users = getattr(model, _API_USERS_ATTR, None)
+    if users is None:
+        return
+    users[0] -= 1
+    if users[0] == 0:
+        delattr(model, _API_USERS_ATTR)
+        model.set_attn_implementation(users[1])
 
 
 def set_attention(model, kind: str) -> None:

@@ -104,6 +104,9 @@ def resolve_model(cfg: dict[str, Any]) -> ModelSpec:
             raise ConfigError(f"model.path={given!r} is empty; give the stories260K folder (or "
                               "null: ../shared/models/stories260K)")
         path = Path(given or SHARED_DIR / "models" / "stories260K")
+        if not given and not path.exists():  # e.g. an installed harness, away from the checkout
+            raise ConfigError(f"model=stories260k: no {path}; set KVH_SHARED_DIR to the folder "
+                              "holding models/stories260K (and data/), or model.path=")
         _check_local_folder(path, "model.path")
         return ModelSpec(name, str(path), "stories260K (llama2.c tinyllamas, 5 layers, GQA 8/4)",
                          dtype, device, "folder")

@@ -48,9 +48,9 @@ from pathlib import Path
 
 import yaml
 
+from harness import CONF_DIR
 from kvcore.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
 RESERVE_FRACTION = 0.1  # device memory kept for activations, workspace and fragmentation
 DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -146,7 +146,7 @@ def load_runs(patterns: list[str]) -> list[MethodRatios]:
 
 
 def load_profile(name: str) -> dict:
-    path = ROOT / "conf" / "hardware" / f"{name}.yaml"
+    path = CONF_DIR / "hardware" / f"{name}.yaml"
     allowed = sorted(p.stem for p in path.parent.glob("*.yaml") if p.stem != "none")
     if name == "none" or not path.is_file():
         raise ConfigError(f"--hardware {name}: unknown; allowed: {', '.join(allowed)}")

@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvcore.errors import BudgetViolation, ConfigError, OutputError, UnsupportedCombination
 from harness.loggers import log_run
+from harness.methods_table import serving_requirements
 from harness.projection import project
 from harness.schema import stamp
 from harness.serving import check_admission
@@ -322,7 +323,8 @@ def build_metrics(session, setting, engine, result, t_start: float,
                    "operating_point": method.operating_point,
                    "axis_keys": list(method.axis_keys), "variant_keys": list(method.variant_keys),
                    "capabilities": vars(method.capabilities) if hasattr(method.capabilities, "__dict__")
-                   else {}, "prepare": setting.prepared, "side_files": setting.side_files},
+                   else {}, "prepare": setting.prepared, "side_files": setting.side_files,
+                   "serving": serving_requirements(method.capabilities)},
         "task": {"name": setting.task_name, "options": setting.task.options()},
         "protocol": {**result.protocol, "dense_layers": list(engine.dense_layers),
                      "dense_layers_runner": list(runner.get("dense_layers") or []),

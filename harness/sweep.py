@@ -27,11 +27,12 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
+from harness import CONF_DIR
 from harness.results import check_output_dir, check_writable, inside_a_run, write_json_atomic
 from harness.schema import SchemaError, load
 from kvcore.errors import ConfigError
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = CONF_DIR
 
 # Keys that say where or how a run is written or shown, not what it computes.
 _NOT_IDENTITY = {"runner": ("output_dir", "results_root", "debug", "skip_existing", "overwrite",

@@ -38,6 +38,7 @@ kernel 7, max pooling: the official configs `c*_w32_k7_maxpool.json`), plus
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -51,10 +52,16 @@ from methods.snapkv import SnapKV, SnapKVLayer
 class AdaKV(SnapKV):
     name: ClassVar[str] = "adakv"
     provenance: ClassVar[str] = "official code"
+    family: ClassVar[str] = "prompt compression"
+    summary: ClassVar[str] = (
+        "SnapKV's votes with the layer's budget split across KV heads by one flattened top-k")
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2407.11550"
+    code_url: ClassVar[str | None] = "https://github.com/FFY0/AdaKV"
     operating_point: ClassVar[str] = (
         "FFY0/AdaKV: Mistral-7B-Instruct-v0.2, LWM-Text-Chat-1M; 128..1024 tokens per head on "
         "average, window 32, kernel 7 max-pool, floor_alpha 0.2 (GQA scripts); LongBench, RULER"
     )
+    capabilities: ClassVar = dataclasses.replace(SnapKV.capabilities, ragged_heads=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("window_tokens", "kernel_tokens", "pooling",
                                                "floor_alpha")
     floor_alpha: float = 0.2

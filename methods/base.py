@@ -24,6 +24,7 @@ from methods.kernels import ragged_attention, ragged_attention_cpu
 from methods.scoring import plain_attention, plain_decode_row
 
 AttentionFn = Callable[..., tuple[torch.Tensor, Any]]
+SERVING_UNITS = ("token", "page", "head", "layer")  # Capabilities.granularity
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,16 @@ class Capabilities:
     # (LayerKV, runner.kv_admission=layerkv): `KVMethod.make_host_layer` builds such a layer,
     # with the same outputs (lossless methods only).
     places_layers_on_host: bool = False
+    # What a serving engine must offer it beyond the fields above (harness.methods_table derives
+    # the serving requirements from both): decode steps keep every stored token and only choose
+    # what to read (False: selection); the unit it keeps, drops or selects (SERVING_UNITS); KV
+    # heads of a layer holding different numbers of tokens; part of its K/V always on the host
+    # tier; artefacts calibrated offline (a probe, calibration texts, the authors' files).
+    evicts_during_decode: bool = True
+    granularity: str = "token"
+    ragged_heads: bool = False
+    needs_host_tier: bool = False
+    needs_calibration: bool = False
 
     @property
     def needs_prompt(self) -> bool:
@@ -75,6 +86,9 @@ class Capabilities:
         return self.needs_prefill or not self.acts_during_decode
 
     def __post_init__(self) -> None:
+        if self.granularity not in SERVING_UNITS:
+            raise ValueError(f"Capabilities.granularity={self.granularity!r}; allowed: "
+                             f"{', '.join(SERVING_UNITS)}")
         unknown = set(self.kv_layouts) - set(KV_LAYOUTS)
         if unknown or "contiguous" not in self.kv_layouts:
             raise ValueError(f"Capabilities.kv_layouts={self.kv_layouts}: storage layouts, "
@@ -459,6 +473,12 @@ class KVMethod:
     # and --help, so a number is read as what it is.
     provenance: ClassVar[str]
     operating_point: ClassVar[str]
+    # Its line in the README method table (harness.methods_table): the family, one sentence of
+    # mechanism, the paper and the authors' code (None: none released, or the harness's own).
+    family: ClassVar[str] = ""
+    summary: ClassVar[str] = ""
+    paper_url: ClassVar[str | None] = None
+    code_url: ClassVar[str | None] = None
     capabilities: ClassVar[Capabilities] = Capabilities()
     # Which knobs move the method along a size axis, and which name a separate variant (curve):
     # recorded in metrics.json so reports and gates never name a method's knobs themselves.

@@ -96,6 +96,11 @@ def check_headwise_knobs(method) -> list[str]:
 class DuoAttention(HeadwiseMethod):
     name: ClassVar[str] = "duo_attention"
     provenance: ClassVar[str] = "official code"
+    family: ClassVar[str] = "head-wise"
+    summary: ClassVar[str] = (
+        "retrieval heads keep everything, streaming heads keep sinks plus a recent window")
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2410.10819"
+    code_url: ClassVar[str | None] = "https://github.com/mit-han-lab/duo-attention"
     operating_point: ClassVar[str] = (
         "mit-han-lab/duo-attention: Llama-2-7B-32K, Llama-3-8B-1048K, Mistral-7B; learned "
         "gates (attn_patterns/), 25 % (MHA) / 50 % (GQA) retrieval heads, 64 sinks + 256 "
@@ -103,7 +108,7 @@ class DuoAttention(HeadwiseMethod):
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
         prefill_modes=PREFILL_MODES, needs_prepare=True, selects_tokens=True,
-        kv_layouts=KV_LAYOUTS)
+        kv_layouts=KV_LAYOUTS, granularity="head", ragged_heads=True, needs_calibration=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("budget_ratio", "retrieval_head_ratio")
     compensate: ClassVar[bool] = False  # streaming heads drop evicted tokens (Razor folds them)
 

@@ -71,13 +71,19 @@ SPECIAL, PUNCT = 1, 2  # bits of a token's kind (FastGen.token_kinds)
 class FastGen(KVMethod):
     name: ClassVar[str] = "fastgen"
     provenance: ClassVar[str] = "paper"
+    family: ClassVar[str] = "head-wise"
+    summary: ClassVar[str] = (
+        "per KV head, the cheapest of the paper's policies that recovers the prompt's attention")
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2310.01801"
+    code_url: ClassVar[str | None] = None
     operating_point: ClassVar[str] = (
         "paper only (arXiv 2310.01801; the named repo has no code): Llama-1 7B..65B (MHA); "
         "r_l = r_f = 0.3, T 0.91..0.98 (0.95 in its profiling study); AlpacaEval, GSM8k, "
         "HumanEval, NQ, TQA at 512-token sequences")
     capabilities: ClassVar[Capabilities] = Capabilities(
         needs_attn_scores=True, needs_prefill=True, prefill_modes=("dense",),
-        selects_tokens=True, kv_layouts=KV_LAYOUTS, needs_prepare=True, needs_token_ids=True)
+        selects_tokens=True, kv_layouts=KV_LAYOUTS, needs_prepare=True, needs_token_ids=True,
+        granularity="head", ragged_heads=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("recovery_ratio",)
     variant_keys: ClassVar[tuple[str, ...]] = ("local_ratio", "frequent_ratio", "window_tokens")
     recovery_ratio: float = 0.95

@@ -25,6 +25,10 @@ class Full(KVMethod):
 
     name: ClassVar[str] = "full"
     provenance: ClassVar[str] = "reference"
+    family: ClassVar[str] = "reference"
+    summary: ClassVar[str] = "every token's K/V kept, attention unchanged (the baseline)"
+    paper_url: ClassVar[str | None] = None
+    code_url: ClassVar[str | None] = None
     operating_point: ClassVar[str] = ("the full cache: every token kept, transformers' attention "
                                       "(decode rows read in place, to fp32 rounding)")
     axis_keys: ClassVar[tuple[str, ...]] = ()  # a reference: no size knob

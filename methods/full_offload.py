@@ -27,6 +27,11 @@ from methods.base import (PREFILL_MODES, Capabilities, KVLayer, KVMethod, ModelI
 class FullOffload(KVMethod):
     name: ClassVar[str] = "full_offload"
     provenance: ClassVar[str] = "official code"
+    family: ClassVar[str] = "offload"
+    summary: ClassVar[str] = (
+        "the whole cache on the host tier, each layer fetched one layer ahead at every decode step")
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2303.06865"
+    code_url: ClassVar[str | None] = "https://github.com/FMInference/FlexGen"
     operating_point: ClassVar[str] = (
         "FlexGen (FMInference/FlexLLMGen): OPT-30B..175B, all KV on the host, fetched one "
         "layer ahead"
@@ -36,7 +41,7 @@ class FullOffload(KVMethod):
         "prefetch": "fetching one layer ahead changes when bytes move, never the outputs"}
     capabilities: ClassVar[Capabilities] = Capabilities(
         prefill_modes=PREFILL_MODES, offloads_kv=True, lookahead=True,
-        compresses=False, kv_layouts=KV_LAYOUTS)
+        compresses=False, kv_layouts=KV_LAYOUTS, needs_host_tier=True)
     prefetch: bool = True
 
     def check_hyperparameters(self) -> list[str]:

@@ -50,6 +50,10 @@ from methods.scoring import attention_with_probs, group_column_sums, plain_decod
 class H2O(BudgetedMethod):
     name: ClassVar[str] = "h2o"
     provenance: ClassVar[str] = "official code"
+    family: ClassVar[str] = "eviction"
+    summary: ClassVar[str] = "heavy hitters by accumulated attention plus the most recent tokens"
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2306.14048"
+    code_url: ClassVar[str | None] = "https://github.com/FMInference/H2O"
     operating_point: ClassVar[str] = (
         "FMInference/H2O: OPT-6.7B..30B, LLaMA-7B; 20 % of the sequence (10 % heavy + 10 "
         "% recent); lm-eval, XSUM"

@@ -58,11 +58,17 @@ from methods.snapkv import SnapKV
 class HeadKV(SnapKV):
     name: ClassVar[str] = "headkv"
     provenance: ClassVar[str] = "official code"
+    family: ClassVar[str] = "prompt compression"
+    summary: ClassVar[str] = (
+        "SnapKV's votes with one budget pool over all KV heads, shared by head-importance scores")
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2410.19258"
+    code_url: ClassVar[str | None] = "https://github.com/FYYFU/HeadKV"
     operating_point: ClassVar[str] = (
         "FYYFU/HeadKV: Llama-3-8B-Instruct, Mistral-7B-Instruct-v0.2; retrieval-reasoning head "
         "scores, 64..1024 tokens per head on average, window 8, kernel 7 max-pool, beta 1.005, "
         "temp 1; LongBench, needle-in-a-haystack, BABILong (official scripts)")
-    capabilities: ClassVar = dataclasses.replace(SnapKV.capabilities, needs_prepare=True)
+    capabilities: ClassVar = dataclasses.replace(SnapKV.capabilities, needs_prepare=True,
+                                                ragged_heads=True, needs_calibration=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("window_tokens", "kernel_tokens", "pooling",
                                                "beta", "temp")
     window_tokens: int = 8

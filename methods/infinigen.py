@@ -148,13 +148,19 @@ def _use_kernel(query: torch.Tensor) -> bool:
 class InfiniGen(KVMethod):
     name: ClassVar[str] = "infinigen"
     provenance: ClassVar[str] = "official code"
+    family: ClassVar[str] = "selection"
+    summary: ClassVar[str] = (
+        "speculate layer i's important rows from layer i-1's input; fetch only those from the host")
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2406.19707"
+    code_url: ClassVar[str | None] = "https://github.com/snu-comparch/InfiniGen"
     operating_point: ClassVar[str] = (
         "snu-comparch/InfiniGen: OPT-6.7B..30B, Llama-2-7B/13B; alpha 4..5, partial 0.3, "
         "20 % budget; lm-eval, WikiText-2 perplexity"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
         needs_prepare=True, modes=("system", "simulate"), offloads_kv=True, lookahead=True,
-        needs_rope=True, selects_tokens=True, kv_layouts=KV_LAYOUTS)
+        needs_rope=True, selects_tokens=True, kv_layouts=KV_LAYOUTS,
+        evicts_during_decode=False, needs_host_tier=True, needs_calibration=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("alpha", "budget_ratio")
     variant_keys: ClassVar[tuple[str, ...]] = (
         "partial_ratio", "dense_layers", "pool_capacity", "mode", "skewing", "column_score",

@@ -32,6 +32,11 @@ from methods.eviction import BudgetedMethod, EvictionLayer
 class KeyDiff(BudgetedMethod):
     name: ClassVar[str] = "keydiff"
     provenance: ClassVar[str] = "paper"
+    family: ClassVar[str] = "eviction"
+    summary: ClassVar[str] = (
+        "drop the keys most similar to the mean key direction (no attention needed)")
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2504.15364"
+    code_url: ClassVar[str | None] = None
     operating_point: ClassVar[str] = (
         "arXiv 2504.15364 (no official code): Llama-3.1-8B, Llama-3.2-3B; an 8K-token "
         "budget, block-wise prefill; LongBench"

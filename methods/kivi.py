@@ -72,6 +72,11 @@ class KIVI(KVMethod):
 
     name: ClassVar[str] = "kivi"
     provenance: ClassVar[str] = "official code"
+    family: ClassVar[str] = "quantization"
+    summary: ClassVar[str] = (
+        "keys quantized per channel, values per token, a full-precision recent residual")
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2402.02750"
+    code_url: ClassVar[str | None] = "https://github.com/jy-yuan/KIVI"
     operating_point: ClassVar[str] = (
         "jy-yuan/KIVI: Llama-2-7B/13B, Falcon-7B, Mistral-7B; 2-bit, group 32, residual "
         "128; LongBench, lm-eval"

@@ -46,6 +46,10 @@ from methods.eviction import BudgetedMethod, EvictionLayer
 class Knorm(BudgetedMethod):
     name: ClassVar[str] = "knorm"
     provenance: ClassVar[str] = "official code"
+    family: ClassVar[str] = "prompt compression"
+    summary: ClassVar[str] = "once per prompt, keep the keys with the lowest L2 norm per KV head"
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2406.11430"
+    code_url: ClassVar[str | None] = "https://github.com/alessiodevoto/l2compress"
     operating_point: ClassVar[str] = (
         "alessiodevoto/l2compress: Llama-2-7B (LongLoRA 32K, 80K), Llama-3-8B; keep ratio "
         "0.1..0.9 of the prompt, layers 0 (or 0, 1) uncompressed; needle, passkey"

@@ -71,6 +71,11 @@ from methods.scoring import attention_with_probs, gather_tokens, group_column_su
 class KVMerger(KVMethod):
     name: ClassVar[str] = "kvmerger"
     provenance: ClassVar[str] = "reconstruction"
+    family: ClassVar[str] = "merging"
+    summary: ClassVar[str] = (
+        "once per prompt, merge runs of similar adjacent keys around their most attended token")
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2407.08454"
+    code_url: ClassVar[str | None] = None
     operating_point: ClassVar[str] = (
         "paper only (arXiv 2407.08454, no code): Llama-2-7B/13B-chat; threshold 0.75, 17 % "
         "recent + 12 % most attended never merged, sigma 5, last layer unmerged (issue 26's "

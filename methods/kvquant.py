@@ -139,11 +139,17 @@ class KVQuant(KVMethod):
 
     name: ClassVar[str] = "kvquant"
     provenance: ClassVar[str] = "official code"
+    family: ClassVar[str] = "quantization"
+    summary: ClassVar[str] = (
+        "pre-RoPE per-channel keys, per-token values, calibrated non-uniform codes with outliers")
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2401.18079"
+    code_url: ClassVar[str | None] = "https://github.com/SqueezeAILab/KVQuant"
     operating_point: ClassVar[str] = (
         "SqueezeAILab/KVQuant: LLaMA-7B..65B, Llama-2; 2..4-bit non-uniform, 1 % "
         "outliers; WikiText-2 / C4 perplexity, 2K..128K"
     )
-    capabilities: ClassVar[Capabilities] = Capabilities(needs_prepare=True, needs_rope=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(needs_prepare=True, needs_rope=True,
+                                                        needs_calibration=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("k_bits", "v_bits")
 
     k_bits: int = 4

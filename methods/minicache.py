@@ -50,12 +50,18 @@ KINDS = ("k", "v")
 class MiniCache(KVMethod):
     name: ClassVar[str] = "minicache"
     provenance: ClassVar[str] = "paper"
+    family: ClassVar[str] = "merging"
+    summary: ClassVar[str] = (
+        "merge the K/V of adjacent layers from half depth (shared direction, own magnitudes)")
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2405.14366"
+    code_url: ClassVar[str | None] = None
     operating_point: ClassVar[str] = (
         "arXiv 2405.14366 (project page, no code): Llama-2/3-7B..8B, Mistral-7B; layers "
         "from L/2 merged in pairs, t 0.6, gamma 0.05"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(needs_prefill=True,
-                                                        prefill_modes=("dense",))
+                                                        prefill_modes=("dense",),
+                                                        granularity="layer")
     axis_keys: ClassVar[tuple[str, ...]] = ("start_layer_ratio", "retain_ratio")
     variant_keys: ClassVar[tuple[str, ...]] = ("interpolation_ratio",)
     start_layer_ratio: float = 0.5

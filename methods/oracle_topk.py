@@ -38,10 +38,15 @@ from methods.scoring import additive_mask, attention_with_probs, expand_kv, grou
 class OracleTopK(BudgetedMethod):
     name: ClassVar[str] = "oracle_topk"
     provenance: ClassVar[str] = "reference"
+    family: ClassVar[str] = "reference"
+    summary: ClassVar[str] = "upper bound: each query attends to its exact top-k keys"
+    paper_url: ClassVar[str | None] = None
+    code_url: ClassVar[str | None] = None
     operating_point: ClassVar[str] = "an upper bound at any budget: each query's exact top-k keys"
     capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True,
                                                         sparse_prefill_chunked=True,
-                                                        selects_tokens=True, kv_layouts=KV_LAYOUTS)
+                                                        selects_tokens=True, kv_layouts=KV_LAYOUTS,
+                                                        evicts_during_decode=False)
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         return OracleTopKLayer(layer_idx, info, self)

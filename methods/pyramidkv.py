@@ -35,6 +35,10 @@ from methods.snapkv import SnapKV, SnapKVLayer
 class PyramidKV(SnapKV):
     name: ClassVar[str] = "pyramidkv"
     provenance: ClassVar[str] = "official code"
+    family: ClassVar[str] = "prompt compression"
+    summary: ClassVar[str] = "SnapKV's selection with pyramid-shaped per-layer budgets (same mean)"
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2406.02069"
+    code_url: ClassVar[str | None] = "https://github.com/Zefan-Cai/KVCache-Factory"
     operating_point: ClassVar[str] = (
         "Zefan-Cai/KVCache-Factory: Llama-3-8B-Instruct, Mistral-7B; 64..2048 tokens per "
         "layer on average, beta 20; LongBench (window shared with snapkv)"

@@ -72,11 +72,16 @@ CURRENT_PAGE = ("scored", "forced")  # the official accuracy path's, or ours (it
 class Quest(KVMethod):
     name: ClassVar[str] = "quest"
     provenance: ClassVar[str] = "official code"
+    family: ClassVar[str] = "selection"
+    summary: ClassVar[str] = "per-page key min/max bounds pick the pages each query reads"
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2406.10774"
+    code_url: ClassVar[str | None] = "https://github.com/mit-han-lab/Quest"
     operating_point: ClassVar[str] = (
         "mit-han-lab/Quest: LongChat-7B-v1.5-32K, Yarn-Llama-2-7B-128K; page 16, "
         "256..4096-token budget; PG19, passkey, LongBench"
     )
-    capabilities: ClassVar[Capabilities] = Capabilities(selects_tokens=True, kv_layouts=KV_LAYOUTS)
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        selects_tokens=True, kv_layouts=KV_LAYOUTS, evicts_during_decode=False, granularity="page")
     variant_keys: ClassVar[tuple[str, ...]] = ("page_size", "select_per", "current_page",
                                                "min_pages", "group_reduce")
     budget_ratio: float | None = 0.2

@@ -58,6 +58,11 @@ from methods.duo_attention import check_headwise_knobs, check_probe_knobs
 class RazorAttention(HeadwiseMethod):
     name: ClassVar[str] = "razor_attention"
     provenance: ClassVar[str] = "paper"
+    family: ClassVar[str] = "head-wise"
+    summary: ClassVar[str] = (
+        "echo/induction heads keep everything, the others sinks, a window and one compensation token")
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2407.15891"
+    code_url: ClassVar[str | None] = None
     operating_point: ClassVar[str] = (
         "arXiv 2407.15891 + Huawei's head search (MindSpore Golden Stick): Qwen1.5-7B..72B, "
         "Llama-3-8B; probe 2500 tokens x 4 + BOS, 14 % induction + 1 % echo heads, 4 sinks, "
@@ -65,7 +70,7 @@ class RazorAttention(HeadwiseMethod):
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
         prefill_modes=PREFILL_MODES, needs_prepare=True, selects_tokens=True,
-        kv_layouts=KV_LAYOUTS)
+        kv_layouts=KV_LAYOUTS, granularity="head", ragged_heads=True, needs_calibration=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("budget_ratio", "compression_ratio")
     compensate: ClassVar[bool] = True
 

@@ -59,6 +59,11 @@ from methods.scoring import attention_with_probs
 class Scissorhands(BudgetedMethod):
     name: ClassVar[str] = "scissorhands"
     provenance: ClassVar[str] = "reconstruction"
+    family: ClassVar[str] = "eviction"
+    summary: ClassVar[str] = (
+        "drop the tokens most often below uniform attention over a history window")
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2305.17118"
+    code_url: ClassVar[str | None] = None
     operating_point: ClassVar[str] = (
         "no released method code (only an OPT mask simulation: 90th-percentile threshold, "
         "no budget); paper: OPT-6.7B..66B, 2-5x compression, history 100, recent 10"

@@ -93,6 +93,11 @@ OFFICIAL_MIN_PROMPT_TOKENS = 4096  # models/llama.py: the prefill path runs for 
 class ShadowKV(KVMethod):
     name: ClassVar[str] = "shadowkv"
     provenance: ClassVar[str] = "official code"
+    family: ClassVar[str] = "selection"
+    summary: ClassVar[str] = (
+        "low-rank keys on the device, values on the host, chunk-sparse fetch per step")
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2410.21465"
+    code_url: ClassVar[str | None] = "https://github.com/ByteDance-Seed/ShadowKV"
     operating_point: ClassVar[str] = (
         "ByteDance-Seed/ShadowKV: Llama-3-8B-1M, GLM-4-9B-1M; 128K context, sparse budget "
         "2048 (1.56 %) + 48 outlier chunks + local window, chunk 8, rank 160, prompts > 4096 "
@@ -100,8 +105,8 @@ class ShadowKV(KVMethod):
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
         needs_prepare=True, offloads_kv=True, needs_rope=True, prefill_modes=("dense",),
-        needs_prefill=True,
-        selects_tokens=True)
+        needs_prefill=True, selects_tokens=True, evicts_during_decode=False, granularity="page",
+        needs_host_tier=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("rank", "rank_ratio", "chunk_size")
     inert_knobs: ClassVar[dict[str, str]] = {
         "sparse_budget_tokens": "applies only when budget_ratio and budget_tokens are both null "

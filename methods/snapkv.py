@@ -47,6 +47,11 @@ POOLINGS = ("max", "avg")
 class SnapKV(BudgetedMethod):
     name: ClassVar[str] = "snapkv"
     provenance: ClassVar[str] = "official code"
+    family: ClassVar[str] = "prompt compression"
+    summary: ClassVar[str] = (
+        "once per prompt, top-k by the pooled votes of the last prompt queries plus that window")
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2404.14469"
+    code_url: ClassVar[str | None] = "https://github.com/FasterDecoding/SnapKV"
     operating_point: ClassVar[str] = (
         "FasterDecoding/SnapKV: Mistral-7B-Instruct-32K, LWM-7B; 1024..4096-token prompt "
         "budget, window 32, kernel 7 max-pool; LongBench"

@@ -59,6 +59,11 @@ SCORERS = ("h2o", "streaming_llm", "tova", "scissorhands", "keydiff", "snapkv")
 class SqueezeAttention(BudgetedMethod):
     name: ClassVar[str] = "squeezeattention"
     provenance: ClassVar[str] = "official code"
+    family: ClassVar[str] = "eviction"
+    summary: ClassVar[str] = (
+        "per-layer budgets from how much each layer's attention changes the hidden state")
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2404.04793"
+    code_url: ClassVar[str | None] = "https://github.com/hetailang/SqueezeAttention"
     operating_point: ClassVar[str] = (
         "hetailang/SqueezeAttention: Llama-2-7B, Mistral-7B; 20..40 % of the sequence per "
         "layer on average"

@@ -46,6 +46,10 @@ from methods.rope import prepared, rotate_prepared
 class StreamingLLM(BudgetedMethod):
     name: ClassVar[str] = "streaming_llm"
     provenance: ClassVar[str] = "official code"
+    family: ClassVar[str] = "eviction"
+    summary: ClassVar[str] = "attention sinks plus a recent window, attended at in-cache positions"
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2309.17453"
+    code_url: ClassVar[str | None] = "https://github.com/mit-han-lab/streaming-llm"
     operating_point: ClassVar[str] = (
         "mit-han-lab/streaming-llm: Llama-2-7B..70B; 4 sinks + 1020..4092-token window; "
         "PG19 streams"

@@ -116,6 +116,11 @@ def official_quant_layers(model_id: str | None) -> tuple[str, list[int]] | None:
 class TailorKV(KVMethod):
     name: ClassVar[str] = "tailorkv"
     provenance: ClassVar[str] = "official code"
+    family: ClassVar[str] = "hybrid"
+    summary: ClassVar[str] = (
+        "dense-attention layers quantized to 1 bit, sparse ones offloaded with top-k fetched per step")
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2505.19586"
+    code_url: ClassVar[str | None] = "https://github.com/ydyhello/TailorKV"
     operating_point: ClassVar[str] = (
         "ydyhello/TailorKV: Llama-3.1-8B-Instruct (layer 0 1-bit); 192 prompt tokens (8 sink + "
         "56 recent + 128 top-k on 8 key channels) + every generated token; LongBench, "
@@ -123,7 +128,7 @@ class TailorKV(KVMethod):
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
         prefill_modes=("dense",), needs_prefill=True, needs_prepare=True, offloads_kv=True,
-        selects_tokens=True)
+        selects_tokens=True, granularity="layer", needs_host_tier=True, needs_calibration=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("k_bits", "v_bits", "quant_layers",
                                                "dense_threshold")
     inert_knobs: ClassVar[dict[str, str]] = {

@@ -34,6 +34,11 @@ from methods.eviction import BudgetedMethod, EvictionLayer
 class TOVA(BudgetedMethod):
     name: ClassVar[str] = "tova"
     provenance: ClassVar[str] = "official code"
+    family: ClassVar[str] = "eviction"
+    summary: ClassVar[str] = (
+        "at every step, drop the token the current query attends least (heads averaged)")
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2401.06104"
+    code_url: ClassVar[str | None] = "https://github.com/schwartz-lab-NLP/TOVA"
     operating_point: ClassVar[str] = (
         "schwartz-lab-NLP/TOVA: LLaMA-2-7B; a 512-token cache (1/8 of 4K), pruned once by "
         "the prompt's last row, then per step"

@@ -1,0 +1,204 @@
+"""Use a KV method in your own code: a transformers cache for the model's own `generate`.
+
+    from harness import api
+    cache = api.cache(model, tokenizer, "snapkv", budget_ratio=0.2)
+    out = model.generate(**inputs, cache=cache, max_new_tokens=32, do_sample=False)
+    cache.report()  # {"kv": {"held_ratio": ...}, "transfer": {...}}: metrics.json's figures
+    cache.close()   # or `with api.cache(...) as cache:`
+
+The protocol is the runner's (harness.engine), so a method gives here the tokens it gives under
+`python -m harness`: dense prefill (the prompt attended in full, compressed once when it is
+over), decode steps as the method says, the one budget rule checked after every forward, the
+same refusals (one line, before anything runs) and the same accounting. transformers' `generate`
+feeds a prompt in one forward and then one token per forward, so here a forward of several tokens
+(or the first one) is a whole prompt, compressed at its end, and a one-token forward is a decode
+step; a caller's own loop (`model(input_ids=..., cache=cache)`) follows the same rule. The runner
+feeds long prompts in chunks of `runner.prefill_chunk_tokens`: under dense prefill the method
+acts at the same point either way.
+
+One cache serves one sequence (batch 1, no padding), as one request of the engine; the runner's
+`runner.batch_size` batches many. Opening a cache switches the model to the harness's attention
+(the same arithmetic as transformers' sdpa or eager while no cache is bound) and installs two
+forward hooks; `close()` (or leaving the `with` block) removes them and restores the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from harness import hf_adapter
+from harness.accounting import KVLedger
+from harness.methods_table import serving_requirements
+from harness.prompting import close_prompt, open_prompt
+from harness.run import check_runner, engine_settings, kv_figures, protocol_reasons
+from kvcore.errors import ConfigError
+from methods import build_method
+from methods.base import KVMethod
+
+
+@dataclass(frozen=True)
+class GenerateLoop:
+    """transformers' `generate` seen as a task by the runner's refusals: each call feeds one
+    prompt, then decode steps, one sequence at a time."""
+
+    name: ClassVar[str] = "generate"
+    batches: ClassVar[bool] = False
+    prompt_option: ClassVar[str | None] = None
+
+    def phases(self) -> tuple[str, ...]:
+        return ("prefill", "decode")
+
+    def longest_prompt_tokens(self) -> int | None:
+        return None
+
+
+def runner_options(dense_layers=(), budget_basis: str = "final", kv_offload: str = "none",
+                   check_budget: bool = True) -> dict[str, Any]:
+    """The runner's declared defaults (conf/runner/default.yaml) with the protocol knobs this
+    API takes; every other runner knob keeps its default (batch 1, contiguous storage, dense
+    prefill)."""
+    from harness.config_check import yaml_defaults
+
+    runner = dict(yaml_defaults("runner", "default"))
+    runner.update(dense_layers=list(dense_layers), budget_basis=budget_basis,
+                  kv_offload=kv_offload, check_budget=check_budget)
+    return runner
+
+
+def cache(model, tokenizer, method: str | KVMethod, *, dense_layers=(),
+          budget_basis: str = "final", kv_offload: str = "none", check_budget: bool = True,
+          **hyperparameters) -> "MethodKVCache":
+    """A cache running `method` (a name, with its hyperparameters as keywords, e.g.
+    `budget_ratio=0.2`, or a built `KVMethod`) for one sequence of `model`'s own `generate` or
+    forward loop. The protocol knobs are the runner's (`runner.dense_layers`,
+    `runner.budget_basis`, `runner.kv_offload`, `runner.check_budget`). Refusals raise
+    `ConfigError` with the runner's one-line messages, before the method prepares or the
+    model is touched."""
+    if isinstance(method, str):
+        method = build_method(method, **hyperparameters)
+    elif hyperparameters:
+        raise ConfigError(f"hyperparameters {sorted(hyperparameters)} given with a built method "
+                          f"({method.name}): pass its name instead, or build it with them")
+    runner = runner_options(dense_layers, budget_basis, kv_offload, check_budget)
+    check_runner(runner)
+    dtype = next(model.parameters()).dtype
+    info = hf_adapter.model_info(model.config, dtype)
+    settings = engine_settings(runner)
+    reasons = (method.validate(info, runner)
+               + protocol_reasons(method, GenerateLoop(), info, settings.protocol, runner))
+    if reasons:
+        raise ConfigError("; ".join(reasons))
+    return MethodKVCache(model, tokenizer, method, info, settings)
+
+
+class MethodKVCache(hf_adapter.MethodCache):
+    """A `MethodCache` that runs the engine's request protocol around the model's own forwards
+    (`hf_adapter.watch_forwards`). Use it as `cache=` of `generate` or of each forward."""
+
+    def __init__(self, model, tokenizer, method: KVMethod, info, settings):
+        from harness import models
+        from harness.engine import Engine
+
+        self.model, self.method = model, method
+        self.engine = Engine(model, tokenizer, method, info, settings)
+        # the runner's order: prepare (offline artefacts), then the request's layers
+        self.prepared = (hf_adapter.prepare(method, model, tokenizer, info,
+                                            data_dir=models.SHARED_DIR / "data")
+                         if method.capabilities.needs_prepare else {})
+        super().__init__(method, info, self.engine.tier, settings.protocol)
+        self.pos = 0  # tokens fed so far (the engine's Request.pos)
+        self._forward: tuple[contextlib.ExitStack, bool, int] | None = None
+        hf_adapter.attach_attention(model)
+        self._handles = method.install(model) + hf_adapter.watch_forwards(model, self)
+        self.closed = False
+
+    # --- the engine's Request._forward, split around the model's forward ---------------------
+    def before_forward(self, input_ids: torch.Tensor | None, q_len: int) -> None:
+        if self.closed:
+            raise RuntimeError(f"this {self.method.name} cache is closed; open a new one")
+        self._unbind()  # a forward that raised left its binding
+        if input_ids is not None and input_ids.shape[0] != 1:
+            raise ConfigError(f"a {self.method.name} cache serves one sequence; this forward "
+                              f"has {input_ids.shape[0]} (one cache per sequence, or the "
+                              "runner's runner.batch_size)")
+        prompt = q_len > 1 or self.pos == 0
+        engine = self.engine
+        engine.transfers.begin_step(decode=not prompt)
+        if prompt:
+            open_prompt(self.kv_layers, self.pos + q_len)
+        if self.needs_token_ids:
+            if input_ids is None:
+                raise ConfigError(f"method={self.method.name} reads token ids; pass input_ids "
+                                  "(not inputs_embeds)")
+            for layer in self.kv_layers:
+                layer.observe_token_ids(input_ids)
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.inference_mode())
+        stack.enter_context(hf_adapter.bind(self.model, self))
+        if self.method.capabilities.lookahead or engine.tier.offload:
+            stack.enter_context(hf_adapter.lookahead(self.model))
+        self._forward = (stack, prompt, q_len)
+
+    def after_forward(self) -> None:
+        stack, prompt, q_len = self._forward
+        self._forward = None
+        engine = self.engine
+        with stack:
+            if not prompt:
+                engine.attended.add_step(self.kv_layers)
+            for kv in self.kv_layers:  # eviction happens after attention has used the tokens
+                kv.after_forward()
+            if engine.settings.check_budget:
+                engine.ledger.check_step(self.kv_layers)
+            self.pos += q_len
+            if prompt:
+                engine.prefill_tokens += q_len
+                close_prompt(engine, self.kv_layers)
+            else:
+                engine.decode_tokens += 1
+
+    def _unbind(self) -> None:
+        if self._forward is not None:
+            self._forward[0].close()
+            self._forward = None
+
+    # --- figures and lifetime -----------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        """The run's figures as `python -m harness` writes them to metrics.json: `kv` (held and
+        attended: `held_ratio`, `attended_fraction_sparse_layers`, bytes and tokens per layer,
+        `method_active`) and `transfer` (bytes moved between tiers), for this sequence so far;
+        `serving`: what a serving engine must offer the method (harness.methods_table)."""
+        self.engine.ledger = KVLedger(self.info)
+        if self.pos:
+            self.engine.ledger.record(self.kv_layers, check=False)
+        return {"method": self.method.name, "tokens_seen": self.pos,
+                "serving": serving_requirements(self.method.capabilities),
+                "kv": kv_figures(self.engine, self.method),
+                "transfer": {"kv_offload": self.engine.settings.kv_offload,
+                             **self.engine.transfers.summary()}}
+
+    def close(self) -> None:
+        """Remove the hooks, restore the model's attention, give the storage back."""
+        if self.closed:
+            return
+        self.closed = True
+        self._unbind()
+        for handle in self._handles:
+            handle.remove()
+        hf_adapter.detach_attention(self.model)
+        for kv in self.kv_layers:
+            kv.release()
+
+    def __enter__(self) -> "MethodKVCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def info(self):
+        return self.engine.info

@@ -1,0 +1,113 @@
+"""harness.api: a method's cache inside transformers' own `generate` gives the runner's tokens.
+
+The runner's side is `run()` on a composed config (task=xsum over a one-item file: greedy
+decoding of one prompt, the prediction decoded into samples.jsonl), the API's side a plain
+`AutoModelForCausalLM` loaded the way a user loads it, `model.generate(..., cache=cache)`.
+"""
+
+import json
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from harness import api
+from harness.run import run
+from kvcore.errors import ConfigError
+from methods import available_methods, method_class
+from tests.conftest import PROJECT, STORIES, need_shared
+
+PROMPT = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the "
+          "park with her friends. One day, she saw a big red ball under a tree. She wanted to play "
+          "with it, so she ran to the tree. Her mom said")
+NEW_TOKENS = 12
+# Under the tests Triton runs in its interpreter (TRITON_INTERPRET=1), and KVQuant's decode
+# attention is a Triton kernel there: a few steps already cover prefill, compression and decoding.
+NEW_TOKENS_FOR = {"kvquant": 3}
+# Methods that serve a plain generate loop: every method today (the generator of this list is
+# the method package itself, so a method added later is held to the same equality).
+METHODS = available_methods()
+
+
+@pytest.fixture(scope="module")
+def stories():
+    need_shared(STORIES)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(STORIES)
+    model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32).eval()
+    return model, tokenizer
+
+
+# Calibration on a few short texts instead of 16 x 2048 tokens: seconds instead of minutes.
+QUICK = {"kvquant": {"calibration_tokens": 256, "calibration_samples": 2}}
+
+
+def knobs_for(name: str, prompt_tokens: int) -> dict:
+    """Hyperparameters under which the method really compresses this prompt (its contract's)."""
+    return {**method_class(name).compressing_hyperparameters(prompt_tokens), **QUICK.get(name, {})}
+
+
+def runner_prediction(tmp_path, name: str, knobs: dict, new_tokens: int) -> dict:
+    item = {"article": PROMPT, "summary_gt": "unused", "max_tokens": new_tokens, "stop": []}
+    path = tmp_path / "prompt.jsonl"
+    path.write_text(json.dumps(item) + "\n")
+    overrides = ["model=stories260k", "model.device=cpu", "task=xsum", f"task.path={path}",
+                 "task.limit=1", f"method={name}", f"runner.results_root={tmp_path / 'runs'}",
+                 *(f"method.{k}={json.dumps(v)}" for k, v in knobs.items())]
+    with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=overrides)
+    folder = run(cfg)
+    return json.loads((folder / "samples.jsonl").read_text().splitlines()[0])
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_generate_through_the_api_equals_the_runner(stories, tmp_path, name):
+    model, tokenizer = stories
+    inputs = tokenizer(PROMPT, return_tensors="pt")
+    knobs = knobs_for(name, inputs.input_ids.shape[1])
+    new_tokens = NEW_TOKENS_FOR.get(name, NEW_TOKENS)
+    expected = runner_prediction(tmp_path, name, knobs, new_tokens)
+    with api.cache(model, tokenizer, name, **knobs) as cache:
+        out = model.generate(**inputs, cache=cache, max_new_tokens=new_tokens, do_sample=False)
+        report = cache.report()
+    new = out[0, inputs.input_ids.shape[1]:].tolist()
+    assert len(new) == expected["new_tokens"]
+    assert tokenizer.decode(new, skip_special_tokens=True) == expected["prediction"]
+    assert report["tokens_seen"] == inputs.input_ids.shape[1] + len(new) - 1
+    if method_class(name).capabilities.compresses and name != "full_offload":
+        assert report["kv"]["method_active"], report["kv"]["inactive_reason"]
+
+
+@pytest.mark.parametrize("name, knobs, message", [
+    ("snapkv", {"budget_ratio": 2.0}, "method.budget_ratio=2.0 must be in (0, 1]"),
+    ("snapkv", {"window": 4}, "method.window is not a hyperparameter of method=snapkv"),
+    ("kivi", {"budget_ratio": 0.2}, "method=kivi does not take method.budget_ratio"),
+    ("snapkv", {"dense_layers": [7]}, "runner.dense_layers=[7] names layer(s) [7] but the model "
+                                      "has 5 layers"),
+    ("snapkv", {"kv_offload": "cpu"}, "runner.kv_offload=cpu but method=snapkv cannot keep its "
+                                      "KV on the host tier"),
+    ("h2o", {"budget_basis": "all"}, "runner.budget_basis='all'; allowed: final, seen"),
+])
+def test_refusals_are_the_runners_and_come_before_anything_runs(stories, monkeypatch, name,
+                                                                 knobs, message):
+    from harness import hf_adapter
+
+    model, tokenizer = stories
+    monkeypatch.setattr(hf_adapter, "prepare", lambda *a, **k: pytest.fail("prepared"))
+    with pytest.raises(ConfigError) as err:
+        api.cache(model, tokenizer, name, **knobs)
+    assert message in str(err.value)
+    assert model.config._attn_implementation == "sdpa"  # the model untouched
+
+
+def test_one_sequence_per_cache_and_the_model_restored_after(stories):
+    model, tokenizer = stories
+    inputs = tokenizer([PROMPT, PROMPT], return_tensors="pt")
+    plain = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    with api.cache(model, tokenizer, "h2o", budget_tokens=16) as cache:
+        with pytest.raises(ConfigError, match="serves one sequence"):
+            model.generate(**inputs, cache=cache, max_new_tokens=4, do_sample=False)
+    assert model.config._attn_implementation == "sdpa"
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    assert torch.equal(model.generate(**inputs, max_new_tokens=4, do_sample=False), plain)
