@@ -16,9 +16,11 @@ import pytest
 import torch
 
 from harness import hf_adapter
+from methods.base import KVLayer
 from methods.eviction import EvictionLayer
 from methods import available_methods, build_method, method_class
 from tests.conftest import PROJECT, make_engine
+from tests.methods import rules
 from tests.models import FAMILIES, family_config
 
 METHODS = available_methods()
@@ -194,6 +196,8 @@ class StepChecker:
         self.compressed = False  # some layer held or attended less than the full cache
         self.choices = 0  # compressions where the scores chose among more tokens than slots
         self.prompt_budget: dict[int, int] = {}  # layer -> its budget at the prompt's end
+        self.granted: dict[int, tuple[int, int]] = {}  # layer -> (rule's budget, seen) at prompt end
+        self.dense_rows: dict[int, bool] = {}  # layer -> its last forward attended a held prompt
         for layer in layers:
             layer.update = self._update(layer, layer.update)
             layer.attend = self._attend(layer, layer.attend)
@@ -228,6 +232,7 @@ class StepChecker:
                 row = set(row)
                 assert len(row) == counts[head], f"{where}, head {head}: repeated positions"
                 budget = counts[head]
+                self.check_knob_protections(layer, row, seen, budget, f"{where}, head {head}")
                 assert guard <= row or len(guard) > budget, (
                     f"{where}, head {head}: declared protections (protected={sinks, recent}) "
                     f"evicted: {sorted(guard - row)}")
@@ -241,16 +246,12 @@ class StepChecker:
                     self.choices += 1
         return checked
 
-    def rule(self, layer) -> int:
-        """A template layer's budget now, from the method's rule and the protocol's basis (a
-        layer with a budget() of its own, SqueezeAttention's, is held to it; under the final-
-        length basis it may never change after the prompt: the basis does not)."""
-        if type(layer).budget is EvictionLayer.budget:
-            rule = layer.method.layer_budget(layer.layer_idx, self.info.num_layers,
-                                             layer.basis_tokens())
-        else:
-            rule = layer.budget()
-        if layer.protocol.budget_basis == "final":
+    def rule(self, layer) -> int | None:
+        """A budgeted layer's budget now, from its method's declared rule and the protocol's
+        basis (tests/methods/rules.py; never the layer's own `budget()`); under the final-length
+        basis it may never change after the prompt: the basis does not."""
+        rule = rules.rule_budget(layer, self.info.num_layers)
+        if rule is not None and layer.protocol.budget_basis == "final":
             first = self.prompt_budget.setdefault(layer.layer_idx, rule)
             assert rule == first, (f"layer {layer.layer_idx}: the budget moved from {first} to "
                                    f"{rule} under the final-length basis")
@@ -259,12 +260,45 @@ class StepChecker:
     def _on_prefill_end(self, layer, on_prefill_end):
         def checked():
             on_prefill_end()
-            if isinstance(layer, EvictionLayer):  # the allowance is the rule's, never self-granted
-                assert layer.allowed_tokens() == self.rule(layer), (
+            factors = rules.allocation_factors(self.layers)
+            if factors is not None:  # a per-request split of the uniform budget: mean 1
+                assert abs(sum(factors) / len(factors) - 1) < 1e-6, (
+                    f"per-layer budget factors {factors} do not average 1")
+            if rules.has_budget_rule(layer):
+                self.check_layer_split(layer)
+            if isinstance(layer, EvictionLayer) and rules.has_budget_rule(layer):
+                rule = self.rule(layer)  # the allowance is the rule's, never self-granted
+                self.granted[layer.layer_idx] = (rule, layer.seen_tokens)
+                assert layer.allowed_tokens() == rule, (
                     f"layer {layer.layer_idx} at the prompt's end: allowed "
-                    f"{layer.allowed_tokens()}, the rule says {self.rule(layer)}")
+                    f"{layer.allowed_tokens()}, the rule says {rule}")
             self.check_budget_and_positions(layer)
         return checked
+
+    def check_layer_split(self, layer):
+        """A per-layer schedule (`layer_budget`) spends at most the uniform total over the
+        layers, up to an integer schedule's rounding (below one token per pair of layers)."""
+        method, n = layer.method, self.info.num_layers
+        if getattr(layer, "squeeze", None) is not None:
+            return  # its split is the factors' (their mean is checked)
+        basis = KVLayer.basis_tokens(layer)
+        split = [method.layer_budget(i, n, basis) for i in range(n)]
+        uniform = method.total_tokens(basis)
+        assert sum(split) <= n * uniform + n * (n - 1) // 2, (
+            f"per-layer budgets {split} spend more than {n} x the uniform {uniform}")
+
+    def rule_allowance(self, layer) -> int | None:
+        """What a budgeted layer may hold (or attend) now under its method's rule: the rule's
+        budget; a prompt compressor (compress_at="prefill_end"): the rule's budget at the prompt's
+        end plus the tokens appended since; None while a prompt is held or attended in full."""
+        if not rules.has_budget_rule(layer) or KVLayer.holding_prompt(layer):
+            return None
+        if self.dense_rows.get(layer.layer_idx):  # the last forward attended its prompt densely
+            return None
+        if isinstance(layer, EvictionLayer) and layer.compress_at == "prefill_end":
+            granted = self.granted.get(layer.layer_idx)
+            return None if granted is None else granted[0] + layer.seen_tokens - granted[1]
+        return self.rule(layer)
 
     def _update(self, layer, update):
         def checked(keys, values, position_ids):
@@ -287,6 +321,7 @@ class StepChecker:
                 assert tuple(attention_mask.shape[-2:]) == (query.shape[2], keys.shape[-2]), (
                     f"layer {layer.layer_idx}: mask {tuple(attention_mask.shape)} for "
                     f"{query.shape[2]} queries over {keys.shape[-2]} keys")
+            self.dense_rows[layer.layer_idx] = KVLayer.holding_prompt(layer)
             out = attend(module, query, keys, values, attention_mask, base, **kwargs)
             b, h_q, q_len, d = query.shape
             assert out[0].shape == (b, q_len, h_q, d), f"layer {layer.layer_idx}: output shape"
@@ -307,6 +342,9 @@ class StepChecker:
         where = f"layer {layer.layer_idx} after {seen} tokens"
         if budget is not None:
             assert used <= budget, f"{where}: uses {used} tokens, budget {budget}"
+        rule = self.rule_allowance(layer)
+        if rule is not None:
+            assert used <= rule, f"{where}: uses {used} tokens, the method's rule allows {rule}"
         full_bytes = 2 * seen * self.info.num_kv_heads * self.info.head_dim * 4  # fp32 K and V
         self.compressed |= used < seen or stats["kv_bytes"] < full_bytes
         positions = layer.kept_positions()
@@ -345,16 +383,23 @@ class StepChecker:
                 f"{where}: heads hold {held.tolist()}, the rule allows {allowed.tolist()}")
 
     def check_declared_keeps(self, layer, rows, budget, kept):
-        """Sinks a method without the scored-eviction template declares (`sink_tokens`) are kept
-        once it evicts (template methods: every compression is checked against their own
-        `protected(budget)`, above)."""
-        seen, where = layer.seen_tokens, f"layer {layer.layer_idx} after {layer.seen_tokens} tokens"
-        if kept >= seen or budget is None or scored_eviction(layer):
+        """Every protection the method's knobs declare (tests/methods/rules.py) is held in every
+        row (attended, for a selecting layer) whenever the layer holds or attends fewer tokens
+        than it has seen; a row's budget is the tokens it holds."""
+        seen = layer.seen_tokens
+        used = layer.stats().get("selected_tokens", kept)
+        if used >= seen or (budget is None and rules.has_budget_rule(layer)):
             return
-        sinks, recent = getattr(self.method, "sink_tokens", 0) or 0, 0
-        for row in rows.tolist():
-            assert set(range(min(sinks, seen))) <= set(row), f"{where}: sinks evicted"
-            assert set(range(seen - recent, seen)) <= set(row), f"{where}: recent tokens evicted"
+        where = f"layer {layer.layer_idx} after {seen} tokens"
+        for head, row in enumerate(held_rows(rows)):
+            self.check_knob_protections(layer, set(row), seen, len(row), f"{where}, row {head}")
+
+    def check_knob_protections(self, layer, row: set, seen: int, cap: int, where: str):
+        first, last = rules.declared_protections(rules.method_of(layer, self.method), cap)
+        first, last = min(first, seen), min(last, seen)
+        missing = sorted((set(range(first)) | set(range(seen - last, seen))) - row)
+        assert not missing, (f"{where}: positions {missing} evicted, though the method's knobs "
+                             f"protect the first {first} and the last {last} (tests/methods/rules.py)")
 
 
 def scored_eviction(layer) -> bool:
