@@ -14,6 +14,8 @@ layer's own `budget()`, `protected()` or `allowed_tokens()` cannot certify itsel
 
 from __future__ import annotations
 
+import torch
+
 from methods.base import KVLayer
 from methods.eviction import BudgetedMethod
 
@@ -76,3 +78,27 @@ def allocation_factors(layers) -> list[float] | None:
     """SqueezeAttention's per-layer factors once every squeezed layer has one (else None)."""
     factors = [x.budget_factor for x in layers if getattr(x, "squeeze", None) is not None]
     return factors if factors and None not in factors else None
+
+
+def kept_after_crafted_compression(method, scores, budget: int | None = None, layer_idx: int = 0,
+                                   num_layers: int = 1, setup=None) -> list[list[int]]:
+    """Per KV head, the text positions a scored-eviction layer of `method` keeps when it holds
+    tokens 0..T-1 scored `scores (1, H_kv, T)` and compresses to `budget` (default: its
+    `budget()` with the sequence's final length T): for hand-computed kept-set tests of
+    methods whose scores are hard to craft through a model (the scores are given, the rest —
+    protections, per-layer and per-head budgets, top-k — is the method's). `setup(layer)`: per-
+    request state to set first (SqueezeAttention's factor)."""
+    from methods.base import ModelInfo
+
+    h, t = scores.shape[1:]
+    info = ModelInfo(num_layers=num_layers, num_heads=h, num_kv_heads=h, head_dim=4,
+                     max_positions=4 * t)
+    layer = method.make_layer(layer_idx, info)
+    if setup is not None:
+        setup(layer)
+    layer.final_tokens = t
+    zeros = torch.zeros(1, h, t, 4)
+    layer.update(zeros, zeros, None)
+    layer.score = lambda: scores.clone()
+    layer.compress_to(layer.budget() if budget is None else budget)
+    return [sorted(p for p in row if p >= 0) for row in layer.kept_positions()[0].tolist()]

@@ -67,6 +67,35 @@ def test_every_method_has_yaml_and_test():
         build_method(name, **conf)  # the defaults are valid
 
 
+# Methods that keep every token (nothing to choose), each with the reason.
+NO_KEPT_SET = {"full": "the reference: keeps and attends every token",
+               "full_offload": "the reference on the host tier: keeps and attends every token",
+               "kivi": "quantizes every token (its hand tests pin the codes)",
+               "kvquant": "quantizes every token (its hand tests pin the codes)"}
+
+
+def hand_kept_set_tests(path) -> list[str]:
+    """Test functions in `path` marked `@pytest.mark.kept_set` (parsed, not imported)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    return [node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+            and any("kept_set" in ast.unparse(d) for d in node.decorator_list)]
+
+
+def test_every_method_has_a_hand_computed_kept_set_test():
+    """The shared net recomputes a method's kept set from its own scores; only a hand-computed
+    example pins the scores themselves: every method's test file marks one
+    (`@pytest.mark.kept_set`: the kept, or for a selecting method the attended, positions written
+    out by hand; `pytest -m kept_set tests/methods` runs them all)."""
+    missing = [name for name in METHODS if name not in NO_KEPT_SET and not hand_kept_set_tests(
+        PROJECT / "tests" / "methods" / f"test_{name}.py")]
+    assert not missing, f"no @pytest.mark.kept_set test in tests/methods/test_<name>.py: {missing}"
+    assert set(NO_KEPT_SET) <= set(METHODS)
+    for name in NO_KEPT_SET:
+        assert not method_class(name).capabilities.selects_tokens, name
+
+
 def test_declared_capabilities_match_the_code():
     """Capabilities are read by the runner, so they must be true: a method with its own
     `prepare` declares needs_prepare (the runner skips prepare otherwise), one that keeps the

@@ -30,6 +30,7 @@ def stream(engine, ids, prefill=0):
         return nll, req
 
 
+@pytest.mark.kept_set
 @pytest.mark.parametrize("rerotate", [True, False])
 def test_sinks_and_window_always_present(tiny_model, rerotate):
     method = build_method("streaming_llm", sink_tokens=2, window_tokens=6, rerotate=rerotate)
