@@ -505,12 +505,14 @@ def test_contract_holds_at_every_step_while_compressing(name, mode, which, reque
     settings = method_class(name).compressing_hyperparameters(SEQ_TOKENS)
     method = build_method(name, **settings, **({"mode": mode} if mode else {}))
     skip_if_refused(method, model)
-    check_compressing_contract(model, method)
+    check_compressing_contract(model, method, trained=which == "stories")
 
 
-def check_compressing_contract(model, method):
+def check_compressing_contract(model, method, trained=False):
     """The contract while `method` compresses SEQ_TOKENS random tokens (eager attention, a
-    chunked prompt, then decode steps); raises AssertionError / BudgetViolation on a breach."""
+    chunked prompt, then decode steps); raises AssertionError / BudgetViolation on a breach.
+    `trained`: a trained model, whose heads differ (a random tiny model's may all look alike,
+    so a per-head split may rightly come out even there)."""
     name, settings = method.name, method.hyperparameters()
     info = hf_adapter.model_info(model.config)
     ids = torch.randint(3, 250, (1, SEQ_TOKENS), generator=torch.Generator().manual_seed(7))
@@ -528,8 +530,8 @@ def check_compressing_contract(model, method):
     assert checker.forwards == PREFILL_TOKENS // CHUNK_TOKENS + SEQ_TOKENS - PREFILL_TOKENS
     assert checker.compressed == method.capabilities.compresses, (
         f"{name} {settings}: held or attended less than the full cache: {checker.compressed}")
-    if any(scored_eviction(layer) and layer.method.allocates_per_head()
-           for layer in req.cache.kv_layers):
+    if trained and any(scored_eviction(layer) and layer.method.allocates_per_head()
+                       for layer in req.cache.kv_layers):
         assert checker.uneven, (f"{name} {settings}: declares its own per-head split "
                                 "(head_budgets) but every compression kept equal counts per head")
     if checker.selected_share:
