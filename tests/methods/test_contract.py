@@ -339,6 +339,9 @@ class StepChecker:
             out_k, out_v = update(keys, values, position_ids)
             b, h_kv, d = keys.shape[0], self.info.num_kv_heads, self.info.head_dim
             where = f"layer {layer.layer_idx} after {seen} tokens"
+            if reads_own_cache(layer):  # update returned a part; attend reads the whole
+                assert offset + length == seen + q_len, f"{where}: mask offset {offset} + {length}"
+                return out_k, out_v
             assert out_k.shape[:2] == (b, h_kv) and out_k.shape[-1] == d, where
             assert out_v.shape == out_k.shape, where
             assert out_k.shape[-2] == length, (
@@ -349,7 +352,7 @@ class StepChecker:
 
     def _attend(self, layer, attend):
         def checked(module, query, keys, values, attention_mask, base, **kwargs):
-            if attention_mask is not None:  # eager: the mask built from mask_sizes
+            if attention_mask is not None and not reads_own_cache(layer):  # eager: from mask_sizes
                 assert tuple(attention_mask.shape[-2:]) == (query.shape[2], keys.shape[-2]), (
                     f"layer {layer.layer_idx}: mask {tuple(attention_mask.shape)} for "
                     f"{query.shape[2]} queries over {keys.shape[-2]} keys")
@@ -461,24 +464,18 @@ class StepChecker:
                              f"protect the first {first} and the last {last} (tests/methods/rules.py)")
 
 
+def reads_own_cache(layer) -> bool:
+    """A quantizing layer whose decode attention reads its packed cache itself (KIVI, KVQuant,
+    TailorKV's quantized layers: `step_cache`, set by update, consumed by attend): update returns
+    only the tokens kept exact, so the K/V it returns are not what the mask describes (their
+    outputs equal dequantize-then-attend: tests/methods/test_kivi.py, test_kvquant.py)."""
+    return getattr(layer, "step_cache", None) is not None
+
+
 def scored_eviction(layer) -> bool:
     """A layer on the scored-eviction template that keeps the top of its own scores, whatever
     code of its own does it (`selects_top_scores`; KVMerger merges instead, by its own test)."""
     return isinstance(layer, EvictionLayer) and layer.selects_top_scores
-
-
-# (method, mode or None) -> (strict, reason): the known contract exceptions, each explained.
-KNOWN_EXCEPTIONS = {
-    ("kivi", None): (False, "KIVI's fused decode path: update() returns only the full-precision "
-                            "tails and attend() reads the packed cache itself (layer.step_cache); "
-                            "outputs equal dequantize-then-attend (tests/methods/test_kivi.py)"),
-    ("kvquant", None): (False, "KVQuant's decode path, as KIVI's: update() returns the new tokens "
-                               "and attend() reads the codes itself (layer.step_cache); outputs "
-                               "equal dequantize-then-attend (tests/methods/test_kvquant.py)"),
-    ("tailorkv", None): (False, "TailorKV's quantized layers are KIVI's layers (see kivi); its "
-                                "sparse layers alone pass strictly "
-                                "(tests/methods/test_tailorkv.py)"),
-}
 
 
 def _with_modes():
@@ -488,9 +485,7 @@ def _with_modes():
         cls = method_class(name)
         modes = cls.capabilities.modes if "mode" in cls.hyperparameter_names() else (None,)
         for mode in modes:
-            known = KNOWN_EXCEPTIONS.get((name, mode))
-            marks = pytest.mark.xfail(strict=known[0], reason=known[1]) if known else ()
-            cases.append(pytest.param(name, mode, marks=marks, id=f"{name}-{mode}" if mode else name))
+            cases.append(pytest.param(name, mode, id=f"{name}-{mode}" if mode else name))
     return cases
 
 
