@@ -4,8 +4,13 @@
   model pristine, and equals the full cache when its budget covers the sequence;
 * while it IS compressing (budget well below the sequence, eager attention, chunked prefill +
   decode), at every forward and every layer: K/V shapes, the attention mask's size against what
-  `update` returned (`mask_sizes`), kept positions (in range, unique, declared sinks and recent
-  tokens kept), and the budget;
+  `update` returned (`mask_sizes`), kept positions (in range, unique), and against the method's
+  declared rule, never its layer's own hooks (tests/methods/rules.py): the budget from
+  `layer_budget` (a per-layer split spending no more than the uniform total), the protections its
+  knobs name (sinks, windows) kept at every step, a scored-eviction layer's kept set the top of
+  its scores, a declared per-head split uneven somewhere, a selecting layer's attended tokens
+  carrying more than their share of the exact attention;
+* every method has a hand-computed kept-set test (`@pytest.mark.kept_set`);
 * an architecture it cannot serve is refused by `validate` (capabilities, not method names).
 
 One parametrized test per property over all methods: a new method is covered by adding its files.
