@@ -114,18 +114,21 @@ def copy_tree(dest: Path) -> None:
 
 
 def run_tests(tree: Path, mutant: Mutant, with_hand: bool) -> tuple[int, str]:
-    args = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *SHARED,
-            "-k", mutant.method]
-    if with_hand:
-        args[-2:-2] = [f"tests/methods/test_{mutant.method}.py"]
-        args[-1] = f"{mutant.method} or kept_set"
+    pytest = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
+    runs = [[*SHARED, "-k", mutant.method]]
+    if with_hand:  # only the marked hand test of the method's own file
+        runs.append([f"tests/methods/test_{mutant.method}.py", "-m", "kept_set"])
     # the shared models and data stay where the project finds them (they sit beside it)
     shared = os.environ.get("KVH_SHARED_DIR", str(ROOT.parent / "shared"))
     env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1",
            "KVH_SHARED_DIR": shared}
-    proc = subprocess.run(args, cwd=tree, env=env, capture_output=True, text=True)
-    failed = [line for line in proc.stdout.splitlines() if line.startswith(("FAILED", "ERROR"))]
-    return proc.returncode, (failed[0] if failed else proc.stdout.strip().splitlines()[-1])
+    for args in runs:
+        proc = subprocess.run(pytest + args, cwd=tree, env=env, capture_output=True, text=True)
+        lines = proc.stdout.splitlines()
+        failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+        if proc.returncode != 0:
+            return proc.returncode, (failed[0] if failed else lines[-1])
+    return 0, proc.stdout.strip().splitlines()[-1]
 
 
 def main() -> int:
