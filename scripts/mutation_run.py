@@ -82,7 +82,8 @@ MUTANTS = [
            "        return -key_norms(self.keys)",
            "        return key_norms(self.keys)"),
     Mutant("streaming heads drop their sinks", "duo_attention", "methods/_headwise.py",
-           "        sinks = min(self.method.sink_tokens, max(1, (allowed - comp) // 2), real_sinks)",
+           "        sinks = min(self.method.sink_tokens, max(1, (allowed - comp) // 2), "
+           "real_sinks)",
            "        sinks = 0"),
     Mutant("lowest scores picked", "oracle_topk", "methods/oracle_topk.py",
            "top = kv_scores.topk(k, dim=-1).indices",
@@ -157,7 +158,8 @@ def main() -> int:
             verdict = "killed" if rc == 1 else "SURVIVED" if rc == 0 else f"error rc={rc}"
             killed += rc == 1
             survived += rc == 0
-            print(f"{verdict:9} {mutant.method:17} {mutant.name:40} {time.monotonic() - start:5.0f}s"
+            seconds = time.monotonic() - start
+            print(f"{verdict:9} {mutant.method:17} {mutant.name:40} {seconds:5.0f}s"
                   f"  {detail[:110]}", flush=True)
     print(f"\n{killed} of {len(chosen)} mutants killed, {survived} survived "
           f"({'shared tests + hand kept-set tests' if opts.with_hand else 'shared tests only'})")

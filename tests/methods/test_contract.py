@@ -230,7 +230,8 @@ class StepChecker:
         self.compressed = False  # some layer held or attended less than the full cache
         self.choices = 0  # compressions where the scores chose among more tokens than slots
         self.prompt_budget: dict[int, int] = {}  # layer -> its budget at the prompt's end
-        self.granted: dict[int, tuple[int, int]] = {}  # layer -> (rule's budget, seen) at prompt end
+        # layer -> (the rule's budget, tokens seen) when its prompt ended
+        self.granted: dict[int, tuple[int, int]] = {}
         self.dense_rows: dict[int, bool] = {}  # layer -> its last forward attended a held prompt
         self.selected_mass = self.selected_share = 0.0  # see record_selection_mass
         self.uneven = False  # some head-wise compression gave its heads different counts
@@ -466,7 +467,8 @@ class StepChecker:
         first, last = min(first, seen), min(last, seen)
         missing = sorted((set(range(first)) | set(range(seen - last, seen))) - row)
         assert not missing, (f"{where}: positions {missing} evicted, though the method's knobs "
-                             f"protect the first {first} and the last {last} (tests/methods/rules.py)")
+                             f"protect the first {first} and the last {last} "
+                             "(tests/methods/rules.py)")
 
 
 def reads_own_cache(layer) -> bool:
