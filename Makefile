@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum
 export OMP_WAIT_POLICY ?= PASSIVE
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: setup run test test-slurm gate bench parity peer-setup clean
+.PHONY: setup run test test-method test-slurm gate bench parity peer-setup clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,18 @@ run: setup
 test: setup
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline \
 		$(PY) -m pytest $(PYTEST_ARGS)
+
+# Every shared check of one method (contract, knobs, score direction, layouts, prompt protocol)
+# and its own tests, e.g. `make test-method M=h2o`; the skips say why, and the shared checks with
+# no case for it are named at the end.
+SHARED_METHOD_TESTS := tests/methods/test_contract.py tests/methods/test_every_knob_acts.py \
+	tests/methods/test_score_direction.py tests/methods/test_paged_layout.py \
+	tests/methods/test_prompt_protocol.py
+test-method: setup
+	@test -n "$(M)" || { echo "usage: make test-method M=<method name> (methods/<name>.py)"; exit 2; }
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline \
+		$(PY) -m pytest -rs --method $(M) $(SHARED_METHOD_TESTS) tests/methods/test_$(M).py \
+		$(PYTEST_ARGS)
 
 # Sweeps on a real one-node SLURM cluster started in a temp dir (needs root and
 # `apt-get install slurm-wlm slurmdbd munge mariadb-server-core mariadb-client-core`).

@@ -27,13 +27,56 @@ DATA = models.SHARED_DIR / "data"
 PROJECT = Path(__file__).resolve().parents[1]
 
 
+def pytest_addoption(parser):
+    parser.addoption("--method", default=None, metavar="NAME",
+                     help="only one method's checks: the shared ones parametrized by method name "
+                          "and its own tests/methods/test_NAME.py (`make test-method M=NAME`)")
+
+
 def pytest_collection_modifyitems(config, items):
+    method = config.getoption("--method")
+    if method:
+        only_method(config, items, method)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (torch.cuda.is_available() is False here)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def only_method(config, items, method: str) -> None:
+    """Drop the cases of other methods (a `name` parameter, or their own test files) and keep
+    the rest (the checks over every method at once); the shared checks (tests parametrized by
+    `name`) with no case for `method` are named at the end of the run."""
+    from methods import available_methods
+
+    others = {f"test_{name}.py" for name in available_methods() if name != method}
+    keep, drop, shared, applies = [], [], set(), set()
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        check = f"{item.path.name}::{item.originalname}"
+        if "name" in params:
+            shared.add(check)
+        if item.path.name in others or params.get("name", method) != method:
+            drop.append(item)
+        else:
+            keep.append(item)
+            applies.add(check)
+    config.hook.pytest_deselected(items=drop)
+    items[:] = keep
+    config.stash[_NOT_APPLYING] = sorted(shared - applies)
+
+
+_NOT_APPLYING = pytest.StashKey[list]()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    missing = config.stash.get(_NOT_APPLYING, None)
+    if missing:
+        terminalreporter.section(f"shared checks with no case for {config.getoption('--method')}")
+        for check in missing:
+            terminalreporter.write_line(f"does not apply: {check}")
 
 
 def need_shared(path: Path) -> None:

@@ -10,6 +10,7 @@ from methods import build_method
 from methods.adakv import adaptive_budgets
 from tests.conftest import make_engine
 from tests.methods.headwise_reference import masked_full_gap
+from tests.methods.rules import kept_after_crafted_compression
 
 WINDOW, BUDGET, ALPHA = 4, 14, 0.2  # prefix budget 10, floor int(0.2 x 10) = 2
 
@@ -179,3 +180,17 @@ def test_decode_equals_the_full_cache_masked_to_each_heads_kept_tokens(stories, 
     model, tok = stories
     method = build_method("adakv", budget_tokens=24, window_tokens=8)
     assert masked_full_gap(model, tok, method, monkeypatch) <= 1e-4
+
+
+@pytest.mark.kept_set
+def test_kept_set_by_hand():
+    """Two KV heads over 10 tokens, window 2, budget 5 per head, floor_alpha 0.5: prefix budget
+    3, floor int(1.5) = 1. The flattened top-6 of the prefix scores are all head 0's (9..4), so
+    head 0 wins 6 and head 1 none; the adaptive part (3 - 1 of 3 prefix tokens) gives head 0
+    6 x 2/3 = 4: head 0 keeps window + floor + 4 = 7 tokens (its five best and the window),
+    head 1 window + floor = 3 (its best, position 0, and the window): 10 = 2 x 5 in all."""
+    scores = torch.tensor([[[9.0, 8, 7, 6, 5, 4, 3, 2, 0, 0],
+                            [1.5, 1, 0.5, 0.4, 0.3, 0.2, 0.1, 0, 0, 0]]])
+    method = build_method("adakv", budget_tokens=5, window_tokens=2, floor_alpha=0.5)
+    kept = kept_after_crafted_compression(method, scores)
+    assert kept == [[0, 1, 2, 3, 4, 8, 9], [0, 8, 9]]

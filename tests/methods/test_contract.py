@@ -4,8 +4,13 @@
   model pristine, and equals the full cache when its budget covers the sequence;
 * while it IS compressing (budget well below the sequence, eager attention, chunked prefill +
   decode), at every forward and every layer: K/V shapes, the attention mask's size against what
-  `update` returned (`mask_sizes`), kept positions (in range, unique, declared sinks and recent
-  tokens kept), and the budget;
+  `update` returned (`mask_sizes`), kept positions (in range, unique), and against the method's
+  declared rule, never its layer's own hooks (tests/methods/rules.py): the budget from
+  `layer_budget` (a per-layer split spending no more than the uniform total), the protections its
+  knobs name (sinks, windows) kept at every step, a scored-eviction layer's kept set the top of
+  its scores, a declared per-head split uneven somewhere, a selecting layer's attended tokens
+  carrying more than their share of the exact attention;
+* every method has a hand-computed kept-set test (`@pytest.mark.kept_set`);
 * an architecture it cannot serve is refused by `validate` (capabilities, not method names).
 
 One parametrized test per property over all methods: a new method is covered by adding its files.
@@ -16,9 +21,11 @@ import pytest
 import torch
 
 from harness import hf_adapter
+from methods.base import KVLayer
 from methods.eviction import EvictionLayer
 from methods import available_methods, build_method, method_class
 from tests.conftest import PROJECT, make_engine
+from tests.methods import rules
 from tests.models import FAMILIES, family_config
 
 METHODS = available_methods()
@@ -63,6 +70,35 @@ def test_every_method_has_yaml_and_test():
         assert set(fields) <= set(conf) <= set(fields) | set(SHARED_KNOBS), name
         assert (PROJECT / "tests" / "methods" / f"test_{name}.py").is_file(), name
         build_method(name, **conf)  # the defaults are valid
+
+
+# Methods that keep every token (nothing to choose), each with the reason.
+NO_KEPT_SET = {"full": "the reference: keeps and attends every token",
+               "full_offload": "the reference on the host tier: keeps and attends every token",
+               "kivi": "quantizes every token (its hand tests pin the codes)",
+               "kvquant": "quantizes every token (its hand tests pin the codes)"}
+
+
+def hand_kept_set_tests(path) -> list[str]:
+    """Test functions in `path` marked `@pytest.mark.kept_set` (parsed, not imported)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    return [node.name for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)
+            and any("kept_set" in ast.unparse(d) for d in node.decorator_list)]
+
+
+def test_every_method_has_a_hand_computed_kept_set_test():
+    """The shared net recomputes a method's kept set from its own scores; only a hand-computed
+    example pins the scores themselves: every method's test file marks one
+    (`@pytest.mark.kept_set`: the kept, or for a selecting method the attended, positions written
+    out by hand; `pytest -m kept_set tests/methods` runs them all)."""
+    missing = [name for name in METHODS if name not in NO_KEPT_SET and not hand_kept_set_tests(
+        PROJECT / "tests" / "methods" / f"test_{name}.py")]
+    assert not missing, f"no @pytest.mark.kept_set test in tests/methods/test_<name>.py: {missing}"
+    assert set(NO_KEPT_SET) <= set(METHODS)
+    for name in NO_KEPT_SET:
+        assert not method_class(name).capabilities.selects_tokens, name
 
 
 def test_declared_capabilities_match_the_code():
@@ -194,6 +230,11 @@ class StepChecker:
         self.compressed = False  # some layer held or attended less than the full cache
         self.choices = 0  # compressions where the scores chose among more tokens than slots
         self.prompt_budget: dict[int, int] = {}  # layer -> its budget at the prompt's end
+        # layer -> (the rule's budget, tokens seen) when its prompt ended
+        self.granted: dict[int, tuple[int, int]] = {}
+        self.dense_rows: dict[int, bool] = {}  # layer -> its last forward attended a held prompt
+        self.selected_mass = self.selected_share = 0.0  # see record_selection_mass
+        self.uneven = False  # some head-wise compression gave its heads different counts
         for layer in layers:
             layer.update = self._update(layer, layer.update)
             layer.attend = self._attend(layer, layer.attend)
@@ -217,6 +258,7 @@ class StepChecker:
             counts = [len(row) for row in kept]
             h_kv = layer.kept_positions().shape[1]
             if layer.method.allocates_per_head():  # head-wise: the split must hold the rule's total
+                self.uneven |= len(set(counts)) > 1
                 for b in range(len(counts) // h_kv):
                     assert sum(counts[b * h_kv:(b + 1) * h_kv]) == h_kv * budget, (
                         f"{where}: heads keep {counts[b * h_kv:(b + 1) * h_kv]}, the rule says "
@@ -228,6 +270,7 @@ class StepChecker:
                 row = set(row)
                 assert len(row) == counts[head], f"{where}, head {head}: repeated positions"
                 budget = counts[head]
+                self.check_knob_protections(layer, row, seen, budget, f"{where}, head {head}")
                 assert guard <= row or len(guard) > budget, (
                     f"{where}, head {head}: declared protections (protected={sinks, recent}) "
                     f"evicted: {sorted(guard - row)}")
@@ -241,16 +284,12 @@ class StepChecker:
                     self.choices += 1
         return checked
 
-    def rule(self, layer) -> int:
-        """A template layer's budget now, from the method's rule and the protocol's basis (a
-        layer with a budget() of its own, SqueezeAttention's, is held to it; under the final-
-        length basis it may never change after the prompt: the basis does not)."""
-        if type(layer).budget is EvictionLayer.budget:
-            rule = layer.method.layer_budget(layer.layer_idx, self.info.num_layers,
-                                             layer.basis_tokens())
-        else:
-            rule = layer.budget()
-        if layer.protocol.budget_basis == "final":
+    def rule(self, layer) -> int | None:
+        """A budgeted layer's budget now, from its method's declared rule and the protocol's
+        basis (tests/methods/rules.py; never the layer's own `budget()`); under the final-length
+        basis it may never change after the prompt: the basis does not."""
+        rule = rules.rule_budget(layer, self.info.num_layers)
+        if rule is not None and layer.protocol.budget_basis == "final":
             first = self.prompt_budget.setdefault(layer.layer_idx, rule)
             assert rule == first, (f"layer {layer.layer_idx}: the budget moved from {first} to "
                                    f"{rule} under the final-length basis")
@@ -259,12 +298,45 @@ class StepChecker:
     def _on_prefill_end(self, layer, on_prefill_end):
         def checked():
             on_prefill_end()
-            if isinstance(layer, EvictionLayer):  # the allowance is the rule's, never self-granted
-                assert layer.allowed_tokens() == self.rule(layer), (
+            factors = rules.allocation_factors(self.layers)
+            if factors is not None:  # a per-request split of the uniform budget: mean 1
+                assert abs(sum(factors) / len(factors) - 1) < 1e-6, (
+                    f"per-layer budget factors {factors} do not average 1")
+            if rules.has_budget_rule(layer):
+                self.check_layer_split(layer)
+            if isinstance(layer, EvictionLayer) and rules.has_budget_rule(layer):
+                rule = self.rule(layer)  # the allowance is the rule's, never self-granted
+                self.granted[layer.layer_idx] = (rule, layer.seen_tokens)
+                assert layer.allowed_tokens() == rule, (
                     f"layer {layer.layer_idx} at the prompt's end: allowed "
-                    f"{layer.allowed_tokens()}, the rule says {self.rule(layer)}")
+                    f"{layer.allowed_tokens()}, the rule says {rule}")
             self.check_budget_and_positions(layer)
         return checked
+
+    def check_layer_split(self, layer):
+        """A per-layer schedule (`layer_budget`) spends at most the uniform total over the
+        layers, up to an integer schedule's rounding (below one token per pair of layers)."""
+        method, n = layer.method, self.info.num_layers
+        if getattr(layer, "squeeze", None) is not None:
+            return  # its split is the factors' (their mean is checked)
+        basis = KVLayer.basis_tokens(layer)
+        split = [method.layer_budget(i, n, basis) for i in range(n)]
+        uniform = method.total_tokens(basis)
+        assert sum(split) <= n * uniform + n * (n - 1) // 2, (
+            f"per-layer budgets {split} spend more than {n} x the uniform {uniform}")
+
+    def rule_allowance(self, layer) -> int | None:
+        """What a budgeted layer may hold (or attend) now under its method's rule: the rule's
+        budget; a prompt compressor (compress_at="prefill_end"): the rule's budget at the prompt's
+        end plus the tokens appended since; None while a prompt is held or attended in full."""
+        if not rules.has_budget_rule(layer) or KVLayer.holding_prompt(layer):
+            return None
+        if self.dense_rows.get(layer.layer_idx):  # the last forward attended its prompt densely
+            return None
+        if isinstance(layer, EvictionLayer) and layer.compress_at == "prefill_end":
+            granted = self.granted.get(layer.layer_idx)
+            return None if granted is None else granted[0] + layer.seen_tokens - granted[1]
+        return self.rule(layer)
 
     def _update(self, layer, update):
         def checked(keys, values, position_ids):
@@ -273,6 +345,9 @@ class StepChecker:
             out_k, out_v = update(keys, values, position_ids)
             b, h_kv, d = keys.shape[0], self.info.num_kv_heads, self.info.head_dim
             where = f"layer {layer.layer_idx} after {seen} tokens"
+            if reads_own_cache(layer):  # update returned a part; attend reads the whole
+                assert offset + length == seen + q_len, f"{where}: mask offset {offset} + {length}"
+                return out_k, out_v
             assert out_k.shape[:2] == (b, h_kv) and out_k.shape[-1] == d, where
             assert out_v.shape == out_k.shape, where
             assert out_k.shape[-2] == length, (
@@ -283,15 +358,43 @@ class StepChecker:
 
     def _attend(self, layer, attend):
         def checked(module, query, keys, values, attention_mask, base, **kwargs):
-            if attention_mask is not None:  # eager: the mask built from mask_sizes
+            if attention_mask is not None and not reads_own_cache(layer):  # eager: from mask_sizes
                 assert tuple(attention_mask.shape[-2:]) == (query.shape[2], keys.shape[-2]), (
                     f"layer {layer.layer_idx}: mask {tuple(attention_mask.shape)} for "
                     f"{query.shape[2]} queries over {keys.shape[-2]} keys")
+            self.dense_rows[layer.layer_idx] = KVLayer.holding_prompt(layer)
             out = attend(module, query, keys, values, attention_mask, base, **kwargs)
             b, h_q, q_len, d = query.shape
             assert out[0].shape == (b, q_len, h_q, d), f"layer {layer.layer_idx}: output shape"
+            self.record_selection_mass(layer, module, query, keys, kwargs)
             return out
         return checked
+
+    def record_selection_mass(self, layer, module, query, keys, kwargs):
+        """A selecting layer's decode step over every token it holds: the exact attention mass
+        (softmax of this query over all keys; per KV head the group's mean when it selects per
+        KV head) on the positions it attended (`kept_positions`), against their share of the
+        tokens. Summed over the run, a selection by any proxy of attention beats its share; a
+        selection pointing the wrong way (the lowest scores) falls below it."""
+        if (query.shape[2] != 1 or not torch.is_tensor(keys) or KVLayer.holding_prompt(layer)
+                or keys.shape[2] != layer.seen_tokens or "selected_tokens" not in layer.stats()):
+            return
+        b, h_q, _, _ = query.shape
+        h_kv, t = keys.shape[1], keys.shape[2]
+        positions = layer.kept_positions()  # (B, H_sel, n)
+        if positions.shape[-1] >= t:
+            return  # attended everything
+        scaling = kwargs.get("scaling")
+        scaling = module.scaling if scaling is None else scaling
+        expanded = keys.float().repeat_interleave(h_q // h_kv, dim=1)  # (B, H_q, T, D)
+        probs = (torch.einsum("bhd,bhtd->bht", query[:, :, 0].float(), expanded)
+                 * scaling).softmax(-1)  # (B, H_q, T)
+        if positions.shape[1] != h_q:
+            probs = probs.view(b, h_kv, h_q // h_kv, t).mean(2)  # (B, H_kv, T)
+        for prob_row, row in zip(probs.reshape(-1, t), positions.reshape(-1, positions.shape[-1])):
+            held = torch.unique(row[row >= 0])
+            self.selected_mass += float(prob_row[held].sum())
+            self.selected_share += held.numel() / t
 
     def _after_forward(self, layer, after_forward):
         def checked():
@@ -307,6 +410,9 @@ class StepChecker:
         where = f"layer {layer.layer_idx} after {seen} tokens"
         if budget is not None:
             assert used <= budget, f"{where}: uses {used} tokens, budget {budget}"
+        rule = self.rule_allowance(layer)
+        if rule is not None:
+            assert used <= rule, f"{where}: uses {used} tokens, the method's rule allows {rule}"
         full_bytes = 2 * seen * self.info.num_kv_heads * self.info.head_dim * 4  # fp32 K and V
         self.compressed |= used < seen or stats["kv_bytes"] < full_bytes
         positions = layer.kept_positions()
@@ -345,36 +451,38 @@ class StepChecker:
                 f"{where}: heads hold {held.tolist()}, the rule allows {allowed.tolist()}")
 
     def check_declared_keeps(self, layer, rows, budget, kept):
-        """Sinks a method without the scored-eviction template declares (`sink_tokens`) are kept
-        once it evicts (template methods: every compression is checked against their own
-        `protected(budget)`, above)."""
-        seen, where = layer.seen_tokens, f"layer {layer.layer_idx} after {layer.seen_tokens} tokens"
-        if kept >= seen or budget is None or scored_eviction(layer):
+        """Every protection the method's knobs declare (tests/methods/rules.py) is held in every
+        row (attended, for a selecting layer) whenever the layer holds or attends fewer tokens
+        than it has seen; a row's budget is the tokens it holds."""
+        seen = layer.seen_tokens
+        used = layer.stats().get("selected_tokens", kept)
+        if used >= seen or (budget is None and rules.has_budget_rule(layer)):
             return
-        sinks, recent = getattr(self.method, "sink_tokens", 0) or 0, 0
-        for row in rows.tolist():
-            assert set(range(min(sinks, seen))) <= set(row), f"{where}: sinks evicted"
-            assert set(range(seen - recent, seen)) <= set(row), f"{where}: recent tokens evicted"
+        where = f"layer {layer.layer_idx} after {seen} tokens"
+        for head, row in enumerate(held_rows(rows)):
+            self.check_knob_protections(layer, set(row), seen, len(row), f"{where}, row {head}")
+
+    def check_knob_protections(self, layer, row: set, seen: int, cap: int, where: str):
+        first, last = rules.declared_protections(rules.method_of(layer, self.method), cap)
+        first, last = min(first, seen), min(last, seen)
+        missing = sorted((set(range(first)) | set(range(seen - last, seen))) - row)
+        assert not missing, (f"{where}: positions {missing} evicted, though the method's knobs "
+                             f"protect the first {first} and the last {last} "
+                             "(tests/methods/rules.py)")
+
+
+def reads_own_cache(layer) -> bool:
+    """A quantizing layer whose decode attention reads its packed cache itself (KIVI, KVQuant,
+    TailorKV's quantized layers: `step_cache`, set by update, consumed by attend): update returns
+    only the tokens kept exact, so the K/V it returns are not what the mask describes (their
+    outputs equal dequantize-then-attend: tests/methods/test_kivi.py, test_kvquant.py)."""
+    return getattr(layer, "step_cache", None) is not None
 
 
 def scored_eviction(layer) -> bool:
     """A layer on the scored-eviction template that keeps the top of its own scores, whatever
     code of its own does it (`selects_top_scores`; KVMerger merges instead, by its own test)."""
     return isinstance(layer, EvictionLayer) and layer.selects_top_scores
-
-
-# (method, mode or None) -> (strict, reason): the known contract exceptions, each explained.
-KNOWN_EXCEPTIONS = {
-    ("kivi", None): (False, "KIVI's fused decode path: update() returns only the full-precision "
-                            "tails and attend() reads the packed cache itself (layer.step_cache); "
-                            "outputs equal dequantize-then-attend (tests/methods/test_kivi.py)"),
-    ("kvquant", None): (False, "KVQuant's decode path, as KIVI's: update() returns the new tokens "
-                               "and attend() reads the codes itself (layer.step_cache); outputs "
-                               "equal dequantize-then-attend (tests/methods/test_kvquant.py)"),
-    ("tailorkv", None): (False, "TailorKV's quantized layers are KIVI's layers (see kivi); its "
-                                "sparse layers alone pass strictly "
-                                "(tests/methods/test_tailorkv.py)"),
-}
 
 
 def _with_modes():
@@ -384,9 +492,7 @@ def _with_modes():
         cls = method_class(name)
         modes = cls.capabilities.modes if "mode" in cls.hyperparameter_names() else (None,)
         for mode in modes:
-            known = KNOWN_EXCEPTIONS.get((name, mode))
-            marks = pytest.mark.xfail(strict=known[0], reason=known[1]) if known else ()
-            cases.append(pytest.param(name, mode, marks=marks, id=f"{name}-{mode}" if mode else name))
+            cases.append(pytest.param(name, mode, id=f"{name}-{mode}" if mode else name))
     return cases
 
 
@@ -401,12 +507,14 @@ def test_contract_holds_at_every_step_while_compressing(name, mode, which, reque
     settings = method_class(name).compressing_hyperparameters(SEQ_TOKENS)
     method = build_method(name, **settings, **({"mode": mode} if mode else {}))
     skip_if_refused(method, model)
-    check_compressing_contract(model, method)
+    check_compressing_contract(model, method, trained=which == "stories")
 
 
-def check_compressing_contract(model, method):
+def check_compressing_contract(model, method, trained=False):
     """The contract while `method` compresses SEQ_TOKENS random tokens (eager attention, a
-    chunked prompt, then decode steps); raises AssertionError / BudgetViolation on a breach."""
+    chunked prompt, then decode steps); raises AssertionError / BudgetViolation on a breach.
+    `trained`: a trained model, whose heads differ (a random tiny model's may all look alike,
+    so a per-head split may rightly come out even there)."""
     name, settings = method.name, method.hyperparameters()
     info = hf_adapter.model_info(model.config)
     ids = torch.randint(3, 250, (1, SEQ_TOKENS), generator=torch.Generator().manual_seed(7))
@@ -424,6 +532,17 @@ def check_compressing_contract(model, method):
     assert checker.forwards == PREFILL_TOKENS // CHUNK_TOKENS + SEQ_TOKENS - PREFILL_TOKENS
     assert checker.compressed == method.capabilities.compresses, (
         f"{name} {settings}: held or attended less than the full cache: {checker.compressed}")
+    if trained and any(scored_eviction(layer) and layer.method.allocates_per_head()
+                       for layer in req.cache.kv_layers):
+        assert checker.uneven, (f"{name} {settings}: declares its own per-head split "
+                                "(head_budgets) but every compression kept equal counts per head")
+    if checker.selected_share:
+        # measured (seed 7): oracle_topk 1.02-4.7, Quest 1.007-2.5, InfiniGen 1.009-1.9 over the
+        # families (the random tiny models' attention is nearly flat; stories260K's is not)
+        assert checker.selected_mass > checker.selected_share, (
+            f"{name} {settings}: the tokens it attended carry {checker.selected_mass:.3f} of the "
+            f"exact attention summed over decode steps and heads, below their share "
+            f"{checker.selected_share:.3f}: the selection points the wrong way")
     if any(scored_eviction(layer) for layer in req.cache.kv_layers):
         assert checker.choices > 0, (
             f"{name} {settings}: its scores never chose a token (every slot protected): the "

@@ -112,6 +112,7 @@ def _reference(q, k_all, v_all, keep_by_head, comp=False, sinks=2):
     return torch.stack(out)
 
 
+@pytest.mark.kept_set
 @pytest.mark.parametrize("compensate", [False, True])
 def test_per_head_kept_sets_and_attention_by_hand(compensate):
     """KV head 0 retrieval, head 1 streaming (2 sinks + 3 window): after a 10-token prefill and

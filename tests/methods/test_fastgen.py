@@ -70,6 +70,7 @@ def crafted_mass():
     return mass
 
 
+@pytest.mark.kept_set
 def test_each_head_takes_its_cheapest_policy():
     scores = crafted_mass()  # accumulated attention: as the window's, but head 1's heavy
     scores[1] = 0.0  # hitters are early tokens, neither the first nor its window

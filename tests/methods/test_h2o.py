@@ -34,6 +34,7 @@ def test_scores_are_the_accumulated_causal_attention(tiny_model):
         assert torch.allclose(scores[layer], expected, atol=1e-5)
 
 
+@pytest.mark.kept_set
 @pytest.mark.parametrize("basis, kept_at_end", [("final", 10), ("seen", 15)])
 def test_keeps_exactly_its_budget_and_the_right_tokens(basis, kept_at_end, tiny_model,
                                                        monkeypatch):

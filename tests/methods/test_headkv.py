@@ -15,6 +15,7 @@ from methods import build_method
 from methods.headkv import head_shares, load_head_scores
 from tests.conftest import make_engine
 from tests.methods.headwise_reference import masked_full_gap
+from tests.methods.rules import kept_after_crafted_compression
 
 FIXTURE = Path(__file__).parent / "data" / "headkv_tiny_llama.json"  # 2 layers x 4 query heads
 WINDOW = 8
@@ -201,3 +202,16 @@ def test_a_layer_share_above_the_sequence_goes_to_the_other_layers():
     method._shares = head_shares(torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0]]), 1.0, 2)
     budgets = [method.layer_budget(layer, 3, 30) for layer in range(3)]
     assert budgets == [30, 15, 15]
+
+
+@pytest.mark.kept_set
+def test_kept_set_by_hand():
+    """One layer, two KV heads of shares 3/4 and 1/4 (as `prepare` leaves them), budget 6,
+    window 2, beta 2: prefix budget 4, pooled 4 // 2 = 2, prefix capacities 2 + (3/4, 1/4) x 2
+    x 1 x 2 = (5, 3). Head 0 keeps the window (8, 9) and its top 5 of positions 0..7 (scores
+    rising: 3..7); head 1 the window and its top 3 (scores falling: 0..2): 12 = 2 x 6."""
+    method = build_method("headkv", budget_tokens=6, window_tokens=2, beta=2.0)
+    method._shares = head_shares(torch.tensor([[3.0, 1.0]]), 1.0, 2)
+    scores = torch.stack([torch.arange(10.0), 9 - torch.arange(10.0)])[None]
+    kept = kept_after_crafted_compression(method, scores)
+    assert kept == [[3, 4, 5, 6, 7, 8, 9], [0, 1, 2, 8, 9]]

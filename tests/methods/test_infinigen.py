@@ -542,6 +542,7 @@ def test_cpu_speculation_kernel_equals_the_torch_path(tiny4, cache_dir, monkeypa
 
 # --- the official code's GQA expansion (issue 26): per query head, the union moved ---------------
 
+@pytest.mark.kept_set
 def test_select_tokens_is_the_official_count_rule_by_hand():
     """Count above max - alpha per head, the floor of the mean shared by all heads, top-count
     best first; `head0_threshold`: head 0's max thresholds every head (the Llama simulation)."""

@@ -9,6 +9,7 @@ from methods.keydiff import anchor_cosine
 from tests.conftest import make_engine
 
 
+@pytest.mark.kept_set
 def test_hand_example():
     """methods-2.md §4: k = (1,0), (.9,.1), (.6,.8), (0,1): cos to the anchor = [.805 .866 .958
     .593]; with N = 2 tokens 3 and 0 are kept."""

@@ -23,6 +23,7 @@ def prompt_layer(keys: torch.Tensor, chunks: list[tuple[int, int]], **knobs):
     return layer
 
 
+@pytest.mark.kept_set
 def test_hand_example_lowest_norms_kept():
     """Norms of (3,4), (1,0), (0,2), (6,8), (0.6,0.8), (2,0) = 5, 1, 2, 10, 1, 2: a budget of 4
     keeps the four lowest, positions {1, 2, 4, 5}, whatever the prompt's chunking."""

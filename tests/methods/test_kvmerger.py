@@ -75,6 +75,7 @@ def merged_prompt(layer_idx=0, **knobs):
     return layer
 
 
+@pytest.mark.kept_set
 def test_prompt_is_merged_as_computed_by_hand():
     """10 tokens, threshold 0.75: adjacent cosines .995 .993 | .22 | .995 .997 .82 | -.71 | 0 | .995;
     the last 2 tokens (20 %: 8 and 9, which would join) and the most attended other token (10 %:

@@ -56,6 +56,7 @@ def feed(lower, upper, k_lo, v_lo, k_up, v_up):
     return seen_lo, seen_up
 
 
+@pytest.mark.kept_set
 def test_prompt_is_merged_and_restored_as_computed_by_hand():
     """8 tokens, gamma = 0.25: the two tokens whose layers disagree most are retained bit-exactly
     in both layers, the others come back as each layer's magnitude x the shared SLERP direction."""

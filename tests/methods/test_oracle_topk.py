@@ -1,11 +1,13 @@
 """Top-k oracle: attends to exactly k tokens per step, the true top-k, and is an upper bound."""
 
+import pytest
 import torch
 
 from methods import build_method
 from tests.conftest import make_engine
 
 
+@pytest.mark.kept_set
 def test_selects_the_exact_top_k_and_nothing_else(tiny_model):
     torch.manual_seed(0)
     ids = torch.randint(3, 250, (1, 50))

@@ -6,6 +6,7 @@ import torch
 from methods import build_method
 from methods.pyramidkv import pyramid_budget
 from tests.conftest import make_engine
+from tests.methods.rules import kept_after_crafted_compression
 
 
 @pytest.mark.parametrize("seen, caps", [
@@ -38,3 +39,17 @@ def test_layers_keep_their_pyramid_budget(stories):
         req.step(ids[:1])
         assert [kv.kept_tokens() for kv in req.cache.kv_layers] == [e + 1 for e in expected]
     assert engine.ledger.samples[-1]["budget_per_layer"] == [e + 1 for e in expected]
+
+
+@pytest.mark.kept_set
+def test_kept_set_by_hand():
+    """20 tokens scored 7p mod 20 (distinct), budget 8, window 2, beta 20, 3 layers: prefix
+    budget 6, min 6 // 20 = 0, max 12, step 6, so layers keep 14, 8 and 2 tokens: the window
+    (18, 19) and the top 12, 6 and 0 of positions 0..17 (scores 19, 18, 17, ... at positions
+    17, 14, 11, 8, 5, 2, 16, 13, 10, 7, 4, 1)."""
+    scores = (torch.arange(20.0) * 7 % 20)[None, None]
+    method = build_method("pyramidkv", budget_tokens=8, window_tokens=2, beta=20)
+    kept = [kept_after_crafted_compression(method, scores, layer_idx=i, num_layers=3)[0]
+            for i in range(3)]
+    assert kept == [[1, 2, 4, 5, 7, 8, 10, 11, 13, 14, 16, 17, 18, 19],
+                    [2, 5, 8, 11, 14, 17, 18, 19], [18, 19]]

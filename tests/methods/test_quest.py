@@ -88,6 +88,7 @@ def test_kernel_arguments_are_checked():
 OURS = dict(select_per="kv_head", current_page="forced")  # the named variant: our selection
 
 
+@pytest.mark.kept_set
 def test_every_decode_step_attends_the_hand_selected_pages(tiny_model, monkeypatch):
     """Ours (`select_per=kv_head`, `current_page=forced`). Budget 21, pages of 4, no dense layer:
     at each step recompute the page bounds from the cached keys, the max-over-group bounds, the

@@ -22,6 +22,7 @@ def _dense(q, k, v):
     return (probs @ v).transpose(1, 2)
 
 
+@pytest.mark.kept_set
 @pytest.mark.parametrize("weighted", [True, False])
 def test_compensation_token_is_exact_when_dropped_keys_are_identical(weighted):
     """methods-2.md §8: identical dropped keys (any values) -> the |D|-weighted compensation token

@@ -1,5 +1,6 @@
 """Scissorhands: the token most often below uniform attention over the history goes first."""
 
+import pytest
 import torch
 
 from methods import build_method
@@ -8,6 +9,7 @@ from methods.scissorhands import ScissorhandsLayer, low_attention
 from tests.conftest import make_engine
 
 
+@pytest.mark.kept_set
 def test_hand_example():
     """methods-2.md §3: T = 5 > B = 4, w = 3, r = 1, tau = 1/5; counts of a < 0.2 over the three
     rows: [0, 3, 2, 1, 3 (protected)] -> token 1 is evicted."""

@@ -95,6 +95,7 @@ def test_a_query_on_a_landmark_selects_its_chunk_and_gqa_takes_the_max():
             probs.topk(3).indices.tolist())
 
 
+@pytest.mark.kept_set
 def test_model_decode_steps_match_a_hand_computation_and_respect_the_budget(tiny_model, monkeypatch):
     """Sparse budget 16 on a 64-token prompt of the tiny GQA Llama: per layer and step, rebuild from
     the full-cache prompt keys the landmarks, outliers, chunk choice, low-rank keys and the

@@ -1,5 +1,6 @@
 """SnapKV: once per prompt, window votes pooled along the text, top-k per KV head + the window."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -37,6 +38,7 @@ def hand_kept(queries, keys, budget, window, kernel):
     return kept
 
 
+@pytest.mark.kept_set
 def test_kept_set_equals_a_hand_computation():
     torch.manual_seed(0)
     n, d, window, budget, kernel = 20, 8, 4, 9, 3

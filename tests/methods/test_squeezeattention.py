@@ -13,6 +13,7 @@ from methods.base import Protocol
 from methods.squeezeattention import budget_factors, kmeans_1d
 from tasks import build_task
 from tests.conftest import make_engine
+from tests.methods.rules import kept_after_crafted_compression
 from tests.models import family_config
 
 
@@ -165,3 +166,21 @@ def test_eager_equals_sdpa_with_per_layer_budgets(stories):
             hf_adapter.set_attention(model, "sdpa")
         out.append(torch.cat(logits, 1))
     assert torch.allclose(out[0], out[1], atol=1e-4)
+
+
+@pytest.mark.kept_set
+@pytest.mark.parametrize("factor, expected", [
+    (0.5, [14, 17, 18, 19]),  # 4 tokens: H2O's recent half (18, 19) + the top 2 (17, 14)
+    (1.5, [2, 5, 8, 10, 11, 13, 14, 15, 16, 17, 18, 19]),  # 12: the recent 6 + the top 6
+])
+def test_kept_set_by_hand(factor, expected):
+    """The H2O scorer inside, uniform budget 8: a layer of factor f keeps int(8 f) tokens, half
+    of them the most recent (recent_ratio 0.5), the rest the highest of 20 tokens scored 7p mod
+    20 (17, 14, 11, 8, 5, 2, 16, 13, 10 at 19, 18, 17, 16, 15, 14, 12, 11, 10)."""
+    scores = (torch.arange(20.0) * 7 % 20)[None, None]
+    method = build_method("squeezeattention", budget_tokens=8, scorer="h2o")
+
+    def factored(layer):
+        layer.budget_factor = factor
+    kept = kept_after_crafted_compression(method, scores, setup=factored)
+    assert kept == [expected]

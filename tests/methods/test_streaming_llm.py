@@ -30,6 +30,7 @@ def stream(engine, ids, prefill=0):
         return nll, req
 
 
+@pytest.mark.kept_set
 @pytest.mark.parametrize("rerotate", [True, False])
 def test_sinks_and_window_always_present(tiny_model, rerotate):
     method = build_method("streaming_llm", sink_tokens=2, window_tokens=6, rerotate=rerotate)
@@ -82,17 +83,19 @@ def test_kept_keys_equal_keys_computed_at_their_positions(tiny_model, rerotate):
 
 
 def test_attention_sinks_help_smollm2(smollm2):
-    """The StreamingLLM finding, measured: SmolLM2 streaming PPL over 400 PG-19 tokens with a
-    32-token cache (scored once the cache is full): 4 sinks + 28 window = 59.0 vs a 32-token
-    window without sinks = 197.0. stories260K shows no such effect (window-only is *better*
-    there: 34.5 vs 38.7 at window 16 over 1500 tokens; it has no strong sink), so the finding is
-    asserted on SmolLM2, with a 1.5x margin (measured ratio 3.3x)."""
+    """The StreamingLLM finding, measured: SmolLM2 streaming PPL over 96 PG-19 tokens with a
+    16-token cache (scored from token 24, once it is full): 4 sinks + 12 window = 232.4 vs a
+    16-token window without sinks = 3634 (15.6x; at 160 tokens 160.9 vs 1515.9, at 400 tokens
+    and a 32-token cache 59.0 vs 197.0: 3.3x).
+    stories260K shows no such effect (window-only is *better* there: 34.5 vs 38.7 at window 16
+    over 1500 tokens; it has no strong sink), so the finding is asserted on SmolLM2, with a 1.5x
+    margin."""
     model, tok = smollm2
     from tests.conftest import DATA, need_shared
 
     need_shared(DATA)
     text = (DATA / "pg19" / "pg19_firstbook.txt").read_text()
-    ids = torch.tensor(tok(text)["input_ids"][:400])
+    ids = torch.tensor(tok(text)["input_ids"][:96])
 
     def ppl(**kw):
         engine = make_engine(model, build_method("streaming_llm", **kw), tok)
@@ -101,10 +104,10 @@ def test_attention_sinks_help_smollm2(smollm2):
             for t in range(ids.numel() - 1):
                 logits = req.step(ids[t:t + 1])[0, -1]
                 nll.append(float(token_nll(logits[None], ids[t + 1:t + 2])[0]))
-        return math.exp(sum(nll[64:]) / len(nll[64:]))  # once the cache is full
+        return math.exp(sum(nll[24:]) / len(nll[24:]))  # once the cache is full
 
-    with_sinks = ppl(sink_tokens=4, window_tokens=28)
-    window_only = ppl(sink_tokens=0, window_tokens=32)
+    with_sinks = ppl(sink_tokens=4, window_tokens=12)
+    window_only = ppl(sink_tokens=0, window_tokens=16)
     print(f"streaming PPL with sinks {with_sinks:.2f}, window only {window_only:.2f}")
     assert window_only > 1.5 * with_sinks, (with_sinks, window_only)
 

@@ -162,6 +162,7 @@ def sparse_layer(h_kv=2, groups=2, d=8, **knobs):
     return layer
 
 
+@pytest.mark.kept_set
 def test_sparse_step_fetches_the_hand_computed_top_k():
     torch.manual_seed(2)
     h_kv, g, d, n = 2, 2, 8, 40

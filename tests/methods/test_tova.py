@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from methods import build_method
@@ -14,6 +15,7 @@ def no_attention(module, query, keys, values, mask, **kwargs):
     return None, None
 
 
+@pytest.mark.kept_set
 def test_hand_example_evicts_the_lowest_head_mean():
     """methods-2.md §2: heads A = [.5 .1 .1 .3] and B = [.1 .5 .1 .3] share one KV head; their mean
     [.3 .3 .1 .3] with K = 3 evicts token 2 (one-hot keys make q.k = log p, so softmax = p)."""

@@ -1,0 +1,170 @@
+"""Mutation run of the shared method net: plant plausible bugs, run only the shared tests.
+
+Each mutant is one text substitution in one method file, as a newcomer (or a refactor) would
+write it. The script copies the tracked tree to a temporary folder, plants one mutant at a time
+there (the working tree is never touched), and runs in a subprocess only the shared tests of the
+mutated method (the contract, the knob check and the score direction:
+tests/methods/test_contract.py, test_every_knob_acts.py, test_score_direction.py, `-k <method>`).
+A mutant is killed when a test fails. `--with-hand` also runs the method's required hand-computed
+kept-set test (`@pytest.mark.kept_set` in tests/methods/test_<method>.py).
+
+    python scripts/mutation_run.py [--with-hand] [--only NAME ...]
+
+Prints one line per mutant and the totals; exits 1 when a planted mutant does not apply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ["tests/methods/test_contract.py", "tests/methods/test_every_knob_acts.py",
+          "tests/methods/test_score_direction.py"]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    method: str  # whose shared tests run
+    path: str
+    old: str
+    new: str
+
+
+MUTANTS = [
+    Mutant("sinks unprotected", "streaming_llm", "methods/streaming_llm.py",
+           "        return min(self.method.sink_tokens, budget), 0",
+           "        return 0, 0"),
+    Mutant("sinks evicted at decode", "streaming_llm", "methods/streaming_llm.py",
+           "        sinks = min(self.method.sink_tokens, budget)  # the sinks",
+           "        sinks = 0  # the sinks"),
+    Mutant("newest window token evicted", "streaming_llm", "methods/streaming_llm.py",
+           "return self.positions[:, :, sinks:].argmin(dim=-1) + sinks",
+           "return self.positions[:, :, sinks:].argmax(dim=-1) + sinks"),
+    Mutant("observation window unprotected", "snapkv", "methods/snapkv.py",
+           "        return 0, min(self.method.window_tokens, budget)",
+           "        return 0, 0"),
+    Mutant("recent window unprotected", "scissorhands", "methods/scissorhands.py",
+           "        return 0, min(self.method.recent_tokens, budget)",
+           "        return 0, 0"),
+    Mutant("recent share unprotected", "h2o", "methods/h2o.py",
+           "        return 0, min(budget, int(round(self.method.recent_ratio * budget)))",
+           "        return 0, 0"),
+    Mutant("layer budget doubled (layer override)", "h2o", "methods/h2o.py",
+           "    def protected(self, budget: int) -> tuple[int, int]:",
+           "    def budget(self) -> int:\n        return 2 * super().budget()\n\n"
+           "    def protected(self, budget: int) -> tuple[int, int]:"),
+    Mutant("bottom layer budget doubled (schedule)", "pyramidkv", "methods/pyramidkv.py",
+           "    return window + max_num - layer * steps",
+           "    return (2 if layer == 0 else 1) * (window + max_num - layer * steps)"),
+    Mutant("layer factors not normalised", "squeezeattention", "methods/squeezeattention.py",
+           "            x.budget_factor = factor",
+           "            x.budget_factor = max(factor, 1.0)"),
+    Mutant("scores reset every step", "h2o", "methods/h2o.py",
+           "        scores.add_(group_column_sums(probs, keys.shape[1]))",
+           "        scores.zero_().add_(group_column_sums(probs, keys.shape[1]))"),
+    Mutant("per-head budgets made uniform", "adakv", "methods/adakv.py",
+           "    return counts + (rank < short).to(torch.int64)",
+           "    return torch.full_like(counts, budget)"),
+    Mutant("per-head budgets made uniform", "headkv", "methods/headkv.py",
+           "        return protected + split_tokens(caps.expand(room.shape).to(scores.device), "
+           "total, room)",
+           "        return torch.full_like(protected, budget)"),
+    Mutant("highest norms kept", "knorm", "methods/knorm.py",
+           "        return -key_norms(self.keys)",
+           "        return key_norms(self.keys)"),
+    Mutant("streaming heads drop their sinks", "duo_attention", "methods/_headwise.py",
+           "        sinks = min(self.method.sink_tokens, max(1, (allowed - comp) // 2), "
+           "real_sinks)",
+           "        sinks = 0"),
+    Mutant("lowest scores picked", "oracle_topk", "methods/oracle_topk.py",
+           "top = kv_scores.topk(k, dim=-1).indices",
+           "top = kv_scores.topk(k, dim=-1, largest=False).indices"),
+    Mutant("lowest pages picked", "quest", "methods/quest.py",
+           "    top = scores.topk(k, dim=-1).indices  # (B, H, K)",
+           "    top = scores.topk(k, dim=-1, largest=False).indices  # (B, H, K)"),
+    Mutant("lowest scores picked (torch path)", "infinigen", "methods/infinigen.py",
+           "    return scores.topk(cap, dim=-1).indices, count.clamp(1, cap)",
+           "    return scores.topk(cap, dim=-1, largest=False).indices, count.clamp(1, cap)"),
+    Mutant("lowest scores picked (CPU kernel path)", "infinigen",
+           "methods/kernels/speculation_cpu.py",
+           "    q, pk = kernel_rows(q_partial), kernel_rows(partial_keys)",
+           "    q, pk = kernel_rows(-q_partial), kernel_rows(partial_keys)"),
+    Mutant("recent prompt tokens not attended", "tailorkv", "methods/tailorkv.py",
+           "        r = min(self.m.recent_tokens, budget - s)",
+           "        r = 0"),
+]
+
+
+def copy_tree(dest: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
+                           check=True, capture_output=True, text=True).stdout.split()
+    for rel in files:
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)
+
+
+def run_tests(tree: Path, mutant: Mutant, with_hand: bool) -> tuple[int, str]:
+    pytest = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
+    runs = [[*SHARED, "-k", mutant.method]]
+    if with_hand:  # only the marked hand test of the method's own file
+        runs.append([f"tests/methods/test_{mutant.method}.py", "-m", "kept_set"])
+    # the shared models and data stay where the project finds them (they sit beside it)
+    shared = os.environ.get("KVH_SHARED_DIR", str(ROOT.parent / "shared"))
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1",
+           "KVH_SHARED_DIR": shared}
+    for args in runs:
+        proc = subprocess.run(pytest + args, cwd=tree, env=env, capture_output=True, text=True)
+        lines = proc.stdout.splitlines()
+        failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
+        if proc.returncode != 0:
+            return proc.returncode, (failed[0] if failed else lines[-1])
+    return 0, proc.stdout.strip().splitlines()[-1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--with-hand", action="store_true",
+                        help="also run the method's hand-computed kept-set test")
+    parser.add_argument("--only", nargs="*", help="mutated methods to run (default: all)")
+    opts = parser.parse_args()
+    chosen = [m for m in MUTANTS if not opts.only or m.method in opts.only]
+    killed = survived = 0
+    with tempfile.TemporaryDirectory(prefix="kvh-mutants-") as tmp:
+        tree = Path(tmp)
+        copy_tree(tree)
+        for mutant in chosen:
+            target = tree / mutant.path
+            original = target.read_text()
+            if original.count(mutant.old) != 1:
+                print(f"NOT APPLIED  {mutant.method}: {mutant.name} ({mutant.path} changed)")
+                return 1
+            target.write_text(original.replace(mutant.old, mutant.new))
+            start = time.monotonic()
+            try:
+                rc, detail = run_tests(tree, mutant, opts.with_hand)
+            finally:
+                target.write_text(original)
+            verdict = "killed" if rc == 1 else "SURVIVED" if rc == 0 else f"error rc={rc}"
+            killed += rc == 1
+            survived += rc == 0
+            seconds = time.monotonic() - start
+            print(f"{verdict:9} {mutant.method:17} {mutant.name:40} {seconds:5.0f}s"
+                  f"  {detail[:110]}", flush=True)
+    print(f"\n{killed} of {len(chosen)} mutants killed, {survived} survived "
+          f"({'shared tests + hand kept-set tests' if opts.with_hand else 'shared tests only'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
