@@ -6,7 +6,7 @@ exactly." (later chunks: "...the part of the previous context exactly, starting 
 previous chunk's last 8 tokens), the template's answer prefix, then the chunk itself, at the
 positions after the prompt, over the prompt's full cache (the forward writes nothing to it). In
 every layer, the reconstruction queries' attention is taken over the sinks (the first
-`sink_tokens`, from the second chunk on), the chunk's keys and the reconstruction tokens (causal),
+`sink_tokens`, from the second chunk on; or the system prompt, below), the chunk's keys and the reconstruction tokens (causal),
 softmax in fp32 with 1/sqrt(d); a prompt token's score is its maximum attention over the
 reconstruction queries and the query heads of its KV head. The tokens kept are the top scores, the
 sinks always; decoding then appends without eviction. The scores do not depend on any question:
@@ -26,8 +26,10 @@ Differences:
   * the official `pair` level sets one threshold over all layers (non-uniform layer budgets); the
     harness's budget is per layer (the one budget rule), so `pair` splits each layer's budget
     over its heads (= kvpress's `layerwise=True`);
-  * the official sinks are the system prompt (never evicted, scored against); here, as kvpress,
-    the first `sink_tokens` of the prompt;
+  * the official system prompt (kept whole, the softmax's sinks, not reconstructed) is the
+    chat template's text before a user message when the prompt starts with it (kvpress's split
+    of the template); a prompt without it gets kvpress's sinks: its first `sink_tokens` (kvpress
+    keeps only those of a system prompt too, and scores the rest of it 0);
   * the official head-level variant (context-independent head scores from offline runs) is not
     offered: it needs per-model score files the authors publish for three models only;
   * the answer prefix: the tokenizer's chat-template assistant turn (kvpress's split of a dummy
@@ -142,16 +144,20 @@ class KVzip(BudgetedMethod):
                                  "whole); this request fed another prompt after compressing")
             kv.kvzip_scores = torch.zeros(kv.keys.shape[:3], dtype=torch.float32,
                                           device=kv.keys.device)
-        ids = torch.cat(first.ids_seen, dim=-1)[0]  # (n,) this sequence's tokens
+        ids = torch.cat(first.ids_seen, dim=-1)[0].cpu()  # (n,) this sequence's tokens
+        first_prompt, later_prompt, answer, system = self._prompts
+        system = system.numel() if torch.equal(ids[:system.numel()], system) else 0
+        for kv in scoring:
+            kv.system_tokens = system
         t0, fed = time.perf_counter(), 0
-        first_prompt, later_prompt, answer = self._prompts
-        for start in range(0, n, self.chunk_tokens):
+        for start in range(system, n, self.chunk_tokens):
             end = min(start + self.chunk_tokens, n)
-            ask = (first_prompt if start == 0 else
-                   torch.cat([later_prompt, ids[max(0, start - OVERLAP_TOKENS):start].cpu()]))
-            repeat = torch.cat([ask, answer, ids[start:end].cpu()])
-            wrappers = _Reconstruction(layers, (start, end), self.sink_tokens)
-            self._forward(wrappers, repeat, n)
+            ask = (first_prompt if start == system else
+                   torch.cat([later_prompt, ids[max(system, start - OVERLAP_TOKENS):start]]))
+            repeat = torch.cat([ask, answer, ids[start:end]])
+            # sinks of the softmax: the system prompt (official), else kvpress's first tokens
+            sinks = system or min(self.sink_tokens, start)
+            self._forward(_Reconstruction(layers, (start, end), sinks), repeat, n)
             fed += repeat.numel()
         first.reconstruction = {"reconstruction_tokens": float(fed),
                                 "reconstruction_ms": (time.perf_counter() - t0) * 1e3}
@@ -183,13 +189,14 @@ class KVzipLayer(_TokenIds, EvictionLayer):
         super().__init__(layer_idx, info, method)
         self.ids_seen: list[torch.Tensor] = []
         self.kvzip_scores: torch.Tensor | None = None  # (B, H_kv, T) the last reconstruction's
+        self.system_tokens = 0  # the prompt's chat-template system prompt, kept whole
 
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
         return base(module, query, keys, values, attention_mask, **kwargs) if not self.ragged \
             else self.over_heads(base)(module, query, keys, values, attention_mask, **kwargs)
 
     def protected(self, budget: int) -> tuple[int, int]:
-        return self.method.sink_tokens, 0
+        return max(self.method.sink_tokens, self.system_tokens), 0
 
     def on_prefill_end(self) -> None:
         self.start_reconstruction()
@@ -271,21 +278,24 @@ def chunk_scores(query: torch.Tensor, keys: torch.Tensor, start: int, end: int,
 
 
 def reconstruction_prompts(tokenizer, vocab_size: int
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(first-chunk instruction, later-chunk instruction, answer prefix) as token ids (1-D)."""
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(first-chunk instruction, later-chunk instruction, answer prefix, system prompt) as token
+    ids (1-D); the system prompt is what the chat template puts before a user message (empty
+    without a template)."""
     if tokenizer is None:  # models built in code (tests): fixed ids stand for the words
         log.warning("kvzip: no tokenizer, the reconstruction instruction is fixed token ids")
         span = torch.arange(3, min(vocab_size, 3 + 12))
-        return span[:8], span[:12], span[8:9]
+        return span[:8], span[:12], span[8:9], span[:0]
 
     def encode(text: str) -> torch.Tensor:
         return torch.tensor(tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
 
-    answer = "\n"
-    if getattr(tokenizer, "chat_template", None):  # the assistant turn after a user message
+    system, answer = "", "\n"
+    if getattr(tokenizer, "chat_template", None):  # around a user message (kvpress's split)
         dummy = "dummy context"
         separator = "\n" + "#" * len(dummy)
         turn = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}],
                                              add_generation_prompt=True, tokenize=False)
-        answer = turn.split(separator)[1]
-    return encode(FIRST_PROMPT), encode(LATER_PROMPT), encode(answer)
+        before, answer = turn.split(separator)
+        system = before.split(dummy)[0]
+    return encode(FIRST_PROMPT), encode(LATER_PROMPT), encode(answer), encode(system)

@@ -54,7 +54,7 @@ def test_reconstruction_forward_equals_prompt_then_repeat(tiny_model):
     ids = torch.randint(3, 250, (40,), generator=torch.Generator().manual_seed(1))
     method = build_method("kvzip", budget_tokens=10, chunk_tokens=100)
     engine = make_engine(tiny_model, method)
-    first, _, answer = method._prompts
+    first, _, answer, _ = method._prompts
     repeat = torch.cat([first, answer, ids])
     with engine.request() as req:
         req.prefill(ids, prompt_ends=False)  # held whole, not yet compressed
@@ -83,7 +83,7 @@ def test_chunks_and_instructions(tiny_model):
     calls = []
     forward = method._forward
     method._forward = lambda m, repeat, start: (calls.append((repeat, start)), forward(m, repeat, start))
-    first, later, answer = method._prompts
+    first, later, answer, _ = method._prompts
     with engine.request() as req:
         req.prefill(ids)
         layers = req.cache.kv_layers
@@ -94,3 +94,21 @@ def test_chunks_and_instructions(tiny_model):
                 torch.cat([later, ids[32:40], answer, ids[40:50]])]
     assert [start for _, start in calls] == [50, 50, 50]
     assert all(torch.equal(r, e) for (r, _), e in zip(calls, expected))
+
+
+def test_a_chat_system_prompt_is_kept_whole_and_not_reconstructed(tiny_model):
+    """A prompt starting with the template's system prompt (the official evict range starts
+    after it): it is kept whole, and the reconstruction repeats only what follows it."""
+    ids = torch.randint(3, 250, (50,), generator=torch.Generator().manual_seed(3))
+    method = build_method("kvzip", budget_tokens=12, chunk_tokens=100)
+    engine = make_engine(tiny_model, method)
+    first, later, answer, _ = method._prompts
+    method._prompts = first, later, answer, ids[:6]
+    calls = []
+    forward = method._forward
+    method._forward = lambda m, repeat, start: (calls.append(repeat), forward(m, repeat, start))
+    with engine.request() as req:
+        req.prefill(ids)
+        kept = [set(p) for kv in req.cache.kv_layers for p in kv.kept_positions()[0].tolist()]
+    assert all(set(range(6)) <= k for k in kept)
+    assert len(calls) == 1 and torch.equal(calls[0], torch.cat([first, answer, ids[6:]]))
