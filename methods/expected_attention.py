@@ -8,8 +8,8 @@ R = mean_p R_p (mu' = R mu, Sigma' = R Sigma R^T); a key k (post-RoPE, as cached
 expected attention logit of a Gaussian query, k.mu'/sqrt(d) + k^T Sigma' k / (2d), softmax over
 the non-sink keys per query head, averaged over the query heads of its KV head, and the score is
 (that + epsilon) x ||v||. The first `sink_tokens` are kept whatever their score. Decoding then
-appends without eviction. Paper: compresses both prefill and decode caches "with no or minimal
-loss"; the kvpress default press.
+appends without eviction. Paper: training-free, for the prefill and the decoding caches alike;
+kvpress's default press.
 
 Provenance: official code (NVIDIA/kvpress `expected_attention_press.py`, `ExpectedAttentionPress`),
 followed step for step: population covariance of the centred queries, one averaged R applied to mu

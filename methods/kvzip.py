@@ -85,7 +85,8 @@ class KVzip(BudgetedMethod):
     def __post_init__(self) -> None:
         super().__post_init__()
         self._forward: Callable | None = None  # ctx.capture: one forward through given layers
-        self._prompts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # (first instruction, later instruction, answer prefix, system prompt) ids, 1-D each
+        self._prompts: tuple[torch.Tensor, ...] | None = None
 
     def check_hyperparameters(self) -> list[str]:
         reasons = super().check_hyperparameters()
@@ -179,7 +180,7 @@ class _TokenIds:
             self.method.reconstruct(self)
 
     def facts(self) -> dict[str, float]:
-        return dict(getattr(self, "reconstruction", {}))
+        return dict(self.reconstruction)
 
 
 class KVzipLayer(_TokenIds, EvictionLayer):
@@ -187,13 +188,14 @@ class KVzipLayer(_TokenIds, EvictionLayer):
 
     def __init__(self, layer_idx: int, info: ModelInfo, method: KVzip):
         super().__init__(layer_idx, info, method)
-        self.ids_seen: list[torch.Tensor] = []
+        self.ids_seen: list[torch.Tensor] = []  # layer 0: this sequence's ids (B=1, q) per forward
+        self.reconstruction: dict[str, float] = {}  # layer 0: its cost (metrics kv.method_facts)
         self.kvzip_scores: torch.Tensor | None = None  # (B, H_kv, T) the last reconstruction's
         self.system_tokens = 0  # the prompt's chat-template system prompt, kept whole
 
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
-        return base(module, query, keys, values, attention_mask, **kwargs) if not self.ragged \
-            else self.over_heads(base)(module, query, keys, values, attention_mask, **kwargs)
+        # ragged rows after a head-wise split: each head over its own tokens
+        return self.over_heads(base)(module, query, keys, values, attention_mask, **kwargs)
 
     def protected(self, budget: int) -> tuple[int, int]:
         return max(self.method.sink_tokens, self.system_tokens), 0
@@ -214,6 +216,7 @@ class KVzipDenseLayer(_TokenIds, FullLayer):
         super().__init__(layer_idx, info)
         self.method = method
         self.ids_seen: list[torch.Tensor] = []
+        self.reconstruction: dict[str, float] = {}
 
     def on_prefill_end(self) -> None:
         self.start_reconstruction()
