@@ -110,13 +110,14 @@ CASES = [
               f"{QFILTERS_FILE} and loaded by path on both: kvpress would fetch published ones "
               "from the hub); no window; ours evicts per step by design: budget lifted after "
               "the context"),
-    Case("kvzip", "kvzip", "KVzipPress", ours={"level": "pair", "chunk_tokens": 2048},
+    Case("kvzip", "kvzip", "KVzipPress",
+         ours={"level": "pair", "chunk_tokens": 2048, "system_prompt": "sinks"},
          peer={"layerwise": True, "n_sink": 4, "chunk_size": 2048}, kept="jaccard",
          kept_min=KVZIP_KEPT_MIN,
          note="per-layer budgets split over heads (kvpress layerwise=True); kept counts per "
               "layer differ by rounding (kvpress: H*T - int(H*T*cr), ours H*int(r*T)); the "
-              "chat template's system prompt: ours keeps it whole (official), kvpress its first "
-              "4 tokens (the rest scored 0)"),
+              "chat template's system prompt treated as kvpress does (system_prompt=sinks; "
+              "ours defaults to the official: kept whole)"),
     Case("h2o ~ observed_attention", "h2o", "ObservedAttentionPress", ours={"recent_ratio": 0.0},
          peer_attn="eager", kept="jaccard", kept_min=0.0, counted=False,
          note="differs by design: kvpress divides each token's summed attention by the number of "

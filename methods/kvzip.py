@@ -43,6 +43,9 @@ Hyperparameters (the one budget rule, methods/base.py):
     level: pair | pair-uniform.
     chunk_tokens: prompt tokens reconstructed per forward (official: 2000; kvpress: 2048).
     sink_tokens: first tokens always kept (kvpress: 4).
+    system_prompt: keep (official: a chat system prompt opening the prompt is kept whole and is
+        the softmax's sinks) | sinks (kvpress: only its first `sink_tokens` are kept and are the
+        sinks; the rest of it, never reconstructed, scores 0).
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ from methods.eviction import BudgetedMethod, EvictionLayer
 
 log = logging.getLogger(__name__)
 LEVELS = ("pair", "pair-uniform")
+SYSTEM_PROMPTS = ("keep", "sinks")
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with "
 OVERLAP_TOKENS = 8  # the previous chunk's tail quoted in a later chunk's instruction (official)
@@ -77,10 +81,14 @@ class KVzip(BudgetedMethod):
     capabilities: ClassVar[Capabilities] = Capabilities(
         acts_during_decode=False, needs_prefill=True, prefill_modes=("dense",),
         selects_tokens=True, needs_prepare=True, needs_token_ids=True, kv_layouts=KV_LAYOUTS)
-    variant_keys: ClassVar[tuple[str, ...]] = ("level", "chunk_tokens")
+    variant_keys: ClassVar[tuple[str, ...]] = ("level", "chunk_tokens", "system_prompt")
+    inert_knobs: ClassVar[dict[str, str]] = {
+        "system_prompt": "the test models have no chat template, so no prompt opens with a "
+                         "system prompt (tests/methods/test_kvzip.py plants one)"}
     level: str = "pair"
     chunk_tokens: int = 2000
     sink_tokens: int = 4
+    system_prompt: str = "keep"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -95,6 +103,9 @@ class KVzip(BudgetedMethod):
         if not isinstance(self.chunk_tokens, int) or self.chunk_tokens <= OVERLAP_TOKENS:
             reasons.append(f"method.chunk_tokens={self.chunk_tokens!r} must be an integer > "
                            f"{OVERLAP_TOKENS}")
+        if self.system_prompt not in SYSTEM_PROMPTS:
+            reasons.append(f"method.system_prompt={self.system_prompt!r}; allowed: "
+                           f"{', '.join(SYSTEM_PROMPTS)}")
         if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
             reasons.append(f"method.sink_tokens={self.sink_tokens!r} must be an integer >= 0")
         return reasons
@@ -149,7 +160,7 @@ class KVzip(BudgetedMethod):
         first_prompt, later_prompt, answer, system = self._prompts
         system = system.numel() if torch.equal(ids[:system.numel()], system) else 0
         for kv in scoring:
-            kv.system_tokens = system
+            kv.system_tokens = system if self.system_prompt == "keep" else 0
         t0, fed = time.perf_counter(), 0
         for start in range(system, n, self.chunk_tokens):
             end = min(start + self.chunk_tokens, n)
@@ -157,7 +168,8 @@ class KVzip(BudgetedMethod):
                    torch.cat([later_prompt, ids[max(system, start - OVERLAP_TOKENS):start]]))
             repeat = torch.cat([ask, answer, ids[start:end]])
             # sinks of the softmax: the system prompt (official), else kvpress's first tokens
-            sinks = system or min(self.sink_tokens, start)
+            sinks = system if system and self.system_prompt == "keep" else \
+                min(self.sink_tokens, start)
             self._forward(_Reconstruction(layers, (start, end), sinks), repeat, n)
             fed += repeat.numel()
         first.reconstruction = {"reconstruction_tokens": float(fed),

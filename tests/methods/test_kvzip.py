@@ -112,3 +112,12 @@ def test_a_chat_system_prompt_is_kept_whole_and_not_reconstructed(tiny_model):
         kept = [set(p) for kv in req.cache.kv_layers for p in kv.kept_positions()[0].tolist()]
     assert all(set(range(6)) <= k for k in kept)
     assert len(calls) == 1 and torch.equal(calls[0], torch.cat([first, answer, ids[6:]]))
+    # kvpress's treatment: only the first 4 kept whatever; the rest of it (never reconstructed)
+    # scores 0, so some of it goes at a budget below the prompt's scored tokens
+    method = build_method("kvzip", budget_tokens=12, chunk_tokens=100, system_prompt="sinks")
+    engine = make_engine(tiny_model, method)
+    method._prompts = first, later, answer, ids[:6]
+    with engine.request() as req:
+        req.prefill(ids)
+        kept = [set(p) for kv in req.cache.kv_layers for p in kv.kept_positions()[0].tolist()]
+    assert all(set(range(4)) <= k for k in kept) and not all(set(range(6)) <= k for k in kept)
