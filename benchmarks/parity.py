@@ -56,6 +56,7 @@ SNAP = {"window_tokens": 32, "kernel_tokens": 7}  # ours (SnapKV paper configs);
 # the two transformers versions and attention paths and is still far below a real disagreement
 # (a kept position moved far from the cut).
 TIE_MARGIN_REL = 1e-4
+QFILTERS_FILE = "qfilters.safetensors"  # the filters both sides load (written by the ours step)
 
 
 @dataclass(frozen=True)
@@ -106,6 +107,23 @@ CASES = [
          note="one-shot KeyDiffPress (not BlockPress); ours evicts per step by design: budget "
               "lifted after the context"),
     Case("knorm", "knorm", "KnormPress", note="lowest key L2 norms, no window on either side"),
+    Case("expected_attention", "expected_attention", "ExpectedAttentionPress",
+         peer={"n_future_positions": 512, "n_sink": 4, "use_covariance": True, "use_vnorm": True},
+         note="kvpress's defaults on both sides (512 future positions, 4 sinks, covariance, "
+              "value norms)"),
+    Case("qfilters", "qfilters", "QFilterPress",
+         note="the same filters on both sides (ours from the SVD at prepare, saved to "
+              f"{QFILTERS_FILE} and loaded by path on both: kvpress would fetch published ones "
+              "from the hub); no window; ours evicts per step by design: budget lifted after "
+              "the context"),
+    Case("kvzip", "kvzip", "KVzipPress",
+         ours={"level": "pair", "chunk_tokens": 2048, "system_prompt": "sinks"},
+         peer={"layerwise": True, "n_sink": 4, "chunk_size": 2048}, kept="containment",
+         note="per-layer budgets split over heads (kvpress layerwise=True); kept counts per "
+              "layer differ by rounding (kvpress: H*T - int(H*T*cr), ours H*int(r*T)), so the "
+              "sets nest; the "
+              "chat template's system prompt treated as kvpress does (system_prompt=sinks; "
+              "ours defaults to the official: kept whole)"),
     Case("h2o ~ observed_attention", "h2o", "ObservedAttentionPress", ours={"recent_ratio": 0.0},
          peer_attn="eager", kept="jaccard", kept_min=0.0, counted=False,
          note="differs by design: kvpress divides each token's summed attention by the number of "
@@ -129,16 +147,18 @@ def build_samples(tokenizer) -> list[dict]:
     return out
 
 
-def case_specs() -> list[dict]:
+def case_specs(folder: Path) -> list[dict]:
     """Every (case, kept ratio) as prompts.json hands it to the peer (press name and kwargs)."""
     specs = []
     for case in CASES:
         for ratio in (KEPT_RATIOS if case.press is not None else (1.0,)):
-            kwargs = dict(case.peer)
+            kwargs, ours = dict(case.peer), dict(case.ours)
+            if case.method == "qfilters":  # one filters file for both sides
+                kwargs["q_filters_file"] = ours["filters_path"] = str(folder / QFILTERS_FILE)
             if case.press is not None:
                 kwargs["compression_ratio"] = 1.0 - ratio
             specs.append({"name": f"{case.name}@{ratio:g}", "row": case.name, "kept_ratio": ratio,
-                          "method": case.method, "ours": case.ours,
+                          "method": case.method, "ours": ours,
                           "peer": {"press": case.press, "kwargs": kwargs, "answers": case.answers,
                                    "attn_implementation": case.peer_attn}})
     return specs
@@ -150,10 +170,10 @@ def top_logits(logits, k: int) -> dict:
 
 
 def head_sets(positions, num_kv_heads: int) -> list[list[int]]:
-    """Sorted text positions per KV head from `kept_positions()`: `(B, H_kv, T)`, or `(T,)` for a
-    layer that keeps everything."""
+    """Sorted text positions per KV head from `kept_positions()`: `(B, H_kv, T)` (ragged heads
+    padded with -1), or `(T,)` for a layer that keeps everything."""
     rows = positions[0] if positions.dim() == 3 else positions.expand(num_kv_heads, -1)
-    return [sorted(h) for h in rows.tolist()]
+    return [sorted(p for p in h if p >= 0) for h in rows.tolist()]  # ragged heads: -1 padding
 
 
 def near_cut(scores, kept_count: int, margin_rel: float) -> list[list[int]]:
@@ -244,7 +264,8 @@ def run_ours(folder: Path) -> None:
     info = hf_adapter.model_info(model.config)
     samples = build_samples(tokenizer)
     chunk = max(len(s["context_ids"]) + len(s["question_ids"]) for s in samples)
-    specs = case_specs()
+    specs = case_specs(folder)
+    save_qfilters(model, tokenizer, info, folder / QFILTERS_FILE)
     prompts = {"model_dir": spec.extra["converted_dir"], "model": spec.description,
                "top_logits": TOP_LOGITS, "samples": samples, "cases": specs,
                "ruler": SAMPLES, "kept_ratios": list(KEPT_RATIOS),
@@ -270,6 +291,20 @@ def run_ours(folder: Path) -> None:
         print(f"ours: {c['name']} done ({time.perf_counter() - t0:.0f} s)", flush=True)
     write_json(folder / "ours.json", {"ours": {"transformers": transformers.__version__,
                                                "torch": torch.__version__}, "results": results})
+
+
+def save_qfilters(model, tokenizer, info, path: Path) -> None:
+    """Q-Filters' filters from its own calibration (the method's defaults), for both sides."""
+    from safetensors.torch import save_file
+
+    from harness import hf_adapter, models
+    from methods import build_method
+
+    method = build_method("qfilters")
+    hf_adapter.prepare(method, model, tokenizer, info, data_dir=models.SHARED_DIR / "data")
+    tmp = path.with_suffix(".tmp")
+    save_file({"q_filters": method.filters().float().cpu().contiguous()}, str(tmp))
+    os.replace(tmp, path)
 
 
 def write_json(path: Path, obj) -> None:

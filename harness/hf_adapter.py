@@ -495,14 +495,16 @@ def fingerprint(model) -> str:
 
 
 def capture_forward(model, info: ModelInfo):
-    """A callable running ids (T,) through fresh layers of a method, returning those layers."""
+    """A callable running ids (T,) at positions start..start+T-1 through fresh layers of a
+    method, returning those layers (`start` > 0: layers that already stand for `start` tokens,
+    e.g. wrapping a request's own, as KVzip's reconstruction forward does)."""
 
-    def capture(method: KVMethod, ids: torch.Tensor) -> list[KVLayer]:
+    def capture(method: KVMethod, ids: torch.Tensor, start: int = 0) -> list[KVLayer]:
         cache = MethodCache(method, info)
         device = next(model.parameters()).device
+        positions = torch.arange(start, start + ids.numel(), device=device)[None]
         with torch.inference_mode(), bind(model, cache):
-            forward(model, ids[None].to(device), torch.arange(ids.numel(), device=device)[None],
-                    cache, logits_to_keep=1)
+            forward(model, ids[None].to(device), positions, cache, logits_to_keep=1)
         return cache.kv_layers
 
     return capture

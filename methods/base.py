@@ -191,8 +191,10 @@ class PrepareContext:
     rope_inv_freq: torch.Tensor | None  # (D/2,) fp32, the model's own (scaled) frequencies
     # (layer, x (B, T, hidden)) -> pre-RoPE queries (B, H_q, T, D), bias included
     project_query: Callable[[int, torch.Tensor], torch.Tensor]
-    # one forward of ids (T,) through fresh layers of `method` (bound like any request); the layers
-    capture: Callable[["KVMethod", torch.Tensor], list["KVLayer"]]
+    # one forward of ids (T,) through fresh layers of `method` (bound like any request), at
+    # positions start.. (the optional third argument, default 0); returns the layers. Also
+    # callable during a request (bindings nest): KVzip's reconstruction forward over its cache
+    capture: Callable[..., list["KVLayer"]]
     vocab_size: int  # ids a method may draw at random: the tokenizer's (embedding rows if none)
     data_dir: Path | None = None  # the shared data folder (default calibration texts), if present
     cache_dir: Path | None = None  # root for cached artefacts (None: ~/.cache/kv-harness)

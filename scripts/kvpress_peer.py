@@ -67,6 +67,32 @@ def top_logits(logits: torch.Tensor, k: int) -> dict:
     return {"ids": ids.tolist(), "values": [round(v, 6) for v in values.tolist()]}
 
 
+def masked_kept(model, context_tokens: int) -> dict[int, list[list[int]]]:
+    """Kept positions of a press that masks keys instead of gathering them (KVzipPress: the
+    evicted keys' indices in each attention module's `masked_key_indices`)."""
+    kept = {}
+    for layer in model.model.layers:
+        module = layer.self_attn
+        heads = model.config.num_key_value_heads
+        rows = [set(range(context_tokens)) for _ in range(heads)]
+        masked = getattr(module, "masked_key_indices", None)
+        if masked is not None:
+            for h, t in zip(masked[1].tolist(), masked[2].tolist()):
+                rows[h].discard(t)
+        kept[module.layer_idx] = [sorted(r) for r in rows]
+    return kept
+
+
+def with_filters(press, path: str):
+    """QFilterPress with filters read from a file (the harness side wrote them) instead of the
+    hub."""
+    from safetensors.torch import load_file
+
+    press.q_filters = load_file(path)["q_filters"]
+    press.post_init_from_model = lambda model: None  # the instance attribute: no hub lookup
+    return press
+
+
 def run_sample(pipe, model, press, sample: dict, top_k: int, answers: bool,
                margin_rel: float) -> dict:
     kept: dict[int, list[list[int]]] = {}
@@ -98,6 +124,8 @@ def run_sample(pipe, model, press, sample: dict, top_k: int, answers: bool,
         hook.remove()
         if press is not None:
             del press.compress
+    if press is not None and not kept:  # no compress call: a masking press
+        kept = masked_kept(model, len(sample["context_ids"]))
     return {"id": sample["id"], "kept": [kept[i] for i in sorted(kept)],
             "near_cut": [ties.get(i, []) for i in sorted(kept)],
             "generated": [int(s.argmax()) for s in steps],
@@ -134,7 +162,11 @@ def main() -> int:
         for case in spec["cases"]:
             peer = case["peer"]
             pipe, model = pipeline_for(peer.get("attn_implementation", "sdpa"))
-            press = None if peer["press"] is None else getattr(kvpress, peer["press"])(**peer["kwargs"])
+            kwargs = dict(peer["kwargs"])
+            filters = kwargs.pop("q_filters_file", None)
+            press = None if peer["press"] is None else getattr(kvpress, peer["press"])(**kwargs)
+            if filters is not None:
+                press = with_filters(press, filters)
             answers = peer.get("answers", True)
             samples = [run_sample(pipe, model, press, s, spec["top_logits"], answers,
                                   spec.get("tie_margin_rel", 0.0)) for s in spec["samples"]]

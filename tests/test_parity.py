@@ -83,9 +83,21 @@ def test_peer_recovers_gathered_positions():
         peer_module().kept_positions(keys, kept + 1)
 
 
-def test_cases_map_budgets_exactly():
+def test_peer_recovers_masked_positions():
+    """A masking press (KVzipPress): kept = every context position but the masked (head, seq)."""
+    from types import SimpleNamespace
+
+    attn = [SimpleNamespace(layer_idx=0, masked_key_indices=(torch.tensor([0, 0, 0]),
+                                                             torch.tensor([0, 1, 1]),
+                                                             torch.tensor([2, 0, 4])))]
+    model = SimpleNamespace(model=SimpleNamespace(layers=[SimpleNamespace(self_attn=a) for a in attn]),
+                            config=SimpleNamespace(num_key_value_heads=2))
+    assert peer_module().masked_kept(model, 5) == {0: [[0, 1, 3, 4], [1, 2, 3]]}
+
+
+def test_cases_map_budgets_exactly(tmp_path):
     """kvpress keeps int(T x (1 - cr)), ours int(r x T): the same count at the suite's ratios."""
-    for spec in parity.case_specs():
+    for spec in parity.case_specs(tmp_path):
         if spec["peer"]["press"] is None:
             continue
         cr = spec["peer"]["kwargs"]["compression_ratio"]

@@ -1,0 +1,316 @@
+"""KVzip (Kim et al., arXiv 2505.23416): query-agnostic KV eviction by context reconstruction.
+
+At the end of a prompt (the engine's `on_prefill_end`), the model is asked to repeat the prompt:
+per chunk of `chunk_tokens` prompt tokens, one extra forward of "\\n\\nRepeat the previous context
+exactly." (later chunks: "...the part of the previous context exactly, starting with " and the
+previous chunk's last 8 tokens), the template's answer prefix, then the chunk itself, at the
+positions after the prompt, over the prompt's full cache (the forward writes nothing to it). In
+every layer, the reconstruction queries' attention is taken over the sinks (the first
+`sink_tokens`, from the second chunk on; or the system prompt, below), the chunk's keys and the reconstruction tokens (causal),
+softmax in fp32 with 1/sqrt(d); a prompt token's score is its maximum attention over the
+reconstruction queries and the query heads of its KV head. The tokens kept are the top scores, the
+sinks always; decoding then appends without eviction. The scores do not depend on any question:
+one compressed cache serves every later query.
+
+`level` (the official `--level`): `pair` (default) = the layer's H_kv x budget tokens go to its
+top scores over all its KV heads (non-uniform head budgets, ragged rows); `pair-uniform` = every
+KV head keeps its own top `budget`.
+
+Cost: the reconstruction forwards read about as many tokens as the prompt again (plus ~15 per
+chunk), the official "about 2x prefill": recorded per request in metrics.json
+`kv.method_facts` (`reconstruction_tokens`, `reconstruction_ms`).
+
+Provenance: official code (snu-mllab/KVzip `model/wrapper.py:self_task` and `scoring`,
+`attention/score.py:_get_score`, `kvcache.py:prune`) and kvpress's `KVzipPress` (the same scores).
+Differences:
+  * the official `pair` level sets one threshold over all layers (non-uniform layer budgets); the
+    harness's budget is per layer (the one budget rule), so `pair` splits each layer's budget
+    over its heads (= kvpress's `layerwise=True`);
+  * the official system prompt (kept whole, the softmax's sinks, not reconstructed) is the
+    chat template's text before a user message when the prompt starts with it (kvpress's split
+    of the template); a prompt without it gets kvpress's sinks: its first `sink_tokens` (kvpress
+    keeps only those of a system prompt too, and scores the rest of it 0);
+  * the official head-level variant (context-independent head scores from offline runs) is not
+    offered: it needs per-model score files the authors publish for three models only;
+  * the answer prefix: the tokenizer's chat-template assistant turn (kvpress's split of a dummy
+    message), "\\n" without a template.
+A request's first prompt is scored (the cache holds it whole, in text order); a later prompt in
+the same request is refused with a clear error.
+
+Hyperparameters (the one budget rule, methods/base.py):
+    budget_ratio / budget_tokens: tokens kept per layer and KV head (per-head mean for `pair`),
+        sinks included; a ratio is of the prompt's tokens.
+    level: pair | pair-uniform.
+    chunk_tokens: prompt tokens reconstructed per forward (official: 2000; kvpress: 2048).
+    sink_tokens: first tokens always kept (kvpress: 4).
+    system_prompt: keep (official: a chat system prompt opening the prompt is kept whole and is
+        the softmax's sinks) | sinks (kvpress: only its first `sink_tokens` are kept and are the
+        sinks; the rest of it, never reconstructed, scores 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, ClassVar
+
+import torch
+
+from kvcore.storage import KV_LAYOUTS
+from methods.base import Capabilities, FullLayer, KVLayer, KVMethod, ModelInfo
+from methods.eviction import BudgetedMethod, EvictionLayer
+
+log = logging.getLogger(__name__)
+LEVELS = ("pair", "pair-uniform")
+SYSTEM_PROMPTS = ("keep", "sinks")
+FIRST_PROMPT = "\n\nRepeat the previous context exactly."
+LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with "
+OVERLAP_TOKENS = 8  # the previous chunk's tail quoted in a later chunk's instruction (official)
+
+
+@dataclass(kw_only=True)
+class KVzip(BudgetedMethod):
+    name: ClassVar[str] = "kvzip"
+    provenance: ClassVar[str] = "official code"
+    operating_point: ClassVar[str] = (
+        "snu-mllab/KVzip: Qwen2.5-7B/14B-Instruct-1M, LLaMA3.1-8B; KV ratio 0.1..1 of the "
+        "context (0.3 in the README), pair level, 2000-token reconstruction chunks; SQuAD, "
+        "needle, SCBench"
+    )
+    capabilities: ClassVar[Capabilities] = Capabilities(
+        acts_during_decode=False, needs_prefill=True, prefill_modes=("dense",),
+        selects_tokens=True, needs_prepare=True, needs_token_ids=True, kv_layouts=KV_LAYOUTS)
+    variant_keys: ClassVar[tuple[str, ...]] = ("level", "chunk_tokens", "system_prompt")
+    inert_knobs: ClassVar[dict[str, str]] = {
+        "system_prompt": "the test models have no chat template, so no prompt opens with a "
+                         "system prompt (tests/methods/test_kvzip.py plants one)"}
+    level: str = "pair"
+    chunk_tokens: int = 2000
+    sink_tokens: int = 4
+    system_prompt: str = "keep"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._forward: Callable | None = None  # ctx.capture: one forward through given layers
+        # (first instruction, later instruction, answer prefix, system prompt) ids, 1-D each
+        self._prompts: tuple[torch.Tensor, ...] | None = None
+
+    def check_hyperparameters(self) -> list[str]:
+        reasons = super().check_hyperparameters()
+        if self.level not in LEVELS:
+            reasons.append(f"method.level={self.level!r}; allowed: {', '.join(LEVELS)}")
+        if not isinstance(self.chunk_tokens, int) or self.chunk_tokens <= OVERLAP_TOKENS:
+            reasons.append(f"method.chunk_tokens={self.chunk_tokens!r} must be an integer > "
+                           f"{OVERLAP_TOKENS}")
+        if self.system_prompt not in SYSTEM_PROMPTS:
+            reasons.append(f"method.system_prompt={self.system_prompt!r}; allowed: "
+                           f"{', '.join(SYSTEM_PROMPTS)}")
+        if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
+            reasons.append(f"method.sink_tokens={self.sink_tokens!r} must be an integer >= 0")
+        return reasons
+
+    @classmethod
+    def compressing_hyperparameters(cls, seq_tokens: int) -> dict:
+        # chunks shorter than the prompt, so that the later-chunk instruction runs too
+        return {"budget_tokens": max(8, seq_tokens // 6), "chunk_tokens": 24}
+
+    def prepare(self, ctx) -> dict:
+        self._forward = ctx.capture
+        self._prompts = reconstruction_prompts(ctx.tokenizer, ctx.vocab_size)
+        return {"reconstruction_prompt_tokens": int(self._prompts[0].numel())}
+
+    def head_budgets(self, scores: torch.Tensor, budget: int, layer_idx: int) -> torch.Tensor:
+        if self.level == "pair-uniform":
+            return super().head_budgets(scores, budget, layer_idx)
+        b, h, t = scores.shape  # the layer's top H x budget over all its heads
+        won = scores.reshape(b, h * t).topk(h * budget, dim=-1).indices // t
+        return torch.zeros(b, h, dtype=torch.int64, device=scores.device).scatter_add_(
+            -1, won, torch.ones_like(won))
+
+    def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
+        return KVzipLayer(layer_idx, info, self)
+
+    def make_dense_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
+        # a dense layer 0 still starts the reconstruction (it is the first told the prompt ended)
+        return KVzipDenseLayer(layer_idx, info, self)
+
+    def reconstruct(self, first: KVLayer) -> None:
+        """Score every KVzip layer of the request whose layer 0 is `first` by reconstructing the
+        prompt (module docstring): one forward per chunk through wrappers of the request's
+        layers."""
+        if self._forward is None:
+            raise RuntimeError("kvzip: call prepare first (it needs the model's forward)")
+        layers = []
+        layer = first
+        while layer is not None:
+            layers.append(layer)
+            layer = layer.next_layer
+        scoring = [kv for kv in layers if isinstance(kv, KVzipLayer)]
+        if not any(kv.kept_tokens() > kv.budget() for kv in scoring):
+            return  # nothing to evict: no reconstruction
+        n = first.seen_tokens
+        for kv in scoring:
+            if kv.kept_tokens() != n or kv.ragged:
+                raise ValueError("method=kvzip scores a request's first prompt (its cache held "
+                                 "whole); this request fed another prompt after compressing")
+            kv.kvzip_scores = torch.zeros(kv.keys.shape[:3], dtype=torch.float32,
+                                          device=kv.keys.device)
+        ids = torch.cat(first.ids_seen, dim=-1)[0].cpu()  # (n,) this sequence's tokens
+        first_prompt, later_prompt, answer, system = self._prompts
+        system = system.numel() if torch.equal(ids[:system.numel()], system) else 0
+        for kv in scoring:
+            kv.system_tokens = system if self.system_prompt == "keep" else 0
+        t0, fed = time.perf_counter(), 0
+        for start in range(system, n, self.chunk_tokens):
+            end = min(start + self.chunk_tokens, n)
+            ask = (first_prompt if start == system else
+                   torch.cat([later_prompt, ids[max(system, start - OVERLAP_TOKENS):start]]))
+            repeat = torch.cat([ask, answer, ids[start:end]])
+            # sinks of the softmax: the system prompt (official), else kvpress's first tokens
+            sinks = system if system and self.system_prompt == "keep" else \
+                min(self.sink_tokens, start)
+            self._forward(_Reconstruction(layers, (start, end), sinks), repeat, n)
+            fed += repeat.numel()
+        first.reconstruction = {"reconstruction_tokens": float(fed),
+                                "reconstruction_ms": (time.perf_counter() - t0) * 1e3}
+
+
+class _TokenIds:
+    """Layer 0 keeps the request's token ids (Capabilities.needs_token_ids) and starts the
+    reconstruction when the prompt ends (the engine tells layers in order, layer 0 first)."""
+
+    method: KVzip
+    layer_idx: int
+
+    def observe_token_ids(self, ids: torch.Tensor) -> None:
+        if self.layer_idx == 0:
+            self.ids_seen.append(ids)
+
+    def start_reconstruction(self) -> None:
+        if self.layer_idx == 0:
+            self.method.reconstruct(self)
+
+    def facts(self) -> dict[str, float]:
+        return dict(self.reconstruction)
+
+
+class KVzipLayer(_TokenIds, EvictionLayer):
+    compress_at: ClassVar[str] = "prefill_end"
+
+    def __init__(self, layer_idx: int, info: ModelInfo, method: KVzip):
+        super().__init__(layer_idx, info, method)
+        self.ids_seen: list[torch.Tensor] = []  # layer 0: this sequence's ids (B=1, q) per forward
+        self.reconstruction: dict[str, float] = {}  # layer 0: its cost (metrics kv.method_facts)
+        self.kvzip_scores: torch.Tensor | None = None  # (B, H_kv, T) the last reconstruction's
+        self.system_tokens = 0  # the prompt's chat-template system prompt, kept whole
+
+    def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
+        # ragged rows after a head-wise split: each head over its own tokens
+        return self.over_heads(base)(module, query, keys, values, attention_mask, **kwargs)
+
+    def protected(self, budget: int) -> tuple[int, int]:
+        return max(self.method.sink_tokens, self.system_tokens), 0
+
+    def on_prefill_end(self) -> None:
+        self.start_reconstruction()
+        super().on_prefill_end()
+        self.kvzip_scores = None
+
+    def score(self) -> torch.Tensor:
+        if self.kvzip_scores is None:
+            raise RuntimeError("kvzip: no reconstruction scores (the prompt was not scored)")
+        return self.kvzip_scores
+
+
+class KVzipDenseLayer(_TokenIds, FullLayer):
+    def __init__(self, layer_idx: int, info: ModelInfo, method: KVzip):
+        super().__init__(layer_idx, info)
+        self.method = method
+        self.ids_seen: list[torch.Tensor] = []
+        self.reconstruction: dict[str, float] = {}
+
+    def on_prefill_end(self) -> None:
+        self.start_reconstruction()
+
+
+class _Reconstruction(KVMethod):
+    """The reconstruction forward's layers: each wraps the request's layer (reads its K/V, writes
+    nothing) and, for a KVzip layer, scores the chunk [start, end)."""
+
+    name = "kvzip_reconstruction"
+    provenance = "official code"
+    operating_point = "KVzip's context-reconstruction forward over a request's cache"
+
+    def __init__(self, layers: list[KVLayer], chunk: tuple[int, int], sinks: int):
+        self.layers, self.chunk, self.sinks = layers, chunk, sinks
+
+    def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
+        return _ReconstructionLayer(self.layers[layer_idx], self.chunk, self.sinks)
+
+    def make_dense_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
+        return self.make_layer(layer_idx, info)
+
+
+class _ReconstructionLayer(KVLayer):
+    def __init__(self, target: KVLayer, chunk: tuple[int, int], sinks: int):
+        super().__init__(target.layer_idx, target.info)
+        self.target, self.chunk, self.sinks = target, chunk, sinks
+        self.seen_tokens = target.seen_tokens  # the reconstruction follows the prompt
+
+    def mask_sizes(self, q_len: int) -> tuple[int, int]:
+        return self.target.seen_tokens + q_len, 0
+
+    def update(self, keys, values, position_ids):
+        self.seen_tokens += keys.shape[-2]
+        return (torch.cat([self.target.keys, keys], dim=-2),
+                torch.cat([self.target.values, values], dim=-2))
+
+    def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
+        if isinstance(self.target, KVzipLayer):
+            start, end = self.chunk
+            scores = chunk_scores(query, keys, start, end, min(self.sinks, start))
+            self.target.kvzip_scores[:, :, start:end] = scores
+        return base(module, query, keys, values, attention_mask, **kwargs)
+
+
+def chunk_scores(query: torch.Tensor, keys: torch.Tensor, start: int, end: int,
+                 sinks: int) -> torch.Tensor:
+    """KVzip's score of prompt tokens start..end-1, `(B, H_kv, end - start)` fp32: the maximum,
+    over the reconstruction queries `(B, H_q, m, D)` and the query heads of a KV head, of their
+    attention over [the first `sinks` keys, keys start..end-1, their own m keys (causal)];
+    `keys (B, H_kv, n + m, D)` hold the prompt's n then the reconstruction's m."""
+    b, h_q, m, d = query.shape
+    h_kv = keys.shape[1]
+    subset = torch.cat([keys[:, :, :sinks], keys[:, :, start:end], keys[:, :, -m:]], dim=2)
+    rows = query.float().reshape(b, h_kv, (h_q // h_kv) * m, d)
+    logits = (rows @ subset.float().transpose(2, 3)) / d ** 0.5  # (B, H_kv, g*m, s + c + m)
+    logits = logits.view(b, h_kv, h_q // h_kv, m, -1)
+    own = torch.ones(m, m, dtype=torch.bool, device=keys.device).triu(1)  # the future
+    logits[..., -m:] = logits[..., -m:].masked_fill(own, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)[..., sinks:sinks + end - start]
+    return probs.amax(dim=(2, 3))
+
+
+def reconstruction_prompts(tokenizer, vocab_size: int
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(first-chunk instruction, later-chunk instruction, answer prefix, system prompt) as token
+    ids (1-D); the system prompt is what the chat template puts before a user message (empty
+    without a template)."""
+    if tokenizer is None:  # models built in code (tests): fixed ids stand for the words
+        log.warning("kvzip: no tokenizer, the reconstruction instruction is fixed token ids")
+        span = torch.arange(3, min(vocab_size, 3 + 12))
+        return span[:8], span[:12], span[8:9], span[:0]
+
+    def encode(text: str) -> torch.Tensor:
+        return torch.tensor(tokenizer.encode(text, add_special_tokens=False), dtype=torch.long)
+
+    system, answer = "", "\n"
+    if getattr(tokenizer, "chat_template", None):  # around a user message (kvpress's split)
+        dummy = "dummy context"
+        separator = "\n" + "#" * len(dummy)
+        turn = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}],
+                                             add_generation_prompt=True, tokenize=False)
+        before, answer = turn.split(separator)
+        system = before.split(dummy)[0]
+    return encode(FIRST_PROMPT), encode(LATER_PROMPT), encode(answer), encode(system)
