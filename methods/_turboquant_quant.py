@@ -48,28 +48,42 @@ def lloyd_max(d: int, bits: int) -> torch.Tensor:
     """The 2^bits MSE-optimal centroids (ascending, fp64) for a coordinate of density f_d.
 
     Lloyd's iteration (boundaries at the midpoints, each centroid the conditional mean of its
-    cell) on a midpoint quadrature in phi, x = sin(phi): there f_d(x) dx is proportional to
+    cell) on a quadrature in phi, x = sin(phi): there f_d(x) dx is proportional to
     cos(phi)^(d - 2) dphi, smooth on [-pi/2, pi/2] for every d >= 2 (no endpoint singularity).
     Started from the quantiles; stops when no centroid moves by 1e-13 (fp64)."""
     if d < 2 or bits < 1:
         raise ValueError(f"lloyd_max needs d >= 2 and bits >= 1 (got d={d}, bits={bits})")
     # the density has width ~ 1 / sqrt(d): the grid spans 16 widths (the rest has mass < 1e-50)
     span = min(math.pi / 2, 16 / math.sqrt(max(d - 2, 1)))
-    phi = ((torch.arange(LLOYD_GRID, dtype=torch.float64) + 0.5) / LLOYD_GRID * 2 - 1) * span
-    x, w = torch.sin(phi), torch.cos(phi) ** (d - 2)
+    phi = ((torch.arange(LLOYD_GRID + 1, dtype=torch.float64) / LLOYD_GRID) * 2 - 1) * span
+    x = torch.sin(phi)
+    # cumulative mass and first moment at the grid edges (midpoint rule per interval), read at
+    # any boundary by linear interpolation: cells move continuously (no stall on grid points)
+    mid = (phi[1:] + phi[:-1]) / 2
+    w = torch.cos(mid) ** (d - 2)
     w = w / w.sum()
+    mass = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(w, 0)])
+    moment = torch.cat([torch.zeros(1, dtype=torch.float64), torch.cumsum(w * torch.sin(mid), 0)])
     k = 1 << bits
-    cdf = torch.cumsum(w, 0)
-    c = x[torch.searchsorted(cdf, (torch.arange(k, dtype=torch.float64) + 0.5) / k)]
+    c = _interp((torch.arange(k, dtype=torch.float64) + 0.5) / k, mass, x)
     for _ in range(LLOYD_ITERS):
-        cell = torch.bucketize(x, (c[1:] + c[:-1]) / 2)
-        mass = torch.zeros(k, dtype=torch.float64).index_add_(0, cell, w)
-        new = torch.zeros(k, dtype=torch.float64).index_add_(0, cell, w * x) / mass
+        edges = torch.cat([x[:1], (c[1:] + c[:-1]) / 2, x[-1:]])
+        at = torch.asin(edges.clamp(-1, 1))
+        m, f = _interp(at, phi, mass), _interp(at, phi, moment)
+        new = (f[1:] - f[:-1]) / (m[1:] - m[:-1])
         done = (new - c).abs().max() < 1e-13
         c = new
         if done:
             break
     return (c - c.flip(0)) / 2  # exactly symmetric (the density is even)
+
+
+def _interp(at: torch.Tensor, xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+    """ys linearly interpolated at `at` (xs ascending; clamped to its ends)."""
+    i = torch.searchsorted(xs, at).clamp(1, xs.numel() - 1)
+    x0, x1 = xs[i - 1], xs[i]
+    t = ((at - x0) / (x1 - x0)).clamp(0, 1)
+    return ys[i - 1] + t * (ys[i] - ys[i - 1])
 
 
 def midpoints(codebook: torch.Tensor) -> torch.Tensor:
