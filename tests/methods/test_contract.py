@@ -371,6 +371,10 @@ KNOWN_EXCEPTIONS = {
     ("kvquant", None): (False, "KVQuant's decode path, as KIVI's: update() returns the new tokens "
                                "and attend() reads the codes itself (layer.step_cache); outputs "
                                "equal dequantize-then-attend (tests/methods/test_kvquant.py)"),
+    ("turboquant", None): (False, "TurboQuant's decode path, as KVQuant's: update() returns the new "
+                                  "tokens and attend() reads the codes itself "
+                                  "(layer.step_cache); outputs equal dequantize-then-attend "
+                                  "(tests/methods/test_turboquant.py)"),
     ("tailorkv", None): (False, "TailorKV's quantized layers are KIVI's layers (see kivi); its "
                                 "sparse layers alone pass strictly "
                                 "(tests/methods/test_tailorkv.py)"),
