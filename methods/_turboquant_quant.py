@@ -186,6 +186,21 @@ class Quantizer:
             i += p.dim
         return out
 
+    @functools.cached_property
+    def kernel_constants(self) -> dict[str, torch.Tensor]:
+        """What the kernels read, built once (CPU, contiguous): block-diagonal rotation and
+        scaled projection `(D, D)`, the codebooks, and per coordinate in stream order its bit
+        offset, width, codebook base and part (`layout`, int32 `(4, D)`)."""
+        widths = self.widths()
+        parts = torch.cat([torch.full((p.dim,), i) for i, p in enumerate(self.parts)])
+        layout = torch.stack([torch.cumsum(widths, 0) - widths, widths,
+                              torch.tensor(self.offsets())[parts], parts])
+        return {"rotation": self.block_diagonal("rotation").contiguous(),
+                "projection": (self.block_diagonal("projection") if self.qjl else
+                               self.block_diagonal("rotation")).contiguous(),
+                "codebooks": self.codebooks().contiguous(),
+                "layout": layout.to(torch.int32).contiguous()}
+
     def codebooks(self) -> torch.Tensor:
         """The parts' codebooks concatenated (a coordinate of part i indexes from offsets()[i])."""
         return torch.cat([p.codebook for p in self.parts])

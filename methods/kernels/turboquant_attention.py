@@ -201,13 +201,8 @@ def _tq_block_kernel(
     tl.store(acc_ptr + (part * G_P2 + heads)[:, None] * D_P2 + vperm[None, :], acc, mask=qm)
 
 
-def stream_layout(q: tq.Quantizer, device: torch.device) -> list[torch.Tensor]:
-    """Per coordinate in stream order: bit offset, width, codebook base, part index (int32)."""
-    widths = q.widths()
-    offs = torch.cumsum(widths, 0) - widths
-    parts = torch.cat([torch.full((p.dim,), i) for i, p in enumerate(q.parts)])
-    base = torch.tensor(q.offsets())[parts]
-    return [x.to(device=device, dtype=torch.int32).contiguous() for x in (offs, widths, base, parts)]
+def _on(device: torch.device, q: tq.Quantizer) -> dict[str, torch.Tensor]:
+    return {name: x.to(device) for name, x in q.kernel_constants.items()}
 
 
 def decode_attention_triton(query: torch.Tensor, cache: TQCache, scaling: float) -> torch.Tensor:
@@ -225,16 +220,14 @@ def decode_attention_triton(query: torch.Tensor, cache: TQCache, scaling: float)
     m = torch.empty(h, nb, g_p2, dtype=torch.float32, device=dev)
     l_sum = torch.empty_like(m)
     acc = torch.zeros(h, nb, g_p2, d_p2, dtype=torch.float32, device=dev)
-    consts = [x.to(dev).contiguous() for x in (kq.block_diagonal("rotation"),
-                                                 kq.block_diagonal("projection") if kq.qjl
-                                                 else kq.block_diagonal("rotation"),
-                                                 vq.block_diagonal("rotation"))]
+    kc, vc = _on(dev, kq), _on(dev, vq)
     signs = k.signs if k.signs is not None else k.codes
     rnorms = k.rnorms if k.rnorms is not None else k.norms
     _tq_block_kernel[(h, nb)](
-        q, kperm, vperm, *consts, k.codes, signs, k.norms, rnorms, v.codes, v.norms,
-        *stream_layout(kq, dev), kq.codebooks().to(dev), *stream_layout(vq, dev),
-        vq.codebooks().to(dev), m, l_sum, acc, t, float(scaling),
+        q, kperm, vperm, kc["rotation"], kc["projection"], vc["rotation"],
+        k.codes, signs, k.norms, rnorms, v.codes, v.norms,
+        *kc["layout"], kc["codebooks"], *vc["layout"], vc["codebooks"],
+        m, l_sum, acc, t, float(scaling),
         k.codes.stride(0), k.codes.stride(1), signs.stride(0), signs.stride(1),
         k.norms.stride(0), k.norms.stride(1), v.codes.stride(0), v.codes.stride(1),
         v.norms.stride(0), v.norms.stride(1), nb,

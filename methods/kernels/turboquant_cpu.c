@@ -54,7 +54,48 @@ typedef struct {
     const float *rot, *proj, *cb;                        /* (D, D), (D, D) or NULL, codebooks */
     const int32_t *offs, *widths, *base, *part;          /* (D,) each */
     long outliers;                                       /* channels of part 0 when split */
+    int aligned;                                         /* every part starts on a byte */
+    float lut[2][256 * 8];                               /* per part: a byte's codebook values */
 } Tensor;
+
+static float SIGNS[256 * 8];                             /* a byte's 8 sign bits as +-1 */
+
+/* Part p's widths are uniform: a byte holds 8 / w codes (w = 1, 2, 4, 8) or, at 3 and 5 bits,
+   8 codes fill w bytes. The table maps a byte to its codes' codebook values. */
+static void build_tables(Tensor *x, long d) {
+    const long o = x->outliers, parts = o ? 2 : 1;
+    x->aligned = 1;
+    for (long p = 0; p < parts; p++) {
+        const long j0 = p ? o : 0, w = x->widths[j0], n = p || !o ? d - j0 : o;
+        const long group = (w == 1 || w == 2 || w == 4) ? 8 / w : (w == 8 ? 1 : 8);
+        if ((x->offs[j0] & 7) || n % group) x->aligned = 0;
+        if (w == 1 || w == 2 || w == 4 || w == 8) {
+            const int per = 8 / (int)w, mask = (1 << w) - 1;
+            for (int byte = 0; byte < 256; byte++)
+                for (int i = 0; i < per; i++)
+                    x->lut[p][byte * per + i] = x->cb[x->base[j0] + ((byte >> (i * w)) & mask)];
+        }
+    }
+    for (int byte = 0; byte < 256; byte++)
+        for (int i = 0; i < 8; i++) SIGNS[byte * 8 + i] = (byte >> i & 1) ? 1.f : -1.f;
+}
+
+/* The codebook values of part p's n codes of width w starting at byte `src` (y, n floats). */
+static inline void decode_part(const Tensor *x, int p, const uint8_t *src, long n, long w,
+                               const float *cb, float *y) {
+    switch (w) {
+        case 1: for (long j = 0; j < n / 8; j++) memcpy(y + 8 * j, x->lut[p] + 8 * src[j], 8 * sizeof(float)); break;
+        case 2: for (long j = 0; j < n / 4; j++) memcpy(y + 4 * j, x->lut[p] + 4 * src[j], 4 * sizeof(float)); break;
+        case 4: for (long j = 0; j < n / 2; j++) memcpy(y + 2 * j, x->lut[p] + 2 * src[j], 2 * sizeof(float)); break;
+        case 8: for (long j = 0; j < n; j++) y[j] = cb[src[j]]; break;
+        default: /* 3..7 bits: 8 codes in every w bytes */
+            for (long j = 0; j < n / 8; j++) {
+                uint64_t word = 0;
+                for (long b = 0; b < w; b++) word |= (uint64_t)src[w * j + b] << (8 * b);
+                for (int i = 0; i < 8; i++) y[8 * j + i] = cb[(word >> (w * i)) & ((1u << w) - 1)];
+            }
+    }
+}
 
 typedef struct {
     const float *q;                                      /* (H, g, D) */
@@ -87,24 +128,35 @@ static void blockdiag(const float *m, const float *x, long d, long o, float *y) 
     }
 }
 
-/* The codebook values of one token's stream times its part norms (y, D floats). */
+/* The codebook values of one token's stream (y, D floats; norms not applied). */
 static inline void decode_row(const Tensor *x, long h, long t, long d, float *y) {
     const uint8_t *row = x->codes + h * x->s_ch + t * x->s_ct;
-    const uint16_t *nr = x->norms + h * x->s_nh + t * x->s_nt;
-    const float n0 = half_to_float(nr[0]), n1 = x->outliers ? half_to_float(nr[1]) : n0;
+    if (x->aligned) {
+        const long o = x->outliers;
+        if (o) decode_part(x, 0, row, o, x->widths[0], x->cb + x->base[0], y);
+        decode_part(x, o ? 1 : 0, row + x->offs[o] / 8, d - o, x->widths[o], x->cb + x->base[o], y + o);
+        return;
+    }
     for (long j = 0; j < d; j++) {
         const long off = x->offs[j], byte = off >> 3;
         uint32_t w = row[byte];
         if ((off & 7) + x->widths[j] > 8) w |= (uint32_t)row[byte + 1] << 8;
         const int code = (int)((w >> (off & 7)) & ((1u << x->widths[j]) - 1));
-        y[j] = x->cb[x->base[j] + code] * (x->part[j] ? n1 : n0);
+        y[j] = x->cb[x->base[j] + code];
     }
+}
+
+/* sum_j a_j b_j over [j0, j1) */
+static inline float dot(const float *a, const float *b, long j0, long j1) {
+    float s = 0.f;
+    for (long j = j0; j < j1; j++) s += a[j] * b[j];
+    return s;
 }
 
 /* Scores of the quantized blocks [b0, b1). */
 static void key_span(const Args *a, long b0, long b1, float *scores) {
     const Tensor *k = &a->k;
-    const long d = a->d, g = a->g;
+    const long d = a->d, g = a->g, o = k->outliers;
     int perm[MAX_D];
     float qp[MAX_D], y[MAX_D], sg[MAX_D];
     float *rq = malloc(sizeof(float) * (size_t)(2 * g * d)), *sq = rq + g * d;
@@ -120,22 +172,28 @@ static void key_span(const Args *a, long b0, long b1, float *scores) {
             }
             for (long t = b * a->bt; t < (b + 1) * a->bt; t++) {
                 decode_row(k, h, t, d, y);
+                /* y *= the part norms; sg = the signs times the part residual norms */
+                const uint16_t *nr = k->norms + h * k->s_nh + t * k->s_nt;
+                const float n0 = half_to_float(nr[0]), n1 = o ? half_to_float(nr[1]) : n0;
+                for (long j = 0; j < o; j++) y[j] *= n0;
+                for (long j = o; j < d; j++) y[j] *= n1;
                 if (k->signs) {
                     const uint8_t *s = k->signs + h * k->s_sh + t * k->s_st;
                     const uint16_t *rr = k->rnorms + h * k->s_rh + t * k->s_rt;
-                    const float r0 = half_to_float(rr[0]), r1 = k->outliers ? half_to_float(rr[1]) : r0;
-                    for (long j = 0; j < d; j++) {
-                        const float r = k->part[j] ? r1 : r0;
-                        sg[j] = (s[j >> 3] >> (j & 7) & 1) ? r : -r;
+                    const float r0 = half_to_float(rr[0]), r1 = o ? half_to_float(rr[1]) : r0;
+                    for (long j = 0; j < d / 8; j++) memcpy(sg + 8 * j, SIGNS + 8 * s[j], 8 * sizeof(float));
+                    for (long j = d / 8 * 8; j < d; j++) sg[j] = (s[j >> 3] >> (j & 7) & 1) ? 1.f : -1.f;
+                    for (long j = 0; j < o; j++) sg[j] *= r0;
+                    for (long j = o; j < d; j++) sg[j] *= r1;
+                    for (long gi = 0; gi < g; gi++) {
+                        const float *r = rq + gi * d, *p = sq + gi * d;
+                        float s = 0.f;
+                        for (long j = 0; j < d; j++) s += r[j] * y[j] + p[j] * sg[j];
+                        scores[(h * g + gi) * a->tokens + t] = s * a->scaling;
                     }
-                }
-                for (long gi = 0; gi < g; gi++) {
-                    const float *r = rq + gi * d, *p = sq + gi * d;
-                    float dot = 0.f;
-                    for (long j = 0; j < d; j++) dot += r[j] * y[j];
-                    if (k->signs)
-                        for (long j = 0; j < d; j++) dot += p[j] * sg[j];
-                    scores[(h * g + gi) * a->tokens + t] = dot * a->scaling;
+                } else {
+                    for (long gi = 0; gi < g; gi++)
+                        scores[(h * g + gi) * a->tokens + t] = dot(rq + gi * d, y, 0, d) * a->scaling;
                 }
             }
         }
@@ -145,7 +203,7 @@ static void key_span(const Args *a, long b0, long b1, float *scores) {
 /* acc (H, g, D) += p[:, blocks [b0, b1)] V. */
 static void value_span(const Args *a, long b0, long b1, const float *probs, float *acc) {
     const Tensor *v = &a->v;
-    const long d = a->d, g = a->g;
+    const long d = a->d, g = a->g, o = v->outliers;
     int perm[MAX_D];
     float y[MAX_D], back[MAX_D];
     float *rot_acc = malloc(sizeof(float) * (size_t)(g * d));
@@ -155,6 +213,10 @@ static void value_span(const Args *a, long b0, long b1, const float *probs, floa
             memset(rot_acc, 0, sizeof(float) * (size_t)(g * d));
             for (long t = b * a->bt; t < (b + 1) * a->bt; t++) {
                 decode_row(v, h, t, d, y);
+                const uint16_t *nr = v->norms + h * v->s_nh + t * v->s_nt;
+                const float n0 = half_to_float(nr[0]), n1 = o ? half_to_float(nr[1]) : n0;
+                for (long j = 0; j < o; j++) y[j] *= n0;
+                for (long j = o; j < d; j++) y[j] *= n1;
                 for (long gi = 0; gi < g; gi++) {
                     const float p = probs[(h * g + gi) * a->tokens + t];
                     float *r = rot_acc + gi * d;
@@ -164,14 +226,14 @@ static void value_span(const Args *a, long b0, long b1, const float *probs, floa
             block_perm(v, h, b, d, perm);
             for (long gi = 0; gi < g; gi++) {
                 const float *r = rot_acc + gi * d;
-                float *o = acc + (h * g + gi) * d;
-                for (long i = 0; i < d; i++) { /* back = r rot (block-diagonal) */
-                    const long lo = i < v->outliers ? 0 : v->outliers, hi = i < v->outliers ? v->outliers : d;
-                    float s = 0.f;
-                    for (long j = lo; j < hi; j++) s += r[j] * v->rot[j * d + i];
-                    back[i] = s;
+                float *dst = acc + (h * g + gi) * d;
+                memset(back, 0, sizeof(float) * (size_t)d);
+                for (long j = 0; j < d; j++) { /* back = r rot (block-diagonal), row by row */
+                    const long lo = j < o ? 0 : o, hi = j < o ? o : d;
+                    const float rj = r[j], *row = v->rot + j * d;
+                    for (long i = lo; i < hi; i++) back[i] += rj * row[i];
                 }
-                for (long i = 0; i < d; i++) o[perm[i]] += back[i];
+                for (long i = 0; i < d; i++) dst[perm[i]] += back[i];
             }
         }
     free(rot_acc);
@@ -275,5 +337,7 @@ int tq_decode_attention(const float *q,
     a.v = (Tensor){vc, s_vch, s_vct, v_code_bytes, NULL, 0, 0, vn, s_vnh, s_vnt, NULL, 0, 0, vm,
                    s_vmh, s_vmb, vrot, NULL, vcb, vlay, vlay + d, vlay + 2 * d, vlay + 3 * d,
                    v_outliers};
+    build_tables(&a.k, d);
+    build_tables(&a.v, d);
     return decode(&a, threads);
 }

@@ -49,14 +49,6 @@ def _rows(x: torch.Tensor | None) -> list:
     return [x.data_ptr(), x.stride(0), x.stride(1)]
 
 
-def _layout(q) -> torch.Tensor:
-    widths = q.widths()
-    offs = torch.cumsum(widths, 0) - widths
-    parts = torch.cat([torch.full((p.dim,), i) for i, p in enumerate(q.parts)])
-    base = torch.tensor(q.offsets())[parts]
-    return torch.cat([offs, widths, base, parts]).to(torch.int32).contiguous()
-
-
 def decode_attention(query: torch.Tensor, cache, scaling: float) -> torch.Tensor:
     """`query (1, H_q, 1, D)` over a `TQCache` -> `(1, H_q, 1, D)`: one kernel call."""
     b, hq, _, d = query.shape
@@ -68,10 +60,9 @@ def decode_attention(query: torch.Tensor, cache, scaling: float) -> torch.Tensor
     parts = {name: _unit(x) for name, x in (("kc", k.codes), ("ks", k.signs), ("kn", k.norms),
                              ("kr", k.rnorms), ("km", k.masks), ("vc", v.codes),
                              ("vn", v.norms), ("vm", v.masks))}
-    keep = [kq.block_diagonal("rotation").contiguous(),
-            kq.block_diagonal("projection").contiguous() if kq.qjl else None,
-            kq.codebooks().contiguous(), _layout(kq), vq.block_diagonal("rotation").contiguous(),
-            vq.codebooks().contiguous(), _layout(vq)]
+    kc, vc = kq.kernel_constants, vq.kernel_constants
+    keep = [kc["rotation"], kc["projection"] if kq.qjl else None, kc["codebooks"], kc["layout"],
+            vc["rotation"], vc["codebooks"], vc["layout"]]
     ptr = lambda x: None if x is None else x.data_ptr()  # noqa: E731
     out = torch.empty(hq, d)
     status = library().tq_decode_attention(
