@@ -36,7 +36,8 @@ What each part does here:
 Bytes held (`stats()`, exact): codes + signs + fp16 norms per token and head, one outlier bit
 mask (D bits) per block and head, and the exact tail in the compute dtype. At D = 64, 2.5 bits:
 keys 28 bytes per token and head (2.5 bits of codes and signs + 4 fp16 norms = 3.5 bits per
-coordinate), values 24 (3.0 bits per coordinate); the masks add 1/32 bit per coordinate.
+coordinate), values 24 (3.0 bits per coordinate); the masks add 1 / block_tokens bit per
+coordinate.
 
 Decode attention runs from the codes (methods/kernels/turboquant_attention.py): the query is
 permuted and rotated once per block, each token costs D codebook lookups (and D sign reads); a C

@@ -139,7 +139,7 @@ def test_bytes_held_are_counted_exactly():
     (3.5 bits per coordinate); values: 16 x 4 + 48 x 2 bits = 20 bytes + 2 norms = 24 (3.0);
     per block and head an 8-byte outlier mask for each tensor."""
     info = ModelInfo(num_layers=1, num_heads=6, num_kv_heads=3, head_dim=64, max_positions=512)
-    layer = build_method("turboquant", k_bits=2.5, v_bits=2.5).make_layer(0, info)
+    layer = build_method("turboquant", k_bits=2.5, v_bits=2.5, block_tokens=32).make_layer(0, info)
     layer.update(torch.randn(1, 3, 70, 64), torch.randn(1, 3, 70, 64), None)
     want = 3 * (64 * (28 + 24) + 2 * 2 * 8 + 6 * 64 * 4 * 2)
     assert layer.stats()["kv_bytes"] == want
