@@ -60,7 +60,7 @@ from methods.kernels.turboquant_attention import (TQCache, TQTensor, decode_atte
                                                   decode_kernel, dequantize_cache, pack_masks)
 from methods.scoring import plain_decode_row
 
-ALLOWED_BITS = (2, 2.5, 3, 3.5, 4)
+MIN_BITS, MAX_BITS = 2, 8  # prod keys need >= 1 code bit besides the sign; kernels read <= 8
 QUANTIZERS = ("prod", "mse")
 
 
@@ -88,9 +88,11 @@ class TurboQuant(KVMethod):
     def check_hyperparameters(self) -> list[str]:
         reasons = []
         for key in ("k_bits", "v_bits"):
-            if getattr(self, key) not in ALLOWED_BITS:
-                reasons.append(f"method.{key}={getattr(self, key)!r}; allowed: "
-                               f"{', '.join(map(str, ALLOWED_BITS))}")
+            bits = getattr(self, key)
+            if not isinstance(bits, (int, float)) or not MIN_BITS <= bits <= MAX_BITS \
+                    or (bits * 4) % 1:
+                reasons.append(f"method.{key}={bits!r} must be a multiple of 0.25 in "
+                               f"[{MIN_BITS}, {MAX_BITS}] (paper: 2.5 and 3.5)")
         if self.k_quantizer not in QUANTIZERS:
             reasons.append(f"method.k_quantizer={self.k_quantizer!r}; allowed: prod, mse")
         if not isinstance(self.outlier_ratio, (int, float)) or not 0 < self.outlier_ratio < 1:
@@ -117,6 +119,10 @@ class TurboQuant(KVMethod):
             except ValueError as err:
                 reasons.append(f"method.{key}: {err}")
                 continue
+            if any(width > MAX_BITS for _, width in widths):
+                reasons.append(f"method.{key}={getattr(self, key)}, method.outlier_ratio="
+                               f"{self.outlier_ratio}: the outlier channels would need "
+                               f"{widths[0][1]} bits (at most {MAX_BITS})")
             if any(dim < 2 for dim, _ in widths):
                 reasons.append(f"method.{key}={getattr(self, key)}, method.outlier_ratio="
                                f"{self.outlier_ratio}: a part of head_dim={info.head_dim} would "

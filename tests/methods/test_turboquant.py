@@ -153,6 +153,8 @@ def test_validate_refuses_splits_that_are_not_whole_channels():
     assert reasons and "method.k_bits" in reasons[0] and "outlier_ratio=0.3" in reasons[0]
     with pytest.raises(Exception, match="method.k_bits=2.7"):
         build_method("turboquant", k_bits=2.7)
+    too_wide = build_method("turboquant", k_bits=3.75, outlier_ratio=0.125)  # outliers at 9 bits
+    assert "at most 8" in too_wide.validate(info, {"batch_size": 1})[0]
 
 
 # --- the protocol ----------------------------------------------------------------------------
