@@ -14,7 +14,13 @@ which the goal is judged on. Rows:
 
 Goal: every TurboQuant row <= 1.3x KIVI-2's decode step at 8K.
 
+`--kernel-only`: the decode attention of one layer alone (SmolLM2's shapes: 3 KV heads, 9 query
+heads, head_dim 64; random K/V, whose values do not change the cost), each row's kernel called
+in turn `--repeats` times (alternating), median ms and the median paired ratio: seconds instead
+of an 8K prefill per row, for a machine too loaded for the whole model.
+
     python benchmarks/turboquant_decode.py --contexts 8192 --new-tokens 8 --rounds 1
+    python benchmarks/turboquant_decode.py --kernel-only --contexts 8192 --repeats 30
 """
 
 from __future__ import annotations
@@ -46,6 +52,43 @@ ROWS = {
 }
 
 
+def kernel_only(contexts: list[int], rows: list[str], repeats: int) -> dict:
+    """Median ms of one layer's decode attention per row, and paired ratios to KIVI-2."""
+    from methods.base import ModelInfo
+
+    info = ModelInfo(num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64, max_positions=1 << 20)
+    out = {}
+    for ctx in contexts:
+        g = torch.Generator().manual_seed(0)
+        k, v = (torch.randn(1, 3, ctx, 64, generator=g) for _ in range(2))
+        query = torch.randn(1, 9, 1, 64, generator=g)
+        calls = {}
+        for name in rows:
+            method = build_method(ROWS[name][0], **ROWS[name][1])
+            layer = method.make_layer(0, info)
+            layer.update(k, v, None)  # the context (quantized where the method quantizes)
+            layer.update(k[:, :, :1], v[:, :, :1], None)  # this step's token
+            cache, attend = layer.step_cache, type(layer.step_cache).__module__
+            module = sys.modules[attend]
+            calls[name] = (lambda c=cache, m=module: m.decode_attention(query, c, 0.125))
+        times = {name: [] for name in rows}
+        for r in range(repeats):
+            for name in rows[r % len(rows):] + rows[:r % len(rows)]:
+                t0 = time.perf_counter()
+                calls[name]()
+                times[name].append((time.perf_counter() - t0) * 1e3)
+        res = {}
+        print(f"\ndecode attention of one layer at {ctx} tokens (SmolLM2 shapes), {repeats} "
+              f"alternating calls, threads {torch.get_num_threads()}, load avg "
+              f"{os.getloadavg()[0]:.2f}")
+        for name in rows:
+            ratio = statistics.median(a / b for a, b in zip(times[name], times[REFERENCE]))
+            res[name] = {"ms": statistics.median(times[name]), "ratio_to_reference": ratio}
+            print(f"{name:18} {res[name]['ms']:8.2f} ms  {ratio:.3f}x {REFERENCE}")
+        out[str(ctx)] = res
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2_135m")
@@ -55,11 +98,19 @@ def main() -> None:
     ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--json", default=None, help="write the table as JSON here (atomically)")
+    ap.add_argument("--kernel-only", action="store_true",
+                    help="time one layer's decode attention only (no model, no prefill)")
+    ap.add_argument("--repeats", type=int, default=30, help="--kernel-only: calls per row")
     args = ap.parse_args()
     if REFERENCE not in args.rows:
         ap.error(f"--rows must include {REFERENCE} (the reference of every ratio)")
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.kernel_only:
+        table = kernel_only(args.contexts, args.rows, args.repeats)
+        if args.json:
+            write_json_atomic(Path(args.json), {"kernel_only": table})
+        return
     spec = models.resolve_model({"name": args.model, "device": "auto"})
     model, tok = models.load_model(spec, "sdpa")
     info = hf_adapter.model_info(model.config)
