@@ -19,6 +19,8 @@ CASES = [  # h, g, d, tokens, settings
     (3, 3, 64, 70, dict(block_tokens=32, k_bits=3, v_bits=2)),  # integer widths: no split
     (2, 2, 32, 41, dict(block_tokens=6, k_quantizer="mse", outlier_ratio=0.5)),  # MSE keys
     (1, 3, 8, 17, dict(block_tokens=4, k_bits=2.5, v_bits=3.5)),  # stories260K's head_dim
+    (3, 3, 64, 200, dict(block_tokens=64, k_bits=2.5, v_bits=2.5)),  # SmolLM2: byte tables
+    (3, 3, 64, 200, dict(block_tokens=64, k_bits=3.5, v_bits=3.5)),  # 4-bit and 2-bit tables
 ]
 
 
