@@ -1,0 +1,343 @@
+/* TurboQuant decode attention on CPU, straight from the codes (methods/kernels/turboquant_cpu.py).
+
+   One decode query row per head (g query heads per KV head h) over T = T_q + T_e tokens of one
+   sequence (layout: methods/kernels/turboquant_attention.py):
+     [0, T_q)  quantized in blocks of bt tokens; per token and head a bit stream of codes
+               (coordinate j of the block's stream order at bit offs[j], widths[j] bits, its
+               codebook entry cb[base[j] + code]), QJL sign bits (keys, optional), fp16 norms and
+               residual norms per part (part[j]); per block and head the outlier-channel bit mask
+               (stream order: outlier channels ascending, then the rest; identity without one);
+     [T_q, T)  the exact tail, fp32 (H, T_e, D).
+   A key of a block: x[perm] = concat_p(norm_p Pi_p^T c_p + rnorm_p coef_p S_p^T s_p), so
+     q . x = sum_j (rot q[perm])_j norm_{p(j)} c_j + (proj q[perm])_j rnorm_{p(j)} s_j
+   with rot = diag(Pi_p), proj = diag(coef_p S_p) (D x D, block-diagonal): the query is permuted
+   and rotated once per block and head, then every token costs D lookups and D sign reads.
+   Values: per block, a = sum_t p_t norm_{p(j)} c_j (rotated coordinates), then out[perm] += a rot.
+   out[g] = softmax(q[g] K^T * scaling) V, the softmax exact over all T scores.
+
+   One OpenMP region per call: key scores by span of blocks, softmax by row, p.V by span into
+   partials summed in a fixed order (the result does not depend on the thread count). */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
+#define SPAN_BLOCKS 8 /* blocks per work item */
+#define MAX_D 512
+#define MAX_G 64
+
+static inline float half_to_float(uint16_t h) {
+#ifdef __F16C__
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0) {
+        float f = ldexpf((float)man, -24);
+        return sign ? -f : f;
+    }
+    bits = exp == 31 ? sign | 0x7f800000 | (man << 13) : sign | ((exp + 112) << 23) | (man << 13);
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+typedef struct {
+    const uint8_t *codes; long s_ch, s_ct, code_bytes;   /* (H, T_q, code_bytes) */
+    const uint8_t *signs; long s_sh, s_st;               /* (H, T_q, ceil(D/8)) or NULL */
+    const uint16_t *norms; long s_nh, s_nt;              /* (H, T_q, parts) */
+    const uint16_t *rnorms; long s_rh, s_rt;             /* (H, T_q, parts) or NULL */
+    const uint8_t *masks; long s_mh, s_mb;               /* (H, NB, ceil(D/8)) or NULL */
+    const float *rot, *proj, *cb;                        /* (D, D), (D, D) or NULL, codebooks */
+    const int32_t *offs, *widths, *base, *part;          /* (D,) each */
+    long outliers;                                       /* channels of part 0 when split */
+    int aligned;                                         /* every part starts on a byte */
+    float lut[2][256 * 8];                               /* per part: a byte's codebook values */
+} Tensor;
+
+static float SIGNS[256 * 8];                             /* a byte's 8 sign bits as +-1 */
+
+/* Part p's widths are uniform: a byte holds 8 / w codes (w = 1, 2, 4, 8) or, at 3 and 5 bits,
+   8 codes fill w bytes. The table maps a byte to its codes' codebook values. */
+static void build_tables(Tensor *x, long d) {
+    const long o = x->outliers, parts = o ? 2 : 1;
+    x->aligned = 1;
+    for (long p = 0; p < parts; p++) {
+        const long j0 = p ? o : 0, w = x->widths[j0], n = p || !o ? d - j0 : o;
+        const long group = (w == 1 || w == 2 || w == 4) ? 8 / w : (w == 8 ? 1 : 8);
+        if ((x->offs[j0] & 7) || n % group) x->aligned = 0;
+        if (w == 1 || w == 2 || w == 4 || w == 8) {
+            const int per = 8 / (int)w, mask = (1 << w) - 1;
+            for (int byte = 0; byte < 256; byte++)
+                for (int i = 0; i < per; i++)
+                    x->lut[p][byte * per + i] = x->cb[x->base[j0] + ((byte >> (i * w)) & mask)];
+        }
+    }
+    for (int byte = 0; byte < 256; byte++)
+        for (int i = 0; i < 8; i++) SIGNS[byte * 8 + i] = (byte >> i & 1) ? 1.f : -1.f;
+}
+
+/* The codebook values of part p's n codes of width w starting at byte `src` (y, n floats). */
+static inline void decode_part(const Tensor *x, int p, const uint8_t *src, long n, long w,
+                               const float *cb, float *y) {
+    switch (w) {
+        case 1: for (long j = 0; j < n / 8; j++) memcpy(y + 8 * j, x->lut[p] + 8 * src[j], 8 * sizeof(float)); break;
+        case 2: for (long j = 0; j < n / 4; j++) memcpy(y + 4 * j, x->lut[p] + 4 * src[j], 4 * sizeof(float)); break;
+        case 4: for (long j = 0; j < n / 2; j++) memcpy(y + 2 * j, x->lut[p] + 2 * src[j], 2 * sizeof(float)); break;
+        case 8: for (long j = 0; j < n; j++) y[j] = cb[src[j]]; break;
+        default: /* 3..7 bits: 8 codes in every w bytes */
+            for (long j = 0; j < n / 8; j++) {
+                uint64_t word = 0;
+                for (long b = 0; b < w; b++) word |= (uint64_t)src[w * j + b] << (8 * b);
+                for (int i = 0; i < 8; i++) y[8 * j + i] = cb[(word >> (w * i)) & ((1u << w) - 1)];
+            }
+    }
+}
+
+typedef struct {
+    const float *q;                                      /* (H, g, D) */
+    const float *ek, *ev; long s_ekh, s_ekt, s_evh, s_evt, te;
+    Tensor k, v;
+    float *out;
+    long h, g, d, tq, bt, tokens;
+    float scaling;
+} Args;
+
+/* The stream order of block b of head h: outlier channels ascending, then the rest. */
+static void block_perm(const Tensor *x, long h, long b, long d, int *perm) {
+    if (!x->masks) {
+        for (long j = 0; j < d; j++) perm[j] = (int)j;
+        return;
+    }
+    const uint8_t *m = x->masks + h * x->s_mh + b * x->s_mb;
+    long n = 0;
+    for (long c = 0; c < d; c++) if (m[c >> 3] >> (c & 7) & 1) perm[n++] = (int)c;
+    for (long c = 0; c < d; c++) if (!(m[c >> 3] >> (c & 7) & 1)) perm[n++] = (int)c;
+}
+
+/* y = M x for the block-diagonal M (D x D): parts [0, o) and [o, d). */
+static void blockdiag(const float *m, const float *x, long d, long o, float *y) {
+    for (long j = 0; j < d; j++) {
+        const long a = j < o ? 0 : o, e = j < o ? o : d;
+        float s = 0.f;
+        for (long i = a; i < e; i++) s += m[j * d + i] * x[i];
+        y[j] = s;
+    }
+}
+
+/* The codebook values of one token's stream (y, D floats; norms not applied). */
+static inline void decode_row(const Tensor *x, long h, long t, long d, float *y) {
+    const uint8_t *row = x->codes + h * x->s_ch + t * x->s_ct;
+    if (x->aligned) {
+        const long o = x->outliers;
+        if (o) decode_part(x, 0, row, o, x->widths[0], x->cb + x->base[0], y);
+        decode_part(x, o ? 1 : 0, row + x->offs[o] / 8, d - o, x->widths[o], x->cb + x->base[o], y + o);
+        return;
+    }
+    for (long j = 0; j < d; j++) {
+        const long off = x->offs[j], byte = off >> 3;
+        uint32_t w = row[byte];
+        if ((off & 7) + x->widths[j] > 8) w |= (uint32_t)row[byte + 1] << 8;
+        const int code = (int)((w >> (off & 7)) & ((1u << x->widths[j]) - 1));
+        y[j] = x->cb[x->base[j] + code];
+    }
+}
+
+/* sum_j a_j b_j over [j0, j1) */
+static inline float dot(const float *a, const float *b, long j0, long j1) {
+    float s = 0.f;
+    for (long j = j0; j < j1; j++) s += a[j] * b[j];
+    return s;
+}
+
+/* Scores of the quantized blocks [b0, b1). */
+static void key_span(const Args *a, long b0, long b1, float *scores) {
+    const Tensor *k = &a->k;
+    const long d = a->d, g = a->g, o = k->outliers;
+    int perm[MAX_D];
+    float qp[MAX_D], y[MAX_D], sg[MAX_D];
+    float *rq = malloc(sizeof(float) * (size_t)(2 * g * d)), *sq = rq + g * d;
+    if (!rq) return;
+    for (long b = b0; b < b1; b++)
+        for (long h = 0; h < a->h; h++) {
+            block_perm(k, h, b, d, perm);
+            for (long gi = 0; gi < g; gi++) {
+                const float *q = a->q + (h * g + gi) * d;
+                for (long j = 0; j < d; j++) qp[j] = q[perm[j]];
+                blockdiag(k->rot, qp, d, k->outliers, rq + gi * d);
+                if (k->signs) blockdiag(k->proj, qp, d, k->outliers, sq + gi * d);
+            }
+            for (long t = b * a->bt; t < (b + 1) * a->bt; t++) {
+                decode_row(k, h, t, d, y);
+                /* y *= the part norms; sg = the signs times the part residual norms */
+                const uint16_t *nr = k->norms + h * k->s_nh + t * k->s_nt;
+                const float n0 = half_to_float(nr[0]), n1 = o ? half_to_float(nr[1]) : n0;
+                for (long j = 0; j < o; j++) y[j] *= n0;
+                for (long j = o; j < d; j++) y[j] *= n1;
+                if (k->signs) {
+                    const uint8_t *s = k->signs + h * k->s_sh + t * k->s_st;
+                    const uint16_t *rr = k->rnorms + h * k->s_rh + t * k->s_rt;
+                    const float r0 = half_to_float(rr[0]), r1 = o ? half_to_float(rr[1]) : r0;
+                    for (long j = 0; j < d / 8; j++) memcpy(sg + 8 * j, SIGNS + 8 * s[j], 8 * sizeof(float));
+                    for (long j = d / 8 * 8; j < d; j++) sg[j] = (s[j >> 3] >> (j & 7) & 1) ? 1.f : -1.f;
+                    for (long j = 0; j < o; j++) sg[j] *= r0;
+                    for (long j = o; j < d; j++) sg[j] *= r1;
+                    for (long gi = 0; gi < g; gi++) {
+                        const float *r = rq + gi * d, *p = sq + gi * d;
+                        float s = 0.f;
+                        for (long j = 0; j < d; j++) s += r[j] * y[j] + p[j] * sg[j];
+                        scores[(h * g + gi) * a->tokens + t] = s * a->scaling;
+                    }
+                } else {
+                    for (long gi = 0; gi < g; gi++)
+                        scores[(h * g + gi) * a->tokens + t] = dot(rq + gi * d, y, 0, d) * a->scaling;
+                }
+            }
+        }
+    free(rq);
+}
+
+/* acc (H, g, D) += p[:, blocks [b0, b1)] V. */
+static void value_span(const Args *a, long b0, long b1, const float *probs, float *acc) {
+    const Tensor *v = &a->v;
+    const long d = a->d, g = a->g, o = v->outliers;
+    int perm[MAX_D];
+    float y[MAX_D], back[MAX_D];
+    float *rot_acc = malloc(sizeof(float) * (size_t)(g * d));
+    if (!rot_acc) return;
+    for (long b = b0; b < b1; b++)
+        for (long h = 0; h < a->h; h++) {
+            memset(rot_acc, 0, sizeof(float) * (size_t)(g * d));
+            for (long t = b * a->bt; t < (b + 1) * a->bt; t++) {
+                decode_row(v, h, t, d, y);
+                const uint16_t *nr = v->norms + h * v->s_nh + t * v->s_nt;
+                const float n0 = half_to_float(nr[0]), n1 = o ? half_to_float(nr[1]) : n0;
+                for (long j = 0; j < o; j++) y[j] *= n0;
+                for (long j = o; j < d; j++) y[j] *= n1;
+                for (long gi = 0; gi < g; gi++) {
+                    const float p = probs[(h * g + gi) * a->tokens + t];
+                    float *r = rot_acc + gi * d;
+                    for (long j = 0; j < d; j++) r[j] += p * y[j];
+                }
+            }
+            block_perm(v, h, b, d, perm);
+            for (long gi = 0; gi < g; gi++) {
+                const float *r = rot_acc + gi * d;
+                float *dst = acc + (h * g + gi) * d;
+                memset(back, 0, sizeof(float) * (size_t)d);
+                for (long j = 0; j < d; j++) { /* back = r rot (block-diagonal), row by row */
+                    const long lo = j < o ? 0 : o, hi = j < o ? o : d;
+                    const float rj = r[j], *row = v->rot + j * d;
+                    for (long i = lo; i < hi; i++) back[i] += rj * row[i];
+                }
+                for (long i = 0; i < d; i++) dst[perm[i]] += back[i];
+            }
+        }
+    free(rot_acc);
+}
+
+static void tail_scores(const Args *a, float *scores) {
+    for (long h = 0; h < a->h; h++)
+        for (long gi = 0; gi < a->g; gi++) {
+            const float *q = a->q + (h * a->g + gi) * a->d;
+            for (long t = 0; t < a->te; t++) {
+                const float *k = a->ek + h * a->s_ekh + t * a->s_ekt;
+                float dot = 0.f;
+                for (long c = 0; c < a->d; c++) dot += q[c] * k[c];
+                scores[(h * a->g + gi) * a->tokens + a->tq + t] = dot * a->scaling;
+            }
+        }
+}
+
+static void tail_values(const Args *a, const float *probs, float *acc) {
+    for (long h = 0; h < a->h; h++)
+        for (long gi = 0; gi < a->g; gi++) {
+            float *o = acc + (h * a->g + gi) * a->d;
+            for (long t = 0; t < a->te; t++) {
+                const float p = probs[(h * a->g + gi) * a->tokens + a->tq + t];
+                const float *v = a->ev + h * a->s_evh + t * a->s_evt;
+                for (long c = 0; c < a->d; c++) o[c] += p * v[c];
+            }
+        }
+}
+
+static void softmax_row(float *x, long n) {
+    float top = x[0], sum = 0.f;
+    for (long i = 1; i < n; i++) top = x[i] > top ? x[i] : top;
+    for (long i = 0; i < n; i++) sum += (x[i] = expf(x[i] - top));
+    const float inv = 1.f / sum;
+    for (long i = 0; i < n; i++) x[i] *= inv;
+}
+
+static int decode(const Args *a, int threads) {
+    const long nb = a->tq / a->bt, rows = a->h * a->g, width = rows * a->d;
+    const long spans = (nb + SPAN_BLOCKS - 1) / SPAN_BLOCKS, items = spans > 0 ? spans : 1;
+    float *scores = malloc(sizeof(float) * (size_t)(rows * a->tokens));
+    float *partial = calloc((size_t)(items * width), sizeof(float));
+    if (!scores || !partial) {
+        free(scores);
+        free(partial);
+        return 2;
+    }
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (long item = 0; item < items; item++) {
+            const long b0 = item * SPAN_BLOCKS, b1 = b0 + SPAN_BLOCKS < nb ? b0 + SPAN_BLOCKS : nb;
+            if (item == 0) tail_scores(a, scores);
+            if (b0 < b1) key_span(a, b0, b1, scores);
+        }
+#pragma omp for schedule(static)
+        for (long row = 0; row < rows; row++) softmax_row(scores + row * a->tokens, a->tokens);
+#pragma omp for schedule(static)
+        for (long item = 0; item < items; item++) {
+            const long b0 = item * SPAN_BLOCKS, b1 = b0 + SPAN_BLOCKS < nb ? b0 + SPAN_BLOCKS : nb;
+            float *acc = partial + item * width;
+            if (item == 0) tail_values(a, scores, acc);
+            if (b0 < b1) value_span(a, b0, b1, scores, acc);
+        }
+    }
+    memset(a->out, 0, sizeof(float) * (size_t)width);
+    for (long item = 0; item < items; item++)
+        for (long e = 0; e < width; e++) a->out[e] += partial[item * width + e];
+    free(scores);
+    free(partial);
+    return 0;
+}
+
+/* The entry point (ctypes). Returns 0, 1 (sizes it cannot serve) or 2 (out of memory). */
+int tq_decode_attention(const float *q,
+                        const float *ek, long s_ekh, long s_ekt,
+                        const float *ev, long s_evh, long s_evt, long te,
+                        const uint8_t *kc, long s_kch, long s_kct, long k_code_bytes,
+                        const uint8_t *ks, long s_ksh, long s_kst,
+                        const uint16_t *kn, long s_knh, long s_knt,
+                        const uint16_t *kr, long s_krh, long s_krt,
+                        const uint8_t *km, long s_kmh, long s_kmb,
+                        const float *krot, const float *kproj, const float *kcb,
+                        const int32_t *klay, long k_outliers,
+                        const uint8_t *vc, long s_vch, long s_vct, long v_code_bytes,
+                        const uint16_t *vn, long s_vnh, long s_vnt,
+                        const uint8_t *vm, long s_vmh, long s_vmb,
+                        const float *vrot, const float *vcb, const int32_t *vlay, long v_outliers,
+                        float *out, long h, long g, long d, long tq, long bt,
+                        float scaling, int threads) {
+    if (h < 1 || g < 1 || g > MAX_G || d < 2 || d > MAX_D || tq < 0 || te < 0 || tq + te < 1
+        || bt < 1 || tq % bt || (te && (!ek || !ev)) || (ks && (!kr || !kproj)))
+        return 1;
+    Args a = {.q = q, .ek = ek, .ev = ev, .s_ekh = s_ekh, .s_ekt = s_ekt, .s_evh = s_evh,
+              .s_evt = s_evt, .te = te, .out = out, .h = h, .g = g, .d = d, .tq = tq, .bt = bt,
+              .tokens = tq + te, .scaling = scaling};
+    a.k = (Tensor){kc, s_kch, s_kct, k_code_bytes, ks, s_ksh, s_kst, kn, s_knh, s_knt, kr, s_krh,
+                   s_krt, km, s_kmh, s_kmb, krot, kproj, kcb, klay, klay + d, klay + 2 * d,
+                   klay + 3 * d, k_outliers};
+    a.v = (Tensor){vc, s_vch, s_vct, v_code_bytes, NULL, 0, 0, vn, s_vnh, s_vnt, NULL, 0, 0, vm,
+                   s_vmh, s_vmb, vrot, NULL, vcb, vlay, vlay + d, vlay + 2 * d, vlay + 3 * d,
+                   v_outliers};
+    build_tables(&a.k, d);
+    build_tables(&a.v, d);
+    return decode(&a, threads);
+}

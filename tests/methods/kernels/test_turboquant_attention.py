@@ -1,0 +1,65 @@
+"""TurboQuant decode attention from the codes (methods/kernels/turboquant_attention.py): the C
+kernel and the Triton kernel (CPU interpreter here) against the torch reference on small
+irregular shapes (with and without an outlier split, QJL keys or MSE keys, a tail or none, GQA
+g = 1 and 3, several blocks), and a check that the cases can fail (a kernel that ignored the
+block permutation or the QJL term would differ)."""
+
+import pytest
+import torch
+
+from methods import build_method
+from methods.base import ModelInfo
+from methods.kernels import cpu_build, turboquant_cpu
+from methods.kernels import turboquant_attention as ta  # under the interpreter (conftest)
+
+TOL = dict(rtol=1e-5, atol=1e-5)  # fp32 sums of D products of O(1) terms
+CASES = [  # h, g, d, tokens, settings
+    (2, 3, 16, 29, dict(block_tokens=8)),  # 3.5 bits: split, QJL keys; a 5-token tail
+    (1, 1, 16, 24, dict(block_tokens=8, k_bits=2.5, v_bits=2.5)),  # no tail
+    (3, 3, 64, 70, dict(block_tokens=32, k_bits=3, v_bits=2)),  # integer widths: no split
+    (2, 2, 32, 41, dict(block_tokens=6, k_quantizer="mse", outlier_ratio=0.5)),  # MSE keys
+    (1, 3, 8, 17, dict(block_tokens=4, k_bits=2.5, v_bits=3.5)),  # stories260K's head_dim
+    (3, 3, 64, 200, dict(block_tokens=64, k_bits=2.5, v_bits=2.5)),  # SmolLM2: byte tables
+    (3, 3, 64, 200, dict(block_tokens=64, k_bits=3.5, v_bits=3.5)),  # 4-bit and 2-bit tables
+]
+
+
+def cache(h, g, d, tokens, settings, seed=0):
+    method = build_method("turboquant", **settings)
+    info = ModelInfo(num_layers=1, num_heads=h * g, num_kv_heads=h, head_dim=d, max_positions=512)
+    layer = method.make_layer(0, info)
+    gen = torch.Generator().manual_seed(seed)
+    keys = torch.randn(1, h, tokens, d, generator=gen)
+    keys[..., 1] *= 6  # an outlier channel
+    layer.update(keys, torch.randn(1, h, tokens, d, generator=gen), None)
+    query = torch.randn(1, h * g, 1, d, generator=gen)
+    return layer._cache(), query
+
+
+@pytest.mark.parametrize("h, g, d, tokens, settings", CASES)
+def test_c_kernel_equals_the_reference(h, g, d, tokens, settings):
+    if not cpu_build.compiler_available():
+        pytest.skip("no C compiler here: TurboQuant's CPU kernel cannot be built (torch path)")
+    assert turboquant_cpu.library() is not None, turboquant_cpu.build_error()
+    c, q = cache(h, g, d, tokens, settings)
+    ref = ta.decode_attention_torch(q, c, d ** -0.5)
+    torch.testing.assert_close(turboquant_cpu.decode_attention(q, c, d ** -0.5), ref, **TOL)
+
+
+@pytest.mark.parametrize("h, g, d, tokens, settings", CASES[:3])
+def test_triton_kernel_equals_the_reference(h, g, d, tokens, settings):
+    c, q = cache(h, g, d, tokens, settings)
+    assert ta.decode_kernel(q.device) == "triton"  # TRITON_INTERPRET=1 (conftest)
+    ref = ta.decode_attention_torch(q, c, d ** -0.5)
+    torch.testing.assert_close(ta.decode_attention_triton(q, c, d ** -0.5), ref, **TOL)
+
+
+def test_the_cases_can_fail():
+    """The permutation and the QJL term change the output well beyond the tolerance: a kernel
+    that ignored either would not pass."""
+    c, q = cache(2, 3, 16, 29, dict(block_tokens=8))
+    ref = ta.decode_attention_torch(q, c, 0.25)
+    no_qjl = c._replace(keys=c.keys._replace(rnorms=torch.zeros_like(c.keys.rnorms)))
+    assert (ta.decode_attention_torch(q, no_qjl, 0.25) - ref).abs().max() > 1e-3
+    no_split = c._replace(keys=c.keys._replace(masks=torch.zeros_like(c.keys.masks)))
+    assert (ta.decode_attention_torch(q, no_split, 0.25) - ref).abs().max() > 1e-3
