@@ -52,6 +52,11 @@ from methods.scoring import expand_kv
 class ExpectedAttention(BudgetedMethod):
     name: ClassVar[str] = "expected_attention"
     provenance: ClassVar[str] = "official code"
+    family: ClassVar[str] = "prompt compression"
+    summary: ClassVar[str] = ("once per prompt, keep the keys future queries are expected to attend "
+                              "(RoPE-averaged query statistics), weighted by their value norms")
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2510.00636"
+    code_url: ClassVar[str | None] = "https://github.com/NVIDIA/kvpress"
     operating_point: ClassVar[str] = (
         "NVIDIA/kvpress ExpectedAttentionPress: Llama-3.1-8B, Qwen3-8B, Gemma-3-12B; prompt "
         "compressed once at compression ratios 0.1..0.9, 512 future positions, 4 sinks, "

@@ -73,6 +73,11 @@ OVERLAP_TOKENS = 8  # the previous chunk's tail quoted in a later chunk's instru
 class KVzip(BudgetedMethod):
     name: ClassVar[str] = "kvzip"
     provenance: ClassVar[str] = "official code"
+    family: ClassVar[str] = "prompt compression"
+    summary: ClassVar[str] = ("once per prompt, keep the tokens the model attends to while it "
+                              "reconstructs the prompt (query-agnostic)")
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2505.23416"
+    code_url: ClassVar[str | None] = "https://github.com/snu-mllab/KVzip"
     operating_point: ClassVar[str] = (
         "snu-mllab/KVzip: Qwen2.5-7B/14B-Instruct-1M, LLaMA3.1-8B; KV ratio 0.1..1 of the "
         "context (0.3 in the README), pair level, 2000-token reconstruction chunks; SQuAD, "
@@ -80,7 +85,8 @@ class KVzip(BudgetedMethod):
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
         acts_during_decode=False, needs_prefill=True, prefill_modes=("dense",),
-        selects_tokens=True, needs_prepare=True, needs_token_ids=True, kv_layouts=KV_LAYOUTS)
+        selects_tokens=True, needs_prepare=True, needs_token_ids=True, kv_layouts=KV_LAYOUTS,
+        ragged_heads=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("level", "chunk_tokens", "system_prompt")
     inert_knobs: ClassVar[dict[str, str]] = {
         "system_prompt": "the test models have no chat template, so no prompt opens with a "

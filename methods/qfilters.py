@@ -57,6 +57,11 @@ SEQUENCE_TOKENS = 2048  # the official calibration sequences' length (make_filte
 class QFilters(BudgetedMethod):
     name: ClassVar[str] = "qfilters"
     provenance: ClassVar[str] = "official code"
+    family: ClassVar[str] = "eviction"
+    summary: ClassVar[str] = ("keep the keys projecting most on the queries' dominant direction "
+                              "per head (filters from an SVD of calibration queries)")
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2503.02812"
+    code_url: ClassVar[str | None] = "https://github.com/NathanGodey/qfilters"
     operating_point: ClassVar[str] = (
         "NathanGodey/qfilters: Llama-3.1-8B/70B, Qwen-2.5, DeepSeek-R1-Distill; filters from "
         "19 x 2048 fineweb tokens (3000 query rows); x2..x32 compression; needle, RULER, "
@@ -64,7 +69,7 @@ class QFilters(BudgetedMethod):
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
         prefill_modes=PREFILL_MODES, selects_tokens=True, needs_prepare=True,
-        kv_layouts=KV_LAYOUTS)
+        kv_layouts=KV_LAYOUTS, needs_calibration=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("window_tokens", "filters_path")
     window_tokens: int = 0
     calibration_path: str | None = None

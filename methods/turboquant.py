@@ -73,6 +73,10 @@ class TurboQuant(KVMethod):
 
     name: ClassVar[str] = "turboquant"
     provenance: ClassVar[str] = "paper"
+    family: ClassVar[str] = "quantization"
+    summary: ClassVar[str] = ("random rotation, Lloyd-Max codes per coordinate, a 1-bit QJL "
+                              "residual for unbiased key inner products")
+    paper_url: ClassVar[str | None] = "https://arxiv.org/abs/2504.19874"
     operating_point: ClassVar[str] = (
         "arXiv 2504.19874: Llama-3.1-8B-Instruct, Ministral-7B; 2.5 and 3.5 bits per channel "
         "(outlier split); LongBench, needle-in-a-haystack up to 104K")

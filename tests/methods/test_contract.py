@@ -76,7 +76,8 @@ def test_every_method_has_yaml_and_test():
 NO_KEPT_SET = {"full": "the reference: keeps and attends every token",
                "full_offload": "the reference on the host tier: keeps and attends every token",
                "kivi": "quantizes every token (its hand tests pin the codes)",
-               "kvquant": "quantizes every token (its hand tests pin the codes)"}
+               "kvquant": "quantizes every token (its hand tests pin the codes)",
+               "turboquant": "quantizes every token (its hand tests pin the codebooks and codes)"}
 
 
 def hand_kept_set_tests(path) -> list[str]:

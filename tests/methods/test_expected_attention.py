@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 
 from methods import build_method
@@ -50,6 +51,7 @@ def hand_kept(pre_queries, keys, values, sinks, future, budget):
     return kept
 
 
+@pytest.mark.kept_set
 def test_kept_set_equals_a_hand_computation():
     torch.manual_seed(0)
     n, sinks, future, budget = 16, 2, 5, 7

@@ -1,8 +1,10 @@
 """KVzip: scores from the model reconstructing the prompt, max attention of the repeat queries."""
 
+import pytest
 import torch
 
 from methods import build_method
+from methods.base import ModelInfo
 from methods.kvzip import chunk_scores
 from tests.conftest import make_engine
 
@@ -121,3 +123,26 @@ def test_a_chat_system_prompt_is_kept_whole_and_not_reconstructed(tiny_model):
         req.prefill(ids)
         kept = [set(p) for kv in req.cache.kv_layers for p in kv.kept_positions()[0].tolist()]
     assert all(set(range(4)) <= k for k in kept) and not all(set(range(6)) <= k for k in kept)
+
+
+@pytest.mark.kept_set
+@pytest.mark.parametrize("level, kept", [
+    # pair: the layer's 2 x 3 slots go to its top scores over both heads: the two sinks, then
+    # .9 .8 .7 (head 0) and .6 (head 1): head 0 keeps four tokens, head 1 two
+    ("pair", [[0, 1, 3, 4], [0, 5]]),
+    # pair-uniform: each head its own top 3, the sink included
+    ("pair-uniform", [[0, 1, 3], [0, 5, 7]]),
+])
+def test_kept_set_by_hand(level, kept):
+    info = ModelInfo(num_layers=2, num_heads=2, num_kv_heads=2, head_dim=2, max_positions=16)
+    method = build_method("kvzip", budget_tokens=3, sink_tokens=1, level=level)
+    layer = method.make_layer(1, info)  # layer 0 would start a reconstruction forward
+    keys = torch.randn(1, 2, 8, 2, generator=torch.Generator().manual_seed(0))
+    layer.prompt_open = True
+    layer.update(keys, keys, None)
+    layer.after_forward()
+    layer.prompt_open = False
+    layer.kvzip_scores = torch.tensor([[[0.0, .9, .1, .8, .7, .05, .3, .01],
+                                        [0.0, .15, .2, .02, .03, .6, .04, .5]]])
+    layer.on_prefill_end()
+    assert [sorted(p for p in row.tolist() if p >= 0) for row in layer.kept_positions()[0]] == kept

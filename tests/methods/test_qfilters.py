@@ -12,6 +12,7 @@ from methods.qfilters import filters_from_queries
 from tests.conftest import make_engine
 
 
+@pytest.mark.kept_set
 def test_filter_and_kept_set_by_hand():
     """Head 0's queries lie on e1, mostly positive: filter -e1; head 1's on e2, mostly negative:
     filter +e2 (whatever sign the SVD returns); their KV head's filter is the mean (-.5, .5), so
