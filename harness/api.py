@@ -105,14 +105,18 @@ class MethodKVCache(hf_adapter.MethodCache):
 
         self.model, self.method = model, method
         self.engine = Engine(model, tokenizer, method, info, settings)
-        # the runner's order: prepare (offline artefacts), then the request's layers
-        self.prepared = (hf_adapter.prepare(method, model, tokenizer, info,
-                                            data_dir=models.SHARED_DIR / "data")
-                         if method.capabilities.needs_prepare else {})
+        # our attention first: a prepare that runs forwards (captures) reads them through it
+        hf_adapter.attach_attention(model)
+        try:  # the runner's order: prepare (offline artefacts), then the request's layers
+            self.prepared = (hf_adapter.prepare(method, model, tokenizer, info,
+                                                data_dir=models.SHARED_DIR / "data")
+                             if method.capabilities.needs_prepare else {})
+        except BaseException:
+            hf_adapter.detach_attention(model)
+            raise
         super().__init__(method, info, self.engine.tier, settings.protocol)
         self.pos = 0  # tokens fed so far (the engine's Request.pos)
         self._forward: tuple[contextlib.ExitStack, bool, int] | None = None
-        hf_adapter.attach_attention(model)
         self._handles = method.install(model) + hf_adapter.watch_forwards(model, self)
         self.closed = False
 

@@ -57,6 +57,9 @@ def folder_figures(folder):
         kept["transfer"].pop(timed, None)
     kept["method"]["prepare"] = {k: v for k, v in kept["method"]["prepare"].items()
                                  if not k.endswith(("_s", "_ms"))}  # its wall time
+    facts = kept["kv"].get("method_facts") or {}
+    kept["kv"]["method_facts"] = {k: v for k, v in facts.items()
+                                  if not k.endswith(("_s", "_ms"))}  # e.g. KVzip's reconstruction
     return kept, samples
 
 

@@ -558,7 +558,9 @@ def test_refusals_follow_capabilities(family):
     methods; every other family serves every method."""
     info = hf_adapter.model_info(family_config(family))
     for name in METHODS:
-        method = build_method(name)
+        # ShadowKV's default threshold (official: prompts above 4096 tokens) is beyond the tiny
+        # models' positions, a refusal of the knob's value, not of the family
+        method = build_method(name, **({"compress_above_tokens": 0} if name == "shadowkv" else {}))
         reasons = method.validate(info, {"batch_size": 1})
         expect = family == "mistral" and method.capabilities.selects_tokens
         assert bool(reasons) == expect, (name, family, reasons)

@@ -167,6 +167,8 @@ def test_first_token_may_not_stop_samsum():
     vocab, newline, eos, other = 10, 3, 2, 7
 
     class FakeRequest:
+        answer = Request.answer  # the decoding loop under test, over the fake forwards
+
         def prefill(self, ids):
             logits = torch.zeros(1, 1, vocab)
             logits[0, 0, newline], logits[0, 0, eos], logits[0, 0, other] = 5.0, 4.0, 1.0
