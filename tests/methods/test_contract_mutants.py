@@ -7,6 +7,8 @@ contract (`tests/methods/test_contract.py`: `check_compressing_contract` and the
 no recent window, so forgetting it changes nothing) is not run for it.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -63,6 +65,47 @@ def test_the_contract_kills_template_mutants(name, mutant, request, monkeypatch)
     method = build_method(name, **method_class(name).compressing_hyperparameters(SEQ_TOKENS))
     check_compressing_contract(model, method)  # the real template passes
     TEMPLATE_MUTANTS[mutant](monkeypatch)
+    with pytest.raises(CAUGHT):
+        check_compressing_contract(model, method)
+
+
+# --- mutants of the selection template ----------------------------------------------------------
+def lowest_scores_selected(monkeypatch):
+    from methods.selection import SelectionLayer
+
+    original = SelectionLayer.choose
+
+    def lowest(self, scores, budget, t):
+        chosen = original(self, torch.where(torch.isinf(scores), scores, -scores), budget, t)
+        return dataclasses.replace(chosen, scores=scores)  # it records the scores it was given
+    monkeypatch.setattr(SelectionLayer, "choose", lowest)
+
+
+def union_is_one_query_heads_set(monkeypatch):
+    from methods import selection
+
+    def first_head(keep, num_kv_heads):
+        b, h_sel, t = keep.shape
+        return keep.view(b, num_kv_heads, h_sel // num_kv_heads, t)[:, :, 0]
+    monkeypatch.setattr(selection, "kv_union", first_head)
+
+
+SELECTION_MUTANTS = {"lowest_scores_selected": lowest_scores_selected,
+                     "union_is_one_query_heads_set": union_is_one_query_heads_set}
+SELECTING_METHODS = ("oracle_topk", "quest")
+EQUIVALENT[("oracle_topk", "union_is_one_query_heads_set")] = (
+    "oracle_topk selects per KV head: a KV head's union is its one set")
+
+
+@pytest.mark.parametrize("mutant", list(SELECTION_MUTANTS))
+@pytest.mark.parametrize("name", SELECTING_METHODS)
+def test_the_contract_kills_selection_mutants(name, mutant, request, monkeypatch):
+    if (name, mutant) in EQUIVALENT:
+        pytest.skip(f"equivalent mutant: {EQUIVALENT[name, mutant]}")
+    model = get_model("llama", request, layers=3)
+    method = build_method(name, **method_class(name).compressing_hyperparameters(SEQ_TOKENS))
+    check_compressing_contract(model, method)  # the real template passes
+    SELECTION_MUTANTS[mutant](monkeypatch)
     with pytest.raises(CAUGHT):
         check_compressing_contract(model, method)
 
