@@ -9,8 +9,10 @@ A method on this template (oracle_topk, Quest) writes, on its layer:
   * optionally `selection_size(budget, t)` (units chosen per row; default: the budget left after
     the protections, one token per unit), `protected(budget, t)` (the first and last tokens
     attended whatever their score), `step_allowance(budget, t)` (the most tokens a head may
-    attend; default the budget) and `attends_densely(query)` (default: a prompt held under
-    runner.prefill=dense, attended in full).
+    attend; default the budget), `attends_densely(query)` (default: a prompt held under
+    runner.prefill=dense, attended in full) and `fetch(keys, values, slots)` (the K/V rows of
+    chosen positions; default: gathered from the stored K/V, every token on the device; a layer
+    keeping part of them on the host tier, TailorKV's, fetches those from there).
 
 The template does the rest at every forward:
   * budget: the shared rule (`BudgetedMethod.layer_budget` over the protocol's basis);
@@ -23,8 +25,8 @@ The template does the rest at every forward:
   * accounting: `selected_tokens` (the most one head attended at the last step, checked against
     `allowed_tokens`), `attended_tokens` (the mean over the selecting heads), `kept_positions`.
 
-Every token stays in the layer's default storage (runner.kv_layout: contiguous or paged); nothing
-is evicted. The last step's scores and choice stay readable (`selection`), so the shared contract
+By default every token stays in the layer's default storage (runner.kv_layout: contiguous or
+paged); nothing is evicted. The last step's scores and choice stay readable (`selection`), so the shared contract
 recomputes, at every step, the set a method must attend from its own scores.
 """
 
@@ -102,12 +104,17 @@ class SelectionLayer(KVLayer):
         """The shared rule's budget for this layer now."""
         return self.method.layer_budget(self.layer_idx, self.info.num_layers, self.basis_tokens())
 
+    def fetch(self, keys, values, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V `(B, H_kv, n, D)` at text positions `slots (B, H_kv, n)` (ascending), from
+        what `update` returned (here: every token)."""
+        return gather_tokens(keys, slots), gather_tokens(values, slots)
+
     # --- select, fetch, attend --------------------------------------------------------------
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
-        t = keys.shape[2]
         if self.attends_densely(query):
-            self.selection, self._allowed, self._attended = None, None, t
+            self.selection, self._allowed, self._attended = None, None, keys.shape[2]
             return base(module, query, keys, values, attention_mask, **kwargs)
+        t = self.seen_tokens
         scaling = kwargs["scaling"]
         budget = self.step_budget()
         scores = self.selection_scores(query, keys, attention_mask, scaling)
@@ -143,16 +150,14 @@ class SelectionLayer(KVLayer):
         slots = first_true(union, int(union.sum(-1).max()))  # (B, H_kv, n)
         own = keep.gather(2, slots.repeat_interleave(keep.shape[1] // keys.shape[1], dim=1))
         if bool(own.all()):  # every head attends all its KV head fetched: the model's attention
-            if query.is_cuda and sparse_attention.use_triton(query):  # gather inside the kernel
+            if keys.shape[2] == self.seen_tokens and query.is_cuda and sparse_attention.use_triton(query):
                 out = sparse_attention.sparse_decode_attention(query[:, :, 0], keys, values,
                                                                slots, kwargs["scaling"])
-                return out[:, None], None  # (B, 1, H_q, D)
-            return base(module, query, gather_tokens(keys, slots), gather_tokens(values, slots),
-                        None, **kwargs)
+                return out[:, None], None  # (B, 1, H_q, D): gathered inside the kernel
+            return base(module, query, *self.fetch(keys, values, slots), None, **kwargs)
         own = own.repeat_interleave(query.shape[1] // own.shape[1], dim=1)  # (B, H_q, n)
-        out, _ = attention_with_probs(query, gather_tokens(keys, slots),
-                                      gather_tokens(values, slots), None, kwargs["scaling"],
-                                      keep=own[:, :, None])
+        out, _ = attention_with_probs(query, *self.fetch(keys, values, slots), None,
+                                      kwargs["scaling"], keep=own[:, :, None])
         return out, None
 
     # --- accounting -------------------------------------------------------------------------
@@ -170,8 +175,9 @@ class SelectionLayer(KVLayer):
             return super().kept_positions()
         return first_true(self.selection.keep[:, :, -1], self._selected)
 
+    def selection_stats(self) -> dict[str, int]:
+        """`selected_tokens` after a selecting step (for a layer writing its own `stats`)."""
+        return {} if self.selection is None else {"selected_tokens": self._selected}
+
     def stats(self) -> dict[str, int]:
-        out = super().stats()
-        if self.selection is not None:
-            out["selected_tokens"] = self._selected
-        return out
+        return {**super().stats(), **self.selection_stats()}

@@ -102,7 +102,7 @@ MUTANTS = [
            "    q, pk = kernel_rows(q_partial), kernel_rows(partial_keys)",
            "    q, pk = kernel_rows(-q_partial), kernel_rows(partial_keys)"),
     Mutant("recent prompt tokens not attended", "tailorkv", "methods/tailorkv.py",
-           "        r = min(self.m.recent_tokens, budget - s)",
+           "        r = min(self.method.recent_tokens, budget - s)",
            "        r = 0"),
 ]
 

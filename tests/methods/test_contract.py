@@ -384,10 +384,11 @@ class StepChecker:
         group): the protected tokens are attended, the other attended tokens are whole units,
         `size` of them (or every candidate: a finite score), none scoring below a candidate left
         out (ties at the boundary: either). Per query head: the output is exact attention over its
-        own row's set, so a KV head must have served the union of its query heads' sets."""
+        own row's set, so a KV head must have served the union of its query heads' sets (where
+        `attend` got every token: a layer fetching from the host tier has its own output test)."""
         sel, unit = layer.selection, layer.unit_tokens
         b, h_q, _, d = query.shape
-        h_kv, t = keys.shape[1], keys.shape[2]
+        h_kv, t = keys.shape[1], layer.seen_tokens
         scores, keep = sel.scores[:, :, -1].float().cpu(), sel.keep[:, :, -1].cpu()
         h_sel = scores.shape[1]
         where = f"layer {layer.layer_idx} after {layer.seen_tokens} tokens"
@@ -412,6 +413,8 @@ class StepChecker:
                     f"{where}, row {i}: attended a unit scoring {min(chosen):.4g} and left out one "
                     f"scoring {max(dropped):.4g} (the set is not the top of its scores)")
                 self.selection_choices += 1
+        if t != keys.shape[2]:
+            return  # attend got the device rows only (the rest fetched from the host): no outputs
         scaling = kwargs.get("scaling")
         scaling = module.scaling if scaling is None else scaling
         sets = keep.repeat_interleave(h_q // h_sel, dim=1).to(keys.device)  # (B, H_q, T)
