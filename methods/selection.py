@@ -26,13 +26,13 @@ The template does the rest at every forward:
     `allowed_tokens`), `attended_tokens` (the mean over the selecting heads), `kept_positions`.
 
 By default every token stays in the layer's default storage (runner.kv_layout: contiguous or
-paged); nothing is evicted. The last step's scores and choice stay readable (`selection`), so the shared contract
-recomputes, at every step, the set a method must attend from its own scores.
+paged); nothing is evicted. The last query row's scores and choice stay readable (`selection`),
+so the shared contract recomputes, at every step, the set a method must attend from its scores.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -47,7 +47,7 @@ class Selection:
     """What a layer chose from and chose at its last forward."""
 
     scores: torch.Tensor  # (B, H_sel, q, U) fp32, as `selection_scores` returned them
-    keep: torch.Tensor  # (B, H_sel, q, T) bool: the tokens each row attended
+    keep: torch.Tensor  # (B, H_sel, q, T) bool: the tokens each row attended (kept: the last row)
     size: int  # units chosen per row from the scores
     protected: tuple[int, int]  # (first, last) tokens attended whatever their score
 
@@ -118,16 +118,20 @@ class SelectionLayer(KVLayer):
         scaling = kwargs["scaling"]
         budget = self.step_budget()
         scores = self.selection_scores(query, keys, attention_mask, scaling)
-        self.selection = self.choose(scores, budget, t)
+        chosen = self.choose(scores, budget, t)
         self._allowed = self.step_allowance(budget, t)
-        counts = self.selection.keep[:, :, -1].sum(-1)  # (B, H_sel): the last row's
+        counts = chosen.keep[:, :, -1].sum(-1)  # (B, H_sel): the last row's
         self._attended, self._selected = float(counts.float().mean()), int(counts.max())
-        keep = self.selection.keep
         if query.shape[2] == 1:
-            return self.fetch_and_attend(module, query, keys, values, keep[:, :, 0], base, kwargs)
-        groups = query.shape[1] // keep.shape[1]
+            self.selection = chosen
+            return self.fetch_and_attend(module, query, keys, values, chosen.keep[:, :, 0], base,
+                                         kwargs)
+        # a chunk: only its last row is kept (every layer holding q x T scores would add up)
+        self.selection = replace(chosen, scores=chosen.scores[:, :, -1:].clone(),
+                                 keep=chosen.keep[:, :, -1:].clone())
+        groups = query.shape[1] // chosen.keep.shape[1]
         out, _ = attention_with_probs(query, keys, values, attention_mask, scaling,
-                                      keep=keep.repeat_interleave(groups, dim=1))
+                                      keep=chosen.keep.repeat_interleave(groups, dim=1))
         return out, None
 
     def choose(self, scores: torch.Tensor, budget: int, t: int) -> Selection:
@@ -150,7 +154,8 @@ class SelectionLayer(KVLayer):
         slots = first_true(union, int(union.sum(-1).max()))  # (B, H_kv, n)
         own = keep.gather(2, slots.repeat_interleave(keep.shape[1] // keys.shape[1], dim=1))
         if bool(own.all()):  # every head attends all its KV head fetched: the model's attention
-            if keys.shape[2] == self.seen_tokens and query.is_cuda and sparse_attention.use_triton(query):
+            every_token = keys.shape[2] == self.seen_tokens  # all on the device: the kernel gathers
+            if every_token and query.is_cuda and sparse_attention.use_triton(query):
                 out = sparse_attention.sparse_decode_attention(query[:, :, 0], keys, values,
                                                                slots, kwargs["scaling"])
                 return out[:, None], None  # (B, 1, H_q, D): gathered inside the kernel

@@ -402,10 +402,10 @@ class StepChecker:
             assert guard <= held, f"{where}, row {i}: protected {sorted(guard - held)} not attended"
             units = {p // unit for p in held - guard}
             whole = {p for u in units for p in range(u * unit, min(t, (u + 1) * unit))}
-            assert whole <= held, f"{where}, row {i}: parts of units {sorted(whole - held)} left out"
+            assert whole <= held, f"{where}, row {i}: units partly attended: {sorted(whole - held)}"
             candidates = {u for u, s in enumerate(row) if s != float("-inf")}
             assert units <= candidates and len(units) == min(sel.size, len(candidates)), (
-                f"{where}, row {i}: chose units {sorted(units)}, {sel.size} of {sorted(candidates)}")
+                f"{where}, row {i}: chose {sorted(units)}, {sel.size} of {sorted(candidates)}")
             chosen = [row[u] for u in units]
             dropped = [row[u] for u in candidates - units]
             if chosen and dropped:
