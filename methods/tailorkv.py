@@ -4,7 +4,6 @@ Yao, Shen, Lin, Liu, Luan, Wang, Wang, "TailorKV: A Hybrid Framework for Long-Co
 Tailored KV Cache Optimization", arXiv 2505.19586; official code ydyhello/TailorKV@4e9fc81f12fb
 (`search_pattern.py` + `models/modeling_llama_search.py` for the layer identification,
 `models/cache_utils.py` `TailorKVCache` for the runtime, `scripts/long_test.sh` for the settings).
-Spec: reference/methods-2.md §11.
 
 Which layers are quantized (`prepare`, recorded in the facts as `layer_split`):
   * `config`: `quant_layers` names them;
