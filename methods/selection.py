@@ -36,8 +36,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from methods.base import KVLayer, ModelInfo
-from methods.eviction import BudgetedMethod
+from methods.base import KVLayer, KVMethod, ModelInfo
 from methods.kernels import sparse_attention
 from methods.scoring import attention_with_probs, gather_tokens
 
@@ -70,7 +69,7 @@ class SelectionLayer(KVLayer):
 
     unit_tokens = 1
 
-    def __init__(self, layer_idx: int, info: ModelInfo, method: BudgetedMethod):
+    def __init__(self, layer_idx: int, info: ModelInfo, method: KVMethod):
         super().__init__(layer_idx, info)
         self.method = method
         self.selection: Selection | None = None  # the last forward's; None after a dense one
@@ -101,7 +100,8 @@ class SelectionLayer(KVLayer):
         return self.holding_prompt()
 
     def step_budget(self) -> int:
-        """The shared rule's budget for this layer now."""
+        """The shared rule's budget for this layer now (methods.eviction.BudgetedMethod; a method
+        with a rule of its own overrides this)."""
         return self.method.layer_budget(self.layer_idx, self.info.num_layers, self.basis_tokens())
 
     def fetch(self, keys, values, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -115,7 +115,8 @@ class SelectionLayer(KVLayer):
             self.selection, self._allowed, self._attended = None, None, keys.shape[2]
             return base(module, query, keys, values, attention_mask, **kwargs)
         t = self.seen_tokens
-        scaling = kwargs["scaling"]
+        scaling = kwargs.get("scaling")
+        scaling = module.scaling if scaling is None else scaling
         budget = self.step_budget()
         scores = self.selection_scores(query, keys, attention_mask, scaling)
         chosen = self.choose(scores, budget, t)
@@ -125,7 +126,7 @@ class SelectionLayer(KVLayer):
         if query.shape[2] == 1:
             self.selection = chosen
             return self.fetch_and_attend(module, query, keys, values, chosen.keep[:, :, 0], base,
-                                         kwargs)
+                                         scaling, kwargs)
         # a chunk: only its last row is kept (every layer holding q x T scores would add up)
         self.selection = replace(chosen, scores=chosen.scores[:, :, -1:].clone(),
                                  keep=chosen.keep[:, :, -1:].clone())
@@ -147,7 +148,7 @@ class SelectionLayer(KVLayer):
         keep[..., t - last:] = True  # (last = 0: an empty slice)
         return Selection(scores, keep, size, (first, last))
 
-    def fetch_and_attend(self, module, query, keys, values, keep, base, kwargs):
+    def fetch_and_attend(self, module, query, keys, values, keep, base, scaling, kwargs):
         """One decode row: each KV head's union of sets fetched, each query head attending its
         own set of it. `keep (B, H_sel, T)`."""
         union = kv_union(keep, keys.shape[1])  # (B, H_kv, T)
@@ -157,12 +158,12 @@ class SelectionLayer(KVLayer):
             every_token = keys.shape[2] == self.seen_tokens  # all on the device: the kernel gathers
             if every_token and query.is_cuda and sparse_attention.use_triton(query):
                 out = sparse_attention.sparse_decode_attention(query[:, :, 0], keys, values,
-                                                               slots, kwargs["scaling"])
+                                                               slots, scaling)
                 return out[:, None], None  # (B, 1, H_q, D): gathered inside the kernel
             return base(module, query, *self.fetch(keys, values, slots), None, **kwargs)
         own = own.repeat_interleave(query.shape[1] // own.shape[1], dim=1)  # (B, H_q, n)
-        out, _ = attention_with_probs(query, *self.fetch(keys, values, slots), None,
-                                      kwargs["scaling"], keep=own[:, :, None])
+        out, _ = attention_with_probs(query, *self.fetch(keys, values, slots), None, scaling,
+                                      keep=own[:, :, None])
         return out, None
 
     # --- accounting -------------------------------------------------------------------------
