@@ -92,9 +92,9 @@ def union_is_one_query_heads_set(monkeypatch):
 
 SELECTION_MUTANTS = {"lowest_scores_selected": lowest_scores_selected,
                      "union_is_one_query_heads_set": union_is_one_query_heads_set}
-SELECTING_METHODS = ("oracle_topk", "quest")
-EQUIVALENT[("oracle_topk", "union_is_one_query_heads_set")] = (
-    "oracle_topk selects per KV head: a KV head's union is its one set")
+SELECTING_METHODS = ("oracle_topk", "quest", "tailorkv", "shadowkv")
+EQUIVALENT.update({(name, "union_is_one_query_heads_set"): "it selects per KV head: a KV "
+                   "head's union is its one set" for name in ("oracle_topk", "tailorkv", "shadowkv")})
 
 
 @pytest.mark.parametrize("mutant", list(SELECTION_MUTANTS))
