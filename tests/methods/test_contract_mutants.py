@@ -1,7 +1,8 @@
 """The shared contract must catch the bugs a newcomer plausibly writes (mutation testing).
 
-Each mutant below is a real bug planted for the duration of one test, in the scored-eviction
-template (for several methods built on it) or in one method, as a newcomer would write it. The
+Each mutant below is a real bug planted for the duration of one test, in the scored-eviction or
+the selection template (for several methods built on it) or in one method, as a newcomer would
+write it. The
 contract (`tests/methods/test_contract.py`: `check_compressing_contract` and the knob check of
 `test_every_knob_acts.py`) must fail on every one. A mutant equivalent for a method (TOVA declares
 no recent window, so forgetting it changes nothing) is not run for it.
