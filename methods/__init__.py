@@ -17,7 +17,7 @@ from methods.base import Capabilities, KVLayer, KVMethod
 __all__ = ["Capabilities", "KVLayer", "KVMethod", "available_methods", "build_method", "method_class"]
 
 SHARED_KNOBS = ("budget_ratio", "budget_tokens")  # declared for every method (conf/method/_shared.yaml)
-_NOT_METHODS = {"base", "eviction", "kernels", "rope", "scoring"}  # helper modules, not methods
+_NOT_METHODS = {"base", "eviction", "kernels", "rope", "scoring", "selection"}  # helper modules, not methods
 
 
 def available_methods() -> list[str]:

@@ -13,8 +13,7 @@ attends to that set, with the softmax renormalised over it.
 Prefill follows the run protocol (`runner.prefill`): "dense" = prompt rows attend every causal
 key (as every evicting method's prompt does); "sparse" = each prompt row selects its own top-k
 among its causal keys, inside multi-token chunks (per-row masks; k from the tokens seen at chunk
-end), so the engine need not feed the prompt one token at a time. The engine says when a prompt
-is fed (`KVLayer.holding_prompt`).
+end), so the engine need not feed the prompt one token at a time.
 
 Hyperparameters (the one budget rule, methods/base.py):
     budget_ratio: tokens attended per KV head as a fraction of tokens seen (default 0.2).
@@ -31,7 +30,8 @@ import torch
 from kvcore.storage import KV_LAYOUTS
 from methods.base import Capabilities, KVLayer, ModelInfo
 from methods.eviction import BudgetedMethod
-from methods.scoring import additive_mask, attention_with_probs, expand_kv, group_mean
+from methods.scoring import additive_mask, expand_kv, group_mean
+from methods.selection import SelectionLayer
 
 
 @dataclass(kw_only=True)
@@ -52,45 +52,12 @@ class OracleTopK(BudgetedMethod):
         return OracleTopKLayer(layer_idx, info, self)
 
 
-class OracleTopKLayer(KVLayer):
-    def __init__(self, layer_idx: int, info: ModelInfo, method: OracleTopK):
-        super().__init__(layer_idx, info)
-        self.method = method
-        self.selected: torch.Tensor | None = None  # (B, H_kv, k) positions chosen at the last step
-        self.selected_count = 0
-        self.dense_rows = False  # the last forward attended densely (a prompt, prefill=dense)
-
-    def allowed_tokens(self) -> int | None:
-        if self.dense_rows:  # the protocol lets dense prompt rows attend every causal key
-            return None
-        return self.method.layer_budget(self.layer_idx, self.info.num_layers, self.basis_tokens())
-
-    def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
-        self.dense_rows = self.holding_prompt()
-        if self.dense_rows:
-            self.selected_count = keys.shape[2]
-            return base(module, query, keys, values, attention_mask, **kwargs)
-        scaling = kwargs["scaling"]
-        b, h_kv, t, _ = keys.shape
+class OracleTopKLayer(SelectionLayer):
+    def selection_scores(self, query, keys, attention_mask, scaling) -> torch.Tensor:
+        """The exact attention probabilities, averaged over each KV head's query heads:
+        `(B, H_kv, q, T)` (non-causal keys 0)."""
+        h_kv, t = keys.shape[1], keys.shape[2]
         q_len, groups = query.shape[2], query.shape[1] // h_kv
-        k = min(self.allowed_tokens(), t)
         scores = torch.matmul(query.float(), expand_kv(keys, groups).float().transpose(2, 3))
         scores = scores * scaling + additive_mask(attention_mask, q_len, t, query.device)
-        kv_scores = group_mean(torch.softmax(scores, dim=-1), h_kv)  # (B, H_kv, q, T)
-        top = kv_scores.topk(k, dim=-1).indices  # (B, H_kv, q, k)
-        keep = torch.zeros_like(kv_scores, dtype=torch.bool).scatter_(-1, top, True)
-        keep = keep[:, :, None].expand(b, h_kv, groups, q_len, t).reshape(b, h_kv * groups, q_len, t)
-        out, _ = attention_with_probs(query, keys, values, attention_mask, scaling, keep=keep)
-        allowed = torch.isfinite(scores[:, :1])  # causal keys per row
-        self.selected_count = int(min(k, allowed.sum(-1).max()))
-        self.selected = top[:, :, -1]
-        return out, None
-
-    def stats(self) -> dict[str, int]:
-        return {**super().stats(), "selected_tokens": self.selected_count}
-
-    def attended_tokens(self) -> int:
-        return self.selected_count
-
-    def kept_positions(self) -> torch.Tensor:
-        return self.selected if self.selected is not None else super().kept_positions()
+        return group_mean(torch.softmax(scores, dim=-1), h_kv)

@@ -2,7 +2,7 @@
 
 Sun et al., "ShadowKV: KV Cache in Shadows for High-Throughput Long-Context LLM Inference",
 ICML 2025, arXiv 2410.21465; official code ByteDance-Seed/ShadowKV@e51904cdeab7
-(`models/kv_cache.py`: `ShadowKVCache`, `ShadowKVCache_CPU`). Spec: reference/methods-2.md §9.
+(`models/kv_cache.py`: `ShadowKVCache`, `ShadowKVCache_CPU`).
 
 At the end of a prompt (`on_prefill_end`; the prompt itself is prefilled densely):
 1. Pre-RoPE keys: the layer sees post-RoPE keys, so they are un-rotated exactly with the model's
@@ -48,7 +48,7 @@ reports as an inactive run. Set `method.compress_above_tokens=0` to compress sho
 harness's 1K-4K needle contexts and the tests do): a deviation from the official code, recorded in
 the run's config.
 
-Other deliberate deviations (methods-2.md §9 quirks):
+Other deliberate deviations:
 * The official code asserts budget < prompt; here a sparse budget covering every chunk selects all
   of them (the method is then lossless up to the rank).
 * Landmark scores use the model's own scaling s (1/sqrt(D) for most), not a hard-coded 1/sqrt(128)
@@ -84,6 +84,7 @@ from kvcore.errors import ConfigError
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for, check_budget
 from methods.rope import rotate
 from methods.scoring import gather_tokens
+from methods.selection import SelectionLayer
 
 
 OFFICIAL_MIN_PROMPT_TOKENS = 4096  # models/llama.py: the prefill path runs for q_len > 4096
@@ -229,10 +230,14 @@ class HostValues:
         return self.values.nbytes
 
 
-class ShadowKVLayer(KVLayer):
+class ShadowKVLayer(SelectionLayer):
+    """Exact until its prompt is compressed; then per decode step (methods/selection.py) one set
+    of chunks per KV head: the outlier chunks (scored +inf), the top landmark chunks, and the
+    local window (protected), rebuilt and fetched by `fetch`."""
+
     def __init__(self, layer_idx: int, info: ModelInfo, method: ShadowKV):
-        super().__init__(layer_idx, info)
-        self.m = method
+        super().__init__(layer_idx, info, method)
+        self.unit_tokens = method.chunk_size  # the template chooses chunks
         self.positions: torch.Tensor | None = None  # (T,) text positions of self.keys (exact rows)
         self.compressed = False
         # after compression (B = batch, H = H_kv):
@@ -246,9 +251,6 @@ class ShadowKVLayer(KVLayer):
         self.outlier_values: torch.Tensor | None = None  # (B, H, O*c, D)
         self.host: HostValues | None = None
         # self.keys / self.values / self.positions then hold the exact local window
-        self.selected_chunks: torch.Tensor | None = None  # (B, H, k) at the last decode step
-        self._attended = 0
-        self._step_budget: int | None = None
         self.grant_chunks = (0, 0)  # (selected, outlier) chunks per KV head, from the rule
 
     # --- cache seam ----------------------------------------------------------------------------
@@ -276,25 +278,25 @@ class ShadowKVLayer(KVLayer):
         return super().mask_sizes(q_len)
 
     def on_prefill_end(self) -> None:
-        c = self.m.chunk_size
+        c = self.method.chunk_size
         if self.compressed or self.keys is None:
             return
         prompt = self.keys.shape[2]
-        chunks = prompt // c - self.m.local_chunks
-        if prompt <= self.m.compress_above_tokens or chunks < 1:
+        chunks = prompt // c - self.method.local_chunks
+        if prompt <= self.method.compress_above_tokens or chunks < 1:
             return  # short prompts stay dense (official: compressed above 4096 tokens only)
         self._compress(chunks)
 
     def _compress(self, chunks: int) -> None:
-        c, keys, values = self.m.chunk_size, self.keys, self.values
+        c, keys, values = self.method.chunk_size, self.keys, self.values
         b, h, n, d = keys.shape
         n_ctx = chunks * c
-        inv_freq = self.m._inv_freq.to(keys.device)
+        inv_freq = self.method._inv_freq.to(keys.device)
         # pre-RoPE keys, exact inverse rotation in fp32; SVD over all heads jointly (official)
         pre = rotate(keys.float(), -self.positions.float(), inv_freq)  # (B, H, n, D)
         flat = pre.transpose(1, 2).reshape(b, n, h * d)
         u, s, vh = torch.linalg.svd(flat, full_matrices=False)
-        r = min(self.m.rank_of(self.info), s.shape[-1])
+        r = min(self.method.rank_of(self.info), s.shape[-1])
         self.u = u[:, :n_ctx, :r].to(keys.dtype).contiguous()
         self.sv = (s[:, :r, None] * vh[:, :r]).view(b, r, h, d).transpose(1, 2).to(keys.dtype)
         self.ctx_positions = self.positions[:n_ctx]
@@ -302,8 +304,8 @@ class ShadowKVLayer(KVLayer):
         ctx_k = keys[:, :, :n_ctx].float().view(b, h, chunks, c, d)
         means = ctx_k.mean(3)  # (B, H, chunks, D)
         badness = torch.nn.functional.cosine_similarity(means[:, :, :, None], ctx_k, dim=-1).amin(-1)
-        sparse = self.m.sparse_budget(self.basis_tokens(n))
-        outliers = min(chunks, int(self.m.outlier_ratio * sparse) // c)
+        sparse = self.method.sparse_budget(self.basis_tokens(n))
+        outliers = min(chunks, int(self.method.outlier_ratio * sparse) // c)
         # the grant, from the rule: selected chunks and outlier chunks per KV head (the local
         # window and generated tokens come on top)
         self.grant_chunks = (min(chunks - outliers, sparse // c), outliers)
@@ -333,61 +335,65 @@ class ShadowKVLayer(KVLayer):
         else:
             u = gather_tokens(self.u[:, None].expand(b, h, *self.u.shape[1:]), rows)
             pos = self.ctx_positions[rows]
-        keys = rotate(torch.matmul(u, self.sv), pos.float(), self.m._inv_freq)  # (B, H, n, D)
+        keys = rotate(torch.matmul(u, self.sv), pos.float(), self.method._inv_freq)  # (B, H, n, D)
         values = pending.wait()
         if rows is None and self.outlier_rows.shape[2]:
             index = self.outlier_rows[..., None].expand_as(self.outlier_keys)
             keys = keys.scatter(2, index, self.outlier_keys)
         return keys, values
 
-    # --- attention seam ------------------------------------------------------------------------
-    def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
-        if not self.compressed or query.shape[2] > 1:
-            self._step_budget, self.selected_chunks = None, None
-            self._attended = keys.shape[2]
-            return base(module, query, keys, values, attention_mask, **kwargs)
-        c = self.m.chunk_size
+    # --- selection (methods/selection.py) ----------------------------------------------------
+    def attends_densely(self, query: torch.Tensor) -> bool:
+        return not self.compressed or query.shape[2] > 1
+
+    def step_budget(self) -> int:
+        """The grant (selected and outlier chunks, from the rule at the prompt's end) plus the
+        local window, generated tokens included."""
         k, outliers = self.grant_chunks
-        scaling = float(kwargs.get("scaling") or module.scaling)
-        self.selected_chunks = self.select_chunks(query[:, :, 0], k, scaling)  # (B, H, k)
-        parts_k, parts_v = [self.outlier_keys], [self.outlier_values]
-        if k:
-            sel_k, sel_v = self._reconstruct(chunk_rows(self.selected_chunks, c))
-            parts_k.append(sel_k)
-            parts_v.append(sel_v)
-        parts_k.append(self.keys)  # the whole local window, generated tokens included
-        parts_v.append(self.values)
-        local = self.seen_tokens - self.ctx_positions.numel()
-        self._step_budget = (k + outliers) * c + local  # the rule's grant for this step
-        self._attended = self.outlier_keys.shape[2] + k * c + self.keys.shape[2]
-        return base(module, query, torch.cat(parts_k, 2), torch.cat(parts_v, 2), None, **kwargs)
+        return (k + outliers) * self.unit_tokens + self.seen_tokens - self.ctx_positions.numel()
 
-    def select_chunks(self, query: torch.Tensor, k: int, scaling: float) -> torch.Tensor:
-        """Chunk ids `(B, H_kv, k)` (sorted): softmax of scaling * q . landmark per query head
-        over the non-outlier chunks, max over the group's query heads, top-k."""
-        b, h_q, d = query.shape
+    def protected(self, budget: int, t: int) -> tuple[int, int]:
+        return 0, t - self.ctx_positions.numel()  # the local window
+
+    def selection_size(self, budget: int, t: int) -> int:
+        return sum(self.grant_chunks)  # the outliers (+inf) and the k best landmark chunks
+
+    def outlier_chunk_ids(self) -> torch.Tensor:
+        return self.outlier_rows[..., ::self.unit_tokens] // self.unit_tokens  # (B, H, O)
+
+    def selection_scores(self, query, keys, attention_mask, scaling) -> torch.Tensor:
+        """`(B, H_kv, 1, U)` per chunk: softmax_j(scaling q . m_j) over the non-outlier landmarks
+        per query head, max over the group's heads (the official GQA rule); outlier chunks +inf
+        (always attended), the local window's -inf (protected)."""
+        b, h_q, _, d = query.shape
         h = self.landmarks.shape[1]
-        q = query.float().view(b, h, h_q // h, d)
-        probs = torch.softmax(q @ self.landmarks.float().transpose(2, 3) * scaling, -1)
-        score = probs.amax(2)  # (B, H, C)
-        top = score.topk(k, dim=-1).indices
-        return self.landmark_chunks.gather(2, top).sort(-1).values
+        q = query[:, :, 0].float().view(b, h, h_q // h, d)
+        probs = torch.softmax(q @ self.landmarks.float().transpose(2, 3) * scaling, -1).amax(2)
+        units = -(-self.seen_tokens // self.unit_tokens)
+        scores = torch.full((b, h, units), float("-inf"), device=query.device)
+        scores.scatter_(2, self.landmark_chunks, probs)
+        scores.scatter_(2, self.outlier_chunk_ids(), float("inf"))
+        return scores[:, :, None]
 
-    # --- accounting ----------------------------------------------------------------------------
-    def attended_tokens(self) -> int:
-        return self._attended
-
-    def allowed_tokens(self) -> int | None:
-        return self._step_budget
-
-    def kept_positions(self) -> torch.Tensor:
-        if self._step_budget is None:
-            if self.compressed:
-                return torch.cat([self.ctx_positions, self.positions])
-            return self.positions if self.positions is not None else super().kept_positions()
-        rows = torch.cat([self.outlier_rows, chunk_rows(self.selected_chunks, self.m.chunk_size)], 2)
-        local = self.positions.expand(*rows.shape[:2], -1)
-        return torch.cat([self.ctx_positions[rows], local], 2)
+    def fetch(self, keys, values, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of `slots`: the outliers' exact K/V (device), the selected chunks' keys
+        rebuilt and values fetched from the host, then the local window (`keys`/`values`, as
+        `update` returned it)."""
+        b, h = slots.shape[:2]
+        ctx = slots[..., : slots.shape[-1] - keys.shape[2]]  # (B, H, (k + O) c), ascending
+        chunk_ids = self.outlier_chunk_ids()
+        outlier = torch.zeros(b, h, self.landmark_chunks.shape[2] + chunk_ids.shape[2],
+                              dtype=torch.bool, device=slots.device)
+        outlier = outlier.scatter_(2, chunk_ids, True).gather(2, ctx // self.unit_tokens)
+        rows = ctx[~outlier].view(b, h, -1)  # the selected chunks' rows
+        parts_k, parts_v, held = [self.outlier_keys], [self.outlier_values], [self.outlier_rows]
+        if rows.shape[-1]:
+            sel_k, sel_v = self._reconstruct(rows)
+            parts_k, parts_v, held = parts_k + [sel_k], parts_v + [sel_v], held + [rows]
+        order = torch.cat(held, 2).argsort(dim=-1)  # into slots' (text) order
+        ctx_k = gather_tokens(torch.cat(parts_k, 2), order)
+        ctx_v = gather_tokens(torch.cat(parts_v, 2), order)
+        return torch.cat([ctx_k, keys], 2), torch.cat([ctx_v, values], 2)
 
     def stats(self) -> dict[str, int]:
         if not self.compressed:
@@ -395,11 +401,8 @@ class ShadowKVLayer(KVLayer):
         device = [self.keys, self.values, self.u, self.sv, self.landmarks, self.landmark_chunks,
                   self.outlier_keys, self.outlier_values, self.outlier_rows]
         device_bytes = int(sum(t.nbytes for t in device))
-        out = {"kv_tokens": self.kept_tokens(), "kv_bytes": device_bytes + self.host.nbytes(),
-               "kv_bytes_device": device_bytes}
-        if self._step_budget is not None:
-            out["selected_tokens"] = self._attended
-        return out
+        return {"kv_tokens": self.kept_tokens(), "kv_bytes": device_bytes + self.host.nbytes(),
+                "kv_bytes_device": device_bytes, **self.selection_stats()}
 
 
 def chunk_rows(chunks: torch.Tensor, chunk_size: int) -> torch.Tensor:

@@ -4,7 +4,6 @@ Yao, Shen, Lin, Liu, Luan, Wang, Wang, "TailorKV: A Hybrid Framework for Long-Co
 Tailored KV Cache Optimization", arXiv 2505.19586; official code ydyhello/TailorKV@4e9fc81f12fb
 (`search_pattern.py` + `models/modeling_llama_search.py` for the layer identification,
 `models/cache_utils.py` `TailorKVCache` for the runtime, `scripts/long_test.sh` for the settings).
-Spec: reference/methods-2.md §11.
 
 Which layers are quantized (`prepare`, recorded in the facts as `layer_split`):
   * `config`: `quant_layers` names them;
@@ -83,6 +82,7 @@ from methods.kernels import kivi_quant as kq
 from methods.kernels.kivi_attention import decode_kernel
 from methods.kivi import KIVI, KIVILayer, quantization_reasons, value_group_reasons
 from methods.scoring import expand_kv
+from methods.selection import SelectionLayer
 
 
 # config/model2quantlayer.json of the official code: quantized layers per model (hub id)
@@ -305,14 +305,14 @@ class _DensityProbe(KVMethod):
         return _ProbeLayer(layer_idx, info, self)
 
 
-class TopKOffloadLayer(KVLayer):
+class TopKOffloadLayer(SelectionLayer):
     """A sparsity-friendly layer: the prompt's K/V on the host tier; on the device its sinks,
     its recent window, the per-channel max |K| and every later token; top-k prompt rows fetched
-    per decode step."""
+    per decode step (methods/selection.py: one set per KV head, the sinks, the recent window and
+    the generated tokens protected, the rest of the grant chosen among the prompt rows between)."""
 
     def __init__(self, layer_idx: int, info: ModelInfo, method: TailorKV):
-        super().__init__(layer_idx, info)
-        self.m = method
+        super().__init__(layer_idx, info, method)
         self.store: HostKVStore | None = None  # every prompt token, exact
         self.sink_k = self.sink_v = None  # (B, H_kv, <= sink_tokens, D) the first tokens
         self.recent_k = self.recent_v = None  # (B, H_kv, <= recent_tokens, D) the last prompt ones
@@ -320,9 +320,6 @@ class TopKOffloadLayer(KVLayer):
         self.key_absmax: torch.Tensor | None = None  # (B, H_kv, D) max |K| per channel (prompt)
         self.prompt_tokens: int | None = None  # set when the (first) prompt ends
         self.grant: tuple[int, int, int] = (0, 0, 0)  # (s, r, k) from the rule at the prompt end
-        self.positions: torch.Tensor | None = None  # (B, H_kv, n) attended at the last decode step
-        self._attended = 0
-        self._step_budget: int | None = None  # B + generated at the last decode step
 
     def _gen_len(self) -> int:
         return 0 if self.gen_k is None else self.gen_k.shape[2]
@@ -332,9 +329,9 @@ class TopKOffloadLayer(KVLayer):
         if self.prompt_tokens is not None or self.store is None:
             return
         n = self.prompt_tokens = self.seen_tokens
-        budget = min(n, self.m.prompt_budget(self.basis_tokens(n)))
-        s = min(self.m.sink_tokens, budget)
-        r = min(self.m.recent_tokens, budget - s)
+        budget = min(n, self.method.prompt_budget(self.basis_tokens(n)))
+        s = min(self.method.sink_tokens, budget)
+        r = min(self.method.recent_tokens, budget - s)
         self.grant = (s, r, budget - s - r)
         self.sink_k, self.sink_v = self.sink_k[:, :, :s], self.sink_v[:, :, :s]
         keep = self.recent_k.shape[2] - r
@@ -351,8 +348,8 @@ class TopKOffloadLayer(KVLayer):
     def update(self, keys, values, position_ids):
         """Before the prompt ends: every stored token (fetched) + the new ones, which are
         stored. After: new tokens stay exact on the device; a decode step returns the device
-        rows (sinks, recent prompt tokens, generated ones), attend() adds the fetched top-k; a
-        later prompt chunk attends everything."""
+        rows (sinks, recent prompt tokens, generated ones), `fetch` adds the chosen prompt rows;
+        a later prompt chunk attends everything."""
         if self.store is None:
             self.store = HostKVStore(self.tier, self.layer_idx)
         q_len = keys.shape[-2]
@@ -369,72 +366,71 @@ class TopKOffloadLayer(KVLayer):
                 torch.cat([self.sink_v, self.recent_v, self.gen_v], 2))
 
     def _keep_prompt_rows(self, keys, values) -> None:
-        room = self.m.sink_tokens - (0 if self.sink_k is None else self.sink_k.shape[2])
+        room = self.method.sink_tokens - (0 if self.sink_k is None else self.sink_k.shape[2])
         if self.sink_k is None or room > 0:
             self.sink_k = _append(self.sink_k, keys[:, :, :max(room, 0)])
             self.sink_v = _append(self.sink_v, values[:, :, :max(room, 0)])
-        keep = self.m.recent_tokens  # a compact copy: a view would pin the old buffer
+        keep = self.method.recent_tokens  # a compact copy: a view would pin the old buffer
         self.recent_k = _append(self.recent_k, keys)[:, :, -keep:].clone()
         self.recent_v = _append(self.recent_v, values)[:, :, -keep:].clone()
         absmax = keys.abs().amax(2)  # (B, H_kv, D)
         held = self.key_absmax
         self.key_absmax = absmax if held is None else torch.maximum(held, absmax)
 
-    def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
-        if query.shape[2] > 1 or self.prompt_tokens is None:  # a prompt chunk: dense
-            self._step_budget, self.positions, self._attended = None, None, keys.shape[2]
-            return base(module, query, keys, values, attention_mask, **kwargs)
-        n, (s, r, k) = self.prompt_tokens, self.grant
-        b, h_kv = keys.shape[:2]
-        if k in (0, n - s - r):  # nothing to choose: no middle token, or all of them
-            rows = torch.arange(s, s + k).expand(b, h_kv, k)
-        else:
-            rows = self.select(query[:, :, 0], s, n - r, k)
-        if k:
-            fetched_k, fetched_v = (t.wait() for t in self.store.fetch(rows))
-            keys = torch.cat([keys[:, :, :s], fetched_k, keys[:, :, s:]], 2)
-            values = torch.cat([values[:, :, :s], fetched_v, values[:, :, s:]], 2)
-        fixed = [torch.arange(s), None, torch.arange(n - r, n), torch.arange(n, self.seen_tokens)]
-        fixed = [rows.cpu() if t is None else t.expand(b, h_kv, -1) for t in fixed]
-        self.positions = torch.cat(fixed, 2)
-        self._step_budget = s + r + k + self.seen_tokens - n  # the grant + the generated tokens
-        self._attended = keys.shape[2]
-        return base(module, query, keys, values, None, **kwargs)
+    # --- selection (methods/selection.py) ----------------------------------------------------
+    def attends_densely(self, query: torch.Tensor) -> bool:
+        return query.shape[2] > 1 or self.prompt_tokens is None  # a prompt chunk: dense
 
-    def select(self, query: torch.Tensor, lo: int, hi: int, k: int) -> torch.Tensor:
-        """Prompt rows `(B, H_kv, k)` (sorted) in [lo, hi) with the highest approximate scores
-        q_bar . K[t, C] over the top channels C of |q_bar| * max |K|; query `(B, H_q, D)`."""
-        b, h_q, d = query.shape
+    def step_budget(self) -> int:
+        """The grant fixed at the prompt's end, plus the tokens generated since."""
+        s, r, k = self.grant
+        return s + r + k + self.seen_tokens - self.prompt_tokens
+
+    def protected(self, budget: int, t: int) -> tuple[int, int]:
+        s, r, _ = self.grant
+        return s, t - (self.prompt_tokens - r)  # the recent prompt tokens and every later one
+
+    def selection_size(self, budget: int, t: int) -> int:
+        return self.grant[2]
+
+    def selection_scores(self, query, keys, attention_mask, scaling) -> torch.Tensor:
+        """`(B, H_kv, 1, T)`: the approximate scores q_bar . K[t, C] of the prompt rows between
+        the sinks and the recent window, over the top channels C of |q_bar| * max |K| (q_bar: the
+        group's mean query); -inf elsewhere."""
+        n, (s, r, k) = self.prompt_tokens, self.grant
+        b, h_q, _, d = query.shape
         h_kv = self.key_absmax.shape[1]
-        q_bar = query.float().view(b, h_kv, h_q // h_kv, d).mean(2)  # (B, H_kv, D)
-        top_c = (q_bar.abs() * self.key_absmax.float()).topk(self.m.key_channels, -1).indices
-        partial = self.store.fetch_channels(top_c).wait()[:, :, lo:hi]  # (B, H_kv, hi - lo, c)
-        scores = (partial.float() * q_bar.gather(-1, top_c)[:, :, None]).sum(-1)
-        return scores.topk(k, dim=-1).indices.sort(-1).values + lo
+        scores = torch.full((b, h_kv, 1, self.seen_tokens), float("-inf"), device=query.device)
+        if k in (0, n - s - r):  # nothing to choose (no middle row, or all of them): no fetch
+            scores[..., s:n - r] = 0
+            return scores
+        q_bar = query[:, :, 0].float().view(b, h_kv, h_q // h_kv, d).mean(2)  # (B, H_kv, D)
+        top_c = (q_bar.abs() * self.key_absmax.float()).topk(self.method.key_channels, -1).indices
+        partial = self.store.fetch_channels(top_c).wait()[:, :, s:n - r]  # (B, H_kv, n-r-s, c)
+        scores[:, :, 0, s:n - r] = (partial.float() * q_bar.gather(-1, top_c)[:, :, None]).sum(-1)
+        return scores
+
+    def fetch(self, keys, values, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sinks, the chosen prompt rows fetched from the host, then the device rows after
+        them (`keys`/`values`: what `update` returned, the device rows)."""
+        s, _, k = self.grant
+        if not k:
+            return keys, values
+        fetched_k, fetched_v = (t.wait() for t in self.store.fetch(slots[:, :, s:s + k]))
+        return (torch.cat([keys[:, :, :s], fetched_k, keys[:, :, s:]], 2),
+                torch.cat([values[:, :, :s], fetched_v, values[:, :, s:]], 2))
 
     # --- accounting --------------------------------------------------------------------------
     def kept_tokens(self) -> int:
         return self.seen_tokens  # all held (the prompt on the host, later tokens on the device)
-
-    def attended_tokens(self) -> int:
-        return self._attended
-
-    def allowed_tokens(self) -> int | None:
-        return self._step_budget
-
-    def kept_positions(self) -> torch.Tensor:
-        return self.positions if self.positions is not None else torch.arange(self.seen_tokens)
 
     def stats(self) -> dict[str, int]:
         device = [self.sink_k, self.sink_v, self.recent_k, self.recent_v, self.gen_k, self.gen_v,
                   self.key_absmax]
         device_bytes = int(sum(t.nbytes for t in device if t is not None))
         host_bytes = 0 if self.store is None else int(self.store.nbytes())
-        out = {"kv_tokens": self.seen_tokens, "kv_bytes": host_bytes + device_bytes,
-               "kv_bytes_device": device_bytes}
-        if self._step_budget is not None:
-            out["selected_tokens"] = self._attended
-        return out
+        return {"kv_tokens": self.seen_tokens, "kv_bytes": host_bytes + device_bytes,
+                "kv_bytes_device": device_bytes, **self.selection_stats()}
 
 
 def _append(held: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:

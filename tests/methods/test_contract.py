@@ -8,7 +8,10 @@
   declared rule, never its layer's own hooks (tests/methods/rules.py): the budget from
   `layer_budget` (a per-layer split spending no more than the uniform total), the protections its
   knobs name (sinks, windows) kept at every step, a scored-eviction layer's kept set the top of
-  its scores, a declared per-head split uneven somewhere, a selecting layer's attended tokens
+  its scores, a declared per-head split uneven somewhere, a selecting layer's attended set at
+  every step the protected tokens plus the top units of its own scores (methods/selection.py),
+  per query head or per KV head as it selects, with every query head's output exact attention
+  over its own set (so its KV head served their union), a selecting layer's attended tokens
   carrying more than their share of the exact attention;
 * every method has a hand-computed kept-set test (`@pytest.mark.kept_set`);
 * an architecture it cannot serve is refused by `validate` (capabilities, not method names).
@@ -23,6 +26,7 @@ import torch
 from harness import hf_adapter
 from methods.base import KVLayer
 from methods.eviction import EvictionLayer
+from methods.selection import SelectionLayer
 from methods import available_methods, build_method, method_class
 from tests.conftest import PROJECT, make_engine
 from tests.methods import rules
@@ -235,6 +239,7 @@ class StepChecker:
         self.granted: dict[int, tuple[int, int]] = {}
         self.dense_rows: dict[int, bool] = {}  # layer -> its last forward attended a held prompt
         self.selected_mass = self.selected_share = 0.0  # see record_selection_mass
+        self.selection_choices = 0  # selecting rows whose scores chose among candidates
         self.uneven = False  # some head-wise compression gave its heads different counts
         for layer in layers:
             layer.update = self._update(layer, layer.update)
@@ -368,8 +373,61 @@ class StepChecker:
             b, h_q, q_len, d = query.shape
             assert out[0].shape == (b, q_len, h_q, d), f"layer {layer.layer_idx}: output shape"
             self.record_selection_mass(layer, module, query, keys, kwargs)
+            if isinstance(layer, SelectionLayer) and layer.selection is not None:
+                self.check_selection(layer, module, query, keys, values, out[0], kwargs)
             return out
         return checked
+
+    def check_selection(self, layer, module, query, keys, values, out, kwargs):
+        """A selecting layer's step against its own scores (`layer.selection`), at the last query
+        row (every key is causal to it). Per selecting row (a query head, or a KV head for its
+        group): the protected tokens are attended, the other attended tokens are whole units,
+        `size` of them (or every candidate: a finite score), none scoring below a candidate left
+        out (ties at the boundary: either). Per query head: the output is exact attention over its
+        own row's set, so a KV head must have served the union of its query heads' sets (where
+        `attend` got every token: a layer fetching from the host tier has its own output test)."""
+        sel, unit = layer.selection, layer.unit_tokens
+        b, h_q, _, d = query.shape
+        h_kv, t = keys.shape[1], layer.seen_tokens
+        scores, keep = sel.scores[:, :, -1].float().cpu(), sel.keep[:, :, -1].cpu()
+        h_sel = scores.shape[1]
+        where = f"layer {layer.layer_idx} after {layer.seen_tokens} tokens"
+        assert h_sel in (h_q, h_kv) and keep.shape == (b, h_sel, t), (
+            f"{where}: {h_sel} selecting rows, neither the {h_q} query heads nor {h_kv} KV heads")
+        first, last = sel.protected
+        guard = set(range(first)) | set(range(t - last, t))
+        for i, (row, held) in enumerate(zip(scores.reshape(-1, scores.shape[-1]).tolist(),
+                                            keep.reshape(-1, t))):
+            held = set(held.nonzero().flatten().tolist())
+            assert guard <= held, f"{where}, row {i}: protected {sorted(guard - held)} not attended"
+            units = {p // unit for p in held - guard}
+            whole = {p for u in units for p in range(u * unit, min(t, (u + 1) * unit))}
+            assert whole <= held, f"{where}, row {i}: units partly attended: {sorted(whole - held)}"
+            candidates = {u for u, s in enumerate(row) if s != float("-inf")}
+            assert units <= candidates and len(units) == min(sel.size, len(candidates)), (
+                f"{where}, row {i}: chose {sorted(units)}, {sel.size} of {sorted(candidates)}")
+            chosen = [row[u] for u in units]
+            dropped = [row[u] for u in candidates - units]
+            if chosen and dropped:
+                assert min(chosen) >= max(dropped), (
+                    f"{where}, row {i}: attended a unit scoring {min(chosen):.4g} and left out one "
+                    f"scoring {max(dropped):.4g} (the set is not the top of its scores)")
+                self.selection_choices += 1
+        if t != keys.shape[2]:
+            return  # attend got the device rows only (the rest fetched from the host): no outputs
+        scaling = kwargs.get("scaling")
+        scaling = module.scaling if scaling is None else scaling
+        sets = keep.repeat_interleave(h_q // h_sel, dim=1).to(keys.device)  # (B, H_q, T)
+        k = keys.double().repeat_interleave(h_q // h_kv, dim=1)  # (B, H_q, T, D)
+        v = values.double().repeat_interleave(h_q // h_kv, dim=1)
+        logits = torch.einsum("bhd,bhtd->bht", query[:, :, -1].double(), k) * scaling
+        expected = torch.einsum("bht,bhtd->bhd", logits.masked_fill(~sets, float("-inf"))
+                                .softmax(-1), v)
+        got = out[:, -1].double()  # (B, H_q, D)
+        worst = (got - expected).abs().amax(-1)  # (B, H_q)
+        assert bool((worst <= 1e-4).all()), (
+            f"{where}: query heads {worst.gt(1e-4).nonzero()[:, 1].tolist()} did not attend "
+            f"exactly their own selected sets (max error {worst.max():.3g})")
 
     def record_selection_mass(self, layer, module, query, keys, kwargs):
         """A selecting layer's decode step over every token it holds: the exact attention mass
@@ -544,6 +602,10 @@ def check_compressing_contract(model, method, trained=False):
             f"{name} {settings}: the tokens it attended carry {checker.selected_mass:.3f} of the "
             f"exact attention summed over decode steps and heads, below their share "
             f"{checker.selected_share:.3f}: the selection points the wrong way")
+    if any(isinstance(layer, SelectionLayer) for layer in req.cache.kv_layers):
+        assert checker.selection_choices > 0, (
+            f"{name} {settings}: its scores never chose (every candidate attended): the "
+            "compressing case must leave candidates out (compressing_hyperparameters)")
     if any(scored_eviction(layer) for layer in req.cache.kv_layers):
         assert checker.choices > 0, (
             f"{name} {settings}: its scores never chose a token (every slot protected): the "

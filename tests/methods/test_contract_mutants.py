@@ -1,11 +1,14 @@
 """The shared contract must catch the bugs a newcomer plausibly writes (mutation testing).
 
-Each mutant below is a real bug planted for the duration of one test, in the scored-eviction
-template (for several methods built on it) or in one method, as a newcomer would write it. The
+Each mutant below is a real bug planted for the duration of one test, in the scored-eviction or
+the selection template (for several methods built on it) or in one method, as a newcomer would
+write it. The
 contract (`tests/methods/test_contract.py`: `check_compressing_contract` and the knob check of
 `test_every_knob_acts.py`) must fail on every one. A mutant equivalent for a method (TOVA declares
 no recent window, so forgetting it changes nothing) is not run for it.
 """
+
+import dataclasses
 
 import pytest
 import torch
@@ -63,6 +66,47 @@ def test_the_contract_kills_template_mutants(name, mutant, request, monkeypatch)
     method = build_method(name, **method_class(name).compressing_hyperparameters(SEQ_TOKENS))
     check_compressing_contract(model, method)  # the real template passes
     TEMPLATE_MUTANTS[mutant](monkeypatch)
+    with pytest.raises(CAUGHT):
+        check_compressing_contract(model, method)
+
+
+# --- mutants of the selection template ----------------------------------------------------------
+def lowest_scores_selected(monkeypatch):
+    from methods.selection import SelectionLayer
+
+    original = SelectionLayer.choose
+
+    def lowest(self, scores, budget, t):
+        chosen = original(self, torch.where(torch.isinf(scores), scores, -scores), budget, t)
+        return dataclasses.replace(chosen, scores=scores)  # it records the scores it was given
+    monkeypatch.setattr(SelectionLayer, "choose", lowest)
+
+
+def union_is_one_query_heads_set(monkeypatch):
+    from methods import selection
+
+    def first_head(keep, num_kv_heads):
+        b, h_sel, t = keep.shape
+        return keep.view(b, num_kv_heads, h_sel // num_kv_heads, t)[:, :, 0]
+    monkeypatch.setattr(selection, "kv_union", first_head)
+
+
+SELECTION_MUTANTS = {"lowest_scores_selected": lowest_scores_selected,
+                     "union_is_one_query_heads_set": union_is_one_query_heads_set}
+SELECTING_METHODS = ("oracle_topk", "quest", "tailorkv", "shadowkv")
+EQUIVALENT.update({(name, "union_is_one_query_heads_set"): "it selects per KV head: a KV "
+                   "head's union is its one set" for name in ("oracle_topk", "tailorkv", "shadowkv")})
+
+
+@pytest.mark.parametrize("mutant", list(SELECTION_MUTANTS))
+@pytest.mark.parametrize("name", SELECTING_METHODS)
+def test_the_contract_kills_selection_mutants(name, mutant, request, monkeypatch):
+    if (name, mutant) in EQUIVALENT:
+        pytest.skip(f"equivalent mutant: {EQUIVALENT[name, mutant]}")
+    model = get_model("llama", request, layers=3)
+    method = build_method(name, **method_class(name).compressing_hyperparameters(SEQ_TOKENS))
+    check_compressing_contract(model, method)  # the real template passes
+    SELECTION_MUTANTS[mutant](monkeypatch)
     with pytest.raises(CAUGHT):
         check_compressing_contract(model, method)
 

@@ -17,7 +17,8 @@ def test_selects_the_exact_top_k_and_nothing_else(tiny_model):
         for t in range(30, 50):
             req.step(ids[:, t])
             layer = req.cache.kv_layers[1]
-            assert layer.selected_count == 7 and layer.selected.shape == (1, 2, 7)
+            assert layer.stats()["selected_tokens"] == 7
+            assert layer.kept_positions().shape == (1, 2, 7)
     assert engine.ledger.samples[-1]["selected_per_layer"] == [7, 7]
     assert engine.ledger.samples[-1]["tokens_per_layer"] == [50, 50]  # nothing evicted
     # the attended fraction counts what was attended: 7 of T at each of the 20 decode steps

@@ -9,8 +9,21 @@ from harness import hf_adapter
 from kvcore.errors import ConfigError
 from methods import build_method
 from methods.kernels import quest_pages
-from methods.quest import QuestLayer, page_bounds, scored_allowance, scored_pages, select_pages
+from methods.base import ModelInfo
+from methods.quest import QuestLayer, page_bounds, scored_allowance
 from tests.conftest import make_engine
+
+
+def attended(scores, t, budget, **knobs):
+    """Per head, the token positions a Quest layer attends when its page scores over `t` tokens
+    (pages of 4) are `scores (1, H, P)`: Quest's rule through the selection template."""
+    h = scores.shape[1]
+    info = ModelInfo(num_layers=1, num_heads=h, num_kv_heads=h, head_dim=4, max_positions=64)
+    layer = QuestLayer(0, info, build_method("quest", budget_tokens=budget, page_size=4,
+                                             dense_layers=[], **knobs))
+    layer.page_scores = lambda query: scores.clone()
+    keep = layer.choose(layer.selection_scores(None, None, None, None), budget, t).keep
+    return [row.nonzero().flatten().tolist() for row in keep[0, :, 0]]
 
 
 def test_page_bounds_and_scores_by_hand():
@@ -31,15 +44,16 @@ def test_page_bounds_and_scores_by_hand():
 def test_select_pages_keeps_the_current_page_and_fills_the_budget():
     scores = torch.tensor([[[5., 1., 9., 3., -100.]]])  # 5 pages of 4, the last (current) partial
     t = 18  # current page holds 2 tokens (16, 17)
+    forced = dict(current_page="forced")
     # budget 11: 2 current + (11 - 2) // 4 = 2 pages -> pages 2 and 0 (scores 9 and 5), sorted
-    assert select_pages(scores, t, 4, 11).tolist() == [[[0, 1, 2, 3, 8, 9, 10, 11, 16, 17]]]
+    assert attended(scores, t, 11, **forced) == [[0, 1, 2, 3, 8, 9, 10, 11, 16, 17]]
     # the current page is kept even when it scores lowest; budget covering all -> everything
-    assert select_pages(scores, t, 4, 18).tolist() == [[list(range(18))]]
-    assert select_pages(scores, t, 4, 100).tolist() == [[list(range(18))]]
+    assert attended(scores, t, 18, **forced) == [list(range(18))]
+    assert attended(scores, t, 100, **forced) == [list(range(18))]
     # below the current page: the last B tokens
-    assert select_pages(scores, t, 4, 1).tolist() == [[[17]]]
+    assert attended(scores, t, 1, **forced) == [[17]]
     # exactly the current page
-    assert select_pages(scores, t, 4, 5).tolist() == [[[16, 17]]]
+    assert attended(scores, t, 5, **forced) == [[16, 17]]
 
 
 def test_group_reduction_max_and_sum():
@@ -101,7 +115,7 @@ def test_every_decode_step_attends_the_hand_selected_pages(tiny_model, monkeypat
         out = original(self, module, query, keys, values, mask, base, **kw)
         if query.shape[2] == 1:
             steps.append(dict(layer=self.layer_idx, q=query[0, :, 0], k=keys[0], v=values[0],
-                              slots=self.slots[0].clone(), out=out[0][0, 0], scaling=kw["scaling"]))
+                              slots=self.kept_positions()[0].clone(), out=out[0][0, 0], scaling=kw["scaling"]))
         return out
 
     monkeypatch.setattr(QuestLayer, "attend", spy)
@@ -188,20 +202,18 @@ def test_scored_pages_by_hand():
     scores = torch.tensor([[[5., 1., 9., 3., -100.],  # head 0: the current page scores lowest
                             [5., 1., 9., 3., 100.]]])  # head 1: the current page scores highest
     t = 18  # 5 pages of 4; the current page (16, 17) holds 2 tokens
-    keep = scored_pages(scores, t, 4, 11, 3)  # 11 // 4 = 2 pages, raised to the minimum of 3
-    assert keep.shape == (1, 2, 18)
-    assert keep[0, 0].nonzero().flatten().tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15]
-    assert keep[0, 1].nonzero().flatten().tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17]
+    keep = attended(scores, t, 11)  # 11 // 4 = 2 pages, raised to the minimum of 3
+    assert keep[0] == [0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15]
+    assert keep[1] == [0, 1, 2, 3, 8, 9, 10, 11, 16, 17]
     assert scored_allowance(t, 4, 11, 3) == 12  # 3 pages of 4: above the budget, by design
     # 16 // 4 = 4 pages: head 0 drops only its current page, head 1 page 1
-    keep = scored_pages(scores, t, 4, 16, 3)
-    assert keep[0, 0].sum() == 16 and not keep[0, 0, 16:].any()
-    assert keep[0, 1].nonzero().flatten().tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15,
-                                                       16, 17]
+    keep = attended(scores, t, 16)
+    assert keep[0] == list(range(16))
+    assert keep[1] == [0, 1, 2, 3, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]
     # a budget above the cache: min(T, B) // 4 = 4 of the 5 pages (the official rule drops one)
-    assert scored_pages(scores, t, 4, 1000, 3)[0, 0].sum() == 16
+    assert len(attended(scores, t, 1000)[0]) == 16
     # fewer pages than the minimum: all of them
-    assert scored_pages(scores[..., :2], 6, 4, 1, 3).all()
+    assert attended(scores[..., :2], 6, 1) == [list(range(6))] * 2
 
 
 def test_per_query_head_pages_make_the_union_per_kv_head(tiny_model, monkeypatch):

@@ -189,13 +189,13 @@ def test_sparse_step_fetches_the_hand_computed_top_k():
         chans = (q_bar[h].abs() * keys[0, h].abs().amax(0)).topk(2).indices
         approx = keys[0, h, 2:n - 1 - 3][:, chans] @ q_bar[h, chans]
         expected.append(sorted((approx.topk(5).indices + 2).tolist()))
-    rows = layer.positions[0, :, 2:7].tolist()
+    rows = layer.kept_positions()[0, :, 2:7].tolist()
     assert rows == expected
-    assert layer.positions[0, 0, :2].tolist() == [0, 1]  # sinks
-    assert layer.positions[0, 0, 7:].tolist() == [36, 37, 38, 39]  # recent prompt, then generated
+    assert layer.kept_positions()[0, 0, :2].tolist() == [0, 1]  # sinks
+    assert layer.kept_positions()[0, 0, 7:].tolist() == [36, 37, 38, 39]  # recent prompt, then generated
     keep = torch.zeros(1, h_kv * g, 1, n, dtype=torch.bool)
     for h in range(h_kv):
-        keep[0, h * g:(h + 1) * g, 0, layer.positions[0, h]] = True
+        keep[0, h * g:(h + 1) * g, 0, layer.kept_positions()[0, h]] = True
     want, _ = attention_with_probs(q, all_k, all_v, None, d ** -0.5, keep=keep)
     assert torch.allclose(out, want, atol=1e-6)
     # channels of every stored prompt key ((n-1) x H_kv x c), then 5 rows of K and V per head
@@ -214,7 +214,7 @@ def test_budget_covering_the_tokens_attends_all_of_them():
     layer.on_prefill_end()
     dev_k, dev_v = layer.update(keys[:, :, :1], keys[:, :, :1], None)
     layer.attend(None, torch.randn(1, 4, 1, 8), dev_k, dev_v, None, eager, scaling=1.0)
-    assert layer.positions[0, 0].tolist() == list(range(13)) and layer.allowed_tokens() == 13
+    assert layer.kept_positions()[0, 0].tolist() == list(range(13)) and layer.allowed_tokens() == 13
 
 
 def test_official_192_prompt_tokens_and_every_generated_token_exact(tiny_model, tmp_path,
@@ -324,7 +324,7 @@ def test_over_budget_is_caught_by_the_engine(tiny_model, monkeypatch):
     method = build_method("tailorkv", budget_tokens=8, sink_tokens=2, recent_tokens=2,
                           quant_layers=[])
     monkeypatch.setattr(TopKOffloadLayer, "allowed_tokens",
-                        lambda self: 7 if self._step_budget else None)
+                        lambda self: 7 if self.selection is not None else None)
     engine = make_engine(tiny_model, method, chunk=16)
     with pytest.raises(BudgetViolation, match="budget is 7"):
         with engine.request() as req:
