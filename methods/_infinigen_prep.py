@@ -30,6 +30,16 @@ from methods.base import KVLayer, KVMethod, ModelInfo
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 2
 COLUMN_SCORES = ("q", "qk_union", "qk_sum")
+# The official Llama setup's partial-column prompt (accuracy/setup/gen_partial_weight.py): six
+# COPA-style sentences, about 100 tokens; the column energies of `partial_index=setup_prompt`.
+SETUP_PROMPT = (
+    "The bartender refused to serve the patron because the patron was drunk.\n\n"
+    "The girl politely declined the hamburger because she was a vegetarian.\n\n"
+    "The spy discovered the enemy's location because the spy bugged the enemy's phone.\n\n"
+    "I tossed the ball upwards therefore the ball hit the ceiling.\n\n"
+    "The rider fell to the ground because the bull bucked the rider.\n\n"
+    "The pair of students came under scrutiny by the teacher because the students both "
+    "received excellent grades.")
 
 
 @dataclass
