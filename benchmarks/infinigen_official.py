@@ -19,7 +19,8 @@ official six-sentence setup prompt (`accuracy/setup/gen_partial_weight.py`).
 Each of the three known differences can be switched alone on the reference side
 (`--reference-variants`): `columns=calibration` (columns from the calibration text),
 `threshold=per_head` (each head's own max), `current=added` (the current token attended on
-top of n' best earlier tokens, counted over those). Ours runs through the engine, one decode step
+top of n' best earlier tokens, counted over those); and a fourth, `zero=one` (a count of 0
+keeps one token, as ours does, instead of leaving the row unmasked). Ours runs through the engine, one decode step
 per token (benchmarks/infinigen_gap.py), with `--ours-variants` (method overrides).
 `tiny_gqa7`: a 6-layer Llama built in code, 14 query heads over 2 KV heads (7:1), head_dim 32,
 byte-level ids, q/k weights scaled so that its attention is peaked (random weights: the mask
@@ -125,9 +126,10 @@ class Reference:
 
 
 class Rule:
-    def __init__(self, skew, columns, alpha, budget, threshold="head0", current="ranked"):
+    def __init__(self, skew, columns, alpha, budget, threshold="head0", current="ranked",
+                 zero="dense"):
         self.skew, self.columns, self.alpha, self.budget = skew, columns, alpha, budget
-        self.threshold, self.current = threshold, current
+        self.threshold, self.current, self.zero = threshold, current, zero
 
     def mask(self, spec: torch.Tensor):
         """spec (H, T, T) -> additive mask (H, T, T), attended entries per head (all rows), rows
@@ -142,6 +144,8 @@ class Rule:
         if self.threshold == "head0":  # the official torch.max(attn, -1)[0][0]
             top = top[:1]
         count = (scored >= top - self.alpha).sum(-1).float().mean(0).long().clamp(max=cap)
+        if self.zero == "one":  # ours: at least one token
+            count = count.clamp(min=1)
         ranks = scored.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)  # (H, T, T)
         keep = (ranks < count[None, :, None]) & allowed
         if not ranked:
@@ -221,7 +225,8 @@ def main() -> None:
         kw = dict(item.split("=") for item in spec.split(",") if "=" in item)
         t0 = time.time()
         rule = None if spec == "full" else Rule(skew, cols[kw.get("columns", "setup")], args.alpha, args.budget,
-                    kw.get("threshold", "head0"), kw.get("current", "ranked"))
+                    kw.get("threshold", "head0"), kw.get("current", "ranked"),
+                    kw.get("zero", "dense"))
         logits, _, share, zeros = ref.forward(ids, rule)
         nll = torch.nn.functional.cross_entropy(logits[:-1], ids[1:])
         results[spec] = math.exp(float(nll))

@@ -109,7 +109,7 @@ import torch
 
 from kvcore.offload import host_store
 from kvcore.storage import ContiguousRows, KV_LAYOUTS
-from methods._infinigen_prep import (COLUMN_SCORES, SkewingArtefacts, cache_dir_reason,
+from methods._infinigen_prep import (COLUMN_SCORES, PARTIAL_INDEXES, SkewingArtefacts, cache_dir_reason,
                                      calibration_reasons, prepare_skewing)
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for
 from methods.kernels import sparse_attention, speculation_cpu
@@ -164,7 +164,8 @@ class InfiniGen(KVMethod):
     axis_keys: ClassVar[tuple[str, ...]] = ("alpha", "budget_ratio")
     variant_keys: ClassVar[tuple[str, ...]] = (
         "partial_ratio", "dense_layers", "pool_capacity", "mode", "skewing", "column_score",
-        "group_reduce", "shared_count", "speculation_input", "skew_per", "select_per")
+        "group_reduce", "shared_count", "speculation_input", "skew_per", "select_per",
+        "partial_index", "head0_threshold", "current_token")
     alpha: float = 5.0
     partial_ratio: float = 0.2
     budget_ratio: float = 0.2
@@ -173,14 +174,15 @@ class InfiniGen(KVMethod):
     eviction: str = "counter"
     mode: str = "system"
     skewing: bool = True
-    partial_index: str = "calibration"
+    partial_index: str = "setup_prompt"
     column_score: str = "qk_union"
     group_reduce: str = "max"
     shared_count: bool = True
     speculation_input: str = "previous"
     skew_per: str = "query_head"
     select_per: str = "query_head"
-    head0_threshold: bool = False
+    head0_threshold: bool = True
+    current_token: str = "ranked"
     calibration_path: str | None = None
     calibration_tokens: int = 2048
     cache_dir: str | None = None
@@ -200,7 +202,8 @@ class InfiniGen(KVMethod):
             if not number(value) or not 0 < value <= 1:
                 r.append(f"method.{key}={value!r} must be in (0, 1]")
         choices = {"eviction": EVICTIONS, "mode": self.capabilities.modes,
-                   "partial_index": ("calibration", "prefill"), "column_score": COLUMN_SCORES,
+                   "partial_index": PARTIAL_INDEXES, "current_token": ("ranked", "added"),
+                   "column_score": COLUMN_SCORES,
                    "group_reduce": GROUP_REDUCES, "speculation_input": ("previous", "own"),
                    "skew_per": HEAD_FORMS, "select_per": HEAD_FORMS}
         for key, allowed in choices.items():
@@ -268,21 +271,42 @@ class InfiniGen(KVMethod):
         return layer
 
 
-def select_tokens(scores: torch.Tensor, cap: int, alpha: float, shared_count: bool,
-                  head0_threshold: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The official count-and-select rule on speculated logits `scores (B, H, T)` (H selecting
-    heads) -> `(slots (B, H, cap) best first, counts (B, H))`: a head needs the tokens scoring
-    above its max - alpha (`head0_threshold`: head 0's max for every head, the official Llama
-    simulation's `torch.max(attn, -1)[0][0]`); with `shared_count` every head takes the floor of
-    the mean count over heads (one gather size); counts are clamped to [1, cap]. Strict `>`
-    (the official system; its simulation counts `>=`)."""
+def count_tokens(scores: torch.Tensor, cap: int, alpha: float, shared_count: bool,
+                 head0_threshold: bool) -> torch.Tensor:
+    """The official count rule on speculated logits `scores (B, H, T)` (H selecting heads) ->
+    `counts (B, H)`: a head needs the tokens scoring above its max - alpha (`head0_threshold`:
+    head 0's max for every head, the official Llama simulation's `torch.max(attn, -1)[0][0]`);
+    with `shared_count` every head takes the floor of the mean count over heads (one gather
+    size); counts are clamped to [1, cap]. Strict `>` (the official system; its simulation
+    counts `>=`)."""
     top = scores.amax(-1, keepdim=True)
     if head0_threshold:
         top = top[:, :1].expand_as(top)
     count = (scores > top - alpha).sum(-1)  # (B, H)
     if shared_count:  # the official int(mean) over heads, one buffer size for all
         count = count.float().mean().floor().long().expand_as(count)
-    return scores.topk(cap, dim=-1).indices, count.clamp(1, cap)
+    return count.clamp(1, cap)
+
+
+def select_tokens(scores: torch.Tensor, cap: int, alpha: float, shared_count: bool,
+                  head0_threshold: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`count_tokens`, and each head's slots `(B, H, cap)` best first."""
+    count = count_tokens(scores, cap, alpha, shared_count, head0_threshold)
+    return scores.topk(cap, dim=-1).indices, count
+
+
+def rank_current(stored: torch.Tensor, current: torch.Tensor, cap: int, alpha: float,
+                 shared_count: bool, head0_threshold: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The official rule with the current token among the candidates (`current_token=ranked`):
+    speculated logits of the stored tokens `(B, H, T)` and of the current one `(B, H)` -> how
+    many of each head's best stored tokens it attends `(B, H)` and whether it attends the
+    current token `(B, H)` bool. n' is counted over the T + 1 tokens and the head takes its top
+    n' of them: the current token when it ranks among them (ties go to stored tokens), plus
+    n' - 1 stored; otherwise n' stored."""
+    every = torch.cat([stored, current[..., None]], -1)  # (B, H, T + 1)
+    count = count_tokens(every, cap, alpha, shared_count, head0_threshold)
+    kept = (stored >= current[..., None]).sum(-1) < count  # the current token's rank < n'
+    return count - kept.long(), kept
 
 
 _META = ("positions", "counter", "last_used")
@@ -328,6 +352,9 @@ class InfiniGenLayer(KVLayer):
         self._attended = 0  # tokens attended at the last forward (int, or a device tensor)
         self._decode_budget: int | None = None  # cap of the last sparse decode step + new token
         self._last_counts: torch.Tensor | None = None  # (B, H_kv) counts of the last sparse step
+        # current_token=ranked: the step's speculation, finished once the new key is known
+        self._ranked: tuple | None = None  # (q_partial, stored scores (B, H_sel, T), cap)
+        self._current_keep: torch.Tensor | None = None  # (B, H_sel) bool: attends the new token
 
     # --- speculation (run one layer ahead) ---------------------------------------------------
     def prefetch(self, hidden_states, position_ids, ahead: bool) -> None:
@@ -344,7 +371,8 @@ class InfiniGenLayer(KVLayer):
                 self.launch_fetch()
             return
         self.selected, self.counts = self.speculate(hidden_states, position_ids)
-        self.touch(self.selected, self.counts)
+        if self._ranked is None:  # ranked: the pool statistics wait for the final sets
+            self.touch(self.selected, self.counts)
         if not ahead:  # own input: nothing is left to overlap with
             self.launch_fetch()
 
@@ -412,19 +440,45 @@ class InfiniGenLayer(KVLayer):
             return slots.expand(b, h_sel, t), self._last_counts
         per_query = self.per_query_head()
         sel_heads = info.num_heads if per_query else h_kv
-        if speculation_cpu.applies(q_partial, self._pk, sel_heads, m.group_reduce,
-                                   m.head0_threshold):
+        if m.current_token == "added" and speculation_cpu.applies(
+                q_partial, self._pk, sel_heads, m.group_reduce, m.head0_threshold):
             selected, self._last_counts = speculation_cpu.select(
                 q_partial, self.partial_keys(), cap, m.alpha, m.shared_count)
             return selected, self._last_counts
-        scores = q_partial @ self.partial_keys()  # (B, H_s, H_q / H_s, T)
-        if per_query:  # (B, H_q, T): query head h_s * (H_q / H_s) + j is row j of skew head h_s
-            scores = scores.reshape(b, info.num_heads, -1)
-        else:
-            scores = self.group_scores(scores.view(b, h_kv, g, -1))  # (B, H_kv, T)
+        scores = self.selecting_scores(q_partial @ self.partial_keys())  # (B, H_sel, T)
         selected, self._last_counts = select_tokens(scores, cap, m.alpha, m.shared_count,
                                                     m.head0_threshold)
+        if m.current_token == "ranked":
+            # the final sets need the new token's score (its key comes at layer i): fetch the
+            # best n' + 1 now; the n' of T + 1 tokens keeps at most that many stored ones (a
+            # head's count grows by at most one, or the threshold rises)
+            self._ranked = (q_partial, scores, cap)
+            return selected, (self._last_counts + 1).clamp(max=min(cap, t))
         return selected, self._last_counts
+
+    def selecting_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """(B, H_s, H_q / H_s, T) speculated logits -> (B, H_sel, T), one row per selecting
+        head: per query head, query head h_s * (H_q / H_s) + j is row j of skew head h_s; per
+        KV head, the group's rows reduced by `group_reduce`."""
+        b, info = scores.shape[0], self.info
+        if self.per_query_head() or info.group_size == 1:
+            return scores.reshape(b, info.num_heads if self.per_query_head() else
+                                  info.num_kv_heads, -1)
+        return self.group_scores(scores.view(b, info.num_kv_heads, info.group_size, -1))
+
+    def rank_current(self) -> None:
+        """current_token=ranked, once the new token's partial key is stored: the official sets
+        (n' of the T + 1 tokens, the current one included) -> `counts` (stored tokens each
+        head attends, its best first) and `_current_keep`."""
+        q_partial, stored, cap = self._ranked
+        self._ranked = None
+        new_key = self.partial_keys()[..., -1:]  # (B, H_s, k_u, 1)
+        current = self.selecting_scores(q_partial @ new_key)[..., 0]  # (B, H_sel)
+        m = self.m
+        self.counts, self._current_keep = rank_current(stored, current, cap, m.alpha,
+                                                       m.shared_count, m.head0_threshold)
+        self._last_counts = self.counts + self._current_keep.long() - 1  # the official n' - 1
+        self.touch(self.selected, self.counts)
 
     def fetch_cap(self, stored_tokens: int) -> int | None:
         """Most stored tokens a head may fetch this step: `budget_ratio` of the protocol's budget
@@ -585,21 +639,29 @@ class InfiniGenLayer(KVLayer):
         if self.dense or self.selected is None:
             self._attended = keys.shape[2]
             return base(module, query, keys, values, None, **kwargs)
-        self._attended = self.counts.float().mean() + 1  # device tensor; read after the step
+        ranked = self._ranked is not None
+        if ranked:  # the new key is stored now: the official sets over the T + 1 tokens
+            self.rank_current()
+            new = self._current_keep[..., None]  # (B, H_sel, 1)
+        else:
+            new = torch.ones_like(self.counts[..., None], dtype=torch.bool)
+        self._attended = (self.counts + new[..., 0]).float().mean()  # device; read after the step
         if self.system:  # fetched rows + the new token
             if self._fetched_keep is not None:  # per query head: its own rows of the union
-                used = self._fetched_keep
-            elif self.m.shared_count:
+                used = self._fetched_keep if not ranked else self.query_sets(
+                    self.stored() - 1).gather(2, self.fetched.repeat_interleave(
+                        self.info.group_size, 1))
+            elif self.m.shared_count and not ranked:
                 return base(module, query, keys, values, None, **kwargs)
             else:
                 used = self.valid()[..., : self.fetched.shape[-1]]
-            keep = torch.cat([used, torch.ones_like(used[..., :1])], 2)  # the new token
+            keep = torch.cat([used, new], 2)  # the new token last
             return self._masked(query, keys, values, keep, kwargs["scaling"])
         if self.per_query_head():  # each query head its own set, the cache never expanded
             sets = self.query_sets(keys.shape[2] - 1)  # (B, H_q, T): the new token comes last
-            keep = torch.cat([sets, torch.ones_like(sets[..., :1])], 2)
-            return self._masked(query, keys, values, keep, kwargs["scaling"])
-        if _use_kernel(query) and self.m.shared_count:  # gather in the kernel: no keep-mask
+            return self._masked(query, keys, values, torch.cat([sets, new], 2),
+                                kwargs["scaling"])
+        if _use_kernel(query) and self.m.shared_count and not ranked:  # gathered in the kernel
             n = int(self.counts.max())  # layer i-1's kernels are long queued
             selected = self.selected[..., :n]  # unique top-k slots, all < the new slot
             index = torch.cat([selected, torch.full_like(selected[..., :1], keys.shape[2] - 1)], 2)
@@ -608,7 +670,7 @@ class InfiniGenLayer(KVLayer):
             return out[:, None], None  # (B, 1, H_q, D), as attention_with_probs returns
         keep = torch.zeros(keys.shape[:3], dtype=torch.bool, device=keys.device)
         keep.scatter_(2, self.selected, self.valid())
-        keep[:, :, -1] = True  # the new token
+        keep[:, :, -1] = new[..., 0]  # the new token
         return self._masked(query, keys, values, keep, kwargs["scaling"])
 
     @staticmethod
@@ -623,6 +685,7 @@ class InfiniGenLayer(KVLayer):
         if not self.holding_prompt():  # a prompt is fitted to the pool once, at its end
             self._fit_pool()
         self.selected = self.counts = self.fetched = self._fetched_keep = None
+        self._ranked = self._current_keep = None
 
     def on_prefill_end(self) -> None:
         self._fit_pool()
