@@ -25,9 +25,12 @@ reference/methods.md §1. Components:
   k = int(d * partial_ratio) columns by sum |QA| and by sum |KA| (`qk_union`, the default: the
   official Llama setup, the only official path for RoPE models; k to 2k columns), the top k by
   |QA| alone (`q`, the official OPT speed system) or the top k by |QA| + |KA| (`qk_sum`, what the
-  paper's §4.3 describes; snu-comparch/InfiniGen#7 notes the code differs). Energies come from the calibration text
-  (`partial_index=calibration`) or the request's own prompt at prefill (`prefill`, the official
-  system; falls back to calibration when a request starts without a prefill).
+  paper's §4.3 describes; snu-comparch/InfiniGen#7 notes the code differs). Energies come from
+  the official Llama setup's six-sentence, ~100-token prompt under the calibration's A
+  (`partial_index=setup_prompt`, the default, `gen_partial_weight.py`), the calibration text
+  itself (`calibration`, ours: the 2048 tokens that also build A) or the request's own prompt at
+  prefill (`prefill`, the official system; falls back to calibration when a request starts
+  without a prefill).
 * Speculation (at layer i-1, for every sparse layer i): q = W_q[i] x_{i-1} (the full projection;
   RoPE forbids folding A into W_q), rotated at the current position, times A[:, cols] (only the
   partial columns: one (d x k) product per head, never the d x d skew), scored against layer i's
@@ -38,15 +41,19 @@ reference/methods.md §1. Components:
   counted per selecting head; ONE count n' = floor(mean over heads), capped at budget_ratio * T
   (`fetch_cap`), is shared by all heads (the official design: one fixed-size gather buffer;
   `shared_count=false` counts per head); each selecting head takes its own top-n' tokens
-  (`select_tokens`). Official quirks, each a choice: the Llama simulation thresholds every head
-  with head 0's max (`torch.max(attn, -1)[0][0]`) — fixed here (per-head max: a threshold from
-  another head's logits has no meaning for this head; on SmolLM2 it also costs perplexity, see
-  README), `head0_threshold=true` reproduces it; the simulation counts `>=`, the system `>` (we
-  use `>`); its partial columns come from the energies of a 100-token, six-sentence setup prompt
-  (`gen_partial_weight.py`) — fixed here: the columns come from the 2048 calibration tokens that
-  also build A (`partial_index=calibration`; a short prompt is a noisy energy estimate), and
-  `calibration_path`/`partial_index=prefill` choose other texts. On CPU the scoring, count and
-  selection are one C call per layer when each selecting head has one skewing matrix (both
+  (`select_tokens`). The official accuracy path's rules are the defaults, each with ours as a
+  named variant (effects measured by benchmarks/infinigen_official.py, see the method's note):
+  every head is thresholded with head 0's max (`torch.max(attn, -1)[0][0]`;
+  `head0_threshold=false`, ours: each head's own max); the current token is one of the
+  candidates (`current_token=ranked`: n' is counted over the T stored tokens and the current
+  one, and each head attends its top n' of those T + 1, so the current token may go unattended;
+  its key exists only at layer i, so the speculation fetches the best n' + 1 stored rows and the
+  sets are finished once the key is stored: `rank_current`; `added`, ours: n' of the stored
+  tokens plus the current one always). The simulation counts `>=`, the system `>` (we use `>`);
+  a count of 0 (possible with the head-0 threshold) keeps one token here, where the official
+  additive mask leaves the row unmasked. On CPU the scoring, count and
+  selection are one C call per layer (`current_token=added`) when each selecting head has one
+  skewing matrix (both
   per query head, the default, or both per KV head; methods/kernels/speculation_cpu.c: the same
   arithmetic; the chosen set comes in slot order, not best first; metrics.json
   `method.prepare.speculation` says which ran).
@@ -82,7 +89,8 @@ Hyperparameters:
     eviction: counter | lru | fifo (pool eviction policy).
     mode: system | simulate.
     skewing: apply the skewing matrices (false = identity, for the Fig. 13 ablation).
-    partial_index: calibration | prefill (where partial columns come from).
+    partial_index: setup_prompt (official) | calibration (ours) | prefill (where the partial
+        columns' energies come from).
     column_score: qk_union | q | qk_sum (how partial columns are ranked).
     group_reduce: max | mean | prob_mean (select_per=kv_head: query-head scores -> KV-head score).
     shared_count: one fetch count for all heads (official) or one per KV head.
@@ -92,7 +100,10 @@ Hyperparameters:
         queries stacked).
     select_per: query_head (official GQA expansion: each query head its own tokens; the KV head
         moves their union) | kv_head (ours: one set per KV head by `group_reduce`).
-    head0_threshold: reproduce the official Llama simulation's head-0 threshold quirk.
+    head0_threshold: true (official Llama simulation: head 0's max thresholds every head) |
+        false (ours: each head its own max).
+    current_token: ranked (official: the current token competes within n') | added (ours:
+        attended on top of n' stored tokens).
     calibration_path: text file for skewing (default: PG-19 first book from the data folder).
     calibration_tokens: tokens of it used (default 2048; a shorter text is refused).
     cache_dir: where prepared artefacts are cached (default ~/.cache/kv-harness/infinigen).
