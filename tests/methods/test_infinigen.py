@@ -508,14 +508,16 @@ def test_per_query_head_skewing(tiny4, cache_dir):
 def test_cpu_speculation_kernel_equals_the_torch_path(tiny4, cache_dir, monkeypatch, mode):
     """On CPU the speculation runs as one C call (methods/kernels/speculation_cpu.c) at every
     sparse layer's decode step; the torch path fetches the same tokens and gives the same logits
-    (the fetched set comes in slot order instead of best first)."""
+    (the fetched set comes in slot order instead of best first). The kernel serves our variants
+    (`current_token=added`, per-head thresholds); the official defaults take the torch path."""
     from methods import infinigen
     from methods.kernels import cpu_build
 
     if not cpu_build.compiler_available():
         pytest.skip("no C compiler here: InfiniGen speculates in torch (every other test)")
     ids = torch.randint(3, 250, (1, 90), generator=torch.Generator().manual_seed(6))
-    method = build_method("infinigen", mode=mode, alpha=2.0)
+    method = build_method("infinigen", mode=mode, alpha=2.0, current_token="added",
+                          head0_threshold=False)
     facts = hf_adapter.prepare(method, tiny4, None)
     assert facts["speculation"] == "c"
     calls, kept = [], {}
