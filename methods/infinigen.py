@@ -759,7 +759,11 @@ class InfiniGenLayer(KVLayer):
         slots = torch.where(self.valid(), self.selected, self.selected[..., :1])[..., :n_max]
         positions = self.positions.repeat_interleave(slots.shape[1] // self.positions.shape[1], 1)
         chosen = gather_tokens(positions, slots)
-        return torch.cat([chosen, positions[:, :, -1:]], dim=2)
+        current = positions[:, :, -1:]
+        # current_token=ranked: a head that left the current token out repeats its best slot
+        if self._current_keep is not None and chosen.shape[-1]:
+            current = torch.where(self._current_keep[..., None], current, chosen[..., :1])
+        return torch.cat([chosen, current], dim=2)
 
     def allowed_tokens(self) -> int | None:
         """The fetch cap of the last sparse decode step (None for dense layers / no decode)."""
