@@ -49,9 +49,12 @@ reference/methods.md §1. Components:
   one, and each head attends its top n' of those T + 1, so the current token may go unattended;
   its key exists only at layer i, so the speculation fetches the best n' + 1 stored rows and the
   sets are finished once the key is stored: `rank_current`; `added`, ours: n' of the stored
-  tokens plus the current one always). The simulation counts `>=`, the system `>` (we use `>`);
-  a count of 0 (possible with the head-0 threshold) keeps one token here, where the official
-  additive mask leaves the row unmasked. On CPU the scoring, count and
+  tokens plus the current one always); a count of 0 (possible with the head-0 threshold) leaves
+  the row unmasked, every token attended (`zero_count=all`: the official simulation's topk(k=0)
+  sets no mask entry and its additive mask then shifts every logit alike; system mode fetches
+  those rows synchronously; `one`, ours: at least one token; with `current_token=added` a count
+  is always at least one). The simulation counts `>=`, the system `>` (we use `>`). On CPU the
+  scoring, count and
   selection are one C call per layer (`current_token=added`) when each selecting head has one
   skewing matrix (both
   per query head, the default, or both per KV head; methods/kernels/speculation_cpu.c: the same
@@ -104,6 +107,8 @@ Hyperparameters:
         false (ours: each head its own max).
     current_token: ranked (official: the current token competes within n') | added (ours:
         attended on top of n' stored tokens).
+    zero_count: all (official simulation: a count of 0 attends every token) | one (ours: at
+        least one; current_token=ranked only).
     calibration_path: text file for skewing (default: PG-19 first book from the data folder).
     calibration_tokens: tokens of it used (default 2048; a shorter text is refused).
     cache_dir: where prepared artefacts are cached (default ~/.cache/kv-harness/infinigen).
@@ -176,7 +181,7 @@ class InfiniGen(KVMethod):
     variant_keys: ClassVar[tuple[str, ...]] = (
         "partial_ratio", "dense_layers", "pool_capacity", "mode", "skewing", "column_score",
         "group_reduce", "shared_count", "speculation_input", "skew_per", "select_per",
-        "partial_index", "head0_threshold", "current_token")
+        "partial_index", "head0_threshold", "current_token", "zero_count")
     alpha: float = 5.0
     partial_ratio: float = 0.2
     budget_ratio: float = 0.2
@@ -194,6 +199,7 @@ class InfiniGen(KVMethod):
     select_per: str = "query_head"
     head0_threshold: bool = True
     current_token: str = "ranked"
+    zero_count: str = "all"
     calibration_path: str | None = None
     calibration_tokens: int = 2048
     cache_dir: str | None = None
@@ -214,6 +220,7 @@ class InfiniGen(KVMethod):
                 r.append(f"method.{key}={value!r} must be in (0, 1]")
         choices = {"eviction": EVICTIONS, "mode": self.capabilities.modes,
                    "partial_index": PARTIAL_INDEXES, "current_token": ("ranked", "added"),
+                   "zero_count": ("all", "one"),
                    "column_score": COLUMN_SCORES,
                    "group_reduce": GROUP_REDUCES, "speculation_input": ("previous", "own"),
                    "skew_per": HEAD_FORMS, "select_per": HEAD_FORMS}
@@ -283,12 +290,12 @@ class InfiniGen(KVMethod):
 
 
 def count_tokens(scores: torch.Tensor, cap: int, alpha: float, shared_count: bool,
-                 head0_threshold: bool) -> torch.Tensor:
+                 head0_threshold: bool, least: int = 1) -> torch.Tensor:
     """The official count rule on speculated logits `scores (B, H, T)` (H selecting heads) ->
     `counts (B, H)`: a head needs the tokens scoring above its max - alpha (`head0_threshold`:
     head 0's max for every head, the official Llama simulation's `torch.max(attn, -1)[0][0]`);
     with `shared_count` every head takes the floor of the mean count over heads (one gather
-    size); counts are clamped to [1, cap]. Strict `>` (the official system; its simulation
+    size); counts are clamped to [least, cap]. Strict `>` (the official system; its simulation
     counts `>=`)."""
     top = scores.amax(-1, keepdim=True)
     if head0_threshold:
@@ -296,7 +303,7 @@ def count_tokens(scores: torch.Tensor, cap: int, alpha: float, shared_count: boo
     count = (scores > top - alpha).sum(-1)  # (B, H)
     if shared_count:  # the official int(mean) over heads, one buffer size for all
         count = count.float().mean().floor().long().expand_as(count)
-    return count.clamp(1, cap)
+    return count.clamp(least, cap)
 
 
 def select_tokens(scores: torch.Tensor, cap: int, alpha: float, shared_count: bool,
@@ -307,15 +314,16 @@ def select_tokens(scores: torch.Tensor, cap: int, alpha: float, shared_count: bo
 
 
 def rank_current(stored: torch.Tensor, current: torch.Tensor, cap: int, alpha: float,
-                 shared_count: bool, head0_threshold: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 shared_count: bool, head0_threshold: bool, least: int = 1
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The official rule with the current token among the candidates (`current_token=ranked`):
     speculated logits of the stored tokens `(B, H, T)` and of the current one `(B, H)` -> how
     many of each head's best stored tokens it attends `(B, H)` and whether it attends the
     current token `(B, H)` bool. n' is counted over the T + 1 tokens and the head takes its top
     n' of them: the current token when it ranks among them (ties go to stored tokens), plus
-    n' - 1 stored; otherwise n' stored."""
+    n' - 1 stored; otherwise n' stored. With `least=0` a count may be 0 (neither)."""
     every = torch.cat([stored, current[..., None]], -1)  # (B, H, T + 1)
-    count = count_tokens(every, cap, alpha, shared_count, head0_threshold)
+    count = count_tokens(every, cap, alpha, shared_count, head0_threshold, least)
     kept = (stored >= current[..., None]).sum(-1) < count  # the current token's rank < n'
     return count - kept.long(), kept
 
@@ -366,6 +374,7 @@ class InfiniGenLayer(KVLayer):
         # current_token=ranked: the step's speculation, finished once the new key is known
         self._ranked: tuple | None = None  # (q_partial, stored scores (B, H_sel, T), cap)
         self._current_keep: torch.Tensor | None = None  # (B, H_sel) bool: attends the new token
+        self._unmasked: torch.Tensor | None = None  # (B, H_sel) bool: a count of 0, all attended
 
     # --- speculation (run one layer ahead) ---------------------------------------------------
     def prefetch(self, hidden_states, position_ids, ahead: bool) -> None:
@@ -486,8 +495,10 @@ class InfiniGenLayer(KVLayer):
         new_key = self.partial_keys()[..., -1:]  # (B, H_s, k_u, 1)
         current = self.selecting_scores(q_partial @ new_key)[..., 0]  # (B, H_sel)
         m = self.m
+        least = 0 if m.zero_count == "all" else 1
         self.counts, self._current_keep = rank_current(stored, current, cap, m.alpha,
-                                                       m.shared_count, m.head0_threshold)
+                                                       m.shared_count, m.head0_threshold, least)
+        self._unmasked = (self.counts == 0) & ~self._current_keep
         self._last_counts = self.counts + self._current_keep.long() - 1  # the official n' - 1
         self.touch(self.selected, self.counts)
 
@@ -653,10 +664,20 @@ class InfiniGenLayer(KVLayer):
         ranked = self._ranked is not None
         if ranked:  # the new key is stored now: the official sets over the T + 1 tokens
             self.rank_current()
-            new = self._current_keep[..., None]  # (B, H_sel, 1)
+            unmasked = self._unmasked[..., None]  # (B, H_sel, 1)
+            new = self._current_keep[..., None] | unmasked
+            self._attended = torch.where(unmasked[..., 0], self.stored(),
+                                         self.counts + new[..., 0]).float().mean()
         else:
             new = torch.ones_like(self.counts[..., None], dtype=torch.bool)
-        self._attended = (self.counts + new[..., 0]).float().mean()  # device; read after the step
+            self._attended = (self.counts + 1).float().mean()  # device; read after the step
+        if self.system and ranked and self.m.zero_count == "all" and bool(unmasked.any()):
+            # a count of 0 (zero_count=all): the official row attends every token; the rows
+            # come from the host now, synchronously (the speculation could not know)
+            keys, values = (t.wait() for t in self.store.fetch())
+            sets = self.query_sets(keys.shape[2] - 1) | unmasked
+            return self._masked(query, keys, values, torch.cat([sets, new], 2),
+                                kwargs["scaling"])
         if self.system:  # fetched rows + the new token
             if self._fetched_keep is not None:  # per query head: its own rows of the union
                 used = self._fetched_keep if not ranked else self.query_sets(
@@ -670,6 +691,8 @@ class InfiniGenLayer(KVLayer):
             return self._masked(query, keys, values, keep, kwargs["scaling"])
         if self.per_query_head():  # each query head its own set, the cache never expanded
             sets = self.query_sets(keys.shape[2] - 1)  # (B, H_q, T): the new token comes last
+            if ranked:
+                sets = sets | unmasked
             return self._masked(query, keys, values, torch.cat([sets, new], 2),
                                 kwargs["scaling"])
         if _use_kernel(query) and self.m.shared_count and not ranked:  # gathered in the kernel
@@ -681,6 +704,8 @@ class InfiniGenLayer(KVLayer):
             return out[:, None], None  # (B, 1, H_q, D), as attention_with_probs returns
         keep = torch.zeros(keys.shape[:3], dtype=torch.bool, device=keys.device)
         keep.scatter_(2, self.selected, self.valid())
+        if ranked:
+            keep |= unmasked
         keep[:, :, -1] = new[..., 0]  # the new token
         return self._masked(query, keys, values, keep, kwargs["scaling"])
 
@@ -696,7 +721,7 @@ class InfiniGenLayer(KVLayer):
         if not self.holding_prompt():  # a prompt is fitted to the pool once, at its end
             self._fit_pool()
         self.selected = self.counts = self.fetched = self._fetched_keep = None
-        self._ranked = self._current_keep = None
+        self._ranked = self._current_keep = self._unmasked = None
 
     def on_prefill_end(self) -> None:
         self._fit_pool()

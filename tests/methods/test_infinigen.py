@@ -100,7 +100,7 @@ def test_speculation_with_own_input_and_all_columns_is_exact(tiny4, cache_dir, s
     from methods.rope import rotate
 
     with torch.inference_mode():
-        q = rotate(q, captured["pos"].view(1, 1, 1), hf_adapter.rope_inv_freq(tiny4))
+        q = rotate(q, captured["pos"].view(1, 1, 1), hf_adapter.rope_inv_freq(gqa7))
     logits = (q @ keys.repeat_interleave(2, dim=1).transpose(2, 3))[:, :, 0] / info.head_dim ** 0.5
     heads = logits if select_per == "query_head" else logits.view(1, 2, 2, 41).amax(2)
     expected = heads.topk(int(0.25 * 41), dim=-1).indices.sort(-1).values
@@ -672,33 +672,50 @@ def test_rank_current_is_the_official_rule_by_hand():
     two = torch.tensor([[[1.0, 0.5], [3.5, 3.2]]])
     n, kept = rank_current(two, torch.tensor([[4.0, 0.0]]), 2, 1.0, True, True)
     assert (n.tolist(), kept.tolist()) == ([[0, 1]], [[True, False]])
+    # head 0's current 9.0 sets the threshold 8 -> counts 1 and 0 -> n' = floor(0.5) = 0: with
+    # least=0 (zero_count=all) neither head keeps anything (the caller then attends all)
+    n, kept = rank_current(two, torch.tensor([[9.0, 0.0]]), 2, 1.0, True, True, least=0)
+    assert (n.tolist(), kept.tolist()) == ([[0, 0]], [[False, False]])
+    n, kept = rank_current(two, torch.tensor([[9.0, 0.0]]), 2, 1.0, True, True)
+    assert (n.tolist(), kept.tolist()) == ([[0, 1]], [[True, False]])  # least=1: n' = 1
 
 
+@pytest.mark.parametrize("mode", ["simulate", "system"])
 @pytest.mark.parametrize("current", ["ranked", "added"])
-def test_equals_the_official_mask_simulation(tiny4, cache_dir, current):
+def test_equals_the_official_mask_simulation(cache_dir, current, mode):
     """Ours, streamed token by token, gives the logits of the official accuracy path (the whole
     sequence under its mask, re-implemented in benchmarks/infinigen_official.py) with its
-    setup-prompt columns and head-0 threshold; `current_token=added` those of the same rule with
-    the current token added on top. (A count of 0 keeps one token on both sides: the official
-    mask would leave such a row unmasked.)"""
+    setup-prompt columns and head-0 threshold, rows whose count is 0 left unmasked
+    (`zero_count=all`); `current_token=added` those of the same rule with the current token
+    added on top and at least one token. The model: 7 query heads per KV head, q and k scaled
+    so that its attention is peaked (some rows then count 0 under head 0's threshold)."""
     from benchmarks.infinigen_official import Reference, Rule, column_masks, skewing
+    from harness import models
     from methods._infinigen_prep import SETUP_PROMPT
+
+    gqa7 = models.tiny_llama(num_layers=4, hidden=112, heads=7, kv_heads=1, max_positions=4096)
+    with torch.no_grad():
+        for attn in hf_adapter.attention_modules(gqa7):
+            attn.q_proj.weight.mul_(6.0)
+            attn.k_proj.weight.mul_(6.0)
 
     calib = torch.randint(3, 250, (256,), generator=torch.Generator().manual_seed(4))
     ids = torch.randint(3, 250, (1, 160), generator=torch.Generator().manual_seed(5))
-    ref = Reference(tiny4, hf_adapter.rope_inv_freq(tiny4))
+    ref = Reference(gqa7, hf_adapter.rope_inv_freq(gqa7))
     _, cal_qk, _, _ = ref.forward(calib)
     skew = skewing(cal_qk)
     _, setup_qk, _, _ = ref.forward(torch.tensor(list(SETUP_PROMPT.encode())))
-    rule = Rule(skew, column_masks(setup_qk, skew, 0.2), 5.0, 0.2, "head0", current, "one")
-    want, _, share, _ = ref.forward(ids[0], rule)
+    zero = "dense" if current == "ranked" else "one"
+    rule = Rule(skew, column_masks(setup_qk, skew, 0.2), 1.0, 0.2, "head0", current, zero)
+    want, _, share, zero_rows = ref.forward(ids[0], rule)
 
-    method = build_method("infinigen", mode="simulate", current_token=current,
+    method = build_method("infinigen", mode=mode, current_token=current, alpha=1.0,
                           calibration_tokens=256)
-    info = hf_adapter.model_info(tiny4.config)
-    hf_adapter.prepare(method, tiny4, None, info, calibration_ids=calib)
-    engine = Engine(tiny4, None, method, info, EngineSettings())
+    info = hf_adapter.model_info(gqa7.config)
+    hf_adapter.prepare(method, gqa7, None, info, calibration_ids=calib)
+    engine = Engine(gqa7, None, method, info, EngineSettings())
     with engine.request(final_tokens=ids.shape[1]) as req:
         got = torch.cat([req.step(ids[:, t]) for t in range(ids.shape[1])], 1)[0]
     assert 0.1 < share < 0.9  # the mask really selects
+    assert zero_rows > 0 or current == "added"  # some rows have a count of 0
     assert (got - want).abs().max().item() < 1e-3
