@@ -100,7 +100,7 @@ def test_speculation_with_own_input_and_all_columns_is_exact(tiny4, cache_dir, s
     from methods.rope import rotate
 
     with torch.inference_mode():
-        q = rotate(q, captured["pos"].view(1, 1, 1), hf_adapter.rope_inv_freq(gqa7))
+        q = rotate(q, captured["pos"].view(1, 1, 1), hf_adapter.rope_inv_freq(tiny4))
     logits = (q @ keys.repeat_interleave(2, dim=1).transpose(2, 3))[:, :, 0] / info.head_dim ** 0.5
     heads = logits if select_per == "query_head" else logits.view(1, 2, 2, 41).amax(2)
     expected = heads.topk(int(0.25 * 41), dim=-1).indices.sort(-1).values
