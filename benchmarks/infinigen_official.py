@@ -16,12 +16,12 @@ A from the official formula (SVD of the calibration queries, PG-19's first 2048 
 partial columns: the union of the top int(d * ratio) by sum |QA| and by sum |KA| over the
 official six-sentence setup prompt (`accuracy/setup/gen_partial_weight.py`).
 
-Each of the three known differences can be switched alone on the reference side
-(`--reference-variants`): `columns=calibration` (columns from the calibration text),
-`threshold=per_head` (each head's own max), `current=added` (the current token attended on
-top of n' best earlier tokens, counted over those); and a fourth, `zero=one` (a count of 0
-keeps one token, as ours does, instead of leaving the row unmasked). Ours runs through the engine, one decode step
-per token (benchmarks/infinigen_gap.py), with `--ours-variants` (method overrides).
+Each known difference can be switched alone on the reference side (`--reference-variants`,
+`full` = no mask): `columns=calibration` (columns from the calibration text),
+`threshold=per_head` (each head's own max), `current=added` (the current token attended on top
+of the n' best earlier tokens, counted over those), `zero=one` (a count of 0 keeps one token
+instead of leaving the row unmasked). Ours runs through the engine, one decode step per token
+(benchmarks/infinigen_gap.py), with `--ours-variants` (method overrides).
 `tiny_gqa7`: a 6-layer Llama built in code, 14 query heads over 2 KV heads (7:1), head_dim 32,
 byte-level ids, q/k weights scaled so that its attention is peaked (random weights: the mask
 path runs on any).
@@ -224,9 +224,9 @@ def main() -> None:
     for spec in args.reference_variants:
         kw = dict(item.split("=") for item in spec.split(",") if "=" in item)
         t0 = time.time()
-        rule = None if spec == "full" else Rule(skew, cols[kw.get("columns", "setup")], args.alpha, args.budget,
-                    kw.get("threshold", "head0"), kw.get("current", "ranked"),
-                    kw.get("zero", "dense"))
+        rule = None if spec == "full" else Rule(
+            skew, cols[kw.get("columns", "setup")], args.alpha, args.budget,
+            kw.get("threshold", "head0"), kw.get("current", "ranked"), kw.get("zero", "dense"))
         logits, _, share, zeros = ref.forward(ids, rule)
         nll = torch.nn.functional.cross_entropy(logits[:-1], ids[1:])
         results[spec] = math.exp(float(nll))

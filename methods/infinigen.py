@@ -42,7 +42,7 @@ reference/methods.md §1. Components:
   (`fetch_cap`), is shared by all heads (the official design: one fixed-size gather buffer;
   `shared_count=false` counts per head); each selecting head takes its own top-n' tokens
   (`select_tokens`). The official accuracy path's rules are the defaults, each with ours as a
-  named variant (effects measured by benchmarks/infinigen_official.py, see the method's note):
+  named variant (benchmarks/infinigen_official.py measures each against the official rule):
   every head is thresholded with head 0's max (`torch.max(attn, -1)[0][0]`;
   `head0_threshold=false`, ours: each head's own max); the current token is one of the
   candidates (`current_token=ranked`: n' is counted over the T stored tokens and the current
@@ -54,10 +54,9 @@ reference/methods.md §1. Components:
   sets no mask entry and its additive mask then shifts every logit alike; system mode fetches
   those rows synchronously; `one`, ours: at least one token; with `current_token=added` a count
   is always at least one). The simulation counts `>=`, the system `>` (we use `>`). On CPU the
-  scoring, count and
-  selection are one C call per layer (`current_token=added`) when each selecting head has one
-  skewing matrix (both
-  per query head, the default, or both per KV head; methods/kernels/speculation_cpu.c: the same
+  scoring, count and selection of our variants (`current_token=added`, per-head thresholds) are
+  one C call per layer when each selecting head has one skewing matrix (both per query head, or
+  both per KV head; methods/kernels/speculation_cpu.c: the same
   arithmetic; the chosen set comes in slot order, not best first; metrics.json
   `method.prepare.speculation` says which ran).
   The step queues no host sync: counts and indices stay on the device; system mode reads the
@@ -125,8 +124,8 @@ import torch
 
 from kvcore.offload import host_store
 from kvcore.storage import ContiguousRows, KV_LAYOUTS
-from methods._infinigen_prep import (COLUMN_SCORES, PARTIAL_INDEXES, SkewingArtefacts, cache_dir_reason,
-                                     calibration_reasons, prepare_skewing)
+from methods._infinigen_prep import (COLUMN_SCORES, PARTIAL_INDEXES, SkewingArtefacts,
+                                     cache_dir_reason, calibration_reasons, prepare_skewing)
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for
 from methods.kernels import sparse_attention, speculation_cpu
 from methods.rope import rotate
