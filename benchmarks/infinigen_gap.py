@@ -46,7 +46,7 @@ def _scalar(value: str):
     return {"true": True, "false": False}.get(value, value)
 
 
-def run_one(model, tok, info, ids, name, kwargs, dense, every, data_dir):
+def run_one(model, tok, info, ids, name, kwargs, dense, every, data_dir, **prepare_extras):
     import torch
 
     from harness import hf_adapter
@@ -56,12 +56,12 @@ def run_one(model, tok, info, ids, name, kwargs, dense, every, data_dir):
     from tasks.perplexity import token_nll
 
     method = build_method(name, **kwargs)
-    hf_adapter.prepare(method, model, tok, info, data_dir=data_dir)
+    hf_adapter.prepare(method, model, tok, info, data_dir=data_dir, **prepare_extras)
     engine = Engine(model, tok, method, info, EngineSettings(
         protocol=Protocol(dense_layers=tuple(dense)), diagnostics_every=every))
     nll = torch.empty(ids.numel() - 1)
     t0 = time.time()
-    with engine.request() as req:
+    with engine.request(final_tokens=ids.numel()) as req:  # the official cap: of length T
         for t in range(ids.numel() - 1):
             logits = req.step(ids[t:t + 1])[0, -1]
             nll[t] = token_nll(logits[None], ids[t + 1:t + 2])[0]

@@ -30,6 +30,17 @@ from methods.base import KVLayer, KVMethod, ModelInfo
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 2
 COLUMN_SCORES = ("q", "qk_union", "qk_sum")
+PARTIAL_INDEXES = ("setup_prompt", "calibration", "prefill")
+# The official Llama setup's partial-column prompt (accuracy/setup/gen_partial_weight.py): six
+# COPA-style sentences, about 100 tokens; the column energies of `partial_index=setup_prompt`.
+SETUP_PROMPT = (
+    "The bartender refused to serve the patron because the patron was drunk.\n\n"
+    "The girl politely declined the hamburger because she was a vegetarian.\n\n"
+    "The spy discovered the enemy's location because the spy bugged the enemy's phone.\n\n"
+    "I tossed the ball upwards therefore the ball hit the ceiling.\n\n"
+    "The rider fell to the ground because the bull bucked the rider.\n\n"
+    "The pair of students came under scrutiny by the teacher because the students both "
+    "received excellent grades.")
 
 
 @dataclass
@@ -238,15 +249,31 @@ def skew_heads(method, info: ModelInfo) -> int:
     return info.num_heads if method.skew_per == "query_head" else info.num_kv_heads
 
 
-def compute(ctx, ids: torch.Tensor, skewing: bool, heads: int):
-    """Skewing matrices and column energies for every layer: (L, H_s, d, d), 2 x (L, H_s, d)."""
+def setup_prompt_ids(ctx) -> torch.Tensor:
+    """The official setup prompt's token ids (a model without a tokenizer: its UTF-8 bytes,
+    modulo the vocabulary)."""
+    if ctx.tokenizer is None:
+        return torch.tensor(list(SETUP_PROMPT.encode("utf-8"))) % ctx.vocab_size
+    return torch.tensor(ctx.tokenizer(SETUP_PROMPT, verbose=False)["input_ids"])
+
+
+def captured(ctx, ids: torch.Tensor, heads: int):
+    """Per layer, post-RoPE queries `(H_s, g_s * n, d)` (a skewing head's query heads stacked)
+    and keys `(H_s, n, d)` of one forward over `ids`."""
     info = ctx.info
-    layers = ctx.capture(_CaptureMethod(), ids)
-    skews, q_energies, k_energies = [], [], []
-    d = info.head_dim
-    for layer in layers:
-        q = layer.query.reshape(heads, -1, d).cpu()  # (H_s, g_s * n, d): group heads stacked
+    for layer in ctx.capture(_CaptureMethod(), ids):
+        q = layer.query.reshape(heads, -1, info.head_dim).cpu()
         k_heads = layer.keys[0].float().cpu().repeat_interleave(heads // info.num_kv_heads, 0)
+        yield q, k_heads
+
+
+def compute(ctx, ids: torch.Tensor, skewing: bool, heads: int, partial_index: str):
+    """Skewing matrices and column energies for every layer: (L, H_s, d, d), 2 x (L, H_s, d).
+    The energies are the calibration text's, or (`setup_prompt`) the official setup prompt's
+    under the calibration's skewing."""
+    d = ctx.info.head_dim
+    skews, q_energies, k_energies = [], [], []
+    for q, k_heads in captured(ctx, ids, heads):
         if skewing:
             skew = torch.stack([skewing_from(q[j], k_heads[j]) for j in range(heads)])
         else:
@@ -255,6 +282,10 @@ def compute(ctx, ids: torch.Tensor, skewing: bool, heads: int):
         skews.append(skew)
         q_energies.append(q_e)
         k_energies.append(k_e)
+    if partial_index == "setup_prompt":
+        setup = list(captured(ctx, setup_prompt_ids(ctx), heads))
+        q_energies, k_energies = zip(*(energies(q, k, skew)
+                                       for (q, k), skew in zip(setup, skews)))
     return torch.stack(skews), torch.stack(q_energies), torch.stack(k_energies)
 
 
@@ -268,13 +299,15 @@ def prepare_skewing(method, ctx) -> tuple[SkewingArtefacts, dict]:
     key = hashlib.sha256(json.dumps({
         "v": FORMAT_VERSION, "model": ctx.fingerprint, "skewing": method.skewing,
         "skew_per": method.skew_per, "ids": hashlib.sha256(ids.numpy().tobytes()).hexdigest(),
+        "energies": (hashlib.sha256(setup_prompt_ids(ctx).numpy().tobytes()).hexdigest()
+                     if method.partial_index == "setup_prompt" else "calibration"),
     }).encode()).hexdigest()[:24]
     path = artefact_root(method, ctx.cache_dir) / f"{key}.pt"
     t0 = time.time()
     heads = skew_heads(method, info)
     loaded = _load(path, info, heads)
     if loaded is None:
-        tensors = compute(ctx, ids, method.skewing, heads)
+        tensors = compute(ctx, ids, method.skewing, heads, method.partial_index)
         _save(path, *tensors)
         status = "computed"
     else:

@@ -25,9 +25,12 @@ reference/methods.md §1. Components:
   k = int(d * partial_ratio) columns by sum |QA| and by sum |KA| (`qk_union`, the default: the
   official Llama setup, the only official path for RoPE models; k to 2k columns), the top k by
   |QA| alone (`q`, the official OPT speed system) or the top k by |QA| + |KA| (`qk_sum`, what the
-  paper's §4.3 describes; snu-comparch/InfiniGen#7 notes the code differs). Energies come from the calibration text
-  (`partial_index=calibration`) or the request's own prompt at prefill (`prefill`, the official
-  system; falls back to calibration when a request starts without a prefill).
+  paper's §4.3 describes; snu-comparch/InfiniGen#7 notes the code differs). Energies come from
+  the official Llama setup's six-sentence, ~100-token prompt under the calibration's A
+  (`partial_index=setup_prompt`, the default, `gen_partial_weight.py`), the calibration text
+  itself (`calibration`, ours: the 2048 tokens that also build A) or the request's own prompt at
+  prefill (`prefill`, the official system; falls back to calibration when a request starts
+  without a prefill).
 * Speculation (at layer i-1, for every sparse layer i): q = W_q[i] x_{i-1} (the full projection;
   RoPE forbids folding A into W_q), rotated at the current position, times A[:, cols] (only the
   partial columns: one (d x k) product per head, never the d x d skew), scored against layer i's
@@ -38,16 +41,22 @@ reference/methods.md §1. Components:
   counted per selecting head; ONE count n' = floor(mean over heads), capped at budget_ratio * T
   (`fetch_cap`), is shared by all heads (the official design: one fixed-size gather buffer;
   `shared_count=false` counts per head); each selecting head takes its own top-n' tokens
-  (`select_tokens`). Official quirks, each a choice: the Llama simulation thresholds every head
-  with head 0's max (`torch.max(attn, -1)[0][0]`) — fixed here (per-head max: a threshold from
-  another head's logits has no meaning for this head; on SmolLM2 it also costs perplexity, see
-  README), `head0_threshold=true` reproduces it; the simulation counts `>=`, the system `>` (we
-  use `>`); its partial columns come from the energies of a 100-token, six-sentence setup prompt
-  (`gen_partial_weight.py`) — fixed here: the columns come from the 2048 calibration tokens that
-  also build A (`partial_index=calibration`; a short prompt is a noisy energy estimate), and
-  `calibration_path`/`partial_index=prefill` choose other texts. On CPU the scoring, count and
-  selection are one C call per layer when each selecting head has one skewing matrix (both
-  per query head, the default, or both per KV head; methods/kernels/speculation_cpu.c: the same
+  (`select_tokens`). The official accuracy path's rules are the defaults, each with ours as a
+  named variant (benchmarks/infinigen_official.py measures each against the official rule):
+  every head is thresholded with head 0's max (`torch.max(attn, -1)[0][0]`;
+  `head0_threshold=false`, ours: each head's own max); the current token is one of the
+  candidates (`current_token=ranked`: n' is counted over the T stored tokens and the current
+  one, and each head attends its top n' of those T + 1, so the current token may go unattended;
+  its key exists only at layer i, so the speculation fetches the best n' + 1 stored rows and the
+  sets are finished once the key is stored: `rank_current`; `added`, ours: n' of the stored
+  tokens plus the current one always); a count of 0 (possible with the head-0 threshold) leaves
+  the row unmasked, every token attended (`zero_count=all`: the official simulation's topk(k=0)
+  sets no mask entry and its additive mask then shifts every logit alike; system mode fetches
+  those rows synchronously; `one`, ours: at least one token; with `current_token=added` a count
+  is always at least one). The simulation counts `>=`, the system `>` (we use `>`). On CPU the
+  scoring, count and selection of our variants (`current_token=added`, per-head thresholds) are
+  one C call per layer when each selecting head has one skewing matrix (both per query head, or
+  both per KV head; methods/kernels/speculation_cpu.c: the same
   arithmetic; the chosen set comes in slot order, not best first; metrics.json
   `method.prepare.speculation` says which ran).
   The step queues no host sync: counts and indices stay on the device; system mode reads the
@@ -82,7 +91,8 @@ Hyperparameters:
     eviction: counter | lru | fifo (pool eviction policy).
     mode: system | simulate.
     skewing: apply the skewing matrices (false = identity, for the Fig. 13 ablation).
-    partial_index: calibration | prefill (where partial columns come from).
+    partial_index: setup_prompt (official) | calibration (ours) | prefill (where the partial
+        columns' energies come from).
     column_score: qk_union | q | qk_sum (how partial columns are ranked).
     group_reduce: max | mean | prob_mean (select_per=kv_head: query-head scores -> KV-head score).
     shared_count: one fetch count for all heads (official) or one per KV head.
@@ -92,7 +102,12 @@ Hyperparameters:
         queries stacked).
     select_per: query_head (official GQA expansion: each query head its own tokens; the KV head
         moves their union) | kv_head (ours: one set per KV head by `group_reduce`).
-    head0_threshold: reproduce the official Llama simulation's head-0 threshold quirk.
+    head0_threshold: true (official Llama simulation: head 0's max thresholds every head) |
+        false (ours: each head its own max).
+    current_token: ranked (official: the current token competes within n') | added (ours:
+        attended on top of n' stored tokens).
+    zero_count: all (official simulation: a count of 0 attends every token) | one (ours: at
+        least one; current_token=ranked only).
     calibration_path: text file for skewing (default: PG-19 first book from the data folder).
     calibration_tokens: tokens of it used (default 2048; a shorter text is refused).
     cache_dir: where prepared artefacts are cached (default ~/.cache/kv-harness/infinigen).
@@ -109,8 +124,8 @@ import torch
 
 from kvcore.offload import host_store
 from kvcore.storage import ContiguousRows, KV_LAYOUTS
-from methods._infinigen_prep import (COLUMN_SCORES, SkewingArtefacts, cache_dir_reason,
-                                     calibration_reasons, prepare_skewing)
+from methods._infinigen_prep import (COLUMN_SCORES, PARTIAL_INDEXES, SkewingArtefacts,
+                                     cache_dir_reason, calibration_reasons, prepare_skewing)
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for
 from methods.kernels import sparse_attention, speculation_cpu
 from methods.rope import rotate
@@ -164,7 +179,8 @@ class InfiniGen(KVMethod):
     axis_keys: ClassVar[tuple[str, ...]] = ("alpha", "budget_ratio")
     variant_keys: ClassVar[tuple[str, ...]] = (
         "partial_ratio", "dense_layers", "pool_capacity", "mode", "skewing", "column_score",
-        "group_reduce", "shared_count", "speculation_input", "skew_per", "select_per")
+        "group_reduce", "shared_count", "speculation_input", "skew_per", "select_per",
+        "partial_index", "head0_threshold", "current_token", "zero_count")
     alpha: float = 5.0
     partial_ratio: float = 0.2
     budget_ratio: float = 0.2
@@ -173,14 +189,16 @@ class InfiniGen(KVMethod):
     eviction: str = "counter"
     mode: str = "system"
     skewing: bool = True
-    partial_index: str = "calibration"
+    partial_index: str = "setup_prompt"
     column_score: str = "qk_union"
     group_reduce: str = "max"
     shared_count: bool = True
     speculation_input: str = "previous"
     skew_per: str = "query_head"
     select_per: str = "query_head"
-    head0_threshold: bool = False
+    head0_threshold: bool = True
+    current_token: str = "ranked"
+    zero_count: str = "all"
     calibration_path: str | None = None
     calibration_tokens: int = 2048
     cache_dir: str | None = None
@@ -200,7 +218,9 @@ class InfiniGen(KVMethod):
             if not number(value) or not 0 < value <= 1:
                 r.append(f"method.{key}={value!r} must be in (0, 1]")
         choices = {"eviction": EVICTIONS, "mode": self.capabilities.modes,
-                   "partial_index": ("calibration", "prefill"), "column_score": COLUMN_SCORES,
+                   "partial_index": PARTIAL_INDEXES, "current_token": ("ranked", "added"),
+                   "zero_count": ("all", "one"),
+                   "column_score": COLUMN_SCORES,
                    "group_reduce": GROUP_REDUCES, "speculation_input": ("previous", "own"),
                    "skew_per": HEAD_FORMS, "select_per": HEAD_FORMS}
         for key, allowed in choices.items():
@@ -268,21 +288,43 @@ class InfiniGen(KVMethod):
         return layer
 
 
-def select_tokens(scores: torch.Tensor, cap: int, alpha: float, shared_count: bool,
-                  head0_threshold: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The official count-and-select rule on speculated logits `scores (B, H, T)` (H selecting
-    heads) -> `(slots (B, H, cap) best first, counts (B, H))`: a head needs the tokens scoring
-    above its max - alpha (`head0_threshold`: head 0's max for every head, the official Llama
-    simulation's `torch.max(attn, -1)[0][0]`); with `shared_count` every head takes the floor of
-    the mean count over heads (one gather size); counts are clamped to [1, cap]. Strict `>`
-    (the official system; its simulation counts `>=`)."""
+def count_tokens(scores: torch.Tensor, cap: int, alpha: float, shared_count: bool,
+                 head0_threshold: bool, least: int = 1) -> torch.Tensor:
+    """The official count rule on speculated logits `scores (B, H, T)` (H selecting heads) ->
+    `counts (B, H)`: a head needs the tokens scoring above its max - alpha (`head0_threshold`:
+    head 0's max for every head, the official Llama simulation's `torch.max(attn, -1)[0][0]`);
+    with `shared_count` every head takes the floor of the mean count over heads (one gather
+    size); counts are clamped to [least, cap]. Strict `>` (the official system; its simulation
+    counts `>=`)."""
     top = scores.amax(-1, keepdim=True)
     if head0_threshold:
         top = top[:, :1].expand_as(top)
     count = (scores > top - alpha).sum(-1)  # (B, H)
     if shared_count:  # the official int(mean) over heads, one buffer size for all
         count = count.float().mean().floor().long().expand_as(count)
-    return scores.topk(cap, dim=-1).indices, count.clamp(1, cap)
+    return count.clamp(least, cap)
+
+
+def select_tokens(scores: torch.Tensor, cap: int, alpha: float, shared_count: bool,
+                  head0_threshold: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`count_tokens`, and each head's slots `(B, H, cap)` best first."""
+    count = count_tokens(scores, cap, alpha, shared_count, head0_threshold)
+    return scores.topk(cap, dim=-1).indices, count
+
+
+def rank_current(stored: torch.Tensor, current: torch.Tensor, cap: int, alpha: float,
+                 shared_count: bool, head0_threshold: bool, least: int = 1
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The official rule with the current token among the candidates (`current_token=ranked`):
+    speculated logits of the stored tokens `(B, H, T)` and of the current one `(B, H)` -> how
+    many of each head's best stored tokens it attends `(B, H)` and whether it attends the
+    current token `(B, H)` bool. n' is counted over the T + 1 tokens and the head takes its top
+    n' of them: the current token when it ranks among them (ties go to stored tokens), plus
+    n' - 1 stored; otherwise n' stored. With `least=0` a count may be 0 (neither)."""
+    every = torch.cat([stored, current[..., None]], -1)  # (B, H, T + 1)
+    count = count_tokens(every, cap, alpha, shared_count, head0_threshold, least)
+    kept = (stored >= current[..., None]).sum(-1) < count  # the current token's rank < n'
+    return count - kept.long(), kept
 
 
 _META = ("positions", "counter", "last_used")
@@ -328,6 +370,10 @@ class InfiniGenLayer(KVLayer):
         self._attended = 0  # tokens attended at the last forward (int, or a device tensor)
         self._decode_budget: int | None = None  # cap of the last sparse decode step + new token
         self._last_counts: torch.Tensor | None = None  # (B, H_kv) counts of the last sparse step
+        # current_token=ranked: the step's speculation, finished once the new key is known
+        self._ranked: tuple | None = None  # (q_partial, stored scores (B, H_sel, T), cap)
+        self._current_keep: torch.Tensor | None = None  # (B, H_sel) bool: attends the new token
+        self._unmasked: torch.Tensor | None = None  # (B, H_sel) bool: a count of 0, all attended
 
     # --- speculation (run one layer ahead) ---------------------------------------------------
     def prefetch(self, hidden_states, position_ids, ahead: bool) -> None:
@@ -344,7 +390,8 @@ class InfiniGenLayer(KVLayer):
                 self.launch_fetch()
             return
         self.selected, self.counts = self.speculate(hidden_states, position_ids)
-        self.touch(self.selected, self.counts)
+        if self._ranked is None:  # ranked: the pool statistics wait for the final sets
+            self.touch(self.selected, self.counts)
         if not ahead:  # own input: nothing is left to overlap with
             self.launch_fetch()
 
@@ -412,19 +459,47 @@ class InfiniGenLayer(KVLayer):
             return slots.expand(b, h_sel, t), self._last_counts
         per_query = self.per_query_head()
         sel_heads = info.num_heads if per_query else h_kv
-        if speculation_cpu.applies(q_partial, self._pk, sel_heads, m.group_reduce,
-                                   m.head0_threshold):
+        if m.current_token == "added" and speculation_cpu.applies(
+                q_partial, self._pk, sel_heads, m.group_reduce, m.head0_threshold):
             selected, self._last_counts = speculation_cpu.select(
                 q_partial, self.partial_keys(), cap, m.alpha, m.shared_count)
             return selected, self._last_counts
-        scores = q_partial @ self.partial_keys()  # (B, H_s, H_q / H_s, T)
-        if per_query:  # (B, H_q, T): query head h_s * (H_q / H_s) + j is row j of skew head h_s
-            scores = scores.reshape(b, info.num_heads, -1)
-        else:
-            scores = self.group_scores(scores.view(b, h_kv, g, -1))  # (B, H_kv, T)
+        scores = self.selecting_scores(q_partial @ self.partial_keys())  # (B, H_sel, T)
         selected, self._last_counts = select_tokens(scores, cap, m.alpha, m.shared_count,
                                                     m.head0_threshold)
+        if m.current_token == "ranked":
+            # the final sets need the new token's score (its key comes at layer i): fetch the
+            # best n' + 1 now; the n' of T + 1 tokens keeps at most that many stored ones (a
+            # head's count grows by at most one, or the threshold rises)
+            self._ranked = (q_partial, scores, cap)
+            return selected, (self._last_counts + 1).clamp(max=min(cap, t))
         return selected, self._last_counts
+
+    def selecting_scores(self, scores: torch.Tensor) -> torch.Tensor:
+        """(B, H_s, H_q / H_s, T) speculated logits -> (B, H_sel, T), one row per selecting
+        head: per query head, query head h_s * (H_q / H_s) + j is row j of skew head h_s; per
+        KV head, the group's rows reduced by `group_reduce`."""
+        b, info = scores.shape[0], self.info
+        if self.per_query_head() or info.group_size == 1:
+            return scores.reshape(b, info.num_heads if self.per_query_head() else
+                                  info.num_kv_heads, -1)
+        return self.group_scores(scores.view(b, info.num_kv_heads, info.group_size, -1))
+
+    def rank_current(self) -> None:
+        """current_token=ranked, once the new token's partial key is stored: the official sets
+        (n' of the T + 1 tokens, the current one included) -> `counts` (stored tokens each
+        head attends, its best first) and `_current_keep`."""
+        q_partial, stored, cap = self._ranked
+        self._ranked = None
+        new_key = self.partial_keys()[..., -1:]  # (B, H_s, k_u, 1)
+        current = self.selecting_scores(q_partial @ new_key)[..., 0]  # (B, H_sel)
+        m = self.m
+        least = 0 if m.zero_count == "all" else 1
+        self.counts, self._current_keep = rank_current(stored, current, cap, m.alpha,
+                                                       m.shared_count, m.head0_threshold, least)
+        self._unmasked = (self.counts == 0) & ~self._current_keep
+        self._last_counts = self.counts + self._current_keep.long() - 1  # the official n' - 1
+        self.touch(self.selected, self.counts)
 
     def fetch_cap(self, stored_tokens: int) -> int | None:
         """Most stored tokens a head may fetch this step: `budget_ratio` of the protocol's budget
@@ -585,21 +660,41 @@ class InfiniGenLayer(KVLayer):
         if self.dense or self.selected is None:
             self._attended = keys.shape[2]
             return base(module, query, keys, values, None, **kwargs)
-        self._attended = self.counts.float().mean() + 1  # device tensor; read after the step
+        ranked = self._ranked is not None
+        if ranked:  # the new key is stored now: the official sets over the T + 1 tokens
+            self.rank_current()
+            unmasked = self._unmasked[..., None]  # (B, H_sel, 1)
+            new = self._current_keep[..., None] | unmasked
+            self._attended = torch.where(unmasked[..., 0], self.stored(),
+                                         self.counts + new[..., 0]).float().mean()
+        else:
+            new = torch.ones_like(self.counts[..., None], dtype=torch.bool)
+            self._attended = (self.counts + 1).float().mean()  # device; read after the step
+        if self.system and ranked and self.m.zero_count == "all" and bool(unmasked.any()):
+            # a count of 0 (zero_count=all): the official row attends every token; the rows
+            # come from the host now, synchronously (the speculation could not know)
+            keys, values = (t.wait() for t in self.store.fetch())
+            sets = self.query_sets(keys.shape[2] - 1) | unmasked
+            return self._masked(query, keys, values, torch.cat([sets, new], 2),
+                                kwargs["scaling"])
         if self.system:  # fetched rows + the new token
             if self._fetched_keep is not None:  # per query head: its own rows of the union
-                used = self._fetched_keep
-            elif self.m.shared_count:
+                used = self._fetched_keep if not ranked else self.query_sets(
+                    self.stored() - 1).gather(2, self.fetched.repeat_interleave(
+                        self.info.group_size, 1))
+            elif self.m.shared_count and not ranked:
                 return base(module, query, keys, values, None, **kwargs)
             else:
                 used = self.valid()[..., : self.fetched.shape[-1]]
-            keep = torch.cat([used, torch.ones_like(used[..., :1])], 2)  # the new token
+            keep = torch.cat([used, new], 2)  # the new token last
             return self._masked(query, keys, values, keep, kwargs["scaling"])
         if self.per_query_head():  # each query head its own set, the cache never expanded
             sets = self.query_sets(keys.shape[2] - 1)  # (B, H_q, T): the new token comes last
-            keep = torch.cat([sets, torch.ones_like(sets[..., :1])], 2)
-            return self._masked(query, keys, values, keep, kwargs["scaling"])
-        if _use_kernel(query) and self.m.shared_count:  # gather in the kernel: no keep-mask
+            if ranked:
+                sets = sets | unmasked
+            return self._masked(query, keys, values, torch.cat([sets, new], 2),
+                                kwargs["scaling"])
+        if _use_kernel(query) and self.m.shared_count and not ranked:  # gathered in the kernel
             n = int(self.counts.max())  # layer i-1's kernels are long queued
             selected = self.selected[..., :n]  # unique top-k slots, all < the new slot
             index = torch.cat([selected, torch.full_like(selected[..., :1], keys.shape[2] - 1)], 2)
@@ -608,7 +703,9 @@ class InfiniGenLayer(KVLayer):
             return out[:, None], None  # (B, 1, H_q, D), as attention_with_probs returns
         keep = torch.zeros(keys.shape[:3], dtype=torch.bool, device=keys.device)
         keep.scatter_(2, self.selected, self.valid())
-        keep[:, :, -1] = True  # the new token
+        if ranked:
+            keep |= unmasked
+        keep[:, :, -1] = new[..., 0]  # the new token
         return self._masked(query, keys, values, keep, kwargs["scaling"])
 
     @staticmethod
@@ -623,6 +720,7 @@ class InfiniGenLayer(KVLayer):
         if not self.holding_prompt():  # a prompt is fitted to the pool once, at its end
             self._fit_pool()
         self.selected = self.counts = self.fetched = self._fetched_keep = None
+        self._ranked = self._current_keep = self._unmasked = None
 
     def on_prefill_end(self) -> None:
         self._fit_pool()
@@ -685,7 +783,11 @@ class InfiniGenLayer(KVLayer):
         slots = torch.where(self.valid(), self.selected, self.selected[..., :1])[..., :n_max]
         positions = self.positions.repeat_interleave(slots.shape[1] // self.positions.shape[1], 1)
         chosen = gather_tokens(positions, slots)
-        return torch.cat([chosen, positions[:, :, -1:]], dim=2)
+        current = positions[:, :, -1:]
+        # current_token=ranked: a head that left the current token out repeats its best slot
+        if self._current_keep is not None and chosen.shape[-1]:
+            current = torch.where(self._current_keep[..., None], current, chosen[..., :1])
+        return torch.cat([chosen, current], dim=2)
 
     def allowed_tokens(self) -> int | None:
         """The fetch cap of the last sparse decode step (None for dense layers / no decode)."""

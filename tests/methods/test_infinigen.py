@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from harness import hf_adapter
+from harness.engine import Engine, EngineSettings
 from kvcore.errors import ConfigError
 from kvcore.storage import ContiguousRows
 from methods import build_method
@@ -347,7 +348,8 @@ def test_per_head_count(tiny4, cache_dir):
                                 {"group_reduce": "prob_mean", "select_per": "kv_head"},
                                 {"select_per": "kv_head", "skew_per": "kv_head"},
                                 {"select_per": "query_head", "skew_per": "kv_head"},
-                                {"head0_threshold": True},
+                                {"head0_threshold": False}, {"current_token": "added"},
+                                {"partial_index": "calibration"},
                                 {"shared_count": False, "alpha": 0.003},
                                 {"speculation_input": "own"}, {"partial_index": "prefill"},
                                 {"skew_per": "query_head"},
@@ -506,14 +508,16 @@ def test_per_query_head_skewing(tiny4, cache_dir):
 def test_cpu_speculation_kernel_equals_the_torch_path(tiny4, cache_dir, monkeypatch, mode):
     """On CPU the speculation runs as one C call (methods/kernels/speculation_cpu.c) at every
     sparse layer's decode step; the torch path fetches the same tokens and gives the same logits
-    (the fetched set comes in slot order instead of best first)."""
+    (the fetched set comes in slot order instead of best first). The kernel serves our variants
+    (`current_token=added`, per-head thresholds); the official defaults take the torch path."""
     from methods import infinigen
     from methods.kernels import cpu_build
 
     if not cpu_build.compiler_available():
         pytest.skip("no C compiler here: InfiniGen speculates in torch (every other test)")
     ids = torch.randint(3, 250, (1, 90), generator=torch.Generator().manual_seed(6))
-    method = build_method("infinigen", mode=mode, alpha=2.0)
+    method = build_method("infinigen", mode=mode, alpha=2.0, current_token="added",
+                          head0_threshold=False)
     facts = hf_adapter.prepare(method, tiny4, None)
     assert facts["speculation"] == "c"
     calls, kept = [], {}
@@ -649,3 +653,69 @@ def test_final_basis_is_dense_until_the_budget_is_reached(tiny4, cache_dir, monk
     assert dense and all(lo == hi == t for t, lo, hi in dense)
     assert all(hi <= 48 for t, _, hi in seen if t >= 48)
     assert any(hi < t for t, _, hi in seen if t >= 48)  # alpha's count decides there
+
+
+def test_rank_current_is_the_official_rule_by_hand():
+    """current_token=ranked: n' is counted over the stored tokens and the current one, and the
+    head takes its top n' of them (the current token only when it ranks there)."""
+    from methods.infinigen import rank_current
+
+    stored = torch.tensor([[[3.0, 0.0, 2.5, -4.0]]])
+    # above 3 - 1: 3.0, 2.5 and the current 2.8 -> n' = 3; 2.8 ranks second -> 2 stored + it
+    n, kept = rank_current(stored, torch.tensor([[2.8]]), 4, 1.0, True, False)
+    assert (n.tolist(), kept.tolist()) == ([[2]], [[True]])
+    # the current -1.0 is neither counted nor among the best 2 -> 2 stored, not itself
+    n, kept = rank_current(stored, torch.tensor([[-1.0]]), 4, 1.0, True, False)
+    assert (n.tolist(), kept.tolist()) == ([[2]], [[False]])
+    # head 0's current 4.0 raises the shared threshold to 3: head 0 counts 1 (itself), head 1
+    # 2 (3.5, 3.2) -> n' = floor(1.5) = 1: head 0 its current token, head 1 its best stored
+    two = torch.tensor([[[1.0, 0.5], [3.5, 3.2]]])
+    n, kept = rank_current(two, torch.tensor([[4.0, 0.0]]), 2, 1.0, True, True)
+    assert (n.tolist(), kept.tolist()) == ([[0, 1]], [[True, False]])
+    # head 0's current 9.0 sets the threshold 8 -> counts 1 and 0 -> n' = floor(0.5) = 0: with
+    # least=0 (zero_count=all) neither head keeps anything (the caller then attends all)
+    n, kept = rank_current(two, torch.tensor([[9.0, 0.0]]), 2, 1.0, True, True, least=0)
+    assert (n.tolist(), kept.tolist()) == ([[0, 0]], [[False, False]])
+    n, kept = rank_current(two, torch.tensor([[9.0, 0.0]]), 2, 1.0, True, True)
+    assert (n.tolist(), kept.tolist()) == ([[0, 1]], [[True, False]])  # least=1: n' = 1
+
+
+@pytest.mark.parametrize("mode", ["simulate", "system"])
+@pytest.mark.parametrize("current", ["ranked", "added"])
+def test_equals_the_official_mask_simulation(cache_dir, current, mode):
+    """Ours, streamed token by token, gives the logits of the official accuracy path (the whole
+    sequence under its mask, re-implemented in benchmarks/infinigen_official.py) with its
+    setup-prompt columns and head-0 threshold, rows whose count is 0 left unmasked
+    (`zero_count=all`); `current_token=added` those of the same rule with the current token
+    added on top and at least one token. The model: 7 query heads per KV head, q and k scaled
+    so that its attention is peaked (some rows then count 0 under head 0's threshold)."""
+    from benchmarks.infinigen_official import Reference, Rule, column_masks, skewing
+    from harness import models
+    from methods._infinigen_prep import SETUP_PROMPT
+
+    gqa7 = models.tiny_llama(num_layers=4, hidden=112, heads=7, kv_heads=1, max_positions=4096)
+    with torch.no_grad():
+        for attn in hf_adapter.attention_modules(gqa7):
+            attn.q_proj.weight.mul_(6.0)
+            attn.k_proj.weight.mul_(6.0)
+
+    calib = torch.randint(3, 250, (256,), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(3, 250, (1, 160), generator=torch.Generator().manual_seed(5))
+    ref = Reference(gqa7, hf_adapter.rope_inv_freq(gqa7))
+    _, cal_qk, _, _ = ref.forward(calib)
+    skew = skewing(cal_qk)
+    _, setup_qk, _, _ = ref.forward(torch.tensor(list(SETUP_PROMPT.encode())))
+    zero = "dense" if current == "ranked" else "one"
+    rule = Rule(skew, column_masks(setup_qk, skew, 0.2), 1.0, 0.2, "head0", current, zero)
+    want, _, share, zero_rows = ref.forward(ids[0], rule)
+
+    method = build_method("infinigen", mode=mode, current_token=current, alpha=1.0,
+                          calibration_tokens=256)
+    info = hf_adapter.model_info(gqa7.config)
+    hf_adapter.prepare(method, gqa7, None, info, calibration_ids=calib)
+    engine = Engine(gqa7, None, method, info, EngineSettings())
+    with engine.request(final_tokens=ids.shape[1]) as req:
+        got = torch.cat([req.step(ids[:, t]) for t in range(ids.shape[1])], 1)[0]
+    assert 0.1 < share < 0.9  # the mask really selects
+    assert zero_rows > 0 or current == "added"  # some rows have a count of 0
+    assert (got - want).abs().max().item() < 1e-3

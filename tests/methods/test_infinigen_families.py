@@ -111,11 +111,12 @@ def test_speculated_count_is_in_the_models_own_logits(family, select_per, family
     """alpha is a margin in the logits the model's attention uses: q.k times ITS scaling
     (Granite: attention_multiplier, not head_dim ** -0.5). With exact scores (partial_ratio=1),
     the count above max - alpha per selecting head (a query head, or a KV head by the group's
-    max), floor-averaged over heads, is the speculated count."""
+    max), floor-averaged over heads, is the speculated count (our per-head threshold over the
+    stored tokens, so that the count is read at speculation)."""
     model = family_models(family, 3)
     info = hf_adapter.model_info(model.config)
     method = build_method("infinigen", partial_ratio=1.0, budget_ratio=1.0, mode="simulate",
-                          select_per=select_per)
+                          select_per=select_per, head0_threshold=False, current_token="added")
     ids = torch.randint(3, 250, (1, 41), generator=torch.Generator().manual_seed(4))
     scaling = hf_adapter.attention_modules(model)[2].scaling
 
