@@ -213,10 +213,13 @@ def decode_interval_reasons(method, task, protocol: Protocol) -> list[str]:
     interval = protocol.decode_interval_tokens
     if interval is None:
         return []
-    if not method.capabilities.recompresses_during_decode:
-        return [f"runner.decode_interval_tokens={interval} but method={method.name} does not "
-                "compress again while decoding (only once-per-prompt scorers that declare it "
-                "do; per-step evictors already hold their budget); use "
+    caps = method.capabilities
+    if not caps.recompresses_during_decode:
+        how = ("compresses while decoding by its own rule (every step, or an interval knob of "
+               "its own)" if caps.acts_during_decode and caps.compresses else
+               "does not compress again while decoding (only once-per-prompt scorers declaring "
+               "it do)")
+        return [f"runner.decode_interval_tokens={interval} but method={method.name} {how}; use "
                 "runner.decode_interval_tokens=null"]
     if "decode" not in task.phases():
         return [f"runner.decode_interval_tokens={interval} but task={task.name} (with these "

@@ -333,9 +333,15 @@ class EvictionLayer(TokenRows, KVLayer):
             self.on_decode_compression()
         self.appended = self.picked = None  # valid for this forward only
 
+    def decode_interval(self) -> int | None:
+        """Tokens after which a once-per-prompt compressor compresses again while decoding:
+        the run's `Protocol.decode_interval_tokens` (a method with an interval of its own, R-KV's
+        buffer, returns that instead)."""
+        return self.protocol.decode_interval_tokens
+
     def decode_compression_due(self) -> bool:
-        """Protocol.decode_interval_tokens tokens were fed since the last compression."""
-        interval = self.protocol.decode_interval_tokens
+        """`decode_interval()` tokens were fed since the last compression."""
+        interval = self.decode_interval()
         return (interval is not None and self.compress_at == "prefill_end"
                 and self.granted is not None and self.seen_tokens - self.granted[1] >= interval)
 

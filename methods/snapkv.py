@@ -9,9 +9,10 @@ along the text (`pooling` over `kernel_tokens`, stride 1, "same" padding, so a k
 its neighbours: the paper's clustering); the top votes fill the budget minus the window, and the
 window itself is always kept. Decoding then appends without eviction (the cache grows by one per
 step), unless `runner.decode_interval_tokens` is set: then every that many tokens the last
-`window_tokens` queries (decoded ones) vote again and the cache is cut back to the budget. Positions stay the original ones. Paper: at 16K input, 3.6x faster generation and 8.2x
-better memory efficiency than the full cache with comparable LongBench scores; Needle-in-a-
-Haystack up to 380K context on one A100-80GB with a negligible drop (abstract).
+`window_tokens` queries (decoded ones) vote again and the cache is cut back to the budget.
+Positions stay the original ones. Paper: at 16K input, 3.6x faster generation and 8.2x better
+memory efficiency than the full cache with comparable LongBench scores; Needle-in-a-Haystack up
+to 380K context on one A100-80GB with a negligible drop (abstract).
 
 Official-code facts followed (methods.md §6, methods-2.md §13.3): compression only when the prompt
 exceeds the budget; budget (`max_capacity_prompt`) includes the window; the paper's LongBench

@@ -77,10 +77,12 @@ class _Task:
 
 def test_refused_for_methods_that_do_not_declare_it_and_tasks_without_decode():
     interval = Protocol(decode_interval_tokens=8)
-    for name in ("h2o", "full", "kvzip"):
+    for name, why in (("h2o", "compresses while decoding by its own rule"),
+                      ("rkv", "compresses while decoding by its own rule"),
+                      ("full", "does not compress again"), ("kvzip", "does not compress again")):
         (reason,) = decode_interval_reasons(build_method(name), _Task({"prefill", "decode"}),
                                             interval)
-        assert f"method={name} does not compress again" in reason
+        assert f"method={name} {why}" in reason, reason
     (reason,) = decode_interval_reasons(build_method("snapkv"), _Task({"prefill"}), interval)
     assert "feeds no token after a prompt" in reason
     assert decode_interval_reasons(build_method("h2o"), _Task({"decode"}), Protocol()) == []
