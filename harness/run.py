@@ -509,10 +509,11 @@ def summary(metrics: dict[str, Any], folder: Path) -> str:
                         if kv.get("bytes_device_total") != kv["bytes_total"] else ""))
     if kv.get("attended_fraction_sparse_layers") is not None or kv.get("held_ratio") is not None:
         proto = metrics["protocol"]
+        every = proto.get("decode_interval_tokens")
         lines.append(f"  protocol  dense layers {proto['dense_layers'] or 'none'}, prefill "
                      f"{proto['prefill']}, budget basis {proto.get('budget_basis', 'seen')}"
-                     + (f", recompressed every {proto['decode_interval_tokens']} decoded tokens"
-                        if proto.get("decode_interval_tokens") else "") + f" | held {_fmt(kv.get('held_ratio'))} of the full cache, "
+                     + (f", recompressed every {every} decoded tokens" if every else "")
+                     + f" | held {_fmt(kv.get('held_ratio'))} of the full cache, "
                      f"attended {_fmt(kv.get('attended_fraction_sparse_layers'))} (sparse layers, "
                      f"decode steps)")
     if kv.get("method_active") is False:

@@ -11,9 +11,9 @@ Prefill groups. Under runner.prefill=dense a layer holds the prompt in full whil
 compresses it once, at its end (harness.prompting); what a layer has recorded by then depends on
 its method's class and knobs, except the knobs a method declares it reads from the prompt's end
 on only (`KVMethod.prompt_end_knobs`, e.g. the budget), and on the runner (chunking, attention,
-layout, dense layers, ...; not the knobs read after the prompt only, `runner.decode_interval_tokens`:
-a restored layer keeps its own engine's protocol). Settings equal in all of that share one prefill, run by a prefill
-engine of their own; the state handed over is each layer's whole state (`Request.snapshot`:
+layout, dense layers, ...; not the runner knobs read after the prompt only,
+`runner.decode_interval_tokens`: a restored layer keeps its own engine's protocol). Settings
+equal in all of that share one prefill, run by a prefill engine of their own; the state handed over is each layer's whole state (`Request.snapshot`:
 K/V storage, per-token and per-layer records), which every setting restores as its own copy,
 its own method, tier and layers in place of the prefill engine's (`Request.restore`). A setting
 gets its own prefill when its fresh layers differ from the group's in anything but those

@@ -82,7 +82,8 @@ def _knobs(method: dict[str, Any], group: str) -> str:
 
 def protocol_label(metrics: dict) -> str:
     """The runner protocol of a run, as every figure title and table shows it. Keys written by
-    newer runners (budget_basis, decode_interval_tokens) are shown when present; older runs simply lack them."""
+    newer runners (budget_basis, decode_interval_tokens) are shown when present; older runs
+    simply lack them."""
     proto = metrics.get("protocol", {})
     dense = proto.get("dense_layers")
     label = f"dense={dense if dense else '[]'} prefill={proto.get('prefill', '?')}"
