@@ -57,7 +57,8 @@ class GenerateLoop:
 
 
 def runner_options(dense_layers=(), budget_basis: str = "final", kv_offload: str = "none",
-                   check_budget: bool = True) -> dict[str, Any]:
+                   check_budget: bool = True, decode_interval_tokens: int | None = None
+                   ) -> dict[str, Any]:
     """The runner's declared defaults (conf/runner/default.yaml) with the protocol knobs this
     API takes; every other runner knob keeps its default (batch 1, contiguous storage, dense
     prefill)."""
@@ -65,17 +66,19 @@ def runner_options(dense_layers=(), budget_basis: str = "final", kv_offload: str
 
     runner = dict(yaml_defaults("runner", "default"))
     runner.update(dense_layers=list(dense_layers), budget_basis=budget_basis,
-                  kv_offload=kv_offload, check_budget=check_budget)
+                  kv_offload=kv_offload, check_budget=check_budget,
+                  decode_interval_tokens=decode_interval_tokens)
     return runner
 
 
 def cache(model, tokenizer, method: str | KVMethod, *, dense_layers=(),
           budget_basis: str = "final", kv_offload: str = "none", check_budget: bool = True,
-          **hyperparameters) -> "MethodKVCache":
+          decode_interval_tokens: int | None = None, **hyperparameters) -> "MethodKVCache":
     """A cache running `method` (a name, with its hyperparameters as keywords, e.g.
     `budget_ratio=0.2`, or a built `KVMethod`) for one sequence of `model`'s own `generate` or
     forward loop. The protocol knobs are the runner's (`runner.dense_layers`,
-    `runner.budget_basis`, `runner.kv_offload`, `runner.check_budget`). Refusals raise
+    `runner.budget_basis`, `runner.kv_offload`, `runner.check_budget`,
+    `runner.decode_interval_tokens`). Refusals raise
     `ConfigError` with the runner's one-line messages, before the method prepares or the
     model is touched."""
     if isinstance(method, str):
@@ -83,7 +86,8 @@ def cache(model, tokenizer, method: str | KVMethod, *, dense_layers=(),
     elif hyperparameters:
         raise ConfigError(f"hyperparameters {sorted(hyperparameters)} given with a built method "
                           f"({method.name}): pass its name instead, or build it with them")
-    runner = runner_options(dense_layers, budget_basis, kv_offload, check_budget)
+    runner = runner_options(dense_layers, budget_basis, kv_offload, check_budget,
+                            decode_interval_tokens)
     check_runner(runner)
     dtype = next(model.parameters()).dtype
     info = hf_adapter.model_info(model.config, dtype)

@@ -362,6 +362,8 @@ class Request:
             if rows is not None:
                 state["_kv"] = {name: self._own_rows(kv.layer_idx, name, r, foreign, consume)
                                 for name, r in rows.items()}
+            if "protocol" in kv.__dict__:  # this engine's run protocol, not the snapshot's
+                state["protocol"] = kv.protocol
             kv.__dict__.clear()
             kv.__dict__.update(state)
         self.pos, self.decode_steps = snapshot.pos, snapshot.decode_steps

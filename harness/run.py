@@ -28,7 +28,7 @@ from harness.serving import check_admission
 from harness.sweep import group_options, multirun_job, record_status, resolve_output
 from kvcore.paged import DEFAULT_BLOCK_TOKENS
 from kvcore.storage import KV_LAYOUTS
-from methods.base import BUDGET_BASES, COMPRESSION_TIMING, PREFILL_MODES, Protocol
+from methods.base import BUDGET_BASES, PREFILL_MODES, Protocol, compression_timing
 
 log = logging.getLogger("harness")
 ATTN_IMPLS = ("sdpa", "eager")
@@ -126,6 +126,7 @@ def check_runner(runner: dict[str, Any]) -> None:
     if runner.get("budget_basis", "final") not in BUDGET_BASES:
         raise ConfigError(f"runner.budget_basis={runner.get('budget_basis')!r}; allowed: "
                           f"{', '.join(BUDGET_BASES)}")
+    positive_int("decode_interval_tokens", allow_none=True)
     for key in ("check_budget", "debug", "diagnostics", "skip_existing", "overwrite",
                 "sweep_engine"):
         if not isinstance(runner.get(key, False), bool):
@@ -150,7 +151,8 @@ def _declared(key: str) -> Any:
 def protocol_from(runner: dict[str, Any]) -> Protocol:
     return Protocol(dense_layers=tuple(runner.get("dense_layers") or ()),
                     prefill=runner.get("prefill", "dense"),
-                    budget_basis=runner.get("budget_basis", "final"))
+                    budget_basis=runner.get("budget_basis", "final"),
+                    decode_interval_tokens=runner.get("decode_interval_tokens"))
 
 
 def protocol_reasons(method, task, info, protocol: Protocol,
@@ -175,6 +177,7 @@ def protocol_reasons(method, task, info, protocol: Protocol,
                        "scheduler (it feeds one stream or rewinds a shared context); use "
                        "runner.kv_device_limit_mib=null")
     phases = task.phases()
+    reasons += decode_interval_reasons(method, task, protocol)
     if caps.needs_prompt and "prefill" not in phases:
         reasons.append(f"method={method.name} compresses only over a prefilled prompt, but "
                        f"task={task.name} "
@@ -202,6 +205,26 @@ def protocol_reasons(method, task, info, protocol: Protocol,
                            "before the method acts; lower runner.prefill_chunk_tokens or use "
                            "runner.prefill=sparse")
     return reasons
+
+
+def decode_interval_reasons(method, task, protocol: Protocol) -> list[str]:
+    """runner.decode_interval_tokens for a method that cannot compress again while decoding, or
+    a task that decodes nothing."""
+    interval = protocol.decode_interval_tokens
+    if interval is None:
+        return []
+    caps = method.capabilities
+    if not caps.recompresses_during_decode:
+        how = ("compresses while decoding by its own rule (every step, or an interval knob of "
+               "its own)" if caps.acts_during_decode and caps.compresses else
+               "does not compress again while decoding (only once-per-prompt scorers declaring "
+               "it do)")
+        return [f"runner.decode_interval_tokens={interval} but method={method.name} {how}; use "
+                "runner.decode_interval_tokens=null"]
+    if "decode" not in task.phases():
+        return [f"runner.decode_interval_tokens={interval} but task={task.name} (with these "
+                "options) feeds no token after a prompt: the interval would never pass"]
+    return []
 
 
 def storage_reasons(runner: dict[str, Any], info, device) -> list[str]:
@@ -330,7 +353,8 @@ def build_metrics(session, setting, engine, result, t_start: float,
                      "dense_layers_runner": list(runner.get("dense_layers") or []),
                      "prefill": engine.settings.protocol.prefill,
                      "budget_basis": engine.settings.protocol.budget_basis,
-                     "compression_timing": COMPRESSION_TIMING[engine.settings.protocol.prefill],
+                     "decode_interval_tokens": engine.settings.protocol.decode_interval_tokens,
+                     "compression_timing": compression_timing(engine.settings.protocol),
                      "accounting": ACCOUNTING,
                      "attention_kernel": ("the method's own eager attention with probabilities "
                                           "(needs_attn_scores)" if method.capabilities.needs_attn_scores
@@ -485,8 +509,11 @@ def summary(metrics: dict[str, Any], folder: Path) -> str:
                         if kv.get("bytes_device_total") != kv["bytes_total"] else ""))
     if kv.get("attended_fraction_sparse_layers") is not None or kv.get("held_ratio") is not None:
         proto = metrics["protocol"]
+        every = proto.get("decode_interval_tokens")
         lines.append(f"  protocol  dense layers {proto['dense_layers'] or 'none'}, prefill "
-                     f"{proto['prefill']}, budget basis {proto.get('budget_basis', 'seen')} | held {_fmt(kv.get('held_ratio'))} of the full cache, "
+                     f"{proto['prefill']}, budget basis {proto.get('budget_basis', 'seen')}"
+                     + (f", recompressed every {every} decoded tokens" if every else "")
+                     + f" | held {_fmt(kv.get('held_ratio'))} of the full cache, "
                      f"attended {_fmt(kv.get('attended_fraction_sparse_layers'))} (sparse layers, "
                      f"decode steps)")
     if kv.get("method_active") is False:

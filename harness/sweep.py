@@ -41,7 +41,8 @@ _NOT_IDENTITY = {"runner": ("output_dir", "results_root", "debug", "skip_existin
 # Options added after runs were made, at the value that computes exactly what runs made before
 # they existed computed: left out of the identity at that value, so a resumed sweep
 # (runner.skip_existing) still finds those runs. Any other value is part of the identity.
-_NEUTRAL = {"runner": {"kv_device_limit_mib": None, "kv_admission": "request"},
+_NEUTRAL = {"runner": {"kv_device_limit_mib": None, "kv_admission": "request",
+                       "decode_interval_tokens": None},
             "task": {"query": "aware", "prefill_tokens": None}}
 
 

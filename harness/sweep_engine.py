@@ -11,8 +11,9 @@ Prefill groups. Under runner.prefill=dense a layer holds the prompt in full whil
 compresses it once, at its end (harness.prompting); what a layer has recorded by then depends on
 its method's class and knobs, except the knobs a method declares it reads from the prompt's end
 on only (`KVMethod.prompt_end_knobs`, e.g. the budget), and on the runner (chunking, attention,
-layout, dense layers, ...). Settings equal in all of that share one prefill, run by a prefill
-engine of their own; the state handed over is each layer's whole state (`Request.snapshot`:
+layout, dense layers, ...; not the runner knobs read after the prompt only,
+`runner.decode_interval_tokens`: a restored layer keeps its own engine's protocol). Settings
+equal in all of that share one prefill, run by a prefill engine of their own; the state handed over is each layer's whole state (`Request.snapshot`:
 K/V storage, per-token and per-layer records), which every setting restores as its own copy,
 its own method, tier and layers in place of the prefill engine's (`Request.restore`). A setting
 gets its own prefill when its fresh layers differ from the group's in anything but those
@@ -40,6 +41,9 @@ from methods.base import KVMethod, Protocol
 # Runner keys that say where or how results are written or shown, not what is computed.
 _NOT_COMPUTE = ("output_dir", "results_root", "debug", "skip_existing", "overwrite", "threads",
                 "sweep_engine")
+# Runner keys read only once a prompt is over (each setting's own engine and layers apply them
+# after the shared prefill is handed over): they never split a prefill group.
+_AFTER_PROMPT = ("decode_interval_tokens",)
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, Protocol)
 
 
@@ -90,7 +94,8 @@ def prefill_key(setting) -> str:
     method = setting.method
     knobs = {k: v for k, v in method.hyperparameters().items()
              if k not in method.prompt_end_knobs}
-    runner = {k: v for k, v in setting.runner.items() if k not in _NOT_COMPUTE}
+    runner = {k: v for k, v in setting.runner.items()
+              if k not in _NOT_COMPUTE and k not in _AFTER_PROMPT}
     return json.dumps([method.name, knobs, runner], sort_keys=True, default=str)
 
 

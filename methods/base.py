@@ -79,6 +79,9 @@ class Capabilities:
     ragged_heads: bool = False
     needs_host_tier: bool = False
     needs_calibration: bool = False
+    # Honours runner.decode_interval_tokens: a once-per-prompt compressor whose scorer can run
+    # again on a decoded cache, bringing it back to the budget every N generated tokens.
+    recompresses_during_decode: bool = False
 
     @property
     def needs_prompt(self) -> bool:
@@ -108,6 +111,17 @@ COMPRESSION_TIMING = {
     "chunked": "compressed after every prefill chunk (memory-bounded; chunk size in the protocol)",
     "sparse": "every prompt row attends under the budget, as a decode step would",
 }
+
+
+def compression_timing(protocol: "Protocol") -> str:
+    """When a method may compress under `protocol`, as metrics.json records it."""
+    timing = COMPRESSION_TIMING[protocol.prefill]
+    if protocol.decode_interval_tokens is not None:
+        timing += (f"; then every {protocol.decode_interval_tokens} tokens after the prompt, "
+                   "brought back to the budget by the method's own scorer")
+    return timing
+
+
 # RoPE variants whose rotation by delta positions is `delta * inv_freq` with unit attention
 # scaling, so stored keys can be re-rotated (methods.rope); yarn/longrope scale cos/sin and
 # dynamic changes the frequencies with the length.
@@ -134,11 +148,16 @@ class Protocol:
         mask simulation, Quest, TailorKV, kvpress); nothing is evicted or skipped until that many
         tokens are held. "seen" = a fraction of the tokens seen so far, from the first token.
         `budget_tokens` is absolute under both.
+    decode_interval_tokens: None (default) = a once-per-prompt compressor keeps every generated
+        token; N = every N tokens fed after the prompt's end, its cache is brought back to its
+        budget by its own scorer (kvpress's DecodingPress), so it never holds more than the
+        budget plus N (methods declaring `Capabilities.recompresses_during_decode`).
     """
 
     dense_layers: tuple[int, ...] = ()
     prefill: str = "dense"
     budget_basis: str = "final"
+    decode_interval_tokens: int | None = None
 
 
 @dataclass(frozen=True)

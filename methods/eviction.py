@@ -10,7 +10,9 @@ A method on this template (H2O, StreamingLLM, TOVA, SnapKV, PyramidKV) provides:
     the chunking) under the default protocol (`runner.prefill=dense`); then either after every
     decode step (`compress_at = "forward"`; also after every prefill chunk under
     `runner.prefill=chunked|sparse`) or never again (`compress_at = "prefill_end"`: SnapKV-like
-    compressors; decode then appends);
+    compressors; decode then appends, unless `runner.decode_interval_tokens` is set: then every
+    that many tokens after the prompt the cache is compressed back to the budget by the same
+    `score()`, `on_decode_compression` telling the layer its window starts again);
   * optionally a per-layer budget: `BudgetedMethod.layer_budget` (PyramidKV, SqueezeAttention),
     and a per-head split of it: `BudgetedMethod.head_budgets` (AdaKV). By default every KV head
     keeps the layer's budget (rectangular rows, the path every uniform method takes unchanged).
@@ -324,7 +326,28 @@ class EvictionLayer(TokenRows, KVLayer):
     def after_forward(self) -> None:
         if self.compress_at == "forward" and not self.holding_prompt():
             self.compress_to(self.budget())
+        elif self.decode_compression_due():
+            budget = self.budget()
+            self.compress_to(budget)
+            self.granted = (budget, self.seen_tokens)
+            self.on_decode_compression()
         self.appended = self.picked = None  # valid for this forward only
+
+    def decode_interval(self) -> int | None:
+        """Tokens after which a once-per-prompt compressor compresses again while decoding:
+        the run's `Protocol.decode_interval_tokens` (a method with an interval of its own, R-KV's
+        buffer, returns that instead)."""
+        return self.protocol.decode_interval_tokens
+
+    def decode_compression_due(self) -> bool:
+        """`decode_interval()` tokens were fed since the last compression."""
+        interval = self.decode_interval()
+        return (interval is not None and self.compress_at == "prefill_end"
+                and self.granted is not None and self.seen_tokens - self.granted[1] >= interval)
+
+    def on_decode_compression(self) -> None:
+        """The cache was brought back to its budget during decoding (decode_interval_tokens):
+        a layer scoring from what it recorded since the last compression starts again."""
 
     def on_prefill_end(self) -> None:
         budget = self.budget()

@@ -21,7 +21,9 @@ before the group mean, epsilon added before the value norm. Differences:
     one forward); the future positions start at the tokens seen (kvpress: the forward's length,
     the same for a prompt fed at once);
   * kept count int(ratio x prompt) (the harness's one budget rule = kvpress's).
-The decoding-phase use (kvpress's DecodingPress wrapper) belongs to the harness's decode protocol.
+The decoding-phase use (kvpress's DecodingPress wrapper) is the harness's decode protocol
+(`runner.decode_interval_tokens`): the statistics are then those of the queries decoded since the
+last compression, as DecodingPress scores from its buffer of recent hidden states.
 
 Hyperparameters (the one budget rule, methods/base.py):
     budget_ratio / budget_tokens: tokens kept per layer and KV head at the end of a prompt,
@@ -64,7 +66,8 @@ class ExpectedAttention(BudgetedMethod):
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
         acts_during_decode=False, needs_prefill=True, prefill_modes=("dense",),
-        selects_tokens=True, needs_prepare=True, needs_rope=True, kv_layouts=KV_LAYOUTS)
+        selects_tokens=True, recompresses_during_decode=True, needs_prepare=True, needs_rope=True,
+        kv_layouts=KV_LAYOUTS)
     variant_keys: ClassVar[tuple[str, ...]] = ("future_tokens", "covariance", "value_norm")
     future_tokens: int = 512
     sink_tokens: int = 4
@@ -115,7 +118,9 @@ class ExpectedAttentionLayer(EvictionLayer):
         self.moments = QueryMoments()
 
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
-        if self.holding_prompt():  # the prompt's queries, pre-RoPE, past the sinks
+        # the prompt's queries, pre-RoPE, past the sinks; with runner.decode_interval_tokens also
+        # the queries decoded since the last compression (kvpress DecodingPress's buffer)
+        if self.holding_prompt() or self.recording_decode():
             q = query.shape[2]
             positions = torch.arange(self.seen_tokens - q, self.seen_tokens, device=query.device)
             rows = positions >= self.method.sink_tokens
@@ -127,9 +132,15 @@ class ExpectedAttentionLayer(EvictionLayer):
     def protected(self, budget: int) -> tuple[int, int]:
         return self.method.sink_tokens, 0
 
+    def recording_decode(self) -> bool:
+        return self.protocol.decode_interval_tokens is not None and self.granted is not None
+
     def on_prefill_end(self) -> None:
         super().on_prefill_end()
         self.moments = QueryMoments()  # the next prompt has statistics of its own
+
+    def on_decode_compression(self) -> None:
+        self.moments = QueryMoments()  # the next interval has statistics of its own
 
     def score(self) -> torch.Tensor:
         m = self.method

@@ -5,7 +5,8 @@ Keys with a low L2 norm tend to receive high attention at decoding time, so a ke
 its negative norm and no attention is needed (it runs on the model's own SDPA attention). Once per
 prompt (the engine's `on_prefill_end`, whatever the chunking), per layer and KV head, the
 `budget - window_tokens` lowest-norm keys are kept together with the `window_tokens` most recent
-ones; decoding then appends without eviction. Keys are scored as cached, post-RoPE, in fp32.
+ones; decoding then appends without eviction (or, with `runner.decode_interval_tokens`, is cut
+back to the budget by the same norms every that many tokens). Keys are scored as cached, post-RoPE, in fp32.
 Paper: the KV cache reduced by 50 % on language modelling and needle-in-a-haystack and by 90 %
 on passkey retrieval without losing accuracy (abstract).
 
@@ -56,7 +57,7 @@ class Knorm(BudgetedMethod):
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
         acts_during_decode=False, needs_prefill=True, prefill_modes=("dense",),
-        selects_tokens=True, kv_layouts=KV_LAYOUTS)
+        selects_tokens=True, recompresses_during_decode=True, kv_layouts=KV_LAYOUTS)
     variant_keys: ClassVar[tuple[str, ...]] = ("window_tokens",)
     window_tokens: int = 0
 

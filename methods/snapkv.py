@@ -8,9 +8,11 @@ receives from the window rows, averaged over the query heads of its KV head; vot
 along the text (`pooling` over `kernel_tokens`, stride 1, "same" padding, so a kept token keeps
 its neighbours: the paper's clustering); the top votes fill the budget minus the window, and the
 window itself is always kept. Decoding then appends without eviction (the cache grows by one per
-step). Positions stay the original ones. Paper: at 16K input, 3.6x faster generation and 8.2x
-better memory efficiency than the full cache with comparable LongBench scores; Needle-in-a-
-Haystack up to 380K context on one A100-80GB with a negligible drop (abstract).
+step), unless `runner.decode_interval_tokens` is set: then every that many tokens the last
+`window_tokens` queries (decoded ones) vote again and the cache is cut back to the budget.
+Positions stay the original ones. Paper: at 16K input, 3.6x faster generation and 8.2x better
+memory efficiency than the full cache with comparable LongBench scores; Needle-in-a-Haystack up
+to 380K context on one A100-80GB with a negligible drop (abstract).
 
 Official-code facts followed (methods.md §6, methods-2.md §13.3): compression only when the prompt
 exceeds the budget; budget (`max_capacity_prompt`) includes the window; the paper's LongBench
@@ -58,7 +60,7 @@ class SnapKV(BudgetedMethod):
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
         needs_attn_scores=True, acts_during_decode=False, needs_prefill=True, prefill_modes=("dense",),
-        selects_tokens=True, kv_layouts=KV_LAYOUTS)
+        selects_tokens=True, recompresses_during_decode=True, kv_layouts=KV_LAYOUTS)
     variant_keys: ClassVar[tuple[str, ...]] = ("window_tokens", "kernel_tokens", "pooling")
     window_tokens: int = 32
     kernel_tokens: int = 7

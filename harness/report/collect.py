@@ -82,12 +82,15 @@ def _knobs(method: dict[str, Any], group: str) -> str:
 
 def protocol_label(metrics: dict) -> str:
     """The runner protocol of a run, as every figure title and table shows it. Keys written by
-    newer runners (budget_basis) are shown when present; older runs simply lack them."""
+    newer runners (budget_basis, decode_interval_tokens) are shown when present; older runs
+    simply lack them."""
     proto = metrics.get("protocol", {})
     dense = proto.get("dense_layers")
     label = f"dense={dense if dense else '[]'} prefill={proto.get('prefill', '?')}"
     if proto.get("budget_basis"):
         label += f" basis={proto['budget_basis']}"
+    if proto.get("decode_interval_tokens"):
+        label += f" decode_every={proto['decode_interval_tokens']}"
     # A task's own protocol variant (RULER's query mode, perplexity after a prompt); RULER runs
     # written before `variant` existed carry only the query description ("query-aware: ...").
     variant = proto.get("variant") or (proto.get("query") or "").split(":")[0]

@@ -48,13 +48,13 @@ def knobs_for(name: str, prompt_tokens: int) -> dict:
     return {**method_class(name).compressing_hyperparameters(prompt_tokens), **QUICK.get(name, {})}
 
 
-def runner_prediction(tmp_path, name: str, knobs: dict, new_tokens: int) -> dict:
+def runner_prediction(tmp_path, name: str, knobs: dict, new_tokens: int, runner=()) -> dict:
     item = {"article": PROMPT, "summary_gt": "unused", "max_tokens": new_tokens, "stop": []}
     path = tmp_path / "prompt.jsonl"
     path.write_text(json.dumps(item) + "\n")
     overrides = ["model=stories260k", "model.device=cpu", "task=xsum", f"task.path={path}",
                  "task.limit=1", f"method={name}", f"runner.results_root={tmp_path / 'runs'}",
-                 *(f"method.{k}={json.dumps(v)}" for k, v in knobs.items())]
+                 *(f"method.{k}={json.dumps(v)}" for k, v in knobs.items()), *runner]
     with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
         cfg = compose(config_name="config", overrides=overrides)
     folder = run(cfg)
@@ -79,6 +79,25 @@ def test_generate_through_the_api_equals_the_runner(stories, tmp_path, name):
         assert report["kv"]["method_active"], report["kv"]["inactive_reason"]
 
 
+def test_decode_interval_through_the_api_equals_the_runner(stories, tmp_path):
+    """runner.decode_interval_tokens reaches a generate loop: the same tokens as the runner's,
+    and not those of the same method without it."""
+    model, tokenizer = stories
+    inputs = tokenizer(PROMPT, return_tensors="pt")
+    knobs = {"budget_tokens": 12, "window_tokens": 2}
+    expected = runner_prediction(tmp_path, "snapkv", knobs, 24,
+                                 ["runner.decode_interval_tokens=3"])
+    with api.cache(model, tokenizer, "snapkv", decode_interval_tokens=3, **knobs) as cache:
+        out = model.generate(**inputs, cache=cache, max_new_tokens=24, do_sample=False)
+        report = cache.report()
+    new = out[0, inputs.input_ids.shape[1]:].tolist()
+    assert tokenizer.decode(new, skip_special_tokens=True) == expected["prediction"]
+    assert max(report["kv"]["tokens_per_layer"]) <= 12 + 3
+    (tmp_path / "once").mkdir()
+    without = runner_prediction(tmp_path / "once", "snapkv", knobs, 24)
+    assert without["prediction"] != expected["prediction"]
+
+
 @pytest.mark.parametrize("name, knobs, message", [
     ("snapkv", {"budget_ratio": 2.0}, "method.budget_ratio=2.0 must be in (0, 1]"),
     ("snapkv", {"window": 4}, "method.window is not a hyperparameter of method=snapkv"),
@@ -88,6 +107,8 @@ def test_generate_through_the_api_equals_the_runner(stories, tmp_path, name):
     ("snapkv", {"kv_offload": "cpu"}, "runner.kv_offload=cpu but method=snapkv cannot keep its "
                                       "KV on the host tier"),
     ("h2o", {"budget_basis": "all"}, "runner.budget_basis='all'; allowed: final, seen"),
+    ("h2o", {"decode_interval_tokens": 16}, "runner.decode_interval_tokens=16 but method=h2o "
+                                            "compresses while decoding by its own rule"),
 ])
 def test_refusals_are_the_runners_and_come_before_anything_runs(stories, monkeypatch, name,
                                                                  knobs, message):
