@@ -39,7 +39,7 @@ from methods.base import KVMethod, Protocol
 
 # Runner keys that say where or how results are written or shown, not what is computed.
 _NOT_COMPUTE = ("output_dir", "results_root", "debug", "skip_existing", "overwrite", "threads",
-                "sweep_engine")
+                "sweep_engine", "shards")
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, Protocol)
 
 
@@ -186,10 +186,13 @@ class FanOut:
     member's answers; anything else is the first member's engine."""
 
     def __init__(self, members: list[Member], groups: list[Group], copy_on_use: bool = True,
-                 records: list | None = None):
+                 records: list | None = None, shard=None, merge: bool = False):
         self.members, self.groups = members, groups
         # per member: its harness.sweep_records.Records (answers kept across a kill), or None
         self.records = records or [None] * len(members)
+        # shard: a harness.sweep_shards.Shard, answering its prompts only (the others: []);
+        # merge: every answer is recorded (by the shards), none is computed
+        self.shard, self.merge = shard, merge
         self.calls: list[Call] = []
         self.copy_on_use = copy_on_use  # False only in the test that plants the sharing bug
         self.first = next(i for g in groups for i in g.members)
@@ -210,6 +213,11 @@ class FanOut:
                     [[] for _ in self.members])
         self.calls.append(call)
         for i, prompt in enumerate(call.prompts):
+            if self.shard is not None and not self.shard.owns(i, len(call.prompts)):
+                for outputs in call.outputs:
+                    outputs.append([])  # another shard's sample
+                yield []
+                continue
             query = None if queries is None else call.queries[i]
             key = sweep_records.prompt_key(prompt, query, limits[i])
             for group in self.groups:
@@ -221,6 +229,15 @@ class FanOut:
                 limit: int, stop_ids: set[int], min_new_tokens: int, query) -> None:
         kept = {k: self.records[k].get(*where) for k in group.members if self.records[k]}
         todo = [k for k in group.members if kept.get(k) is None]
+        if self.merge and todo:
+            from kvcore.errors import ConfigError
+
+            raise ConfigError(f"merging shards: sample {where[1]} of call {where[0]} has no "
+                              f"record for {self.members[todo[0]].setting.label} (its shard "
+                              "did not finish, or the shards split the samples differently); "
+                              "run that shard again")
+        if not todo and any(kept[k].get("shared") for k in group.members):
+            group.shared_prefills += 1  # as the shard that answered it counted it
         shared = (self._prefill(group, prompt) if group.prefill_engine is not None and todo
                   else None)
         for k in group.members:
@@ -242,7 +259,8 @@ class FanOut:
                     out = req.answer(logits.clone(), limit, stop_ids, min_new_tokens, query)
             call.outputs[k].append(out)
             if records:
-                records.append(*where, out, sweep_records.added(engine, before))
+                records.append(*where, out, sweep_records.added(engine, before),
+                               shared=shared is not None)
 
     def _prefill(self, group: Group, prompt: list[int]):
         """The group's prompt state once the prompt is fed, before its end: (snapshot, last
@@ -288,18 +306,34 @@ class Replay:
         yield from call.outputs[self._index]
 
 
-def evaluate(members: list[Member], info, copy_on_use: bool = True, records: list | None = None
-             ) -> Iterator[tuple[int, Any, list[Group]]]:
+def needs_own_pass(setting) -> bool:
+    """Whether the setting is evaluated by its own task pass (hooks on the model, prompts
+    decoded together, a device KV limit queueing requests), outside the shared one."""
+    return installs_hooks(setting.method) or (
+        setting.runner.get("batch_size", 1) != 1
+        or setting.runner.get("kv_device_limit_mib") is not None)
+
+
+def answer_shard(members: list[Member], info, records: list, shard) -> list[Group]:
+    """A shard's part (harness.sweep_shards): its samples answered and recorded for every
+    member (none evaluated by its own pass), nothing scored; the merge does the rest."""
+    groups = plan_groups(members, info)
+    fan = FanOut(members, groups, records=records, shard=shard)
+    members[fan.first].setting.task.evaluate(fan)
+    return groups
+
+
+def evaluate(members: list[Member], info, copy_on_use: bool = True, records: list | None = None,
+             merge: bool = False) -> Iterator[tuple[int, Any, list[Group]]]:
     """(member index, its TaskResult, the prefill groups of the shared pass), each member as
     soon as its result is complete (so its folder can be written before the next is computed).
-    `records[i]`: member i's per-sample records (harness.sweep_records), or None."""
+    `records[i]`: member i's per-sample records (harness.sweep_records), or None; `merge`:
+    every answer of the shared pass is in them (the shards' merge), none is computed."""
     for m in members:
-        m.own_pass = m.own_pass or installs_hooks(m.setting.method) or (
-            m.setting.runner.get("batch_size", 1) != 1
-            or m.setting.runner.get("kv_device_limit_mib") is not None)
+        m.own_pass = m.own_pass or needs_own_pass(m.setting)
     groups = plan_groups(members, info)
     if groups:
-        fan = FanOut(members, groups, copy_on_use, records)
+        fan = FanOut(members, groups, copy_on_use, records, merge=merge)
         first = fan.first
         yield first, members[first].setting.task.evaluate(fan), groups
         for i in [i for g in groups for i in g.members if i != first]:

@@ -205,3 +205,99 @@ def test_a_handed_over_prompt_state_decodes_to_the_same_logits(tiny_model, name,
         got = decode(req, logits.clone())
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     assert target.ledger.samples[0] == target.ledger.samples[1]  # what each request held
+
+
+SHARDED = [*TASK[:4], "task.depths=[10,30,50,70,90]", *TASK[5:]]  # 5 samples: uneven halves
+SHARD_SETTINGS = [[*SHARDED, "method=snapkv", "method.budget_tokens=24"],
+                  [*SHARDED, "method=h2o", "method.budget_tokens=24"],
+                  [*SHARDED, "method=snapkv", "method.budget_tokens=48"]]
+
+
+def sharded_folders(overrides_list, root, count=2):
+    """Each shard of the settings in turn (as its own process would), then their merge."""
+    from harness.sweep_shards import Shard
+
+    cfgs = [cfg_for(*knobs, f"runner.results_root={root}", f"runner.shards={count}")
+            for knobs in overrides_list]
+    for i in range(count):
+        outcomes = run_sweep(cfgs, shard=Shard(i, count))
+        assert [o.status for o in outcomes] == ["ok"] * len(cfgs), [o.detail for o in outcomes]
+        assert not list(root.rglob("metrics.json"))  # a shard writes records, no result
+    outcomes = run_sweep(cfgs, merge=count)
+    assert [o.status for o in outcomes] == ["ok"] * len(cfgs), [o.detail for o in outcomes]
+    return [o.folder for o in outcomes]
+
+
+def test_merged_shards_equal_the_unsharded_sweep(tmp_path):
+    """Two shards, each answering its samples for every setting, merged: every setting's
+    predictions, scores and metrics (accuracy, KV figures) are the unsharded sweep's."""
+    from harness.sweep_records import FOLDER
+
+    need_shared(STORIES)
+    whole = sweep_folders(SHARD_SETTINGS, tmp_path)
+    merged = sharded_folders(SHARD_SETTINGS, tmp_path / "sharded")
+    for a, b in zip(whole, merged):
+        (ma, sa), (mb, sb) = folder_figures(a), folder_figures(b)
+        assert len(sb) == 5 and sb == sa
+        assert mb == ma
+        sweep = json.loads((b / "metrics.json").read_text())["run"]["sweep"]
+        assert sweep["shards"] == 2 and sweep["prompts_prefilled_once"] == (5 if "snapkv" in
+                                                                            str(b) else 0)
+    assert not list((tmp_path / "sharded" / FOLDER).iterdir())  # merged: records removed
+
+
+@pytest.mark.parametrize("planted", ["dropped", "duplicated"])
+def test_a_split_that_drops_or_duplicates_a_sample_fails_the_merge(planted, tmp_path,
+                                                                    monkeypatch):
+    """The planted bug: the split gives sample 0 to no shard, or to both; the merge stops with
+    one line (never a result short of a sample, or counting one twice)."""
+    from harness import sweep_shards
+
+    need_shared(STORIES)
+    split = sweep_shards.owner
+    monkeypatch.setattr(sweep_shards, "owner", lambda prompt, prompts, count: (
+        split(prompt, prompts, count) if prompt else -1))
+    if planted == "duplicated":
+        owns = sweep_shards.Shard.owns
+        monkeypatch.setattr(sweep_shards.Shard, "owns",
+                            lambda self, prompt, prompts: prompt == 0 or owns(self, prompt, prompts))
+    with pytest.raises(ConfigError, match="no record for|recorded by two shards"):
+        sharded_folders(SHARD_SETTINGS[:1], tmp_path)
+    assert not list(tmp_path.rglob("metrics.json"))
+
+
+def test_a_setting_that_cannot_be_sharded_is_refused_by_name(tmp_path):
+    need_shared(STORIES)
+    from harness.sweep_shards import Shard
+
+    cfgs = [cfg_for(*SHARD_SETTINGS[0], "runner.batch_size=2", "runner.shards=2",
+                    f"runner.results_root={tmp_path}")]
+    outcome, = run_sweep(cfgs, shard=Shard(0, 2))
+    assert outcome.status == "failed" and "runner.shards=2 with runner.batch_size=2" in \
+        outcome.detail
+
+
+def test_a_sharded_multirun_runs_its_shards_as_local_processes(tmp_path):
+    """`python -m harness -m ... runner.shards=2` without SLURM: two shard processes, then the
+    merge; each member's folder equals the unsharded sweep's."""
+    import os
+    import subprocess
+    import sys
+
+    need_shared(STORIES)
+    members = ["method=snapkv,h2o", "method.budget_tokens=24"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness", "-m", *SHARDED, *members, "runner.shards=2",
+         f"runner.results_root={tmp_path}/cli", f"hydra.sweep.dir={tmp_path}/cli/_sweeps/s"],
+        cwd=PROJECT, env={**os.environ, "PYTHONPATH": str(PROJECT)}, capture_output=True,
+        text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logs = sorted((tmp_path / "cli/_sweeps/s/shards").rglob("shard-*.log"))
+    assert len(logs) == 2 and all("own prefill" in log.read_text() for log in logs)
+    assert "merging the records of 2 shards (10 (setting, sample) answers)" in proc.stdout
+    summary = json.loads((tmp_path / "cli/_sweeps/s/summary.json").read_text())
+    folders = [m["detail"] for m in summary["members"]]
+    whole = sweep_folders([[*SHARDED, "method=snapkv", "method.budget_tokens=24"],
+                           [*SHARDED, "method=h2o", "method.budget_tokens=24"]], tmp_path)
+    for a, b in zip(whole, folders):
+        assert folder_figures(PROJECT / b) == folder_figures(a)
