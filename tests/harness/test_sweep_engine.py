@@ -151,11 +151,11 @@ def test_a_killed_sweep_resumes_from_its_records(tmp_path, monkeypatch, capsys):
     alone = [folder_figures(f) for f in single_runs(settings, tmp_path)]
     append, written = sweep_records.Records.append, []
 
-    def killed_after_three(self, *args):
+    def killed_after_three(self, *args, **kwargs):
         if len(written) == 3:
             raise KeyboardInterrupt
         written.append(args)
-        append(self, *args)
+        append(self, *args, **kwargs)
 
     monkeypatch.setattr(sweep_records.Records, "append", killed_after_three)
     with pytest.raises(KeyboardInterrupt):
