@@ -50,6 +50,9 @@ class Member:
     setting: Any  # harness.session.Setting
     engine: Engine
     own_pass: bool = False  # evaluated by its own task pass (hooks, batches, device limit)
+    # samples whose sequence fits the method's rule budget (full_by_rule): the full cache's
+    # answer, computed once per sample; None: its method has no such rule, or its own pass
+    identical_to_full: int | None = None
 
 
 @dataclass
@@ -92,6 +95,39 @@ def prefill_key(setting) -> str:
              if k not in method.prompt_end_knobs}
     runner = {k: v for k, v in setting.runner.items() if k not in _NOT_COMPUTE}
     return json.dumps([method.name, knobs, runner], sort_keys=True, default=str)
+
+
+def rule_budget(method: KVMethod) -> int | None:
+    """The budget B under which `method`, as configured, keeps every token of any sequence of
+    up to B tokens by its own rule, or None: a budget knob counted in tokens (an axis knob
+    `*_tokens`) at B, and every knob `lossless_hyperparameters(B)` names as it declares (the
+    contract test holds each method to equal the full cache there). Ratio budgets, quantizers
+    (bits on their axis) and the references have none."""
+    if not method.capabilities.compresses:
+        return None
+    knobs = method.hyperparameters()
+    for name in method.axis_keys:
+        budget = knobs.get(name)
+        if not name.endswith("_tokens") or not isinstance(budget, int) or isinstance(budget, bool):
+            continue
+        declared = type(method).lossless_hyperparameters(budget)
+        if name in declared and all(knobs.get(k) == v for k, v in declared.items()):
+            return budget
+    return None
+
+
+def full_by_rule(method: KVMethod, seq_tokens: int) -> bool:
+    """Whether a sequence of `seq_tokens` tokens fits the method's rule budget."""
+    budget = rule_budget(method)
+    return budget is not None and seq_tokens <= budget
+
+
+def donor_key(setting) -> str:
+    """Settings with equal keys compute a full cache's answer with the same arithmetic: the
+    same runner (what it computes) and the same attention kernel."""
+    runner = {k: v for k, v in setting.runner.items() if k not in _NOT_COMPUTE}
+    return json.dumps([runner, setting.method.capabilities.needs_attn_scores], sort_keys=True,
+                      default=str)
 
 
 def fresh_layers_agree(lead: KVMethod, other: KVMethod, info, protocol: Protocol) -> bool:
@@ -197,6 +233,10 @@ class FanOut:
         self.copy_on_use = copy_on_use  # False only in the test that plants the sharing bug
         self.first = next(i for g in groups for i in g.members)
         self.tokenizer = MemoTokenizer(members[self.first].engine.tokenizer)
+        # per member: samples identical to the full cache by its method's rule (None: no rule)
+        self.identical = {k: None if rule_budget(members[k].setting.method) is None else 0
+                          for g in groups for k in g.members}
+        self.gained: dict[int, dict] = {}  # per member: what its last answer added (a tally)
 
     def __getattr__(self, name: str):
         return getattr(self.members[self.first].engine, name)
@@ -220,23 +260,58 @@ class FanOut:
                 continue
             query = None if queries is None else call.queries[i]
             key = sweep_records.prompt_key(prompt, query, limits[i])
+            where = (len(self.calls) - 1, i, key)
+            reuse = self._reuse(len(prompt) + len(query or []) + limits[i])
             for group in self.groups:
-                self._answer(group, call, (len(self.calls) - 1, i, key), prompt, limits[i],
-                             stop_ids, min_new_tokens, query)
+                self._answer(group, call, where, prompt, limits[i], stop_ids, min_new_tokens,
+                             query, reuse)
+            for k, donor in reuse.items():  # the full cache's answer, by rule
+                if len(call.outputs[k]) == i + 1:  # recorded before a restart
+                    continue
+                out, gained = call.outputs[donor][i], self.gained[donor]
+                sweep_records.apply(self.members[k].engine, gained)
+                call.outputs[k].append(list(out))
+                if self.records[k]:
+                    self.records[k].append(*where, out, gained)
             yield call.outputs[self.first][i]
 
+    def _reuse(self, seq_tokens: int) -> dict[int, int]:
+        """member -> the member whose answer it takes for a sequence of `seq_tokens` tokens:
+        every member identical to the full cache by its method's rule (`full_by_rule`) takes the
+        answer of the first such member (or of a full-cache reference) with the same arithmetic;
+        each such sample is counted in `identical_to_full`."""
+        donors: dict[str, int] = {}
+        reuse: dict[int, int] = {}
+        order = sorted((k for g in self.groups for k in g.members),
+                       key=lambda k: self.members[k].setting.method.capabilities.compresses)
+        for k in order:
+            setting = self.members[k].setting
+            rule = full_by_rule(setting.method, seq_tokens)
+            if rule:
+                self.identical[k] += 1
+            if setting.runner.get("diagnostics"):  # its fidelity figures are its own
+                continue
+            if rule or not setting.method.capabilities.compresses:
+                key = donor_key(setting)
+                if key in donors and rule:
+                    reuse[k] = donors[key]
+                donors.setdefault(key, k)
+        return reuse
+
     def _answer(self, group: Group, call: Call, where: tuple[int, int, str], prompt: list[int],
-                limit: int, stop_ids: set[int], min_new_tokens: int, query) -> None:
+                limit: int, stop_ids: set[int], min_new_tokens: int, query,
+                reuse: dict[int, int]) -> None:
         kept = {k: self.records[k].get(*where) for k in group.members if self.records[k]}
-        todo = [k for k in group.members if kept.get(k) is None]
-        if self.merge and todo:
+        missing = [k for k in group.members if kept.get(k) is None]
+        todo = [k for k in missing if k not in reuse]  # the others: after every group
+        if self.merge and missing:
             from kvcore.errors import ConfigError
 
             raise ConfigError(f"merging shards: sample {where[1]} of call {where[0]} has no "
-                              f"record for {self.members[todo[0]].setting.label} (its shard "
+                              f"record for {self.members[missing[0]].setting.label} (its shard "
                               "did not finish, or the shards split the samples differently); "
                               "run that shard again")
-        if not todo and any(kept[k].get("shared") for k in group.members):
+        if not missing and any(kept[k].get("shared") for k in group.members):
             group.shared_prefills += 1  # as the shard that answered it counted it
         shared = (self._prefill(group, prompt) if group.prefill_engine is not None and todo
                   else None)
@@ -245,8 +320,11 @@ class FanOut:
             if kept.get(k) is not None:  # answered before a restart: counted as it was
                 sweep_records.apply(engine, kept[k]["tally"])
                 call.outputs[k].append(kept[k]["output"])
+                self.gained[k] = kept[k]["tally"]
                 continue
-            before = sweep_records.tally(engine) if records else None
+            if k in reuse:
+                continue
+            before = sweep_records.tally(engine)
             with engine.request() as req:
                 if shared is None:
                     out = req.generate(prompt, limit, stop_ids, min_new_tokens, query)
@@ -258,9 +336,9 @@ class FanOut:
                     req.close_prompt()
                     out = req.answer(logits.clone(), limit, stop_ids, min_new_tokens, query)
             call.outputs[k].append(out)
+            self.gained[k] = sweep_records.added(engine, before)
             if records:
-                records.append(*where, out, sweep_records.added(engine, before),
-                               shared=shared is not None)
+                records.append(*where, out, self.gained[k], shared=shared is not None)
 
     def _prefill(self, group: Group, prompt: list[int]):
         """The group's prompt state once the prompt is fed, before its end: (snapshot, last
@@ -335,7 +413,10 @@ def evaluate(members: list[Member], info, copy_on_use: bool = True, records: lis
     if groups:
         fan = FanOut(members, groups, copy_on_use, records, merge=merge)
         first = fan.first
-        yield first, members[first].setting.task.evaluate(fan), groups
+        result = members[first].setting.task.evaluate(fan)
+        for k, count in fan.identical.items():
+            members[k].identical_to_full = count
+        yield first, result, groups
         for i in [i for g in groups for i in g.members if i != first]:
             replay = Replay(members[i].engine, fan.calls, i, fan.tokenizer)
             yield i, members[i].setting.task.evaluate(replay), groups

@@ -119,7 +119,8 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True,
         extra = {"sweep": {"settings": len(todo),
                            "prefill_shared_with": (len(group.members) - 1) if group else 0,
                            "prompts_prefilled_once": group.shared_prefills if group else 0,
-                           "shards": merge or 1}}
+                           "shards": merge or 1,
+                           "identical_to_full": member.identical_to_full}}
         metrics = build_metrics(session, member.setting, member.engine, result, t_start, extra)
         folder = write_result(member.setting, outs[i], metrics, result, member.engine)
         if records[k]:

@@ -301,3 +301,27 @@ def test_a_sharded_multirun_runs_its_shards_as_local_processes(tmp_path):
                            [*SHARDED, "method=h2o", "method.budget_tokens=24"]], tmp_path)
     for a, b in zip(whole, folders):
         assert folder_figures(PROJECT / b) == folder_figures(a)
+
+
+def test_a_sample_that_fits_the_budget_takes_the_full_caches_answer(tmp_path, monkeypatch):
+    """Budgets above every sequence (prompt + new tokens): H2O and SnapKV equal the full cache
+    by their rule, so each sample is answered once for them (the second takes the first's
+    answer) and counted in identical_to_full; the answers are what each computes alone. A
+    budget below the prompt is never counted; the full cache and quantizers have no rule."""
+    from harness.engine import Request
+
+    need_shared(STORIES)
+    settings = [[*TASK, "method=full"], [*TASK, "method=h2o", "method.budget_tokens=400"],
+                [*TASK, "method=snapkv", "method.budget_tokens=800"],
+                [*TASK, "method=h2o", "method.budget_tokens=24"], [*TASK, "method=kivi"]]
+    alone = [folder_figures(f) for f in single_runs(settings, tmp_path)]
+    answered, real = [], Request.answer  # every decode, shared prefill or not, ends here
+    monkeypatch.setattr(Request, "answer", lambda self, *a, **k: (
+        answered.append(self.engine.method.name) or real(self, *a, **k)))
+    swept = sweep_folders(settings, tmp_path)
+    assert sorted(answered) == sorted(["full", "h2o", "h2o", "kivi"] * 2)  # snapkv: reused
+    counts = [json.loads((f / "metrics.json").read_text())["run"]["sweep"]["identical_to_full"]
+              for f in swept]
+    assert counts == [None, 2, 2, 0, None]
+    for (ma, sa), (mb, sb) in zip(alone, map(folder_figures, swept)):
+        assert sb == sa and mb["accuracy"] == ma["accuracy"]
