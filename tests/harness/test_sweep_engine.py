@@ -325,3 +325,13 @@ def test_a_sample_that_fits_the_budget_takes_the_full_caches_answer(tmp_path, mo
     assert counts == [None, 2, 2, 0, None]
     for (ma, sa), (mb, sb) in zip(alone, map(folder_figures, swept)):
         assert sb == sa and mb["accuracy"] == ma["accuracy"]
+    # Shown in the report's leaderboard and per-run table, never folded into a score.
+    from harness.report.collect import collect, markdown
+    from harness.report.leaderboard import IDENTICAL, build
+
+    rows = collect([str(swept[0].parents[2])])
+    board = {(e["method"], (e["setting"].split() or [""])[-1]): e[IDENTICAL] for e in build(rows)}
+    assert board == {("full", ""): None, ("h2o", "budget_tokens=400"): 2,
+                     ("snapkv", "budget_tokens=800"): 2, ("h2o", "budget_tokens=24"): 0,
+                     ("kivi", "v_bits=2"): None}
+    assert "identical_to_full" in markdown(rows).splitlines()[0]
