@@ -9,7 +9,9 @@ length x depth, LongBench's one call per dataset), so a contiguous block holds e
 proportion. A shard appends each (setting, sample) answer to its own record file
 (harness.sweep_records); the merge is a sweep whose every answer is recorded: it computes
 nothing, counts each record's accounting once (a sample recorded by two shards, or by none,
-stops it with one line) and writes each setting's folder as a single run does.
+stops it with one line) and writes each setting's folder as a single run does. What the records
+cannot carry is each process's own: the memory peak (and the paged pools' peaks) in a merged
+`metrics.json` are the merge's, `run.wall_s` its wall time.
 
 Only tasks whose samples are independent prompts through `engine.generate_many` shard
 (`Task.batches`); a setting evaluated by its own task pass (runner.batch_size > 1, a device KV
@@ -78,7 +80,11 @@ def run_shard_file(path: Path) -> None:
 
 def start_local(cfgs, choices, count: int, folder: Path) -> list[tuple[subprocess.Popen, Path]]:
     """`count` shard processes on this machine, each logging to `folder/shard-<i>.log`."""
+    import os
+
     folder.mkdir(parents=True, exist_ok=True)
+    # runner.threads=null means all cores: shared out between the shards (unless set outside)
+    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // count)), **os.environ}
     procs = []
     for i in range(count):
         job = folder / f"shard-{i}.pkl"
@@ -86,7 +92,8 @@ def start_local(cfgs, choices, count: int, folder: Path) -> list[tuple[subproces
         log = folder / f"shard-{i}.log"
         with log.open("w") as out:
             procs.append((subprocess.Popen([sys.executable, "-m", "harness.sweep_shards",
-                                            str(job)], stdout=out, stderr=subprocess.STDOUT),
+                                            str(job)], stdout=out, stderr=subprocess.STDOUT,
+                                           env=env),
                           log))
     return procs
 

@@ -271,10 +271,16 @@ def test_a_setting_that_cannot_be_sharded_is_refused_by_name(tmp_path):
     from harness.sweep_shards import Shard
 
     cfgs = [cfg_for(*SHARD_SETTINGS[0], "runner.batch_size=2", "runner.shards=2",
-                    f"runner.results_root={tmp_path}")]
-    outcome, = run_sweep(cfgs, shard=Shard(0, 2))
-    assert outcome.status == "failed" and "runner.shards=2 with runner.batch_size=2" in \
-        outcome.detail
+                    f"runner.results_root={tmp_path}"),
+            cfg_for("model=stories260k", "method=h2o", "runner.shards=2",
+                    f"runner.results_root={tmp_path}")]  # perplexity: one stream
+    batched, = run_sweep(cfgs[:1], shard=Shard(0, 2))
+    assert batched.status == "failed" and "runner.shards=2 with runner.batch_size=2" in \
+        batched.detail
+    stream, = run_sweep(cfgs[1:], shard=Shard(0, 2))
+    assert stream.status == "failed" and "task=perplexity feeds its samples" in stream.detail
+    with pytest.raises(ConfigError, match=r"runner.shards=2 splits the samples of a multirun"):
+        run(cfgs[1])  # a single run is one process
 
 
 def test_a_sharded_multirun_runs_its_shards_as_local_processes(tmp_path):
