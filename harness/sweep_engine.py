@@ -22,6 +22,13 @@ prefill, batches, a device KV limit, an offloaded cache), or when its method ins
 the model (`KVMethod.install`; those settings are evaluated by their own task pass and engine).
 What the shared prefill cost (its timed chunks, its tokens, the bytes it moved between tiers)
 is counted in every setting's figures, as a single run of it would count it.
+
+Identical to the full cache by rule. A sample whose whole sequence (prompt, query, new tokens)
+fits a setting's token budget, where its method declares that such a budget keeps every token
+(`rule_budget`), is answered once for all such settings that compute alike (same runner, same
+attention kernel; a full-cache member answers first where there is one): the others take that
+answer and its accounting (time, KV figures), and every setting counts those samples in
+`identical_to_full` (metrics.json `run.sweep`; the report shows it).
 """
 
 from __future__ import annotations
