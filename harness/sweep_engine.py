@@ -41,6 +41,7 @@ import torch
 
 from harness import sweep_records
 from harness.engine import Engine
+from kvcore.errors import ConfigError
 from kvcore.storage import Rows
 from methods.base import KVMethod, Protocol
 
@@ -57,7 +58,7 @@ class Member:
     setting: Any  # harness.session.Setting
     engine: Engine
     own_pass: bool = False  # evaluated by its own task pass (hooks, batches, device limit)
-    # samples whose sequence fits the method's rule budget (full_by_rule): the full cache's
+    # samples whose sequence fits the method's rule budget (rule_budget): the full cache's
     # answer, computed once per sample; None: its method has no such rule, or its own pass
     identical_to_full: int | None = None
 
@@ -106,10 +107,13 @@ def prefill_key(setting) -> str:
 
 def rule_budget(method: KVMethod) -> int | None:
     """The budget B under which `method`, as configured, keeps every token of any sequence of
-    up to B tokens by its own rule, or None: a budget knob counted in tokens (an axis knob
-    `*_tokens`) at B, and every knob `lossless_hyperparameters(B)` names as it declares (the
-    contract test holds each method to equal the full cache there). Ratio budgets, quantizers
-    (bits on their axis) and the references have none."""
+    up to B tokens by its own rule, or None. It has one when it is exactly the configuration
+    the contract test holds to equal the full cache: its defaults with
+    `lossless_hyperparameters(B)`, B a budget knob counted in tokens (an axis knob `*_tokens`).
+    Ratio budgets, quantizers (bits on their axis), knobs moved off that configuration and the
+    references have none."""
+    from methods import build_method
+
     if not method.capabilities.compresses:
         return None
     knobs = method.hyperparameters()
@@ -118,15 +122,15 @@ def rule_budget(method: KVMethod) -> int | None:
         if not name.endswith("_tokens") or not isinstance(budget, int) or isinstance(budget, bool):
             continue
         declared = type(method).lossless_hyperparameters(budget)
-        if name in declared and all(knobs.get(k) == v for k, v in declared.items()):
+        if name not in declared:
+            continue
+        try:
+            ruled = build_method(method.name, **declared).hyperparameters()
+        except ConfigError:
+            continue
+        if ruled == knobs:
             return budget
     return None
-
-
-def full_by_rule(method: KVMethod, seq_tokens: int) -> bool:
-    """Whether a sequence of `seq_tokens` tokens fits the method's rule budget."""
-    budget = rule_budget(method)
-    return budget is not None and seq_tokens <= budget
 
 
 def donor_key(setting) -> str:
@@ -240,9 +244,10 @@ class FanOut:
         self.copy_on_use = copy_on_use  # False only in the test that plants the sharing bug
         self.first = next(i for g in groups for i in g.members)
         self.tokenizer = MemoTokenizer(members[self.first].engine.tokenizer)
-        # per member: samples identical to the full cache by its method's rule (None: no rule)
-        self.identical = {k: None if rule_budget(members[k].setting.method) is None else 0
-                          for g in groups for k in g.members}
+        # per member: its method's rule budget, and the samples that fit it (None: no rule)
+        self.budgets = {k: rule_budget(members[k].setting.method)
+                        for g in groups for k in g.members}
+        self.identical = {k: None if b is None else 0 for k, b in self.budgets.items()}
         self.gained: dict[int, dict] = {}  # per member: what its last answer added (a tally)
 
     def __getattr__(self, name: str):
@@ -284,7 +289,7 @@ class FanOut:
 
     def _reuse(self, seq_tokens: int) -> dict[int, int]:
         """member -> the member whose answer it takes for a sequence of `seq_tokens` tokens:
-        every member identical to the full cache by its method's rule (`full_by_rule`) takes the
+        every member identical to the full cache by its method's rule (`rule_budget`) takes the
         answer of the first such member (or of a full-cache reference) with the same arithmetic;
         each such sample is counted in `identical_to_full`."""
         donors: dict[str, int] = {}
@@ -293,7 +298,7 @@ class FanOut:
                        key=lambda k: self.members[k].setting.method.capabilities.compresses)
         for k in order:
             setting = self.members[k].setting
-            rule = full_by_rule(setting.method, seq_tokens)
+            rule = self.budgets[k] is not None and seq_tokens <= self.budgets[k]
             if rule:
                 self.identical[k] += 1
             if setting.runner.get("diagnostics"):  # its fidelity figures are its own
@@ -312,8 +317,6 @@ class FanOut:
         missing = [k for k in group.members if kept.get(k) is None]
         todo = [k for k in missing if k not in reuse]  # the others: after every group
         if self.merge and missing:
-            from kvcore.errors import ConfigError
-
             raise ConfigError(f"merging shards: sample {where[1]} of call {where[0]} has no "
                               f"record for {self.members[missing[0]].setting.label} (its shard "
                               "did not finish, or the shards split the samples differently); "
