@@ -341,3 +341,16 @@ def test_a_sample_that_fits_the_budget_takes_the_full_caches_answer(tmp_path, mo
                      ("snapkv", "budget_tokens=800"): 2, ("h2o", "budget_tokens=24"): 0,
                      ("kivi", "v_bits=2"): None}
     assert "identical_to_full" in markdown(rows).splitlines()[0]
+
+
+@pytest.mark.parametrize("name, knobs, budget", [
+    ("h2o", {"budget_tokens": 400}, 400), ("snapkv", {"budget_tokens": 64}, 64),
+    ("h2o", {"budget_ratio": 0.5}, None),  # a share of the sequence: never all of it
+    ("h2o", {"budget_tokens": 400, "recent_ratio": 0.3}, None),  # off the checked configuration
+    ("streaming_llm", {"budget_tokens": 50}, None),  # its window is not what bounds it then
+    ("kivi", {}, None), ("full", {}, None)])
+def test_the_rule_budget_is_the_configuration_the_contract_checks(name, knobs, budget):
+    from harness.sweep_engine import rule_budget
+    from methods import build_method
+
+    assert rule_budget(build_method(name, **knobs)) == budget
