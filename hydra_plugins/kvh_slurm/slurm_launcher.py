@@ -98,12 +98,15 @@ class SweepJob:
     """One job of a sharded sweep: `part` "shard" (the group's samples of `shard`, recorded),
     "merge" (every member's folder and status from the shards' records) or "whole" (an unsharded
     group: the sweep engine's pass and the folders). It has `checkpoint`, so on timeout submitit
-    requeues the same call, and a shard resumes from its records."""
+    requeues it: a shard resumes from its records; a merge or whole group also skips the
+    members whose folders it already wrote (runner.skip_existing), as their records are gone."""
 
-    def checkpoint(self, *args, **kwargs):
+    def checkpoint(self, part: str, group: list, sweep_dir: str, shard, state):
         from submitit.helpers import DelayedSubmission
 
-        return DelayedSubmission(self, *args, **kwargs)
+        if part != "shard":
+            group = [(idx, overrides, _skip_existing(cfg)) for idx, overrides, cfg in group]
+        return DelayedSubmission(self, part, group, sweep_dir, shard, state)
 
     def __call__(self, part: str, group: list, sweep_dir: str, shard, state) -> str:
         from hydra_plugins.kvh_sweep.sweep_launcher import run_group, run_shard
@@ -114,6 +117,13 @@ class SweepJob:
             return f"shard {shard.label} recorded"
         run_group(group, Path(sweep_dir), shards_done=part == "merge")
         return part
+
+
+def _skip_existing(cfg):
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.runner.skip_existing = True
+    return cfg
 
 
 def launch_shards(executor, params: dict, members: list, sweep_dir: Path) -> list[JobReturn]:
