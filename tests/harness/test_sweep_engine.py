@@ -259,8 +259,8 @@ def test_a_split_that_drops_or_duplicates_a_sample_fails_the_merge(planted, tmp_
         split(prompt, prompts, count) if prompt else -1))
     if planted == "duplicated":
         owns = sweep_shards.Shard.owns
-        monkeypatch.setattr(sweep_shards.Shard, "owns",
-                            lambda self, prompt, prompts: prompt == 0 or owns(self, prompt, prompts))
+        monkeypatch.setattr(sweep_shards.Shard, "owns", lambda self, prompt, prompts: (
+            prompt == 0 or owns(self, prompt, prompts)))
     with pytest.raises(ConfigError, match="no record for|recorded by two shards"):
         sharded_folders(SHARD_SETTINGS[:1], tmp_path)
     assert not list(tmp_path.rglob("metrics.json"))
