@@ -77,6 +77,7 @@ def check_runner(runner: dict[str, Any]) -> None:
     positive_int("prefill_chunk_tokens")
     positive_int("batch_size")
     positive_int("threads", allow_none=True)
+    positive_int("shards")
     cpus = os.cpu_count() or 1
     if runner.get("threads") is not None and runner["threads"] > cpus:
         raise ConfigError(f"runner.threads={runner['threads']} is more than this machine's {cpus} "
@@ -289,6 +290,10 @@ def run(cfg: DictConfig) -> Path:
     session = Session.of([cfg])
     setting = session.settings[0]
     runner = setting.runner
+    if runner.get("shards", 1) != 1:
+        raise ConfigError(f"runner.shards={runner['shards']} splits the samples of a multirun "
+                          "(python -m harness -m ...); a single run is one process: add -m or "
+                          "drop it")
     session.validate(setting)
     out = output_dir(runner, setting.task_name, session.spec.name, setting.method_name)
     done = resolve_output(runner, out, setting.identity)  # refuses a path it must not replace

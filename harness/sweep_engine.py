@@ -23,6 +23,13 @@ prefill, batches, a device KV limit, an offloaded cache), or when its method ins
 the model (`KVMethod.install`; those settings are evaluated by their own task pass and engine).
 What the shared prefill cost (its timed chunks, its tokens, the bytes it moved between tiers)
 is counted in every setting's figures, as a single run of it would count it.
+
+Identical to the full cache by rule. A sample whose whole sequence (prompt, query, new tokens)
+fits a setting's token budget, where its method declares that such a budget keeps every token
+(`rule_budget`), is answered once for all such settings that compute alike (same runner, same
+attention kernel; a full-cache member answers first where there is one): the others take that
+answer and its accounting (time, KV figures), and every setting counts those samples in
+`identical_to_full` (metrics.json `run.sweep`; the report shows it).
 """
 
 from __future__ import annotations
@@ -35,12 +42,13 @@ import torch
 
 from harness import sweep_records
 from harness.engine import Engine
+from kvcore.errors import ConfigError
 from kvcore.storage import Rows
 from methods.base import KVMethod, Protocol
 
 # Runner keys that say where or how results are written or shown, not what is computed.
 _NOT_COMPUTE = ("output_dir", "results_root", "debug", "skip_existing", "overwrite", "threads",
-                "sweep_engine")
+                "sweep_engine", "shards")
 # Runner keys read only once a prompt is over (each setting's own engine and layers apply them
 # after the shared prefill is handed over): they never split a prefill group.
 _AFTER_PROMPT = ("decode_interval_tokens",)
@@ -54,6 +62,9 @@ class Member:
     setting: Any  # harness.session.Setting
     engine: Engine
     own_pass: bool = False  # evaluated by its own task pass (hooks, batches, device limit)
+    # samples whose sequence fits the method's rule budget (rule_budget): the full cache's
+    # answer, computed once per sample; None: its method has no such rule, or its own pass
+    identical_to_full: int | None = None
 
 
 @dataclass
@@ -97,6 +108,42 @@ def prefill_key(setting) -> str:
     runner = {k: v for k, v in setting.runner.items()
               if k not in _NOT_COMPUTE and k not in _AFTER_PROMPT}
     return json.dumps([method.name, knobs, runner], sort_keys=True, default=str)
+
+
+def rule_budget(method: KVMethod) -> int | None:
+    """The budget B under which `method`, as configured, keeps every token of any sequence of
+    up to B tokens by its own rule, or None. It has one when it is exactly the configuration
+    the contract test holds to equal the full cache: its defaults with
+    `lossless_hyperparameters(B)`, B a budget knob counted in tokens (an axis knob `*_tokens`).
+    Ratio budgets, quantizers (bits on their axis), knobs moved off that configuration and the
+    references have none."""
+    from methods import build_method
+
+    if not method.capabilities.compresses:
+        return None
+    knobs = method.hyperparameters()
+    for name in method.axis_keys:
+        budget = knobs.get(name)
+        if not name.endswith("_tokens") or not isinstance(budget, int) or isinstance(budget, bool):
+            continue
+        declared = type(method).lossless_hyperparameters(budget)
+        if name not in declared:
+            continue
+        try:
+            ruled = build_method(method.name, **declared).hyperparameters()
+        except ConfigError:
+            continue
+        if ruled == knobs:
+            return budget
+    return None
+
+
+def donor_key(setting) -> str:
+    """Settings with equal keys compute a full cache's answer with the same arithmetic: the
+    same runner (what it computes) and the same attention kernel."""
+    runner = {k: v for k, v in setting.runner.items() if k not in _NOT_COMPUTE}
+    return json.dumps([runner, setting.method.capabilities.needs_attn_scores], sort_keys=True,
+                      default=str)
 
 
 def fresh_layers_agree(lead: KVMethod, other: KVMethod, info, protocol: Protocol) -> bool:
@@ -191,14 +238,22 @@ class FanOut:
     member's answers; anything else is the first member's engine."""
 
     def __init__(self, members: list[Member], groups: list[Group], copy_on_use: bool = True,
-                 records: list | None = None):
+                 records: list | None = None, shard=None, merge: bool = False):
         self.members, self.groups = members, groups
         # per member: its harness.sweep_records.Records (answers kept across a kill), or None
         self.records = records or [None] * len(members)
+        # shard: a harness.sweep_shards.Shard, answering its prompts only (the others: []);
+        # merge: every answer is recorded (by the shards), none is computed
+        self.shard, self.merge = shard, merge
         self.calls: list[Call] = []
         self.copy_on_use = copy_on_use  # False only in the test that plants the sharing bug
         self.first = next(i for g in groups for i in g.members)
         self.tokenizer = MemoTokenizer(members[self.first].engine.tokenizer)
+        # per member: its method's rule budget, and the samples that fit it (None: no rule)
+        self.budgets = {k: rule_budget(members[k].setting.method)
+                        for g in groups for k in g.members}
+        self.identical = {k: None if b is None else 0 for k, b in self.budgets.items()}
+        self.gained: dict[int, dict] = {}  # per member: what its last answer added (a tally)
 
     def __getattr__(self, name: str):
         return getattr(self.members[self.first].engine, name)
@@ -215,17 +270,64 @@ class FanOut:
                     [[] for _ in self.members])
         self.calls.append(call)
         for i, prompt in enumerate(call.prompts):
+            if self.shard is not None and not self.shard.owns(i, len(call.prompts)):
+                for outputs in call.outputs:
+                    outputs.append([])  # another shard's sample
+                yield []
+                continue
             query = None if queries is None else call.queries[i]
             key = sweep_records.prompt_key(prompt, query, limits[i])
+            where = (len(self.calls) - 1, i, key)
+            reuse = self._reuse(len(prompt) + len(query or []) + limits[i])
             for group in self.groups:
-                self._answer(group, call, (len(self.calls) - 1, i, key), prompt, limits[i],
-                             stop_ids, min_new_tokens, query)
+                self._answer(group, call, where, prompt, limits[i], stop_ids, min_new_tokens,
+                             query, reuse)
+            for k, donor in reuse.items():  # the full cache's answer, by rule
+                if len(call.outputs[k]) == i + 1:  # recorded before a restart
+                    continue
+                out, gained = call.outputs[donor][i], self.gained[donor]
+                sweep_records.apply(self.members[k].engine, gained)
+                call.outputs[k].append(list(out))
+                if self.records[k]:
+                    self.records[k].append(*where, out, gained)
             yield call.outputs[self.first][i]
 
+    def _reuse(self, seq_tokens: int) -> dict[int, int]:
+        """member -> the member whose answer it takes for a sequence of `seq_tokens` tokens:
+        every member identical to the full cache by its method's rule (`rule_budget`) takes the
+        answer of the first such member (or of a full-cache reference) with the same arithmetic;
+        each such sample is counted in `identical_to_full`."""
+        donors: dict[str, int] = {}
+        reuse: dict[int, int] = {}
+        order = sorted((k for g in self.groups for k in g.members),
+                       key=lambda k: self.members[k].setting.method.capabilities.compresses)
+        for k in order:
+            setting = self.members[k].setting
+            rule = self.budgets[k] is not None and seq_tokens <= self.budgets[k]
+            if rule:
+                self.identical[k] += 1
+            if setting.runner.get("diagnostics"):  # its fidelity figures are its own
+                continue
+            if rule or not setting.method.capabilities.compresses:
+                key = donor_key(setting)
+                if key in donors and rule:
+                    reuse[k] = donors[key]
+                donors.setdefault(key, k)
+        return reuse
+
     def _answer(self, group: Group, call: Call, where: tuple[int, int, str], prompt: list[int],
-                limit: int, stop_ids: set[int], min_new_tokens: int, query) -> None:
+                limit: int, stop_ids: set[int], min_new_tokens: int, query,
+                reuse: dict[int, int]) -> None:
         kept = {k: self.records[k].get(*where) for k in group.members if self.records[k]}
-        todo = [k for k in group.members if kept.get(k) is None]
+        missing = [k for k in group.members if kept.get(k) is None]
+        todo = [k for k in missing if k not in reuse]  # the others: after every group
+        if self.merge and missing:
+            raise ConfigError(f"merging shards: sample {where[1]} of call {where[0]} has no "
+                              f"record for {self.members[missing[0]].setting.label} (its shard "
+                              "did not finish, or the shards split the samples differently); "
+                              "run that shard again")
+        if not missing and any(kept[k].get("shared") for k in group.members):
+            group.shared_prefills += 1  # as the shard that answered it counted it
         shared = (self._prefill(group, prompt) if group.prefill_engine is not None and todo
                   else None)
         for k in group.members:
@@ -233,8 +335,11 @@ class FanOut:
             if kept.get(k) is not None:  # answered before a restart: counted as it was
                 sweep_records.apply(engine, kept[k]["tally"])
                 call.outputs[k].append(kept[k]["output"])
+                self.gained[k] = kept[k]["tally"]
                 continue
-            before = sweep_records.tally(engine) if records else None
+            if k in reuse:
+                continue
+            before = sweep_records.tally(engine)
             with engine.request() as req:
                 if shared is None:
                     out = req.generate(prompt, limit, stop_ids, min_new_tokens, query)
@@ -246,8 +351,9 @@ class FanOut:
                     req.close_prompt()
                     out = req.answer(logits.clone(), limit, stop_ids, min_new_tokens, query)
             call.outputs[k].append(out)
+            self.gained[k] = sweep_records.added(engine, before)
             if records:
-                records.append(*where, out, sweep_records.added(engine, before))
+                records.append(*where, out, self.gained[k], shared=shared is not None)
 
     def _prefill(self, group: Group, prompt: list[int]):
         """The group's prompt state once the prompt is fed, before its end: (snapshot, last
@@ -293,20 +399,39 @@ class Replay:
         yield from call.outputs[self._index]
 
 
-def evaluate(members: list[Member], info, copy_on_use: bool = True, records: list | None = None
-             ) -> Iterator[tuple[int, Any, list[Group]]]:
+def needs_own_pass(setting) -> bool:
+    """Whether the setting is evaluated by its own task pass (hooks on the model, prompts
+    decoded together, a device KV limit queueing requests), outside the shared one."""
+    return installs_hooks(setting.method) or (
+        setting.runner.get("batch_size", 1) != 1
+        or setting.runner.get("kv_device_limit_mib") is not None)
+
+
+def answer_shard(members: list[Member], info, records: list, shard) -> list[Group]:
+    """A shard's part (harness.sweep_shards): its samples answered and recorded for every
+    member (none evaluated by its own pass), nothing scored; the merge does the rest."""
+    groups = plan_groups(members, info)
+    fan = FanOut(members, groups, records=records, shard=shard)
+    members[fan.first].setting.task.evaluate(fan)
+    return groups
+
+
+def evaluate(members: list[Member], info, copy_on_use: bool = True, records: list | None = None,
+             merge: bool = False) -> Iterator[tuple[int, Any, list[Group]]]:
     """(member index, its TaskResult, the prefill groups of the shared pass), each member as
     soon as its result is complete (so its folder can be written before the next is computed).
-    `records[i]`: member i's per-sample records (harness.sweep_records), or None."""
+    `records[i]`: member i's per-sample records (harness.sweep_records), or None; `merge`:
+    every answer of the shared pass is in them (the shards' merge), none is computed."""
     for m in members:
-        m.own_pass = m.own_pass or installs_hooks(m.setting.method) or (
-            m.setting.runner.get("batch_size", 1) != 1
-            or m.setting.runner.get("kv_device_limit_mib") is not None)
+        m.own_pass = m.own_pass or needs_own_pass(m.setting)
     groups = plan_groups(members, info)
     if groups:
-        fan = FanOut(members, groups, copy_on_use, records)
+        fan = FanOut(members, groups, copy_on_use, records, merge=merge)
         first = fan.first
-        yield first, members[first].setting.task.evaluate(fan), groups
+        result = members[first].setting.task.evaluate(fan)
+        for k, count in fan.identical.items():
+            members[k].identical_to_full = count
+        yield first, result, groups
         for i in [i for g in groups for i in g.members if i != first]:
             replay = Replay(members[i].engine, fan.calls, i, fan.tokenizer)
             yield i, members[i].setting.task.evaluate(replay), groups

@@ -6,9 +6,10 @@ regions, tokens, the ledger's sample, the attended fraction's sums, transfers), 
 setting's metrics.json counts every sample once, as an uninterrupted run does; what cannot be
 carried over a restart is the process's memory peak and, under runner.kv_layout=paged, the
 pools' peak figures (both are the resumed process's own). The file is
-`<results_root>/_sweep_records/<config hash>.jsonl`, one JSON line per record, flushed and
-synced when written; a line cut by a kill is ignored; the file is removed once the setting's
-result folder is written.
+`<results_root>/_sweep_records/<config hash>.jsonl` (a shard's: `<config hash>.shard-<i>-of-<n>
+.jsonl`, harness.sweep_shards), one JSON line per record, flushed and synced when written; a
+line cut by a kill is ignored; the file (every shard's) is removed once the setting's result
+folder is written.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ _TRANSFER_COUNTS = ("bytes_h2d", "bytes_d2h", "copies_h2d", "copies_d2h",
                     "exposed_ms_resolved", "transfer_ms_resolved")
 
 
-def record_path(runner: dict[str, Any], identity: str) -> Path:
+def record_path(runner: dict[str, Any], identity: str, shard=None) -> Path:
+    """The setting's record file; a shard's (harness.sweep_shards.Shard) is its own."""
     root = Path(runner.get("results_root") or "results")
-    return root / FOLDER / f"{identity}.jsonl"
+    part = "" if shard is None else f".shard-{shard.index}-of-{shard.count}"
+    return root / FOLDER / f"{identity}{part}.jsonl"
 
 
 def prompt_key(prompt: list[int], query: list[int] | None, limit: int) -> str:
@@ -89,10 +92,10 @@ def apply(engine, gained: dict[str, Any]) -> None:
 class Records:
     """One setting's record file: read back on start, appended to as samples complete."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path | None):
+        self.path, self.paths = path, [] if path is None else [path]  # path None: read only
         self.done: dict[tuple[int, int, str], dict[str, Any]] = {}
-        if path.is_file():
+        if path is not None and path.is_file():
             for line in path.read_text().splitlines():
                 try:
                     rec = json.loads(line)
@@ -101,12 +104,34 @@ class Records:
                 self.done[(rec["call"], rec["prompt"], rec["key"])] = rec
         self.resumed = len(self.done)
 
+    @classmethod
+    def merged(cls, paths: list[Path]) -> "Records":
+        """The records of every shard of a setting, read only (the merge computes nothing).
+        A sample recorded by two shards is an error, never counted twice."""
+        from kvcore.errors import ConfigError
+
+        union = cls(None)
+        union.paths = list(paths)
+        where: dict[tuple[int, int, str], Path] = {}
+        for path in paths:
+            for key, rec in cls(path).done.items():
+                if key in where:
+                    raise ConfigError(f"sample {key[1]} of call {key[0]} is recorded by two "
+                                      f"shards ({where[key].name}, {path.name}): a shard split "
+                                      "must not overlap")
+                where[key] = path
+                union.done[key] = rec
+        union.resumed = len(union.done)
+        return union
+
     def get(self, call: int, prompt: int, key: str) -> dict[str, Any] | None:
         return self.done.get((call, prompt, key))
 
     def append(self, call: int, prompt: int, key: str, output: list[int],
-               gained: dict[str, Any]) -> None:
-        rec = {"call": call, "prompt": prompt, "key": key, "output": output, "tally": gained}
+               gained: dict[str, Any], shared: bool = False) -> None:
+        """`shared`: the answer continued from its prefill group's one prefill of the prompt."""
+        rec = {"call": call, "prompt": prompt, "key": key, "output": output, "tally": gained,
+               "shared": shared}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a") as f:
             f.write(json.dumps(json_safe(rec)) + "\n")
@@ -115,4 +140,5 @@ class Records:
         self.done[(call, prompt, key)] = rec
 
     def remove(self) -> None:
-        self.path.unlink(missing_ok=True)
+        for path in self.paths:
+            path.unlink(missing_ok=True)

@@ -26,16 +26,22 @@ class Outcome:
 
 
 def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True,
-              choices: list[dict[str, str]] | None = None) -> list[Outcome]:
+              choices: list[dict[str, str]] | None = None, shard=None,
+              merge: int = 0) -> list[Outcome]:
     """Run every config (same model and task) through the sweep engine; one Outcome each, in
     order. Refused settings are reported and the others run. `choices`: each member's config
-    file per group (Hydra's runtime choices), when the configs come from a multirun."""
+    file per group (Hydra's runtime choices), when the configs come from a multirun.
+    `shard` (harness.sweep_shards.Shard): answer and record that shard's samples only, write
+    no folder (Outcome "ok", detail: the shard); `merge=n`: write every setting's folder from
+    the records of its n shards, computing nothing."""
     from harness import sweep_engine
     from harness.profiling import reset_peak_memory
     from harness.run import build_metrics, output_dir, seed_everything, write_result
     from harness.sweep_records import Records, record_path
+    from harness.sweep_shards import Shard
     from harness.session import Session, compose
     from harness.sweep import resolve_output
+    from harness.sweep_shards import shard_reasons
 
     t_start = time.time()
     outcomes: list[Outcome | None] = [None] * len(cfgs)
@@ -51,9 +57,13 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True,
         return outcomes
     session = Session(list(composed.values()))
     todo, outs = [], {}
+    count = shard.count if shard is not None else merge or 1
     for i, setting in composed.items():
         try:
             session.validate(setting)
+            refused = shard_reasons(setting, count)
+            if refused:
+                raise ConfigError("; ".join(refused))
         except UnsupportedCombination as exc:
             outcomes[i] = Outcome("skipped", str(exc))
             continue
@@ -85,18 +95,32 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True,
         seed_everything(int(composed[i].runner["seed"]))  # as a single run seeds before prepare
         members.append(sweep_engine.Member(composed[i], session.engine(composed[i])))
     records = [None if m.setting.runner.get("diagnostics") else
-               Records(record_path(m.setting.runner, m.setting.identity)) for m in members]
+               Records(record_path(m.setting.runner, m.setting.identity, shard)) if not merge else
+               Records.merged([record_path(m.setting.runner, m.setting.identity, Shard(j, merge))
+                               for j in range(merge)]) for m in members]
     resumed = sum(r.resumed for r in records if r)
-    if resumed:
+    if resumed and not merge:
         print(f"sweep engine: resuming, {resumed} (setting, sample) answers recorded before")
+    if merge:
+        print(f"sweep engine: merging the records of {merge} shards ({resumed} (setting, "
+              "sample) answers)")
     reset_peak_memory(members[0].engine.device)
+    if shard is not None:
+        groups = sweep_engine.answer_shard(members, session.info, records, shard)
+        print(shared_summary(members, groups))
+        for i in todo:
+            outcomes[i] = Outcome("ok", f"shard {shard.label} recorded")
+        return outcomes
     groups: list = []
-    for k, result, groups in sweep_engine.evaluate(members, session.info, copy_on_use, records):
+    for k, result, groups in sweep_engine.evaluate(members, session.info, copy_on_use, records,
+                                                   merge=bool(merge)):
         i, member = todo[k], members[k]
         group = next((g for g in groups if k in g.members), None)
         extra = {"sweep": {"settings": len(todo),
                            "prefill_shared_with": (len(group.members) - 1) if group else 0,
-                           "prompts_prefilled_once": group.shared_prefills if group else 0}}
+                           "prompts_prefilled_once": group.shared_prefills if group else 0,
+                           "shards": merge or 1,
+                           "identical_to_full": member.identical_to_full}}
         metrics = build_metrics(session, member.setting, member.engine, result, t_start, extra)
         folder = write_result(member.setting, outs[i], metrics, result, member.engine)
         if records[k]:

@@ -21,7 +21,9 @@ COLUMNS = ["run", "model", "method", "budget", "protocol", "batch", "task", "met
            # added after the first reports (appended: readers of the CSV keep their columns)
            "variant", "provenance", "operating_point", "context_tokens",
            # the main metric's 95 % interval and n (harness.report.compare.attach)
-           "ci95_low", "ci95_high", "n", "interval"]
+           "ci95_low", "ci95_high", "n", "interval",
+           # samples answered by the full cache by the method's rule (a sweep's; blank: no rule)
+           "identical_to_full"]
 # The two trade-off axes, both defined once in harness.accounting and read the same way for every
 # run: the figures, the leaderboard and W&B take their names and units from here.
 # {key: (short name for an axis, its definition for a caption)}.
@@ -173,6 +175,7 @@ def row(path: Path, metrics: dict, root: Path | None) -> dict[str, Any]:
         "kv_bytes": kv.get("bytes_total"), "bytes_per_step": transfer.get("bytes_per_decode_step"),
         "context_tokens": kv.get("seen_tokens_mean"),
         "ci95_low": None, "ci95_high": None, "n": None, "interval": "",
+        "identical_to_full": metrics.get("run", {}).get("sweep", {}).get("identical_to_full"),
         "_metrics": metrics, "_folder": path.parent,
     }
 

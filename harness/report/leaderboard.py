@@ -29,6 +29,9 @@ KEY = ("model", "protocol", "method", "variant", "setting", "provenance", "opera
        "batch")
 MEASURES = ("kv_held", "attended_fraction", "decode_ms", "bytes_per_step")
 MEAN = "mean (higher-is-better tasks)"
+# Samples of the row's runs that fit its budget, so were the full cache's answer by the method's
+# rule (a sweep counts them): shown wherever a section has any, never folded into the scores.
+IDENTICAL = "identical_to_full"
 
 
 def _options(r: dict) -> dict[str, str]:
@@ -80,6 +83,9 @@ def build(rows: list[dict]) -> list[dict[str, Any]]:
         entry["active"] = ("INACTIVE" if any(r["active"] == "INACTIVE" for r in latest.values())
                            else latest[next(iter(latest))]["active"])
         entry["runs"] = [r["run"] for r in latest.values()]
+        counted = [r["identical_to_full"] for r in latest.values()
+                   if r.get("identical_to_full") is not None]
+        entry[IDENTICAL] = sum(counted) if counted else None
         board.append(entry)
     _mean_column(board)
     board.sort(key=lambda e: (e["model"], e["protocol"], e["method"] != REFERENCE,
@@ -122,8 +128,9 @@ def header(entries: list[dict]) -> tuple[list[str], list[str]]:
     tasks = sorted({c for e in entries for c in e["tasks"]})
     own = ["method", "setting"] + (["batch"] if any(e["batch"] != 1 for e in entries) else [])
     labels = [c for c in ("provenance", "operating_point", "variant") if any(e[c] for e in entries)]
-    return own, (tasks + ([MEAN] if len(tasks) > 1 else []) + list(MEASURES) + ["active"]
-                 + labels)
+    identical = [IDENTICAL] if any(e.get(IDENTICAL) is not None for e in entries) else []
+    return own, (tasks + ([MEAN] if len(tasks) > 1 else []) + list(MEASURES) + identical
+                 + ["active"] + labels)
 
 
 def cell(e: dict, column: str) -> Any:
@@ -171,7 +178,7 @@ def to_csv(board: list[dict]) -> str:
     """One flat table: the key, every task column of the whole report, the measures."""
     tasks = sorted({c for e in board for c in e["tasks"]})
     extra = [f"{c} {part}" for c in tasks for part in INTERVAL_PARTS]
-    fields = list(KEY) + tasks + [MEAN, *MEASURES, "active", "runs"] + extra
+    fields = list(KEY) + tasks + [MEAN, *MEASURES, "active", "runs", IDENTICAL] + extra
     buf = io.StringIO()
     writer = csv.writer(buf)
     writer.writerow(fields)

@@ -2,8 +2,10 @@
 composes every member, then runs the members of each (model, task) through the sweep engine in
 this process (harness.sweep_run: model, tokenizer and task loaded once, each prompt prefilled
 once per prefill group), each member writing its own result folder and status as a member of
-Hydra's basic launcher would. `runner.sweep_engine=false` (on every member) keeps Hydra's basic
-launcher: one member after another, each loading everything itself."""
+Hydra's basic launcher would. `runner.shards=n`: the samples split over n processes on this
+machine, each running every member on its share, merged here (harness.sweep_shards).
+`runner.sweep_engine=false` (on every member) keeps Hydra's basic launcher: one member after
+another, each loading everything itself."""
 
 from __future__ import annotations
 
@@ -55,18 +57,16 @@ class SweepLauncher(BasicLauncher):
 
 
 def shared_key(cfg: DictConfig) -> str:
-    """Members with equal keys share one model load and one task (one sweep-engine pass)."""
+    """Members with equal keys share one model load and one task (one sweep-engine pass) and
+    one split of the samples into shards."""
     plain = OmegaConf.to_container(cfg, resolve=False)
-    return json.dumps([plain.get("model"), plain.get("task"),
-                       (plain.get("runner") or {}).get("attn_impl")], sort_keys=True, default=str)
+    runner = plain.get("runner") or {}
+    return json.dumps([plain.get("model"), plain.get("task"), runner.get("attn_impl"),
+                       runner.get("shards", 1)], sort_keys=True, default=str)
 
 
-def run_group(group: list, sweep_dir: Path) -> None:
-    """One sweep-engine pass over `group`'s members; a status file per member."""
-    from harness.run import _inactive_reason, traceback_wanted
-    from harness.sweep_run import run_sweep
-
-    HydraConfig.instance().set_config(group[0][2])  # multirun_job(): the sweep's folder
+def member_configs(group: list) -> tuple[list[DictConfig], list[dict[str, str]]]:
+    """Each member's config without its `hydra` node, and its config file per group."""
     cfgs, choices = [], []
     for _, _, cfg in group:
         choices.append({k: str(v) for k, v in cfg.hydra.runtime.choices.items()})
@@ -74,10 +74,43 @@ def run_group(group: list, sweep_dir: Path) -> None:
         with read_write(task_cfg), open_dict(task_cfg):
             del task_cfg["hydra"]
         cfgs.append(task_cfg)
+    return cfgs, choices
+
+
+def shard_count(group: list) -> int:
+    shards = OmegaConf.select(group[0][2], "runner.shards", default=1)
+    return shards if isinstance(shards, int) and not isinstance(shards, bool) and shards > 0 else 1
+
+
+def run_shard(group: list, shard) -> None:
+    """One shard of `group` (harness.sweep_shards): its samples for every member, recorded."""
+    from harness.sweep_run import run_sweep
+
+    cfgs, choices = member_configs(group)
+    run_sweep(cfgs, choices=choices, shard=shard)
+
+
+def run_group(group: list, sweep_dir: Path, shards_done: bool = False) -> None:
+    """One sweep-engine pass over `group`'s members; a status file per member. Under
+    runner.shards=n the pass is n shard processes on this machine (or, `shards_done`, the
+    shards of a SLURM array that already ran), then their merge here."""
+    from harness.run import _inactive_reason, traceback_wanted
+    from harness.sweep_run import run_sweep
+    from harness.sweep_shards import start_local, wait_local
+
+    HydraConfig.instance().set_config(group[0][2])  # multirun_job(): the sweep's folder
+    cfgs, choices = member_configs(group)
+    count = shard_count(group)
     for idx, overrides, _ in group:
         log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
     try:
-        outcomes = run_sweep(cfgs, choices=choices)
+        if count > 1 and not shards_done:
+            folder = sweep_dir / "shards" / f"{int(group[0][0]):04d}"
+            log.info(f"{count} shard processes on this machine (logs: {folder})")
+            failed = wait_local(start_local(cfgs, choices, count, folder))
+            if failed:
+                raise RuntimeError("; ".join(failed))
+        outcomes = run_sweep(cfgs, choices=choices, merge=count if count > 1 else 0)
     except KeyboardInterrupt:
         print("interrupted: settings not written yet have no result (a folder is only created "
               "when complete)", file=sys.stderr)

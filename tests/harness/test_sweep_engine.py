@@ -154,11 +154,11 @@ def test_a_killed_sweep_resumes_from_its_records(tmp_path, monkeypatch, capsys):
     alone = [folder_figures(f) for f in single_runs(settings, tmp_path)]
     append, written = sweep_records.Records.append, []
 
-    def killed_after_three(self, *args):
+    def killed_after_three(self, *args, **kwargs):
         if len(written) == 3:
             raise KeyboardInterrupt
         written.append(args)
-        append(self, *args)
+        append(self, *args, **kwargs)
 
     monkeypatch.setattr(sweep_records.Records, "append", killed_after_three)
     with pytest.raises(KeyboardInterrupt):
@@ -208,3 +208,152 @@ def test_a_handed_over_prompt_state_decodes_to_the_same_logits(tiny_model, name,
         got = decode(req, logits.clone())
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
     assert target.ledger.samples[0] == target.ledger.samples[1]  # what each request held
+
+
+SHARDED = [*TASK[:4], "task.depths=[10,30,50,70,90]", *TASK[5:]]  # 5 samples: uneven halves
+SHARD_SETTINGS = [[*SHARDED, "method=snapkv", "method.budget_tokens=24"],
+                  [*SHARDED, "method=h2o", "method.budget_tokens=24"],
+                  [*SHARDED, "method=snapkv", "method.budget_tokens=48"]]
+
+
+def sharded_folders(overrides_list, root, count=2):
+    """Each shard of the settings in turn (as its own process would), then their merge."""
+    from harness.sweep_shards import Shard
+
+    cfgs = [cfg_for(*knobs, f"runner.results_root={root}", f"runner.shards={count}")
+            for knobs in overrides_list]
+    for i in range(count):
+        outcomes = run_sweep(cfgs, shard=Shard(i, count))
+        assert [o.status for o in outcomes] == ["ok"] * len(cfgs), [o.detail for o in outcomes]
+        assert not list(root.rglob("metrics.json"))  # a shard writes records, no result
+    outcomes = run_sweep(cfgs, merge=count)
+    assert [o.status for o in outcomes] == ["ok"] * len(cfgs), [o.detail for o in outcomes]
+    return [o.folder for o in outcomes]
+
+
+def test_merged_shards_equal_the_unsharded_sweep(tmp_path):
+    """Two shards, each answering its samples for every setting, merged: every setting's
+    predictions, scores and metrics (accuracy, KV figures) are the unsharded sweep's."""
+    from harness.sweep_records import FOLDER
+
+    need_shared(STORIES)
+    whole = sweep_folders(SHARD_SETTINGS, tmp_path)
+    merged = sharded_folders(SHARD_SETTINGS, tmp_path / "sharded")
+    for a, b in zip(whole, merged):
+        (ma, sa), (mb, sb) = folder_figures(a), folder_figures(b)
+        assert len(sb) == 5 and sb == sa
+        assert mb == ma
+        sweep = json.loads((b / "metrics.json").read_text())["run"]["sweep"]
+        assert sweep["shards"] == 2 and sweep["prompts_prefilled_once"] == (5 if "snapkv" in
+                                                                            str(b) else 0)
+    assert not list((tmp_path / "sharded" / FOLDER).iterdir())  # merged: records removed
+
+
+@pytest.mark.parametrize("planted", ["dropped", "duplicated"])
+def test_a_split_that_drops_or_duplicates_a_sample_fails_the_merge(planted, tmp_path,
+                                                                    monkeypatch):
+    """The planted bug: the split gives sample 0 to no shard, or to both; the merge stops with
+    one line (never a result short of a sample, or counting one twice)."""
+    from harness import sweep_shards
+
+    need_shared(STORIES)
+    split = sweep_shards.owner
+    monkeypatch.setattr(sweep_shards, "owner", lambda prompt, prompts, count: (
+        split(prompt, prompts, count) if prompt else -1))
+    if planted == "duplicated":
+        owns = sweep_shards.Shard.owns
+        monkeypatch.setattr(sweep_shards.Shard, "owns", lambda self, prompt, prompts: (
+            prompt == 0 or owns(self, prompt, prompts)))
+    with pytest.raises(ConfigError, match="no record for|recorded by two shards"):
+        sharded_folders(SHARD_SETTINGS[:1], tmp_path)
+    assert not list(tmp_path.rglob("metrics.json"))
+
+
+def test_a_setting_that_cannot_be_sharded_is_refused_by_name(tmp_path):
+    need_shared(STORIES)
+    from harness.sweep_shards import Shard
+
+    cfgs = [cfg_for(*SHARD_SETTINGS[0], "runner.batch_size=2", "runner.shards=2",
+                    f"runner.results_root={tmp_path}"),
+            cfg_for("model=stories260k", "method=h2o", "runner.shards=2",
+                    f"runner.results_root={tmp_path}")]  # perplexity: one stream
+    batched, = run_sweep(cfgs[:1], shard=Shard(0, 2))
+    assert batched.status == "failed" and "runner.shards=2 with runner.batch_size=2" in \
+        batched.detail
+    stream, = run_sweep(cfgs[1:], shard=Shard(0, 2))
+    assert stream.status == "failed" and "task=perplexity feeds its samples" in stream.detail
+    with pytest.raises(ConfigError, match=r"runner.shards=2 splits the samples of a multirun"):
+        run(cfgs[1])  # a single run is one process
+
+
+def test_a_sharded_multirun_runs_its_shards_as_local_processes(tmp_path):
+    """`python -m harness -m ... runner.shards=2` without SLURM: two shard processes, then the
+    merge; each member's folder equals the unsharded sweep's."""
+    import os
+    import subprocess
+    import sys
+
+    need_shared(STORIES)
+    members = ["method=snapkv,h2o", "method.budget_tokens=24"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "harness", "-m", *SHARDED, *members, "runner.shards=2",
+         f"runner.results_root={tmp_path}/cli", f"hydra.sweep.dir={tmp_path}/cli/_sweeps/s"],
+        cwd=PROJECT, env={**os.environ, "PYTHONPATH": str(PROJECT)}, capture_output=True,
+        text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    logs = sorted((tmp_path / "cli/_sweeps/s/shards").rglob("shard-*.log"))
+    assert len(logs) == 2 and all("own prefill" in log.read_text() for log in logs)
+    assert "merging the records of 2 shards (10 (setting, sample) answers)" in proc.stdout
+    summary = json.loads((tmp_path / "cli/_sweeps/s/summary.json").read_text())
+    folders = [m["detail"] for m in summary["members"]]
+    whole = sweep_folders([[*SHARDED, "method=snapkv", "method.budget_tokens=24"],
+                           [*SHARDED, "method=h2o", "method.budget_tokens=24"]], tmp_path)
+    for a, b in zip(whole, folders):
+        assert folder_figures(PROJECT / b) == folder_figures(a)
+
+
+def test_a_sample_that_fits_the_budget_takes_the_full_caches_answer(tmp_path, monkeypatch):
+    """Budgets above every sequence (prompt + new tokens): H2O and SnapKV equal the full cache
+    by their rule, so each sample is answered once for them (the second takes the first's
+    answer) and counted in identical_to_full; the answers are what each computes alone. A
+    budget below the prompt is never counted; the full cache and quantizers have no rule."""
+    from harness.engine import Request
+
+    need_shared(STORIES)
+    settings = [[*TASK, "method=full"], [*TASK, "method=h2o", "method.budget_tokens=400"],
+                [*TASK, "method=snapkv", "method.budget_tokens=800"],
+                [*TASK, "method=h2o", "method.budget_tokens=24"], [*TASK, "method=kivi"]]
+    alone = [folder_figures(f) for f in single_runs(settings, tmp_path)]
+    answered, real = [], Request.answer  # every decode, shared prefill or not, ends here
+    monkeypatch.setattr(Request, "answer", lambda self, *a, **k: (
+        answered.append(self.engine.method.name) or real(self, *a, **k)))
+    swept = sweep_folders(settings, tmp_path)
+    assert sorted(answered) == sorted(["full", "h2o", "h2o", "kivi"] * 2)  # snapkv: reused
+    counts = [json.loads((f / "metrics.json").read_text())["run"]["sweep"]["identical_to_full"]
+              for f in swept]
+    assert counts == [None, 2, 2, 0, None]
+    for (ma, sa), (mb, sb) in zip(alone, map(folder_figures, swept)):
+        assert sb == sa and mb["accuracy"] == ma["accuracy"]
+    # Shown in the report's leaderboard and per-run table, never folded into a score.
+    from harness.report.collect import collect, markdown
+    from harness.report.leaderboard import IDENTICAL, build
+
+    rows = collect([str(swept[0].parents[2])])
+    board = {(e["method"], (e["setting"].split() or [""])[-1]): e[IDENTICAL] for e in build(rows)}
+    assert board == {("full", ""): None, ("h2o", "budget_tokens=400"): 2,
+                     ("snapkv", "budget_tokens=800"): 2, ("h2o", "budget_tokens=24"): 0,
+                     ("kivi", "v_bits=2"): None}
+    assert "identical_to_full" in markdown(rows).splitlines()[0]
+
+
+@pytest.mark.parametrize("name, knobs, budget", [
+    ("h2o", {"budget_tokens": 400}, 400), ("snapkv", {"budget_tokens": 64}, 64),
+    ("h2o", {"budget_ratio": 0.5}, None),  # a share of the sequence: never all of it
+    ("h2o", {"budget_tokens": 400, "recent_ratio": 0.3}, None),  # off the checked configuration
+    ("streaming_llm", {"budget_tokens": 50}, None),  # its window is not what bounds it then
+    ("kivi", {}, None), ("full", {}, None)])
+def test_the_rule_budget_is_the_configuration_the_contract_checks(name, knobs, budget):
+    from harness.sweep_engine import rule_budget
+    from methods import build_method
+
+    assert rule_budget(build_method(name, **knobs)) == budget

@@ -23,11 +23,17 @@ slurm_local = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(slurm_local)
 
 # Two methods x two datasets; text_file without task.path fails (before weights load) in each
-# method, so the sweep has successes and failures. One node CPU per member, 1 GB.
-SWEEP = ["-m", "hydra/launcher=slurm_cpu", "hydra.launcher.cpus_per_task=1",
-         "hydra.launcher.mem_gb=1", "hydra.launcher.timeout_min=10", "model=stories260k",
-         "model.device=cpu", "method=full,h2o", "task.dataset=pg19,text_file",
-         "task.max_tokens=60", "runner.threads=1", "runner.skip_existing=true"]
+# method, so the sweep has successes and failures. One node CPU per member, 1 GB. One array task
+# per member (runner.sweep_engine=false), so single members can be cancelled.
+RESOURCES = ["hydra/launcher=slurm_cpu", "hydra.launcher.cpus_per_task=1",
+             "hydra.launcher.mem_gb=1", "hydra.launcher.timeout_min=10", "model=stories260k",
+             "model.device=cpu", "runner.threads=1"]
+SWEEP = ["-m", *RESOURCES, "method=full,h2o", "task.dataset=pg19,text_file",
+         "task.max_tokens=60", "runner.skip_existing=true", "runner.sweep_engine=false"]
+# Five RULER samples on stories260K: shard 1 of 2 gets the first two, shard 2 the other three.
+RULER = ["task=ruler", "task.lengths=[320]", "task.subtasks=[niah_single]",
+         "task.depths=[10,30,50,70,90]", "task.max_new_tokens=8", "method=snapkv,h2o",
+         "method.budget_tokens=24"]
 CANCELLED = 2  # member #2 = (h2o, pg19): Hydra's order is the product of the overrides
 # (h2o, text_file), cancelled while pending: depending on timing sacct records it CANCELLED, keeps
 # it PENDING, or has no record of it; the launcher's squeue check covers the last two.
@@ -146,3 +152,42 @@ def _wait_for_running(env, task: int, timeout_s=400) -> str:
                 return array_id
         time.sleep(0.3)
     raise AssertionError(f"array task {task} of the sweep never ran")
+
+
+def test_a_two_shard_array_merges_to_the_unsharded_sweep(cluster, tmp_path):
+    """runner.shards=2 under SLURM: one array of two tasks, each running both members on its
+    samples, then one merge job; each member's folder equals the unsharded sweep's (run here,
+    through the default local launcher)."""
+    from tests.harness.test_sweep_engine import folder_figures
+
+    _, env = cluster
+    sharded = harness(env, "-m", *RESOURCES, *RULER, "runner.shards=2",
+                      f"runner.results_root={tmp_path}/slurm",
+                      f"hydra.sweep.dir={tmp_path}/slurm/_sweeps/s")
+    assert sharded.returncode == 0, sharded.stderr[-3000:]
+    summary = json.loads((tmp_path / "slurm/_sweeps/s/summary.json").read_text())
+    assert summary["counts"]["ok"] == 2, summary
+    # The array's two tasks, as SLURM's accounting saw them, and the merge job.
+    jobs = sorted(p.name for p in (tmp_path / "slurm/_sweeps/s/.submitit").iterdir()
+                  if p.is_dir() and p.name[0].isdigit())
+    array = [j for j in jobs if "_" in j]  # submitit also keeps a folder per array id
+    jobs = array + [j for j in jobs if "_" not in j and j != array[0].split("_")[0]]
+    assert len(array) == 2 and len(jobs) == 3 and array[0].endswith("_0"), jobs
+    acct = subprocess.run(["sacct", "-n", "-X", "-P", "-o", "JobID,State", "-j",
+                           ",".join(j.split("_")[0] for j in jobs)], env=env,
+                          capture_output=True, text=True, timeout=30).stdout
+    # The merge job may still be ending (its result is written before it exits).
+    assert {row.split("|")[0] for row in acct.splitlines() if "|COMPLETED" in row} >= set(array), \
+        acct
+    logs = "".join(p.read_text() for p in (tmp_path / "slurm/_sweeps/s/.submitit").rglob("*.out"))
+    assert logs.count("sweep engine: 2 settings") == 3  # two shards and the merge
+    assert "merging the records of 2 shards (10 (setting, sample) answers)" in logs
+
+    local = harness(env, "-m", "model=stories260k", "runner.threads=1", *RULER,
+                    f"runner.results_root={tmp_path}/local",
+                    f"hydra.sweep.dir={tmp_path}/local/_sweeps/s")
+    assert local.returncode == 0, local.stderr[-3000:]
+    alone = json.loads((tmp_path / "local/_sweeps/s/summary.json").read_text())
+    for a, b in zip(alone["members"], summary["members"]):
+        assert folder_figures(Path(b["detail"])) == folder_figures(Path(a["detail"]))
+    assert not list((tmp_path / "slurm/_sweep_records").iterdir())
