@@ -5,6 +5,7 @@ group), alternated in one process, CPU-seconds per (setting, sample) and their r
 
     python benchmarks/sweep_cost.py [--model smollm2_135m] [--length 1024] [--limit 3]
         [--methods snapkv tova knorm] [--budgets 0.2 0.5] [--rounds 1] [--threads 1]
+        [--decode-batch 6]
 
 The old path here runs in this process (`harness.run.run` per setting), so it does not pay a
 new Python process and its imports per setting as `runner.sweep_engine=false` does: the ratio
@@ -31,13 +32,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def configs(args, root: Path) -> list:
+def configs(args, root: Path, decode_batch: int = 1) -> list:
     from hydra import compose, initialize_config_dir
 
     common = [f"model={args.model}", "task=ruler", f"task.lengths=[{args.length}]",
               "task.depths=[50]",
               f"task.limit={args.limit}", f"runner.threads={args.threads}",
               f"runner.results_root={root}"]
+    if decode_batch > 1:
+        common.append(f"runner.sweep_decode_batch={decode_batch}")
     cfgs = []
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         for method in args.methods:
@@ -90,24 +93,30 @@ def main() -> None:
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.2, 0.5])
     ap.add_argument("--rounds", type=int, default=1, help="old/sweep pairs, alternated")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--decode-batch", type=int, default=0, help="also the sweep engine with "
+                    "runner.sweep_decode_batch=N (settings decoded together), alternated with "
+                    "the other two (0: not run)")
     args = ap.parse_args()
     import torch
 
     torch.set_num_threads(args.threads)
     n_settings = len(args.methods) * len(args.budgets)
-    cost = {"old": [], "sweep": []}
+    arms = [("old", old_path, 1), ("sweep", sweep_path, 1)]
+    if args.decode_batch > 1:
+        arms.append(("batched", sweep_path, args.decode_batch))
+    cost = {path: [] for path, _, _ in arms}
     last = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for path, fn in (("old", old_path), ("sweep", sweep_path)):
-                cfgs = configs(args, Path(tmp) / f"{path}{r}")
+            for path, fn, decode_batch in arms:
+                cfgs = configs(args, Path(tmp) / f"{path}{r}", decode_batch)
                 t0, c0 = time.perf_counter(), time.process_time()
                 folders = fn(cfgs)
                 cpu, wall = time.process_time() - c0, time.perf_counter() - t0
                 cost[path].append((cpu, wall))
                 last[path] = folders
                 print(f"round {r} {path:5s}: {cpu:.1f} CPU-s, {wall:.1f} s wall", flush=True)
-        same = predictions(last["old"]) == predictions(last["sweep"])
+        same = all(predictions(last["old"]) == predictions(last[path]) for path in last)
         parts = breakdown(last["sweep"])
     cells = n_settings * args.limit
     old = statistics.median(c for c, _ in cost["old"])
@@ -117,7 +126,13 @@ def main() -> None:
           f"{args.threads} thread(s), {args.rounds} round(s))")
     print(f"  old path     {old / cells:.2f} CPU-s per (setting, sample)")
     print(f"  sweep engine {new / cells:.2f} CPU-s per (setting, sample)")
-    print(f"  ratio        {old / new:.2f}x  (predictions equal: {same})")
+    print(f"  ratio        {old / new:.2f}x  (predictions of every arm equal: {same})")
+    if "batched" in cost:
+        both = statistics.median(c for c, _ in cost["batched"])
+        wall = statistics.median(w for _, w in cost["batched"])
+        print(f"  sweep engine, {args.decode_batch} settings decoded together: "
+              f"{both / cells:.2f} CPU-s per (setting, sample), {old / both:.2f}x the old path, "
+              f"{new / both:.2f}x the sweep decoding one at a time ({wall:.1f} s wall)")
     rest = new_wall - parts["prefill_s"] - parts["decode_s"]
     print(f"  sweep wall {new_wall:.1f} s: shared prefills {parts['prefill_s']:.1f} s, decode "
           f"steps {parts['decode_s']:.1f} s, the rest {rest:.1f} s (model load, samples, "

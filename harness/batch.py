@@ -20,16 +20,18 @@ keep their state but get no more rows.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from harness import hf_adapter
+from harness.profiling import Timer
 from harness.prompting import close_prompt, open_prompt
 
 if TYPE_CHECKING:
-    from harness.engine import Engine
+    from harness.engine import Engine, Request
 
 
 class Routing:
@@ -137,14 +139,9 @@ class BatchRequest:
         self.routing.set(seqs, [len(p) for p in pieces])
         index = torch.as_tensor(keep, dtype=torch.long, device=device)
         logits = hf_adapter.forward(self.engine.model, ids, positions, self.cache, logits_to_keep=index)
-        layers = [self.caches[s].kv_layers for s, p in zip(seqs, pieces) if p]
-        for kv_layers in layers:
-            if decode:
-                self.engine.attended.add_step(kv_layers)
-            for kv in kv_layers:
-                kv.after_forward()
-            if self.engine.settings.check_budget:
-                self.engine.ledger.check_step(kv_layers)
+        for s, p in zip(seqs, pieces):
+            if p:
+                account_forward(self.engine, self.caches[s].kv_layers, decode)
         for s, p in zip(seqs, pieces):
             self.pos[s] += len(p)
         return logits
@@ -223,6 +220,64 @@ class BatchRequest:
             active = [active[r] for r in keep]
             logits = self.step(active, [tokens[r] for r in keep])
         return outs
+
+
+def account_forward(engine: "Engine", kv_layers: list, decode: bool) -> None:
+    """What follows one forward for one sequence: a decode step enters the attended-fraction
+    accounting, the method evicts (attention has used the tokens), the budget is checked."""
+    if decode:
+        engine.attended.add_step(kv_layers)
+    for kv in kv_layers:
+        kv.after_forward()
+    if engine.settings.check_budget:
+        engine.ledger.check_step(kv_layers)
+
+
+def decode_requests(requests: list["Request"], logits: list[torch.Tensor], limits: list[int],
+                    stop_ids: set[int], min_new_tokens: int = 0) -> list[list[int]]:
+    """Greedy decoding of independent requests, one batched forward per step (a sweep's settings
+    decoded together, harness.sweep_engine). Each request keeps its own engine (method, tier,
+    budget checks, accounting): its layers, position and figures advance exactly as its own
+    `Request.answer` would advance them, except that each step's time is the batched step's,
+    counted once by every request in it. `logits[i]`: request i's last logits `(V,)` once its
+    prompt (and query) is fed. A request leaves the batch after a stop token or at its limit."""
+    lead = requests[0].engine
+    caches = [req.cache for req in requests]
+    routing = Routing(caches)
+    mask_for = functools.partial(hf_adapter.sequence_mask, lead.info)
+    fan_out = [FanOutLayer(i, routing, mask_for) for i in range(lead.info.num_layers)]
+    cache = hf_adapter.BatchCache(caches, fan_out, routing)
+    timer = Timer(lead.device)
+    outs: list[list[int]] = [[] for _ in requests]
+    active, rows = list(range(len(requests))), list(logits)
+    while True:
+        tokens = [greedy(rows[r], stop_ids if len(outs[s]) < min_new_tokens else ())
+                  for r, s in enumerate(active)]
+        for s, token in zip(active, tokens):
+            outs[s].append(token)
+        keep = [r for r, s in enumerate(active)
+                if outs[s][-1] not in stop_ids and len(outs[s]) < limits[s]]
+        if not keep:
+            return outs
+        active, tokens = [active[r] for r in keep], [tokens[r] for r in keep]
+        for s in active:
+            requests[s].engine.transfers.begin_step(decode=True)
+        ids = torch.as_tensor([[t] for t in tokens], dtype=torch.long, device=lead.device)
+        positions = torch.as_tensor([[requests[s].pos] for s in active], dtype=torch.long,
+                                    device=lead.device)
+        routing.set(active, [1] * len(active))
+        with timer.region("decode"):
+            out = hf_adapter.forward(lead.model, ids, positions, cache, logits_to_keep=1)
+            for s in active:
+                account_forward(requests[s].engine, requests[s].cache.kv_layers, decode=True)
+            rows = list(out[:, 0].float())
+        step_ms = timer.values("decode")[-1]
+        for s in active:
+            req = requests[s]
+            req.pos += 1
+            req.decode_steps += 1
+            req.engine.decode_tokens += 1
+            req.engine.timer.add("decode", [step_ms])
 
 
 def greedy(logits: torch.Tensor, banned=()) -> int:

@@ -146,8 +146,9 @@ class BatchCache(Cache):
 
     def __init__(self, caches: list[MethodCache], fan_out_layers: list, routing):
         self.caches, self.kv_layers, self.routing = caches, fan_out_layers, routing
-        self.observes_attention_block = caches[0].observes_attention_block
-        self.needs_token_ids = caches[0].needs_token_ids
+        # the sequences may hold different methods (a sweep's settings decoded together)
+        self.observes_attention_block = any(c.observes_attention_block for c in caches)
+        self.needs_token_ids = any(c.needs_token_ids for c in caches)
         for layer, nxt in zip(fan_out_layers, fan_out_layers[1:] + [None]):
             layer.next_layer = nxt
         super().__init__(layers=[_BridgeLayer(layer) for layer in fan_out_layers])

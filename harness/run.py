@@ -77,8 +77,9 @@ def check_runner(runner: dict[str, Any]) -> None:
     positive_int("prefill_chunk_tokens")
     positive_int("batch_size")
     positive_int("threads", allow_none=True)
-    if "shards" in runner:  # a runner dict built in code (lm-eval, the API) may leave it out
-        positive_int("shards")
+    for key in ("shards", "sweep_decode_batch"):  # a runner dict built in code (lm-eval, the
+        if key in runner:  # API) may leave them out
+            positive_int(key)
     cpus = os.cpu_count() or 1
     if runner.get("threads") is not None and runner["threads"] > cpus:
         raise ConfigError(f"runner.threads={runner['threads']} is more than this machine's {cpus} "
@@ -295,6 +296,11 @@ def run(cfg: DictConfig) -> Path:
         raise ConfigError(f"runner.shards={runner['shards']} splits the samples of a multirun "
                           "(python -m harness -m ...); a single run is one process: add -m or "
                           "drop it")
+    if runner.get("sweep_decode_batch", 1) != 1:
+        raise ConfigError(f"runner.sweep_decode_batch={runner['sweep_decode_batch']} decodes the "
+                          "settings of a multirun together (python -m harness -m ..., through "
+                          "the sweep engine); a single run has one setting (runner.batch_size "
+                          "batches its samples): add -m or drop it")
     session.validate(setting)
     out = output_dir(runner, setting.task_name, session.spec.name, setting.method_name)
     done = resolve_output(runner, out, setting.identity)  # refuses a path it must not replace

@@ -36,7 +36,7 @@ CONF = CONF_DIR
 
 # Keys that say where or how a run is written or shown, not what it computes.
 _NOT_IDENTITY = {"runner": ("output_dir", "results_root", "debug", "skip_existing", "overwrite",
-                            "threads", "sweep_engine", "shards"),
+                            "threads", "sweep_engine", "shards", "sweep_decode_batch"),
                  "logger": None, "hydra": None}
 # Options added after runs were made, at the value that computes exactly what runs made before
 # they existed computed: left out of the identity at that value, so a resumed sweep

@@ -34,6 +34,7 @@ answer and its accounting (time, KV figures), and every setting counts those sam
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -42,13 +43,14 @@ import torch
 
 from harness import sweep_records
 from harness.engine import Engine
+from harness.sweep_decode import Decoder, decodes_alone
 from kvcore.errors import ConfigError
 from kvcore.storage import Rows
 from methods.base import KVMethod, Protocol
 
 # Runner keys that say where or how results are written or shown, not what is computed.
 _NOT_COMPUTE = ("output_dir", "results_root", "debug", "skip_existing", "overwrite", "threads",
-                "sweep_engine", "shards")
+                "sweep_engine", "shards", "sweep_decode_batch")
 # Runner keys read only once a prompt is over (each setting's own engine and layers apply them
 # after the shared prefill is handed over): they never split a prefill group.
 _AFTER_PROMPT = ("decode_interval_tokens",)
@@ -65,6 +67,7 @@ class Member:
     # samples whose sequence fits the method's rule budget (rule_budget): the full cache's
     # answer, computed once per sample; None: its method has no such rule, or its own pass
     identical_to_full: int | None = None
+    decode_batch: int = 1  # settings its decode steps ran with, at most (harness.sweep_decode)
 
 
 @dataclass
@@ -254,6 +257,9 @@ class FanOut:
                         for g in groups for k in g.members}
         self.identical = {k: None if b is None else 0 for k, b in self.budgets.items()}
         self.gained: dict[int, dict] = {}  # per member: what its last answer added (a tally)
+        # settings decoded together (harness.sweep_decode): the smallest any member allows
+        self.decode_batch = min(members[k].setting.runner.get("sweep_decode_batch", 1)
+                                for g in groups for k in g.members)
 
     def __getattr__(self, name: str):
         return getattr(self.members[self.first].engine, name)
@@ -279,9 +285,11 @@ class FanOut:
             key = sweep_records.prompt_key(prompt, query, limits[i])
             where = (len(self.calls) - 1, i, key)
             reuse = self._reuse(len(prompt) + len(query or []) + limits[i])
-            for group in self.groups:
-                self._answer(group, call, where, prompt, limits[i], stop_ids, min_new_tokens,
-                             query, reuse)
+            done = functools.partial(self._done, call, where)
+            with Decoder(self.decode_batch, stop_ids, min_new_tokens, done,
+                         self.copy_on_use) as decoder:
+                for group in self.groups:
+                    self._answer(group, call, where, prompt, limits[i], query, reuse, decoder)
             for k, donor in reuse.items():  # the full cache's answer, by rule
                 if len(call.outputs[k]) == i + 1:  # recorded before a restart
                     continue
@@ -316,8 +324,7 @@ class FanOut:
         return reuse
 
     def _answer(self, group: Group, call: Call, where: tuple[int, int, str], prompt: list[int],
-                limit: int, stop_ids: set[int], min_new_tokens: int, query,
-                reuse: dict[int, int]) -> None:
+                limit: int, query, reuse: dict[int, int], decoder: Decoder) -> None:
         kept = {k: self.records[k].get(*where) for k in group.members if self.records[k]}
         missing = [k for k in group.members if kept.get(k) is None]
         todo = [k for k in missing if k not in reuse]  # the others: after every group
@@ -331,29 +338,21 @@ class FanOut:
         shared = (self._prefill(group, prompt) if group.prefill_engine is not None and todo
                   else None)
         for k in group.members:
-            engine, records = self.members[k].engine, self.records[k]
+            engine = self.members[k].engine
             if kept.get(k) is not None:  # answered before a restart: counted as it was
                 sweep_records.apply(engine, kept[k]["tally"])
                 call.outputs[k].append(kept[k]["output"])
                 self.gained[k] = kept[k]["tally"]
-                continue
-            if k in reuse:
-                continue
-            before = sweep_records.tally(engine)
-            with engine.request() as req:
-                if shared is None:
-                    out = req.generate(prompt, limit, stop_ids, min_new_tokens, query)
-                else:
-                    snapshot, logits, cost = shared
-                    req.restore(snapshot, consume=not self.copy_on_use)
-                    sweep_records.apply(engine, cost)  # what this prefill costs it alone
-                    engine.transfers.begin_step(decode=False)
-                    req.close_prompt()
-                    out = req.answer(logits.clone(), limit, stop_ids, min_new_tokens, query)
-            call.outputs[k].append(out)
-            self.gained[k] = sweep_records.added(engine, before)
-            if records:
-                records.append(*where, out, self.gained[k], shared=shared is not None)
+            elif k not in reuse:
+                decoder.add(k, engine, prompt, limit, query, shared)
+
+    def _done(self, call: Call, where: tuple[int, int, str], k: int, out: list[int],
+              gained: dict, shared: bool) -> None:
+        """Member k's answer to this prompt, its request closed and accounted."""
+        call.outputs[k].append(out)
+        self.gained[k] = gained
+        if self.records[k]:
+            self.records[k].append(*where, out, gained, shared=shared)
 
     def _prefill(self, group: Group, prompt: list[int]):
         """The group's prompt state once the prompt is fed, before its end: (snapshot, last
@@ -431,6 +430,8 @@ def evaluate(members: list[Member], info, copy_on_use: bool = True, records: lis
         result = members[first].setting.task.evaluate(fan)
         for k, count in fan.identical.items():
             members[k].identical_to_full = count
+            if not decodes_alone(members[k].engine, fan.decode_batch):
+                members[k].decode_batch = fan.decode_batch
         yield first, result, groups
         for i in [i for g in groups for i in g.members if i != first]:
             replay = Replay(members[i].engine, fan.calls, i, fan.tokenizer)

@@ -120,6 +120,7 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True,
                            "prefill_shared_with": (len(group.members) - 1) if group else 0,
                            "prompts_prefilled_once": group.shared_prefills if group else 0,
                            "shards": merge or 1,
+                           "decode_batch": member.decode_batch,
                            "identical_to_full": member.identical_to_full}}
         metrics = build_metrics(session, member.setting, member.engine, result, t_start, extra)
         folder = write_result(member.setting, outs[i], metrics, result, member.engine)

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from harness import batch as batching
 from harness.run import protocol_reasons, run
 from methods import build_method
 from methods.base import Protocol
@@ -106,3 +107,58 @@ def test_batched_decode_counts_every_sequence_in_throughput(tiny_model, batch):
     assert speed["decode_steps"] == 4 and speed["decode_tokens"] == 8
     total_ms = sum(engine.timer.values("decode"))
     assert speed["decode_tokens_per_s"] == pytest.approx(8 * 1e3 / total_ms, rel=1e-3)
+
+
+def decode_alone_and_together(model, methods, lengths, limits):
+    """Each request decoded by its own `Request.answer`, then all of them together by
+    `decode_requests` (one engine per method, as a sweep's settings): both outputs, and each
+    engine's decode figures after the second."""
+    from contextlib import ExitStack
+
+    from harness.batch import decode_requests
+
+    prompts = prompts_of(lengths, seed=5)
+    engines = [make_engine(model, method, chunk=8) for method in methods]
+    alone = []
+    for engine, prompt, limit in zip(engines, prompts, limits):
+        with engine.request() as req:
+            alone.append(req.answer(req.prefill(prompt), limit, set()))
+    engines = [make_engine(model, method, chunk=8) for method in methods]
+    with ExitStack() as stack:
+        reqs = [stack.enter_context(engine.request()) for engine in engines]
+        logits = [req.prefill(prompt)[0, -1] for req, prompt in zip(reqs, prompts)]
+        together = decode_requests(reqs, logits, limits, set())
+    return alone, together, engines
+
+
+def test_requests_of_different_methods_decode_together_as_alone(tiny_model):
+    """A sweep's settings decoded together (harness.batch.decode_requests): three methods, three
+    prompt lengths (so positions differ per row), three limits (rows leave the batch): each row
+    equals its request decoded alone, and each engine counts its own steps only."""
+    methods = [build_method("h2o", budget_tokens=10), build_method("full"),
+               build_method("streaming_llm", sink_tokens=2, window_tokens=6)]
+    limits = [6, 3, 9]
+    alone, together, engines = decode_alone_and_together(tiny_model, methods, [14, 23, 9], limits)
+    assert together == alone
+    assert [len(out) for out in together] == limits
+    for engine, limit in zip(engines, limits):
+        speed = engine.speed().as_dict()
+        assert speed["decode_tokens"] == speed["decode_steps"] == limit - 1
+        assert len(engine.ledger.samples) == 1
+
+
+def test_rows_crossed_between_requests_are_caught(tiny_model, monkeypatch):
+    """The planted bug: each batched step routes row r to the next request's cache: the outputs
+    no longer equal the requests decoded alone (or a cache breaks outright)."""
+    original = batching.Routing.set
+
+    def rotated(self, seqs, valid):
+        original(self, seqs[1:] + seqs[:1], valid)
+
+    monkeypatch.setattr(batching.Routing, "set", rotated)
+    methods = [build_method("h2o", budget_tokens=10), build_method("full")]
+    try:
+        alone, together, _ = decode_alone_and_together(tiny_model, methods, [14, 23], [6, 6])
+    except (RuntimeError, ValueError, IndexError):
+        return
+    assert together != alone

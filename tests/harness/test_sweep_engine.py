@@ -357,3 +357,33 @@ def test_the_rule_budget_is_the_configuration_the_contract_checks(name, knobs, b
     from methods import build_method
 
     assert rule_budget(build_method(name, **knobs)) == budget
+
+
+def test_settings_decoded_together_equal_their_single_runs_and_decode_batch_one(tmp_path):
+    """runner.sweep_decode_batch: every method's setting in one sweep, decoded together (rows of
+    one batched forward, each its own method and cache), 4 at a time (the last batch partial)
+    and all at once: each equals its single run and the sweep decoding one at a time — the
+    batch is a memory knob. Settings that cannot share a forward decode alone."""
+    need_shared(STORIES)
+    settings = [[*TASK, f"method={name}", *knob_settings(name)[0]]
+                for name in available_methods()]
+    alone = single_runs(settings, tmp_path)
+    figures = [folder_figures(f) for f in alone]
+    for size in (4, len(settings)):
+        swept = sweep_folders([[*s, f"runner.sweep_decode_batch={size}"] for s in settings],
+                              tmp_path / f"batch{size}")
+        for name, want, got in zip(available_methods(), figures, swept):
+            assert folder_figures(got) == want, name
+        batches = [json.loads((f / "metrics.json").read_text())["run"]["sweep"]["decode_batch"]
+                   for f in swept]
+        assert max(batches) == size and min(batches) >= 1
+
+
+def test_a_decode_batch_outside_a_multirun_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="runner.sweep_decode_batch=4 decodes the settings of "
+                                          "a multirun together"):
+        run(cfg_for(*TASK, "method=full", "runner.sweep_decode_batch=4",
+                    f"runner.output_dir={tmp_path}/one"))
+    with pytest.raises(ConfigError, match=r"runner.sweep_decode_batch=0 must be a positive"):
+        run(cfg_for(*TASK, "method=full", "runner.sweep_decode_batch=0",
+                    f"runner.output_dir={tmp_path}/two"))
