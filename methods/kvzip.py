@@ -14,7 +14,20 @@ one compressed cache serves every later query.
 
 `level` (the official `--level`): `pair` (default) = the layer's H_kv x budget tokens go to its
 top scores over all its KV heads (non-uniform head budgets, ragged rows); `pair-uniform` = every
-KV head keeps its own top `budget`.
+KV head keeps its own top `budget`; `head` = context-independent head-level eviction: no
+reconstruction per prompt; each (layer, KV head) has one static score, the maximum over a
+calibration context of its pair scores (the official `--save_head_score`: `amax` over the
+context of one reconstruction's scores; several files: their maximum), computed at `prepare`
+from `calibration_path` (default PG-19's first book; the official: SCBench En.QA's first
+context) or loaded from `head_scores_path` (the official `utils/head_score/*.pt`, (L, H_kv); a
+folder: the maximum over its `.pt` files). A kept head holds its whole context, an evicted head
+only the sinks (the system prompt); the question and generated tokens are appended to every
+head. Which heads: the official threshold over the scores spread over every context token
+(`_threshold`, sorted, index int(L H T r) - 1, kept = strictly above): the top ceil(r L H) - 1
+heads of the model (exact for any context of more than 1 / frac(r L H) tokens); `budget_ratio`
+r is that share of (layer, KV head) pairs (official recommendation 0.6), so each layer's budget
+is its own (its kept heads' tokens plus the others' sinks, per-head mean): the layers are
+non-uniform, as the official global threshold makes them.
 
 Cost: the reconstruction forwards read about as many tokens as the prompt again (plus ~15 per
 chunk), the official "about 2x prefill": recorded per request in metrics.json
@@ -30,8 +43,8 @@ Differences:
     chat template's text before a user message when the prompt starts with it (kvpress's split
     of the template); a prompt without it gets kvpress's sinks: its first `sink_tokens` (kvpress
     keeps only those of a system prompt too, and scores the rest of it 0);
-  * the official head-level variant (context-independent head scores from offline runs) is not
-    offered: it needs per-model score files the authors publish for three models only;
+  * head level without the authors' files (published for three models): the scores come from
+    one reconstruction of `calibration_tokens` tokens of the calibration text, in this harness;
   * the answer prefix: the tokenizer's chat-template assistant turn (kvpress's split of a dummy
     message), "\\n" without a template.
 A request's first prompt is scored (the cache holds it whole, in text order); a later prompt in
@@ -40,7 +53,10 @@ the same request is refused with a clear error.
 Hyperparameters (the one budget rule, methods/base.py):
     budget_ratio / budget_tokens: tokens kept per layer and KV head (per-head mean for `pair`),
         sinks included; a ratio is of the prompt's tokens.
-    level: pair | pair-uniform.
+    level: pair | pair-uniform | head (budget_ratio only: the share of heads kept).
+    head_scores_path: level=head: the official head-score file or folder (else computed).
+    calibration_path / calibration_tokens: level=head: the text whose reconstruction gives the
+        head scores, and how many of its tokens.
     chunk_tokens: prompt tokens reconstructed per forward (official: 2000; kvpress: 2048).
     sink_tokens: first tokens always kept (kvpress: 4).
     system_prompt: keep (official: a chat system prompt opening the prompt is kept whole and is
@@ -50,19 +66,25 @@ Hyperparameters (the one budget rule, methods/base.py):
 
 from __future__ import annotations
 
+import io
 import logging
+import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, ClassVar
 
 import torch
 
+from kvcore.errors import ConfigError
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, FullLayer, KVLayer, KVMethod, ModelInfo
+from methods import _sidefiles as sidefiles
+from methods.base import (Capabilities, FullLayer, KVLayer, KVMethod, ModelInfo,
+                          require_basis)
 from methods.eviction import BudgetedMethod, EvictionLayer
 
 log = logging.getLogger(__name__)
-LEVELS = ("pair", "pair-uniform")
+LEVELS = ("pair", "pair-uniform", "head")
 SYSTEM_PROMPTS = ("keep", "sinks")
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with "
@@ -87,7 +109,9 @@ class KVzip(BudgetedMethod):
         acts_during_decode=False, needs_prefill=True, prefill_modes=("dense",),
         selects_tokens=True, needs_prepare=True, needs_token_ids=True, kv_layouts=KV_LAYOUTS,
         ragged_heads=True)
-    variant_keys: ClassVar[tuple[str, ...]] = ("level", "chunk_tokens", "system_prompt")
+    variant_keys: ClassVar[tuple[str, ...]] = ("level", "chunk_tokens", "system_prompt",
+                                               "head_scores_path", "calibration_path",
+                                               "calibration_tokens")
     inert_knobs: ClassVar[dict[str, str]] = {
         "system_prompt": "the test models have no chat template, so no prompt opens with a "
                          "system prompt (tests/methods/test_kvzip.py plants one)"}
@@ -95,12 +119,16 @@ class KVzip(BudgetedMethod):
     chunk_tokens: int = 2000
     sink_tokens: int = 4
     system_prompt: str = "keep"
+    head_scores_path: str | None = None
+    calibration_path: str | None = None
+    calibration_tokens: int = 2048
 
     def __post_init__(self) -> None:
         super().__post_init__()
         self._forward: Callable | None = None  # ctx.capture: one forward through given layers
         # (first instruction, later instruction, answer prefix, system prompt) ids, 1-D each
         self._prompts: tuple[torch.Tensor, ...] | None = None
+        self._head_scores: torch.Tensor | None = None  # level=head: (L, H_kv) fp32
 
     def check_hyperparameters(self) -> list[str]:
         reasons = super().check_hyperparameters()
@@ -114,6 +142,34 @@ class KVzip(BudgetedMethod):
                            f"{', '.join(SYSTEM_PROMPTS)}")
         if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
             reasons.append(f"method.sink_tokens={self.sink_tokens!r} must be an integer >= 0")
+        if self.level == "head" and self.budget_tokens is not None:
+            reasons.append(f"method.budget_tokens={self.budget_tokens} with method.level=head: "
+                           "head level keeps whole heads, its budget is method.budget_ratio "
+                           "(the share of (layer, KV head) pairs kept); drop budget_tokens")
+        head_only = {"head_scores_path": None, "calibration_path": None,
+                     "calibration_tokens": 2048}
+        for key, default in head_only.items():
+            if self.level != "head" and getattr(self, key) != default:
+                reasons.append(f"method.{key}={getattr(self, key)} applies to method.level=head "
+                               f"only (level={self.level} scores every prompt by reconstructing "
+                               "it); set level=head or drop it")
+        if not isinstance(self.calibration_tokens, int) or isinstance(
+                self.calibration_tokens, bool) or self.calibration_tokens < 1:
+            reasons.append(f"method.calibration_tokens={self.calibration_tokens!r} must be an "
+                           "integer >= 1")
+        for key in ("head_scores_path", "calibration_path"):
+            value = getattr(self, key)
+            if value is not None and not Path(value).exists():
+                reasons.append(f"method.{key}={value}: no such file or folder")
+        return reasons
+
+    def validate(self, info: ModelInfo, runner: dict) -> list[str]:
+        reasons = super().validate(info, runner)
+        if self.level == "head" and self.head_scores_path:
+            try:
+                load_head_scores(self.head_scores_path, info)
+            except ConfigError as exc:
+                reasons.append(str(exc))
         return reasons
 
     @classmethod
@@ -124,9 +180,51 @@ class KVzip(BudgetedMethod):
     def prepare(self, ctx) -> dict:
         self._forward = ctx.capture
         self._prompts = reconstruction_prompts(ctx.tokenizer, ctx.vocab_size)
-        return {"reconstruction_prompt_tokens": int(self._prompts[0].numel())}
+        facts = {"reconstruction_prompt_tokens": int(self._prompts[0].numel())}
+        if self.level == "head":
+            if self.head_scores_path:
+                self._head_scores = load_head_scores(self.head_scores_path, ctx.info)
+                facts["head_scores"] = str(self.head_scores_path)
+            else:
+                ids, source = calibration_ids(ctx, self.calibration_path, self.calibration_tokens)
+                self._head_scores = self.calibrate(ids)
+                facts.update(head_scores=source, calibration_tokens=int(ids.numel()))
+        return facts
+
+    def calibrate(self, ids: torch.Tensor) -> torch.Tensor:
+        """Head scores `(L, H_kv)` fp32: the maximum over `ids` (one context) of each head's
+        pair scores from one reconstruction of it (the official `--save_head_score`)."""
+        scorer = KVzip(budget_tokens=1, chunk_tokens=self.chunk_tokens,
+                       sink_tokens=self.sink_tokens, system_prompt=self.system_prompt)
+        scorer._forward, scorer._prompts = self._forward, self._prompts
+        layers = self._forward(scorer, ids)
+        scorer.reconstruct(layers[0])
+        return torch.stack([kv.kvzip_scores[0].amax(-1) for kv in layers]).float().cpu()
+
+    def layer_budget(self, layer_idx: int, num_layers: int, basis: int) -> int:
+        if self.level != "head":
+            return super().layer_budget(layer_idx, num_layers, basis)
+        heads, basis = self.kept_heads_of(layer_idx), require_basis(basis)
+        kept, h = int(heads.sum()), heads.numel()
+        return max(1, -(-(kept * basis + (h - kept) * min(self.protected_bound(), basis)) // h))
+
+    def kept_heads_of(self, layer_idx: int) -> torch.Tensor:
+        """level=head: bool `(H_kv,)`, the heads of the layer that keep their context."""
+        if self._head_scores is None:
+            raise RuntimeError("kvzip: call prepare first (level=head reads its head scores)")
+        return official_kept_heads(self._head_scores, self.budget_ratio)[layer_idx]
+
+    def protected_bound(self) -> int:
+        """The most tokens an evicted head keeps: the sinks, or a kept system prompt."""
+        system = self._prompts[3].numel() if self._prompts is not None else 0
+        return max(self.sink_tokens, system if self.system_prompt == "keep" else 0)
 
     def head_budgets(self, scores: torch.Tensor, budget: int, layer_idx: int) -> torch.Tensor:
+        if self.level == "head":  # a kept head all it holds, the others their sinks
+            held = (scores > float("-inf")).sum(-1)
+            sinks = torch.isposinf(scores).sum(-1)
+            kept = self.kept_heads_of(layer_idx).to(scores.device)
+            return torch.where(kept, held, sinks)
         if self.level == "pair-uniform":
             return super().head_budgets(scores, budget, layer_idx)
         b, h, t = scores.shape  # the layer's top H x budget over all its heads
@@ -145,7 +243,7 @@ class KVzip(BudgetedMethod):
         """Score every KVzip layer of the request whose layer 0 is `first` by reconstructing the
         prompt (module docstring): one forward per chunk through wrappers of the request's
         layers."""
-        if self._forward is None:
+        if self._prompts is None:
             raise RuntimeError("kvzip: call prepare first (it needs the model's forward)")
         layers = []
         layer = first
@@ -167,6 +265,13 @@ class KVzip(BudgetedMethod):
         system = system.numel() if torch.equal(ids[:system.numel()], system) else 0
         for kv in scoring:
             kv.system_tokens = system if self.system_prompt == "keep" else 0
+        if self.level == "head":  # static scores, every token of a head alike: no forward
+            for kv in scoring:
+                kv.kvzip_scores[:] = self._head_scores[kv.layer_idx].to(kv.kvzip_scores)[:, None]
+            first.reconstruction = {"reconstruction_tokens": 0.0, "reconstruction_ms": 0.0}
+            return
+        if self._forward is None:
+            raise RuntimeError("kvzip: call prepare first (it needs the model's forward)")
         t0, fed = time.perf_counter(), 0
         for start in range(system, n, self.chunk_tokens):
             end = min(start + self.chunk_tokens, n)
@@ -320,3 +425,67 @@ def reconstruction_prompts(tokenizer, vocab_size: int
         before, answer = turn.split(separator)
         system = before.split(dummy)[0]
     return encode(FIRST_PROMPT), encode(LATER_PROMPT), encode(answer), encode(system)
+
+
+def official_kept_heads(scores: torch.Tensor, ratio: float) -> torch.Tensor:
+    """The official head-level threshold (`_threshold` over the head scores spread over a long
+    context): the heads strictly above the (ceil(r N) - 1)-th largest of the N = L x H_kv
+    scores, i.e. the top ceil(r N) - 1 (ties at the threshold dropped). bool `(L, H_kv)`."""
+    if ratio >= 1:
+        return torch.ones(scores.shape, dtype=torch.bool)
+    flat = scores.flatten().double()
+    n = max(math.ceil(ratio * flat.numel() - 1e-9) - 1, 0)
+    threshold = torch.sort(flat, descending=True).values[n]
+    return (flat > threshold).view(scores.shape)
+
+
+def load_head_scores(path, info: ModelInfo) -> torch.Tensor:
+    """The official head-score file (`torch.save` of an `(L, H_kv)` tensor), or the maximum over
+    a folder's `.pt` files (the official `load_head_score`). `(L, H_kv)` fp32."""
+    key = "method.head_scores_path"
+    path = Path(path)
+    files = sorted(path.glob("*.pt")) if path.is_dir() else [path]
+    if not files:
+        raise ConfigError(f"{key}={path}: a folder without .pt head-score files")
+    tables = []
+    for file in files:
+        content = sidefiles.read_bytes(key, file)
+        try:
+            table = torch.load(io.BytesIO(content), weights_only=True, map_location="cpu")
+        except Exception as exc:  # torch raises many kinds for a file that is not its own
+            raise ConfigError(f"{key}={file}: not a torch tensor file ({type(exc).__name__}); "
+                              "expected the official (layers x KV heads) head scores") from None
+        if not isinstance(table, torch.Tensor):
+            raise ConfigError(f"{key}={file}: holds a {type(table).__name__}, expected a tensor "
+                              "(layers x KV heads)")
+        table = table.squeeze().float()
+        want = (info.num_layers, info.num_kv_heads)
+        if tuple(table.shape) != want:
+            raise ConfigError(f"{key}={file}: shape {tuple(table.shape)}; this model needs "
+                              f"{want} (layers x KV heads)")
+        if not bool(torch.isfinite(table).all()):
+            raise ConfigError(f"{key}={file}: a score is not finite; allowed: finite numbers")
+        tables.append(table)
+    return torch.stack(tables).amax(0)
+
+
+def calibration_ids(ctx, path: str | None, tokens: int) -> tuple[torch.Tensor, str]:
+    """The head-score calibration context: `tokens` ids of `path` (default PG-19's first book),
+    capped to fit the model's positions with the reconstruction forward after it; seeded
+    random ids for models built in code."""
+    limit = ctx.info.max_positions  # the context, then a chunk of it repeated (+ instructions)
+    want = tokens if not limit else min(tokens, max((limit - 64) // 2, 1))
+    if ctx.calibration_ids is not None:
+        return torch.as_tensor(ctx.calibration_ids).flatten()[:want], "ctx.calibration_ids"
+    if ctx.tokenizer is None:
+        log.warning("kvzip: no tokenizer, head scores from %d seeded random token ids", want)
+        seeded = torch.Generator().manual_seed(0)
+        return torch.randint(3, ctx.vocab_size, (want,), generator=seeded), "seeded random ids"
+    default = ctx.data_dir and Path(ctx.data_dir) / "pg19" / "pg19_firstbook.txt"
+    file = Path(path) if path else default
+    if file is None or not Path(file).is_file():
+        raise ConfigError(f"method.calibration_path={file}: no such file (KVzip's head-score "
+                          "context; default: PG-19's first book in ../shared/data)")
+    text = sidefiles.read_text("method.calibration_path", Path(file))
+    ids = torch.tensor(ctx.tokenizer(text, verbose=False)["input_ids"])
+    return ids[:want], str(file)

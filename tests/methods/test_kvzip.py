@@ -146,3 +146,91 @@ def test_kept_set_by_hand(level, kept):
                                         [0.0, .15, .2, .02, .03, .6, .04, .5]]])
     layer.on_prefill_end()
     assert [sorted(p for p in row.tolist() if p >= 0) for row in layer.kept_positions()[0]] == kept
+
+
+def official_threshold(scores, ratio, context_tokens):
+    """The official `_threshold` over head scores spread over a context (`load_head_score`):
+    sort every (layer, head, token) score, threshold at index int(N x ratio) - 1, keep >."""
+    spread = scores[:, :, None].expand(-1, -1, context_tokens).double()
+    order = torch.sort(spread.reshape(-1), descending=True).values
+    threshold = order[max(int(order.numel() * ratio) - 1, 0)]
+    return (spread > threshold).all(-1)
+
+
+@pytest.mark.parametrize("ratio", [0.1, 0.3, 0.5, 0.6, 0.75, 0.9])
+def test_head_level_keeps_the_heads_of_the_official_threshold(ratio):
+    from methods.kvzip import official_kept_heads
+
+    scores = torch.rand(6, 5, generator=torch.Generator().manual_seed(1))
+    for context in (1000, 4096):
+        assert torch.equal(official_kept_heads(scores, ratio),
+                           official_threshold(scores, ratio, context)), (ratio, context)
+
+
+@pytest.mark.kept_set
+@pytest.mark.parametrize("ratio, kept", [
+    # 4 heads, r = 0.75: the official threshold keeps the top ceil(3) - 1 = 2 heads, (0, 0) at
+    # .9 and (1, 1) at .7: layer 1's head 0 keeps its sink only, head 1 everything
+    (0.75, [[0], list(range(8))]),
+    # r = 0.5: the top ceil(2) - 1 = 1 head, (0, 0): layer 1 keeps the sinks only
+    (0.5, [[0], [0]]),
+])
+def test_head_level_kept_set_by_hand(ratio, kept):
+    info = ModelInfo(num_layers=2, num_heads=2, num_kv_heads=2, head_dim=2, max_positions=16)
+    method = build_method("kvzip", budget_ratio=ratio, sink_tokens=1, level="head")
+    method._head_scores = torch.tensor([[.9, .1], [.5, .7]])
+    layer = method.make_layer(1, info)
+    layer.final_tokens = 8  # the budget basis: the prompt (set by the engine when fed)
+    keys = torch.randn(1, 2, 8, 2, generator=torch.Generator().manual_seed(0))
+    layer.prompt_open = True
+    layer.update(keys, keys, None)
+    layer.after_forward()
+    layer.prompt_open = False
+    layer.kvzip_scores = method._head_scores[1][None, :, None].expand(1, 2, 8).clone()
+    layer.on_prefill_end()
+    assert [sorted(p for p in row.tolist() if p >= 0) for row in layer.kept_positions()[0]] == kept
+    # its budget: the kept heads' tokens plus the others' sinks, per-head mean
+    assert layer.kept_tokens() <= layer.budget() == -(-(len(kept[1]) + 1) // 2)
+
+
+def test_head_level_from_an_official_score_file_runs_without_reconstruction(tiny_model,
+                                                                            tmp_path):
+    """Head scores from a file (the official format: a (layers, KV heads) tensor; a folder: the
+    maximum over its files): no reconstruction forward; kept heads hold the whole prompt,
+    evicted heads their sinks, both then every generated token."""
+    from harness import hf_adapter
+
+    info = hf_adapter.model_info(tiny_model.config)
+    shape = (info.num_layers, info.num_kv_heads)
+    low = torch.zeros(shape)
+    high = torch.zeros(shape)
+    high[0, 0] = high[1, 1] = 1.0
+    torch.save(low, tmp_path / "a.pt")
+    torch.save(high, tmp_path / "b.pt")
+    method = build_method("kvzip", budget_ratio=0.75, sink_tokens=2, level="head",
+                          head_scores_path=str(tmp_path))
+    engine = make_engine(tiny_model, method)
+    method._forward = None  # a reconstruction forward would fail
+    ids = torch.randint(3, 250, (30,), generator=torch.Generator().manual_seed(4))
+    with engine.request() as req:
+        req.generate(ids, 4, set())
+        lengths = [kv.kept_lengths()[0].tolist() if kv.kept_lengths() is not None
+                   else [kv.kept_tokens()] * 2 for kv in req.cache.kv_layers]
+    # r L H = 3 -> 2 heads kept: (0, 0) and (1, 1); 30 prompt tokens, 3 decoded rows appended
+    assert lengths == [[33, 5], [5, 33]]
+    assert engine.ledger.samples[-1]["method_facts"]["reconstruction_tokens"] == 0.0
+
+
+def test_head_level_refusals(tiny_model, tmp_path):
+    from harness import hf_adapter
+    from kvcore.errors import ConfigError
+
+    info = hf_adapter.model_info(tiny_model.config)
+    with pytest.raises(ConfigError, match="budget_tokens=8 with method.level=head"):
+        build_method("kvzip", budget_tokens=8, level="head")
+    with pytest.raises(ConfigError, match="head_scores_path=.* applies to method.level=head"):
+        build_method("kvzip", head_scores_path=str(tmp_path))
+    torch.save(torch.zeros(5, 1), tmp_path / "wrong.pt")
+    method = build_method("kvzip", level="head", head_scores_path=str(tmp_path / "wrong.pt"))
+    reasons = method.validate(info, {})
+    assert any("shape (5,)" in r and "(layers x KV heads)" in r for r in reasons), reasons
