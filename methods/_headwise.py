@@ -10,8 +10,8 @@ the layer's `kv_rows`, so they follow runner.kv_layout, contiguous or paged; a s
 a retrieval head holds every token seen; a streaming head its sinks + window and, compensating,
 one compensation slot (the running mean of the tokens it dropped, post-RoPE keys as cached;
 position entry COMP_POSITION) + the count |D| it stands for. Each head holds only its own tokens
-(methods-2.md §14.8's aim for "separate tensors per head class"): `kv_bytes` counts each head's own
-rows; the contiguous layout's padding to the longest head is storage waste (`kv_bytes_allocated`),
+(as DuoAttention's official code, which stores its head classes as separate tensors): `kv_bytes`
+counts each head's own rows; the contiguous layout's padding to the longest head is storage waste (`kv_bytes_allocated`),
 the paged layout's per-head block tables hold none.
 Eviction is positional, so every streaming head of a layer holds the same positions; a decode step
 appends the new token to every head and each streaming head then drops its oldest non-sink token
