@@ -33,14 +33,11 @@ def pointers(text: str) -> list[tuple[int, str]]:
     low = text.lower()
     if len(low) != len(text):  # a character whose lower case is longer: offsets would differ
         return [(text.count("\n", 0, m.start()) + 1, m.group(0)) for m in POINTER.finditer(text)]
-    hits, checked_to = {}, 0
+    hits = {}
     for candidate in CANDIDATE.finditer(low):
-        if candidate.start() < checked_to:
-            continue
         start = text.rfind("\n", 0, candidate.start()) + 1  # its line and the next (wrapped)
         end = text.find("\n", text.find("\n", candidate.end()) + 1)
-        checked_to = len(text) if end < 0 else end
-        for m in POINTER.finditer(text, start, checked_to):
+        for m in POINTER.finditer(text, start, len(text) if end < 0 else end):
             hits[m.start()] = m.group(0)
     return [(text.count("\n", 0, at) + 1, hit) for at, hit in sorted(hits.items())]
 
