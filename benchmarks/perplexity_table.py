@@ -33,7 +33,7 @@ PRESETS = {
         ["method=kivi", "method.k_bits=4", "method.v_bits=4"],
         *[["method=oracle_topk", f"method.budget_ratio={r}"] for r in (0.1, 0.2, 0.5)],
     ],
-    # InfiniGen (issue 4, re-measured like-for-like per issue 10): every row runs with the same
+    # InfiniGen, measured like-for-like: every row runs with the same
     # protocol dense layers (InfiniGen's 0 and 1, `runner.dense_layers=[0,1]`, added by main()),
     # and "@density" rows take the sparse-layer attended fraction measured for InfiniGen's
     # defaults, so the oracle and H2O attend as much as InfiniGen does where it selects.
@@ -52,7 +52,7 @@ PRESETS = {
     ],
 }
 PROTOCOL = {"issue4": ["runner.dense_layers=[0,1]"], "families": ["runner.dense_layers=[0,1]"]}
-FAMILY_BUDGETS = (0.2, 0.5)  # budget_ratio of every budgeted method (issues 12/13)
+FAMILY_BUDGETS = (0.2, 0.5)  # budget_ratio of every budgeted method
 FAMILY_BITS = (2, 4)  # k_bits = v_bits of the quantizers
 
 

@@ -1,8 +1,8 @@
 """InfiniGen: speculate which KV rows layer i needs from layer i-1's input, fetch only those.
 
 Lee, Lee, Seo, Sim, "InfiniGen: Efficient Generative Inference of Large Language Models with
-Dynamic KV Cache Management", OSDI 2024, arXiv 2406.19707. Spec, defaults and official-code quirks:
-reference/methods.md §1. Components:
+Dynamic KV Cache Management", OSDI 2024, arXiv 2406.19707; official code
+github.com/snu-comparch/InfiniGen (`accuracy/` a mask simulation, `speedup/` OPT only). Parts:
 
 * GQA (the official code is MHA only, OPT and Llama-2): the defaults are the official code's
   GQA expansion (K/V repeated to the query heads, as its simulation would see a GQA model):
@@ -14,23 +14,24 @@ reference/methods.md §1. Components:
   Ours, named variants: `skew_per=kv_head` (one A per KV head from the group's stacked queries)
   and `select_per=kv_head` (one set per KV head from the group's scores reduced by
   `group_reduce`; g times fewer rows moved). Measured on SmolLM2-135M (9/3 heads), WikiText-2
-  first 1024 tokens: official code 18.10; ours with both defaults switched to kv_head: see
-  README (issue 26).
+  first 1024 tokens: official code 18.10; ours with both defaults switched to kv_head 24.49
+  (same budget basis).
 * Offline skewing (`prepare`, methods/_infinigen_prep.py): one forward over a calibration text
-  (default the first 2048 tokens of PG-19's first book, the official file) captures post-RoPE Q
-  and K per layer; per skewing head the SVD of its queries (per query head: n x d; per KV head:
-  the group's g heads stacked, g*n x d) gives A = V_q. A is orthogonal, so (QA)(KA)^T = QK^T;
-  after skewing most of Q's energy sits in few columns. RoPE sits between the projection and the dot product, so A is applied at run time to
-  the rotated q and k (§1.9). Partial columns per KV head (`column_score`): the union of the top
-  k = int(d * partial_ratio) columns by sum |QA| and by sum |KA| (`qk_union`, the default: the
-  official Llama setup, the only official path for RoPE models; k to 2k columns), the top k by
-  |QA| alone (`q`, the official OPT speed system) or the top k by |QA| + |KA| (`qk_sum`, what the
-  paper's §4.3 describes; snu-comparch/InfiniGen#7 notes the code differs). Energies come from
-  the official Llama setup's six-sentence, ~100-token prompt under the calibration's A
-  (`partial_index=setup_prompt`, the default, `gen_partial_weight.py`), the calibration text
-  itself (`calibration`, ours: the 2048 tokens that also build A) or the request's own prompt at
-  prefill (`prefill`, the official system; falls back to calibration when a request starts
-  without a prefill).
+  (default the first 2048 tokens of PG-19's first book, the official file) captures post-RoPE Q and
+  K per layer; per skewing head the SVD of its queries (per query head: n x d; per KV head: the
+  group's g heads stacked, g*n x d) gives A = V_q. A is orthogonal, so (QA)(KA)^T = QK^T; after
+  skewing most of Q's energy sits in few columns. RoPE sits between the projection and the dot
+  product, so A is applied at run time to the rotated q and k. Partial columns per KV head
+  (`column_score`): the union of the top k = int(d * partial_ratio) columns by sum |QA| and by sum
+  |KA| (`qk_union`, the default: the official Llama setup, the only official path for RoPE models;
+  k to 2k columns), the top k by |QA| alone (`q`, the official OPT speed system) or the top k by
+  |QA| + |KA| (`qk_sum`, what the paper's §4.3 describes;
+  github.com/snu-comparch/InfiniGen/issues/7 notes the code differs). Energies come from the
+  official Llama setup's six-sentence, ~100-token prompt under the calibration's A
+  (`partial_index=setup_prompt`, the default, `gen_partial_weight.py`), the calibration text itself
+  (`calibration`, ours: the 2048 tokens that also build A) or the request's own prompt at prefill
+  (`prefill`, the official system; falls back to calibration when a request starts without a
+  prefill).
 * Speculation (at layer i-1, for every sparse layer i): q = W_q[i] x_{i-1} (the full projection;
   RoPE forbids folding A into W_q), rotated at the current position, times A[:, cols] (only the
   partial columns: one (d x k) product per head, never the d x d skew), scored against layer i's
