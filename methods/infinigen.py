@@ -1,116 +1,40 @@
 """InfiniGen: speculate which KV rows layer i needs from layer i-1's input, fetch only those.
 
-Lee, Lee, Seo, Sim, "InfiniGen: Efficient Generative Inference of Large Language Models with
-Dynamic KV Cache Management", OSDI 2024, arXiv 2406.19707. Spec, defaults and official-code quirks:
-reference/methods.md §1. Components:
+Lee et al., "InfiniGen: Efficient Generative Inference of Large Language Models with Dynamic KV
+Cache Management", OSDI 2024, https://arxiv.org/abs/2406.19707; official code
+https://github.com/snu-comparch/InfiniGen (`accuracy/src/modeling_llama_ours.py`, the mask
+simulation; `speedup/`, the OPT system).
 
-* GQA (the official code is MHA only, OPT and Llama-2): the defaults are the official code's
-  GQA expansion (K/V repeated to the query heads, as its simulation would see a GQA model):
-  `skew_per=query_head` (one A per query head, from its own queries and its KV head's keys; the
-  partial key cache is then kept per query head, g times larger) and `select_per=query_head`
-  (each query head thresholds, counts and picks its own tokens and attends only those; a KV
-  head must then provide the union of its g heads' sets: system mode moves that union from the
-  host tier, padded to the widest KV head's union, and the transfer ledger counts those rows).
-  Ours, named variants: `skew_per=kv_head` (one A per KV head from the group's stacked queries)
-  and `select_per=kv_head` (one set per KV head from the group's scores reduced by
-  `group_reduce`; g times fewer rows moved). Measured on SmolLM2-135M (9/3 heads), WikiText-2
-  first 1024 tokens: official code 18.10; ours with both defaults switched to kv_head: see
-  README (issue 26).
-* Offline skewing (`prepare`, methods/_infinigen_prep.py): one forward over a calibration text
-  (default the first 2048 tokens of PG-19's first book, the official file) captures post-RoPE Q
-  and K per layer; per skewing head the SVD of its queries (per query head: n x d; per KV head:
-  the group's g heads stacked, g*n x d) gives A = V_q. A is orthogonal, so (QA)(KA)^T = QK^T;
-  after skewing most of Q's energy sits in few columns. RoPE sits between the projection and the dot product, so A is applied at run time to
-  the rotated q and k (§1.9). Partial columns per KV head (`column_score`): the union of the top
-  k = int(d * partial_ratio) columns by sum |QA| and by sum |KA| (`qk_union`, the default: the
-  official Llama setup, the only official path for RoPE models; k to 2k columns), the top k by
-  |QA| alone (`q`, the official OPT speed system) or the top k by |QA| + |KA| (`qk_sum`, what the
-  paper's §4.3 describes; snu-comparch/InfiniGen#7 notes the code differs). Energies come from
-  the official Llama setup's six-sentence, ~100-token prompt under the calibration's A
-  (`partial_index=setup_prompt`, the default, `gen_partial_weight.py`), the calibration text
-  itself (`calibration`, ours: the 2048 tokens that also build A) or the request's own prompt at
-  prefill (`prefill`, the official system; falls back to calibration when a request starts
-  without a prefill).
-* Speculation (at layer i-1, for every sparse layer i): q = W_q[i] x_{i-1} (the full projection;
-  RoPE forbids folding A into W_q), rotated at the current position, times A[:, cols] (only the
-  partial columns: one (d x k) product per head, never the d x d skew), scored against layer i's
-  partial key cache (K A[:, cols], kept on the compute device and appended every step). With
-  `select_per=kv_head` (`group_reduce`) the g query heads' scores become one score per KV head
-  by their max (default) or mean logit, or by the log of the group mean of softmax
-  probabilities (`prob_mean`, the oracle's criterion). Tokens with score > max - alpha are
-  counted per selecting head; ONE count n' = floor(mean over heads), capped at budget_ratio * T
-  (`fetch_cap`), is shared by all heads (the official design: one fixed-size gather buffer;
-  `shared_count=false` counts per head); each selecting head takes its own top-n' tokens
-  (`select_tokens`). The official accuracy path's rules are the defaults, each with ours as a
-  named variant (benchmarks/infinigen_official.py measures each against the official rule):
-  every head is thresholded with head 0's max (`torch.max(attn, -1)[0][0]`;
-  `head0_threshold=false`, ours: each head's own max); the current token is one of the
-  candidates (`current_token=ranked`: n' is counted over the T stored tokens and the current
-  one, and each head attends its top n' of those T + 1, so the current token may go unattended;
-  its key exists only at layer i, so the speculation fetches the best n' + 1 stored rows and the
-  sets are finished once the key is stored: `rank_current`; `added`, ours: n' of the stored
-  tokens plus the current one always); a count of 0 (possible with the head-0 threshold) leaves
-  the row unmasked, every token attended (`zero_count=all`: the official simulation's topk(k=0)
-  sets no mask entry and its additive mask then shifts every logit alike; system mode fetches
-  those rows synchronously; `one`, ours: at least one token; with `current_token=added` a count
-  is always at least one). The simulation counts `>=`, the system `>` (we use `>`). On CPU the
-  scoring, count and selection of our variants (`current_token=added`, per-head thresholds) are
-  one C call per layer when each selecting head has one skewing matrix (both per query head, or
-  both per KV head; methods/kernels/speculation_cpu.c: the same
-  arithmetic; the chosen set comes in slot order, not best first; metrics.json
-  `method.prepare.speculation` says which ran).
-  The step queues no host sync: counts and indices stay on the device; system mode reads the
-  count (one sync) only when it launches the host gather, after layer i-1's attention kernels
-  are queued (the copy then overlaps layer i-1's FFN).
-  `speculation_input=own` speculates from layer i's own input instead (an ablation that measures
-  the look-ahead's cost; it forfeits the overlap the design exists for).
-* Dense layers (`dense_layers`, default 0 and 1, joined with runner.dense_layers) always use the
-  full KV and never evict.
-* `mode=system`: the full K/V lives in a host store (kvcore.offload); the selected rows are
-  gathered on the host and copied to the device on a side stream while layer i-1 computes; layer i
-  waits on the copy's event and attends over the fetched rows + the new token.
-  `mode=simulate` keeps the full K/V on the device and masks the attention to the same selection
-  (how the paper measured accuracy); both give the same logits (tested). Per query head the
-  attention is masked per query head over the fetched rows (the cache is never expanded).
-* Budget basis (`runner.budget_basis`, `fetch_cap`): the cap is budget_ratio * the final length
-  (default), dense until that many tokens are stored, as the official simulation; or a share of
-  the tokens stored so far (`seen`). The official row also counts the current token inside its
-  n'; here it comes on top (n' + 1 attended).
-* CPU pool limit (`pool_capacity`, 1.0 = unlimited; sparse layers only, as in the official
-  simulation): past capacity * tokens seen, tokens are evicted per KV head before new ones are
-  kept: `counter` (the paper's: fewest past selections), `lru` (oldest last selection) — both
-  among the older half so new tokens are protected — or `fifo`. Real eviction of the host pool
-  (an extension: the official code only simulates it).
+Official behaviour, reproduced (benchmarks/infinigen_official.py re-implements the simulation
+and matches it): offline, per head the SVD of the calibration queries gives an orthogonal skew A
+(methods/_infinigen_prep.py), so (qA)(kA)^T = qk^T with q's energy in few columns; the partial
+columns are the union of the top int(d * partial_ratio) by |QA| and by |KA| over the official
+six-sentence setup prompt. At layer i-1 the query of layer i (W_q[i] x_{i-1}, RoPE at the current
+position, times A[:, cols]) is scored against layer i's partial keys (K A[:, cols], kept on the
+device). Every head counts the tokens above head 0's max - alpha; one count n' = floor(mean over
+heads), capped at budget_ratio x the final length (dense until that many are stored), is shared
+by all heads; the current token competes within n', and a count of 0 leaves the row unmasked
+(every token attended). GQA is the official code's expansion: one A and one set per query head,
+each KV head moving the union of its group's sets. Layers 0 and 1 stay dense.
 
-Hyperparameters:
-    alpha: logit margin below the max that still counts as needed (Llama default 5; OPT 4).
-    partial_ratio: k / head_dim, columns per criterion (code 0.2; paper 0.3).
-    budget_ratio: cap on fetched tokens per step as a share of the context (default 0.2).
-    dense_layers: layers that always use the full cache (default [0, 1]).
-    pool_capacity: host pool size as a share of tokens seen (1.0 = unlimited).
-    eviction: counter | lru | fifo (pool eviction policy).
-    mode: system | simulate.
-    skewing: apply the skewing matrices (false = identity, for the Fig. 13 ablation).
-    partial_index: setup_prompt (official) | calibration (ours) | prefill (where the partial
-        columns' energies come from).
-    column_score: qk_union | q | qk_sum (how partial columns are ranked).
-    group_reduce: max | mean | prob_mean (select_per=kv_head: query-head scores -> KV-head score).
-    shared_count: one fetch count for all heads (official) or one per KV head.
-    speculation_input: previous (x_{i-1}, the design) | own (x_i, ablation).
-    skew_per: query_head (official GQA expansion: one A per query head; the partial key cache
-        kept per query head, g times larger) | kv_head (ours: one A per KV head, the group's
-        queries stacked).
-    select_per: query_head (official GQA expansion: each query head its own tokens; the KV head
-        moves their union) | kv_head (ours: one set per KV head by `group_reduce`).
-    head0_threshold: true (official Llama simulation: head 0's max thresholds every head) |
-        false (ours: each head its own max).
-    current_token: ranked (official: the current token competes within n') | added (ours:
-        attended on top of n' stored tokens).
-    zero_count: all (official simulation: a count of 0 attends every token) | one (ours: at
-        least one; current_token=ranked only).
-    calibration_path: text file for skewing (default: PG-19 first book from the data folder).
-    calibration_tokens: tokens of it used (default 2048; a shorter text is refused).
-    cache_dir: where prepared artefacts are cached (default ~/.cache/kv-harness/infinigen).
+Named variants (ours; each measured against the official rule by the benchmark): per-KV-head
+skewing or selection (`skew_per`, `select_per`, `group_reduce`: g times fewer rows moved), each
+head's own threshold (`head0_threshold=false`), the current token attended on top of n'
+(`current_token=added`), at least one token (`zero_count=one`), per-head counts
+(`shared_count=false`), columns from the calibration text or the prompt (`partial_index`), |QA|
+only or |QA| + |KA| (`column_score`: the OPT system, the paper's Sec. 4.3), speculation from the
+layer's own input (`speculation_input=own`, an ablation), and a bounded host pool
+(`pool_capacity` < 1, evicting by `counter` (the paper's), `lru` or `fifo`; the official code only
+simulates it).
+
+Deviations: the count is strict `>` (the official system; its simulation counts `>=`). RoPE sits
+between the projection and the dot product, so A is applied at run time to the rotated q and k
+rather than folded into W_q. The step queues no host sync: system mode reads the count only when
+layer i-1's attention is queued, then gathers the rows on the host and copies them on a side
+stream (overlapping layer i-1's FFN). On CPU our variants' speculation is one C call per layer
+(methods/kernels/speculation_cpu.c); on CUDA the sparse attention kernel gathers the rows.
+`mode=simulate` keeps the K/V on the device and masks attention to the same sets (as the paper
+measured accuracy); both modes give the same logits.
 """
 
 from __future__ import annotations
