@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -53,7 +53,8 @@ from methods._infinigen_prep import (COLUMN_SCORES, PARTIAL_INDEXES, SkewingArte
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for
 from methods.kernels import sparse_attention, speculation_cpu
 from methods.rope import rotate
-from methods.scoring import additive_mask, attention_with_probs, expand_kv, gather_tokens
+from methods.scoring import additive_mask, expand_kv, gather_tokens
+from methods.selection import Selection, SelectionLayer, first_true, kv_union
 
 EVICTIONS = ("counter", "lru", "fifo")
 GROUP_REDUCES = ("max", "mean", "prob_mean")
@@ -261,13 +262,13 @@ def _meta(name: str, doc: str) -> property:
                     lambda self, tensor: self.meta[name].assign(tensor), doc=doc)
 
 
-class InfiniGenLayer(KVLayer):
+class InfiniGenLayer(SelectionLayer):
     positions = _meta("positions", "(B, H_kv, T) text positions stored")
     counter = _meta("counter", "(B, H_kv, T) times selected")
     last_used = _meta("last_used", "(B, H_kv, T) decode step of the last selection")
 
     def __init__(self, layer_idx: int, info: ModelInfo, method: InfiniGen):
-        super().__init__(layer_idx, info)
+        super().__init__(layer_idx, info, method)
         self.m = method
         self.art = method._art
         self.dense = layer_idx in method.dense_layers or layer_idx == 0
@@ -283,7 +284,7 @@ class InfiniGenLayer(KVLayer):
         self.selected: torch.Tensor | None = None  # (B, H_sel, cap) slots, first `counts` used
         self.counts: torch.Tensor | None = None  # (B, H_sel) how many of them are used (device)
         self.fetched: torch.Tensor | None = None  # (B, H_kv, n_max) slots moved (system mode)
-        self._fetched_keep: torch.Tensor | None = None  # (B, H_sel, n_max) which a head attends
+        self._scores: torch.Tensor | None = None  # (B, H_sel, T) speculated logits (torch path)
         self.pending = None  # (Transfer, Transfer)
         self._map: torch.Tensor | None = None  # (H_s, d, k_u) A[:, cols] of this request
         # the model's q.k multiplier (the `scaling` its attention passes; head_dim ** -0.5 for
@@ -292,7 +293,6 @@ class InfiniGenLayer(KVLayer):
         self._qmap: torch.Tensor | None = None  # (H_s, d, k_u) A[:, cols] * scaling
         self.step = 0
         self._attended = 0  # tokens attended at the last forward (int, or a device tensor)
-        self._decode_budget: int | None = None  # cap of the last sparse decode step + new token
         self._last_counts: torch.Tensor | None = None  # (B, H_kv) counts of the last sparse step
         # current_token=ranked: the step's speculation, finished once the new key is known
         self._ranked: tuple | None = None  # (q_partial, stored scores (B, H_sel, T), cap)
@@ -326,11 +326,8 @@ class InfiniGenLayer(KVLayer):
         query heads' sets (the ledger counts those rows)."""
         if not self.system or self.selected is None or self.pending is not None:
             return
-        if self.per_query_head():
-            self.fetched, self._fetched_keep = self.union_rows()
-        else:
-            self.fetched = self.selected[..., : int(self.counts.max())]
-            self._fetched_keep = None
+        self.fetched = (self.union_rows()[0] if self.per_query_head()
+                        else self.selected[..., : int(self.counts.max())])
         self.pending = self.store.fetch(self.fetched)
 
     def per_query_head(self) -> bool:
@@ -349,15 +346,10 @@ class InfiniGenLayer(KVLayer):
         union of its g query heads' sets in slot order, padded to the widest KV head's union
         with other distinct slots, which are moved but attended by none), and which of them
         each query head attends `(B, H_q, n_max)`. Reads the union sizes (a host sync)."""
-        b, h_kv, g = self.selected.shape[0], self.info.num_kv_heads, self.info.group_size
         sets = self.query_sets(self.stored())  # (B, H_q, T): called before the step's append
-        union = sets.view(b, h_kv, g, -1).any(2)  # (B, H_kv, T)
-        n_max = int(union.sum(-1).max())
-        # union first, each part in slot order (a stable sort of the 0/1 flags)
-        rows = torch.sort(union.to(torch.uint8), dim=-1, descending=True, stable=True).indices
-        rows = rows[..., :n_max]
-        keep = sets.gather(2, rows.repeat_interleave(g, 1))  # (B, H_q, n_max)
-        return rows, keep
+        union = kv_union(sets, self.info.num_kv_heads)  # (B, H_kv, T)
+        rows = first_true(union, int(union.sum(-1).max()))  # union first, each in slot order
+        return rows, sets.gather(2, rows.repeat_interleave(self.info.group_size, 1))
 
     def speculate(self, x: torch.Tensor, position_ids) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots `(B, H_kv, cap)` of stored tokens and how many of them layer i needs `(B, H_kv)`,
@@ -375,7 +367,7 @@ class InfiniGenLayer(KVLayer):
                                      self.query_map())  # (B, H_s, H_q / H_s, k_u)
         t = self._pk_len
         cap = self.fetch_cap(t)
-        self._decode_budget = (t if cap is None else cap) + 1
+        self._allowed, self._scores = (t if cap is None else cap) + 1, None
         if cap is None:  # a dense step: every stored token, for every head
             slots = torch.arange(t, device=q_partial.device)
             h_sel = info.num_heads if self.per_query_head() else h_kv
@@ -389,6 +381,7 @@ class InfiniGenLayer(KVLayer):
                 q_partial, self.partial_keys(), cap, m.alpha, m.shared_count)
             return selected, self._last_counts
         scores = self.selecting_scores(q_partial @ self.partial_keys())  # (B, H_sel, T)
+        self._scores = scores
         selected, self._last_counts = select_tokens(scores, cap, m.alpha, m.shared_count,
                                                     m.head0_threshold)
         if m.current_token == "ranked":
@@ -409,10 +402,11 @@ class InfiniGenLayer(KVLayer):
                                   info.num_kv_heads, -1)
         return self.group_scores(scores.view(b, info.num_kv_heads, info.group_size, -1))
 
-    def rank_current(self) -> None:
+    def rank_current(self) -> torch.Tensor:
         """current_token=ranked, once the new token's partial key is stored: the official sets
         (n' of the T + 1 tokens, the current one included) -> `counts` (stored tokens each
-        head attends, its best first) and `_current_keep`."""
+        head attends, its best first) and `_current_keep`; returns the current token's
+        speculated logit `(B, H_sel)`."""
         q_partial, stored, cap = self._ranked
         self._ranked = None
         new_key = self.partial_keys()[..., -1:]  # (B, H_s, k_u, 1)
@@ -424,6 +418,7 @@ class InfiniGenLayer(KVLayer):
         self._unmasked = (self.counts == 0) & ~self._current_keep
         self._last_counts = self.counts + self._current_keep.long() - 1  # the official n' - 1
         self.touch(self.selected, self.counts)
+        return current
 
     def fetch_cap(self, stored_tokens: int) -> int | None:
         """Most stored tokens a head may fetch this step: `budget_ratio` of the protocol's budget
@@ -582,68 +577,60 @@ class InfiniGenLayer(KVLayer):
                                                ).to(query.dtype)[None, None]
             return base(module, query, keys, values, attention_mask, **kwargs)
         if self.dense or self.selected is None:
-            self._attended = keys.shape[2]
+            self._attended, self.selection = keys.shape[2], None
             return base(module, query, keys, values, None, **kwargs)
         ranked = self._ranked is not None
         if ranked:  # the new key is stored now: the official sets over the T + 1 tokens
-            self.rank_current()
+            current = self.rank_current()
             unmasked = self._unmasked[..., None]  # (B, H_sel, 1)
             new = self._current_keep[..., None] | unmasked
-            self._attended = torch.where(unmasked[..., 0], self.stored(),
-                                         self.counts + new[..., 0]).float().mean()
         else:
-            new = torch.ones_like(self.counts[..., None], dtype=torch.bool)
-            self._attended = (self.counts + 1).float().mean()  # device; read after the step
+            new, unmasked = torch.ones_like(self.counts[..., None], dtype=torch.bool), False
+        sets = torch.cat([self.query_sets(self.stored() - 1) | unmasked, new], 2)  # (B, H_sel, T)
+        self._attended = sets.sum(-1).float().mean()  # device; read after the step
+        self.publish(sets, current if ranked else None)
         if self.system and ranked and self.m.zero_count == "all" and bool(unmasked.any()):
             # a count of 0 (zero_count=all): the official row attends every token; the rows
             # come from the host now, synchronously (the speculation could not know)
             keys, values = (t.wait() for t in self.store.fetch())
-            sets = self.query_sets(keys.shape[2] - 1) | unmasked
-            return self._masked(query, keys, values, torch.cat([sets, new], 2),
-                                kwargs["scaling"])
-        if self.system:  # fetched rows + the new token
-            if self._fetched_keep is not None:  # per query head: its own rows of the union
-                used = self._fetched_keep if not ranked else self.query_sets(
-                    self.stored() - 1).gather(2, self.fetched.repeat_interleave(
-                        self.info.group_size, 1))
-            elif self.m.shared_count and not ranked:
-                return base(module, query, keys, values, None, **kwargs)
-            else:
-                used = self.valid()[..., : self.fetched.shape[-1]]
-            keep = torch.cat([used, new], 2)  # the new token last
-            return self._masked(query, keys, values, keep, kwargs["scaling"])
-        if self.per_query_head():  # each query head its own set, the cache never expanded
-            sets = self.query_sets(keys.shape[2] - 1)  # (B, H_q, T): the new token comes last
-            if ranked:
-                sets = sets | unmasked
-            return self._masked(query, keys, values, torch.cat([sets, new], 2),
-                                kwargs["scaling"])
-        if _use_kernel(query) and self.m.shared_count and not ranked:  # gathered in the kernel
-            n = int(self.counts.max())  # layer i-1's kernels are long queued
-            selected = self.selected[..., :n]  # unique top-k slots, all < the new slot
-            index = torch.cat([selected, torch.full_like(selected[..., :1], keys.shape[2] - 1)], 2)
-            out = sparse_attention.sparse_decode_attention(query[:, :, 0], keys, values, index,
-                                                           kwargs["scaling"])
-            return out[:, None], None  # (B, 1, H_q, D), as attention_with_probs returns
-        keep = torch.zeros(keys.shape[:3], dtype=torch.bool, device=keys.device)
-        keep.scatter_(2, self.selected, self.valid())
-        if ranked:
-            keep |= unmasked
-        keep[:, :, -1] = new[..., 0]  # the new token
-        return self._masked(query, keys, values, keep, kwargs["scaling"])
+        elif self.system:  # what each head attends of the fetched rows, the new token last
+            rows = self.fetched.repeat_interleave(sets.shape[1] // self.fetched.shape[1], 1)
+            sets = torch.cat([sets.gather(2, rows), new], 2)
+            if self.selection is not None:
+                slots = torch.cat([self.fetched, torch.full_like(self.fetched[..., :1],
+                                                                 self.stored() - 1)], 2)
+                kv_rows = self.positions.long().gather(2, slots)
+                self.selection = replace(self.selection, kv_rows=kv_rows)
+        return self.fetch_and_attend(module, query, keys, values, sets, base, kwargs["scaling"],
+                                     kwargs)
 
-    @staticmethod
-    def _masked(query, keys, values, keep, scaling):
-        """Attention restricted to `keep (B, H_kv | H_q, T)` (per KV head: shared by its query
-        heads; per query head: each its own)."""
-        keep = expand_kv(keep[..., None], query.shape[1] // keep.shape[1])[..., 0][:, :, None]
-        out, _ = attention_with_probs(query, keys, values, None, scaling, keep=keep)
-        return out, None
+    def sparse_kernel(self, query: torch.Tensor) -> bool:
+        return _use_kernel(query)
+
+    def publish(self, sets: torch.Tensor, current: torch.Tensor | None) -> None:
+        """The step's `selection` at text positions, for the shared contract: the speculated
+        logits of the stored tokens and of the current one (ranked; added: -inf, it is
+        protected), the sets `(B, H_sel, T)` and each head's count n' (T: a count of 0 under
+        zero_count=all attends every token). None where the C kernel chose (no logits)."""
+        if self._scores is None:
+            self.selection = None
+            return
+        t, tail = sets.shape[-1], torch.full_like(self._scores[..., :1], float("-inf"))
+        scores = torch.cat([self._scores, tail if current is None else current[..., None]], 2)
+        size = self.counts
+        if current is not None:
+            size = torch.where(self._unmasked, t, self.counts + self._current_keep.long())
+        if self.stored() != self.seen_tokens:  # a pool that evicted: to text positions
+            pos = self.positions.long().repeat_interleave(sets.shape[1] // self.positions.shape[1], 1)
+            sets = sets.new_zeros(*sets.shape[:2], self.seen_tokens).scatter_(2, pos, sets)
+            scores = scores.new_full(sets.shape, float("-inf")).scatter_(2, pos, scores)
+        self.selection = Selection(scores[:, :, None], sets[:, :, None], size,
+                                   (0, 0 if current is not None else 1))
 
     def after_forward(self) -> None:
         if not self.holding_prompt():  # a prompt is fitted to the pool once, at its end
             self._fit_pool()
-        self.selected = self.counts = self.fetched = self._fetched_keep = None
+        self.selected = self.counts = self.fetched = self._scores = None
         self._ranked = self._current_keep = self._unmasked = None
 
     def on_prefill_end(self) -> None:
@@ -712,10 +699,6 @@ class InfiniGenLayer(KVLayer):
         if self._current_keep is not None and chosen.shape[-1]:
             current = torch.where(self._current_keep[..., None], current, chosen[..., :1])
         return torch.cat([chosen, current], dim=2)
-
-    def allowed_tokens(self) -> int | None:
-        """The fetch cap of the last sparse decode step (None for dense layers / no decode)."""
-        return None if self.dense else self._decode_budget
 
     def stats(self) -> dict[str, int]:
         storage = self.storage_stats()  # simulate mode: K/V in the layer's storage

@@ -47,8 +47,11 @@ class Selection:
 
     scores: torch.Tensor  # (B, H_sel, q, U) fp32, as `selection_scores` returned them
     keep: torch.Tensor  # (B, H_sel, q, T) bool: the tokens each row attended (kept: the last row)
-    size: int  # units chosen per row from the scores
+    size: int | torch.Tensor  # units chosen per row from the scores (or per row: (B, H_sel))
     protected: tuple[int, int]  # (first, last) tokens attended whatever their score
+    # (B, H_kv, n) text positions of the K/V rows `attend` got, when a layer fetched them before
+    # (from the host tier); None: every stored token, in text order
+    kv_rows: torch.Tensor | None = None
 
 
 def kv_union(keep: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -156,7 +159,7 @@ class SelectionLayer(KVLayer):
         own = keep.gather(2, slots.repeat_interleave(keep.shape[1] // keys.shape[1], dim=1))
         if bool(own.all()):  # every head attends all its KV head fetched: the model's attention
             every_token = keys.shape[2] == self.seen_tokens  # all on the device: the kernel gathers
-            if every_token and query.is_cuda and sparse_attention.use_triton(query):
+            if every_token and self.sparse_kernel(query):
                 out = sparse_attention.sparse_decode_attention(query[:, :, 0], keys, values,
                                                                slots, scaling)
                 return out[:, None], None  # (B, 1, H_q, D): gathered inside the kernel
@@ -165,6 +168,10 @@ class SelectionLayer(KVLayer):
         out, _ = attention_with_probs(query, *self.fetch(keys, values, slots), None, scaling,
                                       keep=own[:, :, None])
         return out, None
+
+    def sparse_kernel(self, query: torch.Tensor) -> bool:
+        """Whether the sparse attention kernel serves a decode row (Triton, on CUDA)."""
+        return query.is_cuda and sparse_attention.use_triton(query)
 
     # --- accounting -------------------------------------------------------------------------
     def attended_tokens(self) -> float:
