@@ -47,7 +47,7 @@ from typing import ClassVar
 import torch
 
 from kvcore.offload import host_store
-from kvcore.storage import ContiguousRows, KV_LAYOUTS
+from kvcore.storage import KV_LAYOUTS
 from methods._infinigen_prep import (COLUMN_SCORES, PARTIAL_INDEXES, SkewingArtefacts,
                                      cache_dir_reason, calibration_reasons, prepare_skewing)
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for
@@ -55,8 +55,8 @@ from methods.kernels import sparse_attention, speculation_cpu
 from methods.rope import rotate
 from methods.scoring import additive_mask, expand_kv, gather_tokens
 from methods.selection import Selection, SelectionLayer, first_true, kv_union
+from methods._selection_pool import EVICTIONS, PooledLayer
 
-EVICTIONS = ("counter", "lru", "fifo")
 GROUP_REDUCES = ("max", "mean", "prob_mean")
 HEAD_FORMS = ("query_head", "kv_head")  # skew_per / select_per: the official MHA form, or ours
 
@@ -252,20 +252,8 @@ def rank_current(stored: torch.Tensor, current: torch.Tensor, cap: int, alpha: f
     return count - kept.long(), kept
 
 
-_META = ("positions", "counter", "last_used")
-
-
-def _meta(name: str, doc: str) -> property:
-    """A per-token row of the layer's metadata `(B, H_kv, T)`: reading gives a view of the
-    valid rows (in-place updates are stored), assigning replaces them."""
-    return property(lambda self: self.meta[name].view(),
-                    lambda self, tensor: self.meta[name].assign(tensor), doc=doc)
-
-
-class InfiniGenLayer(SelectionLayer):
-    positions = _meta("positions", "(B, H_kv, T) text positions stored")
-    counter = _meta("counter", "(B, H_kv, T) times selected")
-    last_used = _meta("last_used", "(B, H_kv, T) decode step of the last selection")
+class InfiniGenLayer(PooledLayer, SelectionLayer):
+    eviction_policy = property(lambda self: self.m.eviction)
 
     def __init__(self, layer_idx: int, info: ModelInfo, method: InfiniGen):
         super().__init__(layer_idx, info, method)
@@ -278,8 +266,7 @@ class InfiniGenLayer(SelectionLayer):
         # along contiguous tokens (one q row x a (k_u, T) block)
         self._pk: torch.Tensor | None = None
         self._pk_len = 0
-        # per stored token (see the properties below), grown in place with amortised growth
-        self.meta: dict[str, ContiguousRows] = {name: ContiguousRows() for name in _META}
+        self.init_pool()  # per stored token: position, selections (methods/_selection_pool.py)
         # H_sel: the heads that select (select_per): H_q (official) or H_kv (ours)
         self.selected: torch.Tensor | None = None  # (B, H_sel, cap) slots, first `counts` used
         self.counts: torch.Tensor | None = None  # (B, H_sel) how many of them are used (device)
@@ -291,7 +278,6 @@ class InfiniGenLayer(SelectionLayer):
         # most, not for e.g. Granite): alpha is a margin in the model's own logits
         self._scaling: float | None = None
         self._qmap: torch.Tensor | None = None  # (H_s, d, k_u) A[:, cols] * scaling
-        self.step = 0
         self._attended = 0  # tokens attended at the last forward (int, or a device tensor)
         self._last_counts: torch.Tensor | None = None  # (B, H_kv) counts of the last sparse step
         # current_token=ranked: the step's speculation, finished once the new key is known
@@ -472,22 +458,9 @@ class InfiniGenLayer(SelectionLayer):
     def touch(self, index: torch.Tensor, counts: torch.Tensor) -> None:
         """Pool statistics per KV head (what its pool holds): a token counts as selected when
         any head that reads this KV head selected it (per query head: the union)."""
-        self.step += 1
-        if self.per_query_head():
-            b, h_kv = index.shape[0], self.info.num_kv_heads
-            used = self.query_sets(self.stored()).view(b, h_kv, self.info.group_size, -1).any(2)
-            self.counter += used.to(self.counter.dtype)
-            self.last_used.masked_fill_(used, float(self.step))
-            return
-        used = self.valid()
-        self.counter.scatter_add_(2, index, used.to(self.counter.dtype))
-        stamp = torch.where(used, float(self.step), self.last_used.gather(2, index))
-        self.last_used.scatter_(2, index, stamp)
+        self.touch_pool(kv_union(self.query_sets(self.stored()), self.info.num_kv_heads))
 
     # --- cache seam --------------------------------------------------------------------------
-    def stored(self) -> int:
-        return self.meta["positions"].length
-
     def mask_sizes(self, q_len: int) -> tuple[int, int]:
         """System-mode sparse decode attends the fetched rows + the new token (see `_past`)."""
         if self.system and q_len == 1 and not self.dense and self.selected is not None:
@@ -523,12 +496,7 @@ class InfiniGenLayer(SelectionLayer):
         return pending[0].wait(), pending[1].wait()
 
     def _append(self, keys, values):
-        b, h, q_len, _ = keys.shape
-        new_pos = torch.arange(self.seen_tokens - q_len, self.seen_tokens,
-                               device=keys.device).expand(b, h, q_len)
-        zeros = torch.zeros(b, h, q_len, device=keys.device)
-        for name, new in zip(_META, (new_pos, zeros, zeros + self.step)):
-            self.meta[name].append(new)  # written in place: no copy of what is held
+        self.pool_append(keys, self.seen_tokens)
         if self.system:
             self.store = self.store or host_store(self.tier, self.layer_idx)
             self.store.append(keys, values)
@@ -637,32 +605,19 @@ class InfiniGenLayer(SelectionLayer):
         self._fit_pool()
 
     def _fit_pool(self) -> None:
-        limit = max(1, math.ceil(self.m.pool_capacity * self.seen_tokens))
         # dense layers never evict (the official simulation masks only speculating layers), and
         # their counters stay zero, so counter/lru eviction there would be arbitrary
-        if not self.dense and self.stored() > limit:
-            self._evict(self.stored() - limit)
+        if not self.dense:
+            self.fit_pool(self.m.pool_capacity)
 
-    def _evict(self, n: int) -> None:
-        t = self.stored()
-        if self.m.eviction == "fifo":
-            drop_score = -self.positions.float()  # oldest first
-            candidates = t
-        else:  # counter / lru among the older half, so new tokens are protected
-            drop_score = -(self.counter if self.m.eviction == "counter" else self.last_used)
-            candidates = max(n, t // 2)
-        drop = drop_score[:, :, :candidates].topk(n, dim=-1).indices
-        keep_mask = torch.ones_like(self.positions, dtype=torch.bool).scatter_(2, drop, False)
-        index = keep_mask.nonzero()[:, 2].view(*self.positions.shape[:2], t - n)
-        self.positions = gather_tokens(self.positions, index)
-        self.counter = gather_tokens(self.counter, index)
-        self.last_used = gather_tokens(self.last_used, index)
+    def keep_rows(self, index: torch.Tensor) -> None:
+        n = index.shape[-1]
         if self._pk is not None:
-            per_kv = index.to(self._pk.device)  # (B, H_kv, T - n) -> the skewing heads
-            kept = gather_tokens(self.partial_keys().transpose(2, 3),  # (B, H_s, T - n, k_u)
+            per_kv = index.to(self._pk.device)  # (B, H_kv, n) -> the skewing heads
+            kept = gather_tokens(self.partial_keys().transpose(2, 3),  # (B, H_s, n, k_u)
                                  per_kv.repeat_interleave(self._pk.shape[1] // index.shape[1], 1))
-            self._pk[..., : t - n] = kept.transpose(2, 3)
-            self._pk_len = t - n
+            self._pk[..., :n] = kept.transpose(2, 3)
+            self._pk_len = n
         if self.system:
             self.store.keep(index)
         else:
