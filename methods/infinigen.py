@@ -46,7 +46,6 @@ from typing import ClassVar
 
 import torch
 
-from kvcore.offload import host_store
 from kvcore.storage import KV_LAYOUTS
 from methods._infinigen_prep import (COLUMN_SCORES, PARTIAL_INDEXES, SkewingArtefacts,
                                      cache_dir_reason, calibration_reasons, prepare_skewing)
@@ -55,6 +54,7 @@ from methods.kernels import sparse_attention, speculation_cpu
 from methods.rope import rotate
 from methods.scoring import additive_mask, expand_kv, gather_tokens
 from methods.selection import Selection, SelectionLayer, first_true, kv_union
+from methods._selection_host import HostTierLayer
 from methods._selection_pool import EVICTIONS, PooledLayer
 
 GROUP_REDUCES = ("max", "mean", "prob_mean")
@@ -252,7 +252,7 @@ def rank_current(stored: torch.Tensor, current: torch.Tensor, cap: int, alpha: f
     return count - kept.long(), kept
 
 
-class InfiniGenLayer(PooledLayer, SelectionLayer):
+class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
     eviction_policy = property(lambda self: self.m.eviction)
 
     def __init__(self, layer_idx: int, info: ModelInfo, method: InfiniGen):
@@ -260,8 +260,7 @@ class InfiniGenLayer(PooledLayer, SelectionLayer):
         self.m = method
         self.art = method._art
         self.dense = layer_idx in method.dense_layers or layer_idx == 0
-        self.system = method.mode == "system"
-        self.store = None  # kvcore.offload.HostKVStore (system mode; paged: PagedHostKVStore)
+        self.init_host(method.mode == "system")  # system: K/V on the host tier
         # (B, H_s, k_u, capacity) partial keys on the device, channel-major: a step's scores run
         # along contiguous tokens (one q row x a (k_u, T) block)
         self._pk: torch.Tensor | None = None
@@ -270,9 +269,7 @@ class InfiniGenLayer(PooledLayer, SelectionLayer):
         # H_sel: the heads that select (select_per): H_q (official) or H_kv (ours)
         self.selected: torch.Tensor | None = None  # (B, H_sel, cap) slots, first `counts` used
         self.counts: torch.Tensor | None = None  # (B, H_sel) how many of them are used (device)
-        self.fetched: torch.Tensor | None = None  # (B, H_kv, n_max) slots moved (system mode)
         self._scores: torch.Tensor | None = None  # (B, H_sel, T) speculated logits (torch path)
-        self.pending = None  # (Transfer, Transfer)
         self._map: torch.Tensor | None = None  # (H_s, d, k_u) A[:, cols] of this request
         # the model's q.k multiplier (the `scaling` its attention passes; head_dim ** -0.5 for
         # most, not for e.g. Granite): alpha is a margin in the model's own logits
@@ -290,8 +287,8 @@ class InfiniGenLayer(PooledLayer, SelectionLayer):
         if hidden_states.shape[1] != 1 or self.stored() == 0 or self.pending is not None:
             return
         if self.dense:
-            if self.system and (ahead or self.layer_idx == 0):
-                self.pending = self.store.fetch()
+            if ahead or self.layer_idx == 0:
+                self.fetch_all()
             return
         if self.holding_prompt():  # prompt rows attend densely, one-token chunks too
             return
@@ -305,16 +302,13 @@ class InfiniGenLayer(PooledLayer, SelectionLayer):
         if not ahead:  # own input: nothing is left to overlap with
             self.launch_fetch()
 
-    def launch_fetch(self) -> None:
-        """Start the host gather + copy of the speculated rows (system mode). Called once layer
-        i-1's attention kernels are queued (from its `attend`): the count is read here, the only
-        host sync of the step. Per-query-head selection moves, per KV head, the union of its
-        query heads' sets (the ledger counts those rows)."""
-        if not self.system or self.selected is None or self.pending is not None:
-            return
-        self.fetched = (self.union_rows()[0] if self.per_query_head()
-                        else self.selected[..., : int(self.counts.max())])
-        self.pending = self.store.fetch(self.fetched)
+    def rows_to_fetch(self) -> torch.Tensor | None:
+        """The speculated rows: per query head, per KV head the union of its query heads' sets
+        (the ledger counts those rows); reads the count, the only host sync of the step."""
+        if self.selected is None or self.dense:
+            return None
+        return (self.union_rows()[0] if self.per_query_head()
+                else self.selected[..., : int(self.counts.max())])
 
     def per_query_head(self) -> bool:
         """Whether each query head has its own selection (the official code's GQA expansion)."""
@@ -461,48 +455,8 @@ class InfiniGenLayer(PooledLayer, SelectionLayer):
         self.touch_pool(kv_union(self.query_sets(self.stored()), self.info.num_kv_heads))
 
     # --- cache seam --------------------------------------------------------------------------
-    def mask_sizes(self, q_len: int) -> tuple[int, int]:
-        """System-mode sparse decode attends the fetched rows + the new token (see `_past`)."""
-        if self.system and q_len == 1 and not self.dense and self.selected is not None:
-            self.launch_fetch()  # idempotent; the bridge asks right before update, as _past does
-            n = self.fetched.shape[-1]
-            return n + q_len, self.seen_tokens - n
-        return super().mask_sizes(q_len)
-
-    def update(self, keys, values, position_ids):
-        q_len = keys.shape[2]
-        past = self._past(q_len)
-        self.seen_tokens += q_len
-        self._append(keys, values)
-        if past is None:
-            out = (keys, values)
-        else:
-            out = (torch.cat([past[0], keys], dim=2), torch.cat([past[1], values], dim=2))
-        self._attended = out[0].shape[2]
-        return out
-
-    def _past(self, q_len: int):
-        """What this step attends to before the new tokens (system mode: fetched rows)."""
-        if not self.system:
-            return (self.keys, self.values) if self.keys is not None else None
-        if q_len == 1 and not self.dense:
-            self.launch_fetch()
-        pending, self.pending = self.pending, None
-        if pending is None and self.stored():  # prefill over a stored cache, or no speculation
-            pending = self.store.fetch()
-            self.selected = self.fetched = None
-        if pending is None:
-            return None
-        return pending[0].wait(), pending[1].wait()
-
-    def _append(self, keys, values):
+    def hold_extra(self, keys: torch.Tensor) -> None:
         self.pool_append(keys, self.seen_tokens)
-        if self.system:
-            self.store = self.store or host_store(self.tier, self.layer_idx)
-            self.store.append(keys, values)
-        else:
-            self.kv_rows("keys").append(keys)
-            self.kv_rows("values").append(values)
         if not self.dense:
             self._append_partial(keys)
 
@@ -522,13 +476,6 @@ class InfiniGenLayer(PooledLayer, SelectionLayer):
         self._pk_len += t
 
     # --- attention seam ----------------------------------------------------------------------
-    def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
-        out = self._attend(module, query, keys, values, attention_mask, base, **kwargs)
-        nxt = self.next_layer
-        if query.shape[2] == 1 and isinstance(nxt, InfiniGenLayer):
-            nxt.launch_fetch()  # this layer's kernels are queued: now the gather may sync
-        return out
-
     def _attend(self, module, query, keys, values, attention_mask, base, **kwargs):
         q_len = query.shape[2]
         if self._scaling is None:
@@ -618,16 +565,7 @@ class InfiniGenLayer(PooledLayer, SelectionLayer):
                                  per_kv.repeat_interleave(self._pk.shape[1] // index.shape[1], 1))
             self._pk[..., :n] = kept.transpose(2, 3)
             self._pk_len = n
-        if self.system:
-            self.store.keep(index)
-        else:
-            self.keys = gather_tokens(self.keys, index.to(self.keys.device))
-            self.values = gather_tokens(self.values, index.to(self.values.device))
-
-    def release(self) -> None:
-        super().release()
-        if self.store is not None:
-            self.store.release()
+        self.keep_held(index)
 
     # --- accounting --------------------------------------------------------------------------
     def kept_tokens(self) -> int:
@@ -656,11 +594,10 @@ class InfiniGenLayer(PooledLayer, SelectionLayer):
         return torch.cat([chosen, current], dim=2)
 
     def stats(self) -> dict[str, int]:
-        storage = self.storage_stats()  # simulate mode: K/V in the layer's storage
-        held = self.store.nbytes() if self.store is not None else storage.get("kv_bytes_used", 0)
+        held, on_device = self.held_bytes()
         partial = 0 if self._pk is None else self.partial_keys().nbytes
         out = {"kv_tokens": self.stored(), "kv_bytes": held + partial,
-               "kv_bytes_device": partial + (0 if self.system else held), **storage}
+               "kv_bytes_device": partial + on_device, **self.storage_stats()}
         if not self.dense and self._last_counts is not None:
             out["selected_tokens"] = int(self._last_counts.max()) + 1
         return out
