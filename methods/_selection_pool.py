@@ -44,6 +44,18 @@ class PooledLayer:
     def stored(self) -> int:
         return self.meta["positions"].length
 
+    def kept_tokens(self) -> int:
+        return self.stored()
+
+    def at_positions(self, rows: torch.Tensor, fill) -> torch.Tensor:
+        """`rows (B, H, T)` over the held tokens (H a multiple of H_kv) -> `(B, H, seen)` at
+        their text positions, `fill` where a token was evicted."""
+        if self.stored() == self.seen_tokens:
+            return rows
+        pos = self.positions.long().repeat_interleave(rows.shape[1] // self.positions.shape[1], 1)
+        out = rows.new_full((*rows.shape[:2], self.seen_tokens), fill)
+        return out.scatter_(2, pos, rows)
+
     def pool_append(self, keys: torch.Tensor, seen_tokens: int) -> None:
         """Rows for the new tokens `keys (B, H_kv, q, D)`, the last of `seen_tokens`, grown in
         place (no copy of what is held)."""

@@ -49,32 +49,17 @@ import torch
 from kvcore.storage import KV_LAYOUTS
 from methods._infinigen_prep import (COLUMN_SCORES, PARTIAL_INDEXES, SkewingArtefacts,
                                      cache_dir_reason, calibration_reasons, prepare_skewing)
+from methods._selection_host import HostTierLayer
+from methods._selection_pool import EVICTIONS, PooledLayer
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for
 from methods.kernels import sparse_attention, speculation_cpu
 from methods.rope import rotate
-from methods.scoring import additive_mask, expand_kv, gather_tokens
+from methods.scoring import (SERIAL_ELEMENTS, additive_mask, expand_kv, few_rows_matmul,
+                             gather_tokens)
 from methods.selection import Selection, SelectionLayer, first_true, kv_union
-from methods._selection_host import HostTierLayer
-from methods._selection_pool import EVICTIONS, PooledLayer
 
 GROUP_REDUCES = ("max", "mean", "prob_mean")
 HEAD_FORMS = ("query_head", "kv_head")  # skew_per / select_per: the official MHA form, or ours
-
-
-def _few_rows_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`a (..., m, k) @ b (..., k, n)`. A decode step's products have a few rows per head (the
-    query heads of a group, one new key): there a broadcast multiply and a sum over k, which run
-    as plain loops below the intra-op grain size, cost less than a batched matmul's parallel
-    launch; larger products (a prompt's keys) take the matmul."""
-    batch = math.prod(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
-    if batch * a.shape[-2] * a.shape[-1] * b.shape[-1] > _SERIAL_ELEMENTS:
-        return a @ b
-    return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
-
-
-# Elementwise ops up to this many elements run serially on CPU (torch's intra-op grain size,
-# at::internal::GRAIN_SIZE): the few-row forms above and below stay under it.
-_SERIAL_ELEMENTS = 32768
 
 
 def _use_kernel(query: torch.Tensor) -> bool:
@@ -343,7 +328,7 @@ class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
         pos = (position_ids if position_ids is not None
                else torch.full((b, 1), self.seen_tokens, device=q.device))
         q = rotate(q, pos.to(q.device).view(b, 1, 1), art.inv_freq)  # RoPE at the current position
-        q_partial = _few_rows_matmul(q.float().view(b, h_s, -1, q.shape[-1]),
+        q_partial = few_rows_matmul(q.float().view(b, h_s, -1, q.shape[-1]),
                                      self.query_map())  # (B, H_s, H_q / H_s, k_u)
         t = self._pk_len
         cap = self.fetch_cap(t)
@@ -415,7 +400,7 @@ class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
         """(B, H_kv, g, T) speculated logits -> (B, H_kv, T) one score per KV head."""
         how = self.m.group_reduce
         if how == "max":
-            if scores[:, :, 0].numel() <= _SERIAL_ELEMENTS:  # g - 1 serial elementwise maxima
+            if scores[:, :, 0].numel() <= SERIAL_ELEMENTS:  # g - 1 serial elementwise maxima
                 # cost less than one parallel reduction over the middle axis (a decode step)
                 return functools.reduce(torch.maximum, scores.unbind(2))
             return scores.amax(2)
@@ -465,7 +450,7 @@ class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
             return  # the prompt's columns are chosen in attend(); keys are added there
         cols = self.partial_map()  # (H_s, d, k_u)
         keys = expand_kv(keys.float(), cols.shape[0] // keys.shape[1])  # (B, H_s, t, d)
-        part = _few_rows_matmul(keys, cols)  # (B, H_s, t, k_u)
+        part = few_rows_matmul(keys, cols)  # (B, H_s, t, k_u)
         b, h, t, width = part.shape
         if self._pk is None or self._pk_len + t > self._pk.shape[3]:  # amortised growth
             grown = part.new_empty(b, h, width, max(256, 2 * (self._pk_len + t)))
@@ -530,15 +515,11 @@ class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
         if self._scores is None:
             self.selection = None
             return
-        t, tail = sets.shape[-1], torch.full_like(self._scores[..., :1], float("-inf"))
+        tail = torch.full_like(self._scores[..., :1], float("-inf"))
         scores = torch.cat([self._scores, tail if current is None else current[..., None]], 2)
-        size = self.counts
-        if current is not None:
-            size = torch.where(self._unmasked, t, self.counts + self._current_keep.long())
-        if self.stored() != self.seen_tokens:  # a pool that evicted: to text positions
-            pos = self.positions.long().repeat_interleave(sets.shape[1] // self.positions.shape[1], 1)
-            sets = sets.new_zeros(*sets.shape[:2], self.seen_tokens).scatter_(2, pos, sets)
-            scores = scores.new_full(sets.shape, float("-inf")).scatter_(2, pos, scores)
+        size = self.counts if current is None else torch.where(
+            self._unmasked, sets.shape[-1], self.counts + self._current_keep.long())
+        scores, sets = self.at_positions(scores, float("-inf")), self.at_positions(sets, False)
         self.selection = Selection(scores[:, :, None], sets[:, :, None], size,
                                    (0, 0 if current is not None else 1))
 
@@ -568,14 +549,6 @@ class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
         self.keep_held(index)
 
     # --- accounting --------------------------------------------------------------------------
-    def kept_tokens(self) -> int:
-        return self.stored()
-
-    def attended_tokens(self) -> float:
-        """Tokens attended at the last step (mean over KV heads when counts differ per head)."""
-        value = self._attended
-        return float(value) if isinstance(value, torch.Tensor) else value
-
     def kept_positions(self) -> torch.Tensor:
         """Positions each selecting head attended `(B, H_sel, n)`: per query head (H_q rows,
         the default) or per KV head."""

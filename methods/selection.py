@@ -175,7 +175,7 @@ class SelectionLayer(KVLayer):
 
     # --- accounting -------------------------------------------------------------------------
     def attended_tokens(self) -> float:
-        return self._attended
+        return float(self._attended)  # a layer may keep it on the device until read
 
     def allowed_tokens(self) -> int | None:
         return self._allowed
