@@ -39,8 +39,6 @@ measured accuracy); both modes give the same logits.
 
 from __future__ import annotations
 
-import functools
-import math
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
@@ -49,13 +47,14 @@ import torch
 from kvcore.storage import KV_LAYOUTS
 from methods._infinigen_prep import (COLUMN_SCORES, PARTIAL_INDEXES, SkewingArtefacts,
                                      cache_dir_reason, calibration_reasons, prepare_skewing)
+from methods._infinigen_speculation import (PartialKeys, group_scores, rank_current,
+                                            select_tokens)
 from methods._selection_host import HostTierLayer
 from methods._selection_pool import EVICTIONS, PooledLayer
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for
 from methods.kernels import sparse_attention, speculation_cpu
 from methods.rope import rotate
-from methods.scoring import (SERIAL_ELEMENTS, additive_mask, expand_kv, few_rows_matmul,
-                             gather_tokens)
+from methods.scoring import additive_mask, expand_kv, few_rows_matmul, gather_tokens
 from methods.selection import Selection, SelectionLayer, first_true, kv_union
 
 GROUP_REDUCES = ("max", "mean", "prob_mean")
@@ -198,45 +197,6 @@ class InfiniGen(KVMethod):
         return layer
 
 
-def count_tokens(scores: torch.Tensor, cap: int, alpha: float, shared_count: bool,
-                 head0_threshold: bool, least: int = 1) -> torch.Tensor:
-    """The official count rule on speculated logits `scores (B, H, T)` (H selecting heads) ->
-    `counts (B, H)`: a head needs the tokens scoring above its max - alpha (`head0_threshold`:
-    head 0's max for every head, the official Llama simulation's `torch.max(attn, -1)[0][0]`);
-    with `shared_count` every head takes the floor of the mean count over heads (one gather
-    size); counts are clamped to [least, cap]. Strict `>` (the official system; its simulation
-    counts `>=`)."""
-    top = scores.amax(-1, keepdim=True)
-    if head0_threshold:
-        top = top[:, :1].expand_as(top)
-    count = (scores > top - alpha).sum(-1)  # (B, H)
-    if shared_count:  # the official int(mean) over heads, one buffer size for all
-        count = count.float().mean().floor().long().expand_as(count)
-    return count.clamp(least, cap)
-
-
-def select_tokens(scores: torch.Tensor, cap: int, alpha: float, shared_count: bool,
-                  head0_threshold: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`count_tokens`, and each head's slots `(B, H, cap)` best first."""
-    count = count_tokens(scores, cap, alpha, shared_count, head0_threshold)
-    return scores.topk(cap, dim=-1).indices, count
-
-
-def rank_current(stored: torch.Tensor, current: torch.Tensor, cap: int, alpha: float,
-                 shared_count: bool, head0_threshold: bool, least: int = 1
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The official rule with the current token among the candidates (`current_token=ranked`):
-    speculated logits of the stored tokens `(B, H, T)` and of the current one `(B, H)` -> how
-    many of each head's best stored tokens it attends `(B, H)` and whether it attends the
-    current token `(B, H)` bool. n' is counted over the T + 1 tokens and the head takes its top
-    n' of them: the current token when it ranks among them (ties go to stored tokens), plus
-    n' - 1 stored; otherwise n' stored. With `least=0` a count may be 0 (neither)."""
-    every = torch.cat([stored, current[..., None]], -1)  # (B, H, T + 1)
-    count = count_tokens(every, cap, alpha, shared_count, head0_threshold, least)
-    kept = (stored >= current[..., None]).sum(-1) < count  # the current token's rank < n'
-    return count - kept.long(), kept
-
-
 class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
     eviction_policy = property(lambda self: self.m.eviction)
 
@@ -248,8 +208,7 @@ class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
         self.init_host(method.mode == "system")  # system: K/V on the host tier
         # (B, H_s, k_u, capacity) partial keys on the device, channel-major: a step's scores run
         # along contiguous tokens (one q row x a (k_u, T) block)
-        self._pk: torch.Tensor | None = None
-        self._pk_len = 0
+        self._pk = PartialKeys()
         self.init_pool()  # per stored token: position, selections (methods/_selection_pool.py)
         # H_sel: the heads that select (select_per): H_q (official) or H_kv (ours)
         self.selected: torch.Tensor | None = None  # (B, H_sel, cap) slots, first `counts` used
@@ -330,7 +289,7 @@ class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
         q = rotate(q, pos.to(q.device).view(b, 1, 1), art.inv_freq)  # RoPE at the current position
         q_partial = few_rows_matmul(q.float().view(b, h_s, -1, q.shape[-1]),
                                      self.query_map())  # (B, H_s, H_q / H_s, k_u)
-        t = self._pk_len
+        t = self._pk.length
         cap = self.fetch_cap(t)
         self._allowed, self._scores = (t if cap is None else cap) + 1, None
         if cap is None:  # a dense step: every stored token, for every head
@@ -341,7 +300,7 @@ class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
         per_query = self.per_query_head()
         sel_heads = info.num_heads if per_query else h_kv
         if m.current_token == "added" and speculation_cpu.applies(
-                q_partial, self._pk, sel_heads, m.group_reduce, m.head0_threshold):
+                q_partial, self.partial_keys(), sel_heads, m.group_reduce, m.head0_threshold):
             selected, self._last_counts = speculation_cpu.select(
                 q_partial, self.partial_keys(), cap, m.alpha, m.shared_count)
             return selected, self._last_counts
@@ -365,7 +324,8 @@ class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
         if self.per_query_head() or info.group_size == 1:
             return scores.reshape(b, info.num_heads if self.per_query_head() else
                                   info.num_kv_heads, -1)
-        return self.group_scores(scores.view(b, info.num_kv_heads, info.group_size, -1))
+        return group_scores(scores.view(b, info.num_kv_heads, info.group_size, -1),
+                            self.m.group_reduce)
 
     def rank_current(self) -> torch.Tensor:
         """current_token=ranked, once the new token's partial key is stored: the official sets
@@ -396,20 +356,6 @@ class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
             return None
         return max(1, min(stored_tokens, budget))
 
-    def group_scores(self, scores: torch.Tensor) -> torch.Tensor:
-        """(B, H_kv, g, T) speculated logits -> (B, H_kv, T) one score per KV head."""
-        how = self.m.group_reduce
-        if how == "max":
-            if scores[:, :, 0].numel() <= SERIAL_ELEMENTS:  # g - 1 serial elementwise maxima
-                # cost less than one parallel reduction over the middle axis (a decode step)
-                return functools.reduce(torch.maximum, scores.unbind(2))
-            return scores.amax(2)
-        if how == "mean":
-            return scores.mean(2)
-        # log of the group mean of softmax probabilities (the oracle's criterion)
-        log_probs = scores - scores.logsumexp(-1, keepdim=True)
-        return log_probs.logsumexp(2) - math.log(scores.shape[2])
-
     def partial_map(self) -> torch.Tensor:
         """(H_s, d, k_u) A[:, cols]: the calibration's, unless the prompt chose (prefill)."""
         if self._map is None:
@@ -427,7 +373,7 @@ class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
 
     def partial_keys(self) -> torch.Tensor:
         """(B, H_s, k_u, T): the partial keys, channel-major."""
-        return self._pk[..., : self._pk_len]
+        return self._pk.view()
 
     def valid(self) -> torch.Tensor:
         """(B, H_sel, cap) bool: which of `selected` are used this step."""
@@ -450,15 +396,7 @@ class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
             return  # the prompt's columns are chosen in attend(); keys are added there
         cols = self.partial_map()  # (H_s, d, k_u)
         keys = expand_kv(keys.float(), cols.shape[0] // keys.shape[1])  # (B, H_s, t, d)
-        part = few_rows_matmul(keys, cols)  # (B, H_s, t, k_u)
-        b, h, t, width = part.shape
-        if self._pk is None or self._pk_len + t > self._pk.shape[3]:  # amortised growth
-            grown = part.new_empty(b, h, width, max(256, 2 * (self._pk_len + t)))
-            if self._pk is not None:
-                grown[..., : self._pk_len] = self.partial_keys()
-            self._pk = grown
-        self._pk[..., self._pk_len:self._pk_len + t] = part.transpose(2, 3)
-        self._pk_len += t
+        self._pk.append(few_rows_matmul(keys, cols))  # (B, H_s, t, k_u)
 
     # --- attention seam ----------------------------------------------------------------------
     def _attend(self, module, query, keys, values, attention_mask, base, **kwargs):
@@ -539,13 +477,8 @@ class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
             self.fit_pool(self.m.pool_capacity)
 
     def keep_rows(self, index: torch.Tensor) -> None:
-        n = index.shape[-1]
         if self._pk is not None:
-            per_kv = index.to(self._pk.device)  # (B, H_kv, n) -> the skewing heads
-            kept = gather_tokens(self.partial_keys().transpose(2, 3),  # (B, H_s, n, k_u)
-                                 per_kv.repeat_interleave(self._pk.shape[1] // index.shape[1], 1))
-            self._pk[..., :n] = kept.transpose(2, 3)
-            self._pk_len = n
+            self._pk.keep(index)
         self.keep_held(index)
 
     # --- accounting --------------------------------------------------------------------------
@@ -568,7 +501,7 @@ class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
 
     def stats(self) -> dict[str, int]:
         held, on_device = self.held_bytes()
-        partial = 0 if self._pk is None else self.partial_keys().nbytes
+        partial = self._pk.nbytes()
         out = {"kv_tokens": self.stored(), "kv_bytes": held + partial,
                "kv_bytes_device": partial + on_device, **self.storage_stats()}
         if not self.dense and self._last_counts is not None:
