@@ -62,9 +62,8 @@ HEAD_FORMS = ("query_head", "kv_head")  # skew_per / select_per: the official MH
 
 
 def _use_kernel(query: torch.Tensor) -> bool:
-    """The Triton sparse-attention kernel serves simulate-mode decode on CUDA. On CPU the
-    interpreter would be exact but ~100 ms a call, so model-level CPU runs keep the torch path
-    (the kernel has its own tests, and one InfiniGen test forces it through the interpreter)."""
+    """The Triton sparse-attention kernel serves decode on CUDA (on CPU its interpreter is exact
+    but ~100 ms a call: the torch path; one InfiniGen test forces it through the interpreter)."""
     return query.is_cuda and sparse_attention.use_triton(query)
 
 
@@ -128,8 +127,7 @@ class InfiniGen(KVMethod):
                 r.append(f"method.{key}={value!r} must be in (0, 1]")
         choices = {"eviction": EVICTIONS, "mode": self.capabilities.modes,
                    "partial_index": PARTIAL_INDEXES, "current_token": ("ranked", "added"),
-                   "zero_count": ("all", "one"),
-                   "column_score": COLUMN_SCORES,
+                   "zero_count": ("all", "one"), "column_score": COLUMN_SCORES,
                    "group_reduce": GROUP_REDUCES, "speculation_input": ("previous", "own"),
                    "skew_per": HEAD_FORMS, "select_per": HEAD_FORMS}
         for key, allowed in choices.items():
@@ -161,10 +159,7 @@ class InfiniGen(KVMethod):
         if any(i >= info.num_layers for i in self.dense_layers):
             reasons.append(f"method.dense_layers={self.dense_layers} names a layer >= the model's "
                            f"{info.num_layers} layers")
-        cache = cache_dir_reason(self)
-        if cache:
-            reasons.append(cache)
-        return reasons
+        return reasons + list(filter(None, [cache_dir_reason(self)]))
 
     @classmethod
     def lossless_hyperparameters(cls, seq_tokens: int) -> dict:
@@ -219,12 +214,11 @@ class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
         # most, not for e.g. Granite): alpha is a margin in the model's own logits
         self._scaling: float | None = None
         self._qmap: torch.Tensor | None = None  # (H_s, d, k_u) A[:, cols] * scaling
-        self._attended = 0  # tokens attended at the last forward (int, or a device tensor)
-        self._last_counts: torch.Tensor | None = None  # (B, H_kv) counts of the last sparse step
-        # current_token=ranked: the step's speculation, finished once the new key is known
-        self._ranked: tuple | None = None  # (q_partial, stored scores (B, H_sel, T), cap)
-        self._current_keep: torch.Tensor | None = None  # (B, H_sel) bool: attends the new token
-        self._unmasked: torch.Tensor | None = None  # (B, H_sel) bool: a count of 0, all attended
+        self._last_counts: torch.Tensor | None = None  # (B, H_sel) counts of the last sparse step
+        # current_token=ranked: (q_partial, stored logits (B, H_sel, T), cap) until the new key
+        # is stored; then whether each head attends it and whether its count 0 attends all
+        self._ranked: tuple | None = None
+        self._current_keep = self._unmasked = None  # (B, H_sel) bool each
 
     # --- speculation (run one layer ahead) ---------------------------------------------------
     def prefetch(self, hidden_states, position_ids, ahead: bool) -> None:
@@ -347,10 +341,8 @@ class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
 
     def fetch_cap(self, stored_tokens: int) -> int | None:
         """Most stored tokens a head may fetch this step: `budget_ratio` of the protocol's budget
-        basis (at least 1), or None: a dense step (every stored token). Under the final-length
-        basis the step is dense until that many tokens are stored, as in the official simulation
-        (its first budget * length rows attend in full); under the tokens-seen basis the cap is
-        that share of the tokens stored."""
+        basis (at least 1), or None: a dense step, every stored token (the final-length basis
+        until that many are stored: the official simulation's first budget * length rows)."""
         budget = budget_for(self.basis_tokens(stored_tokens), self.m.budget_ratio, None)
         if self.protocol.budget_basis == "final" and stored_tokens < budget:
             return None
@@ -381,8 +373,7 @@ class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
         return ranks < self.counts[..., None]
 
     def touch(self, index: torch.Tensor, counts: torch.Tensor) -> None:
-        """Pool statistics per KV head (what its pool holds): a token counts as selected when
-        any head that reads this KV head selected it (per query head: the union)."""
+        """Pool statistics per KV head: a token counts as selected when any head reading it did."""
         self.touch_pool(kv_union(self.query_sets(self.stored()), self.info.num_kv_heads))
 
     # --- cache seam --------------------------------------------------------------------------
@@ -434,11 +425,10 @@ class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
         elif self.system:  # what each head attends of the fetched rows, the new token last
             rows = self.fetched.repeat_interleave(sets.shape[1] // self.fetched.shape[1], 1)
             sets = torch.cat([sets.gather(2, rows), new], 2)
-            if self.selection is not None:
-                slots = torch.cat([self.fetched, torch.full_like(self.fetched[..., :1],
-                                                                 self.stored() - 1)], 2)
-                kv_rows = self.positions.long().gather(2, slots)
-                self.selection = replace(self.selection, kv_rows=kv_rows)
+            if self.selection is not None:  # the rows attend gets, at their text positions
+                slots = torch.cat([self.fetched, self.fetched[..., :1] * 0 + self.stored() - 1], 2)
+                rows = self.positions.long().gather(2, slots)
+                self.selection = replace(self.selection, kv_rows=rows)
         return self.fetch_and_attend(module, query, keys, values, sets, base, kwargs["scaling"],
                                      kwargs)
 
