@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat requirements.lock pyproject.toml | cksum | cut -d' ' -f1)
-# OpenMP's active spin-wait makes 2-core machines ~25x slower when anything else runs (stack.md §3).
+# OpenMP's active spin-wait makes 2-core machines ~25x slower when anything else runs.
 export OMP_WAIT_POLICY ?= PASSIVE
 export TOKENIZERS_PARALLELISM ?= false
 

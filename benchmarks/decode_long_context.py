@@ -1,4 +1,4 @@
-"""Decode latency at long context, every method's own cost side by side (issue 11's table).
+"""Decode latency at long context, every method's own cost side by side.
 
 For each context length and round: prefill the essay text through every row's method (chunked,
 one request per row, all open side by side), then decode `--new-tokens` greedily in lockstep:
@@ -14,7 +14,7 @@ step k, same round), which is what the goal is judged on. Rows:
   full_offload      the whole KV on the host tier, fetched every step (FlexGen baseline)
   infinigen         InfiniGen system mode (speculated rows fetched from the host tier)
 
-Goals (issue 11): streaming_llm_1k and h2o_1k <= 1.10x full@1K; kivi_2bit <= 1.3x full;
+Goals: streaming_llm_1k and h2o_1k <= 1.10x full@1K; kivi_2bit <= 1.3x full;
 infinigen <= 1.0x full_offload at 4K. The load average and thread policy are printed with the
 table: on a shared machine the ratios (measured in the same rounds) are what to read.
 

@@ -4,7 +4,7 @@ Same model, same prompt (the first `--prompt-tokens` of the essays), same number
 greedy, runs alternated A/B/A/B... Decode tokens/s is measured per token on both sides: the engine
 times each decode step; for `generate`, a streamer timestamps every new token, and decode time is
 from the first generated token to the last. Prints medians and the ratio. Goals: >= 0.95 at 2K;
->= 1.2 at 8K (issue 11: the engine's default cache writes each step in place, transformers'
+>= 1.2 at 8K (the engine's default cache writes each step in place, transformers'
 DynamicCache concatenates the whole cache every step).
 
     python benchmarks/decode_vs_hf.py --context 2048 [--new-tokens 32] [--rounds 3]

@@ -1,4 +1,4 @@
-"""One table of the method family (issues 12/13): needle and streaming perplexity side by side.
+"""One table of the method family: needle and streaming perplexity side by side.
 
     python benchmarks/family_table.py --needle-root <root> --ppl-root <root> [--out table.md]
     python benchmarks/family_table.py ... --budgets 0.05 0.1 0.2 --bits --methods quest infinigen

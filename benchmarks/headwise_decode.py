@@ -1,4 +1,4 @@
-"""Decode step of a head-wise method vs its uniform counterpart at the same mean budget (issue 27).
+"""Decode step of a head-wise method vs its uniform counterpart at the same mean budget.
 
 Ada-KV splits each layer's budget across its KV heads (ragged rows, methods/eviction.py) where
 SnapKV gives every head the same count; both score with SnapKV's observation window and hold the

@@ -1,4 +1,4 @@
-"""Achieved memory bandwidth of the decode kernels on CUDA, against the device's peak (issue 14).
+"""Achieved memory bandwidth of the decode kernels on CUDA, against the device's peak.
 
 A decode step's attention is memory-bound: its time is set by the bytes it must read. For each
 kernel and shape (Llama-3-8B KV heads: H_kv 8, H_q 32, D 128; contexts and batches below):
@@ -19,7 +19,7 @@ kernel and shape (Llama-3-8B KV heads: H_kv 8, H_q 32, D 128; contexts and batch
            really reaches, next to the nominal `--peak-gbs` (H200 SXM: 4800 GB/s)
 
 achieved GB/s = bytes / median kernel time (CUDA events, warm-up first); printed as a share of the
-nominal peak and of the measured copy bandwidth. Goal (issue 14): >= 70 % of the peak. CUDA only:
+nominal peak and of the measured copy bandwidth. Goal: >= 70 % of the peak. CUDA only:
 on CPU the Triton kernels run in the interpreter, which is a correctness tool, so nothing is
 timed (the script says so and exits 0). `--json` is rewritten (atomically) after every row, so a
 timeout keeps the rows measured so far (`complete_contexts`, `finished` say how far it got).

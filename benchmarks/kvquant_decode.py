@@ -1,4 +1,4 @@
-"""KVQuant's decode step against KIVI-2's at long context (issue 26), lockstep, paired ratios.
+"""KVQuant's decode step against KIVI-2's at long context, lockstep, paired ratios.
 
 For each context and round: prefill the essay text through every row's method (one request per
 row, all open side by side), then decode `--new-tokens` greedily in lockstep: step k of every row
@@ -13,7 +13,7 @@ which the goal is judged on. Rows:
   kvquant_3bit  nuq3-1% (the paper's headline)
   kvquant_2bit  nuq2-1% with Q-Norm (the official 2-bit setting)
 
-Goal (issue 26): every KVQuant row <= 1.3x KIVI-2's decode step at 8K on CPU. The load average,
+Goal: every KVQuant row <= 1.3x KIVI-2's decode step at 8K on CPU. The load average,
 the thread count and OMP_WAIT_POLICY are printed with the table. KVQuant's calibration (official
 16 x 2048 tokens of PG-19) is computed once and cached (~/.cache/kv-harness/kvquant).
 

@@ -1,4 +1,4 @@
-"""Lines of own logic per method file (issue 12: scorer methods on the template <= 80 lines each).
+"""Lines of own logic per method file (goal: scorer methods on the template <= 80 lines each).
 
     python benchmarks/method_lines.py
 

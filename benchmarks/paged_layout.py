@@ -7,7 +7,7 @@ open side by side, then step k of every cell runs back to back (the order rotati
 so a burst of machine noise hits every cell alike. Per cell: the median decode ms per step over
 all steps of all rounds, the storage waste when each sequence ended (harness.accounting: used /
 allocated K/V bytes) and the paged pools' figures. Per method, the ratio to read: the median
-over (round, step) of paged step k / contiguous step k (paired, same round). Goal (issue 27):
+over (round, step) of paged step k / contiguous step k (paired, same round). Goal:
 full <= 1.05x (decode reads the paged blocks in place: methods.base.FullLayer); H2O still
 gathers its blocks (its fused kernel reads a contiguous tensor), reported without a goal.
 `full_sdpa` is the full cache as it was before (the model's SDPA over `keys`/`values`, paged: a
@@ -47,7 +47,7 @@ GOALS = {"full": 1.05}  # paged / contiguous decode step, paired median
 
 @dataclass(kw_only=True)
 class FullSDPA(Full):
-    """The full cache as it was before in-place reads (issue 27): the base KVLayer, whose decode
+    """The full cache as it was before in-place paged reads: the base KVLayer, whose decode
     steps attend with the model's SDPA over `keys`/`values` (paged: a gather of the blocks)."""
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:

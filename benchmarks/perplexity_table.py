@@ -1,6 +1,6 @@
 """Streaming-perplexity table across methods and budgets (one run per row, through the runner).
 
-    python benchmarks/perplexity_table.py --preset issue3 [--max-tokens 2048] [--dataset essays]
+    python benchmarks/perplexity_table.py --preset baselines [--max-tokens 2048] [--dataset essays]
     python benchmarks/perplexity_table.py --preset families --dataset wikitext2 --max-tokens 1024
 
 Each row is a normal harness run (its folder under --results-root); the table is printed as
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 PRESETS = {
-    "issue3": [
+    "baselines": [
         ["method=full"],
         *[["method=streaming_llm", "method.sink_tokens=4", f"method.window_tokens={w}"]
           for w in (252, 508, 1020)],
@@ -33,11 +33,11 @@ PRESETS = {
         ["method=kivi", "method.k_bits=4", "method.v_bits=4"],
         *[["method=oracle_topk", f"method.budget_ratio={r}"] for r in (0.1, 0.2, 0.5)],
     ],
-    # InfiniGen (issue 4, re-measured like-for-like per issue 10): every row runs with the same
+    # InfiniGen, measured like-for-like: every row runs with the same
     # protocol dense layers (InfiniGen's 0 and 1, `runner.dense_layers=[0,1]`, added by main()),
     # and "@density" rows take the sparse-layer attended fraction measured for InfiniGen's
     # defaults, so the oracle and H2O attend as much as InfiniGen does where it selects.
-    "issue4": [
+    "infinigen": [
         ["method=full"],
         *[["method=infinigen", f"method.alpha={a}", "method.budget_ratio=0.2"]
           for a in (4.0, 5.0, 6.0)],
@@ -51,8 +51,8 @@ PRESETS = {
         ["method=oracle_topk", "@density"],
     ],
 }
-PROTOCOL = {"issue4": ["runner.dense_layers=[0,1]"], "families": ["runner.dense_layers=[0,1]"]}
-FAMILY_BUDGETS = (0.2, 0.5)  # budget_ratio of every budgeted method (issues 12/13)
+PROTOCOL = {"infinigen": ["runner.dense_layers=[0,1]"], "families": ["runner.dense_layers=[0,1]"]}
+FAMILY_BUDGETS = (0.2, 0.5)  # budget_ratio of every budgeted method
 FAMILY_BITS = (2, 4)  # k_bits = v_bits of the quantizers
 
 
@@ -163,7 +163,7 @@ def row(metrics: dict, name: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="issue3", choices=sorted(PRESETS) + ["families"])
+    ap.add_argument("--preset", default="baselines", choices=sorted(PRESETS) + ["families"])
     ap.add_argument("--model", default="smollm2_135m")
     ap.add_argument("--dataset", default="essays")
     ap.add_argument("--max-tokens", type=int, default=2048)

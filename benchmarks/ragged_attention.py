@@ -1,4 +1,4 @@
-"""Decode attention over ragged heads vs rectangular heads at the same mean length (issue 27).
+"""Decode attention over ragged heads vs rectangular heads at the same mean length.
 
 Head-wise budgets (Ada-KV, HeadKV) give each KV head its own number of tokens. What the storage
 and kernels must make true before any such method is worth running: attending over ragged
@@ -13,7 +13,7 @@ in place (`Rows.in_place`):
             rotated per layer (mean L, a spread as wide as Ada-KV's on RULER), built by
             `keep(index, valid=...)` from L x 1.75 tokens
   padded    the ragged heads padded to the longest with a dense additive mask through SDPA (what
-            a rectangular store forces on a head-wise method: issue 27's first AdaKV)
+            a rectangular store forces on a head-wise method: the first AdaKV's design)
   sdpa      rect through SDPA over `view()` (contiguous only: the model's own path)
 
 Cells run in lockstep: step k of every cell back to back, the order rotating, `--steps` steps

@@ -1,4 +1,4 @@
-"""Serving shape: decode throughput and KV capacity per method versus batch size (issue 14).
+"""Serving shape: decode throughput and KV capacity per method versus batch size.
 
 For each method and batch size B: B different prompts of `--prompt-tokens` tokens (consecutive
 slices of the essay text) are prefilled together (ragged-capable batch, harness.batch) and
@@ -19,7 +19,7 @@ the same rounds.
     python benchmarks/throughput.py --model random_llama_8b --device cuda --dtype bfloat16 \\
         --prompt-tokens 8192 32768 --batches 1 8 --methods full full_offload infinigen h2o_offload kivi
 
-TTFT under load (LayerKV, issue 14): with `--ttft-concurrency N ...`, N requests arrive at once
+TTFT under load (LayerKV): with `--ttft-concurrency N ...`, N requests arrive at once
 and are admitted under a device KV limit (`--kv-device-limit-mib`, default: two requests' full
 KV at this length) by request-level admission (all layers' blocks or wait) and by LayerKV
 (per-layer blocks, the rest of a request's layers on the host tier), method full, paged layout:

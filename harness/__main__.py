@@ -6,7 +6,7 @@ import signal
 import sys
 
 # Before torch loads: OpenMP's active spin-wait makes 2-core machines ~25x slower under any
-# contention (stack.md §3). A user's explicit setting wins.
+# contention (2.1 s/step instead of 85 ms measured). A user's explicit setting wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

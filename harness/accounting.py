@@ -9,8 +9,9 @@ Every figure that compares methods is defined here, once:
   tokens seen (the new token included). Averaged as a ratio of sums over decode steps, per layer
   (`..._per_layer`), over the sparse layers (`..._sparse_layers`: every layer not in the run's
   effective dense layers — the figure "matched density" comparisons use) and over all layers.
-* `kv.paper_relative_kv_size`: InfiniGen's Fig. 11 transform of the sparse-layer attended fraction,
-  1 - sqrt(1 - f) (methods.md §0.3) — a labelled extra column, never a default axis.
+* `kv.paper_relative_kv_size`: InfiniGen's Fig. 11 transform of the sparse-layer attended
+  fraction, 1 - sqrt(1 - f) (the fixed ratio r whose causal-mask density 1 - (1 - r)^2 equals f) —
+  a labelled extra column, never a default axis.
 * **Active**: a compressing method that, over the whole run, neither held less than the full cache
   nor attended less than every token did not act (prompts shorter than its window, a prefill-only
   compressor with no prefill, a budget above the text); `kv.method_active=false` and the reason.

@@ -5,7 +5,7 @@ Seams used, all public in 5.24:
     attention, with post-RoPE keys);
   * `AttentionInterface` + `AttentionMaskInterface` registrations under our own names
     (`kvh_sdpa`, `kvh_eager`): without the mask registration the causal mask is None and a chunked
-    prefill over a non-empty cache is silently wrong (stack.md §1);
+    prefill over a non-empty cache is silently wrong (HF's sdpa then slices keys as if causal);
   * a per-request binding of each attention module to its `KVLayer` (`bind`), always undone,
     renewed by every `forward` for its own cache;
   * each layer's attention mask built by the registered mask functions from that layer's own

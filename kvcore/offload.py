@@ -21,7 +21,8 @@ through pageable memory and blocks the host.
 
 On a CPU-only machine the same code path runs: host-to-host copies, done synchronously (there is
 no second engine to overlap with), and every copy's time counts as exposed.
-Streams, events and sync go through `torch.get_device_module(device.type)` (stack.md §8).
+Streams, events and sync go through `torch.get_device_module(device.type)` (on CPU-only torch
+`torch.cuda.Stream()` and `pin_memory()` raise).
 """
 
 from __future__ import annotations

@@ -4,15 +4,15 @@ Per layer, every KV head is either a *retrieval* head (keeps the full cache) or 
 (keeps `sink_tokens` + a recent window; RazorAttention adds one compensation token). Which heads are
 which is decided offline, once per model (`prepare`), and is the same for every request.
 
-Layout: one ragged store per layer, the harness's shared storage (kvcore.storage: K and V are
-the layer's `kv_rows`, so they follow runner.kv_layout, contiguous or paged; a small contiguous
-`(B, H_kv, T)` positions row travels with them). Every (sequence, KV head) has its own length:
-a retrieval head holds every token seen; a streaming head its sinks + window and, compensating,
-one compensation slot (the running mean of the tokens it dropped, post-RoPE keys as cached;
-position entry COMP_POSITION) + the count |D| it stands for. Each head holds only its own tokens
-(methods-2.md §14.8's aim for "separate tensors per head class"): `kv_bytes` counts each head's own
-rows; the contiguous layout's padding to the longest head is storage waste (`kv_bytes_allocated`),
-the paged layout's per-head block tables hold none.
+Layout: one ragged store per layer, the harness's shared storage (kvcore.storage: K and V are the
+layer's `kv_rows`, so they follow runner.kv_layout, contiguous or paged; a small contiguous
+`(B, H_kv, T)` positions row travels with them). Every (sequence, KV head) has its own length: a
+retrieval head holds every token seen; a streaming head its sinks + window and, compensating, one
+compensation slot (the running mean of the tokens it dropped, post-RoPE keys as cached; position
+entry COMP_POSITION) + the count |D| it stands for. Each head holds only its own tokens (as
+DuoAttention's official code, which stores its head classes as separate tensors): `kv_bytes` counts
+each head's own rows; the contiguous layout's padding to the longest head is storage waste
+(`kv_bytes_allocated`), the paged layout's per-head block tables hold none.
 Eviction is positional, so every streaming head of a layer holds the same positions; a decode step
 appends the new token to every head and each streaming head then drops its oldest non-sink token
 (its last row moves into that slot: the rows are not in text order, attention is order-free);

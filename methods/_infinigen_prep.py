@@ -1,8 +1,9 @@
 """InfiniGen's offline step: skewing matrices and column energies, cached on disk.
 
 One forward over the calibration tokens captures every layer's post-RoPE Q and K (through a
-capturing cache bound to the model, like any request). Per layer and KV head (GQA, methods.md
-§1.9): Q_j = the g query heads of the group stacked (g*n x d), K_j (n x d); A_j = V of the SVD of
+capturing cache bound to the model, like any request). Per layer and KV head (the official code is
+MHA only; with GQA one A must serve K and every query head of its group): Q_j = the g query heads
+of the group stacked (g*n x d), K_j (n x d); A_j = V of the SVD of
 Q_j, columns ordered by ascending sigma_q * sigma_k. Column energies sum |Q_j A_j| and sum |K_j A_j|
 are stored; the partial columns are chosen from them at load time (`column_choice`): the top k by
 |QA| (the official system) or the union of the top k by |QA| and by |KA| (the official Llama

@@ -1,18 +1,19 @@
 """DuoAttention: retrieval heads keep the full KV cache, streaming heads sinks + a recent window.
 
 Xiao, Tang, Zuo, Guo, Yang, Tang, Fu, Han, "DuoAttention: Efficient Long-Context LLM Inference with
-Retrieval and Streaming Heads", ICLR 2025, arXiv 2410.10819 (official code mit-han-lab/duo-attention;
-spec: reference/methods-2.md §7).
+Retrieval and Streaming Heads", ICLR 2025, arXiv 2410.10819 (official code
+github.com/mit-han-lab/duo-attention).
 
 Spec. One gate alpha per (layer, KV head), learned offline (distillation on synthetic passkey data,
 L1 penalty) and binarised at deployment: `threshold = quantile(alpha + U(0, 1e-6), sparsity)`,
-alpha >= threshold -> retrieval head, with sparsity = 1 - retrieval_head_ratio. Retrieval heads keep
-every token; streaming heads keep the first `sink_tokens` and the last `window_tokens`. After each
-forward (a prefill chunk or a decode step: every head attends its cache + the new tokens causally)
-the streaming heads are cut back to sinks + window. A one-shot prefill therefore lets streaming heads
-see the whole prompt (official behaviour, quirk 1); feed the prompt in chunks (runner chunking) or
-with `runner.prefill=sparse` to make them stream. Keys stay post-RoPE at their text positions.
-
+alpha >= threshold -> retrieval head, with sparsity = 1 - retrieval_head_ratio. Retrieval heads
+keep every token; streaming heads keep the first `sink_tokens` and the last `window_tokens`. After
+each forward (a prefill chunk or a decode step: every head attends its cache + the new tokens
+causally) the streaming heads are cut back to sinks + window. A one-shot prefill therefore lets
+streaming heads see the whole prompt (official behaviour: accuracy is optimistic, which is why the
+official LongBench `pred.py` feeds the last 50 prompt tokens as decode steps); feed the prompt in
+chunks (runner chunking) or with `runner.prefill=sparse` to make them stream. Keys stay post-RoPE
+at their text positions.
 Head identification (recorded in `prepare`'s facts as `head_identification`):
   * `learned_gates`: `pattern_path` given: the official pattern as `duo_attn/utils.py`
     `load_attn_pattern` reads it, a folder with `full_attention_heads.tsv` (np.savetxt of the

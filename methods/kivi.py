@@ -1,10 +1,10 @@
 """KIVI: tuning-free asymmetric 2-bit KV-cache quantization.
 
 Liu et al., "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", ICML 2024,
-arXiv 2402.02750.
+arXiv 2402.02750 (official code github.com/jy-yuan/KIVI).
 
 Keys are quantized per channel, values per token, each with a full-precision residual of recent
-tokens (reference/methods.md §4.1, paper §3.3):
+tokens (paper §3.3):
 
 * Keys: a quantized part (whole blocks of `residual_tokens`, each quantized per head-dim channel in
   groups of `group_size` tokens) + a full-precision residual K_r. New keys go to K_r; when K_r

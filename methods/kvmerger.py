@@ -8,26 +8,26 @@ pair: the Gaussian-kernel-weighted mean of its members, centred on its most atte
 token. Decoding then appends without merging. Paper: on Llama-2-7B/13B-chat, LongBench and
 ZeroScrolls at 50 % and 35 % KV budgets, better than H2O and CaM (abstract).
 
-No official code was released (methods-2.md §6), and the paper's text could not be read here (only
-its abstract, an OpenReview summary and reviews, and third-party notes): the rule below is the
-paper's as described in the issue that asked for it (issue 26), each part labelled with what backs
-it. Provenance: reconstruction.
-  * Merging sets by a fixed threshold (`similarity_threshold` 0.75; issue 26): adjacent tokens
+No official code was released (KVCache-Factory's `merge_kv` is only "inspired by" it), and the
+paper's text could not be read here (only its abstract, an OpenReview summary and reviews, and
+third-party notes): the rule below is the paper's as those secondary sources describe it
+("[reported]"), each part labelled with what backs it. Provenance: reconstruction.
+  * Merging sets by a fixed threshold (`similarity_threshold` 0.75; [reported]): adjacent tokens
     i, i+1 join a set when cos(k_i, k_{i+1}) >= the threshold (post-RoPE keys as cached, text
     order); a set is a maximal such run. The kept size is therefore an *outcome*, not a budget:
     the paper's 50 % / 35 % figures are what its threshold yields, and "KV cache sparsity from the
     similarity perspective is persistent at the model level" (abstract). It is reported as the
     run's `kv.tokens_per_layer` / `kv.held_ratio`.
   * Never merged: the last `recent_ratio` (17 %) of the prompt and the `heavy_ratio` (12 %) of the
-    other tokens with the highest aggregated attention (issue 26; an OpenReview reviewer: "the
+    other tokens with the highest aggregated attention ([reported]; an OpenReview reviewer: "the
     method also retains anything with a top-k attention score").
   * Pivot and heavy hitters by the aggregated attention every prompt query gives a token (H2O's
     accumulated column sums, averaged over the query heads of a KV head) [our reading of
     "aggregated attention"].
-  * Weights g_i = exp(-|k_p - k_i|^2 / (2 sigma^2)) with a fixed `sigma` (5; issue 26),
+  * Weights g_i = exp(-|k_p - k_i|^2 / (2 sigma^2)) with a fixed `sigma` (5; [reported]),
     normalised over the set; merged K and V are the weighted sums, stored at the pivot's position
     (merged keys keep a mixed RoPE phase; never re-rotated). A singleton set is its token, exact.
-  * The last `unmerged_last_layers` (1) layers are never merged (issue 26; a third-party summary:
+  * The last `unmerged_last_layers` (1) layers are never merged ([reported]; a third-party summary:
     the first two and the last layer attend too uniformly to merge; the first two are the
     protocol's `runner.dense_layers=[0,1]` here).
 Our choices where the paper is silent or our cache needs one shape per layer:
@@ -78,8 +78,8 @@ class KVMerger(KVMethod):
     code_url: ClassVar[str | None] = None
     operating_point: ClassVar[str] = (
         "paper only (arXiv 2407.08454, no code): Llama-2-7B/13B-chat; threshold 0.75, 17 % "
-        "recent + 12 % most attended never merged, sigma 5, last layer unmerged (issue 26's "
-        "reading, unverified here); 50 % / 35 % KV; LongBench, ZeroScrolls"
+        "recent + 12 % most attended never merged, sigma 5, last layer unmerged (secondary "
+        "descriptions, unverified here); 50 % / 35 % KV; LongBench, ZeroScrolls"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
         needs_attn_scores=True, acts_during_decode=False, needs_prefill=True,

@@ -3,8 +3,7 @@ dense-and-sparse outliers.
 
 Hooper, Kim, Mohammadzadeh, Mahoney, Shao, Keutzer, Gholami, "KVQuant: Towards 10 Million Context
 Length LLM Inference with KV Cache Quantization", NeurIPS 2024, arXiv 2401.18079 (official code
-SqueezeAILab/KVQuant: `quant/` the simulation, `deployment/` the CUDA kernels; spec:
-reference/methods.md §4.3 and methods-2.md §13.1).
+github.com/SqueezeAILab/KVQuant: `quant/` the simulation, `deployment/` the CUDA kernels).
 
 From the official code (`quant/llama_simquant.py`, `quant/kvquant/simquant_module_quantizer.py`):
   * Keys are quantized *before* RoPE, per channel, with offline-calibrated statistics: per (KV head,

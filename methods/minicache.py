@@ -10,7 +10,9 @@ whose two directions are far apart (normalised angle delta = Omega / pi) are ret
 both layers. Paper: with 4-bit KIVI, up to 5.02x compression and about 5x throughput on ShareGPT
 (LLaMA-2-7B), 41 % less memory than the FP16 full cache, near-lossless (abstract).
 
-No official code (the repository is a project page); this follows methods-2.md §10:
+No official code (github.com/AkideLiu/MiniCache is a project page); this reconstructs the paper's
+abstract and project page, with the merge formula and the top-ceil(gamma n) retention reading of
+KVCache-Factory's `pyramidkv/minicache.py`:
   * when: the first prompt is merged at its end (the engine's `on_prefill_end`); from then on the
     tokens of every forward are merged once both layers computed them (after the forward), so the
     cache holds the merged form between steps and attention sees the restored K/V;

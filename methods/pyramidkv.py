@@ -7,7 +7,8 @@ the last `window_tokens` prompt queries, top-k per KV head + the window, once at
 prompt; decoding appends. Paper: matches the full cache on LongBench keeping 12 % of the KV, and
 Llama-3-70B reaches 100.0 on Needle-in-a-Haystack with 128 entries (abstract).
 
-Schedule, as the official `PyramidKVCluster` (methods-2.md §1), with C = the nominal per-layer
+Schedule, as the official `PyramidKVCluster.update_kv` (github.com/Zefan-Cai/KVCache-Factory,
+formerly PyramidKV), with C = the nominal per-layer
 budget (window included), n = prompt tokens seen, L layers, base = C - w:
     n < C: keep everything; C <= n < 2*base: every layer keeps C (plain SnapKV);
     else min = base // beta, max = 2*base - min, clamped to max <= n - w (then min = 2*base - max),

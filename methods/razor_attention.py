@@ -4,7 +4,7 @@ recent buffer and one compensation token for all they dropped.
 Tang, Lin, Lin, Han, Ke, Hong, Yao, Wang, "RazorAttention: Efficient KV Cache Compression Through
 Retrieval Heads", ICLR 2025, arXiv 2407.15891. No code from the authors' paper release; Huawei's
 MindSpore Golden Stick ships the head search (`mindspore_gs ... razor_attention`, `RAConfig`):
-read for the probe and the selection (spec: reference/methods-2.md §8).
+read for the probe and the selection.
 
 Spec.
   * Identification, training-free, once per model (`prepare`, cached), as Huawei's tool: 2500
@@ -22,7 +22,7 @@ Spec.
         out = (sum_keep e^{s_j} v_j + |D| e^{s^} v^) / (sum_keep e^{s_j} + |D| e^{s^}),
     i.e. one extra key whose logit gets + log|D| (an additive mask, so SDPA runs it).
   * Decode: a token leaving the recent buffer is folded into the compensation token incrementally
-    (k^ <- (|D| k^ + k) / (|D| + 1)); the paper's decode behaviour is not recovered (spec [sugg]).
+    (k^ <- (|D| k^ + k) / (|D| + 1)); the paper's decode behaviour is not recovered (our choice).
 
 Provenance: paper (the method) + Huawei's public tool (the probe and the head selection). Not
 reproduced from the tool: its unseeded ids (seeded here); its index quirk counting the BOS as an
@@ -30,7 +30,7 @@ earlier occurrence for rows at multiples of P; its merge of echo into induction 
 returns after the first layer holding echo heads (`_get_retrieval_heads`), so echo heads of later
 layers are dropped there and kept here (the paper's union). C = 5 is ours (the tool's deployment
 kernel, which sets the window, is not public). A streaming head's slot count N0 + L_h + 1 includes
-the compensation token (methods-2.md §14.2). `budget_ratio` (shared knob) instead fixes the
+the compensation token (the paper's count). `budget_ratio` (shared knob) instead fixes the
 fraction of the whole cache held (the streaming slots scale with the sequence; see _headwise.py).
 
 Paper's number: KV cache reduced by over 70 % "without noticeable impacts on performance"

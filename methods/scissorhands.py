@@ -18,8 +18,8 @@ perplexity *mask simulation* on OPT-66B, not the method with a budget:
     previous `LRU_WINDOW` = 100 rows, or if it is among the last `POSITION_WINDOW` = 10
     positions; the other logits are masked and the row renormalised. The kept fraction is only
     logged: there is no budget, and nothing is evicted.
-Ours instead is the paper's algorithm with the code's windows (methods-2.md §3), a real eviction
-under the shared budget:
+Ours instead is the paper's algorithm with the code's windows, a real eviction under the shared
+budget:
   * "important" = attention at or above the uniform weight 1/T of the query's T visible keys (the
     paper's "below average"), not the 90th percentile;
   * a fixed budget per layer and KV head: when a layer holds more, it drops the tokens that were

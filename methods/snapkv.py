@@ -14,12 +14,13 @@ Positions stay the original ones. Paper: at 16K input, 3.6x faster generation an
 memory efficiency than the full cache with comparable LongBench scores; Needle-in-a-Haystack up
 to 380K context on one A100-80GB with a negligible drop (abstract).
 
-Official-code facts followed (methods.md §6, methods-2.md §13.3): compression only when the prompt
-exceeds the budget; budget (`max_capacity_prompt`) includes the window; the paper's LongBench
-configs are window 32, kernel 7, max pooling. GQA fix (the official code repeats K/V first,
-FasterDecoding/SnapKV#16): votes are averaged over the group *before* pooling, one index set per
-KV head (KVCache-Factory's kv_head mode; kvpress averages after pooling — identical for average
-pooling). Query-aware by design: a question at the end of the prompt is in the window.
+Official-code facts followed (github.com/FasterDecoding/SnapKV, `SnapKVCluster.update_kv`):
+compression only when the prompt exceeds the budget; budget (`max_capacity_prompt`) includes the
+window; the paper's LongBench configs are window 32, kernel 7, max pooling. GQA fix (the official
+code repeats K/V first, https://github.com/FasterDecoding/SnapKV/issues/16): votes are averaged
+over the group *before* pooling, one index set per KV head (KVCache-Factory's kv_head mode; kvpress
+averages after pooling — identical for average pooling). Query-aware by design: a question at the
+end of the prompt is in the window.
 
 Hyperparameters (the one budget rule, methods/base.py):
     budget_ratio / budget_tokens: tokens kept per layer and KV head at the end of a prompt,

@@ -17,7 +17,7 @@ prompt is held in full (dense prefill, as the official code), compressed at its 
 continues under the scorer's own policy. Paper: 30-70 % memory reduction and up to 2.2x
 throughput over a wide range of LLMs and benchmarks (abstract).
 
-Official-code facts (methods-2.md §5, hetailang/SqueezeAttention `modify_llama_drop.py`):
+Official-code facts (github.com/hetailang/SqueezeAttention, `utils_hh/modify_llama_drop.py`):
 KMeans(n_clusters=3) on the L scalars, the highest-centre cluster squeezed, ratio(G12) = (L*ini -
 |G3|*p) / |G12|, budgets int(ratio * prompt length). Deliberate differences: the clustering is an
 exact 1-D k-means (dynamic programming, deterministic; sklearn's KMeans there has no seed); with
@@ -31,7 +31,7 @@ method on the scored-eviction template (SCORERS), H2O by default as in the paper
 Hyperparameters:
     budget_ratio / budget_tokens: the uniform budget `ini` (one budget rule, methods/base.py).
     low_group_ratio: G3's budget as a fraction of the uniform one (README runs: p/ini = 0.25/0.4
-        and 0.08/0.21; default 0.5, the reference's suggestion).
+        and 0.08/0.21; default 0.5, ours: halfway between them, as no single default is published).
     scorer: the sequence-wise method inside each layer (SCORERS).
     scorer_options: that method's own hyperparameters (its defaults otherwise).
 """

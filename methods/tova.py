@@ -7,12 +7,12 @@ history, no window, no sinks; the token just added may itself be dropped. Paper:
 with the full model on long-range tasks using in some cases 1/8 of the cache, 4.8x higher
 throughput (abstract).
 
-Faithful to the official `TOVACache.reduce` (methods-2.md §2): the last row of each forward's
-attention (eager softmax in the official code; here that one row is computed in fp32 next to the
-model's own attention, so no eager attention is needed), keys post-RoPE at their original
-positions. Protocol: with `runner.prefill=dense` a prompt chunk is pruned by its last row (with
-one chunk: the official one-shot prefill); `runner.prefill=sparse` feeds the prompt token by token
-(per-step TOVA).
+Faithful to the official `TOVACache.reduce` (github.com/schwartz-lab-NLP/TOVA): the last row of
+each forward's attention (eager softmax in the official code; here that one row is computed in fp32
+next to the model's own attention, so no eager attention is needed), keys post-RoPE at their
+original positions. Protocol: with `runner.prefill=dense` a prompt chunk is pruned by its last row
+(with one chunk: the official one-shot prefill); `runner.prefill=sparse` feeds the prompt token by
+token (per-step TOVA).
 
 Hyperparameters (the one budget rule, methods/base.py):
     budget_ratio / budget_tokens: the cache size K per layer (README example K = 512).

@@ -16,7 +16,7 @@
 #      KVQuant fused kernel at 16K, sparse attention kernel at Llama scale, ragged-head paged
 #      decode kernel at 8K)
 #   3. kernel bandwidth: sparse-attention, KIVI-2 and ragged-head paged decode (per-head block
-#      tables, issue 27) kernels, achieved GB/s vs the 4.8 TB/s peak; then KVQuant's fused kernel
+#      tables) kernels, achieved GB/s vs the 4.8 TB/s peak; then KVQuant's fused kernel
 #      (nuq4, 1 % outliers, batch 1; reported, no bound)
 #   4. throughput at 8K for the 1B shape
 # Goals printed: InfiniGen >= 2x full_offload decode tok/s at >= 8K; KIVI-2 vs full decode tok/s

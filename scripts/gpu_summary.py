@@ -1,4 +1,4 @@
-"""One summary of scripts/gpu_check.sh's parts: gpu_summary.json and gpu_table.md (issue 14).
+"""One summary of scripts/gpu_check.sh's parts: gpu_summary.json and gpu_table.md.
 
     python scripts/gpu_summary.py PARTS_DIR OUT_DIR --expect throughput_8b:8192,32768:1,8 \\
         --expect throughput_1b:8192:1,8 --expect kernels:8192,32768:1,8 [--dry-run]

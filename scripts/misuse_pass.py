@@ -1,5 +1,5 @@
-"""Misuse pass (issue 29's last requirement): bad inputs beyond the issue's list, each run as a
-subprocess in its own temp folder, and how each ended.
+"""Misuse pass: bad inputs beyond those the tests already cover, each run as a subprocess in its
+own temp folder, and how each ended.
 
     nice -n 10 .venv/bin/python scripts/misuse_pass.py [--json out.json] [-k SUBSTR] [--timeout S]
 
@@ -269,7 +269,7 @@ CASES: list[Case] = [
     Case("sweep runner.batch_size=1,0", ["-m", *PPL, "runner.batch_size=1,0",
                                          "runner.results_root={root}"], expect="sweep",
          names=("batch_size",)),
-    # --- side files a method reads (issue 38) ---------------------------------------------
+    # --- side files a method reads ----------------------------------------------------------
     m("infinigen calibration_path binary", "infinigen", "calibration_path", "{tmp}/calib.bin",
       setup="sidefiles", names=("calibration_path", "calib.bin")),
     m("kvquant calibration_path binary", "kvquant", "calibration_path", "{tmp}/calib.bin",
@@ -291,7 +291,7 @@ CASES: list[Case] = [
                                            "method=duo_attention", "method.pattern_path=''"],
          names=("pattern_path",)),
     m("kvquant cache_dir=''", "kvquant", "cache_dir", "''", names=("cache_dir",)),
-    # --- sizes estimated before they allocate (issue 38) ----------------------------------
+    # --- sizes estimated before they allocate -----------------------------------------------
     m("quest page_size=1e9", "quest", "page_size", "1000000000", names=("page_size",)),
     t("ruler samples_per_cell=1e9", "ruler", "task.samples_per_cell=1000000000"),
     Case("ruler lengths=[1e8] on a model claiming 1e12 positions",
@@ -300,7 +300,7 @@ CASES: list[Case] = [
     Case("multiturn context_tokens=1e8 on a model claiming 1e12 positions",
          ["model=hf", "model.name_or_path={tmp}/huge", "runner.threads=1", "task=multiturn",
           "task.context_tokens=100000000"], setup="huge_positions", names=("context_tokens",)),
-    # --- a model named by what it is; non-finite models (issue 38) ------------------------
+    # --- a model named by what it is; non-finite models -------------------------------------
     Case("stories260k model.path=another model", [*PPL, "model.path={tmp}/huge"],
          setup="huge_positions", names=("model.path",)),
     Case("hf model with rms_norm_eps=NaN", ["model=hf", "model.name_or_path={tmp}/nan_eps",
@@ -308,7 +308,7 @@ CASES: list[Case] = [
          setup="nan_eps", names=("rms_norm_eps",)),
     p("method.name overriding method=snapkv", "method=snapkv", "method.name=pyramidkv",
       names=("method.name",)),
-    # --- impossible combinations and hints (issue 38) -------------------------------------
+    # --- impossible combinations and hints --------------------------------------------------
     Case("shadowkv threshold beyond 512 positions", [*PPL, "task.prefill_tokens=16",
                                                      "method=shadowkv", "method.budget_tokens=8"],
          names=("compress_above_tokens",)),

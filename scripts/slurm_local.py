@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A real one-node SLURM cluster in a folder, for tests and for trying `hydra/launcher=slurm*`
-without a cluster (stack.md §9).
+without a cluster.
 
     python scripts/slurm_local.py start /tmp/kvh-slurm   # prints `export SLURM_CONF=...`
     python scripts/slurm_local.py stop /tmp/kvh-slurm    # stops the daemons by their pid files

@@ -261,7 +261,7 @@ def models_rss() -> int:
     raise RuntimeError("no VmRSS")
 
 
-# --- issue 15: second pass -------------------------------------------------------------------
+# --- second pass -----------------------------------------------------------------------------
 
 @pytest.fixture
 def no_weights(monkeypatch):

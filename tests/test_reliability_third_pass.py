@@ -1,8 +1,8 @@
-"""Reliability, third pass (issue 29): every knob checked before the weights load (`+` keys too),
+"""Reliability, third pass: every knob checked before the weights load (`+` keys too),
 finite numbers, options that do not apply refused, inactive methods never certified, one line
 instead of a traceback, bounded memory and signals, and nothing of a user's destroyed.
 
-Grouped as the issue is: folders, accepted wrongly, tracebacks, unclear, memory and signals,
+Grouped by kind: folders, accepted wrongly, tracebacks, unclear, memory and signals,
 model naming. Most cases are refused before any weights load (the `no_weights` fixture)."""
 
 import errno

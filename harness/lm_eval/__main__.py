@@ -1,8 +1,8 @@
 """`python -m harness.lm_eval <lm-eval CLI arguments>`: lm-eval's own CLI with `kvharness` known.
 
-lm-eval cannot discover plug-in models (stack.md §4), so this imports our model (which registers
-`kvharness`) and hands the unchanged command line to `lm_eval.__main__.cli_evaluate()`. Our own
-configuration errors print as one line (exit 2) instead of a traceback.
+lm-eval's CLI cannot discover plug-in models (no entry points), so this imports our model (which
+registers `kvharness`) and hands the unchanged command line to `lm_eval.__main__.cli_evaluate()`.
+Our own configuration errors print as one line (exit 2) instead of a traceback.
 
     python -m harness.lm_eval --model kvharness \
         --model_args model=smollm2_135m,method=h2o,budget_ratio=0.2,scoring=stepwise \

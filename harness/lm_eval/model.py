@@ -349,8 +349,9 @@ class KVHarnessLM(TemplateLM):
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None,
                    left_truncate_len: int | None = None, **kwargs) -> list[int]:
-        """Token ids; `add_special_tokens=None` means the tokenizer's own default (stack.md §4),
-        except for a string that already starts with the BOS text (no second BOS), as HFLM."""
+        """Token ids; `add_special_tokens=None` means the tokenizer's own default (mapping it to
+        False would drop BOS and shift loglikelihoods), except for a string that already starts
+        with the BOS text (no second BOS), as HFLM."""
         if add_special_tokens is None:
             bos_text = self.tokenizer.decode(self.prefix_token_id)
             if bos_text and string.startswith(bos_text):

@@ -82,6 +82,15 @@ def _knobs(method: dict[str, Any], group: str) -> str:
     return " ".join(f"{k}={hyper[k]}" for k in method.get(group, []) if hyper.get(k) is not None)
 
 
+def reference_protocol_label(metrics: dict) -> str:
+    """The protocol under which the full cache is this run's reference: its own, less what the
+    full cache never acts on (the decode-time compression interval, which it refuses), so a
+    setting compressing while decoding is compared with the full cache on the same samples."""
+    proto = {k: v for k, v in metrics.get("protocol", {}).items()
+             if k != "decode_interval_tokens"}
+    return protocol_label({**metrics, "protocol": proto})
+
+
 def protocol_label(metrics: dict) -> str:
     """The runner protocol of a run, as every figure title and table shows it. Keys written by
     newer runners (budget_basis, decode_interval_tokens) are shown when present; older runs

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from harness import stats
-from harness.report.collect import REFERENCE
+from harness.report.collect import REFERENCE, reference_protocol_label
 from harness.uncertainty import PairingError, cell_uncertainty, compare, units
 
 FDR = 0.05
@@ -110,10 +110,13 @@ def comparisons(board: list[dict], rows: list[dict], resamples: int = stats.RESA
     by_run = {r["run"]: r for r in rows}
     floors = _floors(rows, resamples)
     out = []
-    for (model, protocol), entries in sections(board).items():
-        full = next((e for e in entries if e["method"] == REFERENCE and e["batch"] == 1), None)
+    by_section = sections(board)
+    for (model, protocol), entries in by_section.items():
+        full = _reference(entries) or _reference(
+            by_section.get((model, _reference_protocol(entries, by_run)), []))
         if full is None:
             continue
+        reference_protocol = _reference_protocol(entries, by_run)
         for e in entries:
             if e is full:
                 continue
@@ -125,7 +128,8 @@ def comparisons(board: list[dict], rows: list[dict], resamples: int = stats.RESA
                      "setting": e["setting"], "variant": e["variant"], "column": column,
                      "higher": e["higher"][column], "entry": e,
                      **_compare(by_run[ref], by_run[run], resamples)}
-                c["floor"] = floors.get((model, protocol, column))
+                c["floor"] = (floors.get((model, protocol, column))
+                              or floors.get((model, reference_protocol, column)))
                 out.append(c)
     paired = [c for c in out if c["paired"]]
     adjusted, rejected = stats.benjamini_hochberg([c["p_value"] for c in paired], FDR)
@@ -135,6 +139,16 @@ def comparisons(board: list[dict], rows: list[dict], resamples: int = stats.RESA
     for c in out:
         c.setdefault("verdict", "not paired")
     return out, list(floors.values())
+
+
+def _reference(entries: list[dict]) -> dict | None:
+    return next((e for e in entries if e["method"] == REFERENCE and e["batch"] == 1), None)
+
+
+def _reference_protocol(entries: list[dict], by_run: dict[str, dict]) -> str:
+    """The section's protocol as the full cache runs it (collect.reference_protocol_label)."""
+    runs = [run for e in entries for run in e["cells"].values()]
+    return reference_protocol_label(by_run[runs[0]]["_metrics"]) if runs else ""
 
 
 def _verdict(c: dict, significant: bool) -> str:

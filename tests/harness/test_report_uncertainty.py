@@ -29,3 +29,21 @@ def test_a_budget_curve_non_monotonic_beyond_its_intervals_is_flagged(tmp_path):
     assert csv_text.count("worse than full") == 1 and csv_text.count("not distinguishable") == 2
     assert "exact McNemar" in csv_text
     assert "#1-2" in text or "#1-3" in text  # the full cache and h2o 0.2 share ranks
+
+
+def test_a_setting_compressing_while_decoding_is_paired_with_the_full_cache(tmp_path):
+    """runner.decode_interval_tokens is in the protocol label (its own leaderboard section), but
+    the full cache never acts on it: its reference is the full cache of the same protocol
+    without it, on the same samples."""
+    import json
+
+    ruler_run(tmp_path, "full", [1] * 30)
+    ruler_run(tmp_path, "snapkv", [1] * 10 + [0] * 20, budget=0.2)
+    metrics = next(tmp_path.rglob("snapkv*/metrics.json"))
+    m = json.loads(metrics.read_text())
+    m["protocol"]["decode_interval_tokens"] = 128
+    metrics.write_text(json.dumps(m))
+    text, csv_text = board_text(tmp_path)
+    assert "decode_every=128" in text
+    [row] = [line for line in csv_text.splitlines() if ",snapkv," in line]
+    assert "decode_every=128" in row and "worse than full" in row and "exact McNemar" in row

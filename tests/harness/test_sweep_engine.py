@@ -359,20 +359,31 @@ def test_the_rule_budget_is_the_configuration_the_contract_checks(name, knobs, b
     assert rule_budget(build_method(name, **knobs)) == budget
 
 
-def test_settings_decoded_together_equal_their_single_runs_and_decode_batch_one(tmp_path):
-    """runner.sweep_decode_batch: every method's setting in one sweep, decoded together (rows of
-    one batched forward, each its own method and cache), 4 at a time (the last batch partial)
-    and all at once: each equals its single run and the sweep decoding one at a time — the
-    batch is a memory knob. Settings that cannot share a forward decode alone."""
+# One method per mechanism a batched decode step must keep apart per row: scored eviction,
+# head-wise ragged budgets, selection from the host tier with lookahead prefetch, quantized
+# storage, token-id policies, attention-block hooks (decodes alone), model hooks (own pass),
+# the reference. (Every method batched with itself: tests/methods/test_contract.py.)
+MIXED = {"contiguous": ["full", "h2o", "adakv", "infinigen", "kivi", "fastgen",
+                        "squeezeattention", "duo_attention", "quest"],
+         "paged": ["full", "h2o", "adakv", "quest", "snapkv"]}
+
+
+@pytest.mark.parametrize("layout, sizes", [("contiguous", (3, 0)), ("paged", (0,))])
+def test_settings_decoded_together_equal_decode_batch_one(layout, sizes, tmp_path):
+    """runner.sweep_decode_batch: settings of different methods in one sweep, decoded together
+    (rows of one batched forward, each its own method and cache), 3 at a time (the last batch
+    partial) and all at once (0 here): each equals the same sweep decoding one setting at a
+    time, which equals each setting's single run (test_sweep_equals_single_runs) — the batch
+    is a memory knob. Settings that cannot share a forward decode alone."""
     need_shared(STORIES)
-    settings = [[*TASK, f"method={name}", *knob_settings(name)[0]]
-                for name in available_methods()]
-    alone = single_runs(settings, tmp_path)
-    figures = [folder_figures(f) for f in alone]
-    for size in (4, len(settings)):
+    names = MIXED[layout]
+    settings = [[*TASK, f"runner.kv_layout={layout}", f"method={name}",
+                 *knob_settings(name)[0]] for name in names]
+    figures = [folder_figures(f) for f in sweep_folders(settings, tmp_path / "one")]
+    for size in (n or len(settings) for n in sizes):
         swept = sweep_folders([[*s, f"runner.sweep_decode_batch={size}"] for s in settings],
                               tmp_path / f"batch{size}")
-        for name, want, got in zip(available_methods(), figures, swept):
+        for name, want, got in zip(names, figures, swept):
             assert folder_figures(got) == want, name
         batches = [json.loads((f / "metrics.json").read_text())["run"]["sweep"]["decode_batch"]
                    for f in swept]

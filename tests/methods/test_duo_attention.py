@@ -20,7 +20,7 @@ INFO = ModelInfo(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, max_posi
 
 
 def test_gate_threshold_hand_case():
-    """methods-2.md §7: alpha [[0.9, 0.1], [0.5, 0.2]], sparsity 0.5 -> quantile 0.35,
+    """By hand: alpha [[0.9, 0.1], [0.5, 0.2]], sparsity 0.5 -> quantile 0.35,
     retrieval heads (0, 0) and (1, 0)."""
     got = sparsify_gates(torch.tensor([[0.9, 0.1], [0.5, 0.2]]), 0.5)
     assert got.tolist() == [[True, False], [True, False]]

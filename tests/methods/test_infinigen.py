@@ -217,7 +217,7 @@ def test_simulate_through_the_triton_kernel_equals_system(tiny4, cache_dir, monk
     assert (sim - sys_).abs().max().item() < 1e-4
 
 
-# --- fidelity fixes (issue 10 §4) -------------------------------------------------------------
+# --- fidelity fixes ---------------------------------------------------------------------------
 
 def test_dense_layers_never_evict_and_keep_the_sink(tiny4, cache_dir):
     """Counters stay zero in dense layers, so counter eviction there was arbitrary (it could
@@ -370,7 +370,7 @@ def test_speculation_from_own_input_differs_from_lookahead(tiny4, cache_dir):
     assert (ahead - own).abs().max().item() > 1e-4
 
 
-# --- speculation cost (issue 11) ----------------------------------------------------------------
+# --- speculation cost ---------------------------------------------------------------------------
 
 class _SyncCounter(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts tensor -> Python scalar conversions (.item(), int(t), bool(t)): host syncs on CUDA."""
@@ -442,7 +442,7 @@ def test_speculation_multiplies_only_the_partial_columns(tiny4, cache_dir):
     assert torch.equal(part, picked)
 
 
-# --- calibration robustness (issue 15) ----------------------------------------------------------
+# --- calibration robustness ---------------------------------------------------------------------
 
 def _info(**kw):
     from methods.base import ModelInfo
@@ -544,7 +544,7 @@ def test_cpu_speculation_kernel_equals_the_torch_path(tiny4, cache_dir, monkeypa
     torch.testing.assert_close(fused, eager, rtol=1e-4, atol=1e-4)
 
 
-# --- the official code's GQA expansion (issue 26): per query head, the union moved ---------------
+# --- the official code's GQA expansion: per query head, the union moved --------------------------
 
 @pytest.mark.kept_set
 def test_select_tokens_is_the_official_count_rule_by_hand():

@@ -11,7 +11,7 @@ from tests.conftest import make_engine
 
 @pytest.mark.kept_set
 def test_hand_example():
-    """methods-2.md §4: k = (1,0), (.9,.1), (.6,.8), (0,1): cos to the anchor = [.805 .866 .958
+    """By hand: k = (1,0), (.9,.1), (.6,.8), (0,1): cos to the anchor = [.805 .866 .958
     .593]; with N = 2 tokens 3 and 0 are kept."""
     keys = torch.tensor([[1.0, 0.0], [0.9, 0.1], [0.6, 0.8], [0.0, 1.0]]).view(1, 1, 4, 2)
     cos = anchor_cosine(keys)[0, 0]

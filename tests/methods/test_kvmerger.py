@@ -25,7 +25,7 @@ def keys_with_cosines(cosines: list[float]) -> torch.Tensor:
 
 
 def test_merging_sets_by_threshold_by_hand():
-    """methods-2.md §6: adjacent cosines [.99, .20, .97, .98] at threshold 0.9 -> {0,1} {2,3,4};
+    """By hand: adjacent cosines [.99, .20, .97, .98] at threshold 0.9 -> {0,1} {2,3,4};
     a protected token is a set of its own; a pair merges only if every KV head finds it similar."""
     keys = keys_with_cosines([0.99, 0.2, 0.97, 0.98])
     none = torch.zeros(1, 5, dtype=torch.bool)

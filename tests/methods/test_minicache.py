@@ -14,7 +14,7 @@ from tests.conftest import make_engine
 
 
 def test_slerp_by_hand():
-    """methods-2.md §10: x = (1, 0) (upper), y = (0, 1) (lower), t = 0.6 -> e = (sin .3pi,
+    """By hand: x = (1, 0) (upper), y = (0, 1) (lower), t = 0.6 -> e = (sin .3pi,
     sin .2pi), unit; delta = 1/2; magnitudes kept exactly."""
     upper = torch.tensor([2.0, 0.0]).view(1, 1, 1, 2)
     lower = torch.tensor([0.0, 3.0]).view(1, 1, 1, 2)

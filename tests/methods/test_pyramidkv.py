@@ -16,7 +16,7 @@ from tests.methods.rules import kept_after_crafted_compression
     (130, [122 + 8, 84 + 8, 46 + 8, 8 + 8]),  # the clamp branch
 ])
 def test_schedule_by_hand(seen, caps):
-    """methods-2.md §1: L = 4, C = 72, w = 8, beta = 20."""
+    """By hand: L = 4, C = 72, w = 8, beta = 20."""
     assert [pyramid_budget(72, 8, 20, layer, 4, seen) for layer in range(4)] == caps
 
 

@@ -25,7 +25,7 @@ def _dense(q, k, v):
 @pytest.mark.kept_set
 @pytest.mark.parametrize("weighted", [True, False])
 def test_compensation_token_is_exact_when_dropped_keys_are_identical(weighted):
-    """methods-2.md §8: identical dropped keys (any values) -> the |D|-weighted compensation token
+    """By hand: identical dropped keys (any values) -> the |D|-weighted compensation token
     reproduces exact attention; without the weighting (a plain extra token) it does not."""
     torch.manual_seed(0)
     method = SimpleNamespace(sink_tokens=2, compensate=True, stream_slots=lambda seen: 6)

@@ -11,7 +11,7 @@ from tests.conftest import make_engine
 
 @pytest.mark.kept_set
 def test_hand_example():
-    """methods-2.md §3: T = 5 > B = 4, w = 3, r = 1, tau = 1/5; counts of a < 0.2 over the three
+    """By hand: T = 5 > B = 4, w = 3, r = 1, tau = 1/5; counts of a < 0.2 over the three
     rows: [0, 3, 2, 1, 3 (protected)] -> token 1 is evicted."""
     rows = torch.tensor([[0.5, 0.1, 0.1, 0.2, 0.1], [0.4, 0.1, 0.3, 0.1, 0.1],
                          [0.6, 0.05, 0.05, 0.2, 0.1]]).view(1, 1, 3, 5)

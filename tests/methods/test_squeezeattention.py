@@ -18,7 +18,7 @@ from tests.models import family_config
 
 
 def test_allocation_by_hand():
-    """methods-2.md §5: L = 6, ini = 0.4, p = 0.2 (low_group_ratio 0.5), c = [.20 .50 .52 .90 .92
+    """By hand: L = 6, ini = 0.4, p = 0.2 (low_group_ratio 0.5), c = [.20 .50 .52 .90 .92
     .95] -> clusters {0} {1,2} {3,4,5}; a = (2.4 - 0.6)/3 = 0.6; n = 1000 -> caps [600 x3,
     200 x3]."""
     c = [0.20, 0.50, 0.52, 0.90, 0.92, 0.95]

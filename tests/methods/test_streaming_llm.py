@@ -135,7 +135,7 @@ def test_budget_ratio_sets_the_window(tiny_model):
 
 
 def test_no_drift_in_bf16_after_4096_steps():
-    """Issue 10 §4: the keys attention sees after 4,096 decode steps in bf16 equal one fp32
+    """No drift: the keys attention sees after 4,096 decode steps in bf16 equal one fp32
     rotation of each token's un-rotated key to its in-frame position, within bf16 rounding (the
     former in-place re-rotation every step drifted by 23 % after 500 steps), and the query-key
     distances are the in-cache ones of the paper."""

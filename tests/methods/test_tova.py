@@ -17,7 +17,7 @@ def no_attention(module, query, keys, values, mask, **kwargs):
 
 @pytest.mark.kept_set
 def test_hand_example_evicts_the_lowest_head_mean():
-    """methods-2.md §2: heads A = [.5 .1 .1 .3] and B = [.1 .5 .1 .3] share one KV head; their mean
+    """By hand: heads A = [.5 .1 .1 .3] and B = [.1 .5 .1 .3] share one KV head; their mean
     [.3 .3 .1 .3] with K = 3 evicts token 2 (one-hot keys make q.k = log p, so softmax = p)."""
     info = ModelInfo(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4, max_positions=16)
     layer = build_method("tova", budget_tokens=3).make_layer(0, info)

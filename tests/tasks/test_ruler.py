@@ -256,7 +256,7 @@ def test_end_to_end_stories(stories):
 
 
 def test_smollm2_finds_the_single_needle_at_1024(smollm2):
-    """models-and-data.md §1.1: lm-eval RULER niah_single_1/2 at 1024 tokens score 1.0. Measured
+    """Reference: lm-eval RULER niah_single_1/2 at 1024 tokens score 1.0 on SmolLM2. Measured
     here: 12/12 needles found at depths 10/50/90 with chat and plain prompts, essay and noise
     haystacks (16 new tokens); one sample keeps this test short."""
     model, tok = smollm2
