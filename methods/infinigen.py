@@ -56,7 +56,7 @@ from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for
 from methods.kernels import sparse_attention, speculation_cpu
 from methods.rope import rotate
 from methods.scoring import additive_mask, expand_kv, few_rows_matmul, gather_tokens
-from methods.selection import Selection, SelectionLayer, first_true, kv_union
+from methods.selection import Selection, SelectionLayer, kv_union, serving_rows
 
 GROUP_REDUCES = ("max", "mean", "prob_mean")
 HEAD_FORMS = ("query_head", "kv_head")  # skew_per / select_per: the official MHA form, or ours
@@ -254,21 +254,16 @@ class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
         return self.m.select_per == "query_head" and self.info.group_size > 1
 
     def query_sets(self, tokens: int) -> torch.Tensor:
-        """(B, H_sel, tokens) bool: which of the first `tokens` slots each selecting head uses
-        this step (`tokens`: those stored when it speculated)."""
+        """(B, H_sel, tokens) bool: the slots each selecting head uses this step."""
         b, h, _ = self.selected.shape
         used = torch.zeros(b, h, tokens, dtype=torch.bool, device=self.selected.device)
         return used.scatter_(2, self.selected, self.valid())
 
     def union_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-query-head selection: the rows each KV head must provide, `(B, H_kv, n_max)` (the
-        union of its g query heads' sets in slot order, padded to the widest KV head's union
-        with other distinct slots, which are moved but attended by none), and which of them
-        each query head attends `(B, H_q, n_max)`. Reads the union sizes (a host sync)."""
-        sets = self.query_sets(self.stored())  # (B, H_q, T): called before the step's append
-        union = kv_union(sets, self.info.num_kv_heads)  # (B, H_kv, T)
-        rows = first_true(union, int(union.sum(-1).max()))  # union first, each in slot order
-        return rows, sets.gather(2, rows.repeat_interleave(self.info.group_size, 1))
+        """Per query head: the rows each KV head provides `(B, H_kv, n_max)` (its query heads'
+        union in slot order, padded to the widest union with other slots, moved but attended by
+        none) and which of them each query head attends `(B, H_q, n_max)` (a host sync)."""
+        return serving_rows(self.query_sets(self.stored()), self.info.num_kv_heads)
 
     def speculate(self, x: torch.Tensor, position_ids) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots `(B, H_kv, cap)` of stored tokens and how many of them layer i needs `(B, H_kv)`,
@@ -430,6 +425,8 @@ class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
                 slots = torch.cat([self.fetched, self.fetched[..., :1] * 0 + self.stored() - 1], 2)
                 rows = self.positions.long().gather(2, slots)
                 self.selection = replace(self.selection, kv_rows=rows)
+            return self.attend_rows(module, query, keys, values, sets, base, kwargs["scaling"],
+                                    kwargs)
         return self.fetch_and_attend(module, query, keys, values, sets, base, kwargs["scaling"],
                                      kwargs)
 

@@ -61,6 +61,15 @@ def kv_union(keep: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return keep.view(b, num_kv_heads, h_sel // num_kv_heads, t).any(2)
 
 
+def serving_rows(keep: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows each KV head serves `(B, H_kv, n)`, the union of its selecting heads' sets
+    `keep (B, H_sel, T)` in slot order (padded to the widest union with other slots), and which
+    of them each selecting head attends `(B, H_sel, n)`. Reads the widest union (a host sync)."""
+    union = kv_union(keep, num_kv_heads)  # (B, H_kv, T)
+    slots = first_true(union, int(union.sum(-1).max()))
+    return slots, keep.gather(2, slots.repeat_interleave(keep.shape[1] // num_kv_heads, dim=1))
+
+
 def first_true(mask: torch.Tensor, n: int) -> torch.Tensor:
     """Slots `(..., n)`: the True positions of `mask (..., T)` in text order, then (a row holding
     fewer) its first False ones."""
@@ -154,19 +163,22 @@ class SelectionLayer(KVLayer):
     def fetch_and_attend(self, module, query, keys, values, keep, base, scaling, kwargs):
         """One decode row: each KV head's union of sets fetched, each query head attending its
         own set of it. `keep (B, H_sel, T)`."""
-        union = kv_union(keep, keys.shape[1])  # (B, H_kv, T)
-        slots = first_true(union, int(union.sum(-1).max()))  # (B, H_kv, n)
-        own = keep.gather(2, slots.repeat_interleave(keep.shape[1] // keys.shape[1], dim=1))
+        slots, own = serving_rows(keep, keys.shape[1])  # (B, H_kv, n), (B, H_sel, n)
+        every_token = keys.shape[2] == self.seen_tokens  # all on the device: the kernel gathers
+        if every_token and self.sparse_kernel(query) and bool(own.all()):
+            out = sparse_attention.sparse_decode_attention(query[:, :, 0], keys, values, slots,
+                                                           scaling)
+            return out[:, None], None  # (B, 1, H_q, D): gathered inside the kernel
+        return self.attend_rows(module, query, *self.fetch(keys, values, slots), own, base,
+                                scaling, kwargs)
+
+    def attend_rows(self, module, query, keys, values, own, base, scaling, kwargs):
+        """One decode row over K/V rows already fetched `(B, H_kv, n, D)`, each query head over
+        its own of them, `own (B, H_sel, n)`."""
         if bool(own.all()):  # every head attends all its KV head fetched: the model's attention
-            every_token = keys.shape[2] == self.seen_tokens  # all on the device: the kernel gathers
-            if every_token and self.sparse_kernel(query):
-                out = sparse_attention.sparse_decode_attention(query[:, :, 0], keys, values,
-                                                               slots, scaling)
-                return out[:, None], None  # (B, 1, H_q, D): gathered inside the kernel
-            return base(module, query, *self.fetch(keys, values, slots), None, **kwargs)
+            return base(module, query, keys, values, None, **kwargs)
         own = own.repeat_interleave(query.shape[1] // own.shape[1], dim=1)  # (B, H_q, n)
-        out, _ = attention_with_probs(query, *self.fetch(keys, values, slots), None, scaling,
-                                      keep=own[:, :, None])
+        out, _ = attention_with_probs(query, keys, values, None, scaling, keep=own[:, :, None])
         return out, None
 
     def sparse_kernel(self, query: torch.Tensor) -> bool:
