@@ -1,162 +1,70 @@
 """InfiniGen: speculate which KV rows layer i needs from layer i-1's input, fetch only those.
 
-Lee, Lee, Seo, Sim, "InfiniGen: Efficient Generative Inference of Large Language Models with
-Dynamic KV Cache Management", OSDI 2024, arXiv 2406.19707; official code
-github.com/snu-comparch/InfiniGen (`accuracy/` a mask simulation, `speedup/` OPT only). Parts:
+Lee et al., "InfiniGen: Efficient Generative Inference of Large Language Models with Dynamic KV
+Cache Management", OSDI 2024, https://arxiv.org/abs/2406.19707; official code
+https://github.com/snu-comparch/InfiniGen (`accuracy/src/modeling_llama_ours.py`, the mask
+simulation; `speedup/`, the OPT system).
 
-* GQA (the official code is MHA only, OPT and Llama-2): the defaults are the official code's
-  GQA expansion (K/V repeated to the query heads, as its simulation would see a GQA model):
-  `skew_per=query_head` (one A per query head, from its own queries and its KV head's keys; the
-  partial key cache is then kept per query head, g times larger) and `select_per=query_head`
-  (each query head thresholds, counts and picks its own tokens and attends only those; a KV
-  head must then provide the union of its g heads' sets: system mode moves that union from the
-  host tier, padded to the widest KV head's union, and the transfer ledger counts those rows).
-  Ours, named variants: `skew_per=kv_head` (one A per KV head from the group's stacked queries)
-  and `select_per=kv_head` (one set per KV head from the group's scores reduced by
-  `group_reduce`; g times fewer rows moved). Measured on SmolLM2-135M (9/3 heads), WikiText-2
-  first 1024 tokens: official code 18.10; ours with both defaults switched to kv_head 24.49
-  (same budget basis).
-* Offline skewing (`prepare`, methods/_infinigen_prep.py): one forward over a calibration text
-  (default the first 2048 tokens of PG-19's first book, the official file) captures post-RoPE Q and
-  K per layer; per skewing head the SVD of its queries (per query head: n x d; per KV head: the
-  group's g heads stacked, g*n x d) gives A = V_q. A is orthogonal, so (QA)(KA)^T = QK^T; after
-  skewing most of Q's energy sits in few columns. RoPE sits between the projection and the dot
-  product, so A is applied at run time to the rotated q and k. Partial columns per KV head
-  (`column_score`): the union of the top k = int(d * partial_ratio) columns by sum |QA| and by sum
-  |KA| (`qk_union`, the default: the official Llama setup, the only official path for RoPE models;
-  k to 2k columns), the top k by |QA| alone (`q`, the official OPT speed system) or the top k by
-  |QA| + |KA| (`qk_sum`, what the paper's §4.3 describes;
-  github.com/snu-comparch/InfiniGen/issues/7 notes the code differs). Energies come from the
-  official Llama setup's six-sentence, ~100-token prompt under the calibration's A
-  (`partial_index=setup_prompt`, the default, `gen_partial_weight.py`), the calibration text itself
-  (`calibration`, ours: the 2048 tokens that also build A) or the request's own prompt at prefill
-  (`prefill`, the official system; falls back to calibration when a request starts without a
-  prefill).
-* Speculation (at layer i-1, for every sparse layer i): q = W_q[i] x_{i-1} (the full projection;
-  RoPE forbids folding A into W_q), rotated at the current position, times A[:, cols] (only the
-  partial columns: one (d x k) product per head, never the d x d skew), scored against layer i's
-  partial key cache (K A[:, cols], kept on the compute device and appended every step). With
-  `select_per=kv_head` (`group_reduce`) the g query heads' scores become one score per KV head
-  by their max (default) or mean logit, or by the log of the group mean of softmax
-  probabilities (`prob_mean`, the oracle's criterion). Tokens with score > max - alpha are
-  counted per selecting head; ONE count n' = floor(mean over heads), capped at budget_ratio * T
-  (`fetch_cap`), is shared by all heads (the official design: one fixed-size gather buffer;
-  `shared_count=false` counts per head); each selecting head takes its own top-n' tokens
-  (`select_tokens`). The official accuracy path's rules are the defaults, each with ours as a
-  named variant (benchmarks/infinigen_official.py measures each against the official rule):
-  every head is thresholded with head 0's max (`torch.max(attn, -1)[0][0]`;
-  `head0_threshold=false`, ours: each head's own max); the current token is one of the
-  candidates (`current_token=ranked`: n' is counted over the T stored tokens and the current
-  one, and each head attends its top n' of those T + 1, so the current token may go unattended;
-  its key exists only at layer i, so the speculation fetches the best n' + 1 stored rows and the
-  sets are finished once the key is stored: `rank_current`; `added`, ours: n' of the stored
-  tokens plus the current one always); a count of 0 (possible with the head-0 threshold) leaves
-  the row unmasked, every token attended (`zero_count=all`: the official simulation's topk(k=0)
-  sets no mask entry and its additive mask then shifts every logit alike; system mode fetches
-  those rows synchronously; `one`, ours: at least one token; with `current_token=added` a count
-  is always at least one). The simulation counts `>=`, the system `>` (we use `>`). On CPU the
-  scoring, count and selection of our variants (`current_token=added`, per-head thresholds) are
-  one C call per layer when each selecting head has one skewing matrix (both per query head, or
-  both per KV head; methods/kernels/speculation_cpu.c: the same
-  arithmetic; the chosen set comes in slot order, not best first; metrics.json
-  `method.prepare.speculation` says which ran).
-  The step queues no host sync: counts and indices stay on the device; system mode reads the
-  count (one sync) only when it launches the host gather, after layer i-1's attention kernels
-  are queued (the copy then overlaps layer i-1's FFN).
-  `speculation_input=own` speculates from layer i's own input instead (an ablation that measures
-  the look-ahead's cost; it forfeits the overlap the design exists for).
-* Dense layers (`dense_layers`, default 0 and 1, joined with runner.dense_layers) always use the
-  full KV and never evict.
-* `mode=system`: the full K/V lives in a host store (kvcore.offload); the selected rows are
-  gathered on the host and copied to the device on a side stream while layer i-1 computes; layer i
-  waits on the copy's event and attends over the fetched rows + the new token.
-  `mode=simulate` keeps the full K/V on the device and masks the attention to the same selection
-  (how the paper measured accuracy); both give the same logits (tested). Per query head the
-  attention is masked per query head over the fetched rows (the cache is never expanded).
-* Budget basis (`runner.budget_basis`, `fetch_cap`): the cap is budget_ratio * the final length
-  (default), dense until that many tokens are stored, as the official simulation; or a share of
-  the tokens stored so far (`seen`). The official row also counts the current token inside its
-  n'; here it comes on top (n' + 1 attended).
-* CPU pool limit (`pool_capacity`, 1.0 = unlimited; sparse layers only, as in the official
-  simulation): past capacity * tokens seen, tokens are evicted per KV head before new ones are
-  kept: `counter` (the paper's: fewest past selections), `lru` (oldest last selection) — both
-  among the older half so new tokens are protected — or `fifo`. Real eviction of the host pool
-  (an extension: the official code only simulates it).
+Official behaviour, reproduced (benchmarks/infinigen_official.py re-implements the simulation
+and matches it): offline, per head the SVD of the calibration queries gives an orthogonal skew A
+(methods/_infinigen_prep.py), so (qA)(kA)^T = qk^T with q's energy in few columns; the partial
+columns are the union of the top int(d * partial_ratio) by |QA| and by |KA| over the official
+six-sentence setup prompt. At layer i-1 the query of layer i (W_q[i] x_{i-1}, RoPE at the current
+position, times A[:, cols]) is scored against layer i's partial keys (K A[:, cols], kept on the
+device). Every head counts the tokens above head 0's max - alpha; one count n' = floor(mean over
+heads), capped at budget_ratio x the final length (dense until that many are stored), is shared
+by all heads; the current token competes within n', and a count of 0 leaves the row unmasked
+(every token attended). GQA is the official code's expansion: one A and one set per query head,
+each KV head moving the union of its group's sets; layers 0 and 1 stay dense (SmolLM2-135M,
+9/3 heads, WikiText-2's first 1024 tokens: perplexity 18.10; 24.49 with both `*_per=kv_head`).
 
-Hyperparameters:
-    alpha: logit margin below the max that still counts as needed (Llama default 5; OPT 4).
-    partial_ratio: k / head_dim, columns per criterion (code 0.2; paper 0.3).
-    budget_ratio: cap on fetched tokens per step as a share of the context (default 0.2).
-    dense_layers: layers that always use the full cache (default [0, 1]).
-    pool_capacity: host pool size as a share of tokens seen (1.0 = unlimited).
-    eviction: counter | lru | fifo (pool eviction policy).
-    mode: system | simulate.
-    skewing: apply the skewing matrices (false = identity, for the Fig. 13 ablation).
-    partial_index: setup_prompt (official) | calibration (ours) | prefill (where the partial
-        columns' energies come from).
-    column_score: qk_union | q | qk_sum (how partial columns are ranked).
-    group_reduce: max | mean | prob_mean (select_per=kv_head: query-head scores -> KV-head score).
-    shared_count: one fetch count for all heads (official) or one per KV head.
-    speculation_input: previous (x_{i-1}, the design) | own (x_i, ablation).
-    skew_per: query_head (official GQA expansion: one A per query head; the partial key cache
-        kept per query head, g times larger) | kv_head (ours: one A per KV head, the group's
-        queries stacked).
-    select_per: query_head (official GQA expansion: each query head its own tokens; the KV head
-        moves their union) | kv_head (ours: one set per KV head by `group_reduce`).
-    head0_threshold: true (official Llama simulation: head 0's max thresholds every head) |
-        false (ours: each head its own max).
-    current_token: ranked (official: the current token competes within n') | added (ours:
-        attended on top of n' stored tokens).
-    zero_count: all (official simulation: a count of 0 attends every token) | one (ours: at
-        least one; current_token=ranked only).
-    calibration_path: text file for skewing (default: PG-19 first book from the data folder).
-    calibration_tokens: tokens of it used (default 2048; a shorter text is refused).
-    cache_dir: where prepared artefacts are cached (default ~/.cache/kv-harness/infinigen).
+Named variants (ours; each measured against the official rule by the benchmark): per-KV-head
+skewing or selection (`skew_per`, `select_per`, `group_reduce`: g times fewer rows moved), each
+head's own threshold (`head0_threshold=false`), the current token attended on top of n'
+(`current_token=added`), at least one token (`zero_count=one`), per-head counts
+(`shared_count=false`), columns from the calibration text or the prompt (`partial_index`), |QA|
+only or |QA| + |KA| (`column_score`: the OPT system, the paper's Sec. 4.3), speculation from the
+layer's own input (`speculation_input=own`, an ablation), and a bounded host pool
+(`pool_capacity` < 1, evicting by `counter` (the paper's), `lru` or `fifo`; the official code only
+simulates it).
+
+Deviations: the count is strict `>` (the official system; its simulation counts `>=`). RoPE sits
+between the projection and the dot product, so A is applied at run time to the rotated q and k
+rather than folded into W_q. The step queues no host sync: system mode reads the count only when
+layer i-1's attention is queued, then gathers the rows on the host and copies them on a side
+stream (overlapping layer i-1's FFN). On CPU our variants' speculation is one C call per layer
+(methods/kernels/speculation_cpu.c); on CUDA the sparse attention kernel gathers the rows.
+`mode=simulate` keeps the K/V on the device and masks attention to the same sets (as the paper
+measured accuracy); both modes give the same logits.
 """
 
 from __future__ import annotations
 
-import functools
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
 
-from kvcore.offload import host_store
-from kvcore.storage import ContiguousRows, KV_LAYOUTS
+from kvcore.storage import KV_LAYOUTS
 from methods._infinigen_prep import (COLUMN_SCORES, PARTIAL_INDEXES, SkewingArtefacts,
                                      cache_dir_reason, calibration_reasons, prepare_skewing)
+from methods._infinigen_speculation import (PartialKeys, group_scores, rank_current,
+                                            select_tokens)
+from methods._selection_host import HostTierLayer
+from methods._selection_pool import EVICTIONS, PooledLayer
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for
 from methods.kernels import sparse_attention, speculation_cpu
 from methods.rope import rotate
-from methods.scoring import additive_mask, attention_with_probs, expand_kv, gather_tokens
+from methods.scoring import additive_mask, expand_kv, few_rows_matmul, gather_tokens
+from methods.selection import Selection, SelectionLayer, kv_union, serving_rows
 
-EVICTIONS = ("counter", "lru", "fifo")
 GROUP_REDUCES = ("max", "mean", "prob_mean")
 HEAD_FORMS = ("query_head", "kv_head")  # skew_per / select_per: the official MHA form, or ours
 
 
-def _few_rows_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`a (..., m, k) @ b (..., k, n)`. A decode step's products have a few rows per head (the
-    query heads of a group, one new key): there a broadcast multiply and a sum over k, which run
-    as plain loops below the intra-op grain size, cost less than a batched matmul's parallel
-    launch; larger products (a prompt's keys) take the matmul."""
-    batch = math.prod(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
-    if batch * a.shape[-2] * a.shape[-1] * b.shape[-1] > _SERIAL_ELEMENTS:
-        return a @ b
-    return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
-
-
-# Elementwise ops up to this many elements run serially on CPU (torch's intra-op grain size,
-# at::internal::GRAIN_SIZE): the few-row forms above and below stay under it.
-_SERIAL_ELEMENTS = 32768
-
-
 def _use_kernel(query: torch.Tensor) -> bool:
-    """The Triton sparse-attention kernel serves simulate-mode decode on CUDA. On CPU the
-    interpreter would be exact but ~100 ms a call, so model-level CPU runs keep the torch path
-    (the kernel has its own tests, and one InfiniGen test forces it through the interpreter)."""
+    """The Triton sparse-attention kernel serves decode on CUDA (on CPU its interpreter is exact
+    but ~100 ms a call: the torch path; one InfiniGen test forces it through the interpreter)."""
     return query.is_cuda and sparse_attention.use_triton(query)
 
 
@@ -220,8 +128,7 @@ class InfiniGen(KVMethod):
                 r.append(f"method.{key}={value!r} must be in (0, 1]")
         choices = {"eviction": EVICTIONS, "mode": self.capabilities.modes,
                    "partial_index": PARTIAL_INDEXES, "current_token": ("ranked", "added"),
-                   "zero_count": ("all", "one"),
-                   "column_score": COLUMN_SCORES,
+                   "zero_count": ("all", "one"), "column_score": COLUMN_SCORES,
                    "group_reduce": GROUP_REDUCES, "speculation_input": ("previous", "own"),
                    "skew_per": HEAD_FORMS, "select_per": HEAD_FORMS}
         for key, allowed in choices.items():
@@ -253,10 +160,7 @@ class InfiniGen(KVMethod):
         if any(i >= info.num_layers for i in self.dense_layers):
             reasons.append(f"method.dense_layers={self.dense_layers} names a layer >= the model's "
                            f"{info.num_layers} layers")
-        cache = cache_dir_reason(self)
-        if cache:
-            reasons.append(cache)
-        return reasons
+        return reasons + list(filter(None, [cache_dir_reason(self)]))
 
     @classmethod
     def lossless_hyperparameters(cls, seq_tokens: int) -> dict:
@@ -289,100 +193,41 @@ class InfiniGen(KVMethod):
         return layer
 
 
-def count_tokens(scores: torch.Tensor, cap: int, alpha: float, shared_count: bool,
-                 head0_threshold: bool, least: int = 1) -> torch.Tensor:
-    """The official count rule on speculated logits `scores (B, H, T)` (H selecting heads) ->
-    `counts (B, H)`: a head needs the tokens scoring above its max - alpha (`head0_threshold`:
-    head 0's max for every head, the official Llama simulation's `torch.max(attn, -1)[0][0]`);
-    with `shared_count` every head takes the floor of the mean count over heads (one gather
-    size); counts are clamped to [least, cap]. Strict `>` (the official system; its simulation
-    counts `>=`)."""
-    top = scores.amax(-1, keepdim=True)
-    if head0_threshold:
-        top = top[:, :1].expand_as(top)
-    count = (scores > top - alpha).sum(-1)  # (B, H)
-    if shared_count:  # the official int(mean) over heads, one buffer size for all
-        count = count.float().mean().floor().long().expand_as(count)
-    return count.clamp(least, cap)
-
-
-def select_tokens(scores: torch.Tensor, cap: int, alpha: float, shared_count: bool,
-                  head0_threshold: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """`count_tokens`, and each head's slots `(B, H, cap)` best first."""
-    count = count_tokens(scores, cap, alpha, shared_count, head0_threshold)
-    return scores.topk(cap, dim=-1).indices, count
-
-
-def rank_current(stored: torch.Tensor, current: torch.Tensor, cap: int, alpha: float,
-                 shared_count: bool, head0_threshold: bool, least: int = 1
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The official rule with the current token among the candidates (`current_token=ranked`):
-    speculated logits of the stored tokens `(B, H, T)` and of the current one `(B, H)` -> how
-    many of each head's best stored tokens it attends `(B, H)` and whether it attends the
-    current token `(B, H)` bool. n' is counted over the T + 1 tokens and the head takes its top
-    n' of them: the current token when it ranks among them (ties go to stored tokens), plus
-    n' - 1 stored; otherwise n' stored. With `least=0` a count may be 0 (neither)."""
-    every = torch.cat([stored, current[..., None]], -1)  # (B, H, T + 1)
-    count = count_tokens(every, cap, alpha, shared_count, head0_threshold, least)
-    kept = (stored >= current[..., None]).sum(-1) < count  # the current token's rank < n'
-    return count - kept.long(), kept
-
-
-_META = ("positions", "counter", "last_used")
-
-
-def _meta(name: str, doc: str) -> property:
-    """A per-token row of the layer's metadata `(B, H_kv, T)`: reading gives a view of the
-    valid rows (in-place updates are stored), assigning replaces them."""
-    return property(lambda self: self.meta[name].view(),
-                    lambda self, tensor: self.meta[name].assign(tensor), doc=doc)
-
-
-class InfiniGenLayer(KVLayer):
-    positions = _meta("positions", "(B, H_kv, T) text positions stored")
-    counter = _meta("counter", "(B, H_kv, T) times selected")
-    last_used = _meta("last_used", "(B, H_kv, T) decode step of the last selection")
+class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
+    eviction_policy = property(lambda self: self.m.eviction)
 
     def __init__(self, layer_idx: int, info: ModelInfo, method: InfiniGen):
-        super().__init__(layer_idx, info)
+        super().__init__(layer_idx, info, method)
         self.m = method
         self.art = method._art
         self.dense = layer_idx in method.dense_layers or layer_idx == 0
-        self.system = method.mode == "system"
-        self.store = None  # kvcore.offload.HostKVStore (system mode; paged: PagedHostKVStore)
+        self.init_host(method.mode == "system")  # system: K/V on the host tier
         # (B, H_s, k_u, capacity) partial keys on the device, channel-major: a step's scores run
         # along contiguous tokens (one q row x a (k_u, T) block)
-        self._pk: torch.Tensor | None = None
-        self._pk_len = 0
-        # per stored token (see the properties below), grown in place with amortised growth
-        self.meta: dict[str, ContiguousRows] = {name: ContiguousRows() for name in _META}
+        self._pk = PartialKeys()
+        self.init_pool()  # per stored token: position, selections (methods/_selection_pool.py)
         # H_sel: the heads that select (select_per): H_q (official) or H_kv (ours)
         self.selected: torch.Tensor | None = None  # (B, H_sel, cap) slots, first `counts` used
         self.counts: torch.Tensor | None = None  # (B, H_sel) how many of them are used (device)
-        self.fetched: torch.Tensor | None = None  # (B, H_kv, n_max) slots moved (system mode)
-        self._fetched_keep: torch.Tensor | None = None  # (B, H_sel, n_max) which a head attends
-        self.pending = None  # (Transfer, Transfer)
+        self._scores: torch.Tensor | None = None  # (B, H_sel, T) speculated logits (torch path)
         self._map: torch.Tensor | None = None  # (H_s, d, k_u) A[:, cols] of this request
         # the model's q.k multiplier (the `scaling` its attention passes; head_dim ** -0.5 for
         # most, not for e.g. Granite): alpha is a margin in the model's own logits
         self._scaling: float | None = None
         self._qmap: torch.Tensor | None = None  # (H_s, d, k_u) A[:, cols] * scaling
-        self.step = 0
-        self._attended = 0  # tokens attended at the last forward (int, or a device tensor)
-        self._decode_budget: int | None = None  # cap of the last sparse decode step + new token
-        self._last_counts: torch.Tensor | None = None  # (B, H_kv) counts of the last sparse step
-        # current_token=ranked: the step's speculation, finished once the new key is known
-        self._ranked: tuple | None = None  # (q_partial, stored scores (B, H_sel, T), cap)
-        self._current_keep: torch.Tensor | None = None  # (B, H_sel) bool: attends the new token
-        self._unmasked: torch.Tensor | None = None  # (B, H_sel) bool: a count of 0, all attended
+        self._last_counts: torch.Tensor | None = None  # (B, H_sel) counts of the last sparse step
+        # current_token=ranked: (q_partial, stored logits (B, H_sel, T), cap) until the new key
+        # is stored; then whether each head attends it and whether its count 0 attends all
+        self._ranked: tuple | None = None
+        self._current_keep = self._unmasked = None  # (B, H_sel) bool each
 
     # --- speculation (run one layer ahead) ---------------------------------------------------
     def prefetch(self, hidden_states, position_ids, ahead: bool) -> None:
         if hidden_states.shape[1] != 1 or self.stored() == 0 or self.pending is not None:
             return
         if self.dense:
-            if self.system and (ahead or self.layer_idx == 0):
-                self.pending = self.store.fetch()
+            if ahead or self.layer_idx == 0:
+                self.fetch_all()
             return
         if self.holding_prompt():  # prompt rows attend densely, one-token chunks too
             return
@@ -396,45 +241,29 @@ class InfiniGenLayer(KVLayer):
         if not ahead:  # own input: nothing is left to overlap with
             self.launch_fetch()
 
-    def launch_fetch(self) -> None:
-        """Start the host gather + copy of the speculated rows (system mode). Called once layer
-        i-1's attention kernels are queued (from its `attend`): the count is read here, the only
-        host sync of the step. Per-query-head selection moves, per KV head, the union of its
-        query heads' sets (the ledger counts those rows)."""
-        if not self.system or self.selected is None or self.pending is not None:
-            return
-        if self.per_query_head():
-            self.fetched, self._fetched_keep = self.union_rows()
-        else:
-            self.fetched = self.selected[..., : int(self.counts.max())]
-            self._fetched_keep = None
-        self.pending = self.store.fetch(self.fetched)
+    def rows_to_fetch(self) -> torch.Tensor | None:
+        """The speculated rows: per query head, per KV head the union of its query heads' sets
+        (the ledger counts those rows); reads the count, the only host sync of the step."""
+        if self.selected is None or self.dense:
+            return None
+        return (self.union_rows()[0] if self.per_query_head()
+                else self.selected[..., : int(self.counts.max())])
 
     def per_query_head(self) -> bool:
         """Whether each query head has its own selection (the official code's GQA expansion)."""
         return self.m.select_per == "query_head" and self.info.group_size > 1
 
     def query_sets(self, tokens: int) -> torch.Tensor:
-        """(B, H_sel, tokens) bool: which of the first `tokens` slots each selecting head uses
-        this step (`tokens`: those stored when it speculated)."""
+        """(B, H_sel, tokens) bool: the slots each selecting head uses this step."""
         b, h, _ = self.selected.shape
         used = torch.zeros(b, h, tokens, dtype=torch.bool, device=self.selected.device)
         return used.scatter_(2, self.selected, self.valid())
 
     def union_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-query-head selection: the rows each KV head must provide, `(B, H_kv, n_max)` (the
-        union of its g query heads' sets in slot order, padded to the widest KV head's union
-        with other distinct slots, which are moved but attended by none), and which of them
-        each query head attends `(B, H_q, n_max)`. Reads the union sizes (a host sync)."""
-        b, h_kv, g = self.selected.shape[0], self.info.num_kv_heads, self.info.group_size
-        sets = self.query_sets(self.stored())  # (B, H_q, T): called before the step's append
-        union = sets.view(b, h_kv, g, -1).any(2)  # (B, H_kv, T)
-        n_max = int(union.sum(-1).max())
-        # union first, each part in slot order (a stable sort of the 0/1 flags)
-        rows = torch.sort(union.to(torch.uint8), dim=-1, descending=True, stable=True).indices
-        rows = rows[..., :n_max]
-        keep = sets.gather(2, rows.repeat_interleave(g, 1))  # (B, H_q, n_max)
-        return rows, keep
+        """Per query head: the rows each KV head provides `(B, H_kv, n_max)` (its query heads'
+        union in slot order, padded to the widest union with other slots, moved but attended by
+        none) and which of them each query head attends `(B, H_q, n_max)` (a host sync)."""
+        return serving_rows(self.query_sets(self.stored()), self.info.num_kv_heads)
 
     def speculate(self, x: torch.Tensor, position_ids) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots `(B, H_kv, cap)` of stored tokens and how many of them layer i needs `(B, H_kv)`,
@@ -448,11 +277,11 @@ class InfiniGenLayer(KVLayer):
         pos = (position_ids if position_ids is not None
                else torch.full((b, 1), self.seen_tokens, device=q.device))
         q = rotate(q, pos.to(q.device).view(b, 1, 1), art.inv_freq)  # RoPE at the current position
-        q_partial = _few_rows_matmul(q.float().view(b, h_s, -1, q.shape[-1]),
+        q_partial = few_rows_matmul(q.float().view(b, h_s, -1, q.shape[-1]),
                                      self.query_map())  # (B, H_s, H_q / H_s, k_u)
-        t = self._pk_len
+        t = self._pk.length
         cap = self.fetch_cap(t)
-        self._decode_budget = (t if cap is None else cap) + 1
+        self._allowed, self._scores = (t if cap is None else cap) + 1, None
         if cap is None:  # a dense step: every stored token, for every head
             slots = torch.arange(t, device=q_partial.device)
             h_sel = info.num_heads if self.per_query_head() else h_kv
@@ -461,11 +290,12 @@ class InfiniGenLayer(KVLayer):
         per_query = self.per_query_head()
         sel_heads = info.num_heads if per_query else h_kv
         if m.current_token == "added" and speculation_cpu.applies(
-                q_partial, self._pk, sel_heads, m.group_reduce, m.head0_threshold):
+                q_partial, self.partial_keys(), sel_heads, m.group_reduce, m.head0_threshold):
             selected, self._last_counts = speculation_cpu.select(
                 q_partial, self.partial_keys(), cap, m.alpha, m.shared_count)
             return selected, self._last_counts
         scores = self.selecting_scores(q_partial @ self.partial_keys())  # (B, H_sel, T)
+        self._scores = scores
         selected, self._last_counts = select_tokens(scores, cap, m.alpha, m.shared_count,
                                                     m.head0_threshold)
         if m.current_token == "ranked":
@@ -484,12 +314,14 @@ class InfiniGenLayer(KVLayer):
         if self.per_query_head() or info.group_size == 1:
             return scores.reshape(b, info.num_heads if self.per_query_head() else
                                   info.num_kv_heads, -1)
-        return self.group_scores(scores.view(b, info.num_kv_heads, info.group_size, -1))
+        return group_scores(scores.view(b, info.num_kv_heads, info.group_size, -1),
+                            self.m.group_reduce)
 
-    def rank_current(self) -> None:
+    def rank_current(self) -> torch.Tensor:
         """current_token=ranked, once the new token's partial key is stored: the official sets
         (n' of the T + 1 tokens, the current one included) -> `counts` (stored tokens each
-        head attends, its best first) and `_current_keep`."""
+        head attends, its best first) and `_current_keep`; returns the current token's
+        speculated logit `(B, H_sel)`."""
         q_partial, stored, cap = self._ranked
         self._ranked = None
         new_key = self.partial_keys()[..., -1:]  # (B, H_s, k_u, 1)
@@ -501,31 +333,16 @@ class InfiniGenLayer(KVLayer):
         self._unmasked = (self.counts == 0) & ~self._current_keep
         self._last_counts = self.counts + self._current_keep.long() - 1  # the official n' - 1
         self.touch(self.selected, self.counts)
+        return current
 
     def fetch_cap(self, stored_tokens: int) -> int | None:
         """Most stored tokens a head may fetch this step: `budget_ratio` of the protocol's budget
-        basis (at least 1), or None: a dense step (every stored token). Under the final-length
-        basis the step is dense until that many tokens are stored, as in the official simulation
-        (its first budget * length rows attend in full); under the tokens-seen basis the cap is
-        that share of the tokens stored."""
+        basis (at least 1), or None: a dense step, every stored token (the final-length basis
+        until that many are stored: the official simulation's first budget * length rows)."""
         budget = budget_for(self.basis_tokens(stored_tokens), self.m.budget_ratio, None)
         if self.protocol.budget_basis == "final" and stored_tokens < budget:
             return None
         return max(1, min(stored_tokens, budget))
-
-    def group_scores(self, scores: torch.Tensor) -> torch.Tensor:
-        """(B, H_kv, g, T) speculated logits -> (B, H_kv, T) one score per KV head."""
-        how = self.m.group_reduce
-        if how == "max":
-            if scores[:, :, 0].numel() <= _SERIAL_ELEMENTS:  # g - 1 serial elementwise maxima
-                # cost less than one parallel reduction over the middle axis (a decode step)
-                return functools.reduce(torch.maximum, scores.unbind(2))
-            return scores.amax(2)
-        if how == "mean":
-            return scores.mean(2)
-        # log of the group mean of softmax probabilities (the oracle's criterion)
-        log_probs = scores - scores.logsumexp(-1, keepdim=True)
-        return log_probs.logsumexp(2) - math.log(scores.shape[2])
 
     def partial_map(self) -> torch.Tensor:
         """(H_s, d, k_u) A[:, cols]: the calibration's, unless the prompt chose (prefill)."""
@@ -544,7 +361,7 @@ class InfiniGenLayer(KVLayer):
 
     def partial_keys(self) -> torch.Tensor:
         """(B, H_s, k_u, T): the partial keys, channel-major."""
-        return self._pk[..., : self._pk_len]
+        return self._pk.view()
 
     def valid(self) -> torch.Tensor:
         """(B, H_sel, cap) bool: which of `selected` are used this step."""
@@ -552,71 +369,12 @@ class InfiniGenLayer(KVLayer):
         return ranks < self.counts[..., None]
 
     def touch(self, index: torch.Tensor, counts: torch.Tensor) -> None:
-        """Pool statistics per KV head (what its pool holds): a token counts as selected when
-        any head that reads this KV head selected it (per query head: the union)."""
-        self.step += 1
-        if self.per_query_head():
-            b, h_kv = index.shape[0], self.info.num_kv_heads
-            used = self.query_sets(self.stored()).view(b, h_kv, self.info.group_size, -1).any(2)
-            self.counter += used.to(self.counter.dtype)
-            self.last_used.masked_fill_(used, float(self.step))
-            return
-        used = self.valid()
-        self.counter.scatter_add_(2, index, used.to(self.counter.dtype))
-        stamp = torch.where(used, float(self.step), self.last_used.gather(2, index))
-        self.last_used.scatter_(2, index, stamp)
+        """Pool statistics per KV head: a token counts as selected when any head reading it did."""
+        self.touch_pool(kv_union(self.query_sets(self.stored()), self.info.num_kv_heads))
 
     # --- cache seam --------------------------------------------------------------------------
-    def stored(self) -> int:
-        return self.meta["positions"].length
-
-    def mask_sizes(self, q_len: int) -> tuple[int, int]:
-        """System-mode sparse decode attends the fetched rows + the new token (see `_past`)."""
-        if self.system and q_len == 1 and not self.dense and self.selected is not None:
-            self.launch_fetch()  # idempotent; the bridge asks right before update, as _past does
-            n = self.fetched.shape[-1]
-            return n + q_len, self.seen_tokens - n
-        return super().mask_sizes(q_len)
-
-    def update(self, keys, values, position_ids):
-        q_len = keys.shape[2]
-        past = self._past(q_len)
-        self.seen_tokens += q_len
-        self._append(keys, values)
-        if past is None:
-            out = (keys, values)
-        else:
-            out = (torch.cat([past[0], keys], dim=2), torch.cat([past[1], values], dim=2))
-        self._attended = out[0].shape[2]
-        return out
-
-    def _past(self, q_len: int):
-        """What this step attends to before the new tokens (system mode: fetched rows)."""
-        if not self.system:
-            return (self.keys, self.values) if self.keys is not None else None
-        if q_len == 1 and not self.dense:
-            self.launch_fetch()
-        pending, self.pending = self.pending, None
-        if pending is None and self.stored():  # prefill over a stored cache, or no speculation
-            pending = self.store.fetch()
-            self.selected = self.fetched = None
-        if pending is None:
-            return None
-        return pending[0].wait(), pending[1].wait()
-
-    def _append(self, keys, values):
-        b, h, q_len, _ = keys.shape
-        new_pos = torch.arange(self.seen_tokens - q_len, self.seen_tokens,
-                               device=keys.device).expand(b, h, q_len)
-        zeros = torch.zeros(b, h, q_len, device=keys.device)
-        for name, new in zip(_META, (new_pos, zeros, zeros + self.step)):
-            self.meta[name].append(new)  # written in place: no copy of what is held
-        if self.system:
-            self.store = self.store or host_store(self.tier, self.layer_idx)
-            self.store.append(keys, values)
-        else:
-            self.kv_rows("keys").append(keys)
-            self.kv_rows("values").append(values)
+    def hold_extra(self, keys: torch.Tensor) -> None:
+        self.pool_append(keys, self.seen_tokens)
         if not self.dense:
             self._append_partial(keys)
 
@@ -625,24 +383,9 @@ class InfiniGenLayer(KVLayer):
             return  # the prompt's columns are chosen in attend(); keys are added there
         cols = self.partial_map()  # (H_s, d, k_u)
         keys = expand_kv(keys.float(), cols.shape[0] // keys.shape[1])  # (B, H_s, t, d)
-        part = _few_rows_matmul(keys, cols)  # (B, H_s, t, k_u)
-        b, h, t, width = part.shape
-        if self._pk is None or self._pk_len + t > self._pk.shape[3]:  # amortised growth
-            grown = part.new_empty(b, h, width, max(256, 2 * (self._pk_len + t)))
-            if self._pk is not None:
-                grown[..., : self._pk_len] = self.partial_keys()
-            self._pk = grown
-        self._pk[..., self._pk_len:self._pk_len + t] = part.transpose(2, 3)
-        self._pk_len += t
+        self._pk.append(few_rows_matmul(keys, cols))  # (B, H_s, t, k_u)
 
     # --- attention seam ----------------------------------------------------------------------
-    def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
-        out = self._attend(module, query, keys, values, attention_mask, base, **kwargs)
-        nxt = self.next_layer
-        if query.shape[2] == 1 and isinstance(nxt, InfiniGenLayer):
-            nxt.launch_fetch()  # this layer's kernels are queued: now the gather may sync
-        return out
-
     def _attend(self, module, query, keys, values, attention_mask, base, **kwargs):
         q_len = query.shape[2]
         if self._scaling is None:
@@ -659,120 +402,74 @@ class InfiniGenLayer(KVLayer):
                                                ).to(query.dtype)[None, None]
             return base(module, query, keys, values, attention_mask, **kwargs)
         if self.dense or self.selected is None:
-            self._attended = keys.shape[2]
+            self._attended, self.selection = keys.shape[2], None
             return base(module, query, keys, values, None, **kwargs)
         ranked = self._ranked is not None
         if ranked:  # the new key is stored now: the official sets over the T + 1 tokens
-            self.rank_current()
+            current = self.rank_current()
             unmasked = self._unmasked[..., None]  # (B, H_sel, 1)
             new = self._current_keep[..., None] | unmasked
-            self._attended = torch.where(unmasked[..., 0], self.stored(),
-                                         self.counts + new[..., 0]).float().mean()
         else:
-            new = torch.ones_like(self.counts[..., None], dtype=torch.bool)
-            self._attended = (self.counts + 1).float().mean()  # device; read after the step
+            new, unmasked = torch.ones_like(self.counts[..., None], dtype=torch.bool), False
+        sets = torch.cat([self.query_sets(self.stored() - 1) | unmasked, new], 2)  # (B, H_sel, T)
+        self._attended = sets.sum(-1).float().mean()  # device; read after the step
+        self.publish(sets, current if ranked else None)
         if self.system and ranked and self.m.zero_count == "all" and bool(unmasked.any()):
             # a count of 0 (zero_count=all): the official row attends every token; the rows
             # come from the host now, synchronously (the speculation could not know)
             keys, values = (t.wait() for t in self.store.fetch())
-            sets = self.query_sets(keys.shape[2] - 1) | unmasked
-            return self._masked(query, keys, values, torch.cat([sets, new], 2),
-                                kwargs["scaling"])
-        if self.system:  # fetched rows + the new token
-            if self._fetched_keep is not None:  # per query head: its own rows of the union
-                used = self._fetched_keep if not ranked else self.query_sets(
-                    self.stored() - 1).gather(2, self.fetched.repeat_interleave(
-                        self.info.group_size, 1))
-            elif self.m.shared_count and not ranked:
-                return base(module, query, keys, values, None, **kwargs)
-            else:
-                used = self.valid()[..., : self.fetched.shape[-1]]
-            keep = torch.cat([used, new], 2)  # the new token last
-            return self._masked(query, keys, values, keep, kwargs["scaling"])
-        if self.per_query_head():  # each query head its own set, the cache never expanded
-            sets = self.query_sets(keys.shape[2] - 1)  # (B, H_q, T): the new token comes last
-            if ranked:
-                sets = sets | unmasked
-            return self._masked(query, keys, values, torch.cat([sets, new], 2),
-                                kwargs["scaling"])
-        if _use_kernel(query) and self.m.shared_count and not ranked:  # gathered in the kernel
-            n = int(self.counts.max())  # layer i-1's kernels are long queued
-            selected = self.selected[..., :n]  # unique top-k slots, all < the new slot
-            index = torch.cat([selected, torch.full_like(selected[..., :1], keys.shape[2] - 1)], 2)
-            out = sparse_attention.sparse_decode_attention(query[:, :, 0], keys, values, index,
-                                                           kwargs["scaling"])
-            return out[:, None], None  # (B, 1, H_q, D), as attention_with_probs returns
-        keep = torch.zeros(keys.shape[:3], dtype=torch.bool, device=keys.device)
-        keep.scatter_(2, self.selected, self.valid())
-        if ranked:
-            keep |= unmasked
-        keep[:, :, -1] = new[..., 0]  # the new token
-        return self._masked(query, keys, values, keep, kwargs["scaling"])
+        elif self.system:  # what each head attends of the fetched rows, the new token last
+            rows = self.fetched.repeat_interleave(sets.shape[1] // self.fetched.shape[1], 1)
+            sets = torch.cat([sets.gather(2, rows), new], 2)
+            if self.selection is not None:  # the rows attend gets, at their text positions
+                slots = torch.cat([self.fetched, self.fetched[..., :1] * 0 + self.stored() - 1], 2)
+                rows = self.positions.long().gather(2, slots)
+                self.selection = replace(self.selection, kv_rows=rows)
+            return self.attend_rows(module, query, keys, values, sets, base, kwargs["scaling"],
+                                    kwargs)
+        return self.fetch_and_attend(module, query, keys, values, sets, base, kwargs["scaling"],
+                                     kwargs)
 
-    @staticmethod
-    def _masked(query, keys, values, keep, scaling):
-        """Attention restricted to `keep (B, H_kv | H_q, T)` (per KV head: shared by its query
-        heads; per query head: each its own)."""
-        keep = expand_kv(keep[..., None], query.shape[1] // keep.shape[1])[..., 0][:, :, None]
-        out, _ = attention_with_probs(query, keys, values, None, scaling, keep=keep)
-        return out, None
+    def sparse_kernel(self, query: torch.Tensor) -> bool:
+        return _use_kernel(query)
+
+    def publish(self, sets: torch.Tensor, current: torch.Tensor | None) -> None:
+        """The step's `selection` at text positions, for the shared contract: the speculated
+        logits of the stored tokens and of the current one (ranked; added: -inf, it is
+        protected), the sets `(B, H_sel, T)` and each head's count n' (T: a count of 0 under
+        zero_count=all attends every token). None where the C kernel chose (no logits)."""
+        if self._scores is None:
+            self.selection = None
+            return
+        tail = torch.full_like(self._scores[..., :1], float("-inf"))
+        scores = torch.cat([self._scores, tail if current is None else current[..., None]], 2)
+        size = self.counts if current is None else torch.where(
+            self._unmasked, sets.shape[-1], self.counts + self._current_keep.long())
+        scores, sets = self.at_positions(scores, float("-inf")), self.at_positions(sets, False)
+        self.selection = Selection(scores[:, :, None], sets[:, :, None], size,
+                                   (0, 0 if current is not None else 1))
 
     def after_forward(self) -> None:
         if not self.holding_prompt():  # a prompt is fitted to the pool once, at its end
             self._fit_pool()
-        self.selected = self.counts = self.fetched = self._fetched_keep = None
+        self.selected = self.counts = self.fetched = self._scores = None
         self._ranked = self._current_keep = self._unmasked = None
 
     def on_prefill_end(self) -> None:
         self._fit_pool()
 
     def _fit_pool(self) -> None:
-        limit = max(1, math.ceil(self.m.pool_capacity * self.seen_tokens))
         # dense layers never evict (the official simulation masks only speculating layers), and
         # their counters stay zero, so counter/lru eviction there would be arbitrary
-        if not self.dense and self.stored() > limit:
-            self._evict(self.stored() - limit)
+        if not self.dense:
+            self.fit_pool(self.m.pool_capacity)
 
-    def _evict(self, n: int) -> None:
-        t = self.stored()
-        if self.m.eviction == "fifo":
-            drop_score = -self.positions.float()  # oldest first
-            candidates = t
-        else:  # counter / lru among the older half, so new tokens are protected
-            drop_score = -(self.counter if self.m.eviction == "counter" else self.last_used)
-            candidates = max(n, t // 2)
-        drop = drop_score[:, :, :candidates].topk(n, dim=-1).indices
-        keep_mask = torch.ones_like(self.positions, dtype=torch.bool).scatter_(2, drop, False)
-        index = keep_mask.nonzero()[:, 2].view(*self.positions.shape[:2], t - n)
-        self.positions = gather_tokens(self.positions, index)
-        self.counter = gather_tokens(self.counter, index)
-        self.last_used = gather_tokens(self.last_used, index)
+    def keep_rows(self, index: torch.Tensor) -> None:
         if self._pk is not None:
-            per_kv = index.to(self._pk.device)  # (B, H_kv, T - n) -> the skewing heads
-            kept = gather_tokens(self.partial_keys().transpose(2, 3),  # (B, H_s, T - n, k_u)
-                                 per_kv.repeat_interleave(self._pk.shape[1] // index.shape[1], 1))
-            self._pk[..., : t - n] = kept.transpose(2, 3)
-            self._pk_len = t - n
-        if self.system:
-            self.store.keep(index)
-        else:
-            self.keys = gather_tokens(self.keys, index.to(self.keys.device))
-            self.values = gather_tokens(self.values, index.to(self.values.device))
-
-    def release(self) -> None:
-        super().release()
-        if self.store is not None:
-            self.store.release()
+            self._pk.keep(index)
+        self.keep_held(index)
 
     # --- accounting --------------------------------------------------------------------------
-    def kept_tokens(self) -> int:
-        return self.stored()
-
-    def attended_tokens(self) -> float:
-        """Tokens attended at the last step (mean over KV heads when counts differ per head)."""
-        value = self._attended
-        return float(value) if isinstance(value, torch.Tensor) else value
-
     def kept_positions(self) -> torch.Tensor:
         """Positions each selecting head attended `(B, H_sel, n)`: per query head (H_q rows,
         the default) or per KV head."""
@@ -790,16 +487,11 @@ class InfiniGenLayer(KVLayer):
             current = torch.where(self._current_keep[..., None], current, chosen[..., :1])
         return torch.cat([chosen, current], dim=2)
 
-    def allowed_tokens(self) -> int | None:
-        """The fetch cap of the last sparse decode step (None for dense layers / no decode)."""
-        return None if self.dense else self._decode_budget
-
     def stats(self) -> dict[str, int]:
-        storage = self.storage_stats()  # simulate mode: K/V in the layer's storage
-        held = self.store.nbytes() if self.store is not None else storage.get("kv_bytes_used", 0)
-        partial = 0 if self._pk is None else self.partial_keys().nbytes
+        held, on_device = self.held_bytes()
+        partial = self._pk.nbytes()
         out = {"kv_tokens": self.stored(), "kv_bytes": held + partial,
-               "kv_bytes_device": partial + (0 if self.system else held), **storage}
+               "kv_bytes_device": partial + on_device, **self.storage_stats()}
         if not self.dense and self._last_counts is not None:
             out["selected_tokens"] = int(self._last_counts.max()) + 1
         return out

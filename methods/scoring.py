@@ -7,6 +7,8 @@ the per-query-head probabilities. Shapes: query `(B, H_q, q, D)`, keys/values `(
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -112,3 +114,19 @@ def gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     if x.dim() == 3:
         return x.gather(2, index)
     return x.gather(2, index[..., None].expand(*index.shape, x.shape[-1]))
+
+
+def few_rows_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a (..., m, k) @ b (..., k, n)`. A decode step's products have a few rows per head (the
+    query heads of a group, one new key): there a broadcast multiply and a sum over k, which run
+    as plain loops below the intra-op grain size, cost less than a batched matmul's parallel
+    launch; larger products (a prompt's keys) take the matmul."""
+    batch = math.prod(torch.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
+    if batch * a.shape[-2] * a.shape[-1] * b.shape[-1] > SERIAL_ELEMENTS:
+        return a @ b
+    return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
+
+
+# Elementwise ops up to this many elements run serially on CPU (torch's intra-op grain size,
+# at::internal::GRAIN_SIZE): few-row forms such as the one above stay under it.
+SERIAL_ELEMENTS = 32768

@@ -47,8 +47,11 @@ class Selection:
 
     scores: torch.Tensor  # (B, H_sel, q, U) fp32, as `selection_scores` returned them
     keep: torch.Tensor  # (B, H_sel, q, T) bool: the tokens each row attended (kept: the last row)
-    size: int  # units chosen per row from the scores
+    size: int | torch.Tensor  # units chosen per row from the scores (or per row: (B, H_sel))
     protected: tuple[int, int]  # (first, last) tokens attended whatever their score
+    # (B, H_kv, n) text positions of the K/V rows `attend` got, when a layer fetched them before
+    # (from the host tier); None: every stored token, in text order
+    kv_rows: torch.Tensor | None = None
 
 
 def kv_union(keep: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -56,6 +59,15 @@ def kv_union(keep: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     `keep (B, H_sel, T)` (H_sel a multiple of H_kv)."""
     b, h_sel, t = keep.shape
     return keep.view(b, num_kv_heads, h_sel // num_kv_heads, t).any(2)
+
+
+def serving_rows(keep: torch.Tensor, num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows each KV head serves `(B, H_kv, n)`, the union of its selecting heads' sets
+    `keep (B, H_sel, T)` in slot order (padded to the widest union with other slots), and which
+    of them each selecting head attends `(B, H_sel, n)`. Reads the widest union (a host sync)."""
+    union = kv_union(keep, num_kv_heads)  # (B, H_kv, T)
+    slots = first_true(union, int(union.sum(-1).max()))
+    return slots, keep.gather(2, slots.repeat_interleave(keep.shape[1] // num_kv_heads, dim=1))
 
 
 def first_true(mask: torch.Tensor, n: int) -> torch.Tensor:
@@ -151,24 +163,31 @@ class SelectionLayer(KVLayer):
     def fetch_and_attend(self, module, query, keys, values, keep, base, scaling, kwargs):
         """One decode row: each KV head's union of sets fetched, each query head attending its
         own set of it. `keep (B, H_sel, T)`."""
-        union = kv_union(keep, keys.shape[1])  # (B, H_kv, T)
-        slots = first_true(union, int(union.sum(-1).max()))  # (B, H_kv, n)
-        own = keep.gather(2, slots.repeat_interleave(keep.shape[1] // keys.shape[1], dim=1))
+        slots, own = serving_rows(keep, keys.shape[1])  # (B, H_kv, n), (B, H_sel, n)
+        every_token = keys.shape[2] == self.seen_tokens  # all on the device: the kernel gathers
+        if every_token and self.sparse_kernel(query) and bool(own.all()):
+            out = sparse_attention.sparse_decode_attention(query[:, :, 0], keys, values, slots,
+                                                           scaling)
+            return out[:, None], None  # (B, 1, H_q, D): gathered inside the kernel
+        return self.attend_rows(module, query, *self.fetch(keys, values, slots), own, base,
+                                scaling, kwargs)
+
+    def attend_rows(self, module, query, keys, values, own, base, scaling, kwargs):
+        """One decode row over K/V rows already fetched `(B, H_kv, n, D)`, each query head over
+        its own of them, `own (B, H_sel, n)`."""
         if bool(own.all()):  # every head attends all its KV head fetched: the model's attention
-            every_token = keys.shape[2] == self.seen_tokens  # all on the device: the kernel gathers
-            if every_token and query.is_cuda and sparse_attention.use_triton(query):
-                out = sparse_attention.sparse_decode_attention(query[:, :, 0], keys, values,
-                                                               slots, scaling)
-                return out[:, None], None  # (B, 1, H_q, D): gathered inside the kernel
-            return base(module, query, *self.fetch(keys, values, slots), None, **kwargs)
+            return base(module, query, keys, values, None, **kwargs)
         own = own.repeat_interleave(query.shape[1] // own.shape[1], dim=1)  # (B, H_q, n)
-        out, _ = attention_with_probs(query, *self.fetch(keys, values, slots), None, scaling,
-                                      keep=own[:, :, None])
+        out, _ = attention_with_probs(query, keys, values, None, scaling, keep=own[:, :, None])
         return out, None
+
+    def sparse_kernel(self, query: torch.Tensor) -> bool:
+        """Whether the sparse attention kernel serves a decode row (Triton, on CUDA)."""
+        return query.is_cuda and sparse_attention.use_triton(query)
 
     # --- accounting -------------------------------------------------------------------------
     def attended_tokens(self) -> float:
-        return self._attended
+        return float(self._attended)  # a layer may keep it on the device until read
 
     def allowed_tokens(self) -> int | None:
         return self._allowed

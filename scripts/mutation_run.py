@@ -94,7 +94,7 @@ MUTANTS = [
     Mutant("KV head serves one query head's set, not the union", "quest", "methods/selection.py",
            "    return keep.view(b, num_kv_heads, h_sel // num_kv_heads, t).any(2)",
            "    return keep.view(b, num_kv_heads, h_sel // num_kv_heads, t)[:, :, 0]"),
-    Mutant("lowest scores picked (torch path)", "infinigen", "methods/infinigen.py",
+    Mutant("lowest scores picked (torch path)", "infinigen", "methods/_infinigen_speculation.py",
            "    return scores.topk(cap, dim=-1).indices, count",
            "    return scores.topk(cap, dim=-1, largest=False).indices, count"),
     Mutant("lowest scores picked (CPU kernel path)", "infinigen",

@@ -404,8 +404,9 @@ class StepChecker:
             whole = {p for u in units for p in range(u * unit, min(t, (u + 1) * unit))}
             assert whole <= held, f"{where}, row {i}: units partly attended: {sorted(whole - held)}"
             candidates = {u for u, s in enumerate(row) if s != float("-inf")}
-            assert units <= candidates and len(units) == min(sel.size, len(candidates)), (
-                f"{where}, row {i}: chose {sorted(units)}, {sel.size} of {sorted(candidates)}")
+            size = sel.size if isinstance(sel.size, int) else int(sel.size.reshape(-1)[i])
+            assert units <= candidates and len(units) == min(size, len(candidates)), (
+                f"{where}, row {i}: chose {sorted(units)}, {size} of {sorted(candidates)}")
             chosen = [row[u] for u in units]
             dropped = [row[u] for u in candidates - units]
             if chosen and dropped:
@@ -413,7 +414,11 @@ class StepChecker:
                     f"{where}, row {i}: attended a unit scoring {min(chosen):.4g} and left out one "
                     f"scoring {max(dropped):.4g} (the set is not the top of its scores)")
                 self.selection_choices += 1
-        if t != keys.shape[2]:
+        if sel.kv_rows is not None:  # rows fetched before `attend`: placed at their positions
+            rows = sel.kv_rows.to(keys.device)[..., None].expand(-1, -1, -1, d)
+            keys = keys.new_zeros(b, h_kv, t, d).scatter(2, rows, keys)
+            values = values.new_zeros(b, h_kv, t, d).scatter(2, rows, values)
+        elif t != keys.shape[2]:
             return  # attend got the device rows only (the rest fetched from the host): no outputs
         scaling = kwargs.get("scaling")
         scaling = module.scaling if scaling is None else scaling

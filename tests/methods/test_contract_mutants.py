@@ -93,9 +93,12 @@ def union_is_one_query_heads_set(monkeypatch):
 
 SELECTION_MUTANTS = {"lowest_scores_selected": lowest_scores_selected,
                      "union_is_one_query_heads_set": union_is_one_query_heads_set}
-SELECTING_METHODS = ("oracle_topk", "quest", "tailorkv", "shadowkv")
+SELECTING_METHODS = ("oracle_topk", "quest", "tailorkv", "shadowkv", "infinigen")
 EQUIVALENT.update({(name, "union_is_one_query_heads_set"): "it selects per KV head: a KV "
                    "head's union is its one set" for name in ("oracle_topk", "tailorkv", "shadowkv")})
+EQUIVALENT[("infinigen", "lowest_scores_selected")] = (
+    "not applicable: it chooses one layer ahead by its own count rule, not the template's "
+    "`choose` (scripts/mutation_run.py plants the lowest scores in its speculation)")
 
 
 @pytest.mark.parametrize("mutant", list(SELECTION_MUTANTS))
