@@ -22,7 +22,9 @@ store, a diagnostics shadow), when its runner feeds prompts otherwise (chunked o
 prefill, batches, a device KV limit, an offloaded cache), or when its method installs hooks on
 the model (`KVMethod.install`; those settings are evaluated by their own task pass and engine).
 What the shared prefill cost (its timed chunks, its tokens, the bytes it moved between tiers)
-is counted in every setting's figures, as a single run of it would count it.
+is counted in every setting's figures, as a single run of it would count it. The settings'
+answers to one prompt are decoded one at a time, or `runner.sweep_decode_batch` of them
+together, one batched forward per step (harness.sweep_decode).
 
 Identical to the full cache by rule. A sample whose whole sequence (prompt, query, new tokens)
 fits a setting's token budget, where its method declares that such a budget keeps every token
