@@ -206,20 +206,41 @@ class BatchRequest:
         outs: list[list[int]] = [[] for _ in prompts]
         active = list(range(len(prompts)))
         while active:
-            tokens = [greedy(logits[r], stop_ids if len(outs[s]) < min_new_tokens else ())
-                      for r, s in enumerate(active)]
+            tokens, keep = greedy_rows(logits, active, outs, stop_ids, min_new_tokens,
+                                       max_new_tokens, finished)
             if not self.first_token_at:  # greedy() read the logits back: the step is done
                 self.first_token_at = [time.perf_counter()] * len(prompts)
-            for s, token in zip(active, tokens):
-                outs[s].append(token)
-            keep = [r for r, s in enumerate(active)
-                    if outs[s][-1] not in stop_ids and len(outs[s]) < max_new_tokens[s]
-                    and not (finished and finished(s, outs[s]))]
             if not keep:
                 break
             active = [active[r] for r in keep]
             logits = self.step(active, [tokens[r] for r in keep])
         return outs
+
+
+def batch_cache(caches: list[hf_adapter.MethodCache], info) -> hf_adapter.BatchCache:
+    """One cache over the sequences' own caches: a `FanOutLayer` per decoder layer routing each
+    batch row to its sequence's layer, with that sequence's own mask."""
+    routing = Routing(caches)
+    mask_for = functools.partial(hf_adapter.sequence_mask, info)
+    fan_out = [FanOutLayer(i, routing, mask_for) for i in range(info.num_layers)]
+    return hf_adapter.BatchCache(caches, fan_out, routing)
+
+
+def greedy_rows(logits, active: list[int], outs: list[list[int]], stop_ids: set[int],
+                min_new_tokens: int, limits: list[int],
+                finished: Callable[[int, list[int]], bool] | None = None
+                ) -> tuple[list[int], list[int]]:
+    """One greedy step of the sequences `active` (row r of `logits` is sequence active[r]):
+    each gets its token appended to `outs`; returns (the tokens, the rows that go on: no stop
+    token, under their limit, not `finished(sequence, its new ids)`)."""
+    tokens = [greedy(logits[r], stop_ids if len(outs[s]) < min_new_tokens else ())
+              for r, s in enumerate(active)]
+    for s, token in zip(active, tokens):
+        outs[s].append(token)
+    keep = [r for r, s in enumerate(active)
+            if outs[s][-1] not in stop_ids and len(outs[s]) < limits[s]
+            and not (finished and finished(s, outs[s]))]
+    return tokens, keep
 
 
 def account_forward(engine: "Engine", kv_layers: list, decode: bool) -> None:
@@ -242,21 +263,13 @@ def decode_requests(requests: list["Request"], logits: list[torch.Tensor], limit
     counted once by every request in it. `logits[i]`: request i's last logits `(V,)` once its
     prompt (and query) is fed. A request leaves the batch after a stop token or at its limit."""
     lead = requests[0].engine
-    caches = [req.cache for req in requests]
-    routing = Routing(caches)
-    mask_for = functools.partial(hf_adapter.sequence_mask, lead.info)
-    fan_out = [FanOutLayer(i, routing, mask_for) for i in range(lead.info.num_layers)]
-    cache = hf_adapter.BatchCache(caches, fan_out, routing)
+    cache = batch_cache([req.cache for req in requests], lead.info)
+    routing = cache.routing
     timer = Timer(lead.device)
     outs: list[list[int]] = [[] for _ in requests]
     active, rows = list(range(len(requests))), list(logits)
     while True:
-        tokens = [greedy(rows[r], stop_ids if len(outs[s]) < min_new_tokens else ())
-                  for r, s in enumerate(active)]
-        for s, token in zip(active, tokens):
-            outs[s].append(token)
-        keep = [r for r, s in enumerate(active)
-                if outs[s][-1] not in stop_ids and len(outs[s]) < limits[s]]
+        tokens, keep = greedy_rows(rows, active, outs, stop_ids, min_new_tokens, limits)
         if not keep:
             return outs
         active, tokens = [active[r] for r in keep], [tokens[r] for r in keep]

@@ -12,7 +12,6 @@ same for every method (`EngineSettings.protocol`).
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -112,10 +111,7 @@ class Engine:
         caches = [hf_adapter.MethodCache(self.method, self.info, self.tier, self.settings.protocol,
                                          host)
                   for host in host_layers]
-        routing = batching.Routing(caches)
-        mask_for = functools.partial(hf_adapter.sequence_mask, self.info)
-        fan_out = [batching.FanOutLayer(i, routing, mask_for) for i in range(self.info.num_layers)]
-        cache = hf_adapter.BatchCache(caches, fan_out, routing)
+        cache = batching.batch_cache(caches, self.info)
         hooks = (hf_adapter.lookahead(self.model)
                  if self.method.capabilities.lookahead or self.tier.offload or any(host_layers)
                  else contextlib.nullcontext())
