@@ -175,12 +175,8 @@ def calibration_ids(method, ctx) -> torch.Tensor:
 
 
 def calibration_file(method, data_dir: Path | None) -> Path:
-    default = None if data_dir is None else Path(data_dir) / "pg19" / "pg19_firstbook.txt"
-    path = Path(method.calibration_path) if method.calibration_path else default
-    if path is None or not path.is_file():
-        raise ConfigError(f"method.calibration_path={path}: no such file (InfiniGen's skewing "
-                          "calibration text; the default is PG-19's first book in ../shared/data)")
-    return path
+    return sidefiles.calibration_path(method.calibration_path, data_dir,
+                                      "InfiniGen's skewing calibration text")
 
 
 def calibration_budget(method, info: ModelInfo) -> int:

@@ -59,6 +59,18 @@ def empty_path_reasons(method) -> list[str]:
     return reasons
 
 
+def calibration_path(given: str | None, data_dir, what: str, folders: bool = False) -> Path:
+    """`method.calibration_path` resolved: the file given (or folder, with `folders`), else
+    PG-19's first book in the shared data folder; one line naming what is missing otherwise."""
+    default = None if data_dir is None else Path(data_dir) / "pg19" / "pg19_firstbook.txt"
+    path = Path(given) if given else default
+    if path is None or not (path.exists() if folders else path.is_file()):
+        kind = "file or folder" if folders else "file"
+        raise ConfigError(f"method.calibration_path={path}: no such {kind} ({what}; default: "
+                          "PG-19's first book in ../shared/data)")
+    return path
+
+
 def read_bytes(key: str, path: Path) -> bytes:
     path = Path(path)
     if not path.is_file():

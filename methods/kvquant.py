@@ -272,12 +272,8 @@ class KVQuant(KVMethod):
         return [ids[i * length:(i + 1) * length] for i in range(n)], source
 
     def _calibration_file(self, data_dir) -> Path:
-        default = None if data_dir is None else Path(data_dir) / "pg19" / "pg19_firstbook.txt"
-        path = Path(self.calibration_path) if self.calibration_path else default
-        if path is None or not path.exists():
-            raise ConfigError(f"method.calibration_path={path}: no such file or folder (KVQuant's "
-                              "calibration text; default: PG-19's first book in ../shared/data)")
-        return path
+        return sidefiles.calibration_path(self.calibration_path, data_dir,
+                                          "KVQuant's calibration text", folders=True)
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         if self._cal is None:

@@ -129,6 +129,7 @@ class KVzip(BudgetedMethod):
         # (first instruction, later instruction, answer prefix, system prompt) ids, 1-D each
         self._prompts: tuple[torch.Tensor, ...] | None = None
         self._head_scores: torch.Tensor | None = None  # level=head: (L, H_kv) fp32
+        self._kept_heads: torch.Tensor | None = None  # level=head: (L, H_kv) bool, from them
 
     def check_hyperparameters(self) -> list[str]:
         reasons = super().check_hyperparameters()
@@ -183,11 +184,11 @@ class KVzip(BudgetedMethod):
         facts = {"reconstruction_prompt_tokens": int(self._prompts[0].numel())}
         if self.level == "head":
             if self.head_scores_path:
-                self._head_scores = load_head_scores(self.head_scores_path, ctx.info)
+                self.set_head_scores(load_head_scores(self.head_scores_path, ctx.info))
                 facts["head_scores"] = str(self.head_scores_path)
             else:
                 ids, source = calibration_ids(ctx, self.calibration_path, self.calibration_tokens)
-                self._head_scores = self.calibrate(ids)
+                self.set_head_scores(self.calibrate(ids))
                 facts.update(head_scores=source, calibration_tokens=int(ids.numel()))
         return facts
 
@@ -208,11 +209,16 @@ class KVzip(BudgetedMethod):
         kept, h = int(heads.sum()), heads.numel()
         return max(1, -(-(kept * basis + (h - kept) * min(self.protected_bound(), basis)) // h))
 
+    def set_head_scores(self, scores: torch.Tensor) -> None:
+        """level=head: the static head scores `(L, H_kv)` and, once, the heads they keep."""
+        self._head_scores = scores.float()
+        self._kept_heads = official_kept_heads(self._head_scores, self.budget_ratio)
+
     def kept_heads_of(self, layer_idx: int) -> torch.Tensor:
         """level=head: bool `(H_kv,)`, the heads of the layer that keep their context."""
-        if self._head_scores is None:
+        if self._kept_heads is None:
             raise RuntimeError("kvzip: call prepare first (level=head reads its head scores)")
-        return official_kept_heads(self._head_scores, self.budget_ratio)[layer_idx]
+        return self._kept_heads[layer_idx]
 
     def protected_bound(self) -> int:
         """The most tokens an evicted head keeps: the sinks, or a kept system prompt."""
@@ -481,11 +487,7 @@ def calibration_ids(ctx, path: str | None, tokens: int) -> tuple[torch.Tensor, s
         log.warning("kvzip: no tokenizer, head scores from %d seeded random token ids", want)
         seeded = torch.Generator().manual_seed(0)
         return torch.randint(3, ctx.vocab_size, (want,), generator=seeded), "seeded random ids"
-    default = ctx.data_dir and Path(ctx.data_dir) / "pg19" / "pg19_firstbook.txt"
-    file = Path(path) if path else default
-    if file is None or not Path(file).is_file():
-        raise ConfigError(f"method.calibration_path={file}: no such file (KVzip's head-score "
-                          "context; default: PG-19's first book in ../shared/data)")
-    text = sidefiles.read_text("method.calibration_path", Path(file))
+    file = sidefiles.calibration_path(path, ctx.data_dir, "KVzip's head-score context")
+    text = sidefiles.read_text("method.calibration_path", file)
     ids = torch.tensor(ctx.tokenizer(text, verbose=False)["input_ids"])
     return ids[:want], str(file)

@@ -46,6 +46,7 @@ import torch
 
 from kvcore.errors import ConfigError
 from kvcore.storage import KV_LAYOUTS
+from methods import _sidefiles as sidefiles
 from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, PREFILL_MODES
 from methods.eviction import BudgetedMethod, EvictionLayer
 
@@ -126,12 +127,9 @@ class QFilters(BudgetedMethod):
             log.warning("qfilters: no tokenizer, calibrating on %d seeded random token ids", want)
             seeded = torch.Generator().manual_seed(0)
             return torch.randint(3, ctx.vocab_size, (want,), generator=seeded), "seeded random ids"
-        default = ctx.data_dir and Path(ctx.data_dir) / "pg19" / "pg19_firstbook.txt"
-        path = Path(self.calibration_path) if self.calibration_path else default
-        if path is None or not path.is_file():
-            raise ConfigError(f"method.calibration_path={path}: no such file (Q-Filters' SVD "
-                              "text; default: PG-19's first book in ../shared/data)")
-        ids = torch.tensor(ctx.tokenizer(path.read_text(encoding="utf-8"), verbose=False)["input_ids"])
+        path = sidefiles.calibration_path(self.calibration_path, ctx.data_dir, "Q-Filters' SVD text")
+        text = sidefiles.read_text("method.calibration_path", path)
+        ids = torch.tensor(ctx.tokenizer(text, verbose=False)["input_ids"])
         if ids.numel() < want:
             raise ConfigError(f"method.calibration_tokens={want} but method.calibration_path="
                               f"{path} has only {ids.numel()} tokens")

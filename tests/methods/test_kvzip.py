@@ -178,7 +178,7 @@ def test_head_level_keeps_the_heads_of_the_official_threshold(ratio):
 def test_head_level_kept_set_by_hand(ratio, kept):
     info = ModelInfo(num_layers=2, num_heads=2, num_kv_heads=2, head_dim=2, max_positions=16)
     method = build_method("kvzip", budget_ratio=ratio, sink_tokens=1, level="head")
-    method._head_scores = torch.tensor([[.9, .1], [.5, .7]])
+    method.set_head_scores(torch.tensor([[.9, .1], [.5, .7]]))
     layer = method.make_layer(1, info)
     layer.final_tokens = 8  # the budget basis: the prompt (set by the engine when fed)
     keys = torch.randn(1, 2, 8, 2, generator=torch.Generator().manual_seed(0))
