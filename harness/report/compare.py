@@ -112,11 +112,10 @@ def comparisons(board: list[dict], rows: list[dict], resamples: int = stats.RESA
     out = []
     by_section = sections(board)
     for (model, protocol), entries in by_section.items():
-        full = _reference(entries) or _reference(
-            by_section.get((model, _reference_protocol(entries, by_run)), []))
+        reference_protocol = _reference_protocol(entries, by_run)
+        full = _reference(entries) or _reference(by_section.get((model, reference_protocol), []))
         if full is None:
             continue
-        reference_protocol = _reference_protocol(entries, by_run)
         for e in entries:
             if e is full:
                 continue
