@@ -277,7 +277,7 @@ def run_ours(folder: Path) -> None:
         if c["method"] != "full":
             knobs["budget_ratio"] = c["kept_ratio"]
         method = build_method(c["method"], **knobs)
-        if method.capabilities.needs_prepare:
+        if method.needs_prepare():
             hf_adapter.prepare(method, model, tokenizer, info, data_dir=models.SHARED_DIR / "data")
         handles = method.install(model)
         engine = Engine(model, tokenizer, method, info, EngineSettings(prefill_chunk_tokens=chunk))

@@ -114,7 +114,7 @@ class MethodKVCache(hf_adapter.MethodCache):
         try:  # the runner's order: prepare (offline artefacts), then the request's layers
             self.prepared = (hf_adapter.prepare(method, model, tokenizer, info,
                                                 data_dir=models.SHARED_DIR / "data")
-                             if method.capabilities.needs_prepare else {})
+                             if method.needs_prepare() else {})
         except BaseException:
             hf_adapter.detach_attention(model)
             raise

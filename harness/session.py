@@ -133,7 +133,7 @@ class Session:
         from harness.run import engine_settings
 
         method = setting.method
-        if method.capabilities.needs_prepare:
+        if method.needs_prepare():
             with _recording(setting):
                 setting.prepared = hf_adapter.prepare(method, self.model, self.tokenizer,
                                                       self.info,

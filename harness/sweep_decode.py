@@ -9,8 +9,7 @@ answer, no score and no KV figure (each row attends its own cache with its own m
 single run does; tests/harness/test_sweep_engine.py); a step's time is the batched step's.
 
 A setting decodes alone (as `Request.answer`) when its step cannot share a forward: a
-diagnostics shadow follows its own steps, attention-block hooks are installed per request, or
-its method caps its batch (`Capabilities.max_batch_size`).
+diagnostics shadow follows its own steps, or attention-block hooks are installed per request.
 """
 
 from __future__ import annotations
@@ -37,9 +36,8 @@ class Entry:
 
 def decodes_alone(engine, size: int) -> bool:
     """Whether this setting's decode steps must run as its own forwards."""
-    caps = engine.method.capabilities
-    return (size == 1 or engine.diagnostics is not None or caps.observes_attention_block
-            or (caps.max_batch_size is not None and caps.max_batch_size < size))
+    return (size == 1 or engine.diagnostics is not None
+            or engine.method.capabilities.observes_attention_block)
 
 
 class Decoder:

@@ -32,25 +32,20 @@ class Capabilities:
     """What a method can do; the runner refuses impossible combinations before loading weights."""
 
     acts_during_decode: bool = True  # False: prefill-only compression
-    # Every method batches with no code of its own (harness.batch: one cache per sequence); a
-    # method sharing state across the sequences of a batch would declare its limit here.
-    max_batch_size: int | None = None  # None = any
     needs_attn_scores: bool = False  # computes attention probabilities itself
-    needs_prepare: bool = False  # offline artefacts (e.g. InfiniGen skewing)
     modes: tuple[str, ...] = ("system",)  # subset of {"simulate", "system"}
     offloads_kv: bool = False  # keeps the full K/V on the slow tier (kvcore.offload)
     needs_rope: bool = False  # re-rotates keys (needs a rotary model)
     bounds_positions: bool = False  # attends at in-cache positions, so streams may outrun max positions
     lookahead: bool = False  # wants prefetch(x_{i-1}) calls one layer ahead (InfiniGen, offload)
     compresses: bool = True  # False for the references (full, full_offload): never "inactive"
-    prefill_modes: tuple[str, ...] = ("dense", "sparse")  # protocols it can honour (Protocol)
-    needs_prefill: bool = False  # compresses only over a prefilled prompt (SnapKV, ShadowKV)
+    # protocols it can honour (Protocol); "dense" alone: it compresses a prompt once it is over
+    prefill_modes: tuple[str, ...] = ("dense", "sparse")
     sparse_prefill_chunked: bool = False  # honours prefill=sparse inside multi-token chunks
     # Attends to a subset of the tokens seen (eviction or selection). Refused on sliding-window
     # layers: the window already bounds the cache, and the model's window mask assumes the cache
     # holds the most recent tokens contiguously, so an evicted or selected set would be misplaced.
     selects_tokens: bool = False
-    cache_formats: tuple[str, ...] = ("heads",)  # ModelInfo.cache_format values it holds
     # Storage layouts of its K/V it honours (runner.kv_layout, kvcore.storage.KV_LAYOUTS): a
     # method storing K/V through the default layer storage (`KVLayer.kv_rows`: the `keys` /
     # `values` properties, or the scored-eviction template) and, on the host tier, through
@@ -65,10 +60,6 @@ class Capabilities:
     # request's rows only (a batch: each sequence its own real ids, never padding) — for policies
     # on token identity (FastGen's special and punctuation tokens); the layers see K/V otherwise.
     needs_token_ids: bool = False
-    # Any of its layers may be placed whole on the host tier and fetched whole at every step
-    # (LayerKV, runner.kv_admission=layerkv): `KVMethod.make_host_layer` builds such a layer,
-    # with the same outputs (lossless methods only).
-    places_layers_on_host: bool = False
     # What a serving engine must offer it beyond the fields above (harness.methods_table derives
     # the serving requirements from both): decode steps keep every stored token and only choose
     # what to read (False: selection); the unit it keeps, drops or selects (SERVING_UNITS); KV
@@ -85,8 +76,10 @@ class Capabilities:
 
     @property
     def needs_prompt(self) -> bool:
-        """Acts only over a prompt (compresses it once it is over): never on a token stream."""
-        return self.needs_prefill or not self.acts_during_decode
+        """Acts only over a prompt (compresses it once it is over): never on a token stream.
+        Declared by honouring runner.prefill=dense alone (SnapKV, ShadowKV), or implied by
+        acting only at the prompt's end."""
+        return self.prefill_modes == ("dense",) or not self.acts_during_decode
 
     def __post_init__(self) -> None:
         if self.granularity not in SERVING_UNITS:
@@ -95,8 +88,8 @@ class Capabilities:
         unknown = set(self.kv_layouts) - set(KV_LAYOUTS)
         if unknown or "contiguous" not in self.kv_layouts:
             raise ValueError(f"Capabilities.kv_layouts={self.kv_layouts}: storage layouts, "
-                             f"'contiguous' and any of {KV_LAYOUTS} (model cache formats are "
-                             "cache_formats)")
+                             f"'contiguous' and any of {KV_LAYOUTS} (a model's cache format is "
+                             "ModelInfo.cache_format)")
 
 
 # official code: read in (and checked against) the authors' repository; paper: from the paper
@@ -304,17 +297,14 @@ class KVLayer:
     def values(self, tensor: torch.Tensor | None) -> None:
         self.kv_rows("values").assign(tensor)
 
-    def allocated_kv_bytes(self) -> int:
-        """Bytes of the K/V storage including its unused capacity (or unused block slots)."""
-        return sum(rows.allocated_bytes() for rows in self._kv.values())
-
     def storage_stats(self) -> dict[str, int]:
         """The K/V storage's figures for the waste accounting (harness.accounting):
-        `kv_bytes_used` (valid tokens) and `kv_bytes_allocated`; empty without stored K/V."""
+        `kv_bytes_used` (valid tokens) and `kv_bytes_allocated` (with the unused capacity or
+        block slots); empty without stored K/V."""
         if not self._kv:
             return {}
         return {"kv_bytes_used": sum(rows.used_bytes() for rows in self._kv.values()),
-                "kv_bytes_allocated": self.allocated_kv_bytes()}
+                "kv_bytes_allocated": sum(rows.allocated_bytes() for rows in self._kv.values())}
 
     def release(self) -> None:
         """Give the storage back (paged: blocks return to the pool); called when a request ends."""
@@ -557,19 +547,15 @@ class KVMethod:
     def validate(self, info: ModelInfo, runner: dict[str, Any]) -> list[str]:
         """Reasons this method cannot run on this model/runner combination (before weights load)."""
         reasons = []
-        batch = int(runner.get("batch_size", 1))
-        cap = self.capabilities.max_batch_size
-        if cap is not None and batch > cap:
-            reasons.append(f"runner.batch_size={batch} but method={self.name} supports at most {cap}")
         if runner.get("kv_offload", "none") == "cpu" and not self.capabilities.offloads_kv:
             reasons.append(f"runner.kv_offload=cpu but method={self.name} cannot keep its KV on the "
                            "host tier (it does not declare offloads_kv); use runner.kv_offload=none")
         reasons += self.layout_reasons(runner)
         if runner.get("kv_admission", "request") == "layerkv" and \
-                not self.capabilities.places_layers_on_host:
+                type(self).make_host_layer is KVMethod.make_host_layer:
             reasons.append(f"runner.kv_admission=layerkv but method={self.name} cannot place a "
-                           "whole layer on the host tier (it does not declare "
-                           "places_layers_on_host; full does); use runner.kv_admission=request")
+                           "whole layer on the host tier (it has no make_host_layer; full "
+                           "has); use runner.kv_admission=request")
         mode = getattr(self, "mode", None)
         if mode is not None and mode not in self.capabilities.modes:
             reasons.append(f"method.mode={mode!r}; allowed for {self.name}: "
@@ -589,7 +575,7 @@ class KVMethod:
     def architecture_reasons(self, info: ModelInfo) -> list[str]:
         """Reasons this model's architecture cannot be served, from capabilities alone."""
         caps, model = self.capabilities, info.model_type
-        if info.cache_format not in caps.cache_formats:
+        if info.cache_format != "heads":  # every layer holds K/V heads (B, H_kv, T, D)
             return [f"method={self.name} needs per-head K/V caches (B, H_kv, T, D); {model} "
                     f"caches a {info.cache_format!r} format (multi-head latent attention)"]
         if info.attention_quirks:
@@ -621,6 +607,11 @@ class KVMethod:
         """True when attention runs at in-cache positions, so a stream may outrun max positions."""
         return self.capabilities.bounds_positions
 
+    def needs_prepare(self) -> bool:
+        """True when this configuration has an offline step (its own `prepare`): the runner
+        builds a PrepareContext and calls it only then."""
+        return type(self).prepare is not KVMethod.prepare
+
     def prepare(self, ctx: PrepareContext) -> dict[str, Any]:
         """Offline step (idempotent; may cache artefacts on disk). Returns facts for metrics.json."""
         return {}
@@ -634,9 +625,10 @@ class KVMethod:
         return FullLayer(layer_idx, info)
 
     def make_host_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
-        """The per-request state of a layer placed on the host tier by the serving scheduler
-        (LayerKV); only methods declaring `places_layers_on_host` are asked."""
-        raise NotImplementedError(f"method={self.name} does not declare places_layers_on_host")
+        """The per-request state of a layer placed whole on the host tier by the serving
+        scheduler (LayerKV, runner.kv_admission=layerkv) and fetched whole at every step, with the
+        same outputs: a lossless method that can be placed so defines it (full)."""
+        raise NotImplementedError(f"method={self.name} has no make_host_layer")
 
     def own_dense_layers(self, info: ModelInfo) -> tuple[int, ...]:
         """Layers this method itself leaves dense (e.g. InfiniGen's first layers); they join

@@ -108,7 +108,7 @@ class DuoAttention(HeadwiseMethod):
         "recent; NIAH, LongBench"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        prefill_modes=PREFILL_MODES, needs_prepare=True, selects_tokens=True,
+        prefill_modes=PREFILL_MODES, selects_tokens=True,
         kv_layouts=KV_LAYOUTS, granularity="head", ragged_heads=True, needs_calibration=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("budget_ratio", "retrieval_head_ratio")
     compensate: ClassVar[bool] = False  # streaming heads drop evicted tokens (Razor folds them)

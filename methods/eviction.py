@@ -10,8 +10,8 @@ A method on this template (H2O, StreamingLLM, TOVA, SnapKV, PyramidKV) provides:
     the chunking) under the default protocol (`runner.prefill=dense`); then either after every
     decode step (`compress_at = "forward"`; also after every prefill chunk under
     `runner.prefill=chunked|sparse`) or never again (`compress_at = "prefill_end"`: SnapKV-like
-    compressors; decode then appends, unless `runner.decode_interval_tokens` is set: then every
-    that many tokens after the prompt the cache is compressed back to the budget by the same
+    compressors, read from their `Capabilities.acts_during_decode=False`; decode then appends,
+    unless `runner.decode_interval_tokens` is set: then every that many tokens after the prompt the cache is compressed back to the budget by the same
     `score()`, `on_decode_compression` telling the layer its window starts again);
   * optionally a per-layer budget: `BudgetedMethod.layer_budget` (PyramidKV, SqueezeAttention),
     and a per-head split of it: `BudgetedMethod.head_budgets` (AdaKV). By default every KV head
@@ -185,7 +185,6 @@ class TokenRows:
 class EvictionLayer(TokenRows, KVLayer):
     """Per-request, per-layer state of a scored-eviction method (see the module docstring)."""
 
-    compress_at: ClassVar[str] = "forward"  # "forward" | "prefill_end"
     # keeps the protected tokens and the top of score() (the shared contract recomputes that
     # set at every compression); False for a method keeping something else (KVMerger merges)
     selects_top_scores: ClassVar[bool] = True
@@ -209,7 +208,15 @@ class EvictionLayer(TokenRows, KVLayer):
         self.picked: tuple[int, int, torch.Tensor] | None = None
         self.ragged = False  # heads hold different counts (head-wise budgets); see the docstring
 
+    @property
+    def compress_at(self) -> str:
+        """"forward" (after every forward) or "prefill_end" (once per prompt, at its end), as
+        the method declares (`acts_during_decode`). A layer compressing at the prompt's end and
+        then by a decode rule of its own (R-KV's buffer) sets it as a class attribute."""
+        return "forward" if self.method.capabilities.acts_during_decode else "prefill_end"
+
     # --- what a method writes ---------------------------------------------------------------
+
     def score(self) -> torch.Tensor:
         """Importance of every kept token, `(B, H_kv, T)` (higher = keep)."""
         raise NotImplementedError

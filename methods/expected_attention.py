@@ -65,8 +65,8 @@ class ExpectedAttention(BudgetedMethod):
         "covariance and value norms on; RULER 4K, LongBench, needle"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        acts_during_decode=False, needs_prefill=True, prefill_modes=("dense",),
-        selects_tokens=True, recompresses_during_decode=True, needs_prepare=True, needs_rope=True,
+        acts_during_decode=False, prefill_modes=("dense",),
+        selects_tokens=True, recompresses_during_decode=True, needs_rope=True,
         kv_layouts=KV_LAYOUTS)
     variant_keys: ClassVar[tuple[str, ...]] = ("future_tokens", "covariance", "value_norm")
     future_tokens: int = 512
@@ -111,8 +111,6 @@ class ExpectedAttention(BudgetedMethod):
 
 
 class ExpectedAttentionLayer(EvictionLayer):
-    compress_at: ClassVar[str] = "prefill_end"
-
     def __init__(self, layer_idx: int, info: ModelInfo, method: ExpectedAttention):
         super().__init__(layer_idx, info, method)
         self.moments = QueryMoments()

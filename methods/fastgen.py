@@ -81,8 +81,8 @@ class FastGen(KVMethod):
         "r_l = r_f = 0.3, T 0.91..0.98 (0.95 in its profiling study); AlpacaEval, GSM8k, "
         "HumanEval, NQ, TQA at 512-token sequences")
     capabilities: ClassVar[Capabilities] = Capabilities(
-        needs_attn_scores=True, needs_prefill=True, prefill_modes=("dense",),
-        selects_tokens=True, kv_layouts=KV_LAYOUTS, needs_prepare=True, needs_token_ids=True,
+        needs_attn_scores=True, prefill_modes=("dense",),
+        selects_tokens=True, kv_layouts=KV_LAYOUTS, needs_token_ids=True,
         granularity="head", ragged_heads=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("recovery_ratio",)
     variant_keys: ClassVar[tuple[str, ...]] = ("local_ratio", "frequent_ratio", "window_tokens")

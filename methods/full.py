@@ -32,10 +32,9 @@ class Full(KVMethod):
     operating_point: ClassVar[str] = ("the full cache: every token kept, transformers' attention "
                                       "(decode rows read in place, to fp32 rounding)")
     axis_keys: ClassVar[tuple[str, ...]] = ()  # a reference: no size knob
-    # `needs_prepare`: prepare records which decode-attention kernel the run uses.
+    # its `prepare` records which decode-attention kernel the run uses.
     capabilities: ClassVar[Capabilities] = Capabilities(
-        prefill_modes=PREFILL_MODES, compresses=False, kv_layouts=KV_LAYOUTS,
-        places_layers_on_host=True, needs_prepare=True)
+        prefill_modes=PREFILL_MODES, compresses=False, kv_layouts=KV_LAYOUTS)
 
     def prepare(self, ctx: PrepareContext) -> dict[str, Any]:
         """Records which decode-attention implementation the run uses (its speed depends on it)."""

@@ -58,11 +58,10 @@ class H2O(BudgetedMethod):
         "FMInference/H2O: OPT-6.7B..30B, LLaMA-7B; 20 % of the sequence (10 % heavy + 10 "
         "% recent); lm-eval, XSUM"
     )
-    # `needs_prepare`: prepare records which decode-attention kernel the run uses.
+    # its `prepare` records which decode-attention kernel the run uses.
     capabilities: ClassVar[Capabilities] = Capabilities(
         prefill_modes=PREFILL_MODES, needs_attn_scores=True, offloads_kv=True,
-        selects_tokens=True, kv_layouts=KV_LAYOUTS,
-        needs_prepare=True)
+        selects_tokens=True, kv_layouts=KV_LAYOUTS)
     min_budget_tokens: ClassVar[int] = 2  # one heavy hitter + one recent token
     variant_keys: ClassVar[tuple[str, ...]] = ("recent_ratio",)
     recent_ratio: float = 0.5

@@ -67,8 +67,8 @@ class HeadKV(SnapKV):
         "FYYFU/HeadKV: Llama-3-8B-Instruct, Mistral-7B-Instruct-v0.2; retrieval-reasoning head "
         "scores, 64..1024 tokens per head on average, window 8, kernel 7 max-pool, beta 1.005, "
         "temp 1; LongBench, needle-in-a-haystack, BABILong (official scripts)")
-    capabilities: ClassVar = dataclasses.replace(SnapKV.capabilities, needs_prepare=True,
-                                                ragged_heads=True, needs_calibration=True)
+    capabilities: ClassVar = dataclasses.replace(SnapKV.capabilities, ragged_heads=True,
+                                                needs_calibration=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("window_tokens", "kernel_tokens", "pooling",
                                                "beta", "temp")
     window_tokens: int = 8

@@ -82,7 +82,7 @@ class InfiniGen(KVMethod):
         "20 % budget; lm-eval, WikiText-2 perplexity"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        needs_prepare=True, modes=("system", "simulate"), offloads_kv=True, lookahead=True,
+        modes=("system", "simulate"), offloads_kv=True, lookahead=True,
         needs_rope=True, selects_tokens=True, kv_layouts=KV_LAYOUTS,
         evicts_during_decode=False, needs_host_tier=True, needs_calibration=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("alpha", "budget_ratio")

@@ -82,9 +82,9 @@ class KIVI(KVMethod):
         "128; LongBench, lm-eval"
     )
     # Nothing is evicted and every sequence holds the same token count: batch-agnostic.
-    # `needs_prepare`: prepare records which decode-attention kernel the run uses.
+    # its `prepare` records which decode-attention kernel the run uses.
     capabilities: ClassVar[Capabilities] = Capabilities(
-        prefill_modes=PREFILL_MODES, offloads_kv=True, needs_prepare=True)
+        prefill_modes=PREFILL_MODES, offloads_kv=True)
 
     axis_keys: ClassVar[tuple[str, ...]] = ("k_bits", "v_bits")
     variant_keys: ClassVar[tuple[str, ...]] = ("group_size", "residual_tokens")

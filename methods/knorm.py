@@ -56,7 +56,7 @@ class Knorm(BudgetedMethod):
         "0.1..0.9 of the prompt, layers 0 (or 0, 1) uncompressed; needle, passkey"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        acts_during_decode=False, needs_prefill=True, prefill_modes=("dense",),
+        acts_during_decode=False, prefill_modes=("dense",),
         selects_tokens=True, recompresses_during_decode=True, kv_layouts=KV_LAYOUTS)
     variant_keys: ClassVar[tuple[str, ...]] = ("window_tokens",)
     window_tokens: int = 0
@@ -72,8 +72,6 @@ class Knorm(BudgetedMethod):
 
 
 class KnormLayer(EvictionLayer):
-    compress_at: ClassVar[str] = "prefill_end"
-
     def protected(self, budget: int) -> tuple[int, int]:
         return 0, min(self.method.window_tokens, budget)
 

@@ -82,7 +82,7 @@ class KVMerger(KVMethod):
         "descriptions, unverified here); 50 % / 35 % KV; LongBench, ZeroScrolls"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        needs_attn_scores=True, acts_during_decode=False, needs_prefill=True,
+        needs_attn_scores=True, acts_during_decode=False,
         prefill_modes=("dense",), selects_tokens=True, kv_layouts=KV_LAYOUTS)
     axis_keys: ClassVar[tuple[str, ...]] = ("similarity_threshold",)
     variant_keys: ClassVar[tuple[str, ...]] = ("recent_ratio", "heavy_ratio", "sigma")
@@ -131,7 +131,6 @@ class KVMergerLayer(EvictionLayer):
     """The scored-eviction template's storage, prompt-end timing and decode appends; the prompt
     is merged by the threshold rule instead of cut to a budget."""
 
-    compress_at: ClassVar[str] = "prefill_end"
     selects_top_scores: ClassVar[bool] = False  # merged sets, not the top scores (its own test)
 
     def __init__(self, layer_idx: int, info: ModelInfo, method: KVMerger):

@@ -147,8 +147,7 @@ class KVQuant(KVMethod):
         "SqueezeAILab/KVQuant: LLaMA-7B..65B, Llama-2; 2..4-bit non-uniform, 1 % "
         "outliers; WikiText-2 / C4 perplexity, 2K..128K"
     )
-    capabilities: ClassVar[Capabilities] = Capabilities(needs_prepare=True, needs_rope=True,
-                                                        needs_calibration=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(needs_rope=True, needs_calibration=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("k_bits", "v_bits")
 
     k_bits: int = 4

@@ -106,8 +106,8 @@ class KVzip(BudgetedMethod):
         "needle, SCBench"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        acts_during_decode=False, needs_prefill=True, prefill_modes=("dense",),
-        selects_tokens=True, needs_prepare=True, needs_token_ids=True, kv_layouts=KV_LAYOUTS,
+        acts_during_decode=False, prefill_modes=("dense",),
+        selects_tokens=True, needs_token_ids=True, kv_layouts=KV_LAYOUTS,
         ragged_heads=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("level", "chunk_tokens", "system_prompt",
                                                "head_scores_path", "calibration_path",
@@ -313,8 +313,6 @@ class _TokenIds:
 
 
 class KVzipLayer(_TokenIds, EvictionLayer):
-    compress_at: ClassVar[str] = "prefill_end"
-
     def __init__(self, layer_idx: int, info: ModelInfo, method: KVzip):
         super().__init__(layer_idx, info, method)
         self.ids_seen: list[torch.Tensor] = []  # layer 0: this sequence's ids (B=1, q) per forward

@@ -61,8 +61,7 @@ class MiniCache(KVMethod):
         "arXiv 2405.14366 (project page, no code): Llama-2/3-7B..8B, Mistral-7B; layers "
         "from L/2 merged in pairs, t 0.6, gamma 0.05"
     )
-    capabilities: ClassVar[Capabilities] = Capabilities(needs_prefill=True,
-                                                        prefill_modes=("dense",),
+    capabilities: ClassVar[Capabilities] = Capabilities(prefill_modes=("dense",),
                                                         granularity="layer")
     axis_keys: ClassVar[tuple[str, ...]] = ("start_layer_ratio", "retain_ratio")
     variant_keys: ClassVar[tuple[str, ...]] = ("interpolation_ratio",)

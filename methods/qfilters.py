@@ -69,7 +69,7 @@ class QFilters(BudgetedMethod):
         "streaming generation with a 64-token window"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        prefill_modes=PREFILL_MODES, selects_tokens=True, needs_prepare=True,
+        prefill_modes=PREFILL_MODES, selects_tokens=True,
         kv_layouts=KV_LAYOUTS, needs_calibration=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("window_tokens", "filters_path")
     window_tokens: int = 0

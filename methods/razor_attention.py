@@ -69,7 +69,7 @@ class RazorAttention(HeadwiseMethod):
         "256 local; >70 % KV reduction; LongBench, NIAH"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        prefill_modes=PREFILL_MODES, needs_prepare=True, selects_tokens=True,
+        prefill_modes=PREFILL_MODES, selects_tokens=True,
         kv_layouts=KV_LAYOUTS, granularity="head", ragged_heads=True, needs_calibration=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("budget_ratio", "compression_ratio")
     compensate: ClassVar[bool] = True

@@ -76,7 +76,7 @@ class RKV(BudgetedMethod):
         "reasoning traces of up to 16K..32K tokens"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        needs_attn_scores=True, needs_prefill=True, prefill_modes=("dense",), selects_tokens=True,
+        needs_attn_scores=True, prefill_modes=("dense",), selects_tokens=True,
         kv_layouts=KV_LAYOUTS)
     variant_keys: ClassVar[tuple[str, ...]] = ("window_tokens", "mix_lambda", "buffer_tokens")
     window_tokens: int = 8
@@ -111,6 +111,8 @@ class RKV(BudgetedMethod):
 
 class RKVLayer(SnapKVLayer):
     """SnapKV's recorded window queries and prompt-end compression; R-KV's score and buffer."""
+
+    compress_at: ClassVar[str] = "prefill_end"  # then every `buffer_tokens` while decoding
 
     def decode_interval(self) -> int:
         return self.method.buffer_tokens

@@ -105,9 +105,8 @@ class ShadowKV(KVMethod):
         "tokens; RULER"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        needs_prepare=True, offloads_kv=True, needs_rope=True, prefill_modes=("dense",),
-        needs_prefill=True, selects_tokens=True, evicts_during_decode=False, granularity="page",
-        needs_host_tier=True)
+        offloads_kv=True, needs_rope=True, prefill_modes=("dense",), selects_tokens=True,
+        evicts_during_decode=False, granularity="page", needs_host_tier=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("rank", "rank_ratio", "chunk_size")
     inert_knobs: ClassVar[dict[str, str]] = {
         "sparse_budget_tokens": "applies only when budget_ratio and budget_tokens are both null "

@@ -60,7 +60,7 @@ class SnapKV(BudgetedMethod):
         "budget, window 32, kernel 7 max-pool; LongBench"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        needs_attn_scores=True, acts_during_decode=False, needs_prefill=True, prefill_modes=("dense",),
+        needs_attn_scores=True, acts_during_decode=False, prefill_modes=("dense",),
         selects_tokens=True, recompresses_during_decode=True, kv_layouts=KV_LAYOUTS)
     variant_keys: ClassVar[tuple[str, ...]] = ("window_tokens", "kernel_tokens", "pooling")
     window_tokens: int = 32
@@ -87,8 +87,6 @@ class SnapKV(BudgetedMethod):
 
 
 class SnapKVLayer(EvictionLayer):
-    compress_at: ClassVar[str] = "prefill_end"
-
     def __init__(self, layer_idx: int, info: ModelInfo, method: SnapKV):
         super().__init__(layer_idx, info, method)
         self.window_queries: torch.Tensor | None = None  # (B, H_q, <=w, D) the last queries seen

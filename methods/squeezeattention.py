@@ -69,8 +69,8 @@ class SqueezeAttention(BudgetedMethod):
         "layer on average"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(  # per instance: the scorer's, adjusted
-        needs_attn_scores=True, needs_prefill=True, prefill_modes=("dense",), selects_tokens=True,
-        observes_attention_block=True, needs_prepare=True, kv_layouts=KV_LAYOUTS)
+        needs_attn_scores=True, prefill_modes=("dense",), selects_tokens=True,
+        observes_attention_block=True, kv_layouts=KV_LAYOUTS)
     variant_keys: ClassVar[tuple[str, ...]] = ("scorer", "low_group_ratio")
     low_group_ratio: float = 0.5
     scorer: str = "h2o"
@@ -86,7 +86,7 @@ class SqueezeAttention(BudgetedMethod):
         except ConfigError as error:
             raise ConfigError(str(error).replace("method.", "method.scorer_options.", 1)) from None
         self.capabilities = dataclasses.replace(
-            self.inner.capabilities, needs_prefill=True, prefill_modes=("dense",),
+            self.inner.capabilities, prefill_modes=("dense",),
             offloads_kv=False, observes_attention_block=True)
 
     def check_hyperparameters(self) -> list[str]:
@@ -105,6 +105,9 @@ class SqueezeAttention(BudgetedMethod):
         return {"budget_tokens": seq_tokens, "low_group_ratio": 1.0}
 
     # The scorer's own needs (StreamingLLM re-rotates its sinks with the model's RoPE).
+    def needs_prepare(self) -> bool:
+        return self.inner.needs_prepare()
+
     def prepare(self, ctx) -> dict:
         return self.inner.prepare(ctx)
 

@@ -127,7 +127,7 @@ class TailorKV(KVMethod):
         "InfiniteBench"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        prefill_modes=("dense",), needs_prefill=True, needs_prepare=True, offloads_kv=True,
+        prefill_modes=("dense",), offloads_kv=True,
         selects_tokens=True, granularity="layer", needs_host_tier=True, needs_calibration=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("k_bits", "v_bits", "quant_layers",
                                                "dense_threshold")

@@ -80,8 +80,7 @@ class TurboQuant(KVMethod):
     operating_point: ClassVar[str] = (
         "arXiv 2504.19874: Llama-3.1-8B-Instruct, Ministral-7B; 2.5 and 3.5 bits per channel "
         "(outlier split); LongBench, needle-in-a-haystack up to 104K")
-    capabilities: ClassVar[Capabilities] = Capabilities(prefill_modes=PREFILL_MODES,
-                                                        needs_prepare=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(prefill_modes=PREFILL_MODES)
     axis_keys: ClassVar[tuple[str, ...]] = ("k_bits", "v_bits")
     variant_keys: ClassVar[tuple[str, ...]] = ("k_quantizer", "outlier_ratio", "block_tokens")
 

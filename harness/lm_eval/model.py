@@ -161,7 +161,7 @@ def build_engine(model: str, method: str = "full", prefill_chunk_tokens: int = 5
     if threads:
         torch.set_num_threads(int(threads))
     loaded, tokenizer = models.load_model(spec, attn_impl)
-    if kv_method.capabilities.needs_prepare:
+    if kv_method.needs_prepare():
         hf_adapter.prepare(kv_method, loaded, tokenizer, info, data_dir=models.SHARED_DIR / "data")
     handles = kv_method.install(loaded)
     engine = Engine(loaded, tokenizer, kv_method, info, engine_settings(runner))

@@ -75,8 +75,7 @@ class _PrefillOnlyLayer(KVLayer):
 @dataclass(kw_only=True)
 class _PrefillOnly(KVMethod):
     name = "prefill_only_for_test"
-    capabilities = Capabilities(acts_during_decode=False, needs_prefill=True,
-                                prefill_modes=("dense",))
+    capabilities = Capabilities(acts_during_decode=False, prefill_modes=("dense",))
 
 
 def test_refusals_name_the_knob_before_weights(monkeypatch, no_weight_loading, tmp_path):  # noqa: F811

@@ -99,7 +99,7 @@ def test_refusals_before_weights(tiny_model):
     runner = {"batch_size": 4, "kv_layout": "paged", "kv_device_limit_mib": 64,
               "kv_admission": "layerkv"}
     reasons = build_method("h2o", budget_tokens=8).validate(info, runner)
-    assert any("runner.kv_admission=layerkv" in r and "places_layers_on_host" in r for r in reasons)
+    assert any("runner.kv_admission=layerkv" in r and "make_host_layer" in r for r in reasons)
     assert build_method("full").validate(info, runner) == []
     reasons = protocol_reasons(build_method("full"), build_task("perplexity"), info, Protocol(),
                                {"batch_size": 1, "kv_device_limit_mib": 64})

@@ -107,15 +107,13 @@ def test_every_method_has_a_hand_computed_kept_set_test():
 
 
 def test_declared_capabilities_match_the_code():
-    """Capabilities are read by the runner, so they must be true: a method with its own
-    `prepare` declares needs_prepare (the runner skips prepare otherwise), one that keeps the
-    full cache as a reference declares compresses=False, every prefill mode is a known one."""
-    from methods.base import PREFILL_MODES, PROVENANCES, KVMethod
+    """Capabilities are read by the runner, so they must be true: every prefill mode is a
+    known one; knobs and provenance are declared."""
+    from methods.base import PREFILL_MODES, PROVENANCES
 
     for name in METHODS:
         cls = method_class(name)
         caps = cls.capabilities
-        assert (cls.prepare is not KVMethod.prepare) == caps.needs_prepare, name
         assert set(caps.prefill_modes) <= set(PREFILL_MODES) and caps.prefill_modes, name
         fields = set(cls.hyperparameter_names())
         assert set(cls.axis_keys) | set(cls.variant_keys) <= fields | {"budget_ratio",

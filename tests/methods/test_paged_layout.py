@@ -32,7 +32,7 @@ def test_the_methods_on_the_shared_storage_declare_paged():
         assert name in PAGED, name
     for name in ("kivi", "kvquant", "shadowkv"):
         assert name not in PAGED, name
-    with pytest.raises(ValueError, match="model cache formats are cache_formats"):
+    with pytest.raises(ValueError, match="a model's cache format is ModelInfo.cache_format"):
         Capabilities(kv_layouts=("heads",))  # the old meaning of the name is caught at import
 
 

@@ -126,9 +126,9 @@ def test_capabilities_follow_the_scorer():
     assert h2o.capabilities.acts_during_decode and not snap.capabilities.acts_during_decode
     assert snap.inner.window_tokens == 8
     streaming_llm = build_method("squeezeattention", scorer="streaming_llm")
-    assert streaming_llm.needs_rope() and streaming_llm.capabilities.needs_prepare
+    assert streaming_llm.needs_rope() and streaming_llm.needs_prepare()
     assert not h2o.needs_rope()  # needs_prepare follows the scorer (H2O records its kernel)
-    assert h2o.capabilities.needs_prepare == build_method("h2o").capabilities.needs_prepare
+    assert h2o.needs_prepare() == build_method("h2o").needs_prepare()
     streaming = build_task("perplexity", mode="streaming")
     for method in (h2o, snap):  # the allocation needs a prompt
         assert any("compresses only over a prefilled prompt" in r
