@@ -36,7 +36,6 @@ class Capabilities:
     modes: tuple[str, ...] = ("system",)  # subset of {"simulate", "system"}
     offloads_kv: bool = False  # keeps the full K/V on the slow tier (kvcore.offload)
     needs_rope: bool = False  # re-rotates keys (needs a rotary model)
-    bounds_positions: bool = False  # attends at in-cache positions, so streams may outrun max positions
     lookahead: bool = False  # wants prefetch(x_{i-1}) calls one layer ahead (InfiniGen, offload)
     compresses: bool = True  # False for the references (full, full_offload): never "inactive"
     # protocols it can honour (Protocol); "dense" alone: it compresses a prompt once it is over
@@ -604,8 +603,9 @@ class KVMethod:
         return self.capabilities.needs_rope
 
     def bounds_positions(self) -> bool:
-        """True when attention runs at in-cache positions, so a stream may outrun max positions."""
-        return self.capabilities.bounds_positions
+        """True when attention runs at in-cache positions, so a stream may outrun max positions
+        (StreamingLLM re-rotating its keys)."""
+        return False
 
     def needs_prepare(self) -> bool:
         """True when this configuration has an offline step (its own `prepare`): the runner

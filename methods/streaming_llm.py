@@ -55,7 +55,7 @@ class StreamingLLM(BudgetedMethod):
         "PG19 streams"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        prefill_modes=PREFILL_MODES, needs_rope=True, bounds_positions=True, selects_tokens=True,
+        prefill_modes=PREFILL_MODES, needs_rope=True, selects_tokens=True,
         kv_layouts=KV_LAYOUTS)
     axis_keys: ClassVar[tuple[str, ...]] = ("window_tokens", "budget_ratio")
     inert_knobs: ClassVar[dict[str, str]] = {
