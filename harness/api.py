@@ -184,7 +184,7 @@ class MethodKVCache(hf_adapter.MethodCache):
         if self.pos:
             self.engine.ledger.record(self.kv_layers, check=False)
         return {"method": self.method.name, "tokens_seen": self.pos,
-                "serving": serving_requirements(self.method.capabilities),
+                "serving": serving_requirements(self.method),
                 "kv": kv_figures(self.engine, self.method),
                 "transfer": {"kv_offload": self.engine.settings.kv_offload,
                              **self.engine.transfers.summary()}}

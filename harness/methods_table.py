@@ -5,7 +5,7 @@
 
 One line per method: name (linking to its page), family, one sentence of mechanism, paper and
 official code, provenance, and what a serving engine must offer it (`serving_requirements`,
-derived from `Capabilities`). The page holds the rest: knobs with their defaults, capabilities,
+derived from `Capabilities` and `ServingNeeds`). The page holds the rest: knobs with their defaults, capabilities,
 the setting its defaults are meant for, and the method's own docstring.
 """
 
@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from methods import available_methods, method_class
-from methods.base import Capabilities, KVMethod
+from methods.base import Capabilities, KVMethod, ServingNeeds
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
@@ -29,7 +29,7 @@ START, END = "<!-- methods-table:start -->", "<!-- methods-table:end -->"
 NEEDS = ("attention weights", "ragged heads", "host tier", "calibration")
 
 
-def cache_writes(caps: Capabilities) -> str:
+def cache_writes(caps: Capabilities, needs: ServingNeeds) -> str:
     """How it writes the K/V store: what an append-only, paged engine (vLLM, SGLang) can host."""
     if not caps.compresses:
         return "append-only"
@@ -37,22 +37,24 @@ def cache_writes(caps: Capabilities) -> str:
         return "own storage"  # quantized codes, low-rank factors, merged layers
     if not caps.acts_during_decode:
         return "drops at prompt end"
-    if not caps.evicts_during_decode:
+    if not needs.evicts_during_decode:
         return "append-only, selective reads"
     return "evicts while decoding"
 
 
-def serving_requirements(caps: Capabilities) -> dict:
-    """What a serving engine must offer a method, from its declared capabilities (one place)."""
+def serving_requirements(method: KVMethod | type[KVMethod]) -> dict:
+    """What a serving engine must offer a method (a class, or a configured instance), from its
+    declarations (one place)."""
+    caps, needs = method.capabilities, method.serving_needs
     return {
-        "cache": cache_writes(caps),
-        "unit": caps.granularity,  # the unit it keeps, drops or selects
+        "cache": cache_writes(caps, needs),
+        "unit": needs.granularity,  # the unit it keeps, drops or selects
         "paged": "paged" in caps.kv_layouts,  # runs on block pools (runner.kv_layout=paged)
         # it computes attention probabilities itself: no fused FlashAttention-style kernel
         "attention weights": caps.needs_attn_scores,
-        "ragged heads": caps.ragged_heads,
-        "host tier": caps.needs_host_tier,
-        "calibration": caps.needs_calibration,
+        "ragged heads": needs.ragged_heads,
+        "host tier": needs.needs_host_tier,
+        "calibration": needs.needs_calibration,
     }
 
 
@@ -65,7 +67,7 @@ def _paper_label(url: str | None) -> str:
 
 
 def table_line(cls: type[KVMethod]) -> str:
-    needs = serving_requirements(cls.capabilities)
+    needs = serving_requirements(cls)
     wanted = ", ".join(n for n in NEEDS if needs[n]) or "–"
     cells = [f"[`{cls.name}`](docs/methods/{cls.name}.md)", cls.family or "–",
              cls.summary or "–", _link(cls.paper_url, _paper_label(cls.paper_url)),
@@ -81,7 +83,7 @@ def table() -> str:
 
 def page(name: str) -> str:
     cls = method_class(name)
-    needs = serving_requirements(cls.capabilities)
+    needs = serving_requirements(cls)
     knobs = [f"- `{f.name}`: `{_default(f)!r}`" for f in dataclasses.fields(cls)]
     caps = [f"- `{k}`: `{v!r}`" for k, v in vars(cls.capabilities).items()]
     doc = importlib.import_module(cls.__module__).__doc__ or ""

@@ -359,7 +359,7 @@ def build_metrics(session, setting, engine, result, t_start: float,
                    "axis_keys": list(method.axis_keys), "variant_keys": list(method.variant_keys),
                    "capabilities": vars(method.capabilities) if hasattr(method.capabilities, "__dict__")
                    else {}, "prepare": setting.prepared, "side_files": setting.side_files,
-                   "serving": serving_requirements(method.capabilities)},
+                   "serving": serving_requirements(method)},
         "task": {"name": setting.task_name, "options": setting.task.options()},
         "protocol": {**result.protocol, "dense_layers": list(engine.dense_layers),
                      "dense_layers_runner": list(runner.get("dense_layers") or []),

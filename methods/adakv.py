@@ -38,13 +38,12 @@ kernel 7, max pooling: the official configs `c*_w32_k7_maxpool.json`), plus
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from methods.base import KVLayer, ModelInfo
+from methods.base import KVLayer, ModelInfo, ServingNeeds
 from methods.snapkv import SnapKV, SnapKVLayer
 
 
@@ -61,7 +60,7 @@ class AdaKV(SnapKV):
         "FFY0/AdaKV: Mistral-7B-Instruct-v0.2, LWM-Text-Chat-1M; 128..1024 tokens per head on "
         "average, window 32, kernel 7 max-pool, floor_alpha 0.2 (GQA scripts); LongBench, RULER"
     )
-    capabilities: ClassVar = dataclasses.replace(SnapKV.capabilities, ragged_heads=True)
+    serving_needs: ClassVar[ServingNeeds] = ServingNeeds(ragged_heads=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("window_tokens", "kernel_tokens", "pooling",
                                                "floor_alpha")
     floor_alpha: float = 0.2

@@ -24,7 +24,7 @@ from methods.kernels import ragged_attention, ragged_attention_cpu
 from methods.scoring import plain_attention, plain_decode_row
 
 AttentionFn = Callable[..., tuple[torch.Tensor, Any]]
-SERVING_UNITS = ("token", "page", "head", "layer")  # Capabilities.granularity
+SERVING_UNITS = ("token", "page", "head", "layer")  # ServingNeeds.granularity
 
 
 @dataclass(frozen=True)
@@ -59,16 +59,6 @@ class Capabilities:
     # request's rows only (a batch: each sequence its own real ids, never padding) — for policies
     # on token identity (FastGen's special and punctuation tokens); the layers see K/V otherwise.
     needs_token_ids: bool = False
-    # What a serving engine must offer it beyond the fields above (harness.methods_table derives
-    # the serving requirements from both): decode steps keep every stored token and only choose
-    # what to read (False: selection); the unit it keeps, drops or selects (SERVING_UNITS); KV
-    # heads of a layer holding different numbers of tokens; part of its K/V always on the host
-    # tier; artefacts calibrated offline (a probe, calibration texts, the authors' files).
-    evicts_during_decode: bool = True
-    granularity: str = "token"
-    ragged_heads: bool = False
-    needs_host_tier: bool = False
-    needs_calibration: bool = False
     # Honours runner.decode_interval_tokens: a once-per-prompt compressor whose scorer can run
     # again on a decoded cache, bringing it back to the budget every N generated tokens.
     recompresses_during_decode: bool = False
@@ -81,15 +71,32 @@ class Capabilities:
         return self.prefill_modes == ("dense",) or not self.acts_during_decode
 
     def __post_init__(self) -> None:
-        if self.granularity not in SERVING_UNITS:
-            raise ValueError(f"Capabilities.granularity={self.granularity!r}; allowed: "
-                             f"{', '.join(SERVING_UNITS)}")
         unknown = set(self.kv_layouts) - set(KV_LAYOUTS)
         if unknown or "contiguous" not in self.kv_layouts:
             raise ValueError(f"Capabilities.kv_layouts={self.kv_layouts}: storage layouts, "
                              f"'contiguous' and any of {KV_LAYOUTS} (a model's cache format is "
                              "ModelInfo.cache_format)")
 
+
+@dataclass(frozen=True)
+class ServingNeeds:
+    """What a serving engine (vLLM, SGLang) must offer a method beyond its `Capabilities`: no run
+    depends on it; harness.methods_table derives the serving requirements (the README method
+    table, each run's metrics.json) from both, and tests/harness/test_methods_table.py holds the
+    cache and host-tier columns to what decoding does."""
+
+    # decode steps may drop stored tokens (False: they keep every one and choose what to read)
+    evicts_during_decode: bool = True
+    granularity: str = "token"  # the unit it keeps, drops or selects (SERVING_UNITS)
+    ragged_heads: bool = False  # KV heads of a layer hold different numbers of tokens
+    needs_host_tier: bool = False  # part of its K/V always on the host tier
+    # artefacts calibrated offline (a probe, calibration texts, the authors' files)
+    needs_calibration: bool = False
+
+    def __post_init__(self) -> None:
+        if self.granularity not in SERVING_UNITS:
+            raise ValueError(f"ServingNeeds.granularity={self.granularity!r}; allowed: "
+                             f"{', '.join(SERVING_UNITS)}")
 
 # official code: read in (and checked against) the authors' repository; paper: from the paper
 # alone (no code released); reconstruction: neither gives the method as a runnable rule (ours fills
@@ -489,7 +496,9 @@ class KVMethod:
     summary: ClassVar[str] = ""
     paper_url: ClassVar[str | None] = None
     code_url: ClassVar[str | None] = None
+    # what the runner checks and the engine reads; what a serving engine must offer it
     capabilities: ClassVar[Capabilities] = Capabilities()
+    serving_needs: ClassVar[ServingNeeds] = ServingNeeds()
     # Which knobs move the method along a size axis, and which name a separate variant (curve):
     # recorded in metrics.json so reports and gates never name a method's knobs themselves.
     axis_keys: ClassVar[tuple[str, ...]] = ("budget_ratio", "budget_tokens")

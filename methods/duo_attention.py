@@ -56,7 +56,7 @@ from kvcore.errors import ConfigError
 from kvcore.storage import KV_LAYOUTS
 from methods._headwise import (HeadwiseLayer, HeadwiseMethod, load_duo_pattern, probe_scores,
                                select_retrieval, sparsify_gates, stream_budget_slots)
-from methods.base import Capabilities, KVLayer, ModelInfo, PREFILL_MODES
+from methods.base import PREFILL_MODES, Capabilities, KVLayer, ModelInfo, ServingNeeds
 
 PROXY_ECHO_HEAD_RATIO = 0.01  # razor_probe proxy: share of all heads taken from the echo ranking
 
@@ -108,8 +108,9 @@ class DuoAttention(HeadwiseMethod):
         "recent; NIAH, LongBench"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        prefill_modes=PREFILL_MODES, selects_tokens=True,
-        kv_layouts=KV_LAYOUTS, granularity="head", ragged_heads=True, needs_calibration=True)
+        prefill_modes=PREFILL_MODES, selects_tokens=True, kv_layouts=KV_LAYOUTS)
+    serving_needs: ClassVar[ServingNeeds] = ServingNeeds(
+        granularity="head", ragged_heads=True, needs_calibration=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("budget_ratio", "retrieval_head_ratio")
     compensate: ClassVar[bool] = False  # streaming heads drop evicted tokens (Razor folds them)
 

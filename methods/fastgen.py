@@ -57,7 +57,7 @@ from typing import Any, ClassVar
 import torch
 
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, PrepareContext
+from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, PrepareContext, ServingNeeds
 from methods.eviction import EvictionLayer, keep_tokens, per_head_index
 from methods.scoring import attention_with_probs, group_column_sums
 from methods.snapkv import window_votes
@@ -82,8 +82,8 @@ class FastGen(KVMethod):
         "HumanEval, NQ, TQA at 512-token sequences")
     capabilities: ClassVar[Capabilities] = Capabilities(
         needs_attn_scores=True, prefill_modes=("dense",),
-        selects_tokens=True, kv_layouts=KV_LAYOUTS, needs_token_ids=True,
-        granularity="head", ragged_heads=True)
+        selects_tokens=True, kv_layouts=KV_LAYOUTS, needs_token_ids=True)
+    serving_needs: ClassVar[ServingNeeds] = ServingNeeds(granularity="head", ragged_heads=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("recovery_ratio",)
     variant_keys: ClassVar[tuple[str, ...]] = ("local_ratio", "frequent_ratio", "window_tokens")
     recovery_ratio: float = 0.95

@@ -19,7 +19,7 @@ from typing import ClassVar
 
 from kvcore.offload import HostKVStore, host_store
 from kvcore.storage import KV_LAYOUTS
-from methods.base import (PREFILL_MODES, Capabilities, KVLayer, KVMethod, ModelInfo,
+from methods.base import (PREFILL_MODES, Capabilities, KVLayer, KVMethod, ModelInfo, ServingNeeds,
                           exact_attention)
 
 
@@ -41,7 +41,8 @@ class FullOffload(KVMethod):
         "prefetch": "fetching one layer ahead changes when bytes move, never the outputs"}
     capabilities: ClassVar[Capabilities] = Capabilities(
         prefill_modes=PREFILL_MODES, offloads_kv=True, lookahead=True,
-        compresses=False, kv_layouts=KV_LAYOUTS, needs_host_tier=True)
+        compresses=False, kv_layouts=KV_LAYOUTS)
+    serving_needs: ClassVar[ServingNeeds] = ServingNeeds(needs_host_tier=True)
     prefetch: bool = True
 
     def check_hyperparameters(self) -> list[str]:

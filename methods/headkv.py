@@ -37,7 +37,6 @@ window 8, kernel 7, max pooling).
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from pathlib import Path
 from dataclasses import dataclass
@@ -49,7 +48,7 @@ from kvcore.errors import ConfigError
 from methods import _sidefiles as sidefiles
 from methods._headwise import probe_scores
 from methods.adakv import AdaKVLayer
-from methods.base import KVLayer, ModelInfo
+from methods.base import KVLayer, ModelInfo, ServingNeeds
 from methods.duo_attention import check_probe_knobs
 from methods.snapkv import SnapKV
 
@@ -67,8 +66,8 @@ class HeadKV(SnapKV):
         "FYYFU/HeadKV: Llama-3-8B-Instruct, Mistral-7B-Instruct-v0.2; retrieval-reasoning head "
         "scores, 64..1024 tokens per head on average, window 8, kernel 7 max-pool, beta 1.005, "
         "temp 1; LongBench, needle-in-a-haystack, BABILong (official scripts)")
-    capabilities: ClassVar = dataclasses.replace(SnapKV.capabilities, ragged_heads=True,
-                                                needs_calibration=True)
+    serving_needs: ClassVar[ServingNeeds] = ServingNeeds(ragged_heads=True,
+                                                         needs_calibration=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("window_tokens", "kernel_tokens", "pooling",
                                                "beta", "temp")
     window_tokens: int = 8

@@ -52,7 +52,7 @@ from methods._infinigen_speculation import (PartialKeys, group_scores, rank_curr
                                             select_tokens)
 from methods._selection_host import HostTierLayer
 from methods._selection_pool import EVICTIONS, PooledLayer
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for
+from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, ServingNeeds, budget_for
 from methods.kernels import sparse_attention, speculation_cpu
 from methods.rope import rotate
 from methods.scoring import additive_mask, expand_kv, few_rows_matmul, gather_tokens
@@ -83,7 +83,8 @@ class InfiniGen(KVMethod):
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
         modes=("system", "simulate"), offloads_kv=True, lookahead=True,
-        needs_rope=True, selects_tokens=True, kv_layouts=KV_LAYOUTS,
+        needs_rope=True, selects_tokens=True, kv_layouts=KV_LAYOUTS)
+    serving_needs: ClassVar[ServingNeeds] = ServingNeeds(
         evicts_during_decode=False, needs_host_tier=True, needs_calibration=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("alpha", "budget_ratio")
     variant_keys: ClassVar[tuple[str, ...]] = (

@@ -97,7 +97,7 @@ from methods import _kvquant_prep as prep
 from methods import _sidefiles as sidefiles
 from methods._kvquant_prep import (Calibration, kmeans_1d, nearest_centroid,  # noqa: F401
                                    q_norm, safe, value_normalise)
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
+from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, ServingNeeds
 from methods.kernels.kvquant_attention import (KVQuantCache, decode_attention, decode_kernel,
                                                dequantize_cache, pack_bits, rope_table,
                                                unpack_bits)  # noqa: F401
@@ -147,7 +147,8 @@ class KVQuant(KVMethod):
         "SqueezeAILab/KVQuant: LLaMA-7B..65B, Llama-2; 2..4-bit non-uniform, 1 % "
         "outliers; WikiText-2 / C4 perplexity, 2K..128K"
     )
-    capabilities: ClassVar[Capabilities] = Capabilities(needs_rope=True, needs_calibration=True)
+    capabilities: ClassVar[Capabilities] = Capabilities(needs_rope=True)
+    serving_needs: ClassVar[ServingNeeds] = ServingNeeds(needs_calibration=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("k_bits", "v_bits")
 
     k_bits: int = 4

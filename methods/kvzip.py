@@ -79,7 +79,7 @@ import torch
 from kvcore.errors import ConfigError
 from kvcore.storage import KV_LAYOUTS
 from methods import _sidefiles as sidefiles
-from methods.base import (Capabilities, FullLayer, KVLayer, KVMethod, ModelInfo,
+from methods.base import (Capabilities, FullLayer, KVLayer, KVMethod, ModelInfo, ServingNeeds,
                           require_basis)
 from methods.eviction import BudgetedMethod, EvictionLayer
 
@@ -107,8 +107,8 @@ class KVzip(BudgetedMethod):
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
         acts_during_decode=False, prefill_modes=("dense",),
-        selects_tokens=True, needs_token_ids=True, kv_layouts=KV_LAYOUTS,
-        ragged_heads=True)
+        selects_tokens=True, needs_token_ids=True, kv_layouts=KV_LAYOUTS)
+    serving_needs: ClassVar[ServingNeeds] = ServingNeeds(ragged_heads=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("level", "chunk_tokens", "system_prompt",
                                                "head_scores_path", "calibration_path",
                                                "calibration_tokens")

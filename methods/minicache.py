@@ -43,7 +43,7 @@ from typing import ClassVar
 import torch
 
 from kvcore.storage import ContiguousRows
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, exact_attention
+from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, ServingNeeds, exact_attention
 
 KINDS = ("k", "v")
 
@@ -61,8 +61,8 @@ class MiniCache(KVMethod):
         "arXiv 2405.14366 (project page, no code): Llama-2/3-7B..8B, Mistral-7B; layers "
         "from L/2 merged in pairs, t 0.6, gamma 0.05"
     )
-    capabilities: ClassVar[Capabilities] = Capabilities(prefill_modes=("dense",),
-                                                        granularity="layer")
+    capabilities: ClassVar[Capabilities] = Capabilities(prefill_modes=("dense",))
+    serving_needs: ClassVar[ServingNeeds] = ServingNeeds(granularity="layer")
     axis_keys: ClassVar[tuple[str, ...]] = ("start_layer_ratio", "retain_ratio")
     variant_keys: ClassVar[tuple[str, ...]] = ("interpolation_ratio",)
     start_layer_ratio: float = 0.5

@@ -28,7 +28,7 @@ from typing import ClassVar
 import torch
 
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, ModelInfo
+from methods.base import Capabilities, KVLayer, ModelInfo, ServingNeeds
 from methods.eviction import BudgetedMethod
 from methods.scoring import additive_mask, expand_kv, group_mean
 from methods.selection import SelectionLayer
@@ -45,8 +45,8 @@ class OracleTopK(BudgetedMethod):
     operating_point: ClassVar[str] = "an upper bound at any budget: each query's exact top-k keys"
     capabilities: ClassVar[Capabilities] = Capabilities(needs_attn_scores=True,
                                                         sparse_prefill_chunked=True,
-                                                        selects_tokens=True, kv_layouts=KV_LAYOUTS,
-                                                        evicts_during_decode=False)
+                                                        selects_tokens=True, kv_layouts=KV_LAYOUTS)
+    serving_needs: ClassVar[ServingNeeds] = ServingNeeds(evicts_during_decode=False)
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         return OracleTopKLayer(layer_idx, info, self)

@@ -47,7 +47,7 @@ import torch
 from kvcore.errors import ConfigError
 from kvcore.storage import KV_LAYOUTS
 from methods import _sidefiles as sidefiles
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, PREFILL_MODES
+from methods.base import PREFILL_MODES, Capabilities, KVLayer, KVMethod, ModelInfo, ServingNeeds
 from methods.eviction import BudgetedMethod, EvictionLayer
 
 log = logging.getLogger(__name__)
@@ -69,8 +69,8 @@ class QFilters(BudgetedMethod):
         "streaming generation with a 64-token window"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        prefill_modes=PREFILL_MODES, selects_tokens=True,
-        kv_layouts=KV_LAYOUTS, needs_calibration=True)
+        prefill_modes=PREFILL_MODES, selects_tokens=True, kv_layouts=KV_LAYOUTS)
+    serving_needs: ClassVar[ServingNeeds] = ServingNeeds(needs_calibration=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("window_tokens", "filters_path")
     window_tokens: int = 0
     calibration_path: str | None = None

@@ -53,7 +53,7 @@ import torch
 
 from kvcore.guards import size_reason
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, ModelInfo
+from methods.base import Capabilities, KVLayer, ModelInfo, ServingNeeds
 from methods.eviction import BudgetedMethod
 from methods.kernels import quest_pages
 from methods.scoring import expand_kv
@@ -75,8 +75,9 @@ class Quest(BudgetedMethod):
         "mit-han-lab/Quest: LongChat-7B-v1.5-32K, Yarn-Llama-2-7B-128K; page 16, "
         "256..4096-token budget; PG19, passkey, LongBench"
     )
-    capabilities: ClassVar[Capabilities] = Capabilities(
-        selects_tokens=True, kv_layouts=KV_LAYOUTS, evicts_during_decode=False, granularity="page")
+    capabilities: ClassVar[Capabilities] = Capabilities(selects_tokens=True, kv_layouts=KV_LAYOUTS)
+    serving_needs: ClassVar[ServingNeeds] = ServingNeeds(evicts_during_decode=False,
+                                                         granularity="page")
     variant_keys: ClassVar[tuple[str, ...]] = ("page_size", "select_per", "current_page",
                                                "min_pages", "group_reduce")
     page_size: int = 16

@@ -50,7 +50,7 @@ from kvcore.errors import ConfigError
 from kvcore.storage import KV_LAYOUTS
 from methods._headwise import (HeadwiseLayer, HeadwiseMethod, probe_scores, select_union,
                                stream_budget_slots)
-from methods.base import Capabilities, KVLayer, ModelInfo, PREFILL_MODES
+from methods.base import PREFILL_MODES, Capabilities, KVLayer, ModelInfo, ServingNeeds
 from methods.duo_attention import check_headwise_knobs, check_probe_knobs
 
 
@@ -69,8 +69,9 @@ class RazorAttention(HeadwiseMethod):
         "256 local; >70 % KV reduction; LongBench, NIAH"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        prefill_modes=PREFILL_MODES, selects_tokens=True,
-        kv_layouts=KV_LAYOUTS, granularity="head", ragged_heads=True, needs_calibration=True)
+        prefill_modes=PREFILL_MODES, selects_tokens=True, kv_layouts=KV_LAYOUTS)
+    serving_needs: ClassVar[ServingNeeds] = ServingNeeds(
+        granularity="head", ragged_heads=True, needs_calibration=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("budget_ratio", "compression_ratio")
     compensate: ClassVar[bool] = True
 

@@ -81,7 +81,8 @@ from typing import ClassVar
 import torch
 
 from kvcore.errors import ConfigError
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for, check_budget
+from methods.base import (Capabilities, KVLayer, KVMethod, ModelInfo, ServingNeeds, budget_for,
+                          check_budget)
 from methods.rope import rotate
 from methods.scoring import gather_tokens
 from methods.selection import SelectionLayer
@@ -105,7 +106,8 @@ class ShadowKV(KVMethod):
         "tokens; RULER"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        offloads_kv=True, needs_rope=True, prefill_modes=("dense",), selects_tokens=True,
+        offloads_kv=True, needs_rope=True, prefill_modes=("dense",), selects_tokens=True)
+    serving_needs: ClassVar[ServingNeeds] = ServingNeeds(
         evicts_during_decode=False, granularity="page", needs_host_tier=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("rank", "rank_ratio", "chunk_size")
     inert_knobs: ClassVar[dict[str, str]] = {

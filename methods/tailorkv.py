@@ -77,7 +77,8 @@ import torch
 
 from kvcore.errors import ConfigError
 from kvcore.offload import HostKVStore
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, budget_for, check_budget
+from methods.base import (Capabilities, KVLayer, KVMethod, ModelInfo, ServingNeeds, budget_for,
+                          check_budget)
 from methods.kernels import kivi_quant as kq
 from methods.kernels.kivi_attention import decode_kernel
 from methods.kivi import KIVI, KIVILayer, quantization_reasons, value_group_reasons
@@ -127,8 +128,9 @@ class TailorKV(KVMethod):
         "InfiniteBench"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        prefill_modes=("dense",), offloads_kv=True,
-        selects_tokens=True, granularity="layer", needs_host_tier=True, needs_calibration=True)
+        prefill_modes=("dense",), offloads_kv=True, selects_tokens=True)
+    serving_needs: ClassVar[ServingNeeds] = ServingNeeds(
+        granularity="layer", needs_host_tier=True, needs_calibration=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("k_bits", "v_bits", "quant_layers",
                                                "dense_threshold")
     inert_knobs: ClassVar[dict[str, str]] = {

@@ -41,14 +41,14 @@ def held_tokens(cache) -> list[int]:
 
 
 CHECKED = [n for n in available_methods()
-           if serving_requirements(method_class(n).capabilities)["cache"] != "own storage"]
+           if serving_requirements(method_class(n))["cache"] != "own storage"]
 
 
 @pytest.mark.parametrize("name", CHECKED)
 def test_cache_column_is_what_decoding_does(stories, name):
     model, tokenizer = stories
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
-    needs = serving_requirements(method_class(name).capabilities)
+    needs = serving_requirements(method_class(name))
     with api.cache(model, tokenizer, name, **knobs_for(name, ids.shape[1])) as cache:
         token = model(input_ids=ids, cache=cache).logits[:, -1:].argmax(-1)
         growth = []
