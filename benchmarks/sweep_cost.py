@@ -42,26 +42,47 @@ def configs(args, root: Path, decode_batch: int = 1) -> list:
               f"runner.results_root={root}"]
     if decode_batch > 1:
         common.append(f"runner.sweep_decode_batch={decode_batch}")
-    cfgs = []
+    common += args.extra
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        for method, knobs in settings(args):
-            cfgs.append(compose(config_name="config",
-                                overrides=[*common, f"method={method}", *knobs]))
-    return cfgs
+        return [compose(config_name="config", overrides=[*common, f"method={m}", *knobs])
+                for m, knobs in settings(args)]
+
+
+def runnable(args) -> list[tuple[str, list[str]]]:
+    """The settings this model and task accept (checked as a run checks them, before weights);
+    each refused one is named once."""
+    from harness import session
+    from kvcore.errors import ConfigError
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfgs = configs(args, Path(tmp))
+    kept = []
+    for (method, knobs), cfg in zip(settings(args), cfgs):
+        try:
+            one = session.Session.of([cfg])
+            one.validate(one.settings[0])
+        except ConfigError as exc:
+            print(f"refused, left out: method={method} {' '.join(knobs)}: {exc}")
+            continue
+        kept.append((method, knobs))
+    return kept
 
 
 def settings(args) -> list[tuple[str, list[str]]]:
-    """(method, knob overrides): each budgeted method (a `budget_ratio` knob) at every budget,
-    the others at their defaults; `--methods all`: every method."""
-    from methods import available_methods, method_class
+    """(method, knob overrides): each method at its defaults (its operating point) and, where it
+    has a `budget_ratio` knob, at every other budget of --budgets; `--methods all`: every
+    method. Once `runnable` has run, the settings it kept."""
+    from methods import available_methods, build_method, method_class
 
+    if args.settings is not None:
+        return args.settings
     names = available_methods() if args.methods == ["all"] else args.methods
     out = []
     for name in names:
+        out.append((name, []))
         if "budget_ratio" in method_class(name).hyperparameter_names():
-            out += [(name, [f"method.budget_ratio={b}"]) for b in args.budgets]
-        else:
-            out.append((name, []))
+            default = build_method(name).budget_ratio
+            out += [(name, [f"method.budget_ratio={b}"]) for b in args.budgets if b != default]
     return out
 
 
@@ -105,10 +126,13 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=3, help="samples: RULER's sub-tasks in order "
                     "(niah_single at depth 50, niah_multikey, ...)")
     ap.add_argument("--methods", nargs="+", default=["snapkv", "tova", "knorm"],
-                    help="methods (all: every method); budgeted ones run at each --budgets")
+                    help="methods (all: every method), each at its defaults and, with a "
+                    "budget_ratio knob, at each other budget of --budgets")
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.2, 0.5])
     ap.add_argument("--rounds", type=int, default=1, help="old/sweep pairs, alternated")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--extra", nargs="*", default=[], help="more overrides for every setting, "
+                    "e.g. runner.dense_layers=[0,1] task.max_new_tokens=16 (the family protocol)")
     ap.add_argument("--decode-batch", type=int, default=6, help="runner.sweep_decode_batch of "
                     "the `batched` arm (settings decoded together)")
     ap.add_argument("--arms", nargs="+", default=["old", "sweep", "batched"],
@@ -119,7 +143,9 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    n_settings = len(settings(args))
+    args.settings = None
+    args.settings = runnable(args)
+    n_settings = len(args.settings)
     every = {"old": (old_path, 1), "sweep": (sweep_path, 1),
              "batched": (sweep_path, args.decode_batch)}
     arms = [(name, *every[name]) for name in args.arms]
