@@ -1,11 +1,12 @@
 """What the sweep engine saves: the same settings x samples through the old path (one run per
 setting, each loading the model, building the task and prefilling every prompt) and through the
-sweep engine (harness.sweep_run: all of that once, each prompt prefilled once per prefill
-group), alternated in one process, CPU-seconds per (setting, sample) and their ratio.
+sweep engine (harness.sweep_run: all of that once, each prompt's dense forward run once and
+replayed into every setting's layers), alternated in one process, CPU-seconds per (setting,
+sample) and their ratio.
 
     python benchmarks/sweep_cost.py [--model smollm2_135m] [--length 1024] [--limit 3]
         [--methods snapkv tova knorm] [--budgets 0.2 0.5] [--rounds 1] [--threads 1]
-        [--decode-batch 6]
+        [--decode-batch 6] [--arms old sweep batched]
 
 The old path here runs in this process (`harness.run.run` per setting), so it does not pay a
 new Python process and its imports per setting as `runner.sweep_engine=false` does: the ratio
@@ -41,13 +42,48 @@ def configs(args, root: Path, decode_batch: int = 1) -> list:
               f"runner.results_root={root}"]
     if decode_batch > 1:
         common.append(f"runner.sweep_decode_batch={decode_batch}")
-    cfgs = []
+    common += args.extra
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        for method in args.methods:
-            for budget in args.budgets:
-                cfgs.append(compose(config_name="config", overrides=[
-                    *common, f"method={method}", f"method.budget_ratio={budget}"]))
-    return cfgs
+        return [compose(config_name="config", overrides=[*common, f"method={m}", *knobs])
+                for m, knobs in settings(args)]
+
+
+def runnable(args) -> list[tuple[str, list[str]]]:
+    """The settings this model and task accept (checked as a run checks them, before weights);
+    each refused one is named once."""
+    from harness import session
+    from kvcore.errors import ConfigError
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfgs = configs(args, Path(tmp))
+    kept = []
+    for (method, knobs), cfg in zip(settings(args), cfgs):
+        try:
+            one = session.Session.of([cfg])
+            one.validate(one.settings[0])
+        except ConfigError as exc:
+            print(f"refused, left out: method={method} {' '.join(knobs)}: {exc}")
+            continue
+        kept.append((method, knobs))
+    return kept
+
+
+def settings(args) -> list[tuple[str, list[str]]]:
+    """(method, knob overrides): each method at its defaults (its operating point) and, where it
+    has a `budget_ratio` knob, at every other budget of --budgets; `--methods all`: every
+    method. Once `runnable` has run, the settings it kept."""
+    from methods import available_methods, build_method, method_class
+
+    if args.settings is not None:
+        return args.settings
+    names = available_methods() if args.methods == ["all"] else args.methods
+    out = []
+    for name in names:
+        out.append((name, []))
+        if "budget_ratio" in method_class(name).hyperparameter_names():
+            default = build_method(name).budget_ratio
+            out += [(name, [f"method.budget_ratio={b}"]) for b in args.budgets if b != default]
+    return out
 
 
 def old_path(cfgs) -> list[Path]:
@@ -89,21 +125,30 @@ def main() -> None:
     ap.add_argument("--length", type=int, default=1024, help="RULER length (tokens)")
     ap.add_argument("--limit", type=int, default=3, help="samples: RULER's sub-tasks in order "
                     "(niah_single at depth 50, niah_multikey, ...)")
-    ap.add_argument("--methods", nargs="+", default=["snapkv", "tova", "knorm"])
+    ap.add_argument("--methods", nargs="+", default=["snapkv", "tova", "knorm"],
+                    help="methods (all: every method), each at its defaults and, with a "
+                    "budget_ratio knob, at each other budget of --budgets")
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.2, 0.5])
     ap.add_argument("--rounds", type=int, default=1, help="old/sweep pairs, alternated")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--decode-batch", type=int, default=0, help="also the sweep engine with "
-                    "runner.sweep_decode_batch=N (settings decoded together), alternated with "
-                    "the other two (0: not run)")
+    ap.add_argument("--extra", nargs="*", default=[], help="more overrides for every setting, "
+                    "e.g. runner.dense_layers=[0,1] task.max_new_tokens=16 (the family protocol)")
+    ap.add_argument("--decode-batch", type=int, default=6, help="runner.sweep_decode_batch of "
+                    "the `batched` arm (settings decoded together)")
+    ap.add_argument("--arms", nargs="+", default=["old", "sweep", "batched"],
+                    choices=["old", "sweep", "batched"], help="what runs, alternated in this "
+                    "order each round: one run per setting, the sweep engine decoding one "
+                    "setting at a time, and --decode-batch at a time")
     args = ap.parse_args()
     import torch
 
     torch.set_num_threads(args.threads)
-    n_settings = len(args.methods) * len(args.budgets)
-    arms = [("old", old_path, 1), ("sweep", sweep_path, 1)]
-    if args.decode_batch > 1:
-        arms.append(("batched", sweep_path, args.decode_batch))
+    args.settings = None
+    args.settings = runnable(args)
+    n_settings = len(args.settings)
+    every = {"old": (old_path, 1), "sweep": (sweep_path, 1),
+             "batched": (sweep_path, args.decode_batch)}
+    arms = [(name, *every[name]) for name in args.arms]
     cost = {path: [] for path, _, _ in arms}
     last = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -115,29 +160,30 @@ def main() -> None:
                 cpu, wall = time.process_time() - c0, time.perf_counter() - t0
                 cost[path].append((cpu, wall))
                 last[path] = folders
-                print(f"round {r} {path:5s}: {cpu:.1f} CPU-s, {wall:.1f} s wall", flush=True)
-        same = all(predictions(last["old"]) == predictions(last[path]) for path in last)
-        parts = breakdown(last["sweep"])
+                print(f"round {r} {path:7s}: {cpu:.1f} CPU-s, {wall:.1f} s wall", flush=True)
+        first = next(iter(last))
+        same = all(predictions(last[first]) == predictions(last[path]) for path in last)
+        # settings decoded together each report the batched step's time: no breakdown there
+        swept = "sweep" if "sweep" in last else None
+        parts = breakdown(last[swept]) if swept else None
     cells = n_settings * args.limit
-    old = statistics.median(c for c, _ in cost["old"])
-    new = statistics.median(c for c, _ in cost["sweep"])
-    new_wall = statistics.median(w for _, w in cost["sweep"])
+    cpu = {path: statistics.median(c for c, _ in runs) for path, runs in cost.items()}
     print(f"\n{n_settings} settings x {args.limit} samples (RULER {args.length}, {args.model}, "
-          f"{args.threads} thread(s), {args.rounds} round(s))")
-    print(f"  old path     {old / cells:.2f} CPU-s per (setting, sample)")
-    print(f"  sweep engine {new / cells:.2f} CPU-s per (setting, sample)")
-    print(f"  ratio        {old / new:.2f}x  (predictions of every arm equal: {same})")
-    if "batched" in cost:
-        both = statistics.median(c for c, _ in cost["batched"])
-        wall = statistics.median(w for _, w in cost["batched"])
-        print(f"  sweep engine, {args.decode_batch} settings decoded together: "
-              f"{both / cells:.2f} CPU-s per (setting, sample), {old / both:.2f}x the old path, "
-              f"{new / both:.2f}x the sweep decoding one at a time ({wall:.1f} s wall)")
-    rest = new_wall - parts["prefill_s"] - parts["decode_s"]
-    print(f"  sweep wall {new_wall:.1f} s: shared prefills {parts['prefill_s']:.1f} s, decode "
-          f"steps {parts['decode_s']:.1f} s, the rest {rest:.1f} s (model load, samples, "
-          "compression at each prompt's end, task passes, writing)")
-
+          f"{args.threads} thread(s), {args.rounds} round(s); predictions of every arm equal: "
+          f"{same})")
+    labels = {"old": "old path", "sweep": "sweep engine",
+              "batched": f"sweep engine, {args.decode_batch} settings decoded together"}
+    for path in cost:
+        ratio = (f", {cpu['old'] / cpu[path]:.2f}x the old path"
+                 if "old" in cpu and path != "old" else "")
+        print(f"  {labels[path]}: {cpu[path] / cells:.2f} CPU-s per (setting, sample){ratio}")
+    if parts:
+        wall = statistics.median(w for _, w in cost[swept])
+        rest = wall - parts["prefill_s"] - parts["decode_s"]
+        print(f"  {labels[swept]}: wall {wall:.1f} s: prefills {parts['prefill_s']:.1f} s "
+              f"(recorded forwards and replays), decode steps {parts['decode_s']:.1f} s, the "
+              f"rest {rest:.1f} s (model load, samples, compression at each prompt's end, task "
+              "passes, writing)")
 
 if __name__ == "__main__":
     main()

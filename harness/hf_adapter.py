@@ -139,6 +139,16 @@ class MethodCache(Cache):
         self.observes_attention_block = method.capabilities.observes_attention_block
         self.needs_token_ids = method.capabilities.needs_token_ids
 
+    # A recorded forward replayed on these layers (harness.sweep_replay): the two calls the
+    # model's attention module makes through this cache, as it makes them.
+    def replay_update(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor,
+                      position_ids: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.layers[layer_idx].update(keys, values, kwargs={"position_ids": position_ids})
+
+    def layer_mask(self, layer_idx: int, base, query: torch.Tensor):
+        """The mask this layer's attention gets after `replay_update` (see `_BridgeLayer`)."""
+        return self.layers[layer_idx].own_mask(base, query)
+
 
 class BatchCache(Cache):
     """A batch of requests (`harness.batch`): one `FanOutLayer` per decoder layer, each routing

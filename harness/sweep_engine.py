@@ -13,18 +13,27 @@ its method's class and knobs, except the knobs a method declares it reads from t
 on only (`KVMethod.prompt_end_knobs`, e.g. the budget), and on the runner (chunking, attention,
 layout, dense layers, ...; not the runner knobs read after the prompt only,
 `runner.decode_interval_tokens`: a restored layer keeps its own engine's protocol). Settings
-equal in all of that share one prefill, run by a prefill engine of their own; the state handed over is each layer's whole state (`Request.snapshot`:
-K/V storage, per-token and per-layer records), which every setting restores as its own copy,
-its own method, tier and layers in place of the prefill engine's (`Request.restore`). A setting
-gets its own prefill when its fresh layers differ from the group's in anything but those
-references (a knob copied into a layer), when the prompt state cannot be copied (a host KV
-store, a diagnostics shadow), when its runner feeds prompts otherwise (chunked or sparse
-prefill, batches, a device KV limit, an offloaded cache), or when its method installs hooks on
-the model (`KVMethod.install`; those settings are evaluated by their own task pass and engine).
-What the shared prefill cost (its timed chunks, its tokens, the bytes it moved between tiers)
-is counted in every setting's figures, as a single run of it would count it. The settings'
-answers to one prompt are decoded one at a time, or `runner.sweep_decode_batch` of them
-together, one batched forward per step (harness.sweep_decode).
+equal in all of that form a group and share one prompt state: each layer's whole state
+(`Request.snapshot`: K/V storage, per-token and per-layer records), which every setting restores
+as its own copy, its own method, tier and layers in place of the group's (`Request.restore`).
+
+One forward. The groups of settings whose runners feed prompts alike share more: the model's
+dense forward of each prompt is run once, recorded, and replayed into each group's layers
+(harness.sweep_replay: every call the model makes on a layer, made again on that group's
+layers without the model), so a sweep of many methods pays for the linear layers of a prompt
+once. Replay is checked at every layer (each layer's attention output must equal the
+recording's, bit for bit); a group whose layers attend otherwise moves to the recording made
+with eager attention, then to a forward of its own, and the reason is recorded.
+
+A setting gets its own prefill when the prompt state cannot be copied (a host KV store, a
+diagnostics shadow), when its runner feeds prompts otherwise (chunked or sparse prefill,
+batches, a device KV limit, an offloaded cache), or when its method installs hooks on the
+model (`KVMethod.install`; those settings are evaluated by their own task pass and engine).
+What the shared prefill cost (its timed chunks, its tokens, the bytes it moved between tiers;
+with a replay, the recorded forward's and the replay's time) is counted in every setting's
+figures, as a single run of it would count it. The settings' answers to one prompt are
+decoded one at a time, or `runner.sweep_decode_batch` of them together, one batched forward
+per step (harness.sweep_decode).
 
 Identical to the full cache by rule. A sample whose whole sequence (prompt, query, new tokens)
 fits a setting's token budget, where its method declares that such a budget keeps every token
@@ -43,7 +52,7 @@ from typing import Any, Iterator
 
 import torch
 
-from harness import sweep_records
+from harness import sweep_records, sweep_replay
 from harness.engine import Engine
 from harness.sweep_decode import Decoder, decodes_alone
 from kvcore.errors import ConfigError
@@ -80,6 +89,44 @@ class Group:
     prefill_engine: Engine | None = None  # None: one member, it prefills for itself
     shared_prefills: int = 0  # prompts prefilled once for the group
     own_prefills: int = 0  # prompts whose state could not be copied: each member prefilled
+    # the dense forward it replays (harness.sweep_replay) instead of running its own; None: its
+    # own forward (its runner feeds prompts otherwise, or its layers attended otherwise)
+    forward: "Forward | None" = None
+    eager: bool = False  # replays the forward's eager recording (Forward)
+    replay_refused: str | None = None  # why its layers could not replay the recorded forward
+
+
+class Forward:
+    """One dense forward per prompt for the groups replaying it (harness.sweep_replay): their
+    settings share the runner. Two recordings of a prompt at most, each made only when a group
+    replays it: with the model's attention (every group starts there) and with the eager
+    attention of methods computing probabilities (a group whose layers attended otherwise moves
+    there)."""
+
+    def __init__(self, lead: Engine, methods: list[KVMethod]):
+        self.lead, self.methods = lead, methods
+        self.engines: dict[bool, Engine] = {}  # eager -> its recorder engine
+        self.key: str | None = None  # the prompt recorded now (sweep_records.prompt_key)
+        self.recordings: dict[bool, sweep_replay.Recording] = {}
+        self.recorded = {False: 0, True: 0}  # prompts recorded, per kind
+
+    def record(self, prompt: list[int], eager: bool) -> "sweep_replay.Recording":
+        key = sweep_records.prompt_key(prompt, None, 0)
+        if key != self.key:
+            self.release()  # one prompt's recordings held at a time
+            self.key = key
+        if eager not in self.recordings:
+            if eager not in self.engines:
+                lead = self.lead
+                self.engines[eager] = Engine(
+                    lead.model, lead.tokenizer, sweep_replay.recorder_for(self.methods, eager),
+                    lead.info, sweep_replay.recording_settings(lead.settings))
+            self.recordings[eager] = sweep_replay.record_prompt(self.engines[eager], prompt)
+            self.recorded[eager] += 1
+        return self.recordings[eager]
+
+    def release(self) -> None:
+        self.key, self.recordings = None, {}
 
 
 @dataclass
@@ -202,12 +249,38 @@ def plan_groups(members: list[Member], info) -> list[Group]:
         groups.append(group)
         if key is not None and key not in leads:
             leads[key] = group
+    _share_forwards(members, groups)
     for group in groups:
-        if len(group.members) > 1:
+        if len(group.members) > 1 or group.forward is not None:
             lead = members[group.members[0]].engine
             group.prefill_engine = Engine(lead.model, lead.tokenizer, lead.method, lead.info,
                                           lead.settings)
     return groups
+
+
+def forward_key(setting) -> str | None:
+    """Settings with equal keys compute the same dense forward of a prompt (harness.sweep_replay:
+    the same runner), or None: it feeds prompts otherwise."""
+    if not shares_prefill(setting):
+        return None
+    runner = {k: v for k, v in setting.runner.items()
+              if k not in _NOT_COMPUTE and k not in _AFTER_PROMPT}
+    return json.dumps(runner, sort_keys=True, default=str)
+
+
+def _share_forwards(members: list[Member], groups: list[Group]) -> None:
+    """Groups whose settings compute the same dense forward replay one recording of it."""
+    by_key: dict[str, list[Group]] = {}
+    for group in groups:
+        key = forward_key(members[group.members[0]].setting)
+        if key is not None:
+            by_key.setdefault(key, []).append(group)
+    for same in by_key.values():
+        if len(same) > 1:
+            methods = [members[k].setting.method for g in same for k in g.members]
+            forward = Forward(members[same[0].members[0]].engine, methods)
+            for group in same:
+                group.forward = forward
 
 
 class MemoTokenizer:
@@ -300,6 +373,8 @@ class FanOut:
                 call.outputs[k].append(list(out))
                 if self.records[k]:
                     self.records[k].append(*where, out, gained)
+            for forward in {id(g.forward): g.forward for g in self.groups if g.forward}.values():
+                forward.release()  # one prompt's recording held at a time
             yield call.outputs[self.first][i]
 
     def _reuse(self, seq_tokens: int) -> dict[int, int]:
@@ -359,13 +434,35 @@ class FanOut:
     def _prefill(self, group: Group, prompt: list[int]):
         """The group's prompt state once the prompt is fed, before its end: (snapshot, last
         logits, what the prefill added to the prefill engine's accounting: its timed chunks,
-        tokens and transfers), or None when the state cannot be copied (each member then
-        prefills for itself)."""
+        tokens and transfers), or None when the state cannot be copied or the group is one
+        setting feeding its own prompt (each member then prefills for itself). The state comes
+        from the group's shared forward, replayed (harness.sweep_replay), or else from the
+        group's own forward."""
         engine = group.prefill_engine
+        while group.forward is not None:
+            before = sweep_records.tally(engine)
+            recording = group.forward.record(prompt, group.eager)
+            try:
+                with engine.request(account=False) as req:
+                    logits = sweep_replay.replay_prompt(req, recording)
+                    snapshot = req.snapshot()
+            except sweep_replay.Diverged as exc:  # the other recording, else its own forward
+                if group.eager:
+                    group.forward, group.replay_refused = None, str(exc)
+                group.eager = True
+                continue
+            sweep_records.apply(engine, recording.cost)  # the forward's cost is its own too
+            return self._handed(group, snapshot, logits, before)
+        if len(group.members) == 1:
+            return None
         before = sweep_records.tally(engine)
         with engine.request(account=False) as req:
             logits = req.feed_prompt(prompt)
             snapshot = req.snapshot()
+        return self._handed(group, snapshot, logits, before)
+
+    def _handed(self, group: Group, snapshot, logits, before: dict):
+        engine = group.prefill_engine
         if snapshot is None:
             group.own_prefills += 1
             return None

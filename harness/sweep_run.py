@@ -117,8 +117,10 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True,
         i, member = todo[k], members[k]
         group = next((g for g in groups if k in g.members), None)
         extra = {"sweep": {"settings": len(todo),
-                           "prefill_shared_with": (len(group.members) - 1) if group else 0,
+                           "prefill_shared_with": shared_with(group, groups),
                            "prompts_prefilled_once": group.shared_prefills if group else 0,
+                           "prefill_replayed": bool(group and group.forward),
+                           "prefill_replay_refused": group.replay_refused if group else None,
                            "shards": merge or 1,
                            "decode_batch": member.decode_batch,
                            "identical_to_full": member.identical_to_full}}
@@ -131,17 +133,38 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True,
     return outcomes
 
 
+def shared_with(group, groups) -> int:
+    """How many other settings' prefills shared this group's: its group's, and the groups
+    replaying the same recorded forward (harness.sweep_replay) to the end."""
+    if group is None:
+        return 0
+    same = [g for g in groups if g.forward is not None and g.forward is group.forward]
+    return sum(len(g.members) for g in same or [group]) - 1
+
+
 def shared_summary(members, groups) -> str:
-    """One line per prefill group: who shared each prompt's prefill, and how often it could."""
+    """One line per prefill group: who shared each prompt's prefill, and how often it could;
+    then one per recorded forward: the groups that replayed it."""
     lines = [f"sweep engine: {len(members)} settings, {len(groups)} prefill group(s)"]
     for g in groups:
         names = ", ".join(members[k].setting.label for k in g.members)
         if len(g.members) == 1:
-            lines.append(f"  own prefill      {names}")
+            lines.append(f"  {'replayed' if g.forward else 'own prefill':16} {names}")
         else:
             lines.append(f"  shared prefill   {names}: {g.shared_prefills} prompt(s) prefilled "
                          f"once" + (f", {g.own_prefills} per setting (state not copyable)"
                                     if g.own_prefills else ""))
+        if g.replay_refused:
+            lines.append(f"    not replayed   {g.replay_refused}: its own forward from then on")
+    forwards = {id(g.forward): g.forward for g in groups if g.forward is not None}
+    for forward in forwards.values():
+        same = [g for g in groups if g.forward is forward]
+        eager = sum(len(g.members) for g in same if g.eager)
+        lines.append(f"  one forward      {forward.recorded[False]} prompt(s) recorded once"
+                     + (f" (and {forward.recorded[True]} with eager attention, for {eager} "
+                        "setting(s))" if forward.recorded[True] else "")
+                     + f", replayed into {len(same)} group(s) "
+                       f"({sum(len(g.members) for g in same)} settings)")
     own = [m.setting.label for m in members if m.own_pass]
     if own:
         lines.append(f"  own task pass    {', '.join(own)}")

@@ -80,17 +80,40 @@ def sweep_folders(overrides_list, tmp_path, copy_on_use=True):
     return [o.folder for o in outcomes]
 
 
+@pytest.fixture(scope="module")
+def full_alone(tmp_path_factory):
+    """The full cache's single run per layout, made once for every method's sweep."""
+    made = {}
+
+    def get(layout: str):
+        if layout not in made:
+            settings = [[*TASK, f"runner.kv_layout={layout}", "method=full"]]
+            made[layout] = (settings[0], single_runs(settings, tmp_path_factory.mktemp(layout))[0])
+        return made[layout]
+    return get
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
 @pytest.mark.parametrize("name", available_methods())
-def test_sweep_equals_single_runs(name, layout, tmp_path):
+def test_sweep_equals_single_runs(name, layout, tmp_path, full_alone):
+    """Each method's two settings swept with the full cache equal their single runs. The
+    settings' prefills are one recorded dense forward, replayed into each method's layers
+    (harness.sweep_replay) unless its layers attend otherwise (the reason is then recorded)."""
     need_shared(STORIES)
     runner = [f"runner.kv_layout={layout}"]
     settings = [[*TASK, *runner, f"method={name}", *knobs] for knobs in knob_settings(name)]
-    assert_equal_to_single_runs(settings, tmp_path)
+    swept = assert_equal_to_single_runs(settings, tmp_path, given=[full_alone(layout)])
+    for folder in swept[:len(settings)]:
+        sweep = json.loads((folder / "metrics.json").read_text())["run"]["sweep"]
+        own_pass = sweep["prompts_prefilled_once"] == 0
+        assert sweep["prefill_shared_with"] == 2 or sweep["prefill_replay_refused"] or own_pass, \
+            sweep  # one forward for the three settings, or refused by name, or its own pass
 
 
-def assert_equal_to_single_runs(settings, tmp_path):
-    alone = single_runs(settings, tmp_path)
+def assert_equal_to_single_runs(settings, tmp_path, given=()):
+    """`given`: (setting, its single run's folder) pairs, swept too."""
+    alone = single_runs(settings, tmp_path) + [folder for _, folder in given]
+    settings = [*settings, *(setting for setting, _ in given)]
     swept = sweep_folders(settings, tmp_path)
     for a, b in zip(alone, swept):
         (ma, sa), (mb, sb) = folder_figures(a), folder_figures(b)
@@ -102,18 +125,66 @@ def assert_equal_to_single_runs(settings, tmp_path):
 
 
 def test_settings_of_several_methods_in_one_sweep(tmp_path, capsys):
-    """Prefill groups side by side: two budgets of SnapKV share one prefill of each prompt,
-    H2O and the full cache prefill for themselves; each equals its single run."""
+    """Prefill groups side by side: two budgets of SnapKV share one prompt state, H2O and the
+    full cache have their own; all three replay one recorded forward of each prompt (H2O its
+    eager recording, as it attends with probabilities); each equals its single run."""
     need_shared(STORIES)
     settings = [[*TASK, "method=snapkv", "method.budget_tokens=24"],
                 [*TASK, "method=h2o", "method.budget_tokens=24"],
                 [*TASK, "method=snapkv", "method.budget_tokens=48"], [*TASK, "method=full"]]
     swept = assert_equal_to_single_runs(settings, tmp_path)
     shared = [json.loads((f / "metrics.json").read_text())["run"]["sweep"] for f in swept]
-    assert [s["prefill_shared_with"] for s in shared] == [1, 0, 1, 0]
-    assert shared[0]["prompts_prefilled_once"] == 2
+    assert [s["prefill_shared_with"] for s in shared] == [3, 3, 3, 3]
+    assert all(s["prefill_replayed"] and s["prompts_prefilled_once"] == 2 for s in shared)
     out = capsys.readouterr().out
     assert re.search(r"shared prefill   snapkv\(.*budget_tokens=24\), snapkv\(.*48\)", out), out
+    assert re.search(r"replayed +h2o", out) and re.search(r"replayed +full", out), out
+    assert ("one forward      2 prompt(s) recorded once (and 2 with eager attention, for 1 "
+            "setting(s)), replayed into 3 group(s) (4 settings)") in out, out
+
+
+# a method for each way a layer is called while a prompt is fed: the model's attention or
+# eager probabilities, window queries, token ids, lookahead, the attention block, head-wise
+# rows, quantized and selected K/V
+REPLAYED = ["full", "h2o", "snapkv", "fastgen", "kvzip", "infinigen", "squeezeattention",
+            "duo_attention", "kivi", "quest", "streaming_llm"]
+
+
+def test_one_forward_replayed_chunk_by_chunk_equals_single_runs(tmp_path):
+    """Prompts fed in chunks of 128 tokens (three per prompt): each method's layers are called
+    chunk by chunk in the replay as in its own forward; every setting replays, and equals its
+    single run."""
+    need_shared(STORIES)
+    settings = [[*TASK, "runner.prefill_chunk_tokens=128", f"method={name}",
+                 *knob_settings(name)[0]] for name in REPLAYED]
+    swept = assert_equal_to_single_runs(settings, tmp_path)
+    shared = [json.loads((f / "metrics.json").read_text())["run"]["sweep"] for f in swept]
+    assert all(s["prefill_replayed"] and s["prefill_shared_with"] == len(REPLAYED) - 1
+               for s in shared), shared
+
+
+def test_a_method_attending_otherwise_over_a_held_prompt_prefills_itself(tmp_path, monkeypatch,
+                                                                         capsys):
+    """A method whose layers change attention while the prompt is held (planted: Knorm's output
+    scaled) would compute other hidden states than the recording: its replay is refused at the
+    first layer, by name, it prefills itself from then on, and still equals its single run;
+    the full cache goes on replaying."""
+    from methods.knorm import KnormLayer
+
+    need_shared(STORIES)
+    attend = KnormLayer.attend
+
+    def scaled(self, *args, **kwargs):
+        out, weights = attend(self, *args, **kwargs)
+        return (out * 1.001 if self.holding_prompt() else out), weights
+
+    monkeypatch.setattr(KnormLayer, "attend", scaled)
+    settings = [[*TASK, "method=knorm", "method.budget_tokens=24"], [*TASK, "method=full"]]
+    swept = assert_equal_to_single_runs(settings, tmp_path)
+    knorm, full = [json.loads((f / "metrics.json").read_text())["run"]["sweep"] for f in swept]
+    assert not knorm["prefill_replayed"] and knorm["prefill_replay_refused"].startswith("layer 0")
+    assert full["prefill_replayed"] and full["prompts_prefilled_once"] == 2
+    assert "not replayed   layer 0" in capsys.readouterr().out
 
 
 def test_a_prompt_state_mutated_by_one_setting_is_caught(tmp_path):
@@ -244,8 +315,9 @@ def test_merged_shards_equal_the_unsharded_sweep(tmp_path):
         assert len(sb) == 5 and sb == sa
         assert mb == ma
         sweep = json.loads((b / "metrics.json").read_text())["run"]["sweep"]
-        assert sweep["shards"] == 2 and sweep["prompts_prefilled_once"] == (5 if "snapkv" in
-                                                                            str(b) else 0)
+        # every prompt's forward recorded once by the shard answering it, replayed into each
+        assert sweep["shards"] == 2 and sweep["prompts_prefilled_once"] == 5
+        assert sweep["prefill_replayed"] and sweep["prefill_shared_with"] == 2
     assert not list((tmp_path / "sharded" / FOLDER).iterdir())  # merged: records removed
 
 
@@ -302,7 +374,7 @@ def test_a_sharded_multirun_runs_its_shards_as_local_processes(tmp_path):
         text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     logs = sorted((tmp_path / "cli/_sweeps/s/shards").rglob("shard-*.log"))
-    assert len(logs) == 2 and all("own prefill" in log.read_text() for log in logs)
+    assert len(logs) == 2 and all("one forward" in log.read_text() for log in logs)
     assert "merging the records of 2 shards (10 (setting, sample) answers)" in proc.stdout
     summary = json.loads((tmp_path / "cli/_sweeps/s/summary.json").read_text())
     folders = [m["detail"] for m in summary["members"]]

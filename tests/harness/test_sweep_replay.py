@@ -1,0 +1,104 @@
+"""A prompt's recorded dense forward, replayed into a method's fresh layers (harness.sweep_replay),
+leaves them as the method's own forward does: for every method, on stories260K (a trained model,
+so kept sets depend on the scores), with the prompt in three chunks, the layers then compress the
+prompt and decode; every decode step's logits, kept positions and held figures are equal."""
+
+import pytest
+import torch
+
+from harness import hf_adapter, sweep_replay
+from harness.engine import Engine
+from methods import available_methods, build_method, method_class
+from tests.conftest import make_engine
+
+PROMPT_TOKENS, CHUNK_TOKENS, DECODE_STEPS = 72, 24, 4
+
+
+@pytest.fixture(autouse=True)
+def cpu_dispatch(monkeypatch):
+    """Kernels dispatch as in a CPU run (tests/conftest.py sets TRITON_INTERPRET=1, which sends
+    the quantizers' kernels through Triton's interpreter: seconds per step)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def continuation(req, ids):
+    """After the prompt is fed: compress it, decode; what each step attended and computed."""
+    req.close_prompt()
+    seen = []
+    for i in range(PROMPT_TOKENS, ids.shape[1]):
+        logits = req.step(ids[:, i])
+        seen.append((logits, [(kv.kept_positions().clone(), kv.stats())
+                              for kv in req.cache.kv_layers]))
+    return seen
+
+
+def replayed(engine, method, prompt):
+    """The prompt's state in a request of `engine`, replayed from a recording: the model's
+    attention first, the eager recording when the layers attend with probabilities."""
+    for eager in (False, True):
+        recorder = Engine(engine.model, None, sweep_replay.recorder_for([method], eager),
+                          engine.info, sweep_replay.recording_settings(engine.settings))
+        recording = sweep_replay.record_prompt(recorder, prompt)
+        ctx = engine.request()
+        req = ctx.__enter__()
+        try:
+            logits = sweep_replay.replay_prompt(req, recording)
+        except sweep_replay.Diverged:
+            ctx.__exit__(None, None, None)
+            continue
+        return ctx, req, logits
+    pytest.fail(f"{method.name}: neither recording replays into its layers")
+
+
+def assert_replay_continues_as_own_forward(model, name, monkeypatch, tmp_path):
+    monkeypatch.setenv("KVH_CACHE_DIR", str(tmp_path))  # prepared artefacts stay in the test
+    method = build_method(name, **method_class(name).compressing_hyperparameters(
+        PROMPT_TOKENS + DECODE_STEPS))
+    ids = torch.randint(3, 250, (1, PROMPT_TOKENS + DECODE_STEPS),
+                        generator=torch.Generator().manual_seed(5))
+    prompt = ids[0, :PROMPT_TOKENS].tolist()
+    engine = make_engine(model, method, chunk=CHUNK_TOKENS)
+    with engine.request() as req:
+        own_logits = req.feed_prompt(prompt)
+        own = continuation(req, ids)
+    ctx, req, logits = replayed(engine, method, prompt)
+    try:
+        assert torch.equal(logits, own_logits)
+        again = continuation(req, ids)
+    finally:
+        ctx.__exit__(None, None, None)
+    for step, ((a, layers_a), (b, layers_b)) in enumerate(zip(own, again)):
+        assert torch.equal(a, b), f"{name}: decode step {step}: logits differ"
+        for layer, ((pos_a, stats_a), (pos_b, stats_b)) in enumerate(zip(layers_a, layers_b)):
+            assert torch.equal(pos_a, pos_b), f"{name}: step {step} layer {layer}: kept set"
+            assert stats_a == stats_b, f"{name}: step {step} layer {layer}: held figures"
+
+
+@pytest.mark.parametrize("name", available_methods())
+def test_a_replayed_prompt_continues_as_the_methods_own_forward(name, stories, monkeypatch,
+                                                                tmp_path):
+    model = stories[0]
+    method = build_method(name, **method_class(name).compressing_hyperparameters(
+        PROMPT_TOKENS + DECODE_STEPS))
+    reasons = method.validate(hf_adapter.model_info(model.config), {"batch_size": 1})
+    if reasons:
+        pytest.skip(f"refused on stories260K: {'; '.join(reasons)}")
+    assert_replay_continues_as_own_forward(model, name, monkeypatch, tmp_path)
+
+
+@pytest.mark.parametrize("name", ["h2o", "snapkv", "kvzip"])
+def test_a_replay_that_skips_a_layer_call_is_caught(name, stories, monkeypatch, tmp_path):
+    """Planted bugs: the replay leaves out a layer's `attend` (H2O's accumulated attention,
+    SnapKV's window queries are never recorded) or its token ids (KVzip's reconstruction reads
+    them): the comparison above fails, or the method cannot run at all."""
+    real = sweep_replay._replay_layer
+
+    def planted(cache, kv, call, lookahead, eager):
+        if name == "kvzip":
+            cache.needs_token_ids = False
+            return real(cache, kv, call, lookahead, eager)
+        cache.replay_update(kv.layer_idx, call.keys_new, call.values_new, call.position_ids)
+
+    monkeypatch.setattr(sweep_replay, "_replay_layer", planted)
+    with pytest.raises((AssertionError, AttributeError, TypeError, RuntimeError)):
+        assert_replay_continues_as_own_forward(stories[0], name, monkeypatch, tmp_path)
