@@ -29,7 +29,10 @@ SERVING_UNITS = ("token", "page", "head", "layer")  # ServingNeeds.granularity
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a method can do; the runner refuses impossible combinations before loading weights."""
+    """What a method can do; the runner refuses impossible combinations before loading weights.
+    Every field is read by those checks or by the engine; what only a serving engine would need
+    is `ServingNeeds`, and what the code already says is derived (`needs_prompt`,
+    `KVMethod.needs_prepare`, a `make_host_layer` of its own, `EvictionLayer.compress_at`)."""
 
     acts_during_decode: bool = True  # False: prefill-only compression
     needs_attn_scores: bool = False  # computes attention probabilities itself
@@ -244,11 +247,15 @@ class KVLayer:
         # (runner.kv_layout, via the tier): a decode step writes its row in place instead of
         # concatenating (copying) the whole cache. See `keys` / `values`.
         self._kv: dict[str, Rows] = {}
-        self.tier = None  # kvcore.offload.Tier of the request (placement, ledger, side stream)
-        self.next_layer: KVLayer | None = None  # the following layer of the same request
-        self.protocol = Protocol()  # set by the cache: the run's dense layers and prefill mode
-        # Set by the engine (harness.engine.open_prompt / close_prompt): a prompt is being fed,
-        # and the length a ratio budget is a fraction of under Protocol.budget_basis="final".
+        # The request's context, set once by the cache that builds its layers
+        # (harness.hf_adapter.MethodCache) right after `make_layer`, whose signature a method
+        # keeps free of it: the request's kvcore.offload.Tier (placement, ledger, side stream),
+        # the run's Protocol, and the following layer (built after this one).
+        self.tier = None
+        self.protocol = Protocol()
+        self.next_layer: KVLayer | None = None
+        # Per-prompt state, set by harness.prompting.open_prompt / close_prompt: a prompt is
+        # being fed, and the length a ratio budget is a fraction of (budget_basis="final").
         self.prompt_open = False
         self.final_tokens: int | None = None
 
