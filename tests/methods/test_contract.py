@@ -592,6 +592,12 @@ def check_compressing_contract(model, method, trained=False):
         hf_adapter.set_attention(model, "sdpa")
     assert torch.isfinite(logits).all()
     assert checker.forwards == PREFILL_TOKENS // CHUNK_TOKENS + SEQ_TOKENS - PREFILL_TOKENS
+    # the engine calls these hooks only for a method declaring the flag (before layers exist)
+    for flag, hook in (("observes_attention_block", "observe_attention_block"),
+                       ("needs_token_ids", "observe_token_ids")):
+        own = any(getattr(type(kv), hook) is not getattr(KVLayer, hook)
+                  for kv in req.cache.kv_layers)
+        assert own == getattr(method.capabilities, flag), f"{name}: {hook} vs {flag}"
     assert checker.compressed == method.capabilities.compresses, (
         f"{name} {settings}: held or attended less than the full cache: {checker.compressed}")
     if trained and any(scored_eviction(layer) and layer.method.allocates_per_head()
