@@ -6,25 +6,11 @@ import subprocess
 import sys
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from harness import models
 from kvcore.errors import ConfigError
 from harness.run import run
 from tests.conftest import PROJECT, STORIES, need_shared
-
-
-def cfg_for(*overrides):
-    with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
-
-
-@pytest.fixture
-def no_weight_loading(monkeypatch):
-    """Any attempt to load weights fails the test: errors must come before."""
-    def refuse(*a, **k):
-        raise AssertionError("weights were loaded before the config error was found")
-    monkeypatch.setattr(models, "load_model", refuse)
+from tests.helpers.runs import cfg_for
 
 
 def test_stories_run_writes_complete_results(tmp_path):

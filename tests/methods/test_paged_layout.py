@@ -18,7 +18,7 @@ from kvcore.paged import PagedRows
 from methods import available_methods, build_method, method_class
 from methods.base import Capabilities
 from tests.conftest import STORIES, make_engine, need_shared
-from tests.harness.test_run import cfg_for, no_weight_loading  # noqa: F401 (fixture)
+from tests.helpers.runs import cfg_for
 
 PAGED = [n for n in available_methods() if "paged" in method_class(n).capabilities.kv_layouts]
 PROMPT_TOKENS, DECODE_STEPS, BLOCK_TOKENS = 44, 12, 8

@@ -9,7 +9,6 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from harness import models
 from harness.run import run
 from harness.uncertainty import cell_uncertainty
 from kvcore.errors import ConfigError
@@ -54,13 +53,6 @@ def test_main_metric_is_declared(name):
     cls = task_class(name)
     assert isinstance(cls.main_metric, str) and cls.main_metric
     assert isinstance(cls.higher_is_better, bool)
-
-
-@pytest.fixture
-def no_weight_loading(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("weights were loaded before the config error was found")
-    monkeypatch.setattr(models, "load_model", refuse)
 
 
 @pytest.mark.parametrize("name", TASKS)
