@@ -1,6 +1,6 @@
 """Batched ragged requests (harness.batch): per-sequence caches, no padding stored or attended,
 sequences leaving the batch when they stop, batch-aware speed figures and runner refusals.
-(Every method's B=3 equivalence with batch 1 is in tests/methods/test_contract.py.)"""
+(Every method's B=3 equivalence with batch 1 is in tests/methods/contract/test_contract.py.)"""
 
 import dataclasses
 import json

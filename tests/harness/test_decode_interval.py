@@ -16,7 +16,7 @@ from methods import available_methods, build_method, method_class
 from methods.base import Protocol
 from tests.conftest import STORIES, make_engine, need_shared
 from tests.helpers.sweeps import TASK, assert_equal_to_single_runs
-from tests.methods.test_contract import get_model, skip_if_refused
+from tests.methods.contract.common import get_model, skip_if_refused
 
 PROMPT_TOKENS, DECODE_STEPS, INTERVAL = 96, 23, 5
 DECODING = [n for n in available_methods()

@@ -310,7 +310,7 @@ def test_the_rule_budget_is_the_configuration_the_contract_checks(name, knobs, b
 # One method per mechanism a batched decode step must keep apart per row: scored eviction,
 # head-wise ragged budgets, selection from the host tier with lookahead prefetch, quantized
 # storage, token-id policies, attention-block hooks (decodes alone), model hooks (own pass),
-# the reference. (Every method batched with itself: tests/methods/test_contract.py.)
+# the reference. (Every method batched with itself: tests/methods/contract/test_contract.py.)
 MIXED = {"contiguous": ["full", "h2o", "adakv", "infinigen", "kivi", "fastgen",
                         "squeezeattention", "duo_attention", "quest"],
          "paged": ["full", "h2o", "adakv", "quest", "snapkv"]}

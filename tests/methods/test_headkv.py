@@ -1,7 +1,7 @@
 """HeadKV: one budget pool over every KV head of every layer, split by static head scores (the
-official formula), SnapKV's selection per head. The shared contract (tests/methods/test_contract.py)
-runs it too: budget >= the sequence == full, batch == alone, every compression per head against
-its own scores; paged == contiguous (test_paged_layout.py)."""
+official formula), SnapKV's selection per head. The shared contract
+(tests/methods/contract/test_contract.py) runs it too: budget >= the sequence == full, batch == alone, every compression per head against
+its own scores; paged == contiguous (contract/test_paged_layout.py)."""
 
 import json
 from pathlib import Path
@@ -15,7 +15,7 @@ from methods import build_method
 from methods.headkv import head_shares, load_head_scores
 from tests.conftest import make_engine
 from tests.methods.headwise_reference import masked_full_gap
-from tests.methods.rules import kept_after_crafted_compression
+from tests.methods.contract.rules import kept_after_crafted_compression
 
 FIXTURE = Path(__file__).parent / "data" / "headkv_tiny_llama.json"  # 2 layers x 4 query heads
 WINDOW = 8

@@ -14,7 +14,7 @@ from methods.kivi import KIVILayer
 from methods.scoring import attention_with_probs
 from methods.tailorkv import TopKOffloadLayer, outside_top_mass
 from tests.conftest import make_engine
-from tests.methods.test_contract import StepChecker
+from tests.methods.contract.step_checker import StepChecker
 
 
 def eager(module, query, keys, values, mask, **kwargs):

@@ -9,88 +9,17 @@ alternatives the method's own refusal names ("allowed: ..."); a knob with no suc
 perturbed only if it is numeric or boolean.
 
 This is also how a newcomer's "uniform split" (PyramidKV's pyramid silently flat) is caught: its
-`beta` then changes nothing (tests/methods/test_contract_mutants.py). A knob that changes nothing
-on the random tiny Llama (whose flat attention can hide a threshold) is tried on stories260K.
+`beta` then changes nothing (tests/methods/contract/test_contract_mutants.py). A knob that changes
+nothing on the random tiny Llama (whose flat attention can hide a threshold) is tried on stories260K.
 """
 
-import math
-import re
-
 import pytest
-import torch
 
 from harness import hf_adapter
-from kvcore.errors import ConfigError
 from methods import available_methods, build_method, method_class
-from tests.conftest import make_engine
-from tests.methods.test_contract import SEQ_TOKENS, get_model
-
-PREFILL_TOKENS, CHUNK_TOKENS = 48, 16
-SIZE_KNOBS = ("budget_ratio", "budget_tokens")
-
-
-def behaviour(model, method) -> tuple[torch.Tensor, list]:
-    """(logits of every step, kept positions and stats of every layer at the end)."""
-    ids = torch.randint(3, 250, (1, SEQ_TOKENS), generator=torch.Generator().manual_seed(7))
-    engine = make_engine(model, method, chunk=CHUNK_TOKENS)
-    with engine.request() as req:
-        logits = [req.prefill(ids[:, :PREFILL_TOKENS])[0, -1]]
-        logits += [req.step(ids[:, i])[0, -1] for i in range(PREFILL_TOKENS, SEQ_TOKENS)]
-        state = [(kv.kept_positions().tolist(), kv.stats()) for kv in req.cache.kv_layers]
-    return torch.stack(logits), state
-
-
-def alternatives(name: str, knob: str, value, settings: dict) -> list:
-    """Other values of `knob` to try, most telling first."""
-    if isinstance(value, bool):
-        return [not value]
-    if isinstance(value, int):
-        out = (value // 2, value * 2, value + 1, value - 1, value // 8, value // 32, value * 4)
-        return list(dict.fromkeys(v for v in out if v != value))
-    if isinstance(value, float):
-        out = [value / 2, value * 1.5, value + 0.25, value - 0.25, value / 4, value * 3]
-        return [v for v in out if math.isfinite(v) and v != value]
-    if isinstance(value, str) or value is None:
-        try:
-            build_method(name, **{**settings, knob: "__not_a_choice__"})
-        except (ConfigError, TypeError, ValueError) as refusal:
-            found = re.search(r"allowed[^:]*: ([^;]+)", str(refusal))
-            if found:
-                return [c.strip() for c in found.group(1).split(",") if c.strip() != value]
-            if value is None and "a boolean" in str(refusal):  # optional boolean: null = a rule
-                return [True, False]
-    return []
-
-
-def knob_acts(model, name: str, knob: str) -> bool | None:
-    """True when another valid value of `knob` changes the behaviour in the compressing case,
-    False when none does, None when no other valid value could be tried."""
-    cls = method_class(name)
-    settings = cls.compressing_hyperparameters(SEQ_TOKENS)
-    base = build_method(name, **settings)
-    info = hf_adapter.model_info(model.config)
-    ref_logits, ref_state = behaviour(model, base)
-    tried = False
-    for value in alternatives(name, knob, getattr(base, knob), settings):
-        try:
-            other = build_method(name, **{**settings, knob: value})
-        except (ConfigError, TypeError, ValueError):
-            continue
-        if other.validate(info, {"batch_size": 1}):
-            continue
-        tried = True
-        logits, state = behaviour(model, other)
-        if not torch.equal(logits, ref_logits) or state != ref_state:
-            return True
-    return False if tried else None
-
-
-def knobs(name: str) -> list[str]:
-    """A method's own knobs (the shared size knobs are the contract's compressing case)."""
-    cls = method_class(name)
-    fields = [k for k in cls.hyperparameter_names() if k not in SIZE_KNOBS]
-    budget = [k for k in SIZE_KNOBS if k in cls.compressing_hyperparameters(SEQ_TOKENS)]
-    return fields + budget
+from tests.methods.contract.common import get_model
+from tests.methods.contract.knobs import knob_acts, knobs
+from tests.methods.contract.step_checker import SEQ_TOKENS
 
 
 CASES = [pytest.param(name, knob, id=f"{name}.{knob}")
