@@ -15,6 +15,7 @@ from kvcore.errors import ConfigError
 from methods import build_method
 from tasks import available_tasks, build_task, task_class
 from tests.conftest import DATA, PROJECT, STORIES, make_engine, need_shared
+from tests.helpers.validation import HUGE_MODEL
 
 # Options that make each task take seconds on stories260K (512 positions).
 TINY = {
@@ -88,3 +89,18 @@ def test_evaluates_on_a_tiny_model_and_returns_its_main_metric(name, stories, mo
     assert cell["estimate"] == pytest.approx(value, abs=0.01, rel=1e-4)  # the official average
     if cell["ci95"] is not None:
         assert cell["ci95"][0] <= value + 0.01 and value - 0.01 <= cell["ci95"][1]
+
+
+@pytest.mark.parametrize("task, options, expect", [
+    ("ruler", {"lengths": [100_000_000]}, "task.lengths=[100000000]: the KV cache of the longest "
+                                          "sample would need 119.21 GiB but 8.00 GiB"),
+    ("ruler", {"samples_per_cell": 1_000_000_000}, "task.samples_per_cell=1000000000: "
+                                                   "10000000000 prompts built would need"),
+    ("multiturn", {"context_tokens": 100_000_000}, "task.context_tokens=100000000: the "
+                                                    "conversation's KV cache and its text"),
+])
+def test_task_sizes_are_estimated_not_bounded_by_max_positions(task, options, expect, eight_gib):
+    from tasks import build_task
+
+    reasons = build_task(task, **options).validate(HUGE_MODEL, build_method("full"))
+    assert any(expect in r for r in reasons), reasons
