@@ -1,5 +1,7 @@
-"""model=hf: weights that do not match the config are an error, a useless config.json is one line,
-GGUF files are converted once, and every model gets its own name (folder or hub id + config hash)."""
+"""harness.models, model=hf: weights that do not match the config are an error, a useless or
+non-finite config.json is one line before the weights load, NaN weights are refused, GGUF files
+are converted once (a user's folder never overwritten), and every model gets its own name (folder
+or hub id + config hash, GGUF metadata)."""
 
 import errno
 import json
