@@ -32,9 +32,7 @@ test: setup
 # Every shared check of one method (contract, knobs, score direction, layouts, prompt protocol)
 # and its own tests, e.g. `make test-method M=h2o`; the skips say why, and the shared checks with
 # no case for it are named at the end.
-SHARED_METHOD_TESTS := tests/methods/test_contract.py tests/methods/test_every_knob_acts.py \
-	tests/methods/test_score_direction.py tests/methods/test_paged_layout.py \
-	tests/methods/test_prompt_protocol.py
+SHARED_METHOD_TESTS := tests/methods/contract
 test-method: setup
 	@test -n "$(M)" || { echo "usage: make test-method M=<method name> (methods/<name>.py)"; exit 2; }
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline \

@@ -110,8 +110,8 @@ class _RecorderLayer(KVLayer):
         return out, None
 
     def observe_attention_block(self, residual, attention_output) -> None:
-        call = self._call()
-        call.residual, call.block_out = residual, attention_output
+        call = self._call()  # copies: a model may add to its residual stream in place
+        call.residual, call.block_out = residual.clone(), attention_output.clone()
 
     def after_forward(self) -> None:
         self.current = None

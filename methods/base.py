@@ -511,7 +511,8 @@ class KVMethod:
     axis_keys: ClassVar[tuple[str, ...]] = ("budget_ratio", "budget_tokens")
     variant_keys: ClassVar[tuple[str, ...]] = ()
     # Knobs that by design change nothing in a short compressing run, each with the reason
-    # (tests/methods/test_every_knob_acts.py holds every other knob to changing the outputs).
+    # (tests/methods/contract/test_every_knob_acts.py holds every other knob to changing the
+    # outputs).
     inert_knobs: ClassVar[dict[str, str]] = {}
     # Knobs its layers read from the prompt's end on only: under runner.prefill=dense they change
     # nothing a layer records while a prompt is fed, so a sweep's settings that differ only in
@@ -531,7 +532,7 @@ class KVMethod:
     def lossless_hyperparameters(cls, seq_tokens: int) -> dict[str, Any]:
         """Hyperparameters under which this method must equal the full cache exactly for
         sequences of up to `seq_tokens` tokens (budget >= length). Checked for every method by
-        tests/methods/test_contract.py."""
+        tests/methods/contract/test_contract.py."""
         return {}
 
     @classmethod

@@ -3,8 +3,8 @@
 Each mutant is one text substitution in one method file, as a newcomer (or a refactor) would
 write it. The script copies the tracked tree to a temporary folder, plants one mutant at a time
 there (the working tree is never touched), and runs in a subprocess only the shared tests of the
-mutated method (the contract, the knob check and the score direction:
-tests/methods/test_contract.py, test_every_knob_acts.py, test_score_direction.py, `-k <method>`).
+mutated method (the contract, the knob check and the score direction in tests/methods/contract/:
+test_contract.py, test_every_knob_acts.py, test_score_direction.py, `-k <method>`).
 A mutant is killed when a test fails. `--with-hand` also runs the method's required hand-computed
 kept-set test (`@pytest.mark.kept_set` in tests/methods/test_<method>.py).
 
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = ["tests/methods/test_contract.py", "tests/methods/test_every_knob_acts.py",
-          "tests/methods/test_score_direction.py"]
+SHARED = [f"tests/methods/contract/{name}.py"
+          for name in ("test_contract", "test_every_knob_acts", "test_score_direction")]
 
 
 @dataclass(frozen=True)

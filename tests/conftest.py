@@ -84,6 +84,38 @@ def need_shared(path: Path) -> None:
         pytest.skip(f"{path} is absent: the shared models/data folder is not next to the project")
 
 
+@pytest.fixture
+def shared_folder():
+    """The test reads stories260K and the shared data: skipped where they are absent."""
+    need_shared(STORIES)
+    need_shared(DATA)
+
+
+@pytest.fixture
+def no_weight_loading(monkeypatch):
+    """Any attempt to load weights fails the test: errors must come before."""
+    def refuse(*a, **k):
+        raise AssertionError("weights were loaded before the bad input was refused")
+
+    monkeypatch.setattr(models, "load_model", refuse)
+
+
+@pytest.fixture
+def torch_path(monkeypatch):
+    """Plain CPU dispatch, as a CPU run: without TRITON_INTERPRET (set above for the kernels'
+    tests) KIVI's quantizer takes its torch reference and decode attention the C kernel
+    (methods/kernels/kivi_cpu.c)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+@pytest.fixture
+def eight_gib(monkeypatch):
+    """The machine has 8 GiB available, whatever this one has (the estimates are compared)."""
+    from kvcore import guards
+
+    monkeypatch.setattr(guards, "available_bytes", lambda device: 8 * 2**30)
+
+
 @pytest.fixture(scope="session")
 def tiny_model():
     return models.tiny_llama()

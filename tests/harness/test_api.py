@@ -16,10 +16,8 @@ from harness.run import run
 from kvcore.errors import ConfigError
 from methods import available_methods, method_class
 from tests.conftest import PROJECT, STORIES, need_shared
+from tests.helpers.generation import PROMPT, knobs_for
 
-PROMPT = ("Once upon a time, there was a little girl named Lily. She loved to play outside in the "
-          "park with her friends. One day, she saw a big red ball under a tree. She wanted to play "
-          "with it, so she ran to the tree. Her mom said")
 NEW_TOKENS = 12
 # Under the tests Triton runs in its interpreter (TRITON_INTERPRET=1), and KVQuant's decode
 # attention is a Triton kernel there: a few steps already cover prefill, compression and decoding.
@@ -37,15 +35,6 @@ def stories():
     tokenizer = AutoTokenizer.from_pretrained(STORIES)
     model = AutoModelForCausalLM.from_pretrained(STORIES, dtype=torch.float32).eval()
     return model, tokenizer
-
-
-# Calibration on a few short texts instead of 16 x 2048 tokens: seconds instead of minutes.
-QUICK = {"kvquant": {"calibration_tokens": 256, "calibration_samples": 2}}
-
-
-def knobs_for(name: str, prompt_tokens: int) -> dict:
-    """Hyperparameters under which the method really compresses this prompt (its contract's)."""
-    return {**method_class(name).compressing_hyperparameters(prompt_tokens), **QUICK.get(name, {})}
 
 
 def runner_prediction(tmp_path, name: str, knobs: dict, new_tokens: int, runner=()) -> dict:

@@ -10,7 +10,7 @@ import pytest
 from harness.run import run
 from kvcore.errors import ConfigError
 from tests.conftest import PROJECT
-from tests.harness.test_run import cfg_for, no_weight_loading  # noqa: F401 (fixture)
+from tests.helpers.runs import cfg_for
 from tests.models import deepseek_v2_config, family_config, gemma3_text_config
 
 

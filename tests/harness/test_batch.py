@@ -1,12 +1,11 @@
 """Batched ragged requests (harness.batch): per-sequence caches, no padding stored or attended,
 sequences leaving the batch when they stop, batch-aware speed figures and runner refusals.
-(Every method's B=3 equivalence with batch 1 is in tests/methods/test_contract.py.)"""
+(Every method's B=3 equivalence with batch 1 is in tests/methods/contract/test_contract.py.)"""
 
 import dataclasses
 import json
 
 import pytest
-import torch
 
 from harness import batch as batching
 from harness.run import protocol_reasons, run
@@ -14,12 +13,8 @@ from methods import build_method
 from methods.base import Protocol
 from tasks import build_task
 from tests.conftest import STORIES, make_engine, need_shared
-from tests.harness.test_run import cfg_for
-
-
-def prompts_of(lengths, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 250, (n,), generator=g).tolist() for n in lengths]
+from tests.helpers.generation import prompts_of
+from tests.helpers.runs import cfg_for
 
 
 def test_padding_is_never_stored(tiny_model):

@@ -15,8 +15,8 @@ from kvcore.errors import ConfigError
 from methods import available_methods, build_method, method_class
 from methods.base import Protocol
 from tests.conftest import STORIES, make_engine, need_shared
-from tests.harness.test_sweep_engine import TASK, assert_equal_to_single_runs
-from tests.methods.test_contract import get_model, skip_if_refused
+from tests.helpers.sweeps import TASK, assert_equal_to_single_runs
+from tests.methods.contract.common import get_model, skip_if_refused
 
 PROMPT_TOKENS, DECODE_STEPS, INTERVAL = 96, 23, 5
 DECODING = [n for n in available_methods()

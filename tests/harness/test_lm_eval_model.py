@@ -291,3 +291,52 @@ def test_package_name_does_not_shadow_lm_eval():
     from lm_eval.api.registry import get_model
 
     assert get_model("kvharness") is KVHarnessLM
+
+
+@pytest.mark.usefixtures("shared_folder")
+def test_lm_eval_records_and_flags_an_inactive_method(capsys):
+    from harness.lm_eval import __main__ as lm_main
+    from harness.lm_eval.model import ACTIVITY, KVHarnessLM
+
+    lm = KVHarnessLM(model="stories260k", method="kivi", device="cpu")  # residual > the text
+    try:
+        lm.score([1, 2, 3, 4], [5, 6])
+        info = lm.get_model_info()
+    finally:
+        lm.close()
+    assert info["kvharness_method_active"] is False and info["kvharness_inactive_reason"]
+    lm_main.flag_inactive()
+    assert "INACTIVE: method=kivi did not act" in capsys.readouterr().err
+    ACTIVITY.clear()
+
+
+@pytest.mark.usefixtures("shared_folder")
+def test_lm_eval_batch_size_in_model_args(monkeypatch):
+    from harness.lm_eval.model import KVHarnessLM, merge_cli_options
+
+    cli_defaults = {"batch_size": 1, "max_batch_size": None, "device": "cpu"}
+    lm = KVHarnessLM.create_from_arg_string("model=stories260k,batch_size=2", cli_defaults)
+    try:
+        assert lm.batch_size == 2
+    finally:
+        lm.close()
+    with pytest.raises(ConfigError, match="batch_size=0: allowed: a positive integer"):
+        KVHarnessLM.create_from_arg_obj({"model": "stories260k", "batch_size": 0}, cli_defaults)
+    with pytest.raises(ConfigError, match="batch_size is given twice"):
+        merge_cli_options({"batch_size": 2}, {"batch_size": 4})
+
+
+def test_lm_eval_unknown_task_name_is_one_line(monkeypatch, capsys):
+    """lm-eval 0.4.13 raises a bare ValueError for an unknown --tasks name (its
+    EvaluatorConfig.process_tasks; indexing every lm-eval task takes a minute, so raised here)."""
+    from harness.lm_eval import __main__ as lm_main
+
+    def cli_evaluate():
+        raise ValueError("Tasks not found: nosuchtask")
+
+    monkeypatch.setattr(lm_main, "cli_evaluate", cli_evaluate)
+    with pytest.raises(SystemExit) as exit_:
+        lm_main.main()
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: lm-eval: Tasks not found: nosuchtask" in err and "Traceback" not in err

@@ -10,7 +10,7 @@ from harness import api, methods_table
 from harness.methods_table import serving_requirements
 from methods import available_methods, method_class
 from tests.conftest import STORIES, need_shared
-from tests.harness.test_api import PROMPT, knobs_for
+from tests.helpers.generation import PROMPT, knobs_for
 
 DECODE_STEPS = 10
 

@@ -1,11 +1,16 @@
-"""model=hf: weights that do not match the config are an error, a useless config.json is one line,
-GGUF files are converted once, and every model gets its own name (folder or hub id + config hash)."""
+"""harness.models, model=hf: weights that do not match the config are an error, a useless or
+non-finite config.json is one line before the weights load, NaN weights are refused, GGUF files
+are converted once (a user's folder never overwritten), and every model gets its own name (folder
+or hub id + config hash, GGUF metadata)."""
 
+import errno
 import json
 import shutil
 import time
+from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 
 from harness import models
@@ -13,6 +18,7 @@ from harness.report import find_runs, row
 from harness.run import run
 from kvcore.errors import ConfigError
 from tests.conftest import PROJECT, STORIES, need_shared
+from tests.helpers.runs import ST, model_folder, refused
 
 
 def cfg_for(*overrides):
@@ -161,3 +167,196 @@ def test_gguf_file_is_converted_once_and_named_by_its_config(tmp_path):
     assert (converted[0] / "model.safetensors").stat().st_mtime_ns == stamp
     assert time.time() - started < 30
     assert model.config.num_hidden_layers == 30 and tokenizer("hello").input_ids
+
+
+def test_converted_model_cache_is_validated(tmp_path):
+    folder = tmp_path / "conv"
+    folder.mkdir()
+    weights = folder / "model.safetensors"
+    weights.write_bytes(b"w" * 1000)
+    meta = {"weights_bytes": 1000, "weights_sha256": models._sha256(weights)}
+    (folder / models._CONVERTED_MARK).write_text(json.dumps(meta))
+    assert models._converted_ok(folder)
+    weights.write_bytes(b"w" * 999 + b"x")  # same size, corrupt content
+    assert not models._converted_ok(folder)
+    (folder / models._CONVERTED_MARK).unlink()
+    assert not models._converted_ok(folder)
+
+
+@pytest.mark.usefixtures("shared_folder")
+@pytest.mark.parametrize("config, expect", [
+    ({"max_position_embeddings": 0}, "max_position_embeddings=0 must be a positive integer"),
+    ({"hidden_size": -32}, "hidden_size=-32 must be a positive integer"),
+    ({"num_hidden_layers": 0}, "num_hidden_layers=0"),
+    ({"num_attention_heads": 0}, "num_attention_heads=0"),
+    ({"num_key_value_heads": 3}, "num_attention_heads=4 is not a multiple of "
+                                 "num_key_value_heads=3"),
+    ({"max_position_embeddings": 1}, "leaves nothing to score"),
+])
+def test_a_config_that_cannot_describe_a_model_is_refused(config, expect, tmp_path,
+                                                          no_weight_loading):
+    folder = model_folder(tmp_path, "m", **config)
+    assert expect in refused(tmp_path, "model=hf", f"model.name_or_path={folder}",
+                             "model.dtype=float32")
+
+
+@pytest.mark.usefixtures("shared_folder")
+def test_tokenizer_larger_than_the_embedding_is_refused_before_the_run(tmp_path, no_weight_loading):
+    folder = model_folder(tmp_path, "small_vocab", vocab_size=100)
+    message = refused(tmp_path, "model=hf", f"model.name_or_path={folder}", "model.dtype=float32")
+    assert "has 512 tokens but the model's embedding has 100 rows" in message
+
+
+@pytest.mark.usefixtures("shared_folder")
+def test_cache_dir_that_is_a_file_or_read_only(tmp_path, monkeypatch, no_weight_loading):
+    from harness import results
+
+    a_file = tmp_path / "cache"
+    a_file.write_text("not a folder")
+    monkeypatch.setenv("KVH_CACHE_DIR", str(a_file))
+    with pytest.raises(ConfigError, match=f"KVH_CACHE_DIR={a_file}: .* is a file, not a folder"):
+        models.resolve_model({"name": "smollm2_135m", "device": "cpu"})
+    monkeypatch.setenv("KVH_CACHE_DIR", str(tmp_path / "ro"))
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(results.tempfile, "mkstemp", read_only)
+    with pytest.raises(ConfigError, match="KVH_CACHE_DIR=.*Read-only file system"):
+        models.resolve_model({"name": "smollm2_135m", "device": "cpu"})
+
+
+@pytest.mark.usefixtures("shared_folder")
+def test_a_users_folder_where_a_model_would_be_converted_is_left_alone(tmp_path):
+    folder = tmp_path / "smollm2-135m-instruct-q4_1"
+    folder.mkdir()
+    (folder / "mine.txt").write_text("not a converted model")
+    with pytest.raises(ConfigError, match="is not a model this harness converted"):
+        models.ensure_gguf_converted(models.smollm2_gguf_path(), folder, "SmolLM2")
+    assert (folder / "mine.txt").read_text() == "not a converted model"
+
+
+@pytest.mark.usefixtures("shared_folder")
+def test_mismatched_weights_are_one_line_without_transformers_table(tmp_path, capfd):
+    folder = model_folder(tmp_path, "mismatch", vocab_size=600)  # weights hold 512 rows
+    with pytest.raises(ConfigError) as err:
+        run(cfg_for("model=hf", f"model.name_or_path={folder}", "model.dtype=float32",
+                "task.max_tokens=40", f"runner.results_root={tmp_path / 'r'}"))
+    message = str(err.value)
+    assert "do not match its config.json" in message and "mismatched" in message
+    assert "ignore_mismatched_sizes" not in message
+    printed = capfd.readouterr()
+    assert "LOAD REPORT" not in printed.out + printed.err
+
+
+@pytest.mark.usefixtures("shared_folder")
+def test_corrupt_bin_weights_message(tmp_path):
+    folder = model_folder(tmp_path, "corrupt_bin")
+    (folder / "model.safetensors").unlink()
+    (folder / "pytorch_model.bin").write_bytes(b"garbage, not a checkpoint" * 10)
+    with pytest.raises(ConfigError) as err:
+        run(cfg_for("model=hf", f"model.name_or_path={folder}", "model.dtype=float32",
+                "task.max_tokens=40", f"runner.results_root={tmp_path / 'r'}"))
+    assert "not a PyTorch checkpoint" in str(err.value) and "weights_only" not in str(err.value)
+
+
+def _gguf(path: Path, **meta) -> Path:
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in meta.items():
+        if isinstance(value, int):
+            writer.add_uint32(f"general.{key}", value)
+        else:
+            writer.add_string(f"general.{key}", value)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("stem, meta, label", [
+    ("model-fee85397", {"name": "Qwen2.5 Coder 0.5B Instruct", "file_type": 3},
+     "Qwen2.5-Coder-0.5B-Instruct-Q4_1"),
+    ("ggml-model-q4_0", {"basename": "qwen2.5-coder", "size_label": "0.5B",
+                         "finetune": "instruct", "file_type": 2},
+     "qwen2.5-coder-0.5B-instruct-Q4_0"),
+    ("SmolLM2-135M-Instruct.Q4_1", {"name": "Smollm2 135M 8k"}, "SmolLM2-135M-Instruct.Q4_1"),
+    ("model", {}, "model"),  # nothing better known: the stem
+])
+def test_gguf_models_are_named_from_their_metadata(stem, meta, label, tmp_path):
+    path = _gguf(tmp_path / f"{stem}.gguf", **meta)
+    spec = models.resolve_model({"name": "hf", "gguf_file": str(path),
+                                 "cache_dir": str(tmp_path / "cache")})
+    assert spec.extra["label"] == label
+    assert not (tmp_path / "cache").exists()  # resolving converts (and creates) nothing
+
+
+def test_parameters_count_tied_embeddings_once():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2,
+                                         tie_word_embeddings=False))
+    untied = sum(p.numel() for p in model.parameters())
+    assert models.parameter_count(model) == untied  # two different matrices
+    with torch.no_grad():  # an output embedding stored as a copy of the input one (GGUF)
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
+    assert models.parameter_count(model) == untied - 64 * 16
+
+
+def test_a_named_model_from_another_folder_is_refused(tmp_path, no_weight_loading):
+    need_shared(STORIES)
+    other = model_folder(tmp_path, "other")
+    message = refused(tmp_path, *ST, f"model.path={other}")
+    assert f"model=stories260k model.path={other} holds another model" in message
+    assert f"model=hf model.name_or_path={other}" in message
+
+
+def test_a_copy_of_the_named_model_keeps_its_name(tmp_path):
+    import shutil
+
+    from harness import models
+
+    need_shared(STORIES)
+    copy = tmp_path / "stories_copy"
+    shutil.copytree(STORIES, copy)
+    spec = models.resolve_model({"name": "stories260k", "path": str(copy), "device": "cpu"})
+    assert models.identify(spec, models.load_config(spec)).name == "stories260k"
+
+
+def test_a_nan_in_the_model_config_is_refused_before_the_weights(tmp_path, no_weight_loading):
+    need_shared(STORIES)
+    folder = model_folder(tmp_path, "nan_eps", rms_norm_eps=float("nan"))
+    message = refused(tmp_path, "model=hf", f"model.name_or_path={folder}", "task.max_tokens=40")
+    assert "rms_norm_eps=nan must be a finite number" in message
+
+
+def test_nan_weights_are_refused_not_written_as_ppl_nan(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from harness.run import run
+
+    need_shared(STORIES)
+    folder = model_folder(tmp_path, "nan_weights")
+    weights = load_file(folder / "model.safetensors")
+    name = next(k for k in weights if k.endswith("q_proj.weight"))
+    weights[name][0, 0] = float("nan")
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    root = tmp_path / "results"
+    with pytest.raises(ConfigError, match=f"{name} holds 1 NaN or infinite value"):
+        run(cfg_for("model=hf", f"model.name_or_path={folder}", "task.max_tokens=40",
+                f"runner.results_root={root}"))
+    assert not root.exists()
+
+
+def test_an_unknown_rope_type_names_the_config_not_the_weights(tmp_path, no_weight_loading):
+    need_shared(STORIES)
+    folder = model_folder(tmp_path, "bogus_rope",
+                          rope_parameters={"rope_theta": 10000.0, "rope_type": "bogus"})
+    message = refused(tmp_path, "model=hf", f"model.name_or_path={folder}", "task.max_tokens=40")
+    assert "rope_type='bogus' is not a RoPE type this transformers builds; allowed: default" \
+        in message

@@ -1,19 +1,9 @@
 """harness.plan: the n a sweep needs for a paired half-width, from a pilot."""
 
-import json
-
 import numpy as np
 
 from harness import plan
-from tests.harness.test_report_check import fake_run
-
-
-def ruler_run(root, method, scores, budget=None, started="2026-11-29T10:00:00"):
-    folder = fake_run(root, method, 0.0, 90.0, budget=budget, task="ruler", started=started,
-                      extra_acc={"average": 100 * float(np.mean(scores))})
-    rows = [{"sample_id": f"{i:016x}", "subtask": "niah_single", "length_tokens": 512,
-             "score": float(s)} for i, s in enumerate(scores)]
-    (folder / "samples.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+from tests.helpers.reports import ruler_run
 
 
 def test_n_needed_from_a_pilot_halves_the_half_width_at_four_times_n(tmp_path, capsys):

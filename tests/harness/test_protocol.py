@@ -14,7 +14,7 @@ from kvcore.errors import BudgetViolation, ConfigError
 from methods import build_method
 from methods.base import Capabilities, FullLayer, KVLayer, KVMethod, Protocol
 from tests.conftest import STORIES, make_engine, need_shared
-from tests.harness.test_run import cfg_for, no_weight_loading  # noqa: F401 (fixture)
+from tests.helpers.runs import cfg_for
 
 
 def _ids(n, seed=0):

@@ -11,7 +11,7 @@ import pytest
 
 from harness import report
 from tests.harness import browser
-from tests.harness.test_report_check import fake_run
+from tests.helpers.reports import fake_run
 
 
 def need_chromium() -> None:

@@ -8,34 +8,7 @@ import pytest
 
 from harness import check, report
 from kvcore.errors import ConfigError
-
-
-def fake_run(root: Path, method: str, ppl: float, tok_s: float, budget=None, started="2026-11-29T10:00:00",
-             task="perplexity", extra_acc=None, density=None, dense_layers=(), batch=1) -> Path:
-    folder = (root / task / "stories260k" / method
-              / f"{method}-{budget}-{started[11:13]}-{len(dense_layers)}-{batch}")
-    folder.mkdir(parents=True)
-    hyper = {} if budget is None else {"budget_ratio": budget}
-    metrics = {
-        "schema_version": 1,
-        "accuracy": {"ppl": ppl, "nll_per_block": [4.0, 3.9, 3.8], "block_tokens": 100,
-                     **(extra_acc or {})},
-        "speed": {"decode_tokens_per_s": tok_s, "decode_ms_per_token_median": 1000 / tok_s},
-        "kv": {"compression_ratio": 1 / (budget or 1.0), "bytes_total": 1000.0 * (budget or 1.0),
-               "bytes_device_total": 1000.0 * (budget or 1.0),
-               "held_ratio": budget or 1.0, "seen_tokens_mean": 300.0,
-               "attended_fraction_sparse_layers": density},
-        "protocol": {"dense_layers": list(dense_layers), "prefill": "dense", "batch_size": batch},
-        "transfer": {"bytes_per_decode_step": 500.0 * (budget or 1.0)},
-        "memory": {}, "env": {},
-        "model": {"name": "stories260k"}, "method": {"name": method, "hyperparameters": hyper,
-                                                      "axis_keys": ["budget_ratio"], "variant_keys": []},
-        "task": {"name": task, "options": {}},
-        "run": {"started": started, "config_hash": f"{method}{budget}{started}{dense_layers}",
-                "status": "ok"},
-    }
-    (folder / "metrics.json").write_text(json.dumps(metrics))
-    return folder
+from tests.helpers.reports import fake_run
 
 
 @pytest.fixture
@@ -344,3 +317,118 @@ def test_the_ci_gate_holds_paired_thresholds_on_a_committed_reference():
     paired = [e for e in entries if e["metric"] == "paired.difference"]
     assert len(paired) >= 1 and all(len(e["_reference_samples"][0]["token_nll"]) == 399
                                     for e in paired)
+
+
+@pytest.mark.usefixtures("shared_folder")
+def test_check_never_certifies_an_inactive_run(tmp_path):
+    folder = fake_run(tmp_path, "h2o", 50.0, 100.0, budget=0.5)
+    metrics = json.loads((folder / "metrics.json").read_text())
+    metrics["kv"].update(method_active=False, inactive_reason="held the full cache")
+    (folder / "metrics.json").write_text(json.dumps(metrics))
+    gate = tmp_path / "gate.yaml"
+    gate.write_text("thresholds:\n  - {model: stories260k, method: h2o, task: perplexity, "
+                    "metric: accuracy.ppl, max: 60}\n")
+    results = check.check([metrics], check.load_thresholds(gate))
+    assert results[0]["ok"] is False and results[0]["why"].startswith("not comparable")
+    assert check.main([str(tmp_path), "--against", str(gate)]) == 1
+
+
+ENTRY = {"model": "stories260k", "method": "h2o", "task": "perplexity",
+         "metric": "accuracy.ppl", "max": 60}
+
+
+@pytest.mark.parametrize("typo, expect", [
+    ({"method": "h20"}, "method='h20' is unknown (did you mean 'h2o'?)"),
+    ({"task": "perplexty"}, "task='perplexty' is unknown (did you mean 'perplexity'?)"),
+    ({"metric": "acuracy.ppl"}, "metric='acuracy.ppl' must be <section>.<key>"),
+    ({"metric": "accuracy.pplx"}, "metric='accuracy.pplx' is in no run under"),
+    ({"model": "storie260k"}, "model='storie260k' has no run under"),
+    ({"hyperparameters": {"budget_ratoi": 0.2}}, "did you mean 'budget_ratio'?"),
+    ({"ratio_to_method": "ful"}, "ratio_to_method='ful' is unknown"),
+])
+def test_typos_in_a_thresholds_file_are_bad_input(typo, expect, tmp_path, capsys):
+    fake_run(tmp_path / "runs", "h2o", 50.0, 100.0, budget=0.2)
+    gate = tmp_path / "gate.yaml"
+    gate.write_text(json.dumps({"thresholds": [{**ENTRY, **typo}]}))  # JSON is YAML
+    assert check.main([str(tmp_path / "runs"), "--against", str(gate)]) == 2
+    err = capsys.readouterr().err
+    assert expect in err and len(err.strip().splitlines()) == 1
+
+
+def test_check_of_only_corrupt_runs_is_bad_input(tmp_path, capsys):
+    bad = tmp_path / "runs" / "bad"
+    bad.mkdir(parents=True)
+    (bad / "metrics.json").write_text("{not json")
+    gate = tmp_path / "gate.yaml"
+    gate.write_text(json.dumps({"thresholds": [ENTRY]}))
+    assert check.main([str(tmp_path / "runs"), "--against", str(gate)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no runs to check under")
+    assert "none valid; skipped " in err[0] and "not valid JSON" in err[0]
+
+
+def test_check_against_a_folder_says_so(tmp_path, capsys):
+    fake_run(tmp_path / "runs", "full", 50.0, 100.0)
+    assert check.main([str(tmp_path / "runs"), "--against", str(tmp_path)]) == 2
+    assert f"--against {tmp_path} is a folder" in capsys.readouterr().err
+
+
+def thresholds(path, body):
+    path.write_text("thresholds:\n" + body)
+    return path
+
+
+def test_check_ratio_to_a_method_no_run_has_is_bad_input(tmp_path, capsys):
+    from harness import check
+
+    fake_run(tmp_path / "r", "full", 50.0, 100.0)
+    fake_run(tmp_path / "r", "h2o", 55.0, 100.0, budget=0.2)
+    gate = thresholds(tmp_path / "t.yaml", "  - {model: stories260k, method: h2o, task: "
+                      "perplexity, metric: accuracy.ppl, ratio_to_method: snapkv, max: 1.2}\n")
+    assert check.main([str(tmp_path / "r"), "--against", str(gate)]) == 2
+    assert "ratio_to_method='snapkv' has no run of model='stories260k'" in capsys.readouterr().err
+
+
+def test_check_refuses_a_key_given_twice_in_an_entry(tmp_path, capsys):
+    from harness import check
+
+    fake_run(tmp_path / "r", "full", 50.0, 100.0)
+    gate = thresholds(tmp_path / "t.yaml", "  - {model: stories260k, method: full, task: "
+                      "perplexity, metric: accuracy.ppl, max: 60, max: 40}\n")
+    assert check.main([str(tmp_path / "r"), "--against", str(gate)]) == 2
+    assert "key 'max' given twice in one mapping" in capsys.readouterr().err
+
+
+def test_check_against_a_device_says_what_it_is(tmp_path, capsys):
+    from harness import check
+
+    fake_run(tmp_path / "r", "full", 50.0, 100.0)
+    assert check.main([str(tmp_path / "r"), "--against", "/dev/zero"]) == 2
+    err = capsys.readouterr().err
+    assert "/dev/zero is not a regular file" in err and "no such file" not in err
+
+
+def test_a_metrics_json_that_is_a_fifo_or_device_link_is_skipped_with_a_warning(tmp_path):
+    import os
+
+    from harness.report.collect import find_runs
+
+    good = fake_run(tmp_path / "r", "full", 50.0, 100.0)
+    fifo = tmp_path / "r" / "x" / "metrics.json"
+    fifo.parent.mkdir()
+    os.mkfifo(fifo)
+    link = tmp_path / "r" / "y" / "metrics.json"
+    link.parent.mkdir()
+    link.symlink_to("/dev/zero")
+    warnings = []
+    assert find_runs([str(tmp_path / "r")], warn=warnings.append) == [good / "metrics.json"]
+    assert sorted(w.split(": not a regular")[0] for w in warnings) == [
+        f"warning: skipped {fifo}", f"warning: skipped {link}"]
+
+
+def test_runs_reached_through_a_link_are_counted_once(tmp_path):
+    from harness.report.collect import find_runs
+
+    fake_run(tmp_path / "r", "full", 50.0, 100.0)
+    (tmp_path / "alias").symlink_to(tmp_path / "r")
+    assert len(find_runs([str(tmp_path / "r"), str(tmp_path / "alias")])) == 1

@@ -1,7 +1,7 @@
 """The report's uncertainty: flags, verdicts after BH, rank intervals, on RULER-like runs."""
 
 from harness import report
-from tests.harness.test_plan import ruler_run
+from tests.helpers.reports import ruler_run
 
 
 def board_text(tmp_path):

@@ -16,7 +16,7 @@ from methods.base import Protocol
 from methods.full_offload import FullOffloadLayer
 from tasks import build_task
 from tests.conftest import make_engine
-from tests.harness.test_batch import prompts_of
+from tests.helpers.generation import prompts_of
 
 
 def limited(engine, limit_mib: float, admission: str, batch: int = 8, block: int = 4):
@@ -120,7 +120,7 @@ def test_runner_end_to_end_under_layerkv_gives_the_same_answers(tmp_path):
     import json
 
     from tests.conftest import STORIES, need_shared
-    from tests.harness.test_run import cfg_for
+    from tests.helpers.runs import cfg_for
 
     need_shared(STORIES)
     common = ["model=stories260k", "task=ruler", "task.lengths=[480]", "task.depths=[0,50,100]",

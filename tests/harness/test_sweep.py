@@ -1,6 +1,7 @@
 """Sweeps end to end (Hydra multirun through the CLI): skipped combinations, failing members,
 resume after kill -9, submitit_local, experiment presets, W&B offline, determinism."""
 
+import errno
 import json
 import os
 import signal
@@ -13,7 +14,10 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from harness.run import run
+from kvcore.errors import ConfigError
 from tests.conftest import PROJECT, STORIES, need_shared
+from tests.helpers.reports import fake_run
+from tests.helpers.runs import ST
 
 BASE = ["model=stories260k", "task.max_tokens=60", "task.dataset=pg19"]
 
@@ -209,3 +213,54 @@ def test_options_added_later_keep_earlier_runs_resumable():
         other = OmegaConf.create(neutral)
         other[group][key] = value
         assert config_hash(other) != config_hash(OmegaConf.create(base)), key
+
+
+@pytest.mark.usefixtures("shared_folder")
+def test_sweep_into_a_users_folder_is_refused(tmp_path):
+    users = tmp_path / "mine"
+    users.mkdir()
+    (users / "multirun.yaml").write_text("my own notes\n")
+    proc = cli("-m", *ST, "method=full,h2o", f"runner.results_root={tmp_path / 'r'}",
+               f"hydra.sweep.dir={users}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "is a non-empty folder that is not a sweep of this harness" in proc.stderr
+    assert (users / "multirun.yaml").read_text() == "my own notes\n"
+    assert sorted(p.name for p in users.iterdir()) == ["multirun.yaml"]
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.usefixtures("shared_folder")
+def test_refused_sweep_leaves_no_sweep_folder(tmp_path):
+    root = tmp_path / "r"
+    proc = cli("-m", *ST, "model=stories260k,hf", "model.path=/x", f"runner.results_root={root}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert "model.path is not a key of model=hf" in proc.stderr
+    assert not root.exists(), sorted(map(str, root.rglob("*")))
+
+
+@pytest.mark.usefixtures("shared_folder")
+def test_sweep_with_an_added_unknown_key_is_refused_before_any_member(tmp_path):
+    root = tmp_path / "r"
+    proc = cli("-m", *ST, "+runner.foo=1,2", f"runner.results_root={root}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "runner.foo is not a key of runner" in proc.stderr
+    assert not root.exists()
+
+
+def test_read_only_sweep_root_and_report_out_are_one_line(tmp_path, monkeypatch, capsys):
+    from harness import report, results, sweep
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    with pytest.raises(ConfigError, match="runner.results_root=/ro: cannot create the sweep "
+                                          "folder .*Read-only file system"):
+        sweep.claim_sweep_dir(Path("/ro/_sweeps/20260101-000000"), "runner.results_root=/ro")
+    monkeypatch.undo()
+    fake_run(tmp_path / "runs", "full", 50.0, 100.0)
+    monkeypatch.setattr(results.tempfile, "mkstemp", read_only)
+    assert report.main([str(tmp_path / "runs"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "Read-only file system" in err and len(err.splitlines()) == 1

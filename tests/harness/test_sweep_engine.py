@@ -5,19 +5,17 @@ import json
 import re
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from harness.run import run
 from harness.sweep_run import run_sweep
-from kvcore.errors import ConfigError, UnsupportedCombination
+from kvcore.errors import ConfigError
 from methods import available_methods, method_class
 from tests.conftest import PROJECT, STORIES, need_shared
+from tests.helpers.runs import cfg_for
+from tests.helpers.sweeps import (TASK, assert_equal_to_single_runs, folder_figures, single_runs,
+                                  sweep_folders)
 
 PROMPT_TOKENS = 300  # RULER length 320 on stories260K: a niah prompt of about this many tokens
-TASK = ["model=stories260k", "task=ruler", "task.lengths=[320]", "task.subtasks=[niah_single]",
-        "task.depths=[25,75]", "task.max_new_tokens=8", "runner.threads=1"]
-# Figures of the run as a whole, not of the setting: the sweep's are its own.
-NOT_COMPARED = {"speed", "memory", "env", "run"}
 
 
 @pytest.fixture(autouse=True)
@@ -25,11 +23,6 @@ def cpu_dispatch(monkeypatch):
     """Kernels dispatch as in a CPU run of the CLI (tests/conftest.py sets TRITON_INTERPRET=1,
     which sends KIVI's decode through Triton's interpreter: seconds per step)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-
-
-def cfg_for(*overrides):
-    with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
-        return compose(config_name="config", overrides=list(overrides))
 
 
 def knob_settings(name: str) -> list[list[str]]:
@@ -45,39 +38,6 @@ def knob_settings(name: str) -> list[list[str]]:
     else:
         second = first
     return [first, second]
-
-
-def folder_figures(folder):
-    metrics = json.loads((folder / "metrics.json").read_text())
-    samples = [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
-    kept = {k: v for k, v in metrics.items() if k not in NOT_COMPARED}
-    kept["speed"] = {k: metrics["speed"][k] for k in ("prefill_tokens", "decode_steps",
-                                                         "decode_tokens")}
-    for timed in ("exposed_ms", "transfer_ms"):  # wall-clock figures
-        kept["transfer"].pop(timed, None)
-    kept["method"]["prepare"] = {k: v for k, v in kept["method"]["prepare"].items()
-                                 if not k.endswith(("_s", "_ms"))}  # its wall time
-    facts = kept["kv"].get("method_facts") or {}
-    kept["kv"]["method_facts"] = {k: v for k, v in facts.items()
-                                  if not k.endswith(("_s", "_ms"))}  # e.g. KVzip's reconstruction
-    return kept, samples
-
-
-def single_runs(overrides_list, tmp_path):
-    folders = []
-    for i, knobs in enumerate(overrides_list):
-        try:
-            folders.append(run(cfg_for(*knobs, f"runner.output_dir={tmp_path}/single{i}")))
-        except (ConfigError, UnsupportedCombination) as exc:
-            pytest.skip(f"refused on this model/task before weights: {exc}")
-    return folders
-
-
-def sweep_folders(overrides_list, tmp_path, copy_on_use=True):
-    cfgs = [cfg_for(*knobs, f"runner.results_root={tmp_path}/sweep") for knobs in overrides_list]
-    outcomes = run_sweep(cfgs, copy_on_use=copy_on_use)
-    assert [o.status for o in outcomes] == ["ok"] * len(cfgs), [o.detail for o in outcomes]
-    return [o.folder for o in outcomes]
 
 
 @pytest.fixture(scope="module")
@@ -108,20 +68,6 @@ def test_sweep_equals_single_runs(name, layout, tmp_path, full_alone):
         own_pass = sweep["prompts_prefilled_once"] == 0
         assert sweep["prefill_shared_with"] == 2 or sweep["prefill_replay_refused"] or own_pass, \
             sweep  # one forward for the three settings, or refused by name, or its own pass
-
-
-def assert_equal_to_single_runs(settings, tmp_path, given=()):
-    """`given`: (setting, its single run's folder) pairs, swept too."""
-    alone = single_runs(settings, tmp_path) + [folder for _, folder in given]
-    settings = [*settings, *(setting for setting, _ in given)]
-    swept = sweep_folders(settings, tmp_path)
-    for a, b in zip(alone, swept):
-        (ma, sa), (mb, sb) = folder_figures(a), folder_figures(b)
-        assert sb == sa  # every sample's prediction, score, generated tokens
-        assert mb == ma  # accuracy, KV figures, protocol, method, task
-    shared = json.loads((swept[0] / "metrics.json").read_text())["run"]["sweep"]
-    assert shared["settings"] == len(settings)
-    return swept
 
 
 def test_settings_of_several_methods_in_one_sweep(tmp_path, capsys):
@@ -434,7 +380,7 @@ def test_the_rule_budget_is_the_configuration_the_contract_checks(name, knobs, b
 # One method per mechanism a batched decode step must keep apart per row: scored eviction,
 # head-wise ragged budgets, selection from the host tier with lookahead prefetch, quantized
 # storage, token-id policies, attention-block hooks (decodes alone), model hooks (own pass),
-# the reference. (Every method batched with itself: tests/methods/test_contract.py.)
+# the reference. (Every method batched with itself: tests/methods/contract/test_contract.py.)
 MIXED = {"contiguous": ["full", "h2o", "adakv", "infinigen", "kivi", "fastgen",
                         "squeezeattention", "duo_attention", "quest"],
          "paged": ["full", "h2o", "adakv", "quest", "snapkv"]}

@@ -10,7 +10,7 @@ from harness.loggers import comparison_table
 from harness.report import leaderboard
 from harness.report.collect import collect
 from harness.sweep import SweepSummary
-from tests.harness.test_report_check import fake_run
+from tests.helpers.reports import fake_run
 
 
 def sweep_of_runs(tmp_path):

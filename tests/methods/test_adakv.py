@@ -1,7 +1,8 @@
 """AdaKV: SnapKV's votes, the layer's budget split across KV heads by a flattened top-k with the
 official safeguard floor; heads stored ragged (no padding held). The shared contract
-(tests/methods/test_contract.py) runs it too: budget >= the sequence == full, batch == alone,
-every compression per head against its own scores, paged == contiguous (test_paged_layout.py)."""
+(tests/methods/contract/test_contract.py) runs it too: budget >= the sequence == full, batch ==
+alone, every compression per head against its own scores, paged == contiguous
+(contract/test_paged_layout.py)."""
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from methods import build_method
 from methods.adakv import adaptive_budgets
 from tests.conftest import make_engine
 from tests.methods.headwise_reference import masked_full_gap
-from tests.methods.rules import kept_after_crafted_compression
+from tests.methods.contract.rules import kept_after_crafted_compression
 
 WINDOW, BUDGET, ALPHA = 4, 14, 0.2  # prefix budget 10, floor int(0.2 x 10) = 2
 

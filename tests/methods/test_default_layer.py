@@ -116,7 +116,7 @@ def test_sliding_window_layers_take_the_model_attention(family_models, monkeypat
 def test_in_place_decode_uses_the_models_scaling():
     """Granite scales q.k by attention_multiplier (0.05), not head_dim ** -0.5: the in-place
     decode equals transformers' own cache step by step."""
-    from tests.methods.test_full import engine_logits, hf_incremental
+    from tests.helpers.reference import engine_logits, hf_incremental
     from tests.models import tiny_family_model
 
     model = tiny_family_model("granite", 2)

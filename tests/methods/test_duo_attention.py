@@ -14,6 +14,7 @@ from methods import build_method
 from methods._headwise import HeadwiseLayer, load_duo_pattern, select_retrieval, sparsify_gates
 from methods.base import ModelInfo
 from tests.conftest import make_engine
+from tests.helpers.validation import one_reason
 from tests.methods.headwise_reference import masked_full_gap, streaming_positions
 
 INFO = ModelInfo(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, max_positions=512)
@@ -244,3 +245,26 @@ def test_duo_equals_the_full_cache_masked_to_what_each_head_kept(stories, monkey
     method = build_method("duo_attention", sink_tokens=4, window_tokens=16,
                           retrieval_head_ratio=0.5, probe_period_tokens=16)
     assert masked_full_gap(model, tok, method, monkeypatch) <= 1e-4
+
+
+def duo_pattern(folder, gates, config='{"sink_size": 64, "recent_size": 256}'):
+    folder.mkdir(exist_ok=True)
+    (folder / "full_attention_heads.tsv").write_text(
+        "\n".join("\t".join(repr(float(g)) for g in row) for row in gates) + "\n")
+    if config is not None:
+        (folder / "config.json").write_text(config)
+    return folder
+
+
+@pytest.mark.parametrize("gates, config, expect", [
+    ([[0.2, 0.9], [0.1, 0.5]], "{not json", "config.json: not valid JSON"),
+    ([[0.2, 0.9], [0.1, 0.5]], "[64, 256]", "config.json: a JSON list, expected an object"),
+    ([[0.2, 0.9], [0.1, 0.5]], '{"sink_size": -4}', "sink_size=-4; allowed: an integer >= 0"),
+    ([[0.2, float("nan")], [0.1, 0.5]], None, "the gate of layer 0 KV head 1 is nan"),
+    ([[0.2, 0.9], [3.0, 0.5]], None, "the gate of layer 1 KV head 0 is 3.0; allowed: finite "
+                                     "gates in [0, 1]"),
+])
+def test_duo_attention_pattern_checked_like_a_knob(gates, config, expect, tmp_path):
+    folder = duo_pattern(tmp_path / "pattern", gates, config)
+    reason = one_reason(build_method("duo_attention", pattern_path=str(folder)))
+    assert expect in reason and "method.pattern_path=" in reason

@@ -1,7 +1,7 @@
 """FastGen: per-head policies chosen by the recovery threshold on hand-built attention maps, applied
 at every decode step; T = 1 is the full cache; no budget knob. The shared contract
-(tests/methods/test_contract.py: batch == alone, budget-free like kvmerger) and paged ==
-contiguous (test_paged_layout.py) run it too."""
+(tests/methods/contract/test_contract.py: batch == alone, budget-free like kvmerger) and paged ==
+contiguous (contract/test_paged_layout.py) run it too."""
 
 import pytest
 import torch
@@ -270,7 +270,7 @@ def test_recovery_one_is_the_full_cache(stories):
 def test_paged_ragged_heads_equal_contiguous(stories):
     """Ragged heads (the shared paged test's tiny model gives its 2 KV heads equal counts):
     per-head block tables give the contiguous layout's logits, every step."""
-    from tests.methods.test_paged_layout import assert_paged, decode, paged_engine
+    from tests.methods.contract.paged import assert_paged, decode, paged_engine
 
     model, tok = stories
     prompt = tok("Once upon a time there was a little dog named Max. " * 8)["input_ids"][:80]

@@ -1,7 +1,7 @@
 """HeadKV: one budget pool over every KV head of every layer, split by static head scores (the
-official formula), SnapKV's selection per head. The shared contract (tests/methods/test_contract.py)
-runs it too: budget >= the sequence == full, batch == alone, every compression per head against
-its own scores; paged == contiguous (test_paged_layout.py)."""
+official formula), SnapKV's selection per head. The shared contract
+(tests/methods/contract/test_contract.py) runs it too: budget >= the sequence == full, batch == alone, every compression per head against
+its own scores; paged == contiguous (contract/test_paged_layout.py)."""
 
 import json
 from pathlib import Path
@@ -14,8 +14,9 @@ from kvcore.errors import ConfigError
 from methods import build_method
 from methods.headkv import head_shares, load_head_scores
 from tests.conftest import make_engine
+from tests.helpers.validation import head_scores, one_reason
 from tests.methods.headwise_reference import masked_full_gap
-from tests.methods.rules import kept_after_crafted_compression
+from tests.methods.contract.rules import kept_after_crafted_compression
 
 FIXTURE = Path(__file__).parent / "data" / "headkv_tiny_llama.json"  # 2 layers x 4 query heads
 WINDOW = 8
@@ -215,3 +216,15 @@ def test_kept_set_by_hand():
     scores = torch.stack([torch.arange(10.0), 9 - torch.arange(10.0)])[None]
     kept = kept_after_crafted_compression(method, scores)
     assert kept == [[3, 4, 5, 6, 7, 8, 9], [0, 1, 2, 8, 9]]
+
+
+@pytest.mark.parametrize("value_of, expect", [
+    (lambda l, h: [float("nan"), 0.5], "score 0 of head (0, 0) is nan"),
+    (lambda l, h: [float("inf")], "score 0 of head (0, 0) is inf"),
+    (lambda l, h: [1e308, 1e308], "a head's mean score overflows"),
+    (lambda l, h: [-0.5], "every head's score is <= 0"),
+])
+def test_headkv_scores_checked_like_a_knob(value_of, expect, tmp_path):
+    path = head_scores(tmp_path / "scores.json", value_of)
+    reason = one_reason(build_method("headkv", budget_tokens=16, head_scores_path=str(path)))
+    assert f"method.head_scores_path={path}" in reason and expect in reason

@@ -1,5 +1,6 @@
 """InfiniGen: skewing, speculation math, system == simulate, pool eviction, artefact cache."""
 
+import errno
 import logging
 from pathlib import Path
 
@@ -719,3 +720,17 @@ def test_equals_the_official_mask_simulation(cache_dir, current, mode):
     assert 0.1 < share < 0.9  # the mask really selects
     assert zero_rows > 0 or current == "added"  # some rows have a count of 0
     assert (got - want).abs().max().item() < 1e-3
+
+
+def test_a_cache_on_a_full_disk_costs_the_cache_not_the_run(tmp_path, monkeypatch, caplog):
+    from methods import _infinigen_prep
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full)
+    t = torch.zeros(2, 2)
+    with caplog.at_level(logging.WARNING):
+        _infinigen_prep._save(tmp_path / "c" / "art.pt", t, t, t)
+    assert "cannot write the cache" in caplog.text and "No space left on device" in caplog.text
+    assert list((tmp_path / "c").iterdir()) == []  # no temporary file left behind

@@ -18,20 +18,7 @@ from methods.base import ModelInfo
 from methods.kernels import kivi_attention as ka  # imported here, under the interpreter (conftest)
 from methods.kernels import kivi_quant as kq
 from tests.conftest import PROJECT, STORIES, make_engine, need_shared
-
-
-@pytest.fixture
-def torch_path(monkeypatch):
-    """Plain CPU dispatch, as a CPU run: without TRITON_INTERPRET the quantizer takes its torch
-    reference and decode attention the C kernel (methods/kernels/kivi_cpu.c)."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-
-
-def keys_and_values(tokens, b=1, h=2, d=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(b, h, tokens, d, generator=g) * 2 + torch.linspace(-3, 3, d)  # channel offsets
-    v = torch.randn(b, h, tokens, d, generator=g)
-    return k, v
+from tests.methods.kivi_cases import dense_reference, keys_and_values, packed_cache
 
 
 def error_bound(quant, bits, group_size):
@@ -367,28 +354,6 @@ def test_offloaded_kivi_equals_resident_and_moves_the_packed_bytes(tiny_model, t
 
 
 # --- decode attention from the packed cache (methods/kernels/kivi_attention.py) -------------------
-def packed_cache(t_qk, t_kr, t_qv, b=1, h=2, d=16, k_bits=2, v_bits=2, k_group=32, v_group=16,
-                 seed=0, dtype=torch.float32):
-    """A KIVI cache over T = t_qk + t_kr tokens, keys and values split at different tokens."""
-    from methods.kernels.kivi_attention import KIVICache
-
-    k, v = keys_and_values(t_qk + t_kr, b=b, h=h, d=d, seed=seed)
-    k_quant = (kq.quantize_pack_ref(k[..., :t_qk, :].transpose(-1, -2), k_bits, k_group)
-               if t_qk else None)
-    v_quant = kq.quantize_pack_ref(v[..., :t_qv, :], v_bits, v_group) if t_qv else None
-    return KIVICache(k_quant, v_quant, k[..., t_qk:, :].to(dtype), v[..., t_qv:, :].to(dtype),
-                     k_bits, v_bits, k_group, v_group)
-
-
-def dense_reference(query, cache, scaling):
-    from methods.kernels.kivi_attention import dequantize_cache
-
-    keys, values = dequantize_cache(cache, torch.float32)
-    g = query.shape[1] // keys.shape[1]
-    return torch.nn.functional.scaled_dot_product_attention(
-        query.float(), keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1), scale=scaling)
-
-
 @pytest.mark.parametrize("segments", [(64, 10, 42), (96, 0, 80), (0, 20, 0), (32, 40, 72)])
 def test_torch_decode_path_is_exact_and_blockwise(segments, monkeypatch, torch_path):
 

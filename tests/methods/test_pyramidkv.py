@@ -6,7 +6,7 @@ import torch
 from methods import build_method
 from methods.pyramidkv import pyramid_budget
 from tests.conftest import make_engine
-from tests.methods.rules import kept_after_crafted_compression
+from tests.methods.contract.rules import kept_after_crafted_compression
 
 
 @pytest.mark.parametrize("seen, caps", [

@@ -12,6 +12,7 @@ from methods.kernels import quest_pages
 from methods.base import ModelInfo
 from methods.quest import QuestLayer, page_bounds, scored_allowance
 from tests.conftest import make_engine
+from tests.helpers.validation import HUGE_MODEL, one_reason
 
 
 def attended(scores, t, budget, **knobs):
@@ -270,3 +271,9 @@ def test_per_query_head_pages_make_the_union_per_kv_head(tiny_model, monkeypatch
 def test_official_selection_is_the_default():
     method = build_method("quest")
     assert (method.select_per, method.current_page, method.min_pages) == ("query_head", "scored", 3)
+
+
+def test_quest_page_size_is_estimated_before_the_weights(eight_gib):
+    reason = one_reason(build_method("quest", budget_tokens=64, page_size=1_000_000_000),
+                        HUGE_MODEL)
+    assert "method.page_size=1000000000: one padded page of keys per layer" in reason

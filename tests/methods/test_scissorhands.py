@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kvcore.errors import ConfigError
 from methods import build_method
 from methods.base import ModelInfo
 from methods.scissorhands import ScissorhandsLayer, low_attention
@@ -61,3 +62,10 @@ def test_decode_holds_budget_and_drops_the_most_often_low(tiny_model, monkeypatc
             req.step(t.view(1))
         assert [kv.kept_tokens() for kv in req.cache.kv_layers] == [10, 10]
     assert len(checks) == 2 * 2 * 20 and all(checks)
+
+
+def test_scissorhands_recent_window_larger_than_the_budget_is_refused():
+    with pytest.raises(ConfigError, match="method.recent_tokens=20 is more than "
+                                          "method.budget_tokens=8"):
+        build_method("scissorhands", budget_tokens=8, recent_tokens=20)
+    build_method("scissorhands", budget_tokens=8, recent_tokens=8)

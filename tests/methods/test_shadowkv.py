@@ -14,6 +14,8 @@ from methods.base import ModelInfo, PrepareContext, Protocol
 from methods.rope import rotate
 from methods.shadowkv import ShadowKVLayer, chunk_rows
 from tests.conftest import make_engine
+from tests.helpers.runs import ST, refused
+from tests.helpers.validation import one_reason
 
 
 def bare_layer(method, h_kv=1, d=8, heads=None):
@@ -287,3 +289,29 @@ def test_host_tier_on_cuda_gives_the_cpu_result():
         out.append([t.cpu() for t in layer._reconstruct(rows)])
     assert torch.allclose(out[0][0], out[1][0], atol=1e-4)
     assert torch.equal(out[0][1], out[1][1])
+
+
+STORIES_INFO = ModelInfo(num_layers=5, num_heads=8, num_kv_heads=4, head_dim=8, max_positions=512,
+                         rope_theta=10000.0)
+
+
+def test_shadowkv_threshold_beyond_the_models_positions_is_named(tmp_path, no_weight_loading):
+    message = refused(tmp_path, *ST, "task.prefill_tokens=16", "method=shadowkv",
+                      "method.budget_tokens=8")
+    assert ("method.compress_above_tokens=4096: ShadowKV compresses only prompts longer than "
+            "that, but this model has 512 max positions") in message
+
+
+def test_shadowkv_rank_beyond_the_key_width_is_refused():
+    reason = one_reason(build_method("shadowkv", compress_above_tokens=0, rank=64), STORIES_INFO)
+    assert "method.rank=64 is larger than the keys' width on this model (H_kv x head_dim = 32)" \
+        in reason
+    assert not build_method("shadowkv", compress_above_tokens=0, rank=32).validate(
+        STORIES_INFO, {"batch_size": 1})
+
+
+def test_shadowkv_rank_and_rank_ratio_both_set_is_refused():
+    with pytest.raises(ConfigError, match="the rank would win and the ratio be ignored"):
+        build_method("shadowkv", rank=8, rank_ratio=0.5)
+    build_method("shadowkv", rank=8)
+    build_method("shadowkv", rank_ratio=0.5)

@@ -13,7 +13,7 @@ from methods.base import Protocol
 from methods.squeezeattention import budget_factors, kmeans_1d
 from tasks import build_task
 from tests.conftest import make_engine
-from tests.methods.rules import kept_after_crafted_compression
+from tests.methods.contract.rules import kept_after_crafted_compression
 from tests.models import family_config
 
 

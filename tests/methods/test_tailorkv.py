@@ -14,8 +14,7 @@ from methods.kivi import KIVILayer
 from methods.scoring import attention_with_probs
 from methods.tailorkv import TopKOffloadLayer, outside_top_mass
 from tests.conftest import make_engine
-from tests.methods.test_contract import StepChecker
-from tests.methods.test_kivi import torch_path  # noqa: F401  (fixture: no Triton interpreter)
+from tests.methods.contract.step_checker import StepChecker
 
 
 def eager(module, query, keys, values, mask, **kwargs):
@@ -141,7 +140,7 @@ def test_one_bit_kernel_matches_the_reference():
 def test_one_bit_decode_attention_kernel_equals_dequantize_then_attend():
     """KIVI's fused decode kernel (interpreter) and torch path at 1 bit, as TailorKV uses them."""
     from methods.kernels import kivi_attention as ka
-    from tests.methods.test_kivi import dense_reference, packed_cache
+    from tests.methods.kivi_cases import dense_reference, packed_cache
 
     cache = packed_cache(64, 10, 48, k_bits=1, v_bits=1, k_group=32, v_group=16)
     query = torch.randn(1, 6, 1, 16, generator=torch.Generator().manual_seed(3))

@@ -158,7 +158,7 @@ def test_a_two_shard_array_merges_to_the_unsharded_sweep(cluster, tmp_path):
     """runner.shards=2 under SLURM: one array of two tasks, each running both members on its
     samples, then one merge job; each member's folder equals the unsharded sweep's (run here,
     through the default local launcher)."""
-    from tests.harness.test_sweep_engine import folder_figures
+    from tests.helpers.sweeps import folder_figures
 
     _, env = cluster
     sharded = harness(env, "-m", *RESOURCES, *RULER, "runner.shards=2",

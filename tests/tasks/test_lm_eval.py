@@ -12,6 +12,7 @@ from kvcore.errors import ConfigError
 from harness.lm_eval.tasks import TASK_FILES, offline_task_dir
 from harness.run import run
 from tests.conftest import DATA, PROJECT, STORIES, need_shared
+from tests.helpers.runs import refused
 
 # lm-eval 0.4.13's `copa` puts a space in front of every choice (utils.doc_to_choice) and the
 # default target_delimiter adds another: "...because  the patron was drunk." lm-eval 0.3, which
@@ -401,3 +402,14 @@ def test_a_tag_runs_its_tasks(tmp_path, monkeypatch):
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["accuracy"]["my_gen/samples"] == metrics["accuracy"]["my_roll/samples"] == 1
     assert metrics["protocol"]["tasks"] == ["my_gen", "my_roll"]
+
+
+def test_a_bad_line_in_an_include_path_data_file_is_named(tmp_path, no_weight_loading, monkeypatch):
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    folder = write_custom_tasks(tmp_path / "yaml", tmp_path / "data")
+    data = tmp_path / "data" / "gen.jsonl"
+    lines = data.read_text().splitlines()
+    data.write_text(lines[0] + "\n" + '{"question": "b", "answer": \n' + lines[1] + "\n")
+    message = refused(tmp_path, "task=lm_eval", "model=stories260k", "task.names=[my_gen]",
+                      f"task.include_path={folder}", "task.num_fewshot=0")
+    assert f"{data} line 2: Expecting value" in message

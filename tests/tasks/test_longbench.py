@@ -2,6 +2,7 @@
 metrics per dataset, data errors before weights load, and a run through the runner."""
 
 import json
+import logging
 import zipfile
 
 import pytest
@@ -356,3 +357,28 @@ def test_data_dir_expands_the_home_folder(monkeypatch, tmp_path):
     """task.data_dir=~/... is the user's folder, as the lm-eval data folder already was."""
     monkeypatch.setenv("HOME", str(tmp_path))
     assert LongBench(data_dir="~/longbench").data_folder() == tmp_path / "longbench"
+
+
+@pytest.mark.usefixtures("shared_folder")
+def test_longbench_hub_fallback_offline_is_one_line(tmp_path, monkeypatch, caplog):
+    """Without network, huggingface_hub logged a warning per retry (12 lines, half a minute)
+    before the task's one ConfigError line."""
+    import huggingface_hub
+
+    from tasks import build_task
+
+    def download(*a, **k):
+        logging.getLogger("huggingface_hub.utils._http").warning(
+            "'[Errno -2] Name or service not known' thrown while requesting HEAD ...")
+        logging.getLogger("huggingface_hub.utils._http").warning("Retrying in 1s [Retry 1/5].")
+        raise OSError("[Errno -2] Name or service not known")
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "0")
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    task = build_task("longbench", datasets=["qasper"], data_dir=str(tmp_path / "nope"))
+    level = logging.getLogger("huggingface_hub").level
+    with caplog.at_level(logging.DEBUG), pytest.raises(ConfigError, match="hub download"):
+        task.check_data()
+    assert not [r for r in caplog.records if r.name.startswith("huggingface_hub")]
+    assert logging.getLogger("huggingface_hub").level == level  # restored

@@ -14,6 +14,7 @@ from tasks.prompts import (NEEDLE, NOISE_SENTENCE, PromptFormat, clean_predictio
                            split_sentences, string_match_all, string_match_part)
 from tasks.ruler import aggregate
 from tests.conftest import make_engine
+from tests.helpers.validation import HUGE_MODEL
 
 NIAH = ["niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery"]
 
@@ -267,3 +268,12 @@ def test_smollm2_finds_the_single_needle_at_1024(smollm2):
     assert res.metrics["niah_single"] == 100.0
     assert res.metrics["niah_single_grid"]["accuracy"] == [[100.0]]
     assert res.protocol["prompt_format"] == "chat"
+
+
+def test_a_ruler_sample_count_is_estimated_without_building_the_cells(eight_gib, monkeypatch):
+    from tasks import build_task
+    from tasks.ruler import Ruler
+
+    monkeypatch.setattr(Ruler, "cells", lambda self: pytest.fail("cells() were built"))
+    task = build_task("ruler", samples_per_cell=10**12)
+    assert task.validate(HUGE_MODEL, build_method("full"))

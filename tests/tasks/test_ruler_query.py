@@ -11,7 +11,7 @@ from methods import build_method
 from tasks import build_task
 from tasks.ruler import PromptFormat, query_start
 from tests.conftest import make_engine
-from tests.harness.test_batch import prompts_of
+from tests.helpers.generation import prompts_of
 
 
 def test_full_is_unchanged_by_feeding_the_question_after_the_prompt(tiny_model):

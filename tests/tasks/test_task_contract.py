@@ -9,13 +9,13 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from harness import models
 from harness.run import run
 from harness.uncertainty import cell_uncertainty
 from kvcore.errors import ConfigError
 from methods import build_method
 from tasks import available_tasks, build_task, task_class
 from tests.conftest import DATA, PROJECT, STORIES, make_engine, need_shared
+from tests.helpers.validation import HUGE_MODEL
 
 # Options that make each task take seconds on stories260K (512 positions).
 TINY = {
@@ -56,13 +56,6 @@ def test_main_metric_is_declared(name):
     assert isinstance(cls.higher_is_better, bool)
 
 
-@pytest.fixture
-def no_weight_loading(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("weights were loaded before the config error was found")
-    monkeypatch.setattr(models, "load_model", refuse)
-
-
 @pytest.mark.parametrize("name", TASKS)
 @pytest.mark.parametrize("override, message", [("task.limit=0", "task.limit=0"),
                                                ("+task.nosuch_tokens=3", "task.nosuch_tokens")])
@@ -96,3 +89,18 @@ def test_evaluates_on_a_tiny_model_and_returns_its_main_metric(name, stories, mo
     assert cell["estimate"] == pytest.approx(value, abs=0.01, rel=1e-4)  # the official average
     if cell["ci95"] is not None:
         assert cell["ci95"][0] <= value + 0.01 and value - 0.01 <= cell["ci95"][1]
+
+
+@pytest.mark.parametrize("task, options, expect", [
+    ("ruler", {"lengths": [100_000_000]}, "task.lengths=[100000000]: the KV cache of the longest "
+                                          "sample would need 119.21 GiB but 8.00 GiB"),
+    ("ruler", {"samples_per_cell": 1_000_000_000}, "task.samples_per_cell=1000000000: "
+                                                   "10000000000 prompts built would need"),
+    ("multiturn", {"context_tokens": 100_000_000}, "task.context_tokens=100000000: the "
+                                                    "conversation's KV cache and its text"),
+])
+def test_task_sizes_are_estimated_not_bounded_by_max_positions(task, options, expect, eight_gib):
+    from tasks import build_task
+
+    reasons = build_task(task, **options).validate(HUGE_MODEL, build_method("full"))
+    assert any(expect in r for r in reasons), reasons

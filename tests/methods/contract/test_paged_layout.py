@@ -3,25 +3,23 @@ contiguous layout (fp32), alone and in a batch of ragged sequences drawing from 
 the blocks go back to the pools when requests end; methods that cannot page are refused before
 weights load, with the key named."""
 
-import dataclasses
 import json
 
 import pytest
 import torch
 
 from harness import hf_adapter
-from harness.engine import Engine
 from harness.run import run
 from kvcore.errors import ConfigError
-from kvcore.offload import PagedHostKVStore
 from kvcore.paged import PagedRows
 from methods import available_methods, build_method, method_class
 from methods.base import Capabilities
 from tests.conftest import STORIES, make_engine, need_shared
-from tests.harness.test_run import cfg_for, no_weight_loading  # noqa: F401 (fixture)
+from tests.helpers.runs import cfg_for
+from tests.methods.contract.paged import BLOCK_TOKENS, assert_paged, decode, paged_engine
 
 PAGED = [n for n in available_methods() if "paged" in method_class(n).capabilities.kv_layouts]
-PROMPT_TOKENS, DECODE_STEPS, BLOCK_TOKENS = 44, 12, 8
+PROMPT_TOKENS, DECODE_STEPS = 44, 12
 
 
 def test_the_methods_on_the_shared_storage_declare_paged():
@@ -52,31 +50,6 @@ def cases():
 def compressing(name, mode, seq_tokens):
     settings = method_class(name).compressing_hyperparameters(seq_tokens)
     return build_method(name, **settings, **({"mode": mode} if mode else {}))
-
-
-def paged_engine(model, method, kv_offload="none", layout="paged"):
-    """An engine as make_engine builds it (prepare() included), storing K/V in `layout`."""
-    engine = make_engine(model, method, chunk=16)
-    settings = dataclasses.replace(engine.settings, kv_layout=layout, kv_offload=kv_offload,
-                                   kv_block_tokens=BLOCK_TOKENS)
-    return Engine(model, None, method, engine.info, settings)
-
-
-def assert_paged(layers, name):
-    """Every K/V storage of the request was paged (device rows and host stores)."""
-    for kv in layers:
-        assert all(isinstance(r, PagedRows) for r in kv._kv.values()), name
-        store = getattr(kv, "store", None)
-        assert store is None or isinstance(store, PagedHostKVStore), name
-
-
-def decode(engine, prompt, steps):
-    with engine.request() as req:
-        logits = [req.prefill(prompt)[0, -1]]
-        for _ in range(steps):
-            logits.append(req.step(int(logits[-1].argmax()))[0, -1])
-        layers = req.cache.kv_layers
-    return torch.stack(logits), layers
 
 
 @pytest.fixture

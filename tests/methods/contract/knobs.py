@@ -1,29 +1,16 @@
-"""Every hyperparameter of every method changes what the method does (no ignored knob).
-
-For each method and each of its knobs, the compressing case (a chunked prompt, then decode
-steps on a tiny GQA Llama) runs at the knob's default and at another valid value: the logits or
-the kept positions must differ. A knob that by design changes nothing in this case says so in
-`KVMethod.inert_knobs` with its reason (e.g. InfiniGen's `mode`: `system` and `simulate` give
-the same outputs by construction), and the test checks that claim too. String knobs take the
-alternatives the method's own refusal names ("allowed: ..."); a knob with no such list is
-perturbed only if it is numeric or boolean.
-
-This is also how a newcomer's "uniform split" (PyramidKV's pyramid silently flat) is caught: its
-`beta` then changes nothing (tests/methods/test_contract_mutants.py). A knob that changes nothing
-on the random tiny Llama (whose flat attention can hide a threshold) is tried on stories260K.
-"""
+"""Whether a knob acts: the compressing case run at the knob's default and at other valid values
+(test_every_knob_acts.py; the mutants' uniform-split check)."""
 
 import math
 import re
 
-import pytest
 import torch
 
 from harness import hf_adapter
 from kvcore.errors import ConfigError
-from methods import available_methods, build_method, method_class
+from methods import build_method, method_class
 from tests.conftest import make_engine
-from tests.methods.test_contract import SEQ_TOKENS, get_model
+from tests.methods.contract.step_checker import SEQ_TOKENS
 
 PREFILL_TOKENS, CHUNK_TOKENS = 48, 16
 SIZE_KNOBS = ("budget_ratio", "budget_tokens")
@@ -91,29 +78,3 @@ def knobs(name: str) -> list[str]:
     fields = [k for k in cls.hyperparameter_names() if k not in SIZE_KNOBS]
     budget = [k for k in SIZE_KNOBS if k in cls.compressing_hyperparameters(SEQ_TOKENS)]
     return fields + budget
-
-
-CASES = [pytest.param(name, knob, id=f"{name}.{knob}")
-         for name in available_methods() for knob in knobs(name)]
-
-
-@pytest.mark.parametrize("name, knob", CASES)
-def test_every_knob_acts(name, knob, request, monkeypatch, tmp_path):
-    monkeypatch.setenv("KVH_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    inert = method_class(name).inert_knobs
-    acts = knob_acts(get_model("llama", request, layers=3), name, knob)
-    if not acts:  # a random tiny model's flat attention can hide a knob: ask a trained one
-        stories = get_model("stories", request)
-        settings = method_class(name).compressing_hyperparameters(SEQ_TOKENS)
-        if not build_method(name, **settings).validate(
-                hf_adapter.model_info(stories.config), {"batch_size": 1}):
-            acts = knob_acts(stories, name, knob) or acts
-    if knob in inert:
-        assert acts is not True, f"method.{knob} is declared inert ({inert[knob]}) but acts"
-        return
-    if acts is None:
-        pytest.skip(f"method.{knob}: no other valid value to try (no numeric perturbation and "
-                    "no 'allowed:' list in its refusal)")
-    assert acts, (f"method={name}: method.{knob} changes nothing in the compressing case: an "
-                  "ignored knob (or declare it in inert_knobs with the reason)")

@@ -1,7 +1,7 @@
 """What a method declares, read from its knobs and its budget rule, never from its layer's hooks.
 
-The shared contract (tests/methods/test_contract.py) holds every layer to these, so a bug inside a
-layer's own `budget()`, `protected()` or `allowed_tokens()` cannot certify itself:
+The shared contract (tests/methods/contract/test_contract.py) holds every layer to these, so a
+bug inside a layer's own `budget()`, `protected()` or `allowed_tokens()` cannot certify itself:
 
 * the budget: `BudgetedMethod.layer_budget(layer, num_layers, basis)`, the basis read through the
   base class (`KVLayer.basis_tokens`); a per-request allocation (SqueezeAttention's factors, set

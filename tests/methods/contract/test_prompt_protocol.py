@@ -22,7 +22,7 @@ import torch
 
 from methods import available_methods, build_method, method_class
 from tests.conftest import make_engine
-from tests.methods.test_contract import get_model, skip_if_refused
+from tests.methods.contract.common import get_model, skip_if_refused
 
 PROMPT_TOKENS, DECODE_STEPS = 96, 6
 CHUNKS = (16, 1, 40, 128)

@@ -2,9 +2,8 @@
 
 Each mutant below is a real bug planted for the duration of one test, in the scored-eviction or
 the selection template (for several methods built on it) or in one method, as a newcomer would
-write it. The
-contract (`tests/methods/test_contract.py`: `check_compressing_contract` and the knob check of
-`test_every_knob_acts.py`) must fail on every one. A mutant equivalent for a method (TOVA declares
+write it. The contract (`tests/methods/contract/test_contract.py`: `check_compressing_contract`
+and the knob check of `test_every_knob_acts.py`) must fail on every one. A mutant equivalent for a method (TOVA declares
 no recent window, so forgetting it changes nothing) is not run for it.
 """
 
@@ -16,9 +15,10 @@ import torch
 from kvcore.errors import BudgetViolation
 from methods import build_method, method_class
 from methods.eviction import EvictionLayer, keep_tokens
-from tests.methods.test_contract import SEQ_TOKENS, check_compressing_contract, get_model
-from tests.methods.test_every_knob_acts import knob_acts
-from tests.methods.test_score_direction import beats_its_mirror, pg19_ids
+from tests.methods.contract.common import get_model
+from tests.methods.contract.direction import beats_its_mirror, pg19_ids
+from tests.methods.contract.knobs import knob_acts
+from tests.methods.contract.step_checker import SEQ_TOKENS, check_compressing_contract
 
 TEMPLATE_METHODS = ("h2o", "snapkv", "pyramidkv", "tova")
 CAUGHT = (AssertionError, BudgetViolation)

@@ -1,0 +1,133 @@
+"""`python -m harness` (harness/__main__.py): one line per error (exit 2), tracebacks only on
+request, Hydra's errors and hints, `--help`, and SIGINT/SIGTERM leaving no partial result."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import PROJECT
+from tests.helpers.runs import ST, cfg_for, cli
+
+
+@pytest.mark.usefixtures("shared_folder")
+@pytest.mark.parametrize("args, expect", [
+    (["model=nosuch"], "Could not find 'model/nosuch'"),
+    (["logger=nosuch"], "Could not find 'logger/nosuch'"),
+    (["method=kivi", "method.k_bits=3"], "error: method.k_bits=3; allowed: 2, 4, 8"),
+])
+def test_cli_one_line_and_debug_traceback(args, expect, tmp_path):
+    proc = cli(*args, f"runner.results_root={tmp_path}")
+    assert proc.returncode != 0 and expect in proc.stderr and "Traceback" not in proc.stderr
+    if args[0].startswith("method="):
+        debug = cli(*args, "runner.debug=true", f"runner.results_root={tmp_path}")
+        assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as under `nohup ... &`: inherited by the child
+
+
+@pytest.mark.usefixtures("shared_folder")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_run_leaves_no_partial_result(sig, tmp_path):
+    """The child starts with SIGINT ignored whatever the parent's state (a background job's
+    disposition): the CLI must install its own handler for Ctrl-C to unwind cleanly."""
+    env = dict(os.environ, HYDRA_FULL_ERROR="0", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "task.max_tokens=1500",
+                             f"runner.results_root={tmp_path}"], cwd=PROJECT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=_ignore_sigint)
+    deadline = time.time() + 120
+    seen = ""
+    while time.time() < deadline:  # wait until decoding has started
+        line = proc.stdout.readline()
+        seen += line
+        if "streaming perplexity" in line or not line:
+            break
+    time.sleep(1.0)
+    proc.send_signal(sig)
+    rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, seen + rest
+    assert "interrupted: no result written" in rest
+    assert not list(tmp_path.rglob("metrics.json"))
+    assert not [p for p in tmp_path.rglob("*partial*")]
+
+
+@pytest.mark.usefixtures("shared_folder")
+@pytest.mark.parametrize("args, expect", [
+    (["logger=nosuch"], "error: Could not find 'logger/nosuch'; allowed: none, wandb"),
+    (["hardware=nosuch"], "error: Could not find 'hardware/nosuch'; allowed: h200_sxm"),
+    (["experiment=nosuch"], "error: Could not find 'experiment/nosuch'; allowed: "),
+    (["method.budget_ratio=["], "error: override 'method.budget_ratio=[' cannot be parsed"),
+    (["runner.nosuch=1"], "error: runner.nosuch is not a key of runner=default; allowed: "),
+    (["method=_shared"], "error: method='_shared' is not a method"),
+    (["method=nosuch"], "error: Could not find 'method/nosuch'; allowed: "),  # any new method
+])
+def test_hydra_errors_are_one_line_exit_2(args, expect, tmp_path):
+    proc = cli(*args, f"runner.results_root={tmp_path}")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
+    assert expect in proc.stderr and "_shared" not in proc.stderr.split("allowed:")[-1]
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.usefixtures("shared_folder")
+def test_help_offers_no_fragment(tmp_path):
+    proc = cli("--help")
+    assert proc.returncode == 0
+    assert "method (provenance: official code | paper | reconstruction | reference):" in proc.stdout
+    assert "  full              reference" in proc.stdout and "  h2o               official" in proc.stdout
+    assert "_shared" not in proc.stdout
+
+
+@pytest.mark.usefixtures("shared_folder")
+def test_hydra_full_error_and_debug_show_tracebacks(tmp_path):
+    root = f"runner.results_root={tmp_path}"
+    runner_error = cli(*ST, "method=kivi", "method.k_bits=3", root, env={"HYDRA_FULL_ERROR": "1"})
+    assert runner_error.returncode != 0 and "Traceback" in runner_error.stderr
+    hydra_error = cli(*ST, "runner.batchsize=2", "runner.debug=True", root)
+    assert hydra_error.returncode != 0 and "Traceback" in hydra_error.stderr
+
+
+def test_unquoted_tilde_gets_a_hint_to_quote_it():
+    from harness.__main__ import one_line
+
+    with pytest.raises(Exception) as err:
+        cfg_for("task.path=~/x")
+    assert "(quote the value: task.path='~/x')" in one_line(err.value)
+
+
+@pytest.mark.usefixtures("shared_folder")
+def test_sigterm_during_a_long_prefill_leaves_nothing(tmp_path):
+    # SmolLM2 fed one token per forward: a 512-token window takes many seconds on CPU, so the
+    # signal lands inside the prefill, after the weights are loaded
+    env = dict(os.environ, HYDRA_FULL_ERROR="0", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-m", "harness", "model=smollm2_135m",
+                             "method=full", "task.mode=chunked", "task.window_tokens=512",
+                             "task.max_tokens=512", "runner.prefill_chunk_tokens=1",
+                             f"runner.results_root={tmp_path}"], cwd=PROJECT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline, seen = time.time() + 120, ""
+    while time.time() < deadline:  # until the weights are loaded: the prefill is running
+        line = proc.stdout.readline()
+        seen += line
+        if ("Loading weights" in line and "100%" in line) or not line:
+            break
+    time.sleep(2.0)
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, seen + rest
+    assert not list(tmp_path.rglob("*")), "an interrupted run left files or folders"
+
+
+def test_overriding_method_name_is_refused(tmp_path):
+    proc = cli(*ST, "method=snapkv", "method.name=pyramidkv",
+               f"runner.results_root={tmp_path / 'r'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert ("method.name=pyramidkv overrides method=snapkv (whose settings were composed); "
+            "choose it as method=pyramidkv") in proc.stderr
+    assert not (tmp_path / "r").exists()
