@@ -279,14 +279,9 @@ def run_ours(folder: Path) -> None:
         method = build_method(c["method"], **knobs)
         if method.needs_prepare():
             hf_adapter.prepare(method, model, tokenizer, info, data_dir=models.SHARED_DIR / "data")
-        handles = method.install(model)
         engine = Engine(model, tokenizer, method, info, EngineSettings(prefill_chunk_tokens=chunk))
         lift = c["method"] != "full" and method.capabilities.acts_during_decode
-        try:
-            rows = [run_sample(engine, method, s, lift) for s in samples]
-        finally:
-            for h in handles:
-                h.remove()
+        rows = [run_sample(engine, method, s, lift) for s in samples]
         results.append({"case": c["name"], "samples": rows})
         print(f"ours: {c['name']} done ({time.perf_counter() - t0:.0f} s)", flush=True)
     write_json(folder / "ours.json", {"ours": {"transformers": transformers.__version__,

@@ -121,7 +121,7 @@ class MethodKVCache(hf_adapter.MethodCache):
         super().__init__(method, info, self.engine.tier, settings.protocol)
         self.pos = 0  # tokens fed so far (the engine's Request.pos)
         self._forward: tuple[contextlib.ExitStack, bool, int] | None = None
-        self._handles = method.install(model) + hf_adapter.watch_forwards(model, self)
+        self._handles = hf_adapter.watch_forwards(model, self)
         self.closed = False
 
     # --- the engine's Request._forward, split around the model's forward ---------------------

@@ -317,13 +317,8 @@ def run(cfg: DictConfig) -> Path:
     seed_everything(int(runner["seed"]))
     session.load(runner["attn_impl"])
     engine = session.engine(setting)
-    handles = setting.method.install(session.model)
     reset_peak_memory(engine.device)
-    try:
-        result = setting.task.evaluate(engine)
-    finally:
-        for handle in handles:
-            handle.remove()
+    result = setting.task.evaluate(engine)
     metrics = build_metrics(session, setting, engine, result, t_start)
     return write_result(setting, out, metrics, result, engine)
 

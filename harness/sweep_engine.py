@@ -26,9 +26,9 @@ recording's, bit for bit); a group whose layers attend otherwise moves to the re
 with eager attention, then to a forward of its own, and the reason is recorded.
 
 A setting gets its own prefill when the prompt state cannot be copied (a host KV store, a
-diagnostics shadow), when its runner feeds prompts otherwise (chunked or sparse prefill,
-batches, a device KV limit, an offloaded cache), or when its method installs hooks on the
-model (`KVMethod.install`; those settings are evaluated by their own task pass and engine).
+diagnostics shadow) or when its runner feeds prompts otherwise (chunked or sparse prefill,
+batches, a device KV limit, an offloaded cache; the last three are evaluated by their own task
+pass and engine).
 What the shared prefill cost (its timed chunks, its tokens, the bytes it moved between tiers;
 with a replay, the recorded forward's and the replay's time) is counted in every setting's
 figures, as a single run of it would count it. The settings' answers to one prompt are
@@ -74,7 +74,7 @@ class Member:
 
     setting: Any  # harness.session.Setting
     engine: Engine
-    own_pass: bool = False  # evaluated by its own task pass (hooks, batches, device limit)
+    own_pass: bool = False  # evaluated by its own task pass (batches, device limit)
     # samples whose sequence fits the method's rule budget (rule_budget): the full cache's
     # answer, computed once per sample; None: its method has no such rule, or its own pass
     identical_to_full: int | None = None
@@ -146,10 +146,6 @@ def shares_prefill(setting) -> bool:
     return (r.get("prefill", "dense") == "dense" and r.get("batch_size", 1) == 1
             and r.get("kv_device_limit_mib") is None and r.get("kv_offload", "none") == "none"
             and not r.get("diagnostics"))
-
-
-def installs_hooks(method: KVMethod) -> bool:
-    return type(method).install is not KVMethod.install
 
 
 def prefill_key(setting) -> str:
@@ -498,11 +494,10 @@ class Replay:
 
 
 def needs_own_pass(setting) -> bool:
-    """Whether the setting is evaluated by its own task pass (hooks on the model, prompts
-    decoded together, a device KV limit queueing requests), outside the shared one."""
-    return installs_hooks(setting.method) or (
-        setting.runner.get("batch_size", 1) != 1
-        or setting.runner.get("kv_device_limit_mib") is not None)
+    """Whether the setting is evaluated by its own task pass (prompts decoded together, a device
+    KV limit queueing requests), outside the shared one."""
+    return (setting.runner.get("batch_size", 1) != 1
+            or setting.runner.get("kv_device_limit_mib") is not None)
 
 
 def answer_shard(members: list[Member], info, records: list, shard) -> list[Group]:
@@ -537,10 +532,4 @@ def evaluate(members: list[Member], info, copy_on_use: bool = True, records: lis
             yield i, members[i].setting.task.evaluate(replay), groups
     for i, m in enumerate(members):
         if m.own_pass:
-            handles = m.setting.method.install(m.engine.model)
-            try:
-                result = m.setting.task.evaluate(m.engine)
-            finally:
-                for handle in handles:
-                    handle.remove()
-            yield i, result, groups
+            yield i, m.setting.task.evaluate(m.engine), groups

@@ -633,10 +633,6 @@ class KVMethod:
         """Offline step (idempotent; may cache artefacts on disk). Returns facts for metrics.json."""
         return {}
 
-    def install(self, model) -> list[Any]:
-        """Optional hooks for the duration of a run; return handles with `.remove()`."""
-        return []
-
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         """A fresh per-request state object for one decoder layer (default: the full cache)."""
         return FullLayer(layer_idx, info)

@@ -137,7 +137,7 @@ def build_engine(model: str, method: str = "full", prefill_chunk_tokens: int = 5
                  prefill: str = "dense", batch_size: int = 1):
     """Load a model and a KV method into an Engine, as the runner does (validation first).
 
-    Returns (engine, the method's hook handles, the model's description)."""
+    Returns (engine, the model's description)."""
     from harness import hf_adapter, models
     from harness.engine import Engine
     from harness.run import (ATTN_IMPLS, check_runner, engine_settings, protocol_from,
@@ -163,9 +163,8 @@ def build_engine(model: str, method: str = "full", prefill_chunk_tokens: int = 5
     loaded, tokenizer = models.load_model(spec, attn_impl)
     if kv_method.needs_prepare():
         hf_adapter.prepare(kv_method, loaded, tokenizer, info, data_dir=models.SHARED_DIR / "data")
-    handles = kv_method.install(loaded)
     engine = Engine(loaded, tokenizer, kv_method, info, engine_settings(runner))
-    return engine, handles, spec.description
+    return engine, spec.description
 
 
 class _LoglikelihoodTask:
@@ -222,7 +221,6 @@ class KVHarnessLM(TemplateLM):
         if scoring not in SCORING:
             raise ConfigError(f"kvharness scoring={scoring!r}; allowed: {', '.join(SCORING)}")
         self.scoring = scoring
-        self._handles: list[Any] = []
         self._description = None
         self.share_context = bool(parse_value(share_context))
         self._warned_unforkable = False
@@ -234,7 +232,7 @@ class KVHarnessLM(TemplateLM):
             model_options = {k: options.pop(k) for k in MODEL_KEYS if k in options}
             method = parse_value(method) or "full"
             self._check_method_options(str(method), options)
-            engine, self._handles, self._description = build_engine(
+            engine, self._description = build_engine(
                 str(parse_value(model)), str(method),
                 _positive_int("prefill_chunk_tokens", parse_value(prefill_chunk_tokens)),
                 str(parse_value(attn_impl)), bool(parse_value(check_budget)), device,
@@ -287,12 +285,6 @@ class KVHarnessLM(TemplateLM):
                 f"kvharness model_args {unknown[0]}={options[unknown[0]]!r} is neither an option "
                 f"of the model ({', '.join(('model',) + MODEL_KEYS + LM_KEYS)}) nor a "
                 f"hyperparameter of method={method} ({', '.join(allowed) or 'none'})")
-
-    def close(self) -> None:
-        """Remove the method's model hooks (installed when this LM loaded the model itself)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
 
     # --- what lm-eval reads ----------------------------------------------------------------
     @property
