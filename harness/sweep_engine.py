@@ -119,7 +119,9 @@ class Forward:
             if eager not in self.engines:
                 lead = self.lead
                 self.engines[eager] = Engine(
-                    lead.model, lead.tokenizer, sweep_replay.recorder_for(self.methods, eager),
+                    lead.model, lead.tokenizer,
+                    sweep_replay.recorder_for(self.methods, eager,
+                                              lead.settings.protocol.dense_layers),
                     lead.info, sweep_replay.recording_settings(lead.settings))
             self.recordings[eager] = sweep_replay.record_prompt(self.engines[eager], prompt)
             self.recorded[eager] += 1

@@ -56,6 +56,7 @@ class LayerCall:
     mask: torch.Tensor | None = None
     kwargs: dict[str, Any] = field(default_factory=dict)
     out: torch.Tensor | None = None  # (B, q, H_q, D) attention's output
+    eager: bool = False  # computed by attention_with_probs, not by `base`
     hidden: torch.Tensor | None = None  # the attention input (prefetch), with lookahead
     hidden_positions: torch.Tensor | None = None
     residual: torch.Tensor | None = None  # the attention block's input and output, observed
@@ -69,7 +70,6 @@ class Recording:
     chunks: list[tuple[torch.Tensor, list[LayerCall]]]  # (ids (1, q), per layer)
     logits: torch.Tensor  # (1, 1, V) the prompt's last logits
     cost: dict[str, Any]  # what the forward added to its engine's accounting (sweep_records)
-    eager: bool  # attention computed by attention_with_probs, not the model's function
 
 
 class _RecorderLayer(KVLayer):
@@ -106,7 +106,7 @@ class _RecorderLayer(KVLayer):
         else:
             out = base(module, query, keys, values, attention_mask, **kwargs)[0]
         call.module, call.base, call.query, call.mask = module, base, query, attention_mask
-        call.kwargs, call.out = dict(kwargs), out
+        call.kwargs, call.out, call.eager = dict(kwargs), out, self.eager
         return out, None
 
     def observe_attention_block(self, residual, attention_output) -> None:
@@ -126,6 +126,9 @@ class Recorder(KVMethod):
     operating_point: ClassVar[str] = "records one dense forward for the settings of a sweep"
     axis_keys: ClassVar[tuple[str, ...]] = ()
     eager: bool = False
+    # layers attending with the model's attention even when `eager`: the protocol's dense
+    # layers, which every method leaves to the full cache
+    base_layers: tuple[int, ...] = ()
     # what the settings replaying it are called with: attention inputs one layer ahead, the
     # attention block's input and output
     lookahead: bool = False
@@ -137,7 +140,7 @@ class Recorder(KVMethod):
                                          observes_attention_block=self.observes)
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
-        return _RecorderLayer(layer_idx, info, self.eager)
+        return _RecorderLayer(layer_idx, info, self.eager and layer_idx not in self.base_layers)
 
     make_dense_layer = make_layer
 
@@ -145,11 +148,14 @@ class Recorder(KVMethod):
         return ()
 
 
-def recorder_for(methods: list[KVMethod], eager: bool) -> Recorder:
+def recorder_for(methods: list[KVMethod], eager: bool,
+                 dense_layers: tuple[int, ...] = ()) -> Recorder:
     """A recorder for settings of these methods to replay: it records what any of them is called
-    with; `eager`: its attention is methods.scoring.attention_with_probs."""
+    with; `eager`: its attention is methods.scoring.attention_with_probs but on `dense_layers`
+    (the protocol's)."""
     caps = [m.capabilities for m in methods]
-    return Recorder(eager=eager, lookahead=any(c.lookahead for c in caps),
+    return Recorder(eager=eager, base_layers=tuple(dense_layers),
+                    lookahead=any(c.lookahead for c in caps),
                     observes=any(c.observes_attention_block for c in caps))
 
 
@@ -171,8 +177,7 @@ def record_prompt(engine, prompt: list[int]) -> Recording:
         chunk = engine.prefill_chunk()
         pieces = [ids[:, s:s + chunk] for s in range(0, ids.shape[1], chunk)]
         chunks = [(piece, [kv.calls[c] for kv in layers]) for c, piece in enumerate(pieces)]
-    return Recording(chunks, logits, sweep_records.added(engine, before),
-                     engine.method.eager)
+    return Recording(chunks, logits, sweep_records.added(engine, before))
 
 
 def replay_prompt(req, recording: Recording) -> torch.Tensor:
@@ -191,7 +196,7 @@ def replay_prompt(req, recording: Recording) -> torch.Tensor:
                 for kv in layers:
                     kv.observe_token_ids(ids)
             for kv, call in zip(layers, calls):
-                _replay_layer(cache, kv, call, lookahead, recording.eager)
+                _replay_layer(cache, kv, call, lookahead, call.eager)
             for kv in layers:
                 kv.after_forward()
             if engine.settings.check_budget:

@@ -96,13 +96,16 @@ REPLAYED = ["full", "h2o", "snapkv", "fastgen", "kvzip", "infinigen", "squeezeat
             "duo_attention", "kivi", "quest", "streaming_llm"]
 
 
-def test_one_forward_replayed_chunk_by_chunk_equals_single_runs(tmp_path):
+@pytest.mark.parametrize("dense", ["[]", "[0]"])
+def test_one_forward_replayed_chunk_by_chunk_equals_single_runs(dense, tmp_path):
     """Prompts fed in chunks of 128 tokens (three per prompt): each method's layers are called
     chunk by chunk in the replay as in its own forward; every setting replays, and equals its
-    single run."""
+    single run. With a dense layer (the full cache's, attending with the model's attention),
+    the methods attending with probabilities replay the eager recording, whose dense layers
+    attend as the model does."""
     need_shared(STORIES)
-    settings = [[*TASK, "runner.prefill_chunk_tokens=128", f"method={name}",
-                 *knob_settings(name)[0]] for name in REPLAYED]
+    settings = [[*TASK, "runner.prefill_chunk_tokens=128", f"runner.dense_layers={dense}",
+                 f"method={name}", *knob_settings(name)[0]] for name in REPLAYED]
     swept = assert_equal_to_single_runs(settings, tmp_path)
     shared = [json.loads((f / "metrics.json").read_text())["run"]["sweep"] for f in swept]
     assert all(s["prefill_replayed"] and s["prefill_shared_with"] == len(REPLAYED) - 1
