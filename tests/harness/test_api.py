@@ -19,8 +19,7 @@ from tests.conftest import PROJECT, STORIES, need_shared
 from tests.helpers.generation import PROMPT, knobs_for
 
 NEW_TOKENS = 12
-# Under the tests Triton runs in its interpreter (TRITON_INTERPRET=1), and KVQuant's decode
-# attention is a Triton kernel there: a few steps already cover prefill, compression and decoding.
+# A few steps already cover KVQuant's prefill, compression and decoding.
 NEW_TOKENS_FOR = {"kvquant": 3}
 # Methods that serve a plain generate loop: every method today (the generator of this list is
 # the method package itself, so a method added later is held to the same equality).
@@ -50,7 +49,8 @@ def runner_prediction(tmp_path, name: str, knobs: dict, new_tokens: int, runner=
     return json.loads((folder / "samples.jsonl").read_text().splitlines()[0])
 
 
-@pytest.mark.parametrize("name", METHODS)
+@pytest.mark.usefixtures("torch_path")  # as a CPU user runs: the quantizers' kernels are
+@pytest.mark.parametrize("name", METHODS)  # tested under Triton's interpreter on their own
 def test_generate_through_the_api_equals_the_runner(stories, tmp_path, name):
     model, tokenizer = stories
     inputs = tokenizer(PROMPT, return_tensors="pt")
