@@ -1,0 +1,68 @@
+"""The runs behind the method-family report at n >= 100 per setting: every method of the harness
+on SmolLM2-135M at its defaults (its authors' operating point) and, where it takes a budget, at
+budget_ratio 0.2 and 0.5 (the settings benchmarks/sweep_cost.py times, refused ones named and
+left out), on the family protocol (dense layers 0 and 1, dense prefill, budget basis final),
+one sweep per task so that every setting is scored on the same samples.
+
+    python results/reports/family_n100/make_runs.py ruler1k R --shard 0/2   # and 1/2, side by side
+    python results/reports/family_n100/make_runs.py ruler1k R --merge 2     # then
+    python -m harness.report R/... --out <folder>
+
+ruler1k: RULER's six sub-tasks at 1024 tokens, 17 samples each (n = 102; niah_single at depth
+50 %), RULER's own generation lengths, query-aware, settings decoded 10 at a time. A shard
+records each (setting, sample) answer as it completes: started again, it resumes.
+"""
+import argparse
+import sys
+import time
+from pathlib import Path
+
+PROJECT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(PROJECT))
+sys.path.insert(0, str(PROJECT / "benchmarks"))
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from harness.sweep_run import run_sweep  # noqa: E402
+from harness.sweep_shards import Shard  # noqa: E402
+
+TASKS = {
+    "ruler1k": ["task=ruler", "task.lengths=[1024]", "task.depths=[50]",
+                "task.samples_per_cell=17", "runner.sweep_decode_batch=10"],
+}
+
+
+def family_settings() -> list[tuple[str, list[str]]]:
+    import sweep_cost
+
+    args = argparse.Namespace(methods=["all"], budgets=[0.2, 0.5], settings=None,
+                              model="smollm2_135m", length=1024, limit=1, threads=1,
+                              extra=["runner.dense_layers=[0,1]"])
+    return sweep_cost.runnable(args)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("task", choices=sorted(TASKS))
+    ap.add_argument("root")
+    ap.add_argument("--shard", help="i/n: answer and record shard i of n")
+    ap.add_argument("--merge", type=int, default=0, help="n: write every setting's result "
+                    "from the records of its n shards")
+    args = ap.parse_args()
+    common = ["model=smollm2_135m", *TASKS[args.task], "runner.dense_layers=[0,1]",
+              "runner.threads=1", f"runner.results_root={args.root}"]
+    settings = family_settings()
+    with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
+        cfgs = [compose(config_name="config", overrides=[*common, f"method={m}", *knobs])
+                for m, knobs in settings]
+    shard = None
+    if args.shard:
+        index, count = (int(x) for x in args.shard.split("/"))
+        shard = Shard(index, count)
+    t0 = time.time()
+    for outcome in run_sweep(cfgs, shard=shard, merge=args.merge):
+        print(outcome.status, outcome.detail)
+    print(f"{len(cfgs)} settings, wall {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
