@@ -449,6 +449,12 @@ class FanOut:
                     group.forward, group.replay_refused = None, str(exc)
                 group.eager = True
                 continue
+            if snapshot is None:  # replayed, but the state cannot be handed to a request
+                group.forward = None
+                group.replay_refused = ("its prompt state cannot be copied into a request (a "
+                                        "host-tier store or another object of its own)")
+                group.own_prefills += 1
+                return None
             sweep_records.apply(engine, recording.cost)  # the forward's cost is its own too
             return self._handed(group, snapshot, logits, before)
         if len(group.members) == 1:

@@ -119,7 +119,7 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True,
         extra = {"sweep": {"settings": len(todo),
                            "prefill_shared_with": shared_with(group, groups),
                            "prompts_prefilled_once": group.shared_prefills if group else 0,
-                           "prefill_replayed": bool(group and group.forward),
+                           "prefill_replayed": replayed(group),
                            "prefill_replay_refused": group.replay_refused if group else None,
                            "shards": merge or 1,
                            "decode_batch": member.decode_batch,
@@ -133,12 +133,18 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True,
     return outcomes
 
 
+def replayed(group) -> bool:
+    """Whether the group's prompt states came from a recorded forward (a task feeding no prompt
+    through `generate_many`, streaming perplexity, records none)."""
+    return group is not None and group.forward is not None and group.shared_prefills > 0
+
+
 def shared_with(group, groups) -> int:
     """How many other settings' prefills shared this group's: its group's, and the groups
     replaying the same recorded forward (harness.sweep_replay) to the end."""
     if group is None:
         return 0
-    same = [g for g in groups if g.forward is not None and g.forward is group.forward]
+    same = [g for g in groups if replayed(g) and g.forward is group.forward]
     return sum(len(g.members) for g in same or [group]) - 1
 
 
@@ -149,16 +155,16 @@ def shared_summary(members, groups) -> str:
     for g in groups:
         names = ", ".join(members[k].setting.label for k in g.members)
         if len(g.members) == 1:
-            lines.append(f"  {'replayed' if g.forward else 'own prefill':16} {names}")
+            lines.append(f"  {'replayed' if replayed(g) else 'own prefill':16} {names}")
         else:
             lines.append(f"  shared prefill   {names}: {g.shared_prefills} prompt(s) prefilled "
                          f"once" + (f", {g.own_prefills} per setting (state not copyable)"
                                     if g.own_prefills else ""))
         if g.replay_refused:
             lines.append(f"    not replayed   {g.replay_refused}: its own forward from then on")
-    forwards = {id(g.forward): g.forward for g in groups if g.forward is not None}
+    forwards = {id(g.forward): g.forward for g in groups if replayed(g)}
     for forward in forwards.values():
-        same = [g for g in groups if g.forward is forward]
+        same = [g for g in groups if g.forward is forward and replayed(g)]
         eager = sum(len(g.members) for g in same if g.eager)
         lines.append(f"  one forward      {forward.recorded[False]} prompt(s) recorded once"
                      + (f" (and {forward.recorded[True]} with eager attention, for {eager} "

@@ -108,8 +108,13 @@ def test_one_forward_replayed_chunk_by_chunk_equals_single_runs(dense, tmp_path)
                  f"method={name}", *knob_settings(name)[0]] for name in REPLAYED]
     swept = assert_equal_to_single_runs(settings, tmp_path)
     shared = [json.loads((f / "metrics.json").read_text())["run"]["sweep"] for f in swept]
-    assert all(s["prefill_replayed"] and s["prefill_shared_with"] == len(REPLAYED) - 1
-               for s in shared), shared
+    # InfiniGen (a host-tier store) and SqueezeAttention hold state that cannot be copied: they
+    # replay once, are refused by name and prefill themselves
+    replaying = [s for s in shared if not s["prefill_replay_refused"]]
+    assert all("cannot be copied" in s["prefill_replay_refused"] for s in shared
+               if s not in replaying) and len(replaying) >= len(REPLAYED) - 2, shared
+    assert all(s["prefill_replayed"] and s["prefill_shared_with"] == len(replaying) - 1
+               for s in replaying), shared
 
 
 def test_a_method_attending_otherwise_over_a_held_prompt_prefills_itself(tmp_path, monkeypatch,
