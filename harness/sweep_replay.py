@@ -173,7 +173,7 @@ def record_prompt(engine, prompt: list[int]) -> Recording:
     with engine.request(account=False) as req:
         logits = req.feed_prompt(prompt)
         layers = req.cache.kv_layers
-        ids = req._as_ids(prompt)
+        ids = torch.as_tensor(prompt, dtype=torch.long, device=engine.device)[None]
         chunk = engine.prefill_chunk()
         pieces = [ids[:, s:s + chunk] for s in range(0, ids.shape[1], chunk)]
         chunks = [(piece, [kv.calls[c] for kv in layers]) for c, piece in enumerate(pieces)]
