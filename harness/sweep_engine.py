@@ -106,15 +106,14 @@ class Forward:
     def __init__(self, lead: Engine, methods: list[KVMethod]):
         self.lead, self.methods = lead, methods
         self.engines: dict[bool, Engine] = {}  # eager -> its recorder engine
-        self.key: str | None = None  # the prompt recorded now (sweep_records.prompt_key)
+        self.prompt: list[int] | None = None  # the prompt recorded now
         self.recordings: dict[bool, sweep_replay.Recording] = {}
         self.recorded = {False: 0, True: 0}  # prompts recorded, per kind
 
     def record(self, prompt: list[int], eager: bool) -> "sweep_replay.Recording":
-        key = sweep_records.prompt_key(prompt, None, 0)
-        if key != self.key:
+        if prompt != self.prompt:
             self.release()  # one prompt's recordings held at a time
-            self.key = key
+            self.prompt = prompt
         if eager not in self.recordings:
             if eager not in self.engines:
                 lead = self.lead
@@ -128,7 +127,7 @@ class Forward:
         return self.recordings[eager]
 
     def release(self) -> None:
-        self.key, self.recordings = None, {}
+        self.prompt, self.recordings = None, {}
 
 
 @dataclass

@@ -142,10 +142,7 @@ class Recorder(KVMethod):
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         return _RecorderLayer(layer_idx, info, self.eager and layer_idx not in self.base_layers)
 
-    make_dense_layer = make_layer
-
-    def effective_dense_layers(self, info, protocol) -> tuple[int, ...]:
-        return ()
+    make_dense_layer = make_layer  # `base_layers` already says how a dense layer attends
 
 
 def recorder_for(methods: list[KVMethod], eager: bool,
