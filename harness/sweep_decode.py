@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from harness import sweep_records
+from harness import sweep_records, sweep_replay
 from harness.batch import decode_requests
 
 
@@ -64,8 +64,9 @@ class Decoder:
 
     def add(self, member: int, engine, prompt: list[int], limit: int, query, shared) -> None:
         """Open `member`'s request: its prompt state (`shared`: the group's (snapshot, last
-        logits, prefill cost), or None: it prefills the prompt itself), compressed, then its
-        query fed; decoded now if it decodes alone or the batch is full."""
+        logits, prefill cost); a recorded forward (harness.sweep_replay.Recording) replayed into
+        the request; or None: it prefills the prompt itself), compressed, then its query fed;
+        decoded now if it decodes alone or the batch is full."""
         alone = decodes_alone(engine, self.size)
         stack = contextlib.ExitStack() if alone else self.stack
         before = sweep_records.tally(engine)
@@ -73,6 +74,10 @@ class Decoder:
         try:
             if shared is None:
                 logits = req.prefill(prompt)
+            elif isinstance(shared, sweep_replay.Recording):  # replayed into this request
+                logits = sweep_replay.replay_prompt(req, shared)
+                sweep_records.apply(engine, shared.cost)  # the recorded forward's cost
+                req.close_prompt()
             else:
                 snapshot, logits, cost = shared
                 req.restore(snapshot, consume=not self.copy_on_use)

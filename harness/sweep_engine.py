@@ -25,10 +25,11 @@ once. Replay is checked at every layer (each layer's attention output must equal
 recording's, bit for bit); a group whose layers attend otherwise moves to the recording made
 with eager attention, then to a forward of its own, and the reason is recorded.
 
-A setting gets its own prefill when the prompt state cannot be copied (a host KV store, a
-diagnostics shadow) or when its runner feeds prompts otherwise (chunked or sparse prefill,
-batches, a device KV limit, an offloaded cache; the last three are evaluated by their own task
-pass and engine).
+A group whose prompt state cannot be copied (a host KV store, an object of the method's own)
+replays the forward once to check it, then into each member's own request. A setting gets its
+own prefill when its runner feeds prompts otherwise (chunked or sparse prefill, batches, a
+device KV limit, an offloaded cache, a diagnostics shadow; batches and a device limit are
+evaluated by their own task pass and engine).
 What the shared prefill cost (its timed chunks, its tokens, the bytes it moved between tiers;
 with a replay, the recorded forward's and the replay's time) is counted in every setting's
 figures, as a single run of it would count it. The settings' answers to one prompt are
@@ -94,6 +95,10 @@ class Group:
     forward: "Forward | None" = None
     eager: bool = False  # replays the forward's eager recording (Forward)
     replay_refused: str | None = None  # why its layers could not replay the recorded forward
+    # its prompt state cannot be copied (a host-tier store, another object of its own): each
+    # member replays the forward into its own request, once the group's replay of the prompt
+    # has shown that its layers attend as the recording did
+    per_member: bool = False
 
 
 class Forward:
@@ -431,10 +436,11 @@ class FanOut:
     def _prefill(self, group: Group, prompt: list[int]):
         """The group's prompt state once the prompt is fed, before its end: (snapshot, last
         logits, what the prefill added to the prefill engine's accounting: its timed chunks,
-        tokens and transfers), or None when the state cannot be copied or the group is one
-        setting feeding its own prompt (each member then prefills for itself). The state comes
-        from the group's shared forward, replayed (harness.sweep_replay), or else from the
-        group's own forward."""
+        tokens and transfers); the recording each member replays into its own request, when
+        the replayed state cannot be copied; or None when the group is one setting feeding its
+        own prompt, or its state cannot be copied and it replays no forward (each member then
+        prefills for itself). The state comes from the group's shared forward, replayed
+        (harness.sweep_replay), or else from the group's own forward."""
         engine = group.prefill_engine
         while group.forward is not None:
             before = sweep_records.tally(engine)
@@ -442,18 +448,16 @@ class FanOut:
             try:
                 with engine.request(account=False) as req:
                     logits = sweep_replay.replay_prompt(req, recording)
-                    snapshot = req.snapshot()
+                    snapshot = None if group.per_member else req.snapshot()
             except sweep_replay.Diverged as exc:  # the other recording, else its own forward
                 if group.eager:
                     group.forward, group.replay_refused = None, str(exc)
                 group.eager = True
                 continue
-            if snapshot is None:  # replayed, but the state cannot be handed to a request
-                group.forward = None
-                group.replay_refused = ("its prompt state cannot be copied into a request (a "
-                                        "host-tier store or another object of its own)")
-                group.own_prefills += 1
-                return None
+            if snapshot is None:  # replayed alike, but the state cannot be handed over
+                group.per_member = True
+                group.shared_prefills += 1
+                return recording
             sweep_records.apply(engine, recording.cost)  # the forward's cost is its own too
             return self._handed(group, snapshot, logits, before)
         if len(group.members) == 1:

@@ -156,6 +156,9 @@ def shared_summary(members, groups) -> str:
         names = ", ".join(members[k].setting.label for k in g.members)
         if len(g.members) == 1:
             lines.append(f"  {'replayed' if replayed(g) else 'own prefill':16} {names}")
+        elif g.per_member:
+            lines.append(f"  replayed each    {names}: {g.shared_prefills} prompt(s), the "
+                         "forward replayed into each setting (its state cannot be copied)")
         else:
             lines.append(f"  shared prefill   {names}: {g.shared_prefills} prompt(s) prefilled "
                          f"once" + (f", {g.own_prefills} per setting (state not copyable)"
