@@ -8,6 +8,7 @@ can validate everything before `load_model` spends time.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -543,6 +544,14 @@ def _converted_ok(folder: Path) -> bool:
 
 
 def _sha256(path: Path) -> str:
+    """The file's digest; computed once per process for a file of unchanged size and mtime
+    (every setting of a sweep checks the same converted weights)."""
+    st = path.stat()
+    return _sha256_of(path.resolve(), st.st_size, st.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _sha256_of(path: Path, size: int, mtime_ns: int) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

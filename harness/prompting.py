@@ -19,14 +19,22 @@ def open_prompt(layers, final_tokens: int | None) -> None:
             kv.final_tokens = final_tokens
 
 
+def score_prompt(layers) -> None:
+    """The prompt fed since `open_prompt` is complete: every layer's prompt-end work that no
+    prompt-end knob changes (`KVLayer.score_prompt`), once; `close_prompt` does it first."""
+    for kv in layers:
+        kv.score_prompt()
+
+
 def close_prompt(engine, layers) -> None:
-    """The prompt fed since `open_prompt` is over: every layer compresses it now
-    (`on_prefill_end`). The budget is checked right after the compression, so a method that
-    keeps more than its rule at the prompt's end fails there.
+    """The prompt fed since `open_prompt` is over: every layer scores it (`score_prompt`, unless
+    done already) and compresses it now (`on_prefill_end`). The budget is checked right after
+    the compression, so a method that keeps more than its rule at the prompt's end fails there.
 
     Tokens fed with `prefill(..., prompt_ends=False)` (a query-agnostic question after its
     compressed context) open no prompt: they are decode-time input, each forward compressed as a
     decode step would be."""
+    score_prompt(layers)
     for kv in layers:
         kv.prompt_open = False
         kv.on_prefill_end()

@@ -453,13 +453,15 @@ def kv_figures(engine, method) -> dict[str, Any]:
     return {**kv, **activity(method.capabilities.compresses, kv)}
 
 
-def check_prompts(task, spec, info, method, config) -> None:
+def check_prompts(task, spec, info, method, config, tokenizer=None) -> None:
     """Checks that need the tokenizer, before any weights load: its vocabulary fits the model's
-    embedding, and the task's prompt sizes."""
+    embedding, and the task's prompt sizes. `tokenizer`: the model's, when the caller has it
+    (a session checks every setting with one), else loaded here."""
     from harness.models import check_vocab
     from tasks import Task
 
-    tokenizer = _tokenizer(spec)
+    if tokenizer is None:
+        tokenizer = checking_tokenizer(spec)
     if tokenizer is None:
         return  # load_model reports why the tokenizer cannot load, before reading weights
     check_vocab(tokenizer, config.vocab_size, spec.source)
@@ -470,7 +472,8 @@ def check_prompts(task, spec, info, method, config) -> None:
         raise ConfigError("; ".join(reasons))
 
 
-def _tokenizer(spec):
+def checking_tokenizer(spec):
+    """The model's tokenizer for the checks before weights, or None when it cannot load yet."""
     from transformers import AutoTokenizer
 
     source = spec.extra.get("converted_dir") if spec.kind == "gguf" else spec.source

@@ -87,6 +87,7 @@ class Session:
                                   f"{first.task.options()}")
         self.settings = settings
         self.model = self.tokenizer = None
+        self._checking_tokenizer = None  # loaded by the first `validate`
         from harness import hf_adapter, models
 
         spec = models.resolve_model(first.model_cfg)
@@ -116,7 +117,12 @@ class Session:
         if reasons:
             raise ConfigError("; ".join(reasons))
         setting.task.check_data()
-        check_prompts(setting.task, self.spec, self.info, setting.method, self.config)
+        if self._checking_tokenizer is None:  # one load for every setting
+            from harness.run import checking_tokenizer
+
+            self._checking_tokenizer = checking_tokenizer(self.spec)
+        check_prompts(setting.task, self.spec, self.info, setting.method, self.config,
+                      self._checking_tokenizer)
 
     def load(self, attn_impl: str) -> None:
         """Weights and tokenizer, once."""

@@ -55,6 +55,7 @@ import torch
 
 from harness import sweep_records, sweep_replay
 from harness.engine import Engine
+from harness.prompting import score_prompt
 from harness.sweep_decode import Decoder, decodes_alone
 from kvcore.errors import ConfigError
 from kvcore.storage import Rows
@@ -448,7 +449,7 @@ class FanOut:
             try:
                 with engine.request(account=False) as req:
                     logits = sweep_replay.replay_prompt(req, recording)
-                    snapshot = None if group.per_member else req.snapshot()
+                    snapshot = None if group.per_member else _scored_snapshot(req)
             except sweep_replay.Diverged as exc:  # the other recording, else its own forward
                 if group.eager:
                     group.forward, group.replay_refused = None, str(exc)
@@ -465,7 +466,7 @@ class FanOut:
         before = sweep_records.tally(engine)
         with engine.request(account=False) as req:
             logits = req.feed_prompt(prompt)
-            snapshot = req.snapshot()
+            snapshot = _scored_snapshot(req)
         return self._handed(group, snapshot, logits, before)
 
     def _handed(self, group: Group, snapshot, logits, before: dict):
@@ -475,6 +476,13 @@ class FanOut:
             return None
         group.shared_prefills += 1
         return snapshot, logits, sweep_records.added(engine, before)
+
+
+def _scored_snapshot(req):
+    """The request's prompt state once its layers have scored the prompt (what no prompt-end
+    knob changes, `KVLayer.score_prompt`: done once for the whole group), or None."""
+    score_prompt(req.cache.kv_layers)
+    return req.snapshot()
 
 
 class Replay:

@@ -374,6 +374,14 @@ class KVLayer:
         """Called by the engine after every model forward: evict here (attention has run), unless
         `holding_prompt()` (the prompt is compressed once, at `on_prefill_end`)."""
 
+    def score_prompt(self) -> None:
+        """Called for every layer, in order, once a prompt has been fed in full and before any
+        `on_prefill_end`: the prompt's-end work that reads no prompt-end knob
+        (`KVMethod.prompt_end_knobs`), such as KVzip's reconstruction scores. A sweep calls it
+        once for the settings sharing a prompt state and hands each its copy, so it must leave
+        that state equal for all of them (recompute in `on_prefill_end` what a knob changes);
+        called again, it does nothing."""
+
     def on_prefill_end(self) -> None:
         """Called once after each prompt has been fed in full (whatever the chunking), before the
         first decode step: every method that compresses a prompt does it here under

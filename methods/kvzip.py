@@ -258,7 +258,12 @@ class KVzip(BudgetedMethod):
             layer = layer.next_layer
         scoring = [kv for kv in layers if isinstance(kv, KVzipLayer)]
         if not any(kv.kept_tokens() > kv.budget() for kv in scoring):
-            return  # nothing to evict: no reconstruction
+            for kv in scoring:  # nothing to evict: no reconstruction (scores made for a smaller
+                kv.kvzip_scores = None  # budget sharing this prompt state are dropped)
+            first.reconstruction = {}
+            return
+        if all(kv.kvzip_scores is not None for kv in scoring):
+            return  # scored already (`score_prompt`), for this request or its prompt state
         n = first.seen_tokens
         for kv in scoring:
             if kv.kept_tokens() != n or kv.ragged:
@@ -304,7 +309,9 @@ class _TokenIds:
         if self.layer_idx == 0:
             self.ids_seen.append(ids)
 
-    def start_reconstruction(self) -> None:
+    def score_prompt(self) -> None:
+        # the scores depend on the prompt and on no budget: a sweep scores a prompt state once
+        # for every budget sharing it (`reconstruct` checks each setting's own need again)
         if self.layer_idx == 0:
             self.method.reconstruct(self)
 
@@ -328,7 +335,7 @@ class KVzipLayer(_TokenIds, EvictionLayer):
         return max(self.method.sink_tokens, self.system_tokens), 0
 
     def on_prefill_end(self) -> None:
-        self.start_reconstruction()
+        self.score_prompt()  # under this setting's own budget: nothing new when scored for it
         super().on_prefill_end()
         self.kvzip_scores = None
 
@@ -346,7 +353,7 @@ class KVzipDenseLayer(_TokenIds, FullLayer):
         self.reconstruction: dict[str, float] = {}
 
     def on_prefill_end(self) -> None:
-        self.start_reconstruction()
+        self.score_prompt()
 
 
 class _Reconstruction(KVMethod):

@@ -116,6 +116,26 @@ def test_one_forward_replayed_chunk_by_chunk_equals_single_runs(dense, tmp_path)
                and s["prefill_shared_with"] == len(REPLAYED) - 1 for s in shared), shared
 
 
+@pytest.mark.parametrize("order", ["evicting first", "keeping all first"])
+def test_prompt_scores_made_once_for_a_group_equal_each_settings_own(order, tmp_path, capsys):
+    """KVzip's reconstruction scores depend on no budget: a prefill group scores each prompt
+    once (`KVLayer.score_prompt`) and hands them over with the prompt state. A setting whose
+    budget holds the whole sequence reconstructs nothing alone, so it drops what a smaller
+    budget of its group scored (its figures, the reconstruction's among them, are its own);
+    one that must evict scores for itself when its group's first setting did not."""
+    need_shared(STORIES)
+    evicting = [*TASK, "method=kvzip", "method.budget_tokens=48"]
+    keeping = [*TASK, "method=kvzip", "method.budget_tokens=4096"]
+    settings = [evicting, keeping] if order == "evicting first" else [keeping, evicting]
+    swept = assert_equal_to_single_runs(settings, tmp_path)
+    facts = [json.loads((f / "metrics.json").read_text())["kv"]["method_facts"] for f in swept]
+    by_budget = dict(zip(("evicting", "keeping") if order == "evicting first"
+                         else ("keeping", "evicting"), facts))
+    assert by_budget["evicting"].get("reconstruction_tokens", 0) > 0, facts
+    assert not (by_budget["keeping"] or {}).get("reconstruction_tokens"), facts
+    assert "shared prefill   kvzip" in capsys.readouterr().out
+
+
 def test_a_method_attending_otherwise_over_a_held_prompt_prefills_itself(tmp_path, monkeypatch,
                                                                          capsys):
     """A method whose layers change attention while the prompt is held (planted: Knorm's output
