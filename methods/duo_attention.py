@@ -52,10 +52,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from pathlib import Path
+
+import torch
+
 from kvcore.errors import ConfigError
 from kvcore.storage import KV_LAYOUTS
-from methods._headwise import (HeadwiseLayer, HeadwiseMethod, load_duo_pattern, probe_scores,
-                               select_retrieval, sparsify_gates, stream_budget_slots)
+from methods import _sidefiles as sidefiles
+from methods._head_probe import probe_scores, select_retrieval
+from methods._headwise import HeadwiseLayer, HeadwiseMethod, stream_budget_slots
 from methods.base import PREFILL_MODES, Capabilities, KVLayer, ModelInfo, ServingNeeds
 
 PROXY_ECHO_HEAD_RATIO = 0.01  # razor_probe proxy: share of all heads taken from the echo ranking
@@ -198,3 +203,60 @@ class DuoAttention(HeadwiseMethod):
         if self._retrieval is None:
             raise RuntimeError(f"{self.name}: call prepare(ctx) first (it identifies the heads)")
         return HeadwiseLayer(layer_idx, info, self, self._retrieval[layer_idx])
+
+
+def sparsify_gates(gates: torch.Tensor, sparsity: float, seed: int = 42) -> torch.Tensor:
+    """DuoAttention's deployment rule (`sparsify_attention_heads` with `sparsity`): add U(0, 1e-6)
+    tie-break noise (seeded, as `pred.py` seeds 42), threshold at the `sparsity` quantile; heads
+    with gate >= threshold are retrieval heads. sparsity >= 1: none; <= 0: all."""
+    if sparsity >= 1:
+        return torch.zeros(gates.shape, dtype=torch.bool)
+    if sparsity <= 0:
+        return torch.ones(gates.shape, dtype=torch.bool)
+    noise = torch.rand(gates.shape, generator=torch.Generator().manual_seed(seed),
+                       dtype=torch.float64) * 1e-6
+    noisy = gates.double() + noise
+    threshold = torch.quantile(noisy.flatten(), sparsity)
+    return noisy >= threshold
+
+
+# The official pattern files hold slightly negative gates, which its loader clips to [0, 1]; a
+# gate further out is no gate of a trained pattern.
+GATE_SLACK = 0.1
+
+
+def load_duo_pattern(path: str | Path, info: ModelInfo) -> tuple[torch.Tensor, dict]:
+    """The official DuoAttention pattern: a folder holding `full_attention_heads.tsv` (one row per
+    layer, one tab-separated gate alpha in [0, 1] per KV head) and `config.json` (`sink_size`,
+    `recent_size` used in training), or the .tsv file itself. Returns (gates (L, H_kv) fp64, config)."""
+    key, path = "method.pattern_path", Path(path)
+    tsv = path / "full_attention_heads.tsv" if path.is_dir() else path
+    if not tsv.is_file():
+        raise ConfigError(f"{key}={path}: no full_attention_heads.tsv there (the "
+                          "official DuoAttention pattern folder or its .tsv file)")
+    text = sidefiles.read_text(key, tsv)
+    try:
+        rows = [[float(v) for v in line.split("\t")] for line in text.splitlines() if line.strip()]
+        gates = torch.tensor(rows, dtype=torch.float64)
+    except ValueError as exc:
+        raise ConfigError(f"{key}={tsv}: not a tab-separated matrix of gate values "
+                          f"({exc})") from exc
+    if tuple(gates.shape) != (info.num_layers, info.num_kv_heads):
+        raise ConfigError(f"{key}={tsv}: gates of shape {tuple(gates.shape)}, but "
+                          f"this model has {info.num_layers} layers x {info.num_kv_heads} KV heads")
+    heads = info.num_kv_heads
+    sidefiles.check_numbers(key, tsv, gates.flatten().tolist(),
+                            lambda i: f"the gate of layer {i // heads} KV head {i % heads}",
+                            -GATE_SLACK, 1 + GATE_SLACK,
+                            f"finite gates in [0, 1] (within {GATE_SLACK:g}, which the official "
+                            "loader clips)")
+    config = {}
+    cfg = (path if path.is_dir() else path.parent) / "config.json"
+    if cfg.is_file():
+        raw = sidefiles.parse_json(key, cfg, sidefiles.read_text(key, cfg), dict,
+                                   'an object such as {"sink_size": 64, "recent_size": 256}')
+        config = {k: raw[k] for k in ("sink_size", "recent_size") if k in raw}
+        for k, v in config.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"{key}={cfg}: {k}={v!r}; allowed: an integer >= 0 (tokens)")
+    return gates.clamp(0, 1), config

@@ -46,7 +46,7 @@ import torch
 
 from kvcore.errors import ConfigError
 from methods import _sidefiles as sidefiles
-from methods._headwise import probe_scores
+from methods._head_probe import probe_scores
 from methods.adakv import AdaKVLayer
 from methods.base import KVLayer, ModelInfo, ServingNeeds
 from methods.duo_attention import check_probe_knobs
