@@ -78,7 +78,8 @@ class HeadwiseLayer(EvictionLayer):
 
     compress_at = "forward"  # after every prefill chunk and decode step
     # Per-head counts come from the head classes, not from a layer budget split over heads: the
-    # shared contract holds each head to `head_allowed_tokens`; the kept sets are the methods' tests'.
+    # shared contract holds each head to `head_allowed_tokens`; the kept sets are checked by the
+    # methods' own tests.
     selects_top_scores = False
 
     def __init__(self, layer_idx: int, info: ModelInfo, method, retrieval: torch.Tensor):

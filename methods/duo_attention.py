@@ -23,7 +23,7 @@ Head identification (recorded in `prepare`'s facts as `head_identification`):
     the run's provenance is then the official code's;
   * `proxy heads`: no pattern is shipped for SmolLM2/Qwen2/stories, so by default the heads are
     ranked by RazorAttention's echo/induction probe (Huawei's tool: 2500 random tokens x 4 + BOS,
-    methods/_headwise.py) and the top `retrieval_head_ratio` of all (layer, KV head) pairs become
+    methods/_head_probe.py) and the top `retrieval_head_ratio` of all (layer, KV head) pairs become
     retrieval heads (1 % of all heads from the echo ranking, the rest from the induction
     ranking). This is NOT DuoAttention's learned gates: the provenance label says "proxy heads"
     in metrics.json and the report.
@@ -41,9 +41,9 @@ NIAH comparable to full attention at a 25 % (MHA) / 50 % (GQA) retrieval-head ra
 
 Deliberate deviations: the streaming heads are not permuted in the projection weights (both head
 classes live in one ragged store per layer, each head with its own length, and attention reads
-each head over its own tokens through the ragged kernels, methods/_headwise.py); the official
-block-sparse/streaming kernels are not reproduced, so their speed-up is not either, only the
-memory held. Sink/window are not rounded to 128-token blocks (the block-sparse training kernel's
+each head over its own tokens through the ragged kernels: the eviction template's head-wise
+path, methods/_headwise.py); the official block-sparse/streaming kernels are not reproduced, so
+their speed-up is not either, only the memory held. Sink/window are not rounded to 128-token blocks (the block-sparse training kernel's
 granularity).
 """
 

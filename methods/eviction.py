@@ -28,10 +28,15 @@ held: `kv_bytes` counts each head's own tokens). Decoding appends one token to e
   * `kept_positions()`: `(B, H_kv, T)` padded to the longest head, the slots past a head's own
     length set to -1 (`kept_lengths()` gives the per-head counts);
   * attention (`over_heads(base)`): each head over its own tokens (methods.kernels.
-    ragged_attention for plain calls, else the model's attention with a per-head mask);
+    ragged_attention for plain calls, else the model's attention with a per-head mask, which
+    also carries `slot_bias()`, an additive logit per slot: RazorAttention's +log|D|);
   * a later compression scores the padded rows: padded slots carry position PAD_POSITION (past
     every real one, so causal-by-position scorers ignore them; re-marked as the rows grow) and
     score -inf.
+The head-wise methods with fixed head classes (DuoAttention, RazorAttention: methods/_headwise.py)
+take this path too, with counts per head class instead of `head_budgets` and a slot of their own
+(a compensation token) that holds no text position (`held_lengths()` counts it, `kept_lengths()`
+does not).
 
 The template does the rest: text positions `(B, H_kv, T)`, the protection, top-k per KV head,
 compaction of K, V, positions and state, the budget that the engine checks after every forward

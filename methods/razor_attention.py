@@ -8,7 +8,7 @@ read for the probe and the selection.
 
 Spec.
   * Identification, training-free, once per model (`prepare`, cached), as Huawei's tool: 2500
-    random token ids repeated 4 times with the model's BOS first (methods/_headwise.py: P capped
+    random token ids repeated 4 times with the model's BOS first (methods/_head_probe.py: P capped
     to the model's positions, 2047 on SmolLM2); per query head the echo score (attention from each
     token of a repetition to its earlier occurrences) and the induction score (to the token after
     each); KV head = max over its query group. Retrieval heads = the best `echo_head_ratio` (1 %)
