@@ -146,6 +146,17 @@ def probe_period(period: int, repeats: int, max_positions: int | None, offset: i
     return max(2, min(period, (max_positions - offset) // repeats))
 
 
+def check_probe_knobs(method) -> list[str]:
+    """The head probe's knobs (shared by the head-wise methods)."""
+    r = []
+    if not isinstance(method.probe_period_tokens, int) or method.probe_period_tokens < 2:
+        r.append(f"method.probe_period_tokens={method.probe_period_tokens!r} must be >= 2")
+    if not isinstance(method.probe_repeats, int) or method.probe_repeats < 2:
+        r.append(f"method.probe_repeats={method.probe_repeats!r} must be >= 2 (the probe needs a "
+                 "repetition)")
+    return r
+
+
 def probe_scores(ctx, period: int, repeats: int, seed: int, cache_dir: str | None
                  ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """Echo and induction scores per (layer, KV head) (max over the query group), cached on disk."""

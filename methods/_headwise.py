@@ -68,6 +68,27 @@ class HeadwiseMethod(KVMethod):
         self._retrieval_fraction = 0.0
 
 
+def check_headwise_knobs(method) -> list[str]:
+    """Checks shared by the head-wise methods, each naming its key."""
+    r = []
+    if not isinstance(method.sink_tokens, int) or method.sink_tokens < 0:
+        r.append(f"method.sink_tokens={method.sink_tokens!r} must be an integer >= 0")
+    ratio = getattr(method, "retrieval_head_ratio", None)  # null: DuoAttention's GQA/MHA default
+    if ratio is not None and (not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1):
+        r.append(f"method.retrieval_head_ratio={ratio!r} must be in [0, 1]")
+    if method.budget_tokens is not None:
+        r.append("method.budget_tokens is not supported by head-wise methods (their budget is a "
+                 "share of the whole cache): use method.budget_ratio")
+    b = method.budget_ratio
+    if b is not None:
+        if not isinstance(b, (int, float)) or not 0 < b <= 1:
+            r.append(f"method.budget_ratio={b!r} must be in (0, 1]")
+        elif isinstance(ratio, (int, float)) and ratio >= b and b < 1:
+            r.append(f"method.retrieval_head_ratio={ratio} must be below method.budget_ratio={b} "
+                     "(retrieval heads alone already hold that share of the cache)")
+    return r
+
+
 class HeadwiseLayer(EvictionLayer):
     """Retrieval heads keep everything; streaming heads keep sinks + window (+ compensation), on
     the template's head-wise path (module docstring).

@@ -59,43 +59,12 @@ import torch
 from kvcore.errors import ConfigError
 from kvcore.storage import KV_LAYOUTS
 from methods import _sidefiles as sidefiles
-from methods._head_probe import probe_scores, select_retrieval
-from methods._headwise import HeadwiseLayer, HeadwiseMethod, stream_budget_slots
+from methods._head_probe import check_probe_knobs, probe_scores, select_retrieval
+from methods._headwise import (HeadwiseLayer, HeadwiseMethod, check_headwise_knobs,
+                               stream_budget_slots)
 from methods.base import PREFILL_MODES, Capabilities, KVLayer, ModelInfo, ServingNeeds
 
 PROXY_ECHO_HEAD_RATIO = 0.01  # razor_probe proxy: share of all heads taken from the echo ranking
-
-
-def check_probe_knobs(method) -> list[str]:
-    """The head probe's knobs (shared by the head-wise methods)."""
-    r = []
-    if not isinstance(method.probe_period_tokens, int) or method.probe_period_tokens < 2:
-        r.append(f"method.probe_period_tokens={method.probe_period_tokens!r} must be >= 2")
-    if not isinstance(method.probe_repeats, int) or method.probe_repeats < 2:
-        r.append(f"method.probe_repeats={method.probe_repeats!r} must be >= 2 (the probe needs a "
-                 "repetition)")
-    return r
-
-
-def check_headwise_knobs(method) -> list[str]:
-    """Checks shared by the head-wise methods, each naming its key."""
-    r = []
-    if not isinstance(method.sink_tokens, int) or method.sink_tokens < 0:
-        r.append(f"method.sink_tokens={method.sink_tokens!r} must be an integer >= 0")
-    ratio = getattr(method, "retrieval_head_ratio", None)  # null: DuoAttention's GQA/MHA default
-    if ratio is not None and (not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1):
-        r.append(f"method.retrieval_head_ratio={ratio!r} must be in [0, 1]")
-    if method.budget_tokens is not None:
-        r.append("method.budget_tokens is not supported by head-wise methods (their budget is a "
-                 "share of the whole cache): use method.budget_ratio")
-    b = method.budget_ratio
-    if b is not None:
-        if not isinstance(b, (int, float)) or not 0 < b <= 1:
-            r.append(f"method.budget_ratio={b!r} must be in (0, 1]")
-        elif isinstance(ratio, (int, float)) and ratio >= b and b < 1:
-            r.append(f"method.retrieval_head_ratio={ratio} must be below method.budget_ratio={b} "
-                     "(retrieval heads alone already hold that share of the cache)")
-    return r
 
 
 @dataclass(kw_only=True)

@@ -46,10 +46,9 @@ import torch
 
 from kvcore.errors import ConfigError
 from methods import _sidefiles as sidefiles
-from methods._head_probe import probe_scores
+from methods._head_probe import check_probe_knobs, probe_scores
 from methods.adakv import AdaKVLayer
 from methods.base import KVLayer, ModelInfo, ServingNeeds
-from methods.duo_attention import check_probe_knobs
 from methods.snapkv import SnapKV
 
 

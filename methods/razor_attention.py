@@ -48,10 +48,10 @@ from typing import Any, ClassVar
 
 from kvcore.errors import ConfigError
 from kvcore.storage import KV_LAYOUTS
-from methods._head_probe import probe_scores, select_union
-from methods._headwise import HeadwiseLayer, HeadwiseMethod, stream_budget_slots
+from methods._head_probe import check_probe_knobs, probe_scores, select_union
+from methods._headwise import (HeadwiseLayer, HeadwiseMethod, check_headwise_knobs,
+                               stream_budget_slots)
 from methods.base import PREFILL_MODES, Capabilities, KVLayer, ModelInfo, ServingNeeds
-from methods.duo_attention import check_headwise_knobs, check_probe_knobs
 
 
 @dataclass(kw_only=True)
