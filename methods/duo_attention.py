@@ -23,7 +23,7 @@ Head identification (recorded in `prepare`'s facts as `head_identification`):
     the run's provenance is then the official code's;
   * `proxy heads`: no pattern is shipped for SmolLM2/Qwen2/stories, so by default the heads are
     ranked by RazorAttention's echo/induction probe (Huawei's tool: 2500 random tokens x 4 + BOS,
-    methods/_headwise.py) and the top `retrieval_head_ratio` of all (layer, KV head) pairs become
+    methods/_head_probe.py) and the top `retrieval_head_ratio` of all (layer, KV head) pairs become
     retrieval heads (1 % of all heads from the echo ranking, the rest from the induction
     ranking). This is NOT DuoAttention's learned gates: the provenance label says "proxy heads"
     in metrics.json and the report.
@@ -41,9 +41,9 @@ NIAH comparable to full attention at a 25 % (MHA) / 50 % (GQA) retrieval-head ra
 
 Deliberate deviations: the streaming heads are not permuted in the projection weights (both head
 classes live in one ragged store per layer, each head with its own length, and attention reads
-each head over its own tokens through the ragged kernels, methods/_headwise.py); the official
-block-sparse/streaming kernels are not reproduced, so their speed-up is not either, only the
-memory held. Sink/window are not rounded to 128-token blocks (the block-sparse training kernel's
+each head over its own tokens through the ragged kernels: the eviction template's head-wise
+path, methods/_headwise.py); the official block-sparse/streaming kernels are not reproduced, so
+their speed-up is not either, only the memory held. Sink/window are not rounded to 128-token blocks (the block-sparse training kernel's
 granularity).
 """
 
@@ -52,45 +52,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from pathlib import Path
+
+import torch
+
 from kvcore.errors import ConfigError
 from kvcore.storage import KV_LAYOUTS
-from methods._headwise import (HeadwiseLayer, HeadwiseMethod, load_duo_pattern, probe_scores,
-                               select_retrieval, sparsify_gates, stream_budget_slots)
+from methods import _sidefiles as sidefiles
+from methods._head_probe import check_probe_knobs, probe_scores, select_retrieval
+from methods._headwise import (HeadwiseLayer, HeadwiseMethod, check_headwise_knobs,
+                               stream_budget_slots)
 from methods.base import PREFILL_MODES, Capabilities, KVLayer, ModelInfo, ServingNeeds
 
 PROXY_ECHO_HEAD_RATIO = 0.01  # razor_probe proxy: share of all heads taken from the echo ranking
-
-
-def check_probe_knobs(method) -> list[str]:
-    """The head probe's knobs (shared by the head-wise methods)."""
-    r = []
-    if not isinstance(method.probe_period_tokens, int) or method.probe_period_tokens < 2:
-        r.append(f"method.probe_period_tokens={method.probe_period_tokens!r} must be >= 2")
-    if not isinstance(method.probe_repeats, int) or method.probe_repeats < 2:
-        r.append(f"method.probe_repeats={method.probe_repeats!r} must be >= 2 (the probe needs a "
-                 "repetition)")
-    return r
-
-
-def check_headwise_knobs(method) -> list[str]:
-    """Checks shared by the head-wise methods, each naming its key."""
-    r = []
-    if not isinstance(method.sink_tokens, int) or method.sink_tokens < 0:
-        r.append(f"method.sink_tokens={method.sink_tokens!r} must be an integer >= 0")
-    ratio = getattr(method, "retrieval_head_ratio", None)  # null: DuoAttention's GQA/MHA default
-    if ratio is not None and (not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1):
-        r.append(f"method.retrieval_head_ratio={ratio!r} must be in [0, 1]")
-    if method.budget_tokens is not None:
-        r.append("method.budget_tokens is not supported by head-wise methods (their budget is a "
-                 "share of the whole cache): use method.budget_ratio")
-    b = method.budget_ratio
-    if b is not None:
-        if not isinstance(b, (int, float)) or not 0 < b <= 1:
-            r.append(f"method.budget_ratio={b!r} must be in (0, 1]")
-        elif isinstance(ratio, (int, float)) and ratio >= b and b < 1:
-            r.append(f"method.retrieval_head_ratio={ratio} must be below method.budget_ratio={b} "
-                     "(retrieval heads alone already hold that share of the cache)")
-    return r
 
 
 @dataclass(kw_only=True)
@@ -198,3 +172,60 @@ class DuoAttention(HeadwiseMethod):
         if self._retrieval is None:
             raise RuntimeError(f"{self.name}: call prepare(ctx) first (it identifies the heads)")
         return HeadwiseLayer(layer_idx, info, self, self._retrieval[layer_idx])
+
+
+def sparsify_gates(gates: torch.Tensor, sparsity: float, seed: int = 42) -> torch.Tensor:
+    """DuoAttention's deployment rule (`sparsify_attention_heads` with `sparsity`): add U(0, 1e-6)
+    tie-break noise (seeded, as `pred.py` seeds 42), threshold at the `sparsity` quantile; heads
+    with gate >= threshold are retrieval heads. sparsity >= 1: none; <= 0: all."""
+    if sparsity >= 1:
+        return torch.zeros(gates.shape, dtype=torch.bool)
+    if sparsity <= 0:
+        return torch.ones(gates.shape, dtype=torch.bool)
+    noise = torch.rand(gates.shape, generator=torch.Generator().manual_seed(seed),
+                       dtype=torch.float64) * 1e-6
+    noisy = gates.double() + noise
+    threshold = torch.quantile(noisy.flatten(), sparsity)
+    return noisy >= threshold
+
+
+# The official pattern files hold slightly negative gates, which its loader clips to [0, 1]; a
+# gate further out is no gate of a trained pattern.
+GATE_SLACK = 0.1
+
+
+def load_duo_pattern(path: str | Path, info: ModelInfo) -> tuple[torch.Tensor, dict]:
+    """The official DuoAttention pattern: a folder holding `full_attention_heads.tsv` (one row per
+    layer, one tab-separated gate alpha in [0, 1] per KV head) and `config.json` (`sink_size`,
+    `recent_size` used in training), or the .tsv file itself. Returns (gates (L, H_kv) fp64, config)."""
+    key, path = "method.pattern_path", Path(path)
+    tsv = path / "full_attention_heads.tsv" if path.is_dir() else path
+    if not tsv.is_file():
+        raise ConfigError(f"{key}={path}: no full_attention_heads.tsv there (the "
+                          "official DuoAttention pattern folder or its .tsv file)")
+    text = sidefiles.read_text(key, tsv)
+    try:
+        rows = [[float(v) for v in line.split("\t")] for line in text.splitlines() if line.strip()]
+        gates = torch.tensor(rows, dtype=torch.float64)
+    except ValueError as exc:
+        raise ConfigError(f"{key}={tsv}: not a tab-separated matrix of gate values "
+                          f"({exc})") from exc
+    if tuple(gates.shape) != (info.num_layers, info.num_kv_heads):
+        raise ConfigError(f"{key}={tsv}: gates of shape {tuple(gates.shape)}, but "
+                          f"this model has {info.num_layers} layers x {info.num_kv_heads} KV heads")
+    heads = info.num_kv_heads
+    sidefiles.check_numbers(key, tsv, gates.flatten().tolist(),
+                            lambda i: f"the gate of layer {i // heads} KV head {i % heads}",
+                            -GATE_SLACK, 1 + GATE_SLACK,
+                            f"finite gates in [0, 1] (within {GATE_SLACK:g}, which the official "
+                            "loader clips)")
+    config = {}
+    cfg = (path if path.is_dir() else path.parent) / "config.json"
+    if cfg.is_file():
+        raw = sidefiles.parse_json(key, cfg, sidefiles.read_text(key, cfg), dict,
+                                   'an object such as {"sink_size": 64, "recent_size": 256}')
+        config = {k: raw[k] for k in ("sink_size", "recent_size") if k in raw}
+        for k, v in config.items():
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ConfigError(f"{key}={cfg}: {k}={v!r}; allowed: an integer >= 0 (tokens)")
+    return gates.clamp(0, 1), config

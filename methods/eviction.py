@@ -28,10 +28,15 @@ held: `kv_bytes` counts each head's own tokens). Decoding appends one token to e
   * `kept_positions()`: `(B, H_kv, T)` padded to the longest head, the slots past a head's own
     length set to -1 (`kept_lengths()` gives the per-head counts);
   * attention (`over_heads(base)`): each head over its own tokens (methods.kernels.
-    ragged_attention for plain calls, else the model's attention with a per-head mask);
+    ragged_attention for plain calls, else the model's attention with a per-head mask, which
+    also carries `slot_bias()`, an additive logit per slot: RazorAttention's +log|D|);
   * a later compression scores the padded rows: padded slots carry position PAD_POSITION (past
     every real one, so causal-by-position scorers ignore them; re-marked as the rows grow) and
     score -inf.
+The head-wise methods with fixed head classes (DuoAttention, RazorAttention: methods/_headwise.py)
+take this path too, with counts per head class instead of `head_budgets` and a slot of their own
+(a compensation token) that holds no text position (`held_lengths()` counts it, `kept_lengths()`
+does not).
 
 The template does the rest: text positions `(B, H_kv, T)`, the protection, top-k per KV head,
 compaction of K, V, positions and state, the budget that the engine checks after every forward
@@ -147,12 +152,14 @@ def per_head_index(scores: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
 
 
 def drop_one_token(rows: dict[str, Rows], slot: torch.Tensor,
-                   last: dict[str, torch.Tensor] | None = None) -> int:
+                   last: dict[str, torch.Tensor] | None = None,
+                   heads: torch.Tensor | None = None) -> int:
     """Evict one token per head, `slot (B, H_kv)`: the last token moves into its place. `last`:
-    some rows' last token `(B, H_kv, 1, ...)` as the caller still holds it (moved from there)."""
+    some rows' last token `(B, H_kv, 1, ...)` as the caller still holds it (moved from there).
+    `heads (B, H_kv)` bool: only those heads drop one (Rows.drop_one)."""
     last = last or {}
     for name, r in rows.items():
-        r.drop_one(slot, last.get(name))
+        r.drop_one(slot, last.get(name), heads=heads)
     return next(iter(rows.values())).length
 
 
@@ -264,7 +271,7 @@ class EvictionLayer(TokenRows, KVLayer):
         self.positions = self.state("positions")
         if self.ragged:  # the padding past each head's tokens: PAD_POSITION (module docstring)
             slots = torch.arange(self.positions.shape[-1], device=self.positions.device)
-            self.positions.masked_fill_(slots >= self.kept_lengths()[..., None], PAD_POSITION)
+            self.positions.masked_fill_(slots >= self.held_lengths()[..., None], PAD_POSITION)
 
     def kept_tokens(self) -> int:
         return self.kept_count
@@ -286,11 +293,22 @@ class EvictionLayer(TokenRows, KVLayer):
     def kept_lengths(self) -> torch.Tensor | None:
         """Tokens each KV head holds `(B, H_kv)` (the storage's own tensor: it grows with the
         rows, clone it to keep it); None while every head holds `kept_tokens()`."""
-        return self.token_state["positions"].lengths() if self.ragged else None
+        return self.held_lengths() if self.ragged else None
+
+    def held_lengths(self) -> torch.Tensor:
+        """Slots each KV head holds `(B, H_kv)`: its text tokens, plus a slot standing for
+        evicted ones where a layer keeps one (RazorAttention's compensation token)."""
+        return self.token_state["positions"].lengths()
+
+    def slot_bias(self) -> torch.Tensor | None:
+        """An additive logit per held slot `(B, H_kv, T)` fp32 for ragged attention (None: none;
+        RazorAttention's +log|D| on its compensation slot); attention then takes the masked path."""
+        return None
 
     def mask_sizes(self, q_len: int) -> tuple[int, int]:
         # the rows' padded extent (the longest head's), what update returns
-        extent = self.token_state["positions"].length if self.ragged else self.kept_tokens()
+        ragged = self.ragged and self.positions is not None
+        extent = self.token_state["positions"].length if ragged else self.kept_tokens()
         return extent + q_len, self.seen_tokens - extent
 
     def over_heads(self, base):
@@ -302,17 +320,20 @@ class EvictionLayer(TokenRows, KVLayer):
             return base
 
         def attend(module, query, keys, values, attention_mask, **kwargs):
-            if plain_attention(kwargs):
+            bias = self.slot_bias()
+            if bias is None and plain_attention(kwargs):
                 blocks = self._kv["keys"].in_place(), self._kv["values"].in_place()
                 return exact_attention(module, query, *blocks, None, base, **kwargs)
-            lengths, q, t = self.kept_lengths(), query.shape[2], keys.shape[2]
+            lengths, q, t = self.held_lengths(), query.shape[2], keys.shape[2]
             seen = (lengths - q)[..., None] + 1 + torch.arange(q, device=keys.device)
             visible = torch.arange(t, device=keys.device) < seen[..., None]  # (B, H_kv, q, T)
             held = visible[:, :, -1:].transpose(2, 3)  # (B, H_kv, T, 1) a head's own slots
             keys, values = keys.masked_fill(~held, 0), values.masked_fill(~held, 0)
-            visible = visible.repeat_interleave(query.shape[1] // keys.shape[1], dim=1)
             mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
             mask = mask.masked_fill(~visible, torch.finfo(query.dtype).min)
+            if bias is not None:
+                mask = mask + bias[:, :, None].to(mask.dtype)
+            mask = mask.repeat_interleave(query.shape[1] // keys.shape[1], dim=1)
             return base(module, query, keys, values, mask, **kwargs)
         return attend
 
@@ -387,7 +408,7 @@ class EvictionLayer(TokenRows, KVLayer):
             raise ValueError("head-wise budgets keep ragged rows; the host tier holds rectangular "
                              "ones (runner.kv_offload=cpu is for uniform methods)")
         scores = self.guarded_scores(budget)
-        held = self.kept_lengths()
+        held = self.held_lengths() if self.ragged else None
         if held is not None:  # padded slots are no candidates
             slots = torch.arange(scores.shape[-1], device=scores.device)
             scores = scores.masked_fill(slots >= held[..., None], float("-inf"))

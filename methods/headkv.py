@@ -17,7 +17,7 @@ decode appends). Heads stored ragged (methods/eviction.py).
 Scores: `head_scores_path`, the official JSON (`Important_Head/head_score/*_heads.json`: one line,
 {"layer-head": [per-test scores]}, a query head each, its score the mean of its list; provenance
 "official code"); else a proxy: the induction score per KV head of the RazorAttention probe already
-in the repo (methods/_headwise.py: seeded random tokens repeated, attention from each repeat to the
+in the repo (methods/_head_probe.py: seeded random tokens repeated, attention from each repeat to the
 token after its earlier occurrence, i.e. the copy-paste behaviour HeadKV's retrieval score counts;
 max over the query group). Provenance then "reconstruction (proxy head scores)".
 
@@ -46,10 +46,9 @@ import torch
 
 from kvcore.errors import ConfigError
 from methods import _sidefiles as sidefiles
-from methods._headwise import probe_scores
+from methods._head_probe import check_probe_knobs, probe_scores
 from methods.adakv import AdaKVLayer
 from methods.base import KVLayer, ModelInfo, ServingNeeds
-from methods.duo_attention import check_probe_knobs
 from methods.snapkv import SnapKV
 
 

@@ -8,7 +8,7 @@ read for the probe and the selection.
 
 Spec.
   * Identification, training-free, once per model (`prepare`, cached), as Huawei's tool: 2500
-    random token ids repeated 4 times with the model's BOS first (methods/_headwise.py: P capped
+    random token ids repeated 4 times with the model's BOS first (methods/_head_probe.py: P capped
     to the model's positions, 2047 on SmolLM2); per query head the echo score (attention from each
     token of a repetition to its earlier occurrences) and the induction score (to the token after
     each); KV head = max over its query group. Retrieval heads = the best `echo_head_ratio` (1 %)
@@ -48,10 +48,10 @@ from typing import Any, ClassVar
 
 from kvcore.errors import ConfigError
 from kvcore.storage import KV_LAYOUTS
-from methods._headwise import (HeadwiseLayer, HeadwiseMethod, probe_scores, select_union,
+from methods._head_probe import check_probe_knobs, probe_scores, select_union
+from methods._headwise import (HeadwiseLayer, HeadwiseMethod, check_headwise_knobs,
                                stream_budget_slots)
 from methods.base import PREFILL_MODES, Capabilities, KVLayer, ModelInfo, ServingNeeds
-from methods.duo_attention import check_headwise_knobs, check_probe_knobs
 
 
 @dataclass(kw_only=True)

@@ -82,9 +82,13 @@ MUTANTS = [
            "        return -key_norms(self.keys)",
            "        return key_norms(self.keys)"),
     Mutant("streaming heads drop their sinks", "duo_attention", "methods/_headwise.py",
-           "        sinks = min(self.method.sink_tokens, max(1, (allowed - comp) // 2), "
+           "        self.sinks = min(self.method.sink_tokens, max(1, (allowed - comp) // 2), "
            "real_sinks)",
-           "        sinks = 0"),
+           "        self.sinks = 0"),
+    Mutant("compensation slot attended without its +log|D|", "razor_attention",
+           "methods/_headwise.py",
+           "        return (self.positions == COMP_POSITION).float() * math.log(self.comp_count)",
+           "        return (self.positions == COMP_POSITION).float() * 0.0"),
     Mutant("lowest scores picked (selection template)", "oracle_topk", "methods/selection.py",
            "        top = scores.topk(size, dim=-1).indices",
            "        top = scores.topk(size, dim=-1, largest=False).indices"),

@@ -11,8 +11,10 @@ import torch
 from harness import hf_adapter
 from kvcore.errors import ConfigError
 from methods import build_method
-from methods._headwise import HeadwiseLayer, load_duo_pattern, select_retrieval, sparsify_gates
+from methods._head_probe import select_retrieval
+from methods._headwise import HeadwiseLayer
 from methods.base import ModelInfo
+from methods.duo_attention import load_duo_pattern, sparsify_gates
 from tests.conftest import make_engine
 from tests.helpers.validation import one_reason
 from tests.methods.headwise_reference import masked_full_gap, streaming_positions
@@ -232,7 +234,8 @@ def test_one_shared_ragged_store_holds_both_head_classes(compensate):
         assert torch.equal(layer._kv["values"].lengths(), lengths)
         assert layer.stats()["kv_bytes"] == int(lengths.sum()) * 2 * 8 * 4
         assert layer.kept_lengths().tolist() == [[t + 1, 5]]
-    tensors = [n for n, v in vars(layer).items() if isinstance(v, torch.Tensor) and v.dim() > 1]
+    # K/V are (B, H_kv, T, D); the template's `positions` (B, H_kv, T) is a view of its rows
+    tensors = [n for n, v in vars(layer).items() if isinstance(v, torch.Tensor) and v.dim() > 3]
     assert not tensors, f"K/V held outside the shared rows: {tensors}"
 
 
