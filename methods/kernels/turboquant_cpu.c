@@ -180,7 +180,8 @@ typedef struct {
     float scaling;
 } Args;
 
-/* The stream order of block b of head h: outlier channels ascending, then the rest. */
+/* The stream order of block b of head h: outlier channels ascending, then the rest (the set
+   bits of the block's mask, then the clear ones, 64 channels at a time). */
 static void block_perm(const Tensor *x, long h, long b, long d, int *perm) {
     if (!x->masks) {
         for (long j = 0; j < d; j++) perm[j] = (int)j;
@@ -188,33 +189,106 @@ static void block_perm(const Tensor *x, long h, long b, long d, int *perm) {
     }
     const uint8_t *m = x->masks + h * x->s_mh + b * x->s_mb;
     long n = 0;
-    for (long c = 0; c < d; c++) if (m[c >> 3] >> (c & 7) & 1) perm[n++] = (int)c;
-    for (long c = 0; c < d; c++) if (!(m[c >> 3] >> (c & 7) & 1)) perm[n++] = (int)c;
+    for (int pass = 0; pass < 2; pass++)
+        for (long c0 = 0; c0 < d; c0 += 64) {
+            const long bytes = (d - c0 + 7) / 8 < 8 ? (d - c0 + 7) / 8 : 8;
+            const long live = d - c0 < 64 ? d - c0 : 64;
+            uint64_t bits = 0;
+            memcpy(&bits, m + c0 / 8, (size_t)bytes); /* little-endian: bit c of the word = channel c0 + c */
+            if (pass) bits = ~bits;
+            if (live < 64) bits &= (UINT64_C(1) << live) - 1;
+            for (; bits; bits &= bits - 1) perm[n++] = (int)(c0 + __builtin_ctzll(bits));
+        }
+}
+
+/* y (D) = x (D) M for the block-diagonal M (D x D, row-major; parts [0, o) and [o, d)): row by
+   row, each row's part contiguous. */
+static void times_blockdiag(const float *x, const float *m, long d, long o, float *y) {
+    memset(y, 0, sizeof(float) * (size_t)d);
+    for (long i = 0; i < d; i++) {
+        const long lo = i < o ? 0 : o, hi = i < o ? o : d;
+        const float xi = x[i], *row = m + i * d;
+        for (long j = lo; j < hi; j++) y[j] += xi * row[j];
+    }
+}
+
+#ifdef TQ_VECTOR
+/* Y (n, D) = X (n, D) M for n rows at once, over all of M (its zero blocks add exactly nothing;
+   skipping them would cost a branch per chunk and row); `n` and `nc` = D / 16 constants after
+   inlining, so the n * nc sums stay in registers. Each chunk of M is loaded once for the n rows
+   (M does not fit in L1 beside the other matrices), and the n chains of FMAs run side by side. */
+static inline __attribute__((always_inline)) void times_dense_nc(const float *x, const float *m,
+                                                                long d, float *y, const long n,
+                                                                const long nc) {
+    enum { MAX_ROWS = 4 };
+    __m512 acc[MAX_ROWS][MAX_CHUNKS], xi[MAX_ROWS];
+    for (long r = 0; r < n; r++)
+        for (long c = 0; c < nc; c++) acc[r][c] = _mm512_setzero_ps();
+    for (long i = 0; i < d; i++) {
+        for (long r = 0; r < n; r++) xi[r] = _mm512_set1_ps(x[r * d + i]);
+        for (long c = 0; c < nc; c++) {
+            const __m512 mc = _mm512_loadu_ps(m + i * d + 16 * c);
+            for (long r = 0; r < n; r++) acc[r][c] = _mm512_fmadd_ps(xi[r], mc, acc[r][c]);
+        }
+    }
+    for (long r = 0; r < n; r++)
+        for (long c = 0; c < nc; c++) _mm512_storeu_ps(y + r * d + 16 * c, acc[r][c]);
+}
+
+/* Rows [0, n) four at a time (D = 64), two at a time (D = 128), else one at a time. */
+static void times_dense(const float *x, const float *m, long d, float *y, long n) {
+    for (long r0 = 0; r0 < n;) {
+        const long left = n - r0;
+        const float *xr = x + r0 * d;
+        float *yr = y + r0 * d;
+        if (d == 64) {
+            switch (left < 4 ? left : 4) {
+                case 4: times_dense_nc(xr, m, d, yr, 4, 4); break;
+                case 3: times_dense_nc(xr, m, d, yr, 3, 4); break;
+                case 2: times_dense_nc(xr, m, d, yr, 2, 4); break;
+                default: times_dense_nc(xr, m, d, yr, 1, 4);
+            }
+            r0 += left < 4 ? left : 4;
+        } else if (d == 128) {
+            if (left >= 2) times_dense_nc(xr, m, d, yr, 2, 8);
+            else times_dense_nc(xr, m, d, yr, 1, 8);
+            r0 += left < 2 ? left : 2;
+        } else {
+            times_dense_nc(xr, m, d, yr, 1, d / 16);
+            r0++;
+        }
+    }
+}
+#endif
+
+/* Y (n, D) = X (n, D) M for a tensor's block-diagonal M: the vector form where the tensor takes
+   the vector path. */
+static void tensor_blockdiag(const Tensor *t, const float *x, const float *m, long d, float *y,
+                             long n) {
+#ifdef TQ_VECTOR
+    if (t->vector) {
+        times_dense(x, m, d, y, n);
+        return;
+    }
+#endif
+    for (long r = 0; r < n; r++) times_blockdiag(x + r * d, m, d, t->outliers, y + r * d);
 }
 
 /* The g queries of KV head h for block b: permuted to the block's stream order, times
-   `scaling`, rotated (rq) and projected (sq, QJL keys only), each (g, D). Column by column
-   (rot^T's rows are contiguous): y += x_i rot[:, i] within x_i's part. */
+   `scaling`, rotated (rq) and projected (sq, QJL keys only), each (g, D); rot and proj come
+   transposed (x rot^T = rot x). */
 static void query_prep(const Args *a, long h, long b, float *rq, float *sq) {
     const Tensor *k = &a->k;
-    const long d = a->d, o = k->outliers;
+    const long d = a->d;
     int perm[MAX_D];
+    float x[MAX_G * MAX_D];
     block_perm(k, h, b, d, perm);
-    memset(rq, 0, sizeof(float) * (size_t)(a->g * d));
-    if (k->signs) memset(sq, 0, sizeof(float) * (size_t)(a->g * d));
     for (long gi = 0; gi < a->g; gi++) {
         const float *q = a->q + (h * a->g + gi) * d;
-        float *r = rq + gi * d, *s = sq + gi * d;
-        for (long i = 0; i < d; i++) {
-            const float xi = q[perm[i]] * a->scaling, *mr = k->rot + i * d;
-            const long lo = i < o ? 0 : o, hi = i < o ? o : d;
-            for (long j = lo; j < hi; j++) r[j] += xi * mr[j];
-            if (k->signs) {
-                const float *mp = k->proj + i * d;
-                for (long j = lo; j < hi; j++) s[j] += xi * mp[j];
-            }
-        }
+        for (long i = 0; i < d; i++) x[gi * d + i] = q[perm[i]] * a->scaling;
     }
+    tensor_blockdiag(k, x, k->rot, d, rq, a->g);
+    if (k->signs) tensor_blockdiag(k, x, k->proj, d, sq, a->g);
 }
 
 /* The codebook values of one token's stream (y, D floats; norms not applied). */
@@ -269,40 +343,66 @@ static void key_block(const Args *a, long b, long h, const float *rq, const floa
 }
 
 #ifdef TQ_VECTOR
+/* The four sums of a, b, c, d in one vector [sum a, sum b, sum c, sum d]: a third of the
+   shuffles of four separate reductions. */
+static inline __attribute__((always_inline)) __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    /* per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3], likewise c, d; then [a, b, c, d] */
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512 x = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m256 y = _mm256_add_ps(_mm512_castps512_ps256(x),
+                                   _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+}
+
 /* key_block on the vector path; `nc` (D / 16) a constant after inlining, so the token's chunks
-   live in registers. */
+   live in registers. Tokens go four at a time: each query's four dot products are reduced
+   together and stored as four consecutive scores. */
 static inline __attribute__((always_inline)) void key_block_nc(
         const Args *a, long b, long h, const float *rq, const float *sq, float *scores,
         const long nc) {
     const Tensor *k = &a->k;
     const long d = a->d, g = a->g, c0 = k->outliers / 16; /* chunks [0, c0) are part 0 */
-    __m512 y[MAX_CHUNKS], sg[MAX_CHUNKS];
-    for (long t = b * a->bt; t < (b + 1) * a->bt; t++) {
-        const uint8_t *row = k->codes + h * k->s_ch + t * k->s_ct;
-        const uint16_t *nr = k->norms + h * k->s_nh + t * k->s_nt;
-        const __m512 n0 = _mm512_set1_ps(half_to_float(nr[0]));
-        const __m512 n1 = c0 ? _mm512_set1_ps(half_to_float(nr[1])) : n0;
-        for (long c = 0; c < nc; c++) y[c] = _mm512_mul_ps(chunk_values(row, &k->chunks[c]), c < c0 ? n0 : n1);
-        if (k->signs) { /* sign bit 1 -> +rnorm, 0 -> -rnorm */
-            const uint8_t *s = k->signs + h * k->s_sh + t * k->s_st;
-            const uint16_t *rr = k->rnorms + h * k->s_rh + t * k->s_rt;
-            const float r0 = half_to_float(rr[0]), r1 = c0 ? half_to_float(rr[1]) : r0;
-            const __m512 p0 = _mm512_set1_ps(r0), m0 = _mm512_set1_ps(-r0);
-            const __m512 p1 = _mm512_set1_ps(r1), m1 = _mm512_set1_ps(-r1);
-            for (long c = 0; c < nc; c++) {
-                uint16_t bits;
-                memcpy(&bits, s + 2 * c, sizeof bits);
-                sg[c] = c < c0 ? _mm512_mask_blend_ps(bits, m0, p0) : _mm512_mask_blend_ps(bits, m1, p1);
+    const long end = (b + 1) * a->bt;
+    __m512 y[MAX_CHUNKS], sg[MAX_CHUNKS], acc[4][MAX_VEC_G];
+    for (long t0 = b * a->bt; t0 < end; t0 += 4) {
+        const long n = end - t0 < 4 ? end - t0 : 4;
+        for (long u = 0; u < 4; u++) {
+            if (u >= n) { /* past the block's end: nothing to score */
+                for (long gi = 0; gi < g; gi++) acc[u][gi] = _mm512_setzero_ps();
+                continue;
+            }
+            const long t = t0 + u;
+            const uint8_t *row = k->codes + h * k->s_ch + t * k->s_ct;
+            const uint16_t *nr = k->norms + h * k->s_nh + t * k->s_nt;
+            const __m512 n0 = _mm512_set1_ps(half_to_float(nr[0]));
+            const __m512 n1 = c0 ? _mm512_set1_ps(half_to_float(nr[1])) : n0;
+            for (long c = 0; c < nc; c++) y[c] = _mm512_mul_ps(chunk_values(row, &k->chunks[c]), c < c0 ? n0 : n1);
+            if (k->signs) { /* sign bit 1 -> +rnorm, 0 -> -rnorm */
+                const uint8_t *s = k->signs + h * k->s_sh + t * k->s_st;
+                const uint16_t *rr = k->rnorms + h * k->s_rh + t * k->s_rt;
+                const float r0 = half_to_float(rr[0]), r1 = c0 ? half_to_float(rr[1]) : r0;
+                const __m512 p0 = _mm512_set1_ps(r0), m0 = _mm512_set1_ps(-r0);
+                const __m512 p1 = _mm512_set1_ps(r1), m1 = _mm512_set1_ps(-r1);
+                for (long c = 0; c < nc; c++) {
+                    uint16_t bits;
+                    memcpy(&bits, s + 2 * c, sizeof bits);
+                    sg[c] = c < c0 ? _mm512_mask_blend_ps(bits, m0, p0) : _mm512_mask_blend_ps(bits, m1, p1);
+                }
+            }
+            for (long gi = 0; gi < g; gi++) { /* two chains of FMAs: half the latency */
+                const float *r = rq + gi * d, *p = sq + gi * d;
+                __m512 codes = _mm512_mul_ps(_mm512_loadu_ps(r), y[0]), signs = _mm512_setzero_ps();
+                for (long c = 1; c < nc; c++) codes = _mm512_fmadd_ps(_mm512_loadu_ps(r + 16 * c), y[c], codes);
+                if (k->signs)
+                    for (long c = 0; c < nc; c++) signs = _mm512_fmadd_ps(_mm512_loadu_ps(p + 16 * c), sg[c], signs);
+                acc[u][gi] = _mm512_add_ps(codes, signs);
             }
         }
-        for (long gi = 0; gi < g; gi++) {
-            const float *r = rq + gi * d, *p = sq + gi * d;
-            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(r), y[0]);
-            for (long c = 1; c < nc; c++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(r + 16 * c), y[c], acc);
-            if (k->signs)
-                for (long c = 0; c < nc; c++) acc = _mm512_fmadd_ps(_mm512_loadu_ps(p + 16 * c), sg[c], acc);
-            scores[(h * g + gi) * a->tokens + t] = _mm512_reduce_add_ps(acc);
-        }
+        for (long gi = 0; gi < g; gi++)
+            _mm_mask_storeu_ps(scores + (h * g + gi) * a->tokens + t0, (__mmask8)((1u << n) - 1),
+                               reduce4(acc[0][gi], acc[1][gi], acc[2][gi], acc[3][gi]));
     }
 }
 
@@ -386,10 +486,9 @@ static void value_block_vec(const Args *a, long b, long h, const float *probs, f
 /* acc (H, g, D) += p[:, blocks [b0, b1)] V. */
 static void value_span(const Args *a, long b0, long b1, const float *probs, float *acc) {
     const Tensor *v = &a->v;
-    const long d = a->d, g = a->g, o = v->outliers;
+    const long d = a->d, g = a->g;
     int perm[MAX_D];
-    float back[MAX_D];
-    float *rot_acc = malloc(sizeof(float) * (size_t)(g * d));
+    float *rot_acc = malloc(sizeof(float) * (size_t)(2 * g * d)), *back = rot_acc + g * d;
     if (!rot_acc) return;
     for (long b = b0; b < b1; b++)
         for (long h = 0; h < a->h; h++) {
@@ -403,16 +502,10 @@ static void value_span(const Args *a, long b0, long b1, const float *probs, floa
                 value_block(a, b, h, probs, rot_acc);
             }
             block_perm(v, h, b, d, perm);
+            tensor_blockdiag(v, rot_acc, v->rot, d, back, g); /* back to the channels: (r rot)[perm] */
             for (long gi = 0; gi < g; gi++) {
-                const float *r = rot_acc + gi * d;
                 float *dst = acc + (h * g + gi) * d;
-                memset(back, 0, sizeof(float) * (size_t)d);
-                for (long j = 0; j < d; j++) { /* back = r rot (block-diagonal), row by row */
-                    const long lo = j < o ? 0 : o, hi = j < o ? o : d;
-                    const float rj = r[j], *row = v->rot + j * d;
-                    for (long i = lo; i < hi; i++) back[i] += rj * row[i];
-                }
-                for (long i = 0; i < d; i++) dst[perm[i]] += back[i];
+                for (long i = 0; i < d; i++) dst[perm[i]] += back[gi * d + i];
             }
         }
     free(rot_acc);
