@@ -22,6 +22,7 @@ CASES = [  # h, g, d, tokens, settings
     (1, 3, 8, 17, dict(block_tokens=4, k_bits=2.5, v_bits=3.5)),  # stories260K's head_dim
     (3, 3, 64, 200, dict(block_tokens=64, k_bits=2.5, v_bits=2.5)),  # SmolLM2: byte tables
     (3, 3, 64, 200, dict(block_tokens=64, k_bits=3.5, v_bits=3.5)),  # 4-bit and 2-bit tables
+    (2, 3, 128, 70, dict(block_tokens=32, k_bits=2.5, v_bits=3.5)),  # Llama's head_dim
 ]
 
 
