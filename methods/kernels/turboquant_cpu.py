@@ -4,8 +4,11 @@ The CPU counterpart of the Triton kernel in methods/kernels/turboquant_attention
 layer and step: per block and head the query permuted to the block's stream order and rotated
 (block-diagonal), every token's codes looked up once and dotted with the g queries, QJL signs
 with the projected query, the exact softmax, p.V accumulated in rotated coordinates per block
-and rotated back; OpenMP with torch's thread count. Built by methods/kernels/cpu_build.py;
-without a C compiler `library()` is None and callers take the torch path.
+and rotated back; OpenMP with torch's thread count. Where built with AVX-512 VBMI and the shape
+fits (`vector_path()`), 16 coordinates at a time stay in registers (codes cut from their bytes
+and looked up in a 32-entry register table, signs as a lane mask); elsewhere byte tables.
+Built by methods/kernels/cpu_build.py; without a C compiler `library()` is None and callers take
+the torch path.
 """
 
 from __future__ import annotations
