@@ -276,12 +276,11 @@ static void tensor_blockdiag(const Tensor *t, const float *x, const float *m, lo
 
 /* The g queries of KV head h for block b: permuted to the block's stream order, times
    `scaling`, rotated (rq) and projected (sq, QJL keys only), each (g, D); rot and proj come
-   transposed (x rot^T = rot x). */
-static void query_prep(const Args *a, long h, long b, float *rq, float *sq) {
+   transposed (x rot^T = rot x). `x` (g, D) scratch. */
+static void query_prep(const Args *a, long h, long b, float *x, float *rq, float *sq) {
     const Tensor *k = &a->k;
     const long d = a->d;
     int perm[MAX_D];
-    float x[MAX_G * MAX_D];
     block_perm(k, h, b, d, perm);
     for (long gi = 0; gi < a->g; gi++) {
         const float *q = a->q + (h * a->g + gi) * d;
@@ -418,11 +417,12 @@ static void key_block_vec(const Args *a, long b, long h, const float *rq, const 
 
 /* Scores of the quantized blocks [b0, b1). */
 static void key_span(const Args *a, long b0, long b1, float *scores) {
-    float *rq = malloc(sizeof(float) * (size_t)(2 * a->g * a->d)), *sq = rq + a->g * a->d;
+    const long n = a->g * a->d;
+    float *rq = malloc(sizeof(float) * (size_t)(3 * n)), *sq = rq + n, *x = sq + n;
     if (!rq) return;
     for (long b = b0; b < b1; b++)
         for (long h = 0; h < a->h; h++) {
-            query_prep(a, h, b, rq, sq);
+            query_prep(a, h, b, x, rq, sq);
 #ifdef TQ_VECTOR
             if (a->k.vector) {
                 key_block_vec(a, b, h, rq, sq, scores);
