@@ -189,15 +189,17 @@ class Quantizer:
     @functools.cached_property
     def kernel_constants(self) -> dict[str, torch.Tensor]:
         """What the kernels read, built once (CPU, contiguous): block-diagonal rotation and
-        scaled projection `(D, D)`, the codebooks, and per coordinate in stream order its bit
+        scaled projection `(D, D)`, both also transposed (`*_t`: the C kernel rotates a query
+        column by column, contiguous), the codebooks, and per coordinate in stream order its bit
         offset, width, codebook base and part (`layout`, int32 `(4, D)`)."""
         widths = self.widths()
         parts = torch.cat([torch.full((p.dim,), i) for i, p in enumerate(self.parts)])
         layout = torch.stack([torch.cumsum(widths, 0) - widths, widths,
                               torch.tensor(self.offsets())[parts], parts])
-        return {"rotation": self.block_diagonal("rotation").contiguous(),
-                "projection": (self.block_diagonal("projection") if self.qjl else
-                               self.block_diagonal("rotation")).contiguous(),
+        rotation = self.block_diagonal("rotation")
+        projection = self.block_diagonal("projection") if self.qjl else rotation
+        return {"rotation": rotation.contiguous(), "projection": projection.contiguous(),
+                "rotation_t": rotation.T.contiguous(), "projection_t": projection.T.contiguous(),
                 "codebooks": self.codebooks().contiguous(),
                 "layout": layout.to(torch.int32).contiguous()}
 

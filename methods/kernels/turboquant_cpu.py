@@ -4,8 +4,11 @@ The CPU counterpart of the Triton kernel in methods/kernels/turboquant_attention
 layer and step: per block and head the query permuted to the block's stream order and rotated
 (block-diagonal), every token's codes looked up once and dotted with the g queries, QJL signs
 with the projected query, the exact softmax, p.V accumulated in rotated coordinates per block
-and rotated back; OpenMP with torch's thread count. Built by methods/kernels/cpu_build.py;
-without a C compiler `library()` is None and callers take the torch path.
+and rotated back; OpenMP with torch's thread count. Where built with AVX-512 VBMI and the shape
+fits (`vector_path()`), 16 coordinates at a time stay in registers (codes cut from their bytes
+and looked up in a 32-entry register table, signs as a lane mask); elsewhere byte tables.
+Built by methods/kernels/cpu_build.py; without a C compiler `library()` is None and callers take
+the torch path.
 """
 
 from __future__ import annotations
@@ -29,13 +32,22 @@ def _declare(lib: ctypes.CDLL) -> None:
                    + [ptr, ptr, ptr, ptr, long_]
                    + [ptr, long_, long_, long_] + [ptr, long_, long_] * 2
                    + [ptr, ptr, ptr, long_]
-                   + [ptr] + [long_] * 5 + [ctypes.c_float, ctypes.c_int])
+                   + [ptr] + [long_] * 5 + [ctypes.c_float, ctypes.c_int, ctypes.c_int])
+    lib.tq_vector_path.restype = ctypes.c_int
+    lib.tq_vector_path.argtypes = []
 
 
 _KERNEL = cpu_build.CKernel(_SOURCE, _declare)
 library = _KERNEL.library
 build_error = _KERNEL.build_error
 kernel_name = _KERNEL.name
+
+
+def vector_path() -> bool:
+    """Whether the built kernel has its AVX-512 path (it serves D and the outlier count multiples
+    of 16, D <= 256, code widths <= 5 bits, g <= 16; other shapes take the portable path)."""
+    lib = library()
+    return lib is not None and bool(lib.tq_vector_path())
 
 
 def _unit(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -49,8 +61,10 @@ def _rows(x: torch.Tensor | None) -> list:
     return [x.data_ptr(), x.stride(0), x.stride(1)]
 
 
-def decode_attention(query: torch.Tensor, cache, scaling: float) -> torch.Tensor:
-    """`query (1, H_q, 1, D)` over a `TQCache` -> `(1, H_q, 1, D)`: one kernel call."""
+def decode_attention(query: torch.Tensor, cache, scaling: float, vector: bool = True
+                     ) -> torch.Tensor:
+    """`query (1, H_q, 1, D)` over a `TQCache` -> `(1, H_q, 1, D)`: one kernel call.
+    `vector=False` forces the portable path (the AVX-512 one runs where built and it fits)."""
     b, hq, _, d = query.shape
     kq, vq, k, v = cache.key_quantizer, cache.value_quantizer, cache.keys, cache.values
     h = k.codes.shape[0]
@@ -61,7 +75,7 @@ def decode_attention(query: torch.Tensor, cache, scaling: float) -> torch.Tensor
                              ("kr", k.rnorms), ("km", k.masks), ("vc", v.codes),
                              ("vn", v.norms), ("vm", v.masks))}
     kc, vc = kq.kernel_constants, vq.kernel_constants
-    keep = [kc["rotation"], kc["projection"] if kq.qjl else None, kc["codebooks"], kc["layout"],
+    keep = [kc["rotation_t"], kc["projection_t"] if kq.qjl else None, kc["codebooks"], kc["layout"],
             vc["rotation"], vc["codebooks"], vc["layout"]]
     ptr = lambda x: None if x is None else x.data_ptr()  # noqa: E731
     out = torch.empty(hq, d)
@@ -74,6 +88,6 @@ def decode_attention(query: torch.Tensor, cache, scaling: float) -> torch.Tensor
         *_rows(parts["vc"]), vq.code_bytes(), *_rows(parts["vn"]), *_rows(parts["vm"]),
         ptr(keep[4]), ptr(keep[5]), ptr(keep[6]), vq.outlier_channels,
         out.data_ptr(), h, hq // h, d, k.codes.shape[1], kq.block_tokens, float(scaling),
-        torch.get_num_threads())
+        int(vector), torch.get_num_threads())
     cpu_build.check_status(status, "tq_decode_attention")
     return out.reshape(b, hq, 1, d).to(query.dtype)

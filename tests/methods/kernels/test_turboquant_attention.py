@@ -1,8 +1,9 @@
 """TurboQuant decode attention from the codes (methods/kernels/turboquant_attention.py): the C
-kernel and the Triton kernel (CPU interpreter here) against the torch reference on small
-irregular shapes (with and without an outlier split, QJL keys or MSE keys, a tail or none, GQA
-g = 1 and 3, several blocks), and a check that the cases can fail (a kernel that ignored the
-block permutation or the QJL term would differ)."""
+kernel (both paths: AVX-512 where built and the shape fits, and the portable one) and the Triton
+kernel (CPU interpreter here) against the torch reference on small irregular shapes (with and
+without an outlier split, QJL keys or MSE keys, a tail or none, GQA g = 1 and 3, several blocks),
+and a check that the cases can fail (a kernel that ignored the block permutation or the QJL term
+would differ)."""
 
 import pytest
 import torch
@@ -17,10 +18,11 @@ CASES = [  # h, g, d, tokens, settings
     (2, 3, 16, 29, dict(block_tokens=8)),  # 3.5 bits: split, QJL keys; a 5-token tail
     (1, 1, 16, 24, dict(block_tokens=8, k_bits=2.5, v_bits=2.5)),  # no tail
     (3, 3, 64, 70, dict(block_tokens=32, k_bits=3, v_bits=2)),  # integer widths: no split
-    (2, 2, 32, 41, dict(block_tokens=6, k_quantizer="mse", outlier_ratio=0.5)),  # MSE keys
+    (2, 2, 32, 41, dict(block_tokens=6, k_quantizer="mse", outlier_ratio=0.5)),  # MSE keys, 5 bits
     (1, 3, 8, 17, dict(block_tokens=4, k_bits=2.5, v_bits=3.5)),  # stories260K's head_dim
     (3, 3, 64, 200, dict(block_tokens=64, k_bits=2.5, v_bits=2.5)),  # SmolLM2: byte tables
     (3, 3, 64, 200, dict(block_tokens=64, k_bits=3.5, v_bits=3.5)),  # 4-bit and 2-bit tables
+    (2, 3, 128, 70, dict(block_tokens=32, k_bits=2.5, v_bits=3.5)),  # Llama's head_dim
 ]
 
 
@@ -36,14 +38,48 @@ def cache(h, g, d, tokens, settings, seed=0):
     return layer._cache(), query
 
 
-@pytest.mark.parametrize("h, g, d, tokens, settings", CASES)
-def test_c_kernel_equals_the_reference(h, g, d, tokens, settings):
+def need_c_kernel():
     if not cpu_build.compiler_available():
         pytest.skip("no C compiler here: TurboQuant's CPU kernel cannot be built (torch path)")
     assert turboquant_cpu.library() is not None, turboquant_cpu.build_error()
+
+
+@pytest.mark.parametrize("vector", [True, False], ids=["vector", "portable"])
+@pytest.mark.parametrize("h, g, d, tokens, settings", CASES)
+def test_c_kernel_equals_the_reference(h, g, d, tokens, settings, vector):
+    need_c_kernel()
     c, q = cache(h, g, d, tokens, settings)
     ref = ta.decode_attention_torch(q, c, d ** -0.5)
-    torch.testing.assert_close(turboquant_cpu.decode_attention(q, c, d ** -0.5), ref, **TOL)
+    out = turboquant_cpu.decode_attention(q, c, d ** -0.5, vector=vector)
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+@pytest.mark.parametrize("case", [CASES[5], CASES[6]], ids=["2.5bit", "3.5bit"])
+def test_the_vector_path_runs_where_it_applies(case):
+    """At SmolLM2's shapes its sums run in another order: not bit-identical to the portable path
+    (so it ran)."""
+    need_c_kernel()
+    if not turboquant_cpu.vector_path():
+        pytest.skip("built without AVX-512 VBMI: the portable path serves every shape")
+    c, q = cache(*case)
+    vec = turboquant_cpu.decode_attention(q, c, 0.3)
+    assert not torch.equal(vec, turboquant_cpu.decode_attention(q, c, 0.3, vector=False))
+
+
+def test_c_kernel_ignores_the_thread_count():
+    """A fixed split of the blocks into work items: the same bits on 1 and 2 threads."""
+    need_c_kernel()
+    c, q = cache(3, 3, 64, 2100, dict(block_tokens=64, k_bits=2.5, v_bits=2.5))
+    threads = torch.get_num_threads()
+    for vector in (True, False):
+        try:
+            torch.set_num_threads(1)
+            one = turboquant_cpu.decode_attention(q, c, 0.125, vector=vector)
+            torch.set_num_threads(2)
+            two = turboquant_cpu.decode_attention(q, c, 0.125, vector=vector)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(one, two)
 
 
 @pytest.mark.parametrize("h, g, d, tokens, settings", CASES[:3])
