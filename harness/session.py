@@ -88,6 +88,8 @@ class Session:
         self.settings = settings
         self.model = self.tokenizer = None
         self._checking_tokenizer = None  # loaded by the first `validate`
+        # KVMethod.prepare_key -> (the attributes `prepare` set, its facts, the side files read)
+        self._prepared: dict[str, tuple[dict, dict, list]] = {}
         from harness import hf_adapter, models
 
         spec = models.resolve_model(first.model_cfg)
@@ -140,10 +142,23 @@ class Session:
 
         method = setting.method
         if method.needs_prepare():
-            with _recording(setting):
-                setting.prepared = hf_adapter.prepare(method, self.model, self.tokenizer,
-                                                      self.info,
-                                                      data_dir=models.SHARED_DIR / "data")
+            key = method.prepare_key()
+            done = self._prepared.get(key) if key is not None else None
+            if done is not None:  # another setting's artefacts: its prepare read only what
+                artefacts, facts, side_files = done  # this one's reads alike
+                vars(method).update(artefacts)
+                setting.prepared = dict(facts)
+                setting.side_files += [f for f in side_files if f not in setting.side_files]
+            else:
+                before = dict(vars(method))
+                with _recording(setting):
+                    setting.prepared = hf_adapter.prepare(method, self.model, self.tokenizer,
+                                                          self.info,
+                                                          data_dir=models.SHARED_DIR / "data")
+                if key is not None:
+                    made = {k: v for k, v in vars(method).items()
+                            if k not in before or before[k] is not v}
+                    self._prepared[key] = (made, dict(setting.prepared), list(setting.side_files))
         return Engine(self.model, self.tokenizer, method, self.info,
                       engine_settings(setting.runner))
 

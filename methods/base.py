@@ -527,6 +527,11 @@ class KVMethod:
     # them share one prefill of each prompt (harness.sweep_engine). Declare a knob only when
     # its layers neither read it nor keep anything derived from it before `on_prefill_end`.
     prompt_end_knobs: ClassVar[tuple[str, ...]] = ()
+    # The knobs its `prepare` reads, where preparing is costly (a calibration forward): a sweep's
+    # settings of this method equal in them are prepared once, the others take its artefacts
+    # (harness.session; tests/methods/contract/test_prepare_knobs.py holds every other knob to
+    # changing nothing `prepare` makes). None: each setting prepares itself.
+    prepare_knobs: ClassVar[tuple[str, ...] | None] = None
 
     def __post_init__(self) -> None:
         for reason in self.check_hyperparameters():
@@ -631,6 +636,16 @@ class KVMethod:
         """True when attention runs at in-cache positions, so a stream may outrun max positions
         (StreamingLLM re-rotating its keys)."""
         return False
+
+    def prepare_key(self) -> str | None:
+        """Settings with equal keys get the same artefacts and facts from `prepare`; None: this
+        method does not say which knobs its `prepare` reads (`prepare_knobs`)."""
+        if self.prepare_knobs is None:
+            return None
+        import json
+
+        knobs = {k: getattr(self, k) for k in self.prepare_knobs}
+        return json.dumps([self.name, knobs], sort_keys=True, default=str)
 
     def needs_prepare(self) -> bool:
         """True when this configuration has an offline step (its own `prepare`): the runner

@@ -72,6 +72,8 @@ class QFilters(BudgetedMethod):
         prefill_modes=PREFILL_MODES, selects_tokens=True, kv_layouts=KV_LAYOUTS)
     serving_needs: ClassVar[ServingNeeds] = ServingNeeds(needs_calibration=True)
     variant_keys: ClassVar[tuple[str, ...]] = ("window_tokens", "filters_path")
+    prepare_knobs: ClassVar[tuple[str, ...]] = ("calibration_path", "calibration_tokens",
+                                                "svd_samples", "filters_path")
     window_tokens: int = 0
     calibration_path: str | None = None
     calibration_tokens: int = 2048

@@ -140,6 +140,9 @@ class TailorKV(KVMethod):
                        "calibration_tokens")},
         "topk_tokens": "applies only when budget_ratio and budget_tokens are both null (the "
                        "shared budget takes precedence; the compressing case sets one)"}
+    prepare_knobs: ClassVar[tuple[str, ...]] = (
+        "quant_layers", "dense_threshold", "probe_top_ratio", "probe_queries", "calibration_path",
+        "calibration_tokens", "key_channels")
     budget_ratio: float | None = None
     budget_tokens: int | None = None
     sink_tokens: int = 8

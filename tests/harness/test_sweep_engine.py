@@ -136,6 +136,27 @@ def test_prompt_scores_made_once_for_a_group_equal_each_settings_own(order, tmp_
     assert "shared prefill   kvzip" in capsys.readouterr().out
 
 
+def test_settings_equal_in_prepare_knobs_are_prepared_once(tmp_path, monkeypatch):
+    """Q-Filters' SVD of calibration queries reads no budget (`prepare_knobs`): two budgets
+    of a sweep are prepared once, and each equals its single run; another calibration length
+    is prepared again."""
+    from methods.qfilters import QFilters
+
+    need_shared(STORIES)
+    calls, original = [], QFilters.prepare
+
+    def counted(self, ctx):
+        calls.append(self.calibration_tokens)
+        return original(self, ctx)
+    monkeypatch.setattr(QFilters, "prepare", counted)
+    settings = [[*TASK, "method=qfilters", "method.budget_tokens=24"],
+                [*TASK, "method=qfilters", "method.budget_tokens=48"],
+                [*TASK, "method=qfilters", "method.budget_tokens=48",
+                 "method.calibration_tokens=1024"]]
+    assert_equal_to_single_runs(settings, tmp_path)
+    assert calls == [2048, 2048, 1024] + [2048, 1024], calls  # the single runs, the sweep
+
+
 def test_a_method_attending_otherwise_over_a_held_prompt_prefills_itself(tmp_path, monkeypatch,
                                                                          capsys):
     """A method whose layers change attention while the prompt is held (planted: Knorm's output
