@@ -12,11 +12,12 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from kvcore.errors import ConfigError
+from tasks.base import Task
 
 log = logging.getLogger("harness")
 
@@ -66,6 +67,47 @@ def compose(cfg: DictConfig, choices: dict[str, str] | None = None) -> Setting:
                    config_hash(cfg))
 
 
+def runner_of(**knobs: Any) -> dict[str, Any]:
+    """The runner's declared defaults (conf/runner/default.yaml) with `knobs` changed, for a
+    caller that composes no Hydra config (`setting`)."""
+    from harness.config_check import yaml_defaults
+
+    runner = dict(yaml_defaults("runner", "default"))
+    unknown = sorted(set(knobs) - set(runner))
+    if unknown:
+        raise ConfigError(f"runner.{unknown[0]} is not a runner key; allowed: {', '.join(runner)}")
+    runner.update(knobs)
+    return runner
+
+
+@dataclass(kw_only=True)
+class OwnFeed(Task):
+    """The task of a caller that feeds the engine itself (lm-eval's requests, a benchmark's own
+    prompts), as the checks before weights see it: prompts prefilled, then decode steps, several
+    sequences decoded together; no data files, no prompts to check."""
+
+    name: ClassVar[str] = "own_feed"
+    main_metric: ClassVar[str] = "none"
+    higher_is_better: ClassVar[bool] = True
+    batches: ClassVar[bool] = True
+
+
+def setting(model_cfg: dict[str, Any], runner: dict[str, Any], method, task: Task) -> Setting:
+    """One setting from plain parts, for a caller that composes no Hydra config (lm-eval's
+    --model_args, a benchmark): the model group's keys, a full runner (`runner_of`), a built
+    method (methods.build_method) and a task (`OwnFeed` where the caller feeds the engine
+    itself). The runner is checked as `compose` checks it; the rest by `Session.validate`."""
+    from harness.run import check_runner
+    from harness.sweep import config_hash
+
+    check_runner(runner)
+    cfg = OmegaConf.create({"model": dict(model_cfg), "runner": dict(runner),
+                            "method": {"name": method.name, **method.hyperparameters()},
+                            "task": {"name": task.name, **task.options()}})
+    return Setting(cfg, dict(runner), dict(model_cfg), method.name, method, task.name, task,
+                   config_hash(cfg))
+
+
 class Session:
     """The settings of one model and one task; the model and tokenizer load once for all."""
 
@@ -100,6 +142,14 @@ class Session:
     @classmethod
     def of(cls, cfgs: list[DictConfig]) -> "Session":
         return cls([compose(cfg) for cfg in cfgs])
+
+    def ready(self) -> list:
+        """Every setting validated, then the model loaded once: one engine per setting, in
+        order (a caller that needs no step in between)."""
+        for s in self.settings:
+            self.validate(s)
+        self.load(self.settings[0].runner["attn_impl"])
+        return [self.engine(s) for s in self.settings]
 
     def reasons(self, setting: Setting) -> list[str]:
         """Why this setting cannot run on this model (method x task x protocol x storage)."""
