@@ -108,6 +108,24 @@ def setting(model_cfg: dict[str, Any], runner: dict[str, Any], method, task: Tas
                    config_hash(cfg))
 
 
+def of_methods(model_cfg: dict[str, Any], methods: dict[str, Any], task: Task | None = None,
+               **runner_knobs: Any) -> tuple["Session", dict[str, Setting]]:
+    """A session of built methods (row name -> KVMethod) over one model and one runner, for a
+    caller that feeds the engines itself (a benchmark: `task` by default `OwnFeed`). Every
+    setting is validated, no weights loaded yet; a refused one raises ConfigError naming its
+    row. Then `load(...)` and `engine(settings[row])`."""
+    runner = runner_of(**runner_knobs)
+    settings = {row: setting(model_cfg, runner, method, task or OwnFeed())
+                for row, method in methods.items()}
+    session = Session(list(settings.values()))
+    for row, one in settings.items():
+        try:
+            session.validate(one)
+        except ConfigError as exc:
+            raise ConfigError(f"{row}: {exc}") from None
+    return session, settings
+
+
 class Session:
     """The settings of one model and one task; the model and tokenizer load once for all."""
 
@@ -132,6 +150,7 @@ class Session:
         self._checking_tokenizer = None  # loaded by the first `validate`
         # KVMethod.prepare_key -> (the attributes `prepare` set, its facts, the side files read)
         self._prepared: dict[str, tuple[dict, dict, list]] = {}
+        self._engined: dict[int, Setting] = {}  # id -> a setting with an engine (prepared)
         from harness import hf_adapter, models
 
         spec = models.resolve_model(first.model_cfg)
@@ -184,14 +203,16 @@ class Session:
             log.info("loading %s", self.spec.description)
             self.model, self.tokenizer = models.load_model(self.spec, attn_impl)
 
-    def engine(self, setting: Setting):
-        """The setting's method prepared on the loaded model, and its engine."""
+    def engine(self, setting: Setting, **prepare_extras):
+        """The setting's method prepared on the loaded model (once: a later call gives a fresh
+        engine over the same prepared method), and its engine. `prepare_extras`:
+        hf_adapter.prepare_context's calibration_ids / cache_dir, the same for every setting."""
         from harness import hf_adapter, models
         from harness.engine import Engine
         from harness.run import engine_settings
 
         method = setting.method
-        if method.needs_prepare():
+        if method.needs_prepare() and id(setting) not in self._engined:
             key = method.prepare_key()
             done = self._prepared.get(key) if key is not None else None
             if done is not None:  # another setting's artefacts: its prepare read only what
@@ -202,13 +223,14 @@ class Session:
             else:
                 before = dict(vars(method))
                 with _recording(setting):
-                    setting.prepared = hf_adapter.prepare(method, self.model, self.tokenizer,
-                                                          self.info,
-                                                          data_dir=models.SHARED_DIR / "data")
+                    setting.prepared = hf_adapter.prepare(
+                        method, self.model, self.tokenizer, self.info,
+                        data_dir=models.SHARED_DIR / "data", **prepare_extras)
                 if key is not None:
                     made = {k: v for k, v in vars(method).items()
                             if k not in before or before[k] is not v}
                     self._prepared[key] = (made, dict(setting.prepared), list(setting.side_files))
+        self._engined[id(setting)] = setting  # held, so its id is not reused
         return Engine(self.model, self.tokenizer, method, self.info,
                       engine_settings(setting.runner))
 
