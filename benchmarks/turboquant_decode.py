@@ -37,8 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.decode_long_context import lockstep, paired_ratio  # noqa: E402
-from harness import hf_adapter, models  # noqa: E402
+from benchmarks.decode_long_context import lockstep, open_rows, paired_ratio  # noqa: E402
 from harness.results import write_json_atomic  # noqa: E402
 from methods import build_method  # noqa: E402
 from tasks.text_sources import load_essays  # noqa: E402
@@ -111,22 +110,17 @@ def main() -> None:
         if args.json:
             write_json_atomic(Path(args.json), {"kernel_only": table})
         return
-    spec = models.resolve_model({"name": args.model, "device": "auto"})
-    model, tok = models.load_model(spec, "sdpa")
-    info = hf_adapter.model_info(model.config)
-    essays = tok(load_essays(), verbose=False)["input_ids"]
-    methods, kernels = {}, {}
-    for name in args.rows:
-        method = build_method(ROWS[name][0], **ROWS[name][1])
-        facts = hf_adapter.prepare(method, model, tok, info, data_dir=models.SHARED_DIR / "data")
-        methods[name], kernels[name] = method, facts.get("decode_attention", "-")
+    session, settings = open_rows(args.model, {name: ROWS[name] for name in args.rows})
+    info = session.info
+    essays = session.tokenizer(load_essays(), verbose=False)["input_ids"]
+    kernels = {name: one.prepared.get("decode_attention", "-") for name, one in settings.items()}
     out = {"model": args.model, "threads": torch.get_num_threads(), "rounds": args.rounds,
            "new_tokens": args.new_tokens, "goal_ratio": GOAL_RATIO, "contexts": {}}
     t0 = time.time()
     for ctx in args.contexts:
         ctx = min(ctx, info.max_positions - args.new_tokens)
         load_before = os.getloadavg()[0]
-        rounds = [lockstep(model, tok, info, methods, lambda name: essays[:ctx], args.new_tokens)
+        rounds = [lockstep(session, settings, lambda name: essays[:ctx], args.new_tokens)
                   for _ in range(args.rounds)]
         load = (load_before + os.getloadavg()[0]) / 2
         print(f"\ncontext {ctx} tokens + {args.new_tokens} new, {args.model}, {args.rounds} "
