@@ -108,14 +108,17 @@ def setting(model_cfg: dict[str, Any], runner: dict[str, Any], method, task: Tas
                    config_hash(cfg))
 
 
-def of_methods(model_cfg: dict[str, Any], methods: dict[str, Any], task: Task | None = None,
-               **runner_knobs: Any) -> tuple["Session", dict[str, Setting]]:
-    """A session of built methods (row name -> KVMethod) over one model and one runner, for a
-    caller that feeds the engines itself (a benchmark: `task` by default `OwnFeed`). Every
-    setting is validated, no weights loaded yet; a refused one raises ConfigError naming its
-    row. Then `load(...)` and `engine(settings[row])`."""
-    runner = runner_of(**runner_knobs)
-    settings = {row: setting(model_cfg, runner, method, task or OwnFeed())
+def of_methods(model_cfg: dict[str, Any], methods: dict[Any, Any], task: Task | None = None,
+               row_knobs: dict[Any, dict[str, Any]] | None = None,
+               **runner_knobs: Any) -> tuple["Session", dict[Any, Setting]]:
+    """A session of built methods (row -> KVMethod) over one model, for a caller that feeds the
+    engines itself (a benchmark: `task` by default `OwnFeed`); every row's runner has
+    `runner_knobs`, and its own `row_knobs[row]` where given. Every setting is validated, no
+    weights loaded yet; a refused one raises ConfigError naming its row. Then `load(...)` and
+    `engine(settings[row])`."""
+    row_knobs = row_knobs or {}
+    settings = {row: setting(model_cfg, runner_of(**runner_knobs, **row_knobs.get(row, {})),
+                             method, task or OwnFeed())
                 for row, method in methods.items()}
     session = Session(list(settings.values()))
     for row, one in settings.items():
