@@ -4,7 +4,9 @@ one engine per setting.
 A `Session` holds the settings of one model and one task (a single run is a session of one;
 a sweep, harness.sweep_engine, a session of many). Every setting is composed and validated
 before any weights load; the model and tokenizer then load once and `engine(setting)` builds
-each setting's method (prepare included) and engine over them.
+each setting's method (prepare included) and engine over them. The CLI and the sweep compose
+settings from Hydra configs (`compose`); lm-eval's model and the benchmarks, which feed the
+engine themselves, build them from plain parts (`setting`, `of_methods`, task `OwnFeed`).
 """
 
 from __future__ import annotations
@@ -206,10 +208,9 @@ class Session:
             log.info("loading %s", self.spec.description)
             self.model, self.tokenizer = models.load_model(self.spec, attn_impl)
 
-    def engine(self, setting: Setting, **prepare_extras):
+    def engine(self, setting: Setting):
         """The setting's method prepared on the loaded model (once: a later call gives a fresh
-        engine over the same prepared method), and its engine. `prepare_extras`:
-        hf_adapter.prepare_context's calibration_ids / cache_dir, the same for every setting."""
+        engine over the same prepared method), and its engine."""
         from harness import hf_adapter, models
         from harness.engine import Engine
         from harness.run import engine_settings
@@ -228,7 +229,7 @@ class Session:
                 with _recording(setting):
                     setting.prepared = hf_adapter.prepare(
                         method, self.model, self.tokenizer, self.info,
-                        data_dir=models.SHARED_DIR / "data", **prepare_extras)
+                        data_dir=models.SHARED_DIR / "data")
                 if key is not None:
                     made = {k: v for k, v in vars(method).items()
                             if k not in before or before[k] is not v}
