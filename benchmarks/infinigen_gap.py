@@ -119,9 +119,14 @@ def main() -> None:
         return one
 
     variants = [parse_variant(s) for s in args.variants]
-    try:  # every variant whose knobs are known checked before the weights load
-        known = {i: open_variant(name, kwargs) for i, (name, kwargs) in enumerate(variants)
-                 if "@" not in kwargs.values()}
+    known = {}  # every variant whose knobs are known, checked before the weights load
+    for i, (name, kwargs) in enumerate(variants):
+        try:
+            if "@" not in kwargs.values():
+                known[i] = open_variant(name, kwargs)
+        except ConfigError as exc:
+            raise SystemExit(f"error: {args.variants[i]}: {exc}") from None
+    try:
         session = Session(list(known.values()))
     except ConfigError as exc:
         raise SystemExit(f"error: {exc}") from None
