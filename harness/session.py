@@ -211,32 +211,37 @@ class Session:
     def engine(self, setting: Setting):
         """The setting's method prepared on the loaded model (once: a later call gives a fresh
         engine over the same prepared method), and its engine."""
-        from harness import hf_adapter, models
         from harness.engine import Engine
         from harness.run import engine_settings
 
-        method = setting.method
-        if method.needs_prepare() and id(setting) not in self._engined:
-            key = method.prepare_key()
-            done = self._prepared.get(key) if key is not None else None
-            if done is not None:  # another setting's artefacts: its prepare read only what
-                artefacts, facts, side_files = done  # this one's reads alike
-                vars(method).update(artefacts)
-                setting.prepared = dict(facts)
-                setting.side_files += [f for f in side_files if f not in setting.side_files]
-            else:
-                before = dict(vars(method))
-                with _recording(setting):
-                    setting.prepared = hf_adapter.prepare(
-                        method, self.model, self.tokenizer, self.info,
-                        data_dir=models.SHARED_DIR / "data")
-                if key is not None:
-                    made = {k: v for k, v in vars(method).items()
-                            if k not in before or before[k] is not v}
-                    self._prepared[key] = (made, dict(setting.prepared), list(setting.side_files))
+        if setting.method.needs_prepare() and id(setting) not in self._engined:
+            self._prepare(setting)
         self._engined[id(setting)] = setting  # held, so its id is not reused
-        return Engine(self.model, self.tokenizer, method, self.info,
+        return Engine(self.model, self.tokenizer, setting.method, self.info,
                       engine_settings(setting.runner))
+
+    def _prepare(self, setting: Setting) -> None:
+        """`prepare` the setting's method, or give it the artefacts of a setting prepared
+        before with the same `KVMethod.prepare_key` (its prepare read only what this one's
+        reads alike): the attributes that prepare set, its facts and the side files read."""
+        from harness import hf_adapter, models
+
+        method = setting.method
+        key = method.prepare_key()
+        done = self._prepared.get(key) if key is not None else None
+        if done is not None:
+            artefacts, facts, side_files = done
+            vars(method).update(artefacts)
+            setting.prepared = dict(facts)
+            setting.side_files += [f for f in side_files if f not in setting.side_files]
+            return
+        before = dict(vars(method))
+        with _recording(setting):
+            setting.prepared = hf_adapter.prepare(method, self.model, self.tokenizer, self.info,
+                                                  data_dir=models.SHARED_DIR / "data")
+        if key is not None:
+            made = {k: v for k, v in vars(method).items() if k not in before or before[k] is not v}
+            self._prepared[key] = (made, dict(setting.prepared), list(setting.side_files))
 
 
 @contextmanager
