@@ -169,26 +169,31 @@ def test_batch_of_ragged_requests_equals_each_alone(name, which, request, tmp_pa
 # --- while compressing ---------------------------------------------------------------------------
 
 def _with_modes():
-    """(method, mode) for every method and each mode it declares (None: no mode knob)."""
+    """(method, settings) for every method: each mode it declares, then each of its
+    `path_variants` (settings taking another code path, e.g. a fused kernel)."""
     cases = []
     for name in METHODS:
         cls = method_class(name)
         modes = cls.capabilities.modes if "mode" in cls.hyperparameter_names() else (None,)
         for mode in modes:
-            cases.append(pytest.param(name, mode, id=f"{name}-{mode}" if mode else name))
+            cases.append(pytest.param(name, {"mode": mode} if mode else {},
+                                      id=f"{name}-{mode}" if mode else name))
+        for variant in cls.path_variants:
+            label = ",".join(f"{k}={v}" for k, v in variant.items())
+            cases.append(pytest.param(name, variant, id=f"{name}-{label}"))
     return cases
 
 
 @pytest.mark.parametrize("which", MODELS)
-@pytest.mark.parametrize("name, mode", _with_modes())
-def test_contract_holds_at_every_step_while_compressing(name, mode, which, request, tmp_path,
+@pytest.mark.parametrize("name, variant", _with_modes())
+def test_contract_holds_at_every_step_while_compressing(name, variant, which, request, tmp_path,
                                                          monkeypatch):
     monkeypatch.setenv("KVH_CACHE_DIR", str(tmp_path))
     # The cache contract, not the kernels (they have their own tests): torch paths on CPU.
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     model = get_model(which, request, layers=3)  # InfiniGen leaves layers 0 and 1 dense
     settings = method_class(name).compressing_hyperparameters(SEQ_TOKENS)
-    method = build_method(name, **settings, **({"mode": mode} if mode else {}))
+    method = build_method(name, **{**settings, **variant})
     skip_if_refused(method, model)
     check_compressing_contract(model, method, trained=which == "stories")
 
