@@ -104,6 +104,22 @@ MUTANTS = [
     Mutant("recent prompt tokens not attended", "tailorkv", "methods/tailorkv.py",
            "        r = min(self.method.recent_tokens, budget - s)",
            "        r = 0"),
+    Mutant("scores reset every step (C decode kernel)", "h2o",
+           "methods/kernels/colsum_attention_cpu.c",
+           "for (long t = s * SPAN_TOKENS; t < t1; t++) acc[t] += e[t] * cf;",
+           "for (long t = s * SPAN_TOKENS; t < t1; t++) acc[t] = e[t] * cf;"),
+    Mutant("GQA: one query head's attention per group", "h2o", "methods/h2o.py",
+           "        scores.add_(group_column_sums(probs, keys.shape[1]))",
+           "        scores.add_(group_column_sums(probs[:, :: probs.shape[1] // keys.shape[1]], "
+           "keys.shape[1]))"),
+    Mutant("recent window one token short", "scissorhands", "methods/scissorhands.py",
+           "        return 0, min(self.method.recent_tokens, budget)",
+           "        return 0, min(self.method.recent_tokens - 1, budget)"),
+    Mutant("pooling kernel ignored", "snapkv", "methods/snapkv.py",
+           "prefix, self.method.kernel_tokens,", "prefix, 1,"),
+    Mutant("pages ranked by their lower bound", "quest", "methods/kernels/quest_pages.py",
+           "    bound = torch.maximum(q * mn, q * mx).sum(-1)  # (B, H_kv, g, P)",
+           "    bound = torch.minimum(q * mn, q * mx).sum(-1)  # (B, H_kv, g, P)"),
 ]
 
 

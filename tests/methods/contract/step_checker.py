@@ -400,15 +400,17 @@ def scored_eviction(layer) -> bool:
     return isinstance(layer, EvictionLayer) and layer.selects_top_scores
 
 
-def check_compressing_contract(model, method, trained=False):
-    """The contract while `method` compresses SEQ_TOKENS random tokens (eager attention, a
+def check_compressing_contract(model, method, trained=False, attn="eager"):
+    """The contract while `method` compresses SEQ_TOKENS random tokens (`attn` attention, a
     chunked prompt, then decode steps); raises AssertionError / BudgetViolation on a breach.
     `trained`: a trained model, whose heads differ (a random tiny model's may all look alike,
-    so a per-head split may rightly come out even there)."""
+    so a per-head split may rightly come out even there). Eager attention passes every layer
+    its mask (checked against `mask_sizes`); sdpa passes none to a plain decode row, the case a
+    fused decode kernel serves (H2O's)."""
     name, settings = method.name, method.hyperparameters()
     info = hf_adapter.model_info(model.config)
     ids = torch.randint(3, 250, (1, SEQ_TOKENS), generator=torch.Generator().manual_seed(7))
-    hf_adapter.set_attention(model, "eager")
+    hf_adapter.set_attention(model, attn)
     try:
         engine = make_engine(model, method, chunk=CHUNK_TOKENS)
         with engine.request() as req:

@@ -2,8 +2,8 @@
 
 * composes from its YAML, runs prefill + decode on eager and sdpa with chunked prefill, leaves the
   model pristine, and equals the full cache when its budget covers the sequence;
-* while it IS compressing (budget well below the sequence, eager attention, chunked prefill +
-  decode), at every forward and every layer: K/V shapes, the attention mask's size against what
+* while it IS compressing (budget well below the sequence, eager attention and, on the tiny
+  Llama, sdpa too: the fused decode kernels' case; chunked prefill + decode), at every forward and every layer: K/V shapes, the attention mask's size against what
   `update` returned (`mask_sizes`), kept positions (in range, unique), and against the method's
   declared rule, never its layer's own hooks (tests/methods/contract/rules.py): the budget from
   `layer_budget` (a per-layer split spending no more than the uniform total), the protections its
@@ -12,7 +12,10 @@
   every step the protected tokens plus the top units of its own scores (methods/selection.py),
   per query head or per KV head as it selects, with every query head's output exact attention
   over its own set (so its KV head served their union), a selecting layer's attended tokens
-  carrying more than their share of the exact attention;
+  carrying more than their share of the exact attention; a layer declaring that its scores
+  accumulate attention (`accumulates_attention`: H2O) held to the sums the contract computes
+  itself from the attention it observes; each of a method's `path_variants` (settings served by
+  other code, e.g. InfiniGen's C speculation kernel) run too;
 * every method has a hand-computed kept-set test (`@pytest.mark.kept_set`);
 * an architecture it cannot serve is refused by `validate` (capabilities, not method names).
 
@@ -184,10 +187,15 @@ def _with_modes():
     return cases
 
 
-@pytest.mark.parametrize("which", MODELS)
+# every model under eager attention, and the tiny Llama under sdpa too (see the checker)
+ATTENTIONS = [*((which, "eager") for which in MODELS), ("llama", "sdpa")]
+
+
+@pytest.mark.parametrize("which, attn", ATTENTIONS,
+                         ids=[w if a == "eager" else f"{w}-{a}" for w, a in ATTENTIONS])
 @pytest.mark.parametrize("name, variant", _with_modes())
-def test_contract_holds_at_every_step_while_compressing(name, variant, which, request, tmp_path,
-                                                         monkeypatch):
+def test_contract_holds_at_every_step_while_compressing(name, variant, which, attn, request,
+                                                         tmp_path, monkeypatch):
     monkeypatch.setenv("KVH_CACHE_DIR", str(tmp_path))
     # The cache contract, not the kernels (they have their own tests): torch paths on CPU.
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -195,7 +203,7 @@ def test_contract_holds_at_every_step_while_compressing(name, variant, which, re
     settings = method_class(name).compressing_hyperparameters(SEQ_TOKENS)
     method = build_method(name, **{**settings, **variant})
     skip_if_refused(method, model)
-    check_compressing_contract(model, method, trained=which == "stories")
+    check_compressing_contract(model, method, trained=which == "stories", attn=attn)
 
 
 # --- refusals ------------------------------------------------------------------------------------
