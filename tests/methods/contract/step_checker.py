@@ -9,6 +9,7 @@ from methods.eviction import EvictionLayer
 from methods.selection import SelectionLayer
 from tests.conftest import make_engine
 from tests.methods.contract import rules
+from tests.methods.contract.direction import mirrored
 
 SEQ_TOKENS, PREFILL_TOKENS, CHUNK_TOKENS = 64, 48, 16
 
@@ -400,13 +401,15 @@ def scored_eviction(layer) -> bool:
     return isinstance(layer, EvictionLayer) and layer.selects_top_scores
 
 
-def check_compressing_contract(model, method, trained=False, attn="eager"):
+def check_compressing_contract(model, method, trained=False, attn="eager", adverse=False):
     """The contract while `method` compresses SEQ_TOKENS random tokens (`attn` attention, a
     chunked prompt, then decode steps); raises AssertionError / BudgetViolation on a breach.
     `trained`: a trained model, whose heads differ (a random tiny model's may all look alike,
     so a per-head split may rightly come out even there). Eager attention passes every layer
     its mask (checked against `mask_sizes`); sdpa passes none to a plain decode row, the case a
-    fused decode kernel serves (H2O's)."""
+    fused decode kernel serves (H2O's). `adverse`: every scored-eviction layer's score negated
+    (direction.mirrored): the tokens its knobs protect are then the first its scores would drop,
+    so a protection one token short cannot hide behind scores that keep that token anyway."""
     name, settings = method.name, method.hyperparameters()
     info = hf_adapter.model_info(model.config)
     ids = torch.randint(3, 250, (1, SEQ_TOKENS), generator=torch.Generator().manual_seed(7))
@@ -414,6 +417,10 @@ def check_compressing_contract(model, method, trained=False, attn="eager"):
     try:
         engine = make_engine(model, method, chunk=CHUNK_TOKENS)
         with engine.request() as req:
+            if adverse:
+                mirrored(req.cache.kv_layers)
+                for layer in req.cache.kv_layers:  # its rule's own scores no longer apply
+                    layer.accumulates_attention = False
             checker = StepChecker(method, info, req.cache.kv_layers)
             logits = req.prefill(ids[:, :PREFILL_TOKENS])
             for i in range(PREFILL_TOKENS, SEQ_TOKENS):

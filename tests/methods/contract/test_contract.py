@@ -27,7 +27,9 @@ import torch
 
 from harness import hf_adapter
 from methods import build_method, method_class
+from methods.eviction import EvictionLayer
 from tests.conftest import PROJECT, make_engine
+from tests.methods.contract import rules
 from tests.methods.contract.common import METHODS, MODELS, get_model, run_logits, skip_if_refused
 from tests.methods.contract.step_checker import SEQ_TOKENS, check_compressing_contract
 from tests.models import FAMILIES, family_config
@@ -204,6 +206,26 @@ def test_contract_holds_at_every_step_while_compressing(name, variant, which, at
     method = build_method(name, **{**settings, **variant})
     skip_if_refused(method, model)
     check_compressing_contract(model, method, trained=which == "stories", attn=attn)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_declared_protections_hold_against_adverse_scores(name, request, tmp_path, monkeypatch):
+    """The compressing contract with every scored-eviction layer's score negated: what its knobs
+    protect (a sink, a recent window) is then what its scores would evict first."""
+    monkeypatch.setenv("KVH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    method = build_method(name, **method_class(name).compressing_hyperparameters(SEQ_TOKENS))
+    model = get_model("llama", request, layers=3)
+    skip_if_refused(method, model)
+    try:
+        layer = method.make_layer(0, hf_adapter.model_info(model.config))
+    except RuntimeError:  # needs its prepared artefacts: not a plain template layer
+        layer = None
+    if not (isinstance(layer, EvictionLayer) and layer.selects_top_scores):
+        pytest.skip("no scored-eviction layer: no score to turn against its protections")
+    if not any(rules.declared_protections(method, SEQ_TOKENS)):
+        pytest.skip("its knobs declare no protection")
+    check_compressing_contract(model, method, adverse=True)
 
 
 # --- refusals ------------------------------------------------------------------------------------
