@@ -33,7 +33,7 @@ so the shared contract recomputes, at every step, the set a method must attend f
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 
@@ -86,6 +86,10 @@ class SelectionLayer(KVLayer):
     """Per-request, per-layer state of a selecting method (see the module docstring)."""
 
     unit_tokens = 1
+    # a row selecting for one query head scores each unit at least that head's largest q.k
+    # (unscaled) over the unit's tokens: an upper bound (Quest's criticality); the shared
+    # contract holds the scores to it
+    scores_bound_logits: ClassVar[bool] = False
 
     def __init__(self, layer_idx: int, info: ModelInfo, method: KVMethod):
         super().__init__(layer_idx, info)

@@ -266,6 +266,8 @@ class StepChecker:
                     f"{where}, row {i}: attended a unit scoring {min(chosen):.4g} and left out one "
                     f"scoring {max(dropped):.4g} (the set is not the top of its scores)")
                 self.selection_choices += 1
+        if layer.scores_bound_logits and h_sel == h_q and keys.shape[2] == t:
+            self.check_bounds(layer, query, keys, scores, unit)
         if sel.kv_rows is not None:  # rows fetched before `attend`: placed at their positions
             rows = sel.kv_rows.to(keys.device)[..., None].expand(-1, -1, -1, d)
             keys = keys.new_zeros(b, h_kv, t, d).scatter(2, rows, keys)
@@ -285,6 +287,23 @@ class StepChecker:
         assert bool((worst <= 1e-4).all()), (
             f"{where}: query heads {worst.gt(1e-4).nonzero()[:, 1].tolist()} did not attend "
             f"exactly their own selected sets (max error {worst.max():.3g})")
+
+    def check_bounds(self, layer, query, keys, scores, unit):
+        """Per query head, every scored unit's score is at least its largest q.k (unscaled)
+        over the unit's tokens (`scores_bound_logits`)."""
+        b, h_q, _, _ = query.shape
+        k = keys.double().repeat_interleave(h_q // keys.shape[1], dim=1)  # (B, H_q, T, D)
+        logits = torch.einsum("bhd,bhtd->bht", query[:, :, -1].double(), k)
+        t = logits.shape[-1]
+        padded = logits.new_full((b, h_q, -(-t // unit) * unit), float("-inf"))
+        padded[..., :t] = logits
+        largest = padded.view(b, h_q, -1, unit).amax(-1)  # (B, H_q, U)
+        scored = torch.isfinite(scores.double())
+        short = scored & (scores.double() < largest.cpu() - 1e-4 * (1 + largest.cpu().abs()))
+        assert not bool(short.any()), (
+            f"layer {layer.layer_idx} after {layer.seen_tokens} tokens: units "
+            f"{short.nonzero().tolist()[:4]} score below their tokens' q.k (the scores must "
+            "bound it from above)")
 
     def record_selection_mass(self, layer, module, query, keys, kwargs):
         """A selecting layer's decode step over every token it holds: the exact attention mass
