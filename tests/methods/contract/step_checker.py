@@ -384,6 +384,25 @@ class StepChecker:
         if allowed is not None:
             assert bool((held <= allowed).all()), (
                 f"{where}: heads hold {held.tolist()}, the rule allows {allowed.tolist()}")
+        self.check_standing_slots(layer, lengths)
+
+    def check_standing_slots(self, layer, lengths):
+        """A slot standing for the tokens its head evicted (no text position: `virtual_slots()`)
+        weighs in attention as all of them: its logit bias (`slot_bias()`) is the log of how
+        many they are, counted here from what the head has seen and holds; no other slot has
+        one (RazorAttention's compensation token, eq. 5: +log|D|)."""
+        virtual = layer.virtual_slots() if hasattr(layer, "virtual_slots") else None
+        if virtual is None or not bool(virtual.any()):
+            return
+        where = f"layer {layer.layer_idx} after {layer.seen_tokens} tokens"
+        bias = layer.slot_bias()
+        assert bias is not None, f"{where}: a slot stands for evicted tokens, with no bias"
+        evicted = (layer.seen_tokens - lengths).double()  # (B, H_kv) per head
+        expected = torch.where(virtual.bool(), evicted.clamp(min=1).log(), 0.0)
+        assert torch.allclose(bias.double().sum(-1).cpu(), expected.cpu(), atol=1e-5), (
+            f"{where}: standing slots' bias {bias.sum(-1).tolist()}, the log of the tokens they "
+            f"stand for {expected.tolist()}")
+        assert bool(((bias != 0).sum(-1) <= virtual).all()), f"{where}: bias on a text slot"
 
     def check_declared_keeps(self, layer, rows, budget, kept):
         """Every protection the method's knobs declare (tests/methods/contract/rules.py) is held in every
