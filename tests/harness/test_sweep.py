@@ -51,15 +51,18 @@ def test_sweep_skips_what_a_method_cannot_take_and_reports_failures(tmp_path):
 
 
 def test_kill_9_then_rerun_resumes(tmp_path):
-    args = ["-m", "method=full,h2o,streaming_llm,oracle_topk", *BASE, "runner.skip_existing=true",
-            f"runner.results_root={tmp_path}"]
+    # 300 tokens: each member's own pass takes long enough (even on a loaded machine) for the
+    # kill to land between the first result and the last
+    args = ["-m", "method=full,h2o,streaming_llm,oracle_topk", "model=stories260k",
+            "task.dataset=pg19", "task.max_tokens=300",
+            "runner.skip_existing=true", f"runner.results_root={tmp_path}"]
     env = dict(os.environ, HYDRA_FULL_ERROR="0")
     proc = subprocess.Popen([sys.executable, "-m", "harness", *args], cwd=PROJECT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     deadline = time.time() + 240
     while len(complete_runs(tmp_path)) < 1 and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.2)
+        time.sleep(0.02)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     before = complete_runs(tmp_path)
