@@ -148,7 +148,8 @@ def main() -> None:
               f"round(s) of lockstep decoding, threads {torch.get_num_threads()}, "
               f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, load avg {load:.2f}, "
               f"{build_note()}")
-        print(f"{'row':18} {'kernel':10} {'decode ms':>10} {'KV x full':>9}  x {REFERENCE} (paired)")
+        print(f"{'row':18} {'kernel':10} {'decode ms':>10} {'KV x full':>9}  "
+              f"x {REFERENCE} (paired)")
         rows = {}
         for name in args.rows:
             steps = [ms for rd in rounds for ms in rd[name]["step_ms"]]

@@ -52,8 +52,8 @@ def test_build_variants_are_separate_libraries(tmp_path, monkeypatch):
     cache = tmp_path / "cache"
     monkeypatch.setenv("KVH_KERNEL_CACHE", str(cache))
     monkeypatch.delenv("KVH_KERNEL_FLAGS", raising=False)
-    source = _source(tmp_path, "variant",
-                     "#ifndef VARIANT\n#define VARIANT 0\n#endif\nint variant(void) { return VARIANT; }\n")
+    source = _source(tmp_path, "variant", "#ifndef VARIANT\n#define VARIANT 0\n#endif\n"
+                                          "int variant(void) { return VARIANT; }\n")
 
     def declare(lib):
         lib.variant.restype = ctypes.c_int

@@ -51,7 +51,8 @@ def need_c_kernel(extra_flags=()):
     if not cpu_build.compiler_available():
         pytest.skip("no C compiler here: TurboQuant's CPU kernel cannot be built (torch path)")
     if extra_flags and platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip(f"{' '.join(extra_flags)} is an x86-64 build variant; this is {platform.machine()}")
+        pytest.skip(f"{' '.join(extra_flags)} is an x86-64 build variant; this is "
+                    f"{platform.machine()}")
     lib = turboquant_cpu.library(extra_flags)
     assert lib is not None, turboquant_cpu.build_error(extra_flags)
 
@@ -74,7 +75,8 @@ def test_the_vector_path_runs_where_it_applies(case, extra_flags, path):
     (so it ran)."""
     need_c_kernel(extra_flags)
     if turboquant_cpu.vector_path(extra_flags) != path:
-        pytest.skip(f"this CPU has no {path} (the build has {turboquant_cpu.vector_path(extra_flags)})")
+        pytest.skip(f"the build has {turboquant_cpu.vector_path(extra_flags)}, not {path} "
+                    "(the CPU lacks it, or KVH_KERNEL_FLAGS turned it off)")
     c, q = cache(*case)
     vec = turboquant_cpu.decode_attention(q, c, 0.3, extra_flags=extra_flags)
     portable = turboquant_cpu.decode_attention(q, c, 0.3, vector=False, extra_flags=extra_flags)
