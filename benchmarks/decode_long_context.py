@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from harness import batch as batching  # noqa: E402
-from harness import hf_adapter, models  # noqa: E402
 from harness.progress import progress  # noqa: E402
-from harness.engine import Engine, EngineSettings  # noqa: E402
 from harness.results import write_json_atomic  # noqa: E402
+from harness.session import of_methods  # noqa: E402
+from kvcore.errors import ConfigError  # noqa: E402
 from methods import build_method  # noqa: E402
 from tasks.text_sources import load_essays  # noqa: E402
 
@@ -64,19 +64,29 @@ GOALS = {
 }
 
 
-def build(model, tok, info, name):
-    method_name, kw, _ = METHODS[name]
-    method = build_method(method_name, **kw)
-    hf_adapter.prepare(method, model, tok, info, data_dir=models.SHARED_DIR / "data")
-    return method
+def open_rows(model: str, rows: dict[str, tuple[str, dict]]):
+    """A session of one setting per row (row -> (method, hyperparameters)), prefill chunks of
+    1024 tokens, every setting checked before the weights load (a refused one: one line), the
+    model loaded and every method prepared. Returns (session, row -> setting)."""
+    try:
+        session, settings = of_methods(
+            {"name": model, "device": "auto"},
+            {name: build_method(method, **kw) for name, (method, kw) in rows.items()},
+            prefill_chunk_tokens=1024)
+    except ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    session.load("sdpa")
+    for one in settings.values():
+        session.engine(one)  # prepared here, before any timed step
+    return session, settings
 
 
-def lockstep(model, tok, info, methods: dict, ids_for, new_tokens: int) -> dict[str, dict]:
-    """One round: prefill every row, then decode all rows in lockstep. Returns per row the decode
-    ms of each step and the KV held at the end."""
-    engines = {name: Engine(model, tok, m, info, EngineSettings(prefill_chunk_tokens=1024))
-               for name, m in methods.items()}
-    names = list(methods)
+def lockstep(session, settings: dict, ids_for, new_tokens: int) -> dict[str, dict]:
+    """One round: prefill every row (row -> harness.session Setting), then decode all rows in
+    lockstep. Returns per row the decode ms of each step and the KV held at the end."""
+    engines = {name: session.engine(one) for name, one in settings.items()}
+    info = session.info
+    names = list(settings)
     with contextlib.ExitStack() as stack:
         reqs = {name: stack.enter_context(engines[name].request()) for name in names}
         token = {}
@@ -111,11 +121,9 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--json", default=None, help="write the table as JSON here (atomically)")
     args = ap.parse_args()
-    spec = models.resolve_model({"name": args.model, "device": "auto"})
-    model, tok = models.load_model(spec, "sdpa")
-    info = hf_adapter.model_info(model.config)
-    essays = tok(load_essays(), verbose=False)["input_ids"]
-    methods = {name: build(model, tok, info, name) for name in args.methods}
+    session, settings = open_rows(args.model, {name: METHODS[name][:2] for name in args.methods})
+    info = session.info
+    essays = session.tokenizer(load_essays(), verbose=False)["input_ids"]
     out = {"model": args.model, "threads": torch.get_num_threads(), "rounds": args.rounds,
            "new_tokens": args.new_tokens, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
            "contexts": {}}
@@ -130,7 +138,7 @@ def main() -> None:
 
         rounds = []
         for r in range(args.rounds):
-            rounds.append(lockstep(model, tok, info, methods, ids_for, args.new_tokens))
+            rounds.append(lockstep(session, settings, ids_for, args.new_tokens))
             print(f"  {ctx} round {r + 1}: " + ", ".join(
                 f"{n} {statistics.median(v['step_ms']):.1f}" for n, v in rounds[-1].items())
                 + f" ms/token (load {os.getloadavg()[0]:.1f})", flush=True)

@@ -27,8 +27,9 @@ import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
-from harness import hf_adapter, models  # noqa: E402
-from harness.engine import Engine, EngineSettings  # noqa: E402
+from harness.engine import Engine  # noqa: E402
+from harness.session import of_methods  # noqa: E402
+from kvcore.errors import ConfigError  # noqa: E402
 from methods import build_method  # noqa: E402
 from tasks.text_sources import load_essays  # noqa: E402
 
@@ -71,10 +72,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
 
-    spec = models.resolve_model({"name": args.model, "device": "auto"})
-    model, tok = models.load_model(spec, "sdpa")
-    info = hf_adapter.model_info(model.config)
-    engine = Engine(model, tok, build_method("full"), info, EngineSettings(prefill_chunk_tokens=4096))
+    try:  # checked before the weights load
+        session, settings = of_methods({"name": args.model, "device": "auto"},
+                                       {"full": build_method("full")}, prefill_chunk_tokens=4096)
+    except ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    session.load("sdpa")
+    model, tok, info = session.model, session.tokenizer, session.info
+    engine = session.engine(settings["full"])
     context = min(args.context, info.max_positions - args.new_tokens)
     ids = torch.tensor(tok(load_essays(), verbose=False)["input_ids"][:context])[None]
     ids = ids.to(engine.device)

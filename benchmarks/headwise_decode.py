@@ -30,7 +30,7 @@ import torch  # noqa: E402
 from harness.results import write_json_atomic  # noqa: E402
 from methods import build_method  # noqa: E402
 from paged_layout import (  # noqa: E402
-    LAYOUTS, batch_prompts, load_model_and_essays, lockstep, paired_ratio)
+    LAYOUTS, batch_prompts, lockstep, open_cells, paired_ratio)
 
 PAIR = ("adakv", "snapkv")  # (head-wise, uniform)
 GOAL = 1.15  # head-wise / uniform decode step, paired median
@@ -48,8 +48,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", default=None, help="write the figures as JSON here (atomically)")
     args = ap.parse_args()
-    model, tok, info, essays = load_model_and_essays(args.model, args.threads)
-    methods = {name: build_method(name, budget_ratio=args.budget_ratio) for name in PAIR}
+    session, settings, essays = open_cells(
+        args.model, lambda name: build_method(name, budget_ratio=args.budget_ratio), PAIR,
+        args.batch, args.block_tokens, args.threads)
+    info = session.info
     load_before, t0 = os.getloadavg()[0], time.time()
     out = {}
     print(f"{args.model}, {PAIR[0]} vs {PAIR[1]} at budget_ratio {args.budget_ratio}, batch "
@@ -60,7 +62,7 @@ def main() -> None:
     for context in args.contexts:
         lengths, prompts = batch_prompts(essays, context, args.batch, info, args.new_tokens)
         context = lengths[0]
-        rounds = [lockstep(model, tok, info, methods, prompts, args.new_tokens, args.block_tokens)
+        rounds = [lockstep(session, settings, prompts, args.new_tokens)
                   for _ in range(args.rounds)]
         for layout in LAYOUTS:
             ms = {name: statistics.median(v for r in rounds for v in r[name, layout]["step_ms"])

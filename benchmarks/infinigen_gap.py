@@ -46,19 +46,12 @@ def _scalar(value: str):
     return {"true": True, "false": False}.get(value, value)
 
 
-def run_one(model, tok, info, ids, name, kwargs, dense, every, data_dir, **prepare_extras):
+def run_one(engine, ids, name, kwargs):
+    """Stream `ids` through `engine` (variant `name` with `kwargs`): its figures."""
     import torch
 
-    from harness import hf_adapter
-    from harness.engine import Engine, EngineSettings
-    from methods import build_method
-    from methods.base import Protocol
     from tasks.perplexity import token_nll
 
-    method = build_method(name, **kwargs)
-    hf_adapter.prepare(method, model, tok, info, data_dir=data_dir, **prepare_extras)
-    engine = Engine(model, tok, method, info, EngineSettings(
-        protocol=Protocol(dense_layers=tuple(dense)), diagnostics_every=every))
     nll = torch.empty(ids.numel() - 1)
     t0 = time.time()
     with engine.request(final_tokens=ids.numel()) as req:  # the official cap: of length T
@@ -95,13 +88,52 @@ def main() -> None:
 
     import torch
 
-    from harness import hf_adapter, models
+    from harness import models
+    from harness.session import OwnFeed, Session, runner_of, setting
+    from kvcore.errors import ConfigError
+    from methods import build_method
     from tasks.text_sources import load_text
 
+    class Stream(OwnFeed):
+        """Every token a decode step, one sequence (task=perplexity task.mode=streaming)."""
+
+        name = "stream"
+        batches = False
+
+        def phases(self) -> frozenset[str]:
+            return frozenset({"decode"})
+
     torch.manual_seed(0)
-    spec = models.resolve_model({"name": args.model, "device": "cpu"})
-    model, tok = models.load_model(spec)
-    info = hf_adapter.model_info(model.config)
+    model_cfg = {"name": args.model, "device": "cpu"}
+    runner = runner_of(dense_layers=list(args.dense_layers), diagnostics=args.every > 0,
+                       diagnostics_every_steps=args.every or 16)
+
+    def open_variant(name, kwargs):
+        return setting(model_cfg, runner, build_method(name, **kwargs), Stream())
+
+    def checked(session, spec_str, one):
+        try:
+            session.validate(one)
+        except ConfigError as exc:
+            raise SystemExit(f"error: {spec_str}: {exc}") from None
+        return one
+
+    variants = [parse_variant(s) for s in args.variants]
+    known = {}  # every variant whose knobs are known, checked before the weights load
+    for i, (name, kwargs) in enumerate(variants):
+        try:
+            if "@" not in kwargs.values():
+                known[i] = open_variant(name, kwargs)
+        except ConfigError as exc:
+            raise SystemExit(f"error: {args.variants[i]}: {exc}") from None
+    try:
+        session = Session(list(known.values()))
+    except ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    for i, one in known.items():
+        checked(session, args.variants[i], one)
+    session.load("sdpa")
+    tok = session.tokenizer
     data_dir = models.SHARED_DIR / "data"
     ids = torch.tensor(tok(load_text(args.dataset, None, str(data_dir)), verbose=False)["input_ids"]
                        [: args.tokens])
@@ -110,12 +142,16 @@ def main() -> None:
     print("| variant | ppl | attended (sparse layers) | recall (sparse layers) | KL | worst layers "
           "(recall) | s |\n|---|---|---|---|---|---|---|", flush=True)
     results, last_frac = [], None
-    for spec_str in args.variants:
-        name, kwargs = parse_variant(spec_str)
-        for k, v in list(kwargs.items()):
-            if v == "@":
-                kwargs[k] = round(last_frac, 4)
-        r = run_one(model, tok, info, ids, name, kwargs, args.dense_layers, args.every, data_dir)
+    for i, (spec_str, (name, kwargs)) in enumerate(zip(args.variants, variants)):
+        one = known.get(i)
+        if one is None:  # matched density: checked once the previous variant has measured it
+            kwargs = {k: round(last_frac, 4) if v == "@" else v for k, v in kwargs.items()}
+            try:
+                one = open_variant(name, kwargs)
+            except ConfigError as exc:
+                raise SystemExit(f"error: {spec_str}: {exc}") from None
+            checked(session, spec_str, one)
+        r = run_one(session.engine(one), ids, name, kwargs)
         last_frac = r["attended_sparse"]
         worst = ""
         if "recall_per_layer" in r:

@@ -24,8 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from harness import hf_adapter, models  # noqa: E402
-from harness.engine import Engine, EngineSettings  # noqa: E402
+from harness import models  # noqa: E402
+from harness.session import of_methods  # noqa: E402
+from kvcore.errors import ConfigError  # noqa: E402
 from methods import build_method  # noqa: E402
 from methods.infinigen import InfiniGenLayer  # noqa: E402
 from tasks.text_sources import load_text  # noqa: E402
@@ -41,14 +42,17 @@ def main() -> None:
     ap.add_argument("--overrides", nargs="*", default=[], help="method hyperparameters key=value")
     args = ap.parse_args()
 
-    spec = models.resolve_model({"name": args.model, "device": args.device})
-    model, tok = models.load_model(spec)
-    info = hf_adapter.model_info(model.config)
     kwargs = {k: (float(v) if v.replace(".", "", 1).isdigit() else v)
               for k, v in (o.split("=", 1) for o in args.overrides)}
-    method = build_method("infinigen", mode="system", **kwargs)
-    hf_adapter.prepare(method, model, tok, info, data_dir=models.SHARED_DIR / "data")
-    engine = Engine(model, tok, method, info, EngineSettings())
+    try:  # checked before the weights load
+        session, settings = of_methods({"name": args.model, "device": args.device},
+                                       {"infinigen": build_method("infinigen", mode="system",
+                                                                  **kwargs)})
+    except ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    session.load("sdpa")
+    tok = session.tokenizer
+    engine = session.engine(settings["infinigen"])
     ids = torch.tensor(tok(load_text("essays", None, str(models.SHARED_DIR / "data")),
                            verbose=False)["input_ids"][: args.context])
     cuda = engine.device.type == "cuda"

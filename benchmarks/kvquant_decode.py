@@ -34,10 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.decode_long_context import lockstep, paired_ratio  # noqa: E402
-from harness import hf_adapter, models  # noqa: E402
+from benchmarks.decode_long_context import lockstep, open_rows, paired_ratio  # noqa: E402
 from harness.results import write_json_atomic  # noqa: E402
-from methods import build_method  # noqa: E402
 from tasks.text_sources import load_essays  # noqa: E402
 
 REFERENCE = "kivi_2bit"
@@ -48,13 +46,6 @@ ROWS = {
     "kvquant_3bit": ("kvquant", {"k_bits": 3, "v_bits": 3}),
     "kvquant_2bit": ("kvquant", {"k_bits": 2, "v_bits": 2}),
 }
-
-
-def build(model, tok, info, name):
-    method_name, kw = ROWS[name]
-    method = build_method(method_name, **kw)
-    facts = hf_adapter.prepare(method, model, tok, info, data_dir=models.SHARED_DIR / "data")
-    return method, facts.get("decode_attention", "-")
 
 
 def main() -> None:
@@ -71,12 +62,10 @@ def main() -> None:
         ap.error(f"--rows must include {REFERENCE} (the reference of every ratio)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    spec = models.resolve_model({"name": args.model, "device": "auto"})
-    model, tok = models.load_model(spec, "sdpa")
-    info = hf_adapter.model_info(model.config)
-    essays = tok(load_essays(), verbose=False)["input_ids"]
-    built = {name: build(model, tok, info, name) for name in args.rows}
-    methods = {name: m for name, (m, _) in built.items()}
+    session, settings = open_rows(args.model, {name: ROWS[name] for name in args.rows})
+    info = session.info
+    essays = session.tokenizer(load_essays(), verbose=False)["input_ids"]
+    kernels = {name: one.prepared.get("decode_attention", "-") for name, one in settings.items()}
     policy = (f"threads {torch.get_num_threads()}, OMP_WAIT_POLICY="
               f"{os.environ.get('OMP_WAIT_POLICY')}")
     out = {"model": args.model, "threads": torch.get_num_threads(), "rounds": args.rounds,
@@ -88,7 +77,7 @@ def main() -> None:
         load_before = os.getloadavg()[0]
         rounds = []
         for r in range(args.rounds):
-            rounds.append(lockstep(model, tok, info, methods, lambda name: essays[:ctx],
+            rounds.append(lockstep(session, settings, lambda name: essays[:ctx],
                                    args.new_tokens))
             print(f"  {ctx} round {r + 1}: " + ", ".join(
                 f"{n} {statistics.median(v['step_ms']):.1f}" for n, v in rounds[-1].items())
@@ -100,7 +89,7 @@ def main() -> None:
         print(f"{'row':14} {'kernel':7} {'decode ms':>10} {'KV x full':>9}  x {REFERENCE} (paired)")
         for name in args.rows:
             steps = [ms for rd in rounds for ms in rd[name]["step_ms"]]
-            row = {"decode_ms": statistics.median(steps), "kernel": built[name][1],
+            row = {"decode_ms": statistics.median(steps), "kernel": kernels[name],
                    "decode_ms_rounds": [statistics.median(rd[name]["step_ms"]) for rd in rounds],
                    "kv_bytes_vs_full": rounds[-1][name]["kv_bytes_vs_full"]}
             note = ""

@@ -31,9 +31,9 @@ from lm_eval import simple_evaluate  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
-from harness import hf_adapter, models  # noqa: E402
-from harness.engine import Engine, EngineSettings  # noqa: E402
 from harness.lm_eval import KVHarnessLM, offline_task_dir  # noqa: E402
+from harness.session import of_methods  # noqa: E402
+from kvcore.errors import ConfigError  # noqa: E402
 from methods import build_method  # noqa: E402
 
 
@@ -63,10 +63,14 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    spec = models.resolve_model({"name": args.model, "device": "cpu"})
-    model, tokenizer = models.load_model(spec)
-    info = hf_adapter.model_info(model.config)
-    engine = Engine(model, tokenizer, build_method("full"), info, EngineSettings())
+    try:  # checked before the weights load
+        session, settings = of_methods({"name": args.model, "device": "cpu"},
+                                       {"full": build_method("full")})
+    except ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    session.load("sdpa")
+    model, tokenizer = session.model, session.tokenizer
+    engine = session.engine(settings["full"])
     ours = KVHarnessLM(engine, scoring=args.scoring)
     hflm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=1)
     manager = TaskManager(include_path=str(offline_task_dir()), include_defaults=False)

@@ -34,6 +34,8 @@ from benchmarks.random_models import SHAPES, random_llama, random_prompt  # noqa
 from harness import hf_adapter, models  # noqa: E402
 from harness.engine import Engine, EngineSettings  # noqa: E402
 from harness.results import write_json_atomic  # noqa: E402
+from harness.session import of_methods  # noqa: E402
+from kvcore.errors import ConfigError  # noqa: E402
 from methods import build_method  # noqa: E402
 
 METHODS = {
@@ -46,11 +48,36 @@ METHODS = {
 
 
 def load(args):
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
+    """(model, tokenizer, ModelInfo, engine_for(row, prompt ids): a fresh engine of the row)."""
     if args.model in SHAPES:
-        return random_llama(args.model, args.device, dtype, max(args.contexts) + args.new_tokens + 8)
-    spec = models.resolve_model({"name": args.model, "device": args.device, "dtype": args.dtype})
-    return models.load_model(spec, "sdpa")
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                 "float16": torch.float16}[args.dtype]
+        model, tok = random_llama(args.model, args.device, dtype,
+                                  max(args.contexts) + args.new_tokens + 8)
+        info = hf_adapter.model_info(model.config, next(model.parameters()).dtype)
+        return model, tok, info, lambda name, ids: random_engine(model, info, name, ids)
+    rows = {name: build_method(METHODS[name][0], **METHODS[name][1]) for name in args.methods}
+    try:  # every row checked before the weights load
+        session, settings = of_methods(
+            {"name": args.model, "device": args.device, "dtype": args.dtype}, rows,
+            row_knobs={name: {"kv_offload": METHODS[name][2]} for name in rows},
+            prefill_chunk_tokens=2048)
+    except ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    session.load("sdpa")
+    return (session.model, session.tokenizer, session.info,
+            lambda name, ids: session.engine(settings[name]))
+
+
+def random_engine(model, info, name: str, ids: list[int]):
+    """Row `name` over a random-weight model built in code, which no model config names (so no
+    session): its method calibrates on the prompt's ids."""
+    method_name, kw, offload = METHODS[name]
+    method = build_method(method_name, **kw)
+    hf_adapter.prepare(method, model, None, info, calibration_ids=torch.tensor(ids[:2048]),
+                       data_dir=models.SHARED_DIR / "data")
+    return Engine(model, None, method, info, EngineSettings(prefill_chunk_tokens=2048,
+                                                            kv_offload=offload))
 
 
 def prompt_ids(tokenizer, vocab: int, length: int) -> list[int]:
@@ -61,14 +88,7 @@ def prompt_ids(tokenizer, vocab: int, length: int) -> list[int]:
     return tokenizer(load_essays(), verbose=False)["input_ids"][:length]
 
 
-def measure(model, tok, info, name: str, ids: list[int], new_tokens: int) -> dict:
-    method_name, kw, offload = METHODS[name]
-    method = build_method(method_name, **kw)
-    calib = None if tok is not None else torch.tensor(ids[:2048])
-    hf_adapter.prepare(method, model, tok, info, calibration_ids=calib,
-                       data_dir=models.SHARED_DIR / "data")
-    engine = Engine(model, tok, method, info, EngineSettings(prefill_chunk_tokens=2048,
-                                                             kv_offload=offload))
+def measure(engine, ids: list[int], new_tokens: int) -> dict:
     with engine.request() as req:
         req.generate(ids, max_new_tokens=new_tokens, stop_ids=set())
     decode = engine.timer.values("decode")
@@ -95,8 +115,7 @@ def main() -> None:
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
 
-    model, tok = load(args)
-    info = hf_adapter.model_info(model.config, next(model.parameters()).dtype)
+    model, tok, info, engine_for = load(args)
     summary = {"model": args.model, "device": args.device, "dtype": args.dtype, "contexts": {}}
     t0 = time.time()
     for ctx in args.contexts:
@@ -104,7 +123,7 @@ def main() -> None:
         runs: dict[str, list[dict]] = {m: [] for m in args.methods}
         for _ in range(args.rounds):
             for name in args.methods:  # alternate methods within each round
-                runs[name].append(measure(model, tok, info, name, ids, args.new_tokens))
+                runs[name].append(measure(engine_for(name, ids), ids, args.new_tokens))
         rows = {}
         for name, results in runs.items():
             rows[name] = {k: statistics.median(r[k] for r in results if r[k] is not None)

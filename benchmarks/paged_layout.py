@@ -32,9 +32,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from harness import hf_adapter, models  # noqa: E402
-from harness.engine import Engine, EngineSettings  # noqa: E402
 from harness.results import write_json_atomic  # noqa: E402
+from harness.session import of_methods  # noqa: E402
+from kvcore.errors import ConfigError  # noqa: E402
 from methods import build_method  # noqa: E402
 from methods.base import KVLayer, ModelInfo  # noqa: E402
 from methods.full import Full  # noqa: E402
@@ -60,15 +60,12 @@ def make_method(name: str):
 LAYOUTS = ("contiguous", "paged")
 
 
-def lockstep(model, tok, info, methods: dict, prompts, new_tokens: int, block_tokens: int) -> dict:
-    """One round: every (method, layout) cell's batch prefilled, then decoded in lockstep.
-    Returns per cell the decode ms of each step and the storage figures at the end."""
-    cells = [(name, layout) for name in methods for layout in LAYOUTS]
-    engines = {}
-    for name, layout in cells:
-        settings = EngineSettings(prefill_chunk_tokens=512, batch_size=len(prompts),
-                                  kv_layout=layout, kv_block_tokens=block_tokens)
-        engines[name, layout] = Engine(model, tok, methods[name], info, settings)
+def lockstep(session, settings: dict, prompts, new_tokens: int) -> dict:
+    """One round: every (method, layout) cell's batch (cell -> harness.session Setting)
+    prefilled, then decoded in lockstep. Returns per cell the decode ms of each step and the
+    storage figures at the end."""
+    cells = list(settings)
+    engines = {cell: session.engine(settings[cell]) for cell in cells}
     seqs = list(range(len(prompts)))
     with contextlib.ExitStack() as stack:
         batches = {cell: stack.enter_context(engines[cell].batch(len(prompts))) for cell in cells}
@@ -88,14 +85,24 @@ def lockstep(model, tok, info, methods: dict, prompts, new_tokens: int, block_to
     return out
 
 
-def load_model_and_essays(model_name: str, threads: int | None):
-    """(model, tokenizer, ModelInfo, the essays' token ids) with `threads` torch threads."""
+def open_cells(model_name: str, make, names, batch: int, block_tokens: int,
+               threads: int | None):
+    """A session of one setting per (method, layout) cell (`make(name)`: a new method), batches
+    of `batch`, every setting checked before the weights load (a refused one: one line), the
+    model loaded with `threads` torch threads. Returns (session, cell -> setting, the essays'
+    token ids)."""
     if threads:
         torch.set_num_threads(threads)
-    spec = models.resolve_model({"name": model_name, "device": "auto"})
-    model, tok = models.load_model(spec, "sdpa")
-    essays = tok(load_essays(), verbose=False)["input_ids"]
-    return model, tok, hf_adapter.model_info(model.config), essays
+    cells = [(name, layout) for name in names for layout in LAYOUTS]
+    try:
+        session, settings = of_methods(
+            {"name": model_name, "device": "auto"}, {cell: make(cell[0]) for cell in cells},
+            row_knobs={cell: {"kv_layout": cell[1]} for cell in cells},
+            prefill_chunk_tokens=512, batch_size=batch, kv_block_tokens=block_tokens)
+    except ConfigError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    session.load("sdpa")
+    return session, settings, session.tokenizer(load_essays(), verbose=False)["input_ids"]
 
 
 def batch_prompts(essays: list[int], context: int, batch: int, info, new_tokens: int):
@@ -124,15 +131,16 @@ def main() -> None:
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--json", default=None, help="write the table as JSON here (atomically)")
     args = ap.parse_args()
-    model, tok, info, essays = load_model_and_essays(args.model, args.threads)
+    methods = [name for name in METHODS if name in args.methods]
+    session, settings, essays = open_cells(args.model, make_method, methods, args.batch,
+                                           args.block_tokens, args.threads)
+    info = session.info
     lengths, prompts = batch_prompts(essays, args.context, args.batch, info, args.new_tokens)
-    methods = {name: make_method(name) for name in METHODS if name in args.methods}
     load_before = os.getloadavg()[0]
     t0 = time.time()
     rounds = []
     for r in range(args.rounds):
-        rounds.append(lockstep(model, tok, info, methods, prompts, args.new_tokens,
-                               args.block_tokens))
+        rounds.append(lockstep(session, settings, prompts, args.new_tokens))
         print(f"  round {r + 1}: " + ", ".join(
             f"{name}/{layout} {statistics.median(v['step_ms']):.2f}"
             for (name, layout), v in rounds[-1].items())

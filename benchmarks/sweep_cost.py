@@ -135,6 +135,9 @@ def main() -> None:
                     "e.g. runner.dense_layers=[0,1] task.max_new_tokens=16 (the family protocol)")
     ap.add_argument("--decode-batch", type=int, default=6, help="runner.sweep_decode_batch of "
                     "the `batched` arm (settings decoded together)")
+    ap.add_argument("--old-every", type=int, default=1, help="the old path runs every K-th "
+                    "setting only (all samples), its cost per (setting, sample) taken from "
+                    "those: a family of settings whose old path alone would outlast the session")
     ap.add_argument("--arms", nargs="+", default=["old", "sweep", "batched"],
                     choices=["old", "sweep", "batched"], help="what runs, alternated in this "
                     "order each round: one run per setting, the sweep engine decoding one "
@@ -155,28 +158,37 @@ def main() -> None:
         for r in range(args.rounds):
             for path, fn, decode_batch in arms:
                 cfgs = configs(args, Path(tmp) / f"{path}{r}", decode_batch)
+                if path == "old":
+                    cfgs = cfgs[::args.old_every]
                 t0, c0 = time.perf_counter(), time.process_time()
                 folders = fn(cfgs)
                 cpu, wall = time.process_time() - c0, time.perf_counter() - t0
                 cost[path].append((cpu, wall))
                 last[path] = folders
                 print(f"round {r} {path:7s}: {cpu:.1f} CPU-s, {wall:.1f} s wall", flush=True)
+        def answers(path):  # the settings every arm ran
+            return predictions(last[path][::args.old_every] if path != "old" else last[path])
         first = next(iter(last))
-        same = all(predictions(last[first]) == predictions(last[path]) for path in last)
+        same = all(answers(first) == answers(path) for path in last)
         # settings decoded together each report the batched step's time: no breakdown there
         swept = "sweep" if "sweep" in last else None
         parts = breakdown(last[swept]) if swept else None
-    cells = n_settings * args.limit
-    cpu = {path: statistics.median(c for c, _ in runs) for path, runs in cost.items()}
+    cells = {path: (len(range(0, n_settings, args.old_every)) if path == "old" else n_settings)
+             * args.limit for path in cost}
+    cpu = {path: statistics.median(c for c, _ in runs) / cells[path]
+           for path, runs in cost.items()}
+    subset = (f"; the old path on every {args.old_every}th setting, "
+              f"{cells['old'] // args.limit} of them" if args.old_every > 1 and "old" in cost
+              else "")
     print(f"\n{n_settings} settings x {args.limit} samples (RULER {args.length}, {args.model}, "
-          f"{args.threads} thread(s), {args.rounds} round(s); predictions of every arm equal: "
-          f"{same})")
+          f"{args.threads} thread(s), {args.rounds} round(s){subset}; predictions of every arm "
+          f"equal: {same})")
     labels = {"old": "old path", "sweep": "sweep engine",
               "batched": f"sweep engine, {args.decode_batch} settings decoded together"}
     for path in cost:
         ratio = (f", {cpu['old'] / cpu[path]:.2f}x the old path"
                  if "old" in cpu and path != "old" else "")
-        print(f"  {labels[path]}: {cpu[path] / cells:.2f} CPU-s per (setting, sample){ratio}")
+        print(f"  {labels[path]}: {cpu[path]:.2f} CPU-s per (setting, sample){ratio}")
     if parts:
         wall = statistics.median(w for _, w in cost[swept])
         rest = wall - parts["prefill_s"] - parts["decode_s"]

@@ -42,8 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from benchmarks.decode_long_context import lockstep, paired_ratio  # noqa: E402
-from harness import hf_adapter, models  # noqa: E402
+from benchmarks.decode_long_context import lockstep, open_rows, paired_ratio  # noqa: E402
 from harness.results import write_json_atomic  # noqa: E402
 from methods import build_method  # noqa: E402
 from methods.kernels import turboquant_cpu  # noqa: E402
@@ -95,6 +94,12 @@ def kernel_only(contexts: list[int], rows: list[str], repeats: int) -> dict:
     return out
 
 
+def kernel_label(prepared: dict) -> str:
+    """A row's decode-attention kernel, with the C kernel's vector path where it names one."""
+    path = prepared.get("decode_vector_path")
+    return prepared.get("decode_attention", "-") + (f"/{path}" if path else "")
+
+
 def build_note() -> str:
     """The C build the numbers depend on: TurboQuant's vector path and the extra flags."""
     return (f"TurboQuant C path {turboquant_cpu.vector_path() or 'not built'}, "
@@ -123,17 +128,10 @@ def main() -> None:
         if args.json:
             write_json_atomic(Path(args.json), {"kernel_only": table, "build": build_note()})
         return
-    spec = models.resolve_model({"name": args.model, "device": "auto"})
-    model, tok = models.load_model(spec, "sdpa")
-    info = hf_adapter.model_info(model.config)
-    essays = tok(load_essays(), verbose=False)["input_ids"]
-    methods, kernels = {}, {}
-    for name in args.rows:
-        method = build_method(ROWS[name][0], **ROWS[name][1])
-        facts = hf_adapter.prepare(method, model, tok, info, data_dir=models.SHARED_DIR / "data")
-        path = facts.get("decode_vector_path")
-        methods[name] = method
-        kernels[name] = facts.get("decode_attention", "-") + (f"/{path}" if path else "")
+    session, settings = open_rows(args.model, {name: ROWS[name] for name in args.rows})
+    info = session.info
+    essays = session.tokenizer(load_essays(), verbose=False)["input_ids"]
+    kernels = {name: kernel_label(one.prepared) for name, one in settings.items()}
     out = {"model": args.model, "threads": torch.get_num_threads(), "rounds": args.rounds,
            "build": build_note(),
            "new_tokens": args.new_tokens, "goal_ratio": GOAL_RATIO, "contexts": {}}
@@ -141,7 +139,7 @@ def main() -> None:
     for ctx in args.contexts:
         ctx = min(ctx, info.max_positions - args.new_tokens)
         load_before = os.getloadavg()[0]
-        rounds = [lockstep(model, tok, info, methods, lambda name: essays[:ctx], args.new_tokens)
+        rounds = [lockstep(session, settings, lambda name: essays[:ctx], args.new_tokens)
                   for _ in range(args.rounds)]
         load = (load_before + os.getloadavg()[0]) / 2
         print(f"\ncontext {ctx} tokens + {args.new_tokens} new, {args.model}, {args.rounds} "

@@ -4,7 +4,9 @@ one engine per setting.
 A `Session` holds the settings of one model and one task (a single run is a session of one;
 a sweep, harness.sweep_engine, a session of many). Every setting is composed and validated
 before any weights load; the model and tokenizer then load once and `engine(setting)` builds
-each setting's method (prepare included) and engine over them.
+each setting's method (prepare included) and engine over them. The CLI and the sweep compose
+settings from Hydra configs (`compose`); lm-eval's model and the benchmarks, which feed the
+engine themselves, build them from plain parts (`setting`, `of_methods`, task `OwnFeed`).
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from kvcore.errors import ConfigError
+from tasks.base import Task
 
 log = logging.getLogger("harness")
 
@@ -66,6 +69,68 @@ def compose(cfg: DictConfig, choices: dict[str, str] | None = None) -> Setting:
                    config_hash(cfg))
 
 
+def runner_of(**knobs: Any) -> dict[str, Any]:
+    """The runner's declared defaults (conf/runner/default.yaml) with `knobs` changed, for a
+    caller that composes no Hydra config (`setting`)."""
+    from harness.config_check import yaml_defaults
+
+    runner = dict(yaml_defaults("runner", "default"))
+    unknown = sorted(set(knobs) - set(runner))
+    if unknown:
+        raise ConfigError(f"runner.{unknown[0]} is not a runner key; allowed: {', '.join(runner)}")
+    runner.update(knobs)
+    return runner
+
+
+@dataclass(kw_only=True)
+class OwnFeed(Task):
+    """The task of a caller that feeds the engine itself (lm-eval's requests, a benchmark's own
+    prompts), as the checks before weights see it: prompts prefilled, then decode steps, several
+    sequences decoded together; no data files, no prompts to check."""
+
+    name: ClassVar[str] = "own_feed"
+    main_metric: ClassVar[str] = "none"
+    higher_is_better: ClassVar[bool] = True
+    batches: ClassVar[bool] = True
+
+
+def setting(model_cfg: dict[str, Any], runner: dict[str, Any], method, task: Task) -> Setting:
+    """One setting from plain parts, for a caller that composes no Hydra config (lm-eval's
+    --model_args, a benchmark): the model group's keys, a full runner (`runner_of`), a built
+    method (methods.build_method) and a task (`OwnFeed` where the caller feeds the engine
+    itself). The runner is checked as `compose` checks it; the rest by `Session.validate`."""
+    from harness.run import check_runner
+    from harness.sweep import config_hash
+
+    check_runner(runner)
+    cfg = OmegaConf.create({"model": dict(model_cfg), "runner": dict(runner),
+                            "method": {"name": method.name, **method.hyperparameters()},
+                            "task": {"name": task.name, **task.options()}})
+    return Setting(cfg, dict(runner), dict(model_cfg), method.name, method, task.name, task,
+                   config_hash(cfg))
+
+
+def of_methods(model_cfg: dict[str, Any], methods: dict[Any, Any], task: Task | None = None,
+               row_knobs: dict[Any, dict[str, Any]] | None = None,
+               **runner_knobs: Any) -> tuple["Session", dict[Any, Setting]]:
+    """A session of built methods (row -> KVMethod) over one model, for a caller that feeds the
+    engines itself (a benchmark: `task` by default `OwnFeed`); every row's runner has
+    `runner_knobs`, and its own `row_knobs[row]` where given. Every setting is validated, no
+    weights loaded yet; a refused one raises ConfigError naming its row. Then `load(...)` and
+    `engine(settings[row])`."""
+    row_knobs = row_knobs or {}
+    settings = {row: setting(model_cfg, runner_of(**runner_knobs, **row_knobs.get(row, {})),
+                             method, task or OwnFeed())
+                for row, method in methods.items()}
+    session = Session(list(settings.values()))
+    for row, one in settings.items():
+        try:
+            session.validate(one)
+        except ConfigError as exc:
+            raise ConfigError(f"{row}: {exc}") from None
+    return session, settings
+
+
 class Session:
     """The settings of one model and one task; the model and tokenizer load once for all."""
 
@@ -90,6 +155,7 @@ class Session:
         self._checking_tokenizer = None  # loaded by the first `validate`
         # KVMethod.prepare_key -> (the attributes `prepare` set, its facts, the side files read)
         self._prepared: dict[str, tuple[dict, dict, list]] = {}
+        self._engined: dict[int, Setting] = {}  # id -> a setting with an engine (prepared)
         from harness import hf_adapter, models
 
         spec = models.resolve_model(first.model_cfg)
@@ -100,6 +166,14 @@ class Session:
     @classmethod
     def of(cls, cfgs: list[DictConfig]) -> "Session":
         return cls([compose(cfg) for cfg in cfgs])
+
+    def ready(self) -> list:
+        """Every setting validated, then the model loaded once: one engine per setting, in
+        order (a caller that needs no step in between)."""
+        for s in self.settings:
+            self.validate(s)
+        self.load(self.settings[0].runner["attn_impl"])
+        return [self.engine(s) for s in self.settings]
 
     def reasons(self, setting: Setting) -> list[str]:
         """Why this setting cannot run on this model (method x task x protocol x storage)."""
@@ -135,32 +209,39 @@ class Session:
             self.model, self.tokenizer = models.load_model(self.spec, attn_impl)
 
     def engine(self, setting: Setting):
-        """The setting's method prepared on the loaded model, and its engine."""
-        from harness import hf_adapter, models
+        """The setting's method prepared on the loaded model (once: a later call gives a fresh
+        engine over the same prepared method), and its engine."""
         from harness.engine import Engine
         from harness.run import engine_settings
 
-        method = setting.method
-        if method.needs_prepare():
-            key = method.prepare_key()
-            done = self._prepared.get(key) if key is not None else None
-            if done is not None:  # another setting's artefacts: its prepare read only what
-                artefacts, facts, side_files = done  # this one's reads alike
-                vars(method).update(artefacts)
-                setting.prepared = dict(facts)
-                setting.side_files += [f for f in side_files if f not in setting.side_files]
-            else:
-                before = dict(vars(method))
-                with _recording(setting):
-                    setting.prepared = hf_adapter.prepare(method, self.model, self.tokenizer,
-                                                          self.info,
-                                                          data_dir=models.SHARED_DIR / "data")
-                if key is not None:
-                    made = {k: v for k, v in vars(method).items()
-                            if k not in before or before[k] is not v}
-                    self._prepared[key] = (made, dict(setting.prepared), list(setting.side_files))
-        return Engine(self.model, self.tokenizer, method, self.info,
+        if setting.method.needs_prepare() and id(setting) not in self._engined:
+            self._prepare(setting)
+        self._engined[id(setting)] = setting  # held, so its id is not reused
+        return Engine(self.model, self.tokenizer, setting.method, self.info,
                       engine_settings(setting.runner))
+
+    def _prepare(self, setting: Setting) -> None:
+        """`prepare` the setting's method, or give it the artefacts of a setting prepared
+        before with the same `KVMethod.prepare_key` (its prepare read only what this one's
+        reads alike): the attributes that prepare set, its facts and the side files read."""
+        from harness import hf_adapter, models
+
+        method = setting.method
+        key = method.prepare_key()
+        done = self._prepared.get(key) if key is not None else None
+        if done is not None:
+            artefacts, facts, side_files = done
+            vars(method).update(artefacts)
+            setting.prepared = dict(facts)
+            setting.side_files += [f for f in side_files if f not in setting.side_files]
+            return
+        before = dict(vars(method))
+        with _recording(setting):
+            setting.prepared = hf_adapter.prepare(method, self.model, self.tokenizer, self.info,
+                                                  data_dir=models.SHARED_DIR / "data")
+        if key is not None:
+            made = {k: v for k, v in vars(method).items() if k not in before or before[k] is not v}
+            self._prepared[key] = (made, dict(setting.prepared), list(setting.side_files))
 
 
 @contextmanager

@@ -522,6 +522,9 @@ class KVMethod:
     # (tests/methods/contract/test_every_knob_acts.py holds every other knob to changing the
     # outputs).
     inert_knobs: ClassVar[dict[str, str]] = {}
+    # Knob settings under which the same rule runs through other code (a fused kernel serving
+    # only them): the shared contract runs each beside the defaults, so every path is checked.
+    path_variants: ClassVar[tuple[dict[str, Any], ...]] = ()
     # Knobs its layers read from the prompt's end on only: under runner.prefill=dense they change
     # nothing a layer records while a prompt is fed, so a sweep's settings that differ only in
     # them share one prefill of each prompt (harness.sweep_engine). Declare a knob only when

@@ -195,6 +195,10 @@ class EvictionLayer(TokenRows, KVLayer):
     # keeps the protected tokens and the top of score() (the shared contract recomputes that
     # set at every compression); False for a method keeping something else (KVMerger merges)
     selects_top_scores: ClassVar[bool] = True
+    # score() is the attention each kept token has received, summed over every query row since
+    # it entered the cache, per KV head the mean over its query heads (H2O's heavy hitters): the
+    # shared contract then recomputes those sums from the attention it observes itself
+    accumulates_attention: ClassVar[bool] = False
 
     def __init__(self, layer_idx: int, info: ModelInfo, method: BudgetedMethod):
         super().__init__(layer_idx, info)

@@ -81,6 +81,8 @@ class H2O(BudgetedMethod):
 
 
 class H2OLayer(EvictionLayer):
+    accumulates_attention: ClassVar[bool] = True
+
     def new_state(self, b, h, q, device):
         return {"scores": torch.zeros(b, h, q, device=device)}  # accumulated attention, fp32
 

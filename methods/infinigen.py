@@ -91,6 +91,8 @@ class InfiniGen(KVMethod):
         "partial_ratio", "dense_layers", "pool_capacity", "mode", "skewing", "column_score",
         "group_reduce", "shared_count", "speculation_input", "skew_per", "select_per",
         "partial_index", "head0_threshold", "current_token", "zero_count")
+    # what the C speculation kernel serves (speculation_cpu.applies), unlike the defaults
+    path_variants: ClassVar = ({"current_token": "added", "head0_threshold": False},)
     alpha: float = 5.0
     partial_ratio: float = 0.2
     budget_ratio: float = 0.2
@@ -203,17 +205,14 @@ class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
         self.art = method._art
         self.dense = layer_idx in method.dense_layers or layer_idx == 0
         self.init_host(method.mode == "system")  # system: K/V on the host tier
-        # (B, H_s, k_u, capacity) partial keys on the device, channel-major: a step's scores run
-        # along contiguous tokens (one q row x a (k_u, T) block)
-        self._pk = PartialKeys()
+        self._pk = PartialKeys()  # (B, H_s, k_u, capacity) on the device, channel-major
         self.init_pool()  # per stored token: position, selections (methods/_selection_pool.py)
         # H_sel: the heads that select (select_per): H_q (official) or H_kv (ours)
         self.selected: torch.Tensor | None = None  # (B, H_sel, cap) slots, first `counts` used
         self.counts: torch.Tensor | None = None  # (B, H_sel) how many of them are used (device)
-        self._scores: torch.Tensor | None = None  # (B, H_sel, T) speculated logits (torch path)
+        self._scores = None  # () -> (B, H_sel, T): the speculated logits (the C kernel's if read)
         self._map: torch.Tensor | None = None  # (H_s, d, k_u) A[:, cols] of this request
-        # the model's q.k multiplier (the `scaling` its attention passes; head_dim ** -0.5 for
-        # most, not for e.g. Granite): alpha is a margin in the model's own logits
+        # the model's q.k multiplier (its attention's `scaling`): alpha is a margin in its logits
         self._scaling: float | None = None
         self._qmap: torch.Tensor | None = None  # (H_s, d, k_u) A[:, cols] * scaling
         self._last_counts: torch.Tensor | None = None  # (B, H_sel) counts of the last sparse step
@@ -294,9 +293,10 @@ class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
                 q_partial, self.partial_keys(), sel_heads, m.group_reduce, m.head0_threshold):
             selected, self._last_counts = speculation_cpu.select(
                 q_partial, self.partial_keys(), cap, m.alpha, m.shared_count)
+            self._scores = lambda: self.selecting_scores(q_partial @ self.partial_keys()[..., :t])
             return selected, self._last_counts
         scores = self.selecting_scores(q_partial @ self.partial_keys())  # (B, H_sel, T)
-        self._scores = scores
+        self._scores = lambda: scores
         selected, self._last_counts = select_tokens(scores, cap, m.alpha, m.shared_count,
                                                     m.head0_threshold)
         if m.current_token == "ranked":
@@ -436,18 +436,20 @@ class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
 
     def publish(self, sets: torch.Tensor, current: torch.Tensor | None) -> None:
         """The step's `selection` at text positions, for the shared contract: the speculated
-        logits of the stored tokens and of the current one (ranked; added: -inf, it is
-        protected), the sets `(B, H_sel, T)` and each head's count n' (T: a count of 0 under
-        zero_count=all attends every token). None where the C kernel chose (no logits)."""
-        if self._scores is None:
+        logits (computed when read) of the stored tokens and of the current one (ranked; added:
+        -inf, it is protected), the sets `(B, H_sel, T)` and each head's count n' (T: all)."""
+        if (stored := self._scores) is None:
             self.selection = None
             return
-        tail = torch.full_like(self._scores[..., :1], float("-inf"))
-        scores = torch.cat([self._scores, tail if current is None else current[..., None]], 2)
+
+        def scores():  # (B, H_sel, 1, seen)
+            rows = torch.nn.functional.pad(stored(), (0, 1), value=float("-inf"))
+            if current is not None:
+                rows[..., -1] = current
+            return self.at_positions(rows, float("-inf"))[:, :, None]
         size = self.counts if current is None else torch.where(
             self._unmasked, sets.shape[-1], self.counts + self._current_keep.long())
-        scores, sets = self.at_positions(scores, float("-inf")), self.at_positions(sets, False)
-        self.selection = Selection(scores[:, :, None], sets[:, :, None], size,
+        self.selection = Selection(scores, self.at_positions(sets, False)[:, :, None], size,
                                    (0, 0 if current is not None else 1))
 
     def after_forward(self) -> None:

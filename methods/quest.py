@@ -174,8 +174,8 @@ class QuestLayer(SelectionLayer):
     def __init__(self, layer_idx: int, info: ModelInfo, method: Quest):
         super().__init__(layer_idx, info, method)
         self.unit_tokens = method.page_size  # the template chooses pages
-        self.page_min: torch.Tensor | None = None  # (B, H_kv, P, D)
-        self.page_max: torch.Tensor | None = None  # (B, H_kv, P, D)
+        self.scores_bound_logits = True  # page scores bound q.k from above (the criticality)
+        self.page_min = self.page_max = None  # (B, H_kv, P, D) each
 
     def update(self, keys, values, position_ids):
         before = self.kept_tokens()

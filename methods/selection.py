@@ -33,6 +33,7 @@ so the shared contract recomputes, at every step, the set a method must attend f
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Callable, ClassVar
 
 import torch
 
@@ -45,13 +46,18 @@ from methods.scoring import attention_with_probs, gather_tokens
 class Selection:
     """What a layer chose from and chose at its last forward."""
 
-    scores: torch.Tensor  # (B, H_sel, q, U) fp32, as `selection_scores` returned them
+    # (B, H_sel, q, U) fp32, as `selection_scores` returned them; or a function computing them
+    # when read (a layer choosing in a fused kernel that never materialises them): `score_rows`
+    scores: torch.Tensor | Callable[[], torch.Tensor]
     keep: torch.Tensor  # (B, H_sel, q, T) bool: the tokens each row attended (kept: the last row)
     size: int | torch.Tensor  # units chosen per row from the scores (or per row: (B, H_sel))
     protected: tuple[int, int]  # (first, last) tokens attended whatever their score
     # (B, H_kv, n) text positions of the K/V rows `attend` got, when a layer fetched them before
     # (from the host tier); None: every stored token, in text order
     kv_rows: torch.Tensor | None = None
+
+    def score_rows(self) -> torch.Tensor:
+        return self.scores() if callable(self.scores) else self.scores
 
 
 def kv_union(keep: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -80,6 +86,10 @@ class SelectionLayer(KVLayer):
     """Per-request, per-layer state of a selecting method (see the module docstring)."""
 
     unit_tokens = 1
+    # a row selecting for one query head scores each unit at least that head's largest q.k
+    # (unscaled) over the unit's tokens: an upper bound (Quest's criticality); the shared
+    # contract holds the scores to it
+    scores_bound_logits: ClassVar[bool] = False
 
     def __init__(self, layer_idx: int, info: ModelInfo, method: KVMethod):
         super().__init__(layer_idx, info)

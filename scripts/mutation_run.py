@@ -4,7 +4,8 @@ Each mutant is one text substitution in one method file, as a newcomer (or a ref
 write it. The script copies the tracked tree to a temporary folder, plants one mutant at a time
 there (the working tree is never touched), and runs in a subprocess only the shared tests of the
 mutated method (the contract, the knob check and the score direction in tests/methods/contract/:
-test_contract.py, test_every_knob_acts.py, test_score_direction.py, `-k <method>`).
+test_contract.py, test_every_knob_acts.py, test_score_direction.py: the cases whose parameters
+start with the method's name).
 A mutant is killed when a test fails. `--with-hand` also runs the method's required hand-computed
 kept-set test (`@pytest.mark.kept_set` in tests/methods/test_<method>.py).
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -108,6 +110,22 @@ MUTANTS = [
     Mutant("recent prompt tokens not attended", "tailorkv", "methods/tailorkv.py",
            "        r = min(self.method.recent_tokens, budget - s)",
            "        r = 0"),
+    Mutant("scores reset every step (C decode kernel)", "h2o",
+           "methods/kernels/colsum_attention_cpu.c",
+           "for (long t = s * SPAN_TOKENS; t < t1; t++) acc[t] += e[t] * cf;",
+           "for (long t = s * SPAN_TOKENS; t < t1; t++) acc[t] = e[t] * cf;"),
+    Mutant("GQA: one query head's attention per group", "h2o", "methods/h2o.py",
+           "        scores.add_(group_column_sums(probs, keys.shape[1]))",
+           "        scores.add_(group_column_sums(probs[:, :: probs.shape[1] // keys.shape[1]], "
+           "keys.shape[1]))"),
+    Mutant("recent window one token short", "scissorhands", "methods/scissorhands.py",
+           "        return 0, min(self.method.recent_tokens, budget)",
+           "        return 0, min(self.method.recent_tokens - 1, budget)"),
+    Mutant("pooling kernel ignored", "snapkv", "methods/snapkv.py",
+           "prefix, self.method.kernel_tokens,", "prefix, 1,"),
+    Mutant("pages ranked by their lower bound", "quest", "methods/kernels/quest_pages.py",
+           "    bound = torch.maximum(q * mn, q * mx).sum(-1)  # (B, H_kv, g, P)",
+           "    bound = torch.minimum(q * mn, q * mx).sum(-1)  # (B, H_kv, g, P)"),
 ]
 
 
@@ -121,17 +139,36 @@ def copy_tree(dest: Path) -> None:
             shutil.copy2(src, dest / rel)
 
 
-def run_tests(tree: Path, mutant: Mutant, with_hand: bool) -> tuple[int, str]:
-    pytest = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider"]
-    runs = [[*SHARED, "-k", mutant.method]]
-    if with_hand:  # only the marked hand test of the method's own file
-        runs.append([f"tests/methods/test_{mutant.method}.py", "-m", "kept_set"])
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+
+
+def test_env(tree: Path) -> dict:
     # the shared models and data stay where the project finds them (they sit beside it)
     shared = os.environ.get("KVH_SHARED_DIR", str(ROOT.parent / "shared"))
-    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1",
-           "KVH_SHARED_DIR": shared}
+    return {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1",
+            "KVH_SHARED_DIR": shared}
+
+
+def shared_cases(tree: Path) -> list[str]:
+    """The shared tests' parametrized case ids (collected once, before any mutant)."""
+    proc = subprocess.run([*PYTEST, "--collect-only", *SHARED], cwd=tree, env=test_env(tree),
+                          capture_output=True, text=True, check=True)
+    return [line for line in proc.stdout.splitlines() if "[" in line and "::" in line]
+
+
+def cases_of(method: str, cases: list[str]) -> list[str]:
+    """The cases of `method`: those whose parameters start with its name (`-k` would match
+    substrings too: `quest` in `test_batch_of_ragged_requests...`)."""
+    return [c for c in cases if re.split(r"[-.\]]", c.split("[", 1)[1])[0] == method]
+
+
+def run_tests(tree: Path, mutant: Mutant, with_hand: bool, cases: list[str]) -> tuple[int, str]:
+    runs = [["-x", *cases_of(mutant.method, cases)]]
+    if with_hand:  # only the marked hand test of the method's own file
+        runs.append([f"tests/methods/test_{mutant.method}.py", "-m", "kept_set"])
+    env = test_env(tree)
     for args in runs:
-        proc = subprocess.run(pytest + args, cwd=tree, env=env, capture_output=True, text=True)
+        proc = subprocess.run(PYTEST + args, cwd=tree, env=env, capture_output=True, text=True)
         lines = proc.stdout.splitlines()
         failed = [line for line in lines if line.startswith(("FAILED", "ERROR"))]
         if proc.returncode != 0:
@@ -150,6 +187,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvh-mutants-") as tmp:
         tree = Path(tmp)
         copy_tree(tree)
+        cases = shared_cases(tree)
         for mutant in chosen:
             target = tree / mutant.path
             original = target.read_text()
@@ -159,7 +197,7 @@ def main() -> int:
             target.write_text(original.replace(mutant.old, mutant.new))
             start = time.monotonic()
             try:
-                rc, detail = run_tests(tree, mutant, opts.with_hand)
+                rc, detail = run_tests(tree, mutant, opts.with_hand, cases)
             finally:
                 target.write_text(original)
             verdict = "killed" if rc == 1 else "SURVIVED" if rc == 0 else f"error rc={rc}"

@@ -37,6 +37,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from kvcore.errors import ConfigError
 from harness.models import chat_text, parameter_count
 from harness.progress import progress
+from harness.session import OwnFeed
 
 log = logging.getLogger(__name__)
 
@@ -135,46 +136,34 @@ def build_engine(model: str, method: str = "full", prefill_chunk_tokens: int = 5
                  threads: int | None = None, model_options: dict[str, Any] | None = None,
                  method_options: dict[str, Any] | None = None, dense_layers: Any = None,
                  prefill: str = "dense", batch_size: int = 1):
-    """Load a model and a KV method into an Engine, as the runner does (validation first).
+    """Load a model and a KV method into an Engine through the runner's entry path
+    (harness.session: every check before the weights load).
 
     Returns (engine, the model's description)."""
-    from harness import hf_adapter, models
-    from harness.engine import Engine
-    from harness.run import (ATTN_IMPLS, check_runner, engine_settings, protocol_from,
-                             protocol_reasons)
+    from harness.run import ATTN_IMPLS
+    from harness.session import Session, setting
     from methods import build_method
 
     if attn_impl not in ATTN_IMPLS:
         raise ConfigError(f"kvharness attn_impl={attn_impl!r}; allowed: {', '.join(ATTN_IMPLS)}")
     kv_method = build_method(str(method), **(method_options or {}))
-    spec = models.resolve_model({"name": model, "device": _model_device(device),
-                                 **(model_options or {})})
-    info = hf_adapter.model_info(models.load_config(spec), spec.dtype)
     runner = {"batch_size": batch_size, "prefill_chunk_tokens": prefill_chunk_tokens, "seed": 0,
               "attn_impl": attn_impl, "check_budget": check_budget,
               "dense_layers": _layer_list(dense_layers), "prefill": prefill}
-    check_runner(runner)
-    reasons = kv_method.validate(info, runner) + protocol_reasons(
-        kv_method, _LoglikelihoodTask(), info, protocol_from(runner), runner)
-    if reasons:
-        raise ConfigError("; ".join(reasons))
+    session = Session([setting({"name": model, "device": _model_device(device),
+                                **(model_options or {})}, runner, kv_method,
+                               _LoglikelihoodTask())])
     if threads:
         torch.set_num_threads(int(threads))
-    loaded, tokenizer = models.load_model(spec, attn_impl)
-    if kv_method.needs_prepare():
-        hf_adapter.prepare(kv_method, loaded, tokenizer, info, data_dir=models.SHARED_DIR / "data")
-    engine = Engine(loaded, tokenizer, kv_method, info, engine_settings(runner))
-    return engine, spec.description
+    engine, = session.ready()
+    return engine, session.spec.description
 
 
-class _LoglikelihoodTask:
-    """lm-eval's requests prefill a context, then score or generate token by token."""
+class _LoglikelihoodTask(OwnFeed):
+    """lm-eval's requests prefill a context, then score or generate token by token
+    (loglikelihood and generate_until batch; rolling streams one document)."""
 
     name = "lm_eval"
-    batches = True  # loglikelihood and generate_until batch; rolling streams one document
-
-    def phases(self) -> frozenset[str]:
-        return frozenset({"prefill", "decode"})
 
 
 def _layer_list(value: Any) -> list[int]:

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -253,14 +254,34 @@ def _cli(*args, tmp_path):
                           env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_cli_runs_lm_eval_with_our_model_and_tasks(task_dir, tmp_path):
+@pytest.fixture
+def cli_main(tmp_path, monkeypatch):
+    """lm-eval's own CLI as `python -m harness.lm_eval` runs it (its main, in this process: the
+    entry point's start is test_cli_entry_point_starts'), `main(*args)`. Of lm-eval's built-in
+    tasks only copa's folder is indexed, so ours still overrides a built-in one (indexing all of
+    them takes lm-eval 10-20 s, which is not ours to test)."""
+    from lm_eval.tasks import _index
+
+    from harness.lm_eval.__main__ import main
+
+    build, builtin = _index.TaskIndex.build, Path(_index.__file__).parent
+    monkeypatch.setattr(_index.TaskIndex, "build", staticmethod(lambda paths, **kw: build(
+        [builtin / "super_glue" / "copa" if Path(p) == builtin else p for p in paths], **kw)))
+    monkeypatch.setenv("KVH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+
+    def run(*args):
+        monkeypatch.setattr(sys, "argv", ["harness.lm_eval", *args])
+        main()
+    return run
+
+
+def test_cli_runs_lm_eval_with_our_model_and_tasks(task_dir, tmp_path, cli_main):
     need_shared(STORIES)
     out = tmp_path / "out"
-    proc = _cli("--model", "kvharness", "--model_args", "model=stories260k,method=full",
-                "--tasks", "copa", "--include_path", str(task_dir), "--limit", "4",
-                "--num_fewshot", "1", "--output_path", str(out), "--log_samples",
-                "--device", "cpu", tmp_path=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    cli_main("--model", "kvharness", "--model_args", "model=stories260k,method=full",
+             "--tasks", "copa", "--include_path", str(task_dir), "--limit", "4",
+             "--num_fewshot", "1", "--output_path", str(out), "--log_samples", "--device", "cpu")
     results = list(out.rglob("results_*.json"))
     samples = list(out.rglob("samples_copa_*.jsonl"))
     assert len(results) == 1 and len(samples) == 1
@@ -270,13 +291,20 @@ def test_cli_runs_lm_eval_with_our_model_and_tasks(task_dir, tmp_path):
     assert len(samples[0].read_text().splitlines()) == 4
 
 
-def test_cli_config_error_is_one_line(task_dir, tmp_path):
-    proc = _cli("--model", "kvharness", "--model_args", "model=stories260k,scoring=sometimes",
-                "--tasks", "copa", "--include_path", str(task_dir), "--limit", "1",
-                tmp_path=tmp_path)
-    assert proc.returncode == 2
-    assert "error: kvharness scoring='sometimes'" in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_cli_config_error_is_one_line(task_dir, cli_main, capsys):
+    with pytest.raises(SystemExit) as stop:
+        cli_main("--model", "kvharness", "--model_args", "model=stories260k,scoring=sometimes",
+                 "--tasks", "copa", "--include_path", str(task_dir), "--limit", "1")
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: kvharness scoring='sometimes'" in err and "Traceback" not in err
+
+
+def test_cli_entry_point_starts(tmp_path):
+    """`python -m harness.lm_eval` hands its arguments to lm-eval's CLI (its help, here)."""
+    proc = _cli("--help", tmp_path=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.startswith("usage: lm-eval")
 
 
 def test_package_name_does_not_shadow_lm_eval():

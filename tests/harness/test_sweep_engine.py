@@ -296,13 +296,19 @@ def sharded_folders(overrides_list, root, count=2):
     return [o.folder for o in outcomes]
 
 
-def test_merged_shards_equal_the_unsharded_sweep(tmp_path):
+@pytest.fixture(scope="module")
+def unsharded(tmp_path_factory):
+    """The unsharded sweep of SHARD_SETTINGS (one per module: two tests compare with it)."""
+    need_shared(STORIES)
+    return sweep_folders(SHARD_SETTINGS, tmp_path_factory.mktemp("unsharded"))
+
+
+def test_merged_shards_equal_the_unsharded_sweep(tmp_path, unsharded):
     """Two shards, each answering its samples for every setting, merged: every setting's
     predictions, scores and metrics (accuracy, KV figures) are the unsharded sweep's."""
     from harness.sweep_records import FOLDER
 
-    need_shared(STORIES)
-    whole = sweep_folders(SHARD_SETTINGS, tmp_path)
+    whole = unsharded
     merged = sharded_folders(SHARD_SETTINGS, tmp_path / "sharded")
     for a, b in zip(whole, merged):
         (ma, sa), (mb, sb) = folder_figures(a), folder_figures(b)
@@ -352,15 +358,14 @@ def test_a_setting_that_cannot_be_sharded_is_refused_by_name(tmp_path):
         run(cfgs[1])  # a single run is one process
 
 
-def test_a_sharded_multirun_runs_its_shards_as_local_processes(tmp_path):
+def test_a_sharded_multirun_runs_its_shards_as_local_processes(tmp_path, unsharded):
     """`python -m harness -m ... runner.shards=2` without SLURM: two shard processes, then the
     merge; each member's folder equals the unsharded sweep's."""
     import os
     import subprocess
     import sys
 
-    need_shared(STORIES)
-    members = ["method=snapkv,h2o", "method.budget_tokens=24"]
+    members = ["method=snapkv,h2o", "method.budget_tokens=24"]  # SHARD_SETTINGS[:2]
     proc = subprocess.run(
         [sys.executable, "-m", "harness", "-m", *SHARDED, *members, "runner.shards=2",
          f"runner.results_root={tmp_path}/cli", f"hydra.sweep.dir={tmp_path}/cli/_sweeps/s"],
@@ -372,9 +377,8 @@ def test_a_sharded_multirun_runs_its_shards_as_local_processes(tmp_path):
     assert "merging the records of 2 shards (10 (setting, sample) answers)" in proc.stdout
     summary = json.loads((tmp_path / "cli/_sweeps/s/summary.json").read_text())
     folders = [m["detail"] for m in summary["members"]]
-    whole = sweep_folders([[*SHARDED, "method=snapkv", "method.budget_tokens=24"],
-                           [*SHARDED, "method=h2o", "method.budget_tokens=24"]], tmp_path)
-    for a, b in zip(whole, folders):
+    assert len(folders) == 2
+    for a, b in zip(unsharded[:2], folders):
         assert folder_figures(PROJECT / b) == folder_figures(a)
 
 

@@ -217,11 +217,12 @@ def test_budget_covering_the_tokens_attends_all_of_them():
 
 
 def test_official_192_prompt_tokens_and_every_generated_token_exact(tiny_model, tmp_path,
-                                                                   monkeypatch):
+                                                                   monkeypatch, torch_path):
     """The official operating point: with no shared budget set, a sparse layer attends 8 sinks +
     56 recent + 128 top-k prompt tokens, and every generated token on top, never evicted (a
     generated token competing for the top-k, or the window sliding over generated tokens, would
-    drop some)."""
+    drop some). The quantized layer's decode runs its C kernel, not Triton's interpreter (the
+    kernels have their own tests)."""
     monkeypatch.setenv("KVH_CACHE_DIR", str(tmp_path))
     method = build_method("tailorkv", quant_layers=[0], key_channels=4)
     engine = make_engine(tiny_model, method, chunk=128)

@@ -9,6 +9,7 @@ from methods.eviction import EvictionLayer
 from methods.selection import SelectionLayer
 from tests.conftest import make_engine
 from tests.methods.contract import rules
+from tests.methods.contract.direction import mirrored
 
 SEQ_TOKENS, PREFILL_TOKENS, CHUNK_TOKENS = 64, 48, 16
 
@@ -51,6 +52,9 @@ class StepChecker:
         self.selected_mass = self.selected_share = 0.0  # see record_selection_mass
         self.selection_choices = 0  # selecting rows whose scores chose among candidates
         self.uneven = False  # some head-wise compression gave its heads different counts
+        # layer -> (B, H_kv, max positions) fp64: the attention each text position received,
+        # summed over query rows (group mean per KV head), for `accumulates_attention` layers
+        self.accumulated: dict[int, torch.Tensor] = {}
         for layer in layers:
             layer.update = self._update(layer, layer.update)
             layer.attend = self._attend(layer, layer.attend)
@@ -68,6 +72,10 @@ class StepChecker:
             if kept_before <= budget:
                 return compress_to(budget)
             positions, scores = layer.positions.clone(), layer.score().float().clone()
+            tolerance = 0.0
+            if layer.accumulates_attention:  # the declared rule's scores, not the layer's own
+                scores = self.accumulated[layer.layer_idx].gather(2, positions.long())
+                tolerance = 1e-4  # fp32 sums in the layer, fp64 here: near-ties either way
             sinks, recent = layer.protected(budget)
             compress_to(budget)
             kept = held_rows(layer.kept_positions())
@@ -94,9 +102,10 @@ class StepChecker:
                 dropped = [s for s, p in free if p not in row]
                 assert len(chosen) == min(slots, len(free)), f"{where}, head {head}"
                 if chosen and dropped:
-                    assert min(chosen) >= max(dropped), (
+                    assert min(chosen) >= max(dropped) - tolerance, (
                         f"{where}, head {head}: kept a score {min(chosen):.4g} below an evicted "
-                        f"{max(dropped):.4g} (the kept set is not the top of score())")
+                        f"{max(dropped):.4g} (the kept set is not the top of "
+                        f"{'its accumulated attention' if tolerance else 'score()'})")
                     self.choices += 1
         return checked
 
@@ -179,14 +188,47 @@ class StepChecker:
                     f"layer {layer.layer_idx}: mask {tuple(attention_mask.shape)} for "
                     f"{query.shape[2]} queries over {keys.shape[-2]} keys")
             self.dense_rows[layer.layer_idx] = KVLayer.holding_prompt(layer)
+            if scored_eviction(layer) and layer.accumulates_attention:
+                self.accumulate(layer, module, query, keys, attention_mask, kwargs)
             out = attend(module, query, keys, values, attention_mask, base, **kwargs)
             b, h_q, q_len, d = query.shape
             assert out[0].shape == (b, q_len, h_q, d), f"layer {layer.layer_idx}: output shape"
             self.record_selection_mass(layer, module, query, keys, kwargs)
             if isinstance(layer, SelectionLayer) and layer.selection is not None:
                 self.check_selection(layer, module, query, keys, values, out[0], kwargs)
+            elif isinstance(layer, SelectionLayer):  # nothing published: it must have attended all
+                chose = layer.stats().get("selected_tokens", layer.seen_tokens)
+                assert chose >= layer.seen_tokens, (
+                    f"layer {layer.layer_idx} after {layer.seen_tokens} tokens: attended {chose} "
+                    "tokens and published no `selection` to check them against its scores")
             return out
         return checked
+
+    def accumulate(self, layer, module, query, keys, attention_mask, kwargs):
+        """Adds this forward's attention to every held token's sum, computed here (fp64) from
+        the query, the keys `update` returned and the mask: per KV head the mean over its query
+        heads, summed over the query rows, at the tokens' text positions."""
+        b, h_q, q, _ = query.shape
+        h_kv, t = keys.shape[1], keys.shape[2]
+        positions = layer.positions.long()  # (B, H_kv, T), aligned with keys
+        assert positions.shape[-1] == t, f"layer {layer.layer_idx}: positions vs keys"
+        scaling = kwargs.get("scaling")
+        scaling = module.scaling if scaling is None else scaling
+        k = keys.double().repeat_interleave(h_q // h_kv, dim=1)  # (B, H_q, T, D)
+        logits = torch.einsum("bhqd,bhtd->bhqt", query.double(), k) * scaling
+        if attention_mask is None:  # causal: the forward's own tokens are the last q keys
+            rows = torch.arange(q, device=keys.device)[:, None] + (t - q)
+            allowed = torch.arange(t, device=keys.device)[None, :] <= rows
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        elif attention_mask.dtype == torch.bool:
+            logits = logits.masked_fill(~attention_mask[..., -t:], float("-inf"))
+        else:
+            logits = logits + attention_mask[..., -t:].double()
+        received = logits.softmax(-1).view(b, h_kv, h_q // h_kv, q, t).mean(2).sum(2)
+        acc = self.accumulated.setdefault(
+            layer.layer_idx, torch.zeros(b, h_kv, self.info.max_positions, dtype=torch.float64,
+                                         device=keys.device))
+        acc.scatter_add_(2, positions, received)
 
     def check_selection(self, layer, module, query, keys, values, out, kwargs):
         """A selecting layer's step against its own scores (`layer.selection`), at the last query
@@ -199,7 +241,7 @@ class StepChecker:
         sel, unit = layer.selection, layer.unit_tokens
         b, h_q, _, d = query.shape
         h_kv, t = keys.shape[1], layer.seen_tokens
-        scores, keep = sel.scores[:, :, -1].float().cpu(), sel.keep[:, :, -1].cpu()
+        scores, keep = sel.score_rows()[:, :, -1].float().cpu(), sel.keep[:, :, -1].cpu()
         h_sel = scores.shape[1]
         where = f"layer {layer.layer_idx} after {layer.seen_tokens} tokens"
         assert h_sel in (h_q, h_kv) and keep.shape == (b, h_sel, t), (
@@ -224,6 +266,8 @@ class StepChecker:
                     f"{where}, row {i}: attended a unit scoring {min(chosen):.4g} and left out one "
                     f"scoring {max(dropped):.4g} (the set is not the top of its scores)")
                 self.selection_choices += 1
+        if layer.scores_bound_logits and h_sel == h_q and keys.shape[2] == t:
+            self.check_bounds(layer, query, keys, scores, unit)
         if sel.kv_rows is not None:  # rows fetched before `attend`: placed at their positions
             rows = sel.kv_rows.to(keys.device)[..., None].expand(-1, -1, -1, d)
             keys = keys.new_zeros(b, h_kv, t, d).scatter(2, rows, keys)
@@ -243,6 +287,23 @@ class StepChecker:
         assert bool((worst <= 1e-4).all()), (
             f"{where}: query heads {worst.gt(1e-4).nonzero()[:, 1].tolist()} did not attend "
             f"exactly their own selected sets (max error {worst.max():.3g})")
+
+    def check_bounds(self, layer, query, keys, scores, unit):
+        """Per query head, every scored unit's score is at least its largest q.k (unscaled)
+        over the unit's tokens (`scores_bound_logits`)."""
+        b, h_q, _, _ = query.shape
+        k = keys.double().repeat_interleave(h_q // keys.shape[1], dim=1)  # (B, H_q, T, D)
+        logits = torch.einsum("bhd,bhtd->bht", query[:, :, -1].double(), k)
+        t = logits.shape[-1]
+        padded = logits.new_full((b, h_q, -(-t // unit) * unit), float("-inf"))
+        padded[..., :t] = logits
+        largest = padded.view(b, h_q, -1, unit).amax(-1)  # (B, H_q, U)
+        scored = torch.isfinite(scores.double())
+        short = scored & (scores.double() < largest.cpu() - 1e-4 * (1 + largest.cpu().abs()))
+        assert not bool(short.any()), (
+            f"layer {layer.layer_idx} after {layer.seen_tokens} tokens: units "
+            f"{short.nonzero().tolist()[:4]} score below their tokens' q.k (the scores must "
+            "bound it from above)")
 
     def record_selection_mass(self, layer, module, query, keys, kwargs):
         """A selecting layer's decode step over every token it holds: the exact attention mass
@@ -359,18 +420,26 @@ def scored_eviction(layer) -> bool:
     return isinstance(layer, EvictionLayer) and layer.selects_top_scores
 
 
-def check_compressing_contract(model, method, trained=False):
-    """The contract while `method` compresses SEQ_TOKENS random tokens (eager attention, a
+def check_compressing_contract(model, method, trained=False, attn="eager", adverse=False):
+    """The contract while `method` compresses SEQ_TOKENS random tokens (`attn` attention, a
     chunked prompt, then decode steps); raises AssertionError / BudgetViolation on a breach.
     `trained`: a trained model, whose heads differ (a random tiny model's may all look alike,
-    so a per-head split may rightly come out even there)."""
+    so a per-head split may rightly come out even there). Eager attention passes every layer
+    its mask (checked against `mask_sizes`); sdpa passes none to a plain decode row, the case a
+    fused decode kernel serves (H2O's). `adverse`: every scored-eviction layer's score negated
+    (direction.mirrored): the tokens its knobs protect are then the first its scores would drop,
+    so a protection one token short cannot hide behind scores that keep that token anyway."""
     name, settings = method.name, method.hyperparameters()
     info = hf_adapter.model_info(model.config)
     ids = torch.randint(3, 250, (1, SEQ_TOKENS), generator=torch.Generator().manual_seed(7))
-    hf_adapter.set_attention(model, "eager")
+    hf_adapter.set_attention(model, attn)
     try:
         engine = make_engine(model, method, chunk=CHUNK_TOKENS)
         with engine.request() as req:
+            if adverse:
+                mirrored(req.cache.kv_layers)
+                for layer in req.cache.kv_layers:  # its rule's own scores no longer apply
+                    layer.accumulates_attention = False
             checker = StepChecker(method, info, req.cache.kv_layers)
             logits = req.prefill(ids[:, :PREFILL_TOKENS])
             for i in range(PREFILL_TOKENS, SEQ_TOKENS):

@@ -2,8 +2,8 @@
 
 * composes from its YAML, runs prefill + decode on eager and sdpa with chunked prefill, leaves the
   model pristine, and equals the full cache when its budget covers the sequence;
-* while it IS compressing (budget well below the sequence, eager attention, chunked prefill +
-  decode), at every forward and every layer: K/V shapes, the attention mask's size against what
+* while it IS compressing (budget well below the sequence, eager attention and, on the tiny
+  Llama, sdpa too: the fused decode kernels' case; chunked prefill + decode), at every forward and every layer: K/V shapes, the attention mask's size against what
   `update` returned (`mask_sizes`), kept positions (in range, unique), and against the method's
   declared rule, never its layer's own hooks (tests/methods/contract/rules.py): the budget from
   `layer_budget` (a per-layer split spending no more than the uniform total), the protections its
@@ -12,7 +12,10 @@
   every step the protected tokens plus the top units of its own scores (methods/selection.py),
   per query head or per KV head as it selects, with every query head's output exact attention
   over its own set (so its KV head served their union), a selecting layer's attended tokens
-  carrying more than their share of the exact attention;
+  carrying more than their share of the exact attention; a layer declaring that its scores
+  accumulate attention (`accumulates_attention`: H2O) held to the sums the contract computes
+  itself from the attention it observes; each of a method's `path_variants` (settings served by
+  other code, e.g. InfiniGen's C speculation kernel) run too;
 * every method has a hand-computed kept-set test (`@pytest.mark.kept_set`);
 * an architecture it cannot serve is refused by `validate` (capabilities, not method names).
 
@@ -24,7 +27,9 @@ import torch
 
 from harness import hf_adapter
 from methods import build_method, method_class
+from methods.eviction import EvictionLayer
 from tests.conftest import PROJECT, make_engine
+from tests.methods.contract import rules
 from tests.methods.contract.common import METHODS, MODELS, get_model, run_logits, skip_if_refused
 from tests.methods.contract.step_checker import SEQ_TOKENS, check_compressing_contract
 from tests.models import FAMILIES, family_config
@@ -169,28 +174,58 @@ def test_batch_of_ragged_requests_equals_each_alone(name, which, request, tmp_pa
 # --- while compressing ---------------------------------------------------------------------------
 
 def _with_modes():
-    """(method, mode) for every method and each mode it declares (None: no mode knob)."""
+    """(method, settings) for every method: each mode it declares, then each of its
+    `path_variants` (settings taking another code path, e.g. a fused kernel)."""
     cases = []
     for name in METHODS:
         cls = method_class(name)
         modes = cls.capabilities.modes if "mode" in cls.hyperparameter_names() else (None,)
         for mode in modes:
-            cases.append(pytest.param(name, mode, id=f"{name}-{mode}" if mode else name))
+            cases.append(pytest.param(name, {"mode": mode} if mode else {},
+                                      id=f"{name}-{mode}" if mode else name))
+        for variant in cls.path_variants:
+            label = ",".join(f"{k}={v}" for k, v in variant.items())
+            cases.append(pytest.param(name, variant, id=f"{name}-{label}"))
     return cases
 
 
-@pytest.mark.parametrize("which", MODELS)
-@pytest.mark.parametrize("name, mode", _with_modes())
-def test_contract_holds_at_every_step_while_compressing(name, mode, which, request, tmp_path,
-                                                         monkeypatch):
+# every model under eager attention, and the tiny Llama under sdpa too (see the checker)
+ATTENTIONS = [*((which, "eager") for which in MODELS), ("llama", "sdpa")]
+
+
+@pytest.mark.parametrize("which, attn", ATTENTIONS,
+                         ids=[w if a == "eager" else f"{w}-{a}" for w, a in ATTENTIONS])
+@pytest.mark.parametrize("name, variant", _with_modes())
+def test_contract_holds_at_every_step_while_compressing(name, variant, which, attn, request,
+                                                         tmp_path, monkeypatch):
     monkeypatch.setenv("KVH_CACHE_DIR", str(tmp_path))
     # The cache contract, not the kernels (they have their own tests): torch paths on CPU.
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     model = get_model(which, request, layers=3)  # InfiniGen leaves layers 0 and 1 dense
     settings = method_class(name).compressing_hyperparameters(SEQ_TOKENS)
-    method = build_method(name, **settings, **({"mode": mode} if mode else {}))
+    method = build_method(name, **{**settings, **variant})
     skip_if_refused(method, model)
-    check_compressing_contract(model, method, trained=which == "stories")
+    check_compressing_contract(model, method, trained=which == "stories", attn=attn)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_declared_protections_hold_against_adverse_scores(name, request, tmp_path, monkeypatch):
+    """The compressing contract with every scored-eviction layer's score negated: what its knobs
+    protect (a sink, a recent window) is then what its scores would evict first."""
+    monkeypatch.setenv("KVH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    method = build_method(name, **method_class(name).compressing_hyperparameters(SEQ_TOKENS))
+    model = get_model("llama", request, layers=3)
+    skip_if_refused(method, model)
+    try:
+        layer = method.make_layer(0, hf_adapter.model_info(model.config))
+    except RuntimeError:  # needs its prepared artefacts: not a plain template layer
+        layer = None
+    if not (isinstance(layer, EvictionLayer) and layer.selects_top_scores):
+        pytest.skip("no scored-eviction layer: no score to turn against its protections")
+    if not any(rules.declared_protections(method, SEQ_TOKENS)):
+        pytest.skip("its knobs declare no protection")
+    check_compressing_contract(model, method, adverse=True)
 
 
 # --- refusals ------------------------------------------------------------------------------------
