@@ -19,8 +19,13 @@ heads, head_dim 64; random K/V, whose values do not change the cost), each row's
 in turn `--repeats` times (alternating), median ms and the median paired ratio: seconds instead
 of an 8K prefill per row, for a machine too loaded for the whole model.
 
+The C kernels are built for this CPU (-march=native); `KVH_KERNEL_FLAGS` builds every kernel,
+KIVI's too, as a variant: `KVH_KERNEL_FLAGS=-mno-avx512f` times TurboQuant's AVX2 path (and
+KIVI without AVX-512) on an AVX-512 machine. The header names the TurboQuant path that ran.
+
     python benchmarks/turboquant_decode.py --contexts 8192 --new-tokens 8 --rounds 1
     python benchmarks/turboquant_decode.py --kernel-only --contexts 8192 --repeats 30
+    KVH_KERNEL_FLAGS=-mno-avx512f python benchmarks/turboquant_decode.py --kernel-only
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ import torch  # noqa: E402
 from benchmarks.decode_long_context import lockstep, open_rows, paired_ratio  # noqa: E402
 from harness.results import write_json_atomic  # noqa: E402
 from methods import build_method  # noqa: E402
+from methods.kernels import turboquant_cpu  # noqa: E402
 from tasks.text_sources import load_essays  # noqa: E402
 
 REFERENCE = "kivi_2bit"
@@ -79,13 +85,25 @@ def kernel_only(contexts: list[int], rows: list[str], repeats: int) -> dict:
         res = {}
         print(f"\ndecode attention of one layer at {ctx} tokens (SmolLM2 shapes), {repeats} "
               f"alternating calls, threads {torch.get_num_threads()}, load avg "
-              f"{os.getloadavg()[0]:.2f}")
+              f"{os.getloadavg()[0]:.2f}, {build_note()}")
         for name in rows:
             ratio = statistics.median(a / b for a, b in zip(times[name], times[REFERENCE]))
             res[name] = {"ms": statistics.median(times[name]), "ratio_to_reference": ratio}
             print(f"{name:18} {res[name]['ms']:8.2f} ms  {ratio:.3f}x {REFERENCE}")
         out[str(ctx)] = res
     return out
+
+
+def kernel_label(prepared: dict) -> str:
+    """A row's decode-attention kernel, with the C kernel's vector path where it names one."""
+    path = prepared.get("decode_vector_path")
+    return prepared.get("decode_attention", "-") + (f"/{path}" if path else "")
+
+
+def build_note() -> str:
+    """The C build the numbers depend on: TurboQuant's vector path and the extra flags."""
+    return (f"TurboQuant C path {turboquant_cpu.vector_path() or 'not built'}, "
+            f"KVH_KERNEL_FLAGS={os.environ.get('KVH_KERNEL_FLAGS', '') or '-'}")
 
 
 def main() -> None:
@@ -108,13 +126,14 @@ def main() -> None:
     if args.kernel_only:
         table = kernel_only(args.contexts, args.rows, args.repeats)
         if args.json:
-            write_json_atomic(Path(args.json), {"kernel_only": table})
+            write_json_atomic(Path(args.json), {"kernel_only": table, "build": build_note()})
         return
     session, settings = open_rows(args.model, {name: ROWS[name] for name in args.rows})
     info = session.info
     essays = session.tokenizer(load_essays(), verbose=False)["input_ids"]
-    kernels = {name: one.prepared.get("decode_attention", "-") for name, one in settings.items()}
+    kernels = {name: kernel_label(one.prepared) for name, one in settings.items()}
     out = {"model": args.model, "threads": torch.get_num_threads(), "rounds": args.rounds,
+           "build": build_note(),
            "new_tokens": args.new_tokens, "goal_ratio": GOAL_RATIO, "contexts": {}}
     t0 = time.time()
     for ctx in args.contexts:
@@ -125,8 +144,10 @@ def main() -> None:
         load = (load_before + os.getloadavg()[0]) / 2
         print(f"\ncontext {ctx} tokens + {args.new_tokens} new, {args.model}, {args.rounds} "
               f"round(s) of lockstep decoding, threads {torch.get_num_threads()}, "
-              f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, load avg {load:.2f}")
-        print(f"{'row':18} {'kernel':7} {'decode ms':>10} {'KV x full':>9}  x {REFERENCE} (paired)")
+              f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')}, load avg {load:.2f}, "
+              f"{build_note()}")
+        print(f"{'row':18} {'kernel':10} {'decode ms':>10} {'KV x full':>9}  "
+              f"x {REFERENCE} (paired)")
         rows = {}
         for name in args.rows:
             steps = [ms for rd in rounds for ms in rd[name]["step_ms"]]
@@ -139,7 +160,7 @@ def main() -> None:
                 note = f"{ratio:.3f}x (goal <= {GOAL_RATIO:.2f}: " \
                        f"{'met' if row['goal_met'] else 'NOT met'})"
             rows[name] = row
-            print(f"{name:18} {row['kernel']:7} {row['decode_ms']:10.2f} "
+            print(f"{name:18} {row['kernel']:10} {row['decode_ms']:10.2f} "
                   f"{row['kv_bytes_vs_full']:9.3f}  {note}")
         out["contexts"][str(ctx)] = {"load_avg": round(load, 2), "rows": rows}
     out["wall_s"] = round(time.time() - t0, 1)

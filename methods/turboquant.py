@@ -59,6 +59,7 @@ import torch
 from kvcore.storage import ContiguousRows
 from methods import _turboquant_quant as tq
 from methods.base import PREFILL_MODES, Capabilities, KVLayer, KVMethod, ModelInfo
+from methods.kernels import turboquant_cpu
 from methods.kernels.turboquant_attention import (TQCache, TQTensor, decode_attention,
                                                   decode_kernel, dequantize_cache, pack_masks)
 from methods.scoring import plain_decode_row
@@ -159,7 +160,16 @@ class TurboQuant(KVMethod):
                           for name, q in zip(("keys", "values"), self._quantizers)},
                 "bits_per_coordinate": {name: q.bits_per_coordinate()
                                         for name, q in zip(("keys", "values"), self._quantizers)},
-                "decode_attention": decode_kernel(torch.device(ctx.device))}
+                **self._kernel_facts(torch.device(ctx.device))}
+
+    @staticmethod
+    def _kernel_facts(device: torch.device) -> dict[str, Any]:
+        """The decode-attention implementation, and for the C kernel its built vector path
+        ("avx512", "avx2", "portable": the instructions its speed depends on)."""
+        kernel = decode_kernel(device)
+        if kernel != "c":
+            return {"decode_attention": kernel}
+        return {"decode_attention": kernel, "decode_vector_path": turboquant_cpu.vector_path()}
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         quantizers = getattr(self, "_quantizers", None)

@@ -6,7 +6,10 @@ kernels are plain C files (methods/kernels/kivi_cpu.c).
 with the system C compiler (`$CC`, else `cc`) into `$KVH_KERNEL_CACHE` (default
 `~/.cache/kv-harness/kernels`), named by a hash of source, compiler, flags and the CPU and written
 atomically (concurrent processes never see half a library), loads it once per process and lets
-`declare(lib)` set the argument types. Without a compiler, or when the build fails, it returns
+`declare(lib)` set the argument types. `$KVH_KERNEL_FLAGS` (space-separated, e.g.
+`-mno-avx512f`) adds flags to every build, and `extra_flags` to one library: a build variant
+(another instruction set than the CPU's best) with its own cache entry, for tests and
+benchmarks. Without a compiler, or when the build fails, it returns
 None and `build_error(source)` says why: callers then take their torch path.
 """
 
@@ -63,11 +66,18 @@ def _host_tag() -> str:
     return f"{platform.machine()} {platform.processor()} {flags.strip()}"
 
 
-def _build(source: Path) -> Path:
+def _flags(extra_flags: tuple[str, ...]) -> tuple[str, ...]:
+    """The build flags: the fixed ones, then `$KVH_KERNEL_FLAGS`, then `extra_flags` (later
+    flags win: `-mno-avx512f` after `-march=native` builds without AVX-512)."""
+    return (*_FLAGS, *os.environ.get("KVH_KERNEL_FLAGS", "").split(), *extra_flags)
+
+
+def _build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     compiler = _compiler()
     if not compiler_available():
         raise RuntimeError(f"no C compiler ({compiler}) on PATH")
-    recipe = " ".join((compiler, *_FLAGS, *_LIBS, _host_tag())).encode()
+    flags = _flags(extra_flags)
+    recipe = " ".join((compiler, *flags, *_LIBS, _host_tag())).encode()
     digest = hashlib.sha256(source.read_bytes() + recipe).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}_{digest}.so"
     if target.exists():
@@ -75,7 +85,7 @@ def _build(source: Path) -> Path:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.part")
     os.close(fd)
     try:
-        done = subprocess.run([compiler, *_FLAGS, str(source), "-o", tmp, *_LIBS],
+        done = subprocess.run([compiler, *flags, str(source), "-o", tmp, *_LIBS],
                               capture_output=True, text=True, timeout=120)
         if done.returncode:
             raise RuntimeError(f"{compiler} failed on {source.name}: {done.stderr.strip()[:500]}")
@@ -86,12 +96,14 @@ def _build(source: Path) -> Path:
     return target
 
 
-def library(source: Path, declare: Callable[[ctypes.CDLL], None]) -> ctypes.CDLL | None:
-    """The C file `source` built and loaded (once per process), or None when it cannot be."""
-    key = str(source)
+def library(source: Path, declare: Callable[[ctypes.CDLL], None],
+            extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The C file `source` built (with `extra_flags` added) and loaded (once per process), or
+    None when it cannot be."""
+    key = " ".join((str(source), *_flags(extra_flags)))
     if key not in _loaded:
         try:
-            lib = ctypes.CDLL(str(_build(source)))
+            lib = ctypes.CDLL(str(_build(source, extra_flags)))
             declare(lib)
             _loaded[key] = lib
         except (OSError, RuntimeError, subprocess.SubprocessError, AttributeError) as err:
@@ -106,11 +118,11 @@ class CKernel:
     def __init__(self, source: Path, declare: Callable[[ctypes.CDLL], None]):
         self.source, self.declare = source, declare
 
-    def library(self) -> ctypes.CDLL | None:
-        return library(self.source, self.declare)
+    def library(self, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+        return library(self.source, self.declare, extra_flags)
 
-    def build_error(self) -> str | None:
-        return build_error(self.source)
+    def build_error(self, extra_flags: tuple[str, ...] = ()) -> str | None:
+        return build_error(self.source, extra_flags)
 
     def name(self, device: torch.device) -> str:
         return "c" if torch.device(device).type == "cpu" and self.library() is not None else "torch"
@@ -133,6 +145,6 @@ def kernel_rows(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def build_error(source: Path) -> str | None:
-    """Why `library(source)` is None (None when it loaded or was not tried)."""
-    return _errors.get(str(source))
+def build_error(source: Path, extra_flags: tuple[str, ...] = ()) -> str | None:
+    """Why `library(source, ..., extra_flags)` is None (None when it loaded or was not tried)."""
+    return _errors.get(" ".join((str(source), *_flags(extra_flags))))

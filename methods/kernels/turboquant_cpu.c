@@ -19,13 +19,22 @@
    Two paths per tensor, the same sums:
      portable  a token's codes become codebook values through 256-entry byte tables (1, 2, 4 and
                8 bits) or 8 codes per w bytes (3, 5-7 bits), then plain dot products;
-     AVX-512   (built with AVX-512 VBMI, D and the outlier count multiples of 16, widths <= 5 bits,
-               g <= 16) 16 coordinates at a time stay in registers: the chunk's 2w bytes are
-               loaded once, every lane's code is cut out of them (a byte shuffle, a shift per
-               lane, a mask) and becomes its codebook value with one in-register table lookup
-               (vpermt2ps, 32 entries); the QJL signs are a 16-bit mask choosing +-rnorm per lane.
-               Nothing per token leaves the registers but its g scores (keys) or the g p.V
-               accumulators (values). `vector` = 0 forces the portable path (tests run both).
+     vector    (D and the outlier count multiples of the lanes, widths <= 5 bits, g <= 16; the
+               instruction set chosen at compile time) a chunk of lanes coordinates at a time
+               stays in registers: the chunk's w bytes per 8 lanes are loaded once, every lane's
+               code is cut out of them (a byte shuffle, a shift per lane, a mask) and becomes its
+               codebook value by an in-register table lookup; the QJL signs choose +-rnorm per
+               lane. Nothing per token leaves the registers but its g scores (keys) or the g p.V
+               accumulators (values).
+       AVX-512 VBMI: 16 lanes; bytes by vpermb, lookup by vpermt2ps (32 entries), signs a
+               16-bit mask;
+       AVX2 + FMA: 8 lanes; 8 bytes loaded (moved back near a row's end, so no load reads past
+               a row: at least 8 code bytes a token), bytes by vpshufb, lookup by vpermps on
+               8 entries, blended by the code's bits 3 and 4 (up to 4 tables), signs by their
+               bit moved to the sign bit (vblendvps). An L1 table and vgatherdps instead took
+               1.9x the time of the whole call (measured here).
+     `vector` = 0 forces the portable path (tests run both, and build the AVX2 one again without
+     AVX-512 where the CPU has it).
 
    One OpenMP region per call: key scores by span of blocks, softmax by row, p.V by span into
    partials summed in a fixed order (the result does not depend on the thread count). */
@@ -34,7 +43,9 @@
 #include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VBMI__)
-#define TQ_VECTOR 1
+#define TQ_VECTOR 16 /* lanes: AVX-512 */
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TQ_VECTOR 8  /* lanes: AVX2 + FMA */
 #endif
 #if defined(__F16C__) || defined(TQ_VECTOR)
 #include <immintrin.h>
@@ -43,9 +54,33 @@
 #define SPAN_BLOCKS 8 /* blocks per work item */
 #define MAX_D 512
 #define MAX_G 64
-#define MAX_CHUNKS 16 /* vector path: D <= 256 */
+#define MAX_VEC_D 256 /* vector path: D <= 256 */
 #define MAX_VEC_G 16  /* vector path: query heads per KV head */
 #define MAX_VEC_BITS 5 /* vector path: a code indexes a 32-entry in-register table */
+
+#if TQ_VECTOR == 16
+typedef __m512 vec;
+#define v_load _mm512_loadu_ps
+#define v_store _mm512_storeu_ps
+#define v_set1 _mm512_set1_ps
+#define v_zero _mm512_setzero_ps
+#define v_add _mm512_add_ps
+#define v_mul _mm512_mul_ps
+#define v_fmadd _mm512_fmadd_ps
+#elif TQ_VECTOR == 8
+typedef __m256 vec;
+#define v_load _mm256_loadu_ps
+#define v_store _mm256_storeu_ps
+#define v_set1 _mm256_set1_ps
+#define v_zero _mm256_setzero_ps
+#define v_add _mm256_add_ps
+#define v_mul _mm256_mul_ps
+#define v_fmadd _mm256_fmadd_ps
+#endif
+#ifdef TQ_VECTOR
+#define VW TQ_VECTOR                   /* coordinates per vector */
+#define MAX_CHUNKS (MAX_VEC_D / VW)
+#endif
 
 static inline float half_to_float(uint16_t h) {
 #ifdef __F16C__
@@ -63,7 +98,7 @@ static inline float half_to_float(uint16_t h) {
 #endif
 }
 
-#ifdef TQ_VECTOR
+#if TQ_VECTOR == 16
 /* 16 coordinates of one part (uniform width w): where their 2w bytes start in a token's stream,
    and how to cut lane i's code out of them. */
 typedef struct {
@@ -72,6 +107,17 @@ typedef struct {
     __m512 lo, hi;          /* the part's codebook, entries 0-15 and 16-31 (zero padded) */
     long byte0;
     __mmask16 load;         /* the chunk's 2w bytes (a masked load never reads past a row) */
+} Chunk;
+#elif TQ_VECTOR == 8
+/* 8 coordinates of one part (uniform width w): the chunk's w bytes lie in the 8 bytes loaded
+   from `byte0` (moved back from the chunk's first byte near a row's end, so no load reads past
+   a row); how to cut lane i's code out of them. */
+typedef struct {
+    __m256i gather;         /* vpshufb indices: lane i's 4 bytes of the word, from its code's */
+    __m256i shift, mask;    /* lane i: code = (bytes >> shift) & mask */
+    __m256 table[4];        /* the part's codebook, entries 8k..8k+7 (zero padded) */
+    long byte0;
+    long width;
 } Chunk;
 #endif
 
@@ -117,10 +163,10 @@ static void build_tables(Tensor *x, long d) {
     }
 }
 
-#ifdef TQ_VECTOR
+#if TQ_VECTOR == 16
 /* The vector path's chunks, or 0 when this tensor's layout does not fit it. */
 static int build_chunks(Tensor *x, long d, long g) {
-    if (d % 16 || d > 16 * MAX_CHUNKS || x->outliers % 16 || g > MAX_VEC_G) return 0;
+    if (d % 16 || d > MAX_VEC_D || x->outliers % 16 || g > MAX_VEC_G) return 0;
     for (long k = 0; k < d / 16; k++) {
         const long j0 = 16 * k, w = x->widths[j0];
         if (w > MAX_VEC_BITS || (x->offs[j0] & 7)) return 0;
@@ -151,6 +197,72 @@ static inline __attribute__((always_inline)) __m512 chunk_values(const uint8_t *
     const __m512i words = _mm512_permutexvar_epi8(c->gather, _mm512_zextsi128_si512(bytes));
     const __m512i codes = _mm512_and_si512(_mm512_srlv_epi32(words, c->shift), c->mask);
     return _mm512_permutex2var_ps(c->lo, codes, c->hi);
+}
+
+/* Chunk c's 16 QJL signs (bits 16c..16c+15 of the token's sign row) as +-r per lane. */
+static inline __attribute__((always_inline)) vec sign_values(const uint8_t *s, long c, vec plus,
+                                                             vec minus) {
+    uint16_t bits;
+    memcpy(&bits, s + 2 * c, sizeof bits);
+    return _mm512_mask_blend_ps(bits, minus, plus);
+}
+#elif TQ_VECTOR == 8
+/* The vector path's chunks, or 0 when this tensor's layout does not fit it. */
+static int build_chunks(Tensor *x, long d, long g) {
+    if (d % 8 || d > MAX_VEC_D || x->outliers % 8 || g > MAX_VEC_G || x->code_bytes < 8) return 0;
+    for (long k = 0; k < d / 8; k++) {
+        const long j0 = 8 * k, w = x->widths[j0], first = x->offs[j0] >> 3;
+        if (w > MAX_VEC_BITS || (x->offs[j0] & 7)) return 0;
+        const long byte0 = first + 8 <= x->code_bytes ? first : x->code_bytes - 8;
+        uint8_t gather[32];
+        int32_t shift[8];
+        float table[32] = {0};
+        for (long i = 0; i < 8; i++) {
+            const long bit = x->offs[j0 + i] - 8 * byte0, byte = bit >> 3;
+            for (long e = 0; e < 4; e++) /* the word sits in bytes 0-7 of both 128-bit halves */
+                gather[4 * i + e] = (uint8_t)(byte + e < 8 ? byte + e : 7);
+            shift[i] = (int32_t)(bit & 7);
+        }
+        memcpy(table, x->cb + x->base[j0], sizeof(float) * (size_t)(1 << w));
+        Chunk *c = &x->chunks[k];
+        c->gather = _mm256_loadu_si256((const __m256i *)gather);
+        c->shift = _mm256_loadu_si256((const __m256i *)shift);
+        c->mask = _mm256_set1_epi32((1 << w) - 1);
+        for (int e = 0; e < 4; e++) c->table[e] = _mm256_loadu_ps(table + 8 * e);
+        c->byte0 = byte0;
+        c->width = w;
+    }
+    return 1;
+}
+
+/* The codebook values of one chunk of a token's stream `row`: a code's low 3 bits pick from
+   8 entries in a register (vpermps); bits 3 and 4 (w > 3) choose between 2 or 4 such picks
+   (their bit moved to the sign bit, which vblendvps reads). */
+static inline __attribute__((always_inline)) __m256 chunk_values(const uint8_t *row, const Chunk *c) {
+    int64_t word;
+    memcpy(&word, row + c->byte0, sizeof word);
+    const __m256i words = _mm256_shuffle_epi8(_mm256_set1_epi64x(word), c->gather);
+    const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(words, c->shift), c->mask);
+    __m256 y = _mm256_permutevar8x32_ps(c->table[0], codes);
+    if (c->width > 3) {
+        __m256 hi = _mm256_permutevar8x32_ps(c->table[1], codes);
+        if (c->width > 4) {
+            const __m256 bit4 = _mm256_castsi256_ps(_mm256_slli_epi32(codes, 27));
+            y = _mm256_blendv_ps(y, _mm256_permutevar8x32_ps(c->table[2], codes), bit4);
+            hi = _mm256_blendv_ps(hi, _mm256_permutevar8x32_ps(c->table[3], codes), bit4);
+        }
+        y = _mm256_blendv_ps(y, hi, _mm256_castsi256_ps(_mm256_slli_epi32(codes, 28)));
+    }
+    return y;
+}
+
+/* Chunk c's 8 QJL signs (byte c of the token's sign row) as +-r per lane: bit i moved to lane
+   i's sign bit, which vblendvps reads. */
+static inline __attribute__((always_inline)) vec sign_values(const uint8_t *s, long c, vec plus,
+                                                             vec minus) {
+    const __m256i bits = _mm256_sllv_epi32(_mm256_set1_epi32(s[c]),
+                                           _mm256_setr_epi32(31, 30, 29, 28, 27, 26, 25, 24));
+    return _mm256_blendv_ps(minus, plus, _mm256_castsi256_ps(bits));
 }
 #endif
 
@@ -213,28 +325,31 @@ static void times_blockdiag(const float *x, const float *m, long d, long o, floa
 }
 
 #ifdef TQ_VECTOR
-/* Y (n, D) = X (n, D) M for n rows at once, over all of M (its zero blocks add exactly nothing;
-   skipping them would cost a branch per chunk and row); `n` and `nc` = D / 16 constants after
-   inlining, so the n * nc sums stay in registers. Each chunk of M is loaded once for the n rows
-   (M does not fit in L1 beside the other matrices), and the n chains of FMAs run side by side. */
+/* Y (n, VW nc) = X (n, D) M[:, :VW nc] for n rows at once, over all of M (its zero blocks add
+   exactly nothing; skipping them would cost a branch per chunk and row); `n` and `nc` constants
+   after inlining, so the n * nc sums stay in registers. M and Y have row stride D (pass them
+   offset to start at another column). Each chunk of M is loaded once for the n rows (M does not
+   fit in L1 beside the other matrices), and the n chains of FMAs run side by side. */
 static inline __attribute__((always_inline)) void times_dense_nc(const float *x, const float *m,
                                                                 long d, float *y, const long n,
                                                                 const long nc) {
     enum { MAX_ROWS = 4 };
-    __m512 acc[MAX_ROWS][MAX_CHUNKS], xi[MAX_ROWS];
+    vec acc[MAX_ROWS][MAX_CHUNKS], xi[MAX_ROWS];
     for (long r = 0; r < n; r++)
-        for (long c = 0; c < nc; c++) acc[r][c] = _mm512_setzero_ps();
+        for (long c = 0; c < nc; c++) acc[r][c] = v_zero();
     for (long i = 0; i < d; i++) {
-        for (long r = 0; r < n; r++) xi[r] = _mm512_set1_ps(x[r * d + i]);
+        for (long r = 0; r < n; r++) xi[r] = v_set1(x[r * d + i]);
         for (long c = 0; c < nc; c++) {
-            const __m512 mc = _mm512_loadu_ps(m + i * d + 16 * c);
-            for (long r = 0; r < n; r++) acc[r][c] = _mm512_fmadd_ps(xi[r], mc, acc[r][c]);
+            const vec mc = v_load(m + i * d + VW * c);
+            for (long r = 0; r < n; r++) acc[r][c] = v_fmadd(xi[r], mc, acc[r][c]);
         }
     }
     for (long r = 0; r < n; r++)
-        for (long c = 0; c < nc; c++) _mm512_storeu_ps(y + r * d + 16 * c, acc[r][c]);
+        for (long c = 0; c < nc; c++) v_store(y + r * d + VW * c, acc[r][c]);
 }
+#endif
 
+#if TQ_VECTOR == 16
 /* Rows [0, n) four at a time (D = 64), two at a time (D = 128), else one at a time. */
 static void times_dense(const float *x, const float *m, long d, float *y, long n) {
     for (long r0 = 0; r0 < n;) {
@@ -256,6 +371,26 @@ static void times_dense(const float *x, const float *m, long d, float *y, long n
         } else {
             times_dense_nc(xr, m, d, yr, 1, d / 16);
             r0++;
+        }
+    }
+}
+#elif TQ_VECTOR == 8
+/* 32 columns at a time (16 registers hold 2 rows of 4 chunks beside their operands), rows two
+   at a time; the last columns (D not a multiple of 32) one row at a time. */
+static void times_dense(const float *x, const float *m, long d, float *y, long n) {
+    for (long col = 0; col < d; col += 32) {
+        const long nc = d - col < 32 ? (d - col) / 8 : 4;
+        for (long r0 = 0; r0 < n;) {
+            const float *xr = x + r0 * d;
+            float *yr = y + r0 * d + col;
+            if (nc == 4 && n - r0 >= 2) {
+                times_dense_nc(xr, m + col, d, yr, 2, 4);
+                r0 += 2;
+            } else {
+                if (nc == 4) times_dense_nc(xr, m + col, d, yr, 1, 4);
+                else times_dense_nc(xr, m + col, d, yr, 1, nc);
+                r0++;
+            }
         }
     }
 }
@@ -341,7 +476,7 @@ static void key_block(const Args *a, long b, long h, const float *rq, const floa
     }
 }
 
-#ifdef TQ_VECTOR
+#if TQ_VECTOR == 16
 /* The four sums of a, b, c, d in one vector [sum a, sum b, sum c, sum d]: a third of the
    shuffles of four separate reductions. */
 static inline __attribute__((always_inline)) __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
@@ -354,63 +489,70 @@ static inline __attribute__((always_inline)) __m128 reduce4(__m512 a, __m512 b, 
                                    _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
     return _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
 }
+#elif TQ_VECTOR == 8
+/* The four sums of a, b, c, d in one vector [sum a, sum b, sum c, sum d]. */
+static inline __attribute__((always_inline)) __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    /* per 128-bit lane: [a01, a23, b01, b23] and [c01, c23, d01, d23], then [a, b, c, d] */
+    const __m256 x = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+}
+#endif
 
-/* key_block on the vector path; `nc` (D / 16) a constant after inlining, so the token's chunks
+#ifdef TQ_VECTOR
+/* key_block on the vector path; `nc` (D / VW) a constant after inlining, so the token's chunks
    live in registers. Tokens go four at a time: each query's four dot products are reduced
    together and stored as four consecutive scores. */
 static inline __attribute__((always_inline)) void key_block_nc(
         const Args *a, long b, long h, const float *rq, const float *sq, float *scores,
         const long nc) {
     const Tensor *k = &a->k;
-    const long d = a->d, g = a->g, c0 = k->outliers / 16; /* chunks [0, c0) are part 0 */
+    const long d = a->d, g = a->g, c0 = k->outliers / VW; /* chunks [0, c0) are part 0 */
     const long end = (b + 1) * a->bt;
-    __m512 y[MAX_CHUNKS], sg[MAX_CHUNKS], acc[4][MAX_VEC_G];
+    vec y[MAX_CHUNKS], sg[MAX_CHUNKS], acc[4][MAX_VEC_G];
     for (long t0 = b * a->bt; t0 < end; t0 += 4) {
         const long n = end - t0 < 4 ? end - t0 : 4;
         for (long u = 0; u < 4; u++) {
             if (u >= n) { /* past the block's end: nothing to score */
-                for (long gi = 0; gi < g; gi++) acc[u][gi] = _mm512_setzero_ps();
+                for (long gi = 0; gi < g; gi++) acc[u][gi] = v_zero();
                 continue;
             }
             const long t = t0 + u;
             const uint8_t *row = k->codes + h * k->s_ch + t * k->s_ct;
             const uint16_t *nr = k->norms + h * k->s_nh + t * k->s_nt;
-            const __m512 n0 = _mm512_set1_ps(half_to_float(nr[0]));
-            const __m512 n1 = c0 ? _mm512_set1_ps(half_to_float(nr[1])) : n0;
-            for (long c = 0; c < nc; c++) y[c] = _mm512_mul_ps(chunk_values(row, &k->chunks[c]), c < c0 ? n0 : n1);
+            const vec n0 = v_set1(half_to_float(nr[0]));
+            const vec n1 = c0 ? v_set1(half_to_float(nr[1])) : n0;
+            for (long c = 0; c < nc; c++) y[c] = v_mul(chunk_values(row, &k->chunks[c]), c < c0 ? n0 : n1);
             if (k->signs) { /* sign bit 1 -> +rnorm, 0 -> -rnorm */
                 const uint8_t *s = k->signs + h * k->s_sh + t * k->s_st;
                 const uint16_t *rr = k->rnorms + h * k->s_rh + t * k->s_rt;
                 const float r0 = half_to_float(rr[0]), r1 = c0 ? half_to_float(rr[1]) : r0;
-                const __m512 p0 = _mm512_set1_ps(r0), m0 = _mm512_set1_ps(-r0);
-                const __m512 p1 = _mm512_set1_ps(r1), m1 = _mm512_set1_ps(-r1);
-                for (long c = 0; c < nc; c++) {
-                    uint16_t bits;
-                    memcpy(&bits, s + 2 * c, sizeof bits);
-                    sg[c] = c < c0 ? _mm512_mask_blend_ps(bits, m0, p0) : _mm512_mask_blend_ps(bits, m1, p1);
-                }
+                const vec p0 = v_set1(r0), m0 = v_set1(-r0), p1 = v_set1(r1), m1 = v_set1(-r1);
+                for (long c = 0; c < nc; c++)
+                    sg[c] = c < c0 ? sign_values(s, c, p0, m0) : sign_values(s, c, p1, m1);
             }
             for (long gi = 0; gi < g; gi++) { /* two chains of FMAs: half the latency */
                 const float *r = rq + gi * d, *p = sq + gi * d;
-                __m512 codes = _mm512_mul_ps(_mm512_loadu_ps(r), y[0]), signs = _mm512_setzero_ps();
-                for (long c = 1; c < nc; c++) codes = _mm512_fmadd_ps(_mm512_loadu_ps(r + 16 * c), y[c], codes);
+                vec codes = v_mul(v_load(r), y[0]), signs = v_zero();
+                for (long c = 1; c < nc; c++) codes = v_fmadd(v_load(r + VW * c), y[c], codes);
                 if (k->signs)
-                    for (long c = 0; c < nc; c++) signs = _mm512_fmadd_ps(_mm512_loadu_ps(p + 16 * c), sg[c], signs);
-                acc[u][gi] = _mm512_add_ps(codes, signs);
+                    for (long c = 0; c < nc; c++) signs = v_fmadd(v_load(p + VW * c), sg[c], signs);
+                acc[u][gi] = v_add(codes, signs);
             }
         }
-        for (long gi = 0; gi < g; gi++)
-            _mm_mask_storeu_ps(scores + (h * g + gi) * a->tokens + t0, (__mmask8)((1u << n) - 1),
-                               reduce4(acc[0][gi], acc[1][gi], acc[2][gi], acc[3][gi]));
+        for (long gi = 0; gi < g; gi++) {
+            float four[4];
+            _mm_storeu_ps(four, reduce4(acc[0][gi], acc[1][gi], acc[2][gi], acc[3][gi]));
+            memcpy(scores + (h * g + gi) * a->tokens + t0, four, sizeof(float) * (size_t)n);
+        }
     }
 }
 
 static void key_block_vec(const Args *a, long b, long h, const float *rq, const float *sq,
                           float *scores) {
-    switch (a->d / 16) {
-        case 4: key_block_nc(a, b, h, rq, sq, scores, 4); break;   /* D = 64 */
-        case 8: key_block_nc(a, b, h, rq, sq, scores, 8); break;   /* D = 128 */
-        default: key_block_nc(a, b, h, rq, sq, scores, a->d / 16);
+    switch (a->d / VW) {
+        case 4: key_block_nc(a, b, h, rq, sq, scores, 4); break;   /* D = 64 (AVX-512) */
+        case 8: key_block_nc(a, b, h, rq, sq, scores, 8); break;   /* D = 128, or 64 (AVX2) */
+        default: key_block_nc(a, b, h, rq, sq, scores, a->d / VW);
     }
 }
 #endif
@@ -453,34 +595,50 @@ static void value_block(const Args *a, long b, long h, const float *probs, float
 }
 
 #ifdef TQ_VECTOR
+/* value_block on the vector path for the chunks [cf, cf + nc) (columns VW cf ..): rot_acc's
+   columns there are written, not added to; `nc` a constant after inlining, so the g * nc sums
+   stay in registers. */
 static inline __attribute__((always_inline)) void value_block_nc(
-        const Args *a, long b, long h, const float *probs, float *rot_acc, const long nc) {
+        const Args *a, long b, long h, const float *probs, float *rot_acc, const long cf,
+        const long nc) {
     const Tensor *v = &a->v;
-    const long g = a->g, c0 = v->outliers / 16;
-    __m512 y[MAX_CHUNKS], acc[MAX_VEC_G * MAX_CHUNKS];
-    for (long e = 0; e < g * nc; e++) acc[e] = _mm512_setzero_ps();
+    const long g = a->g, d = a->d, c0 = v->outliers / VW;
+    vec y[MAX_CHUNKS], acc[MAX_VEC_G * MAX_CHUNKS];
+    for (long e = 0; e < g * nc; e++) acc[e] = v_zero();
     for (long t = b * a->bt; t < (b + 1) * a->bt; t++) {
         const uint8_t *row = v->codes + h * v->s_ch + t * v->s_ct;
         const uint16_t *nr = v->norms + h * v->s_nh + t * v->s_nt;
         const float n0 = half_to_float(nr[0]), n1 = c0 ? half_to_float(nr[1]) : n0;
-        for (long c = 0; c < nc; c++) y[c] = chunk_values(row, &v->chunks[c]);
+        for (long c = 0; c < nc; c++) y[c] = chunk_values(row, &v->chunks[cf + c]);
         for (long gi = 0; gi < g; gi++) {
             const float p = probs[(h * g + gi) * a->tokens + t];
-            const __m512 p0 = _mm512_set1_ps(p * n0), p1 = _mm512_set1_ps(p * n1);
+            const vec p0 = v_set1(p * n0), p1 = v_set1(p * n1);
             for (long c = 0; c < nc; c++)
-                acc[gi * nc + c] = _mm512_fmadd_ps(c < c0 ? p0 : p1, y[c], acc[gi * nc + c]);
+                acc[gi * nc + c] = v_fmadd(cf + c < c0 ? p0 : p1, y[c], acc[gi * nc + c]);
         }
     }
-    for (long e = 0; e < g * nc; e++) _mm512_storeu_ps(rot_acc + 16 * e, acc[e]);
+    for (long gi = 0; gi < g; gi++)
+        for (long c = 0; c < nc; c++) v_store(rot_acc + gi * d + VW * (cf + c), acc[gi * nc + c]);
 }
 
+#if TQ_VECTOR == 16
 static void value_block_vec(const Args *a, long b, long h, const float *probs, float *rot_acc) {
     switch (a->d / 16) {
-        case 4: value_block_nc(a, b, h, probs, rot_acc, 4); break;
-        case 8: value_block_nc(a, b, h, probs, rot_acc, 8); break;
-        default: value_block_nc(a, b, h, probs, rot_acc, a->d / 16);
+        case 4: value_block_nc(a, b, h, probs, rot_acc, 0, 4); break;
+        case 8: value_block_nc(a, b, h, probs, rot_acc, 0, 8); break;
+        default: value_block_nc(a, b, h, probs, rot_acc, 0, a->d / 16);
     }
 }
+#else
+/* 32 columns at a time: 16 registers hold g = 3 queries' sums of 4 chunks beside the chunks
+   (each token's codes are still cut once: every chunk belongs to one pass). */
+static void value_block_vec(const Args *a, long b, long h, const float *probs, float *rot_acc) {
+    for (long cf = 0; cf < a->d / 8; cf += 4) {
+        if (a->d / 8 - cf >= 4) value_block_nc(a, b, h, probs, rot_acc, cf, 4);
+        else value_block_nc(a, b, h, probs, rot_acc, cf, a->d / 8 - cf);
+    }
+}
+#endif
 #endif
 
 /* acc (H, g, D) += p[:, blocks [b0, b1)] V. */
@@ -580,11 +738,12 @@ static int decode(const Args *a, int threads) {
     return 0;
 }
 
-/* Whether this build has the AVX-512 path (D and the outlier count multiples of 16, D <= 256,
-   widths <= 5 bits, g <= 16). */
+/* The vector path this build has: its lanes (16: AVX-512 VBMI, 8: AVX2 + FMA), 0 for none.
+   It serves D and the outlier count multiples of the lanes, D <= 256, widths <= 5 bits,
+   g <= 16 (AVX2: also at least 8 code bytes a token). */
 int tq_vector_path(void) {
 #ifdef TQ_VECTOR
-    return 1;
+    return TQ_VECTOR;
 #else
     return 0;
 #endif

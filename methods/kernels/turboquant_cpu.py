@@ -4,9 +4,11 @@ The CPU counterpart of the Triton kernel in methods/kernels/turboquant_attention
 layer and step: per block and head the query permuted to the block's stream order and rotated
 (block-diagonal), every token's codes looked up once and dotted with the g queries, QJL signs
 with the projected query, the exact softmax, p.V accumulated in rotated coordinates per block
-and rotated back; OpenMP with torch's thread count. Where built with AVX-512 VBMI and the shape
-fits (`vector_path()`), 16 coordinates at a time stay in registers (codes cut from their bytes
-and looked up in a 32-entry register table, signs as a lane mask); elsewhere byte tables.
+and rotated back; OpenMP with torch's thread count. Where built with AVX-512 VBMI, or else with
+AVX2 + FMA, and the shape fits (`vector_path()`), 16 (8) coordinates at a time stay in
+registers (codes cut from their bytes and looked up in a 32-entry register table, signs as a
+lane mask); elsewhere byte tables. `extra_flags` builds a variant (`("-mno-avx512f",)`: the AVX2
+path on an AVX-512 CPU) beside the default library.
 Built by methods/kernels/cpu_build.py; without a C compiler `library()` is None and callers take
 the torch path.
 """
@@ -43,11 +45,16 @@ build_error = _KERNEL.build_error
 kernel_name = _KERNEL.name
 
 
-def vector_path() -> bool:
-    """Whether the built kernel has its AVX-512 path (it serves D and the outlier count multiples
-    of 16, D <= 256, code widths <= 5 bits, g <= 16; other shapes take the portable path)."""
-    lib = library()
-    return lib is not None and bool(lib.tq_vector_path())
+VECTOR_PATHS = {16: "avx512", 8: "avx2", 0: "portable"}
+
+
+def vector_path(extra_flags: tuple[str, ...] = ()) -> str | None:
+    """The vector path the built kernel has: "avx512" (AVX-512 VBMI, 16 lanes), "avx2" (AVX2 +
+    FMA, 8 lanes) or "portable" (none); None when it is not built. A vector path serves D and the
+    outlier count multiples of its lanes, D <= 256, code widths <= 5 bits, g <= 16 (AVX2: at
+    least 8 code bytes a token); other shapes take the portable path."""
+    lib = library(extra_flags)
+    return None if lib is None else VECTOR_PATHS[lib.tq_vector_path()]
 
 
 def _unit(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -61,10 +68,11 @@ def _rows(x: torch.Tensor | None) -> list:
     return [x.data_ptr(), x.stride(0), x.stride(1)]
 
 
-def decode_attention(query: torch.Tensor, cache, scaling: float, vector: bool = True
-                     ) -> torch.Tensor:
+def decode_attention(query: torch.Tensor, cache, scaling: float, vector: bool = True,
+                     extra_flags: tuple[str, ...] = ()) -> torch.Tensor:
     """`query (1, H_q, 1, D)` over a `TQCache` -> `(1, H_q, 1, D)`: one kernel call.
-    `vector=False` forces the portable path (the AVX-512 one runs where built and it fits)."""
+    `vector=False` forces the portable path (the vector one runs where built and it fits);
+    `extra_flags` selects a build variant."""
     b, hq, _, d = query.shape
     kq, vq, k, v = cache.key_quantizer, cache.value_quantizer, cache.keys, cache.values
     h = k.codes.shape[0]
@@ -79,7 +87,7 @@ def decode_attention(query: torch.Tensor, cache, scaling: float, vector: bool = 
             vc["rotation"], vc["codebooks"], vc["layout"]]
     ptr = lambda x: None if x is None else x.data_ptr()  # noqa: E731
     out = torch.empty(hq, d)
-    status = library().tq_decode_attention(
+    status = library(extra_flags).tq_decode_attention(
         q.data_ptr(), *_rows(ek), *_rows(ev)[:1], *_rows(ev)[1:],
         0 if ek is None else ek.shape[1],
         *_rows(parts["kc"]), kq.code_bytes(), *_rows(parts["ks"]), *_rows(parts["kn"]),

@@ -42,3 +42,24 @@ def test_no_compiler_or_a_failed_build_gives_none_and_the_reason(tmp_path, monke
     broken = _source(tmp_path, "broken", "int f(void) { return }\n")
     assert cpu_build.library(broken, lambda lib: None) is None
     assert "failed on broken.c" in cpu_build.build_error(broken)
+
+
+def test_build_variants_are_separate_libraries(tmp_path, monkeypatch):
+    """`extra_flags` and `$KVH_KERNEL_FLAGS` reach the compiler and name their own cache entry
+    (a variant never hands back the default build, nor the default a variant)."""
+    if not cpu_build.compiler_available():
+        pytest.skip("no C compiler here")
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("KVH_KERNEL_CACHE", str(cache))
+    monkeypatch.delenv("KVH_KERNEL_FLAGS", raising=False)
+    source = _source(tmp_path, "variant", "#ifndef VARIANT\n#define VARIANT 0\n#endif\n"
+                                          "int variant(void) { return VARIANT; }\n")
+
+    def declare(lib):
+        lib.variant.restype = ctypes.c_int
+
+    assert cpu_build.library(source, declare).variant() == 0
+    assert cpu_build.library(source, declare, ("-DVARIANT=7",)).variant() == 7
+    monkeypatch.setenv("KVH_KERNEL_FLAGS", "-DVARIANT=3")
+    assert cpu_build.library(source, declare).variant() == 3
+    assert len(list(cache.glob("variant_*.so"))) == 3

@@ -1,9 +1,12 @@
 """TurboQuant decode attention from the codes (methods/kernels/turboquant_attention.py): the C
-kernel (both paths: AVX-512 where built and the shape fits, and the portable one) and the Triton
+kernel (every path: AVX-512 where built and the shape fits, AVX2 from a second build without
+AVX-512, and the portable one) and the Triton
 kernel (CPU interpreter here) against the torch reference on small irregular shapes (with and
 without an outlier split, QJL keys or MSE keys, a tail or none, GQA g = 1 and 3, several blocks),
 and a check that the cases can fail (a kernel that ignored the block permutation or the QJL term
 would differ)."""
+
+import platform
 
 import pytest
 import torch
@@ -38,48 +41,62 @@ def cache(h, g, d, tokens, settings, seed=0):
     return layer._cache(), query
 
 
-def need_c_kernel():
+# build variants: the CPU's best (AVX-512 where it has it), and without AVX-512 (AVX2 on x86-64)
+NO_AVX512 = ("-mno-avx512f",)
+PATHS = [((), True), ((), False), (NO_AVX512, True)]  # (extra_flags, vector)
+PATH_IDS = ["native", "portable", "no_avx512"]
+
+
+def need_c_kernel(extra_flags=()):
     if not cpu_build.compiler_available():
         pytest.skip("no C compiler here: TurboQuant's CPU kernel cannot be built (torch path)")
-    assert turboquant_cpu.library() is not None, turboquant_cpu.build_error()
+    if extra_flags and platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip(f"{' '.join(extra_flags)} is an x86-64 build variant; this is "
+                    f"{platform.machine()}")
+    lib = turboquant_cpu.library(extra_flags)
+    assert lib is not None, turboquant_cpu.build_error(extra_flags)
 
 
-@pytest.mark.parametrize("vector", [True, False], ids=["vector", "portable"])
+@pytest.mark.parametrize("extra_flags, vector", PATHS, ids=PATH_IDS)
 @pytest.mark.parametrize("h, g, d, tokens, settings", CASES)
-def test_c_kernel_equals_the_reference(h, g, d, tokens, settings, vector):
-    need_c_kernel()
+def test_c_kernel_equals_the_reference(h, g, d, tokens, settings, extra_flags, vector):
+    need_c_kernel(extra_flags)
     c, q = cache(h, g, d, tokens, settings)
     ref = ta.decode_attention_torch(q, c, d ** -0.5)
-    out = turboquant_cpu.decode_attention(q, c, d ** -0.5, vector=vector)
+    out = turboquant_cpu.decode_attention(q, c, d ** -0.5, vector=vector, extra_flags=extra_flags)
     torch.testing.assert_close(out, ref, **TOL)
 
 
+@pytest.mark.parametrize("extra_flags, path", [((), "avx512"), (NO_AVX512, "avx2")],
+                         ids=["avx512", "avx2"])
 @pytest.mark.parametrize("case", [CASES[5], CASES[6]], ids=["2.5bit", "3.5bit"])
-def test_the_vector_path_runs_where_it_applies(case):
+def test_the_vector_path_runs_where_it_applies(case, extra_flags, path):
     """At SmolLM2's shapes its sums run in another order: not bit-identical to the portable path
     (so it ran)."""
-    need_c_kernel()
-    if not turboquant_cpu.vector_path():
-        pytest.skip("built without AVX-512 VBMI: the portable path serves every shape")
+    need_c_kernel(extra_flags)
+    if turboquant_cpu.vector_path(extra_flags) != path:
+        pytest.skip(f"the build has {turboquant_cpu.vector_path(extra_flags)}, not {path} "
+                    "(the CPU lacks it, or KVH_KERNEL_FLAGS turned it off)")
     c, q = cache(*case)
-    vec = turboquant_cpu.decode_attention(q, c, 0.3)
-    assert not torch.equal(vec, turboquant_cpu.decode_attention(q, c, 0.3, vector=False))
+    vec = turboquant_cpu.decode_attention(q, c, 0.3, extra_flags=extra_flags)
+    portable = turboquant_cpu.decode_attention(q, c, 0.3, vector=False, extra_flags=extra_flags)
+    assert not torch.equal(vec, portable)
 
 
-def test_c_kernel_ignores_the_thread_count():
+@pytest.mark.parametrize("extra_flags, vector", PATHS, ids=PATH_IDS)
+def test_c_kernel_ignores_the_thread_count(extra_flags, vector):
     """A fixed split of the blocks into work items: the same bits on 1 and 2 threads."""
-    need_c_kernel()
+    need_c_kernel(extra_flags)
     c, q = cache(3, 3, 64, 2100, dict(block_tokens=64, k_bits=2.5, v_bits=2.5))
     threads = torch.get_num_threads()
-    for vector in (True, False):
-        try:
-            torch.set_num_threads(1)
-            one = turboquant_cpu.decode_attention(q, c, 0.125, vector=vector)
-            torch.set_num_threads(2)
-            two = turboquant_cpu.decode_attention(q, c, 0.125, vector=vector)
-        finally:
-            torch.set_num_threads(threads)
-        assert torch.equal(one, two)
+    try:
+        torch.set_num_threads(1)
+        one = turboquant_cpu.decode_attention(q, c, 0.125, vector, extra_flags)
+        torch.set_num_threads(2)
+        two = turboquant_cpu.decode_attention(q, c, 0.125, vector, extra_flags)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
 
 
 @pytest.mark.parametrize("h, g, d, tokens, settings", CASES[:3])
