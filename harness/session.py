@@ -37,6 +37,7 @@ class Setting:
     task: Any  # tasks.base.Task
     identity: str  # harness.sweep.config_hash
     prepared: dict[str, Any] = field(default_factory=dict)
+    is_prepared: bool = False  # its method prepared (Session.engine), `prepared` its facts
     side_files: list[dict[str, Any]] = field(default_factory=list)  # read by validate, prepare
 
     @property
@@ -155,7 +156,6 @@ class Session:
         self._checking_tokenizer = None  # loaded by the first `validate`
         # KVMethod.prepare_key -> (the attributes `prepare` set, its facts, the side files read)
         self._prepared: dict[str, tuple[dict, dict, list]] = {}
-        self._engined: dict[int, Setting] = {}  # id -> a setting with an engine (prepared)
         from harness import hf_adapter, models
 
         spec = models.resolve_model(first.model_cfg)
@@ -214,9 +214,9 @@ class Session:
         from harness.engine import Engine
         from harness.run import engine_settings
 
-        if setting.method.needs_prepare() and id(setting) not in self._engined:
+        if setting.method.needs_prepare() and not setting.is_prepared:
             self._prepare(setting)
-        self._engined[id(setting)] = setting  # held, so its id is not reused
+            setting.is_prepared = True
         return Engine(self.model, self.tokenizer, setting.method, self.info,
                       engine_settings(setting.runner))
 
@@ -235,13 +235,21 @@ class Session:
             setting.prepared = dict(facts)
             setting.side_files += [f for f in side_files if f not in setting.side_files]
             return
-        before = dict(vars(method))
-        with _recording(setting):
+        with _recording(setting), prepare_made(method) as made:
             setting.prepared = hf_adapter.prepare(method, self.model, self.tokenizer, self.info,
                                                   data_dir=models.SHARED_DIR / "data")
         if key is not None:
-            made = {k: v for k, v in vars(method).items() if k not in before or before[k] is not v}
             self._prepared[key] = (made, dict(setting.prepared), list(setting.side_files))
+
+
+@contextmanager
+def prepare_made(method):
+    """The attributes of `method` that the block set or replaced (its `prepare`'s artefacts),
+    filled in when the block ends."""
+    before = dict(vars(method))
+    made: dict[str, Any] = {}
+    yield made
+    made.update({k: v for k, v in vars(method).items() if k not in before or before[k] is not v})
 
 
 @contextmanager

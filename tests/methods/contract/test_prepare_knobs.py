@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from harness import hf_adapter
+from harness.session import prepare_made
 from kvcore.errors import ConfigError
 from methods import available_methods, build_method, method_class
 from tests.methods.contract.common import get_model
@@ -21,9 +22,8 @@ CASES = [pytest.param(name, knob, id=f"{name}.{knob}") for name in DECLARING
 
 def prepared(model, method) -> tuple[dict, dict]:
     """(the attributes `prepare` set, its facts without wall times)."""
-    before = dict(vars(method))
-    facts = hf_adapter.prepare(method, model, None)
-    made = {k: v for k, v in vars(method).items() if k not in before or before[k] is not v}
+    with prepare_made(method) as made:  # what a sweep hands to settings of the same key
+        facts = hf_adapter.prepare(method, model, None)
     return made, {k: v for k, v in facts.items() if not k.endswith(("_s", "_ms"))}
 
 
