@@ -25,9 +25,11 @@ RUN_ARGS ?= method=infinigen
 run: setup
 	$(PY) -m harness $(RUN_ARGS) $(ARGS)
 
+# One pytest-xdist worker per core (TEST_WORKERS=0 runs in one process).
+TEST_WORKERS ?= auto
 test: setup
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline \
-		$(PY) -m pytest $(PYTEST_ARGS)
+		$(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # Every shared check of one method (contract, knobs, score direction, layouts, prompt protocol)
 # and its own tests, e.g. `make test-method M=h2o`; the skips say why, and the shared checks with

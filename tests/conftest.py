@@ -22,6 +22,17 @@ import torch  # noqa: E402
 from harness import hf_adapter, models  # noqa: E402
 from harness.engine import Engine, EngineSettings  # noqa: E402
 
+
+def _share_the_cores() -> None:
+    """Under pytest-xdist (`make test`) the workers share the cores: each takes its share of
+    torch threads, since torch's default of one per core would oversubscribe them."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // workers))
+
+
+_share_the_cores()
+
 STORIES = models.SHARED_DIR / "models" / "stories260K"
 DATA = models.SHARED_DIR / "data"
 PROJECT = Path(__file__).resolve().parents[1]
