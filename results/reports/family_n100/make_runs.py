@@ -2,7 +2,8 @@
 on SmolLM2-135M at its defaults (its authors' operating point) and, where it takes a budget, at
 budget_ratio 0.2 and 0.5 (the settings benchmarks/sweep_cost.py times, refused ones named and
 left out), on the family protocol (dense layers 0 and 1, dense prefill, budget basis final),
-one sweep per task so that every setting is scored on the same samples.
+one sweep per task so that every setting is scored on the same samples; the full cache once
+more with eager attention (the noise floor of harness.report).
 
     python results/reports/family_n100/make_runs.py ruler1k R --shard 0/2   # and 1/2, side by side
     python results/reports/family_n100/make_runs.py ruler1k R --merge 2     # then
@@ -31,13 +32,17 @@ TASKS = {
 }
 
 
+# The noise floor: the full cache again through the other attention path, on the same samples.
+NOISE_FLOOR = ("full", ["runner.attn_impl=eager"])
+
+
 def family_settings() -> list[tuple[str, list[str]]]:
     import sweep_cost
 
     args = argparse.Namespace(methods=["all"], budgets=[0.2, 0.5], settings=None,
                               model="smollm2_135m", length=1024, limit=1, threads=1,
                               extra=["runner.dense_layers=[0,1]"])
-    return sweep_cost.runnable(args)
+    return [*sweep_cost.runnable(args), NOISE_FLOOR]
 
 
 def main() -> None:
