@@ -72,7 +72,7 @@ def build_report(patterns: list[str], out: Path | None = None, warn=None,
     for c in compared:
         c["entry"].setdefault("verdicts", {})[c["column"]] = c["verdict"]
     paired = compare.markdown(compared, floors, compare.flags(board, compared),
-                              compare.distinguishable(board))
+                              compare.distinguishable(board), resamples)
     out.mkdir(parents=True, exist_ok=True)
     made = figures.draw_all(rows, out)
     for stale in out.iterdir():  # figures of an earlier report these runs no longer make

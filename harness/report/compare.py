@@ -313,10 +313,10 @@ def _ci(pair) -> str:
 
 
 def markdown(compared: list[dict], floors: list[dict], flagged: list[str],
-             apart: list[str] = ()) -> str:
+             apart: list[str] = (), resamples: int = stats.RESAMPLES) -> str:
     """The paired comparisons with the full cache, the noise floors and the flags."""
     out = [f"Each setting against the full cache of its section, on identical samples (paired "
-           f"by content id; {stats.RESAMPLES} paired-bootstrap resamples, seed {stats.SEED}). "
+           f"by content id; {resamples} paired-bootstrap resamples, seed {stats.SEED}). "
            f"Verdicts after Benjamini-Hochberg over the {sum(c['paired'] for c in compared)} "
            f"paired comparisons of this report, FDR {FDR:.0%}; a difference within the noise "
            "floor (full cache, eager vs sdpa attention) is a tie.", ""]

@@ -28,6 +28,7 @@ def test_a_budget_curve_non_monotonic_beyond_its_intervals_is_flagged(tmp_path):
     # McNemar: 25 lost of 30 is worse after BH; 2 lost (p = 0.5) and 4 lost (p = 0.125) are not
     assert csv_text.count("worse than full") == 1 and csv_text.count("not distinguishable") == 2
     assert "exact McNemar" in csv_text
+    assert "1000 paired-bootstrap resamples" in text  # the count used, not the default
     assert "#1-2" in text or "#1-3" in text  # the full cache and h2o 0.2 share ranks
 
 

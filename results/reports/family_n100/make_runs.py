@@ -32,7 +32,8 @@ TASKS = {
 }
 
 
-# The noise floor: the full cache again through the other attention path, on the same samples.
+# The noise floor: the full cache again through the other attention path, on the same samples
+# (a sweep of its own: a sweep loads the model with one attention implementation).
 NOISE_FLOOR = ("full", ["runner.attn_impl=eager"])
 
 
@@ -42,7 +43,7 @@ def family_settings() -> list[tuple[str, list[str]]]:
     args = argparse.Namespace(methods=["all"], budgets=[0.2, 0.5], settings=None,
                               model="smollm2_135m", length=1024, limit=1, threads=1,
                               extra=["runner.dense_layers=[0,1]"])
-    return [*sweep_cost.runnable(args), NOISE_FLOOR]
+    return sweep_cost.runnable(args)
 
 
 def main() -> None:
@@ -55,18 +56,19 @@ def main() -> None:
     args = ap.parse_args()
     common = ["model=smollm2_135m", *TASKS[args.task], "runner.dense_layers=[0,1]",
               "runner.threads=1", f"runner.results_root={args.root}"]
-    settings = family_settings()
+    sweeps = [family_settings(), [NOISE_FLOOR]]
     with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
-        cfgs = [compose(config_name="config", overrides=[*common, f"method={m}", *knobs])
-                for m, knobs in settings]
+        sweeps = [[compose(config_name="config", overrides=[*common, f"method={m}", *knobs])
+                   for m, knobs in settings] for settings in sweeps]
     shard = None
     if args.shard:
         index, count = (int(x) for x in args.shard.split("/"))
         shard = Shard(index, count)
     t0 = time.time()
-    for outcome in run_sweep(cfgs, shard=shard, merge=args.merge):
-        print(outcome.status, outcome.detail)
-    print(f"{len(cfgs)} settings, wall {time.time() - t0:.0f} s")
+    for cfgs in sweeps:
+        for outcome in run_sweep(cfgs, shard=shard, merge=args.merge):
+            print(outcome.status, outcome.detail)
+    print(f"{sum(map(len, sweeps))} settings, wall {time.time() - t0:.0f} s")
 
 
 if __name__ == "__main__":
