@@ -53,10 +53,13 @@ def main() -> None:
     ap.add_argument("--shard", help="i/n: answer and record shard i of n")
     ap.add_argument("--merge", type=int, default=0, help="n: write every setting's result "
                     "from the records of its n shards")
+    ap.add_argument("--part", choices=["family", "floor"], action="append",
+                    help="only these sweeps (default both: the family, then the noise floor)")
     args = ap.parse_args()
     common = ["model=smollm2_135m", *TASKS[args.task], "runner.dense_layers=[0,1]",
               "runner.threads=1", f"runner.results_root={args.root}"]
-    sweeps = [family_settings(), [NOISE_FLOOR]]
+    parts = args.part or ["family", "floor"]
+    sweeps = [family_settings() if part == "family" else [NOISE_FLOOR] for part in parts]
     with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
         sweeps = [[compose(config_name="config", overrides=[*common, f"method={m}", *knobs])
                    for m, knobs in settings] for settings in sweeps]
