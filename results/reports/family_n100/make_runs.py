@@ -59,10 +59,11 @@ def main() -> None:
     common = ["model=smollm2_135m", *TASKS[args.task], "runner.dense_layers=[0,1]",
               "runner.threads=1", f"runner.results_root={args.root}"]
     parts = args.part or ["family", "floor"]
-    sweeps = [family_settings() if part == "family" else [NOISE_FLOOR] for part in parts]
+    settings_per_sweep = [family_settings() if part == "family" else [NOISE_FLOOR]
+                          for part in parts]
     with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
         sweeps = [[compose(config_name="config", overrides=[*common, f"method={m}", *knobs])
-                   for m, knobs in settings] for settings in sweeps]
+                   for m, knobs in settings] for settings in settings_per_sweep]
     shard = None
     if args.shard:
         index, count = (int(x) for x in args.shard.split("/"))
