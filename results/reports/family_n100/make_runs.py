@@ -9,6 +9,8 @@ more with eager attention (the noise floor of harness.report).
     python results/reports/family_n100/make_runs.py ruler1k R --merge 2     # then
     python -m harness.report R/... --out <folder>
 
+niah4k: RULER's niah_single at 4096 tokens, needle at depths 10/50/90 %, 4 samples each (n = 12),
+the methods that take a budget (ShadowKV compressing every prompt) and the full cache.
 ruler1k: RULER's six sub-tasks at 1024 tokens, 17 samples each (n = 102; niah_single at depth
 50 %), RULER's own generation lengths, query-aware, settings decoded 10 at a time. A shard
 records each (setting, sample) answer as it completes: started again, it resumes.
@@ -29,7 +31,15 @@ from harness.sweep_shards import Shard  # noqa: E402
 TASKS = {
     "ruler1k": ["task=ruler", "task.lengths=[1024]", "task.depths=[50]",
                 "task.samples_per_cell=17", "runner.sweep_decode_batch=10"],
+    "niah4k": ["task=ruler", "task.subtasks=[niah_single]", "task.lengths=[4096]",
+               "task.depths=[10,50,90]", "task.samples_per_cell=4",
+               "runner.sweep_decode_batch=10"],
 }
+# At 4K only the methods that take a budget, and the full cache they are compared with.
+BUDGETED_ONLY = {"niah4k"}
+# ShadowKV compresses only prompts over its official 4096 tokens, so a 4K RULER prompt (4096
+# tokens less the answer's) would leave it inactive: at 4K it compresses every prompt.
+KNOBS_AT = {"niah4k": {"shadowkv": ["method.compress_above_tokens=0"]}}
 
 
 # The noise floor: the full cache again through the other attention path, on the same samples
@@ -37,13 +47,19 @@ TASKS = {
 NOISE_FLOOR = ("full", ["runner.attn_impl=eager"])
 
 
-def family_settings() -> list[tuple[str, list[str]]]:
+def family_settings(task: str) -> list[tuple[str, list[str]]]:
     import sweep_cost
+    from methods import method_class
 
     args = argparse.Namespace(methods=["all"], budgets=[0.2, 0.5], settings=None,
                               model="smollm2_135m", length=1024, limit=1, threads=1,
                               extra=["runner.dense_layers=[0,1]"])
-    return sweep_cost.runnable(args)
+    kept = sweep_cost.runnable(args)
+    if task in BUDGETED_ONLY:
+        kept = [(m, knobs) for m, knobs in kept if m == "full"
+                or "budget_ratio" in method_class(m).hyperparameter_names()]
+    extra = KNOBS_AT.get(task, {})
+    return [(m, [*knobs, *extra.get(m, [])]) for m, knobs in kept]
 
 
 def main() -> None:
@@ -59,7 +75,7 @@ def main() -> None:
     common = ["model=smollm2_135m", *TASKS[args.task], "runner.dense_layers=[0,1]",
               "runner.threads=1", f"runner.results_root={args.root}"]
     parts = args.part or ["family", "floor"]
-    settings_per_sweep = [family_settings() if part == "family" else [NOISE_FLOOR]
+    settings_per_sweep = [family_settings(args.task) if part == "family" else [NOISE_FLOOR]
                           for part in parts]
     with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
         sweeps = [[compose(config_name="config", overrides=[*common, f"method={m}", *knobs])
