@@ -28,6 +28,7 @@ import torch
 
 from harness import hf_adapter
 from harness.profiling import Timer
+from harness.progress import progress
 from harness.prompting import close_prompt, open_prompt
 
 if TYPE_CHECKING:
@@ -262,10 +263,7 @@ def decode_requests(requests: list["Request"], logits: list[torch.Tensor], limit
     `Request.answer` would advance them, except that each step's time is the batched step's,
     counted once by every request in it. `logits[i]`: request i's last logits `(V,)` once its
     prompt (and query) is fed. A request leaves the batch after a stop token or at its limit."""
-    lead = requests[0].engine
-    cache = batch_cache([req.cache for req in requests], lead.info)
-    routing = cache.routing
-    timer = Timer(lead.device)
+    steps = Lockstep(requests)
     outs: list[list[int]] = [[] for _ in requests]
     active, rows = list(range(len(requests))), list(logits)
     while True:
@@ -273,24 +271,68 @@ def decode_requests(requests: list["Request"], logits: list[torch.Tensor], limit
         if not keep:
             return outs
         active, tokens = [active[r] for r in keep], [tokens[r] for r in keep]
+        rows = list(steps.step(active, tokens))
+
+
+def stream_requests(requests: list["Request"], ids: torch.Tensor, prompt_tokens: int,
+                    score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`Request.stream_scores` for every request at once: the same token stream `ids` `(T,)`
+    teacher-forced through each request's own method and cache, one batched forward per step
+    (a sweep's settings scored together on one text). Each request must have been opened with
+    `final_tokens=T` and nothing fed; a prompt of `prompt_tokens` tokens is prefilled by each
+    request alone (every forward binds its own cache, hf_adapter.forward). Returns
+    `(len(requests), T - max(prompt_tokens, 1))` scores."""
+    first = max(prompt_tokens, 1)
+    out = torch.empty(len(requests), ids.numel() - first)
+    device = requests[0].engine.device
+    if prompt_tokens:
+        target = ids[prompt_tokens:prompt_tokens + 1].to(device)
+        for r, req in enumerate(requests):
+            out[r, 0] = score(req.prefill(ids[:prompt_tokens].to(device))[0, -1:], target)[0]
+    steps = Lockstep(requests)
+    everyone = list(range(len(requests)))
+    for t in progress(range(prompt_tokens, ids.numel() - 1),
+                      f"streaming perplexity, {len(requests)} settings", "tok"):
+        rows = steps.step(everyone, [int(ids[t])] * len(requests))
+        out[:, t + 1 - first] = score(rows, ids[t + 1:t + 2].to(device).expand(len(requests)))
+    return out
+
+
+class Lockstep:
+    """Decode steps of independent open requests as one batched forward: each request's
+    position, layers, budget checks and accounting advance as its own `Request.step` would
+    advance them; each step's time is the batched step's, counted once by every request in it."""
+
+    def __init__(self, requests: list["Request"]):
+        self.requests = requests
+        self.lead = requests[0].engine
+        self.cache = batch_cache([req.cache for req in requests], self.lead.info)
+        self.timer = Timer(self.lead.device)
+
+    def step(self, active: list[int], tokens: list[int]) -> torch.Tensor:
+        """Feed `tokens[r]` to request `active[r]`; returns logits `(len(active), V)` (fp32)."""
+        device = self.lead.device
         for s in active:
-            requests[s].engine.transfers.begin_step(decode=True)
-        ids = torch.as_tensor([[t] for t in tokens], dtype=torch.long, device=lead.device)
-        positions = torch.as_tensor([[requests[s].pos] for s in active], dtype=torch.long,
-                                    device=lead.device)
-        routing.set(active, [1] * len(active))
-        with timer.region("decode"):
-            out = hf_adapter.forward(lead.model, ids, positions, cache, logits_to_keep=1)
+            self.requests[s].engine.transfers.begin_step(decode=True)
+        ids = torch.as_tensor([[t] for t in tokens], dtype=torch.long, device=device)
+        positions = torch.as_tensor([[self.requests[s].pos] for s in active], dtype=torch.long,
+                                    device=device)
+        self.cache.routing.set(active, [1] * len(active))
+        with self.timer.region("decode"):
+            out = hf_adapter.forward(self.lead.model, ids, positions, self.cache,
+                                     logits_to_keep=1)
             for s in active:
-                account_forward(requests[s].engine, requests[s].cache.kv_layers, decode=True)
-            rows = list(out[:, 0].float())
-        step_ms = timer.values("decode")[-1]
+                req = self.requests[s]
+                account_forward(req.engine, req.cache.kv_layers, decode=True)
+            rows = out[:, 0].float()
+        step_ms = self.timer.values("decode")[-1]
         for s in active:
-            req = requests[s]
+            req = self.requests[s]
             req.pos += 1
             req.decode_steps += 1
             req.engine.decode_tokens += 1
             req.engine.timer.add("decode", [step_ms])
+        return rows
 
 
 def greedy(logits: torch.Tensor, banned=()) -> int:

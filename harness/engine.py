@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -24,6 +24,7 @@ from harness.prompting import close_prompt, open_prompt
 from harness.accounting import AttendedFraction, KVLedger
 from harness.diagnostics import Diagnostics
 from harness.profiling import SpeedSummary, Timer
+from harness.progress import progress
 from kvcore.errors import ConfigError
 from kvcore.offload import Tier, TransferLedger
 from kvcore.paged import DEFAULT_BLOCK_TOKENS, PagedKV, PagedRows
@@ -150,6 +151,26 @@ class Engine:
                     outs = req.generate(group, group_limits, stop_ids, min_new_tokens,
                                         queries=group_queries)
             yield from outs
+
+    def stream_scores(self, ids: torch.Tensor, prompt_tokens: int,
+                      score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Teacher-forced scores of one token stream `ids` `(T,)` (streaming perplexity): its
+        first `prompt_tokens` tokens one prompt (prefilled; its end compresses), then one decode
+        step per token. `score(logits (N, V), targets (N,)) -> (N,)` scores each next token from
+        the logits before it. Returns `(T - max(prompt_tokens, 1),)`. The budget basis of a
+        ratio budget is the whole stream."""
+        first = max(prompt_tokens, 1)
+        out = torch.empty(ids.numel() - first)
+        device = self.device
+        with self.request(final_tokens=int(ids.numel())) as req:
+            if prompt_tokens:
+                logits = req.prefill(ids[:prompt_tokens].to(device))[0, -1:]
+                out[0] = score(logits, ids[prompt_tokens:prompt_tokens + 1].to(device))[0]
+            for t in progress(range(prompt_tokens, ids.numel() - 1), "streaming perplexity",
+                              "tok"):
+                logits = req.step(ids[t:t + 1].to(device))[0, -1:]
+                out[t + 1 - first] = score(logits, ids[t + 1:t + 2].to(device))[0]
+        return out
 
     def _serve(self, prompts: list[list[int]], limits: list[int], stop_ids: set[int],
                min_new_tokens: int, queries: list[list[int]] | None) -> Iterator[list[int]]:

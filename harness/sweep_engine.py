@@ -36,6 +36,10 @@ figures, as a single run of it would count it. The settings' answers to one prom
 decoded one at a time, or `runner.sweep_decode_batch` of them together, one batched forward
 per step (harness.sweep_decode).
 
+One token stream (streaming perplexity, `stream_scores`) is teacher-forced through every
+setting: no prompt is shared (each setting's layers act on every token), but the settings step
+in lockstep, `runner.sweep_decode_batch` at a time, one batched forward per token.
+
 Identical to the full cache by rule. A sample whose whole sequence (prompt, query, new tokens)
 fits a setting's token budget, where its method declares that such a budget keeps every token
 (`rule_budget`), is answered once for all such settings that compute alike (same runner, same
@@ -46,13 +50,15 @@ answer and its accounting (time, KV figures), and every setting counts those sam
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
+from harness import batch as batching
 from harness import sweep_records, sweep_replay
 from harness.engine import Engine
 from harness.prompting import score_prompt
@@ -144,6 +150,15 @@ class Call:
     limits: list[int]
     queries: list[list[int]] | None
     outputs: list[list[list[int]]] = field(default_factory=list)  # per member, per prompt
+
+
+@dataclass
+class Stream:
+    """One `stream_scores` call of the task and every member's scores of it."""
+
+    ids: torch.Tensor  # (T,)
+    prompt_tokens: int
+    scores: dict[int, torch.Tensor]  # member -> (T - max(prompt_tokens, 1),)
 
 
 def shares_prefill(setting) -> bool:
@@ -327,6 +342,7 @@ class FanOut:
         # merge: every answer is recorded (by the shards), none is computed
         self.shard, self.merge = shard, merge
         self.calls: list[Call] = []
+        self.streams: list[Stream] = []
         self.copy_on_use = copy_on_use  # False only in the test that plants the sharing bug
         self.first = next(i for g in groups for i in g.members)
         self.tokenizer = MemoTokenizer(members[self.first].engine.tokenizer)
@@ -379,6 +395,30 @@ class FanOut:
             for forward in {id(g.forward): g.forward for g in self.groups if g.forward}.values():
                 forward.release()  # one prompt's recording held at a time
             yield call.outputs[self.first][i]
+
+    def stream_scores(self, ids: torch.Tensor, prompt_tokens: int,
+                      score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Every member's `Engine.stream_scores` of one token stream: the members whose steps
+        can share a forward in lockstep, `decode_batch` at a time (harness.batch.stream_requests),
+        the others alone. Returns the first member's; the others' are kept for their passes."""
+        final = int(ids.numel())
+        scores: dict[int, torch.Tensor] = {}
+        together = []
+        for k in (k for g in self.groups for k in g.members):
+            engine = self.members[k].engine
+            if decodes_alone(engine, self.decode_batch):
+                scores[k] = engine.stream_scores(ids, prompt_tokens, score)
+            else:
+                together.append(k)
+        for start in range(0, len(together), self.decode_batch):
+            chunk = together[start:start + self.decode_batch]
+            with contextlib.ExitStack() as stack:  # closing it accounts every request
+                requests = [stack.enter_context(self.members[k].engine.request(final_tokens=final))
+                            for k in chunk]
+                rows = batching.stream_requests(requests, ids, prompt_tokens, score)
+            scores.update(zip(chunk, rows))
+        self.streams.append(Stream(ids.clone(), prompt_tokens, scores))
+        return scores[self.first]
 
     def _reuse(self, seq_tokens: int) -> dict[int, int]:
         """member -> the member whose answer it takes for a sequence of `seq_tokens` tokens:
@@ -486,11 +526,14 @@ def _scored_snapshot(req):
 
 
 class Replay:
-    """A member's engine for its own task pass: `generate_many` answers from the first pass
-    (the same prompts, checked); anything else is the member's engine."""
+    """A member's engine for its own task pass: `generate_many` answers and `stream_scores`
+    scores from the first pass (the same prompts and streams, checked); anything else is the
+    member's engine."""
 
-    def __init__(self, engine: Engine, calls: list[Call], index: int, tokenizer=None):
+    def __init__(self, engine: Engine, calls: list[Call], index: int, tokenizer=None,
+                 streams: list[Stream] = ()):
         self._engine, self._calls, self._index = engine, list(calls), index
+        self._streams = list(streams)
         self.tokenizer = tokenizer or engine.tokenizer
 
     def __getattr__(self, name: str):
@@ -510,6 +553,17 @@ class Replay:
             raise RuntimeError("the task sent a sweep member other prompts than the first pass "
                                "(its samples must not depend on the method)")
         yield from call.outputs[self._index]
+
+
+    def stream_scores(self, ids: torch.Tensor, prompt_tokens: int, score) -> torch.Tensor:
+        if not self._streams:
+            raise RuntimeError("the task asked more of stream_scores in a sweep member's pass "
+                               "than in the first pass")
+        stream = self._streams.pop(0)
+        if prompt_tokens != stream.prompt_tokens or not torch.equal(ids, stream.ids):
+            raise RuntimeError("the task sent a sweep member another stream than the first pass "
+                               "(its text must not depend on the method)")
+        return stream.scores[self._index]
 
 
 def needs_own_pass(setting) -> bool:
@@ -547,7 +601,7 @@ def evaluate(members: list[Member], info, copy_on_use: bool = True, records: lis
                 members[k].decode_batch = fan.decode_batch
         yield first, result, groups
         for i in [i for g in groups for i in g.members if i != first]:
-            replay = Replay(members[i].engine, fan.calls, i, fan.tokenizer)
+            replay = Replay(members[i].engine, fan.calls, i, fan.tokenizer, fan.streams)
             yield i, members[i].setting.task.evaluate(replay), groups
     for i, m in enumerate(members):
         if m.own_pass:

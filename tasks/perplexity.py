@@ -169,18 +169,9 @@ class Perplexity(Task):
 
     def _streaming(self, engine, ids: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
         prompt = self.prefill_tokens or 0
-        first = max(prompt, 1)  # the first token scored
-        nll = torch.empty(ids.numel() - first)
-        device = engine.device
-        # the budget basis (runner.budget_basis=final) is the whole scored text
-        with engine.request(final_tokens=int(ids.numel())) as req:
-            if prompt:  # ends with the prompt-end hook: prompt compressors act here
-                logits = req.prefill(ids[:prompt].to(device))[0, -1]
-                nll[0] = token_nll(logits[None], ids[prompt:prompt + 1].to(device))[0]
-            for t in progress(range(prompt, ids.numel() - 1), "streaming perplexity", "tok"):
-                logits = req.step(ids[t:t + 1].to(device))[0, -1]
-                nll[t + 1 - first] = token_nll(logits[None], ids[t + 1:t + 2].to(device))[0]
-        return nll, [{"id": 0, **_scored(ids.tolist(), first, nll)}]
+        # the prompt's end is the prompt-end hook: prompt compressors act there
+        nll = engine.stream_scores(ids, prompt, token_nll)
+        return nll, [{"id": 0, **_scored(ids.tolist(), max(prompt, 1), nll)}]
 
 
 def _scored(ids: list[int], first: int, nll: torch.Tensor) -> dict:

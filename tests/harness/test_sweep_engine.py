@@ -12,8 +12,8 @@ from kvcore.errors import ConfigError
 from methods import available_methods, method_class
 from tests.conftest import PROJECT, STORIES, need_shared
 from tests.helpers.runs import cfg_for
-from tests.helpers.sweeps import (TASK, assert_equal_to_single_runs, folder_figures, single_runs,
-                                  sweep_folders)
+from tests.helpers.sweeps import (TASK, assert_close, assert_equal_to_single_runs, folder_figures,
+                                  single_runs, sweep_folders)
 
 PROMPT_TOKENS = 300  # RULER length 320 on stories260K: a niah prompt of about this many tokens
 
@@ -470,3 +470,32 @@ def test_a_decode_batch_outside_a_multirun_is_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"runner.sweep_decode_batch=0 must be a positive"):
         run(cfg_for(*TASK, "method=full", "runner.sweep_decode_batch=0",
                     f"runner.output_dir={tmp_path}/two"))
+
+
+STREAM = ["model=stories260k", "task=perplexity", "task.dataset=essays", "task.max_tokens=160",
+          "runner.threads=1"]
+STREAMED = [["method=full"], ["method=h2o", "method.budget_tokens=40"],
+            ["method=streaming_llm", "method.sink_tokens=4", "method.window_tokens=32"],
+            ["method=quest", "method.budget_tokens=64"], ["method=kivi"]]
+
+
+@pytest.mark.parametrize("prompt", [None, 48])
+def test_settings_streamed_together_equal_their_single_runs(prompt, tmp_path):
+    """Streaming perplexity in a sweep: the text is teacher-forced through every setting, 2 at
+    a time in lockstep (one batched forward per token, the last batch partial), each row its
+    own method and cache. Every setting's figures equal its single run's: KV, transfer and step
+    counts exactly; each token's NLL, the perplexity and its interval within the reassociation
+    of the batched matmuls (1e-4 relative; a wrong token, position or cache is off by far more)."""
+    need_shared(STORIES)
+    task = [*STREAM, *([f"task.prefill_tokens={prompt}"] if prompt else [])]
+    extra = [["method=snapkv", "method.budget_tokens=24"]] if prompt else []
+    settings = [[*task, *knobs] for knobs in [*STREAMED, *extra]]
+    alone = single_runs(settings, tmp_path)
+    swept = sweep_folders([[*s, "runner.sweep_decode_batch=2"] for s in settings], tmp_path)
+    for knobs, a, b in zip(settings, alone, swept):
+        (ma, sa), (mb, sb) = folder_figures(a), folder_figures(b)
+        assert_close(sb, sa, 1e-4, knobs[-1])
+        assert_close(mb, ma, 1e-4, knobs[-1])
+        assert mb["kv"] == ma["kv"] and mb["speed"] == ma["speed"]
+        sweep = json.loads((b / "metrics.json").read_text())["run"]["sweep"]
+        assert sweep["decode_batch"] == 2, (knobs, sweep)

@@ -61,3 +61,20 @@ def assert_equal_to_single_runs(settings, tmp_path, given=()):
     shared = json.loads((swept[0] / "metrics.json").read_text())["run"]["sweep"]
     assert shared["settings"] == len(settings)
     return swept
+
+
+def assert_close(got, want, rel: float, where: str = "") -> None:
+    """`got` equals `want` (nested dicts and lists of a run's figures), floats within `rel`
+    relative (and as much absolute, for values near zero), everything else exactly."""
+    if isinstance(want, dict):
+        assert isinstance(got, dict) and got.keys() == want.keys(), where
+        for key in want:
+            assert_close(got[key], want[key], rel, f"{where}.{key}")
+    elif isinstance(want, list):
+        assert isinstance(got, list) and len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_close(g, w, rel, f"{where}[{i}]")
+    elif isinstance(want, float) and not isinstance(got, bool):
+        assert got == pytest.approx(want, rel=rel, abs=rel), where
+    else:
+        assert got == want, where
