@@ -11,6 +11,10 @@ more with eager attention (the noise floor of harness.report).
 
 niah4k: RULER's niah_single at 4096 tokens, needle at depths 10/50/90 %, 4 samples each (n = 12),
 the methods that take a budget (ShadowKV compressing every prompt) and the full cache.
+ppl_wikitext2, ppl_essays: streaming perplexity over the first 4097 tokens of the text (4096
+scored), every token a decode step of the method, the settings stepped 32 at a time in
+lockstep; the methods that only compress a prefilled prompt are refused (named) by the task.
+One stream per text: these sweeps cannot be sharded, run them side by side.
 ruler1k: RULER's six sub-tasks at 1024 tokens, 17 samples each (n = 102; niah_single at depth
 50 %), RULER's own generation lengths, query-aware, settings decoded 10 at a time. A shard
 records each (setting, sample) answer as it completes: started again, it resumes.
@@ -34,6 +38,10 @@ TASKS = {
     "niah4k": ["task=ruler", "task.subtasks=[niah_single]", "task.lengths=[4096]",
                "task.depths=[10,50,90]", "task.samples_per_cell=4",
                "runner.sweep_decode_batch=10"],
+    # 4097 tokens: 4096 scored, each streamed through the method as a decode step
+    **{f"ppl_{data}": ["task=perplexity", f"task.dataset={data}", "task.mode=streaming",
+                       "task.max_tokens=4097", "runner.sweep_decode_batch=32"]
+       for data in ("wikitext2", "essays")},
 }
 # At 4K only the methods that take a budget, and the full cache they are compared with.
 BUDGETED_ONLY = {"niah4k"}
@@ -59,7 +67,31 @@ def family_settings(task: str) -> list[tuple[str, list[str]]]:
         kept = [(m, knobs) for m, knobs in kept if m == "full"
                 or "budget_ratio" in method_class(m).hyperparameter_names()]
     extra = KNOBS_AT.get(task, {})
-    return [(m, [*knobs, *extra.get(m, [])]) for m, knobs in kept]
+    kept = [(m, [*knobs, *extra.get(m, [])]) for m, knobs in kept]
+    return [s for s in kept if accepted(task, *s)]
+
+
+def accepted(task: str, method: str, knobs: list[str]) -> bool:
+    """Whether the task takes the setting (checked as a run checks it, before weights): a
+    method that only compresses a prefilled prompt is refused by streaming perplexity."""
+    from harness.session import Session
+    from kvcore.errors import ConfigError
+
+    with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*common_overrides(task, "unused"),
+                                                       f"method={method}", *knobs])
+    try:
+        one = Session.of([cfg])
+        one.validate(one.settings[0])
+    except ConfigError as exc:
+        print(f"refused by {task}, left out: method={method} {' '.join(knobs)}: {exc}")
+        return False
+    return True
+
+
+def common_overrides(task: str, root: str) -> list[str]:
+    return ["model=smollm2_135m", *TASKS[task], "runner.dense_layers=[0,1]", "runner.threads=1",
+            f"runner.results_root={root}"]
 
 
 def main() -> None:
@@ -72,8 +104,7 @@ def main() -> None:
     ap.add_argument("--part", choices=["family", "floor"], action="append",
                     help="only these sweeps (default both: the family, then the noise floor)")
     args = ap.parse_args()
-    common = ["model=smollm2_135m", *TASKS[args.task], "runner.dense_layers=[0,1]",
-              "runner.threads=1", f"runner.results_root={args.root}"]
+    common = common_overrides(args.task, args.root)
     parts = args.part or ["family", "floor"]
     settings_per_sweep = [family_settings(args.task) if part == "family" else [NOISE_FLOOR]
                           for part in parts]
