@@ -106,6 +106,7 @@ class Group:
     # member replays the forward into its own request, once the group's replay of the prompt
     # has shown that its layers attend as the recording did
     per_member: bool = False
+    streams: int = 0  # token streams its members were scored on (FanOut.stream_scores)
 
 
 class Forward:
@@ -418,6 +419,8 @@ class FanOut:
                 rows = batching.stream_requests(requests, ids, prompt_tokens, score)
             scores.update(zip(chunk, rows))
         self.streams.append(Stream(ids.clone(), prompt_tokens, scores))
+        for group in self.groups:
+            group.streams += 1
         return scores[self.first]
 
     def _reuse(self, seq_tokens: int) -> dict[int, int]:

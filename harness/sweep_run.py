@@ -152,7 +152,15 @@ def shared_summary(members, groups) -> str:
     """One line per prefill group: who shared each prompt's prefill, and how often it could;
     then one per recorded forward: the groups that replayed it."""
     lines = [f"sweep engine: {len(members)} settings, {len(groups)} prefill group(s)"]
+    streamed = [g for g in groups if g.streams]
+    if streamed:
+        batch = max(m.decode_batch for m in members)
+        lines.append(f"  streamed         {sum(len(g.members) for g in streamed)} settings: "
+                     f"{streamed[0].streams} token stream(s), each token fed to every "
+                     f"setting's own layers, up to {batch} settings a forward")
     for g in groups:
+        if g.streams and not g.shared_prefills:
+            continue  # a stream's prompt (if any) is each setting's own
         names = ", ".join(members[k].setting.label for k in g.members)
         if len(g.members) == 1:
             lines.append(f"  {'replayed' if replayed(g) else 'own prefill':16} {names}")
