@@ -7,6 +7,12 @@ sample) and their ratio.
     python benchmarks/sweep_cost.py [--model smollm2_135m] [--length 1024] [--limit 3]
         [--methods snapkv tova knorm] [--budgets 0.2 0.5] [--rounds 1] [--threads 1]
         [--decode-batch 6] [--arms old sweep batched]
+    python benchmarks/sweep_cost.py --task perplexity --dataset wikitext2 --length 512 ...
+
+`--task perplexity`: streaming perplexity over the first --length + 1 tokens of the text (one
+stream, --length tokens scored); the sweep engine steps the settings in lockstep (`batched`:
+--decode-batch settings a forward), and "equal" means every setting's per-token NLL within 1e-4
+relative of the old path's (the batched matmuls reassociate).
 
 The old path here runs in this process (`harness.run.run` per setting), so it does not pay a
 new Python process and its imports per setting as `runner.sweep_engine=false` does: the ratio
@@ -36,9 +42,11 @@ sys.path.insert(0, str(ROOT))
 def configs(args, root: Path, decode_batch: int = 1) -> list:
     from hydra import compose, initialize_config_dir
 
-    common = [f"model={args.model}", "task=ruler", f"task.lengths=[{args.length}]",
-              "task.depths=[50]",
-              f"task.limit={args.limit}", f"runner.threads={args.threads}",
+    task = (["task=ruler", f"task.lengths=[{args.length}]", "task.depths=[50]",
+             f"task.limit={args.limit}"] if args.task == "ruler" else
+            ["task=perplexity", f"task.dataset={args.dataset}", "task.mode=streaming",
+             f"task.max_tokens={args.length + 1}"])
+    common = [f"model={args.model}", *task, f"runner.threads={args.threads}",
               f"runner.results_root={root}"]
     if decode_batch > 1:
         common.append(f"runner.sweep_decode_batch={decode_batch}")
@@ -102,9 +110,24 @@ def sweep_path(cfgs) -> list[Path]:
     return [o.folder for o in outcomes]
 
 
-def predictions(folders: list[Path]) -> list[list[str]]:
-    return [[json.loads(line)["prediction"] for line in
-             (f / "samples.jsonl").read_text().splitlines()] for f in folders]
+def predictions(folders: list[Path]) -> list[list]:
+    """Per setting, per sample: its prediction, or (perplexity) its per-token NLL."""
+    rows = [[json.loads(line) for line in (f / "samples.jsonl").read_text().splitlines()]
+            for f in folders]
+    return [[r.get("prediction", r.get("token_nll")) for r in setting] for setting in rows]
+
+
+def agree(a: list[list], b: list[list]) -> bool:
+    """Equal predictions; per-token NLLs within 1e-4 relative (and absolute)."""
+    import math
+
+    def same(x, y):
+        if isinstance(x, list) and x and isinstance(x[0], float):
+            return len(x) == len(y) and all(math.isclose(u, v, rel_tol=1e-4, abs_tol=1e-4)
+                                            for u, v in zip(x, y))
+        return x == y
+    return len(a) == len(b) and all(len(p) == len(q) and all(map(same, p, q))
+                                    for p, q in zip(a, b))
 
 
 def breakdown(folders: list[Path]) -> dict[str, float]:
@@ -122,7 +145,10 @@ def breakdown(folders: list[Path]) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2_135m")
-    ap.add_argument("--length", type=int, default=1024, help="RULER length (tokens)")
+    ap.add_argument("--task", choices=["ruler", "perplexity"], default="ruler")
+    ap.add_argument("--dataset", default="wikitext2", help="perplexity: the text")
+    ap.add_argument("--length", type=int, default=1024, help="RULER length, or perplexity's "
+                    "scored tokens")
     ap.add_argument("--limit", type=int, default=3, help="samples: RULER's sub-tasks in order "
                     "(niah_single at depth 50, niah_multikey, ...)")
     ap.add_argument("--methods", nargs="+", default=["snapkv", "tova", "knorm"],
@@ -147,6 +173,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     args.settings = None
+    if args.task == "perplexity":
+        args.limit = 1  # one stream
     args.settings = runnable(args)
     n_settings = len(args.settings)
     every = {"old": (old_path, 1), "sweep": (sweep_path, 1),
@@ -169,7 +197,7 @@ def main() -> None:
         def answers(path):  # the settings every arm ran
             return predictions(last[path][::args.old_every] if path != "old" else last[path])
         first = next(iter(last))
-        same = all(answers(first) == answers(path) for path in last)
+        same = all(agree(answers(first), answers(path)) for path in last)
         # settings decoded together each report the batched step's time: no breakdown there
         swept = "sweep" if "sweep" in last else None
         parts = breakdown(last[swept]) if swept else None
@@ -180,7 +208,9 @@ def main() -> None:
     subset = (f"; the old path on every {args.old_every}th setting, "
               f"{cells['old'] // args.limit} of them" if args.old_every > 1 and "old" in cost
               else "")
-    print(f"\n{n_settings} settings x {args.limit} samples (RULER {args.length}, {args.model}, "
+    what = (f"RULER {args.length}" if args.task == "ruler" else
+            f"streaming perplexity, {args.dataset}, {args.length} scored tokens")
+    print(f"\n{n_settings} settings x {args.limit} samples ({what}, {args.model}, "
           f"{args.threads} thread(s), {args.rounds} round(s){subset}; predictions of every arm "
           f"equal: {same})")
     labels = {"old": "old path", "sweep": "sweep engine",
