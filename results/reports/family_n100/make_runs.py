@@ -38,16 +38,21 @@ TASKS = {
     "niah4k": ["task=ruler", "task.subtasks=[niah_single]", "task.lengths=[4096]",
                "task.depths=[10,50,90]", "task.samples_per_cell=4",
                "runner.sweep_decode_batch=10"],
+    # niah4k's first 6 samples (2 per depth): the same prompts as its shard 0 of 2
+    "niah4k_n6": ["task=ruler", "task.subtasks=[niah_single]", "task.lengths=[4096]",
+                  "task.depths=[10,50,90]", "task.samples_per_cell=2",
+                  "runner.sweep_decode_batch=10"],
     # 4097 tokens: 4096 scored, each streamed through the method as a decode step
     **{f"ppl_{data}": ["task=perplexity", f"task.dataset={data}", "task.mode=streaming",
                        "task.max_tokens=4097", "runner.sweep_decode_batch=32"]
        for data in ("wikitext2", "essays")},
 }
 # At 4K only the methods that take a budget, and the full cache they are compared with.
-BUDGETED_ONLY = {"niah4k"}
+BUDGETED_ONLY = {"niah4k", "niah4k_n6"}
 # ShadowKV compresses only prompts over its official 4096 tokens, so a 4K RULER prompt (4096
 # tokens less the answer's) would leave it inactive: at 4K it compresses every prompt.
-KNOBS_AT = {"niah4k": {"shadowkv": ["method.compress_above_tokens=0"]}}
+KNOBS_AT = {task: {"shadowkv": ["method.compress_above_tokens=0"]}
+            for task in ("niah4k", "niah4k_n6")}
 
 
 # The noise floor: the full cache again through the other attention path, on the same samples
@@ -59,7 +64,7 @@ def family_settings(task: str) -> list[tuple[str, list[str]]]:
     import sweep_cost
     from methods import method_class
 
-    args = argparse.Namespace(methods=["all"], budgets=[0.2, 0.5], settings=None,
+    args = argparse.Namespace(task="ruler", methods=["all"], budgets=[0.2, 0.5], settings=None,
                               model="smollm2_135m", length=1024, limit=1, threads=1,
                               extra=["runner.dense_layers=[0,1]"])
     kept = sweep_cost.runnable(args)
