@@ -6,7 +6,7 @@ hash of its tokens, and the merge stops with one line at the first sample whose 
 or has no record. Used when a run is cut short: niah4k's shard 0 of 2 (its first 6 samples)
 as niah4k_n6.
 
-    python results/reports/family_n100/adopt_shard.py niah4k 0/2 niah4k_n6 R
+    python results/reports/family_n100/adopt_shard.py niah4k 0/2 niah4k_n6 R [--part family]
 """
 import argparse
 import shutil
@@ -22,9 +22,10 @@ from harness.sweep_records import record_path  # noqa: E402
 from harness.sweep_shards import Shard  # noqa: E402
 
 
-def identities(task: str, root: str) -> list[tuple[str, str, dict]]:
-    """(label, identity, runner) of every setting of the task's sweeps, in order."""
-    settings = [*make_runs.family_settings(task), make_runs.NOISE_FLOOR]
+def identities(task: str, root: str, parts: list[str]) -> list[tuple[str, str, dict]]:
+    """(label, identity, runner) of every setting of the task's sweeps (`parts`), in order."""
+    settings = [*(make_runs.family_settings(task) if "family" in parts else []),
+                *([make_runs.NOISE_FLOOR] if "floor" in parts else [])]
     with initialize_config_dir(config_dir=str(make_runs.PROJECT / "conf"), version_base="1.3"):
         cfgs = [compose(config_name="config", overrides=[*make_runs.common_overrides(task, root),
                                                          f"method={m}", *knobs])
@@ -42,9 +43,12 @@ def main() -> None:
     ap.add_argument("shard", help="i/n: the source shard")
     ap.add_argument("dst")
     ap.add_argument("root")
+    ap.add_argument("--part", choices=["family", "floor"], action="append",
+                    help="only these sweeps' records (default both, as make_runs.py)")
     args = ap.parse_args()
+    parts = args.part or ["family", "floor"]
     index, count = (int(x) for x in args.shard.split("/"))
-    src, dst = identities(args.src, args.root), identities(args.dst, args.root)
+    src, dst = identities(args.src, args.root, parts), identities(args.dst, args.root, parts)
     if [label for label, _, _ in src] != [label for label, _, _ in dst]:
         raise SystemExit(f"{args.src} and {args.dst} differ in their settings")
     for (label, a, runner), (_, b, _) in zip(src, dst):
