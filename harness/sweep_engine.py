@@ -557,7 +557,6 @@ class Replay:
                                "(its samples must not depend on the method)")
         yield from call.outputs[self._index]
 
-
     def stream_scores(self, ids: torch.Tensor, prompt_tokens: int, score) -> torch.Tensor:
         if not self._streams:
             raise RuntimeError("the task asked more of stream_scores in a sweep member's pass "
