@@ -109,9 +109,9 @@ class KVLedger:
             "budget_tokens": ([round(sum((b[i] or 0) for b in budgets) / n, 3) for i in range(layers)]
                               if has_budget else None),
             "full_cache_bytes": round(sum(full_bytes) / n, 1),
+            # held / full only: a "compression ratio" (full / held) would read as compression
+            # for a method holding more than the full cache (InfiniGen's host copy + partial keys).
             "held_ratio": round(sum(bytes_total) / sum(full_bytes), 6) if sum(full_bytes) else None,
-            "compression_ratio": (round(sum(full_bytes) / sum(bytes_total), 4)
-                                  if sum(bytes_total) else None),
             **self.storage_summary(),
             "method_facts": self.facts_summary(),
         }

@@ -497,6 +497,18 @@ def _interval_line(cell: dict[str, Any]) -> list[str]:
             f"{_fmt(high)}], n={cell['n']} {cell['n_unit']} ({cell['interval'].split(';')[0]})"]
 
 
+def held_words(held_ratio: float | None) -> str:
+    """`held ratio 0.25, compression 4x`: compression (full / held) is named only when it is one,
+    so a method holding more than the full cache never reads as compressing."""
+    if held_ratio is None:
+        return "held ratio unknown"
+    if held_ratio > 1:
+        return f"held ratio {_fmt(held_ratio)}: more than the full cache"
+    if held_ratio < 1 and held_ratio > 0:
+        return f"held ratio {_fmt(held_ratio)}, compression {_fmt(1 / held_ratio)}x"
+    return f"held ratio {_fmt(held_ratio)}"
+
+
 def summary(metrics: dict[str, Any], folder: Path) -> str:
     acc = {k: v for k, v in metrics["accuracy"].items() if not isinstance(v, (list, dict))}
     speed, mem, kv = metrics["speed"], metrics["memory"], metrics["kv"]
@@ -512,8 +524,8 @@ def summary(metrics: dict[str, Any], folder: Path) -> str:
     ]
     if kv:
         lines.append(f"  kv        {_fmt(kv['bytes_total'] / 2**20)} MiB held (full cache "
-                     f"{_fmt(kv['full_cache_bytes'] / 2**20)} MiB, compression "
-                     f"{_fmt(kv['compression_ratio'])}x), mean tokens/layer "
+                     f"{_fmt(kv['full_cache_bytes'] / 2**20)} MiB, {held_words(kv.get('held_ratio'))}"
+                     f"), mean tokens/layer "
                      f"{_fmt(sum(kv['tokens_per_layer']) / len(kv['tokens_per_layer']))}"
                      + (f"; on the compute device {_fmt(kv['bytes_device_total'] / 2**20)} MiB"
                         if kv.get("bytes_device_total") != kv["bytes_total"] else ""))

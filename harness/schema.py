@@ -44,6 +44,7 @@ REQUIRED: dict[str, dict[str, str]] = {
 }
 # Typed when present (the readers use them; not every run has them).
 OPTIONAL: dict[str, dict[str, str]] = {
+    # compression_ratio (full / held): written by older runs only; the report reads held_ratio.
     "kv": {"compression_ratio": OPT_NUMBER, "held_ratio": OPT_NUMBER,
            "attended_fraction_sparse_layers": OPT_NUMBER, "attended_fraction_all_layers": OPT_NUMBER,
            "paper_relative_kv_size": OPT_NUMBER, "method_active": OPT_BOOL,
