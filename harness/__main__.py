@@ -80,6 +80,18 @@ def one_line(exc: BaseException) -> str:
     return text
 
 
+def register_launchers() -> None:
+    """The project's own Hydra launchers (conf/hydra/launcher), registered by class: Hydra finds
+    plugins by listing the `hydra_plugins` namespace, which an editable install's import hook
+    does not list (`Unknown plugin class` for a multirun run outside the checkout)."""
+    from hydra.core.plugins import Plugins
+    from hydra_plugins.kvh_slurm.slurm_launcher import SlurmLauncher
+    from hydra_plugins.kvh_sweep.sweep_launcher import SweepLauncher
+
+    for launcher in (SweepLauncher, SlurmLauncher):
+        Plugins.instance().register(launcher)
+
+
 def cli() -> None:
     """Hydra-level errors (unknown group option, override syntax, a refused sweep) print one line
     and exit 2, like the runner's own; HYDRA_FULL_ERROR=1 or runner.debug=true show tracebacks."""
@@ -89,6 +101,7 @@ def cli() -> None:
     if full:
         os.environ["KVH_FULL_ERROR"] = "1"  # the runner's errors too (harness.run), and members'
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its own report
+    register_launchers()
     try:
         main()
     except (HydraException, OmegaConfBaseException, ConfigError) as exc:
