@@ -21,6 +21,7 @@ from harness.run import main_guarded  # noqa: E402
 from harness.sweep import discard_claimed  # noqa: E402
 from kvcore.errors import ConfigError  # noqa: E402
 from kvcore.guards import request_stop  # noqa: E402
+from methods.kernels.cpu_build import check_environment as check_kernel_environment  # noqa: E402
 
 BAD_INPUT_EXIT = 2
 DEBUG = re.compile(r"\+{0,2}runner\.debug=(true|True|TRUE|yes|1)")
@@ -84,12 +85,16 @@ def register_launchers() -> None:
     """The project's own Hydra launchers (conf/hydra/launcher), registered by class: Hydra finds
     plugins by listing the `hydra_plugins` namespace, which an editable install's import hook
     does not list (`Unknown plugin class` for a multirun run outside the checkout)."""
-    from hydra.core.plugins import Plugins
-    from hydra_plugins.kvh_slurm.slurm_launcher import SlurmLauncher
-    from hydra_plugins.kvh_sweep.sweep_launcher import SweepLauncher
+    import importlib
 
-    for launcher in (SweepLauncher, SlurmLauncher):
-        Plugins.instance().register(launcher)
+    from hydra.core.plugins import Plugins
+
+    for module, name in (("hydra_plugins.kvh_sweep.sweep_launcher", "SweepLauncher"),
+                         ("hydra_plugins.kvh_slurm.slurm_launcher", "SlurmLauncher")):
+        try:  # an install made before the plugin shipped: single runs still work
+            Plugins.instance().register(getattr(importlib.import_module(module), name))
+        except ImportError:
+            continue
 
 
 def cli() -> None:
@@ -103,6 +108,7 @@ def cli() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises instead of printing its own report
     register_launchers()
     try:
+        check_kernel_environment()  # $KVH_KERNEL_FLAGS/$KVH_KERNEL_CACHE: before anything loads
         main()
     except (HydraException, OmegaConfBaseException, ConfigError) as exc:
         discard_claimed()  # a sweep refused after its folder was made leaves nothing behind

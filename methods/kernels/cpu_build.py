@@ -11,6 +11,16 @@ atomically (concurrent processes never see half a library), loads it once per pr
 (another instruction set than the CPU's best) with its own cache entry, for tests and
 benchmarks. Without a compiler, or when the build fails, it returns
 None and `build_error(source)` says why: callers then take their torch path.
+
+What a build is given, and where it writes, is ours to choose: every flag of
+`$KVH_KERNEL_FLAGS` and `extra_flags` must be an optimisation level (`-O3`), a target option
+(`-mno-avx512f`, `-march=haswell`), a define (`-DNAME=1`, `-UNAME`) or one of a few
+code-generation switches (`_CODEGEN`), so nothing can name a file or hand arguments to the
+linker or assembler (`-Wl,-o,<file>`, `-o`, `-MF`, `-specs=`, `@file` are refused with a
+`ConfigError` naming the variable and the flag; `check_environment()` runs this before a run
+loads anything). The compiler writes into a fresh private folder inside the cache, and the
+library is moved into the cache by name; the cache folder must not be a symbolic link nor hold
+files the harness did not write.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -26,6 +37,8 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+
+from kvcore.errors import ConfigError
 
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 _LIBS = ("-lm",)
@@ -41,18 +54,50 @@ def compiler_available() -> bool:
     return shutil.which(_compiler()) is not None
 
 
+# What the kernel cache holds: `<source stem>_<16 hex digits>.so` libraries and, while one
+# builds, its private `.build-*` folder (`tmp*.so.part`: an interrupted build of an earlier
+# version). Anything else was not written by us.
+_OURS = re.compile(r"[A-Za-z0-9_]+_[0-9a-f]{16}\.so|\.build-[A-Za-z0-9_]+|tmp\w+\.so\.part")
+
+
 def _cache_dir() -> Path:
     """`$KVH_KERNEL_CACHE`, else ~/.cache/kv-harness/kernels, else (not writable) a temp dir."""
     root = os.environ.get("KVH_KERNEL_CACHE")
+    if root:
+        _check_cache_folder(Path(root), "KVH_KERNEL_CACHE")
     for path in ([Path(root)] if root else [Path.home() / ".cache" / "kv-harness" / "kernels"]) + [
             Path(tempfile.gettempdir()) / "kv-harness-kernels"]:
         try:
             path.mkdir(parents=True, exist_ok=True)
+            _check_cache_folder(path, "KVH_KERNEL_CACHE" if root else "the kernel cache")
             if os.access(path, os.W_OK):
                 return path
         except OSError:
             continue
     raise RuntimeError("no writable directory for built kernels (set KVH_KERNEL_CACHE)")
+
+
+def _check_cache_folder(path: Path, name: str) -> None:
+    """Refuse a cache folder that is a symbolic link, not a folder, or one holding files the
+    harness did not write (a user's folder named by mistake: builds would land among them)."""
+    if path.is_symlink():
+        raise ConfigError(f"{name}={path} is a symbolic link; the kernel cache must be a folder "
+                          "of its own (kernels are never written through a link)")
+    if not path.exists():
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as err:
+        raise ConfigError(f"{name}={path} is not a folder the kernel cache can use "
+                          f"({err.strerror})") from None
+    try:
+        foreign = sorted(n for n in os.listdir(fd) if not _OURS.fullmatch(n))
+    finally:
+        os.close(fd)
+    if foreign:
+        raise ConfigError(f"{name}={path} holds files the harness did not write "
+                          f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); "
+                          "name an empty folder or the harness's own kernel cache")
 
 
 def _host_tag() -> str:
@@ -66,10 +111,64 @@ def _host_tag() -> str:
     return f"{platform.machine()} {platform.processor()} {flags.strip()}"
 
 
+# Code-generation switches a kernel variant may turn on or off (`-f<name>`, `-fno-<name>`,
+# `-f<name>=<word>`): none of them names a file or writes one (unlike -fprofile-*, -fdump-*,
+# -fplugin=, -fstack-usage, -fsave-optimization-record, -fdebug-prefix-map=).
+_CODEGEN = frozenset((
+    "fast-math", "finite-math-only", "math-errno", "trapping-math", "signed-zeros",
+    "associative-math", "reciprocal-math", "rounding-math", "fp-contract", "excess-precision",
+    "unroll-loops", "unroll-all-loops", "peel-loops", "split-loops", "tree-vectorize",
+    "tree-loop-vectorize", "tree-slp-vectorize", "vect-cost-model", "simd-cost-model",
+    "omit-frame-pointer", "strict-aliasing", "wrapv", "inline-functions", "inline-small-functions",
+    "prefetch-loop-arrays", "openmp", "openmp-simd", "PIC", "pic", "builtin", "align-loops",
+    "align-functions", "stack-protector", "stack-protector-strong", "stack-clash-protection",
+    "schedule-insns", "schedule-insns2", "ivopts", "gcse", "predictive-commoning", "tracer"))
+_WORD = r"[A-Za-z0-9_.+-]+"  # a value: no path separator, comma (tool arguments) or quote
+_ALLOWED = (
+    re.compile(r"-O[0-3sgz]?|-Ofast"),
+    re.compile(rf"-m(?!llvm$)[a-z0-9][a-z0-9_.+-]*(={_WORD})?"),  # not -mllvm <next argument>
+    re.compile(rf"-D[A-Za-z_][A-Za-z0-9_]*(={_WORD})?|-U[A-Za-z_][A-Za-z0-9_]*"),
+    re.compile(rf"-f(no-)?(?P<name>[A-Za-z0-9-]+)(={_WORD})?"),
+)
+_ALLOWED_TEXT = ("-O<level>, -m<target option> (-mno-avx512f, -march=haswell), "
+                 "-D<NAME>[=<value>], -U<NAME>, -f[no-]<option> for "
+                 + ", ".join(sorted(_CODEGEN, key=str.lower))
+                 + "; nothing naming a file or passed to another tool")
+
+
+def check_flags(flags, source: str) -> tuple[str, ...]:
+    """`flags` if each is a kernel build flag (`_ALLOWED`), else a `ConfigError` naming `source`
+    (the variable or argument they came from) and the first one refused."""
+    for flag in flags:
+        match = next((m for m in (r.fullmatch(flag) for r in _ALLOWED) if m), None)
+        name = match.groupdict().get("name") if match else None
+        if match is None or (name is not None and name not in _CODEGEN):
+            raise ConfigError(f"{source}: {flag!r} is not a kernel build flag; allowed: "
+                              f"{_ALLOWED_TEXT}")
+    return tuple(flags)
+
+
+def environment_flags() -> tuple[str, ...]:
+    """`$KVH_KERNEL_FLAGS`, split on spaces and checked (`check_flags`)."""
+    return check_flags(os.environ.get("KVH_KERNEL_FLAGS", "").split(), "KVH_KERNEL_FLAGS")
+
+
+def check_environment() -> None:
+    """The kernel build's environment, checked before a run loads anything: `$KVH_KERNEL_FLAGS`
+    and `$KVH_KERNEL_CACHE` (a `ConfigError` naming the variable)."""
+    environment_flags()
+    root = os.environ.get("KVH_KERNEL_CACHE")
+    if root is not None:
+        if not root.strip():
+            raise ConfigError("KVH_KERNEL_CACHE is set but empty; name a folder for built "
+                              "kernels or unset it")
+        _check_cache_folder(Path(root), "KVH_KERNEL_CACHE")
+
+
 def _flags(extra_flags: tuple[str, ...]) -> tuple[str, ...]:
     """The build flags: the fixed ones, then `$KVH_KERNEL_FLAGS`, then `extra_flags` (later
-    flags win: `-mno-avx512f` after `-march=native` builds without AVX-512)."""
-    return (*_FLAGS, *os.environ.get("KVH_KERNEL_FLAGS", "").split(), *extra_flags)
+    flags win: `-mno-avx512f` after `-march=native` builds without AVX-512), each checked."""
+    return (*_FLAGS, *environment_flags(), *check_flags(extra_flags, "extra_flags"))
 
 
 def _build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
@@ -79,20 +178,22 @@ def _build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     flags = _flags(extra_flags)
     recipe = " ".join((compiler, *flags, *_LIBS, _host_tag())).encode()
     digest = hashlib.sha256(source.read_bytes() + recipe).hexdigest()[:16]
-    target = _cache_dir() / f"{source.stem}_{digest}.so"
-    if target.exists():
+    cache = _cache_dir()
+    target = cache / f"{source.stem}_{digest}.so"
+    if target.is_file() and not target.is_symlink():
         return target
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.part")
-    os.close(fd)
+    # The compiler writes only into a fresh folder of ours (mkdtemp: 0700, nothing in it to
+    # follow); the library then replaces the cache's name (a rename never follows a link).
+    work = Path(tempfile.mkdtemp(dir=cache, prefix=".build-"))
     try:
-        done = subprocess.run([compiler, *flags, str(source), "-o", tmp, *_LIBS],
-                              capture_output=True, text=True, timeout=120)
+        built = work / target.name
+        done = subprocess.run([compiler, *flags, str(source), "-o", str(built), *_LIBS],
+                              capture_output=True, text=True, timeout=120, cwd=work)
         if done.returncode:
             raise RuntimeError(f"{compiler} failed on {source.name}: {done.stderr.strip()[:500]}")
-        os.replace(tmp, target)
+        os.replace(built, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        shutil.rmtree(work, ignore_errors=True)
     return target
 
 

@@ -4,6 +4,7 @@ import ctypes
 
 import pytest
 
+from kvcore.errors import ConfigError
 from methods.kernels import cpu_build
 
 
@@ -63,3 +64,94 @@ def test_build_variants_are_separate_libraries(tmp_path, monkeypatch):
     monkeypatch.setenv("KVH_KERNEL_FLAGS", "-DVARIANT=3")
     assert cpu_build.library(source, declare).variant() == 3
     assert len(list(cache.glob("variant_*.so"))) == 3
+
+
+@pytest.mark.parametrize("flags, refused", [
+    ("-Wl,-o,{tmp}/keep.txt", "-Wl,-o,{tmp}/keep.txt"),  # the linker told to write a user file
+    ("-O3 -o {tmp}/keep.txt", "-o"),
+    ("-MF{tmp}/deps", "-MF{tmp}/deps"),
+    ("-MD", "-MD"),
+    ("-specs={tmp}/specs", "-specs={tmp}/specs"),
+    ("@{tmp}/args", "@{tmp}/args"),
+    ("-fprofile-generate={tmp}/prof", "-fprofile-generate={tmp}/prof"),
+    ("-fstack-usage", "-fstack-usage"),  # writes a .su file next to the output
+    ("-fplugin=evil.so", "-fplugin=evil.so"),
+    ("-DPATH=/etc/passwd", "-DPATH=/etc/passwd"),
+    ("-Xlinker --output", "-Xlinker"),
+    ("-mllvm -O3", "-mllvm"),
+    ("-save-temps", "-save-temps"),
+    ("{tmp}/other.c", "{tmp}/other.c"),
+])
+def test_kernel_flags_that_could_name_a_file_are_refused_before_any_build(tmp_path, monkeypatch,
+                                                                          flags, refused):
+    """Only what a kernel build needs passes; the refusal names the variable and the flag, and
+    neither the compiler runs nor the user's file changes."""
+    keep = tmp_path / "keep.txt"
+    keep.write_text("a user's file\n")
+    monkeypatch.setenv("KVH_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("KVH_KERNEL_FLAGS", flags.format(tmp=tmp_path))
+    monkeypatch.setattr(cpu_build.subprocess, "run", lambda *a, **k: pytest.fail("compiled"))
+    with pytest.raises(ConfigError) as err:
+        cpu_build.check_environment()
+    assert str(err.value).startswith(f"KVH_KERNEL_FLAGS: {refused.format(tmp=tmp_path)!r} is not")
+    assert "\n" not in str(err.value)
+    source = _source(tmp_path, "never", "int f(void) { return 1; }\n")
+    with pytest.raises(ConfigError, match="KVH_KERNEL_FLAGS"):
+        cpu_build.library(source, lambda lib: None)
+    with pytest.raises(ConfigError, match="extra_flags"):
+        cpu_build.check_flags(flags.format(tmp=tmp_path).split(), "extra_flags")
+    assert keep.read_text() == "a user's file\n"
+
+
+@pytest.mark.parametrize("flag", ["-O0", "-O2", "-Ofast", "-Os", "-mno-avx512f", "-march=haswell",
+                                  "-mtune=generic", "-mavx2", "-DVARIANT=3", "-DNDEBUG", "-UNDEBUG",
+                                  "-fno-fast-math", "-funroll-loops", "-fvect-cost-model=cheap",
+                                  "-fopenmp"])
+def test_kernel_build_flags_pass(flag):
+    assert cpu_build.check_flags([flag], "KVH_KERNEL_FLAGS") == (flag,)
+
+
+def test_kernel_cache_is_never_a_link_nor_a_users_folder(tmp_path, monkeypatch):
+    """$KVH_KERNEL_CACHE is checked like an output folder: a link (even to an empty folder) or a
+    folder holding files the harness did not write is refused by name, and left as it was."""
+    monkeypatch.delenv("KVH_KERNEL_FLAGS", raising=False)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine\n")
+    monkeypatch.setenv("KVH_KERNEL_CACHE", str(mine))
+    with pytest.raises(ConfigError, match=r"KVH_KERNEL_CACHE=.*mine holds files the harness did "
+                                          r"not write \(notes.txt\)"):
+        cpu_build.check_environment()
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "empty")
+    monkeypatch.setenv("KVH_KERNEL_CACHE", str(tmp_path / "link"))
+    with pytest.raises(ConfigError, match="is a symbolic link"):
+        cpu_build.check_environment()
+    source = _source(tmp_path, "never", "int f(void) { return 1; }\n")
+    with pytest.raises(ConfigError, match="is a symbolic link"):
+        cpu_build.library(source, lambda lib: None)
+    assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    assert not list((tmp_path / "empty").iterdir())
+    monkeypatch.setenv("KVH_KERNEL_CACHE", " ")
+    with pytest.raises(ConfigError, match="KVH_KERNEL_CACHE is set but empty"):
+        cpu_build.check_environment()
+
+
+def test_a_link_planted_at_the_librarys_name_is_replaced_not_followed(tmp_path, monkeypatch):
+    """The compiler writes into a private folder; the library then takes its name in the cache
+    by a rename, which replaces a link there instead of writing through it."""
+    if not cpu_build.compiler_available():
+        pytest.skip("no C compiler here")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("KVH_KERNEL_CACHE", str(cache))
+    monkeypatch.delenv("KVH_KERNEL_FLAGS", raising=False)
+    source = _source(tmp_path, "planted", "int planted(void) { return 5; }\n")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("a user's file\n")
+    name = cpu_build._build(source).name  # the name the library gets
+    (cache / name).unlink()
+    (cache / name).symlink_to(victim)
+    cpu_build._build(source)
+    assert victim.read_text() == "a user's file\n"
+    assert not (cache / name).is_symlink() and not list(cache.glob(".build-*"))
