@@ -49,8 +49,10 @@ test-slurm: setup
 
 # CI regression gate: a short CPU sweep on stories260K and SmolLM2, then the thresholds.
 GATE_DIR ?= results/ci_gate
+export GATE_DIR
 gate: setup
-	rm -rf $(GATE_DIR)
+	@# emptied only when all it holds is the harness's own output (a user's folder is refused)
+	$(PY) -m harness.gate_dir
 	$(PY) -m harness -m model=stories260k task.dataset=pg19 task.max_tokens=400 \
 		method=full,h2o,kivi,oracle_topk,infinigen,full_offload \
 		runner.results_root=$(GATE_DIR) hydra.sweep.dir=$(GATE_DIR)/_sweeps/stories

@@ -39,6 +39,7 @@ from typing import Any
 
 import yaml
 
+from harness import inputs
 from harness.report import find_runs, load_runs
 from harness.schema import lookup
 from kvcore.errors import ConfigError
@@ -166,15 +167,12 @@ def load_thresholds(path: Path) -> list[dict]:
     if path.is_dir():
         raise ConfigError(f"--against {path} is a folder; give a thresholds file (YAML), e.g. "
                           "conf/regression/ci.yaml")
-    if not path.exists():
-        raise ConfigError(f"--against {path}: no such file")
-    if not path.is_file():
+    if path.exists() and not path.is_file():
         raise ConfigError(f"--against {path} is not a regular file (a device, FIFO or socket); "
                           "give a thresholds file (YAML)")
+    text = inputs.read_text(path, "--against")  # kind and size before a byte is read
     try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--against {path}: unreadable ({exc})") from None
+        data = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         line = f" (line {where.line + 1})" if where is not None else ""
@@ -191,22 +189,23 @@ def load_thresholds(path: Path) -> list[dict]:
         if problem:
             raise ConfigError(f"{path}: thresholds[{i}] {problem}")
         if "paired_reference" in e:
-            e["_reference_samples"] = _frozen(path.parent / e["paired_reference"],
+            e["_reference_samples"] = _frozen(path.parent / e["paired_reference"], e["task"],
                                               f"{path}: thresholds[{i}] paired_reference")
     return entries
 
 
-def _frozen(path: Path, where: str) -> list[dict]:
-    """Frozen reference predictions (a samples.jsonl whose rows carry sample_id)."""
+def _frozen(path: Path, task: str, where: str) -> list[dict]:
+    """Frozen reference predictions: a samples.jsonl of `task` whose rows carry sample_id and
+    give the task's scored units (read and checked like a run's: harness.uncertainty)."""
+    from harness.uncertainty import load_samples, units
+
+    rows = load_samples(path, task, where)
+    if not rows or not all("sample_id" in r for r in rows):
+        raise ConfigError(f"{where}: {path}: needs samples.jsonl rows with sample_id")
     try:
-        rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
-                if line.strip()]
-    except OSError as exc:
-        raise ConfigError(f"{where}={path}: unreadable ({exc.strerror or exc})") from None
-    except ValueError as exc:
-        raise ConfigError(f"{where}={path}: not JSON lines ({exc})") from None
-    if not rows or not all(isinstance(r, dict) and "sample_id" in r for r in rows):
-        raise ConfigError(f"{where}={path}: needs samples.jsonl rows with sample_id")
+        units(task, rows)
+    except (ValueError, KeyError) as exc:
+        raise ConfigError(f"{where}: {path}: no scored units for task={task} ({exc})") from None
     return rows
 
 
@@ -301,13 +300,16 @@ def _paired_check(res: dict, chosen: dict, e: dict) -> dict:
 
     res["entry"] += f" vs {e['paired_reference']}"
     res["bounds"] += " (95 % interval)"
-    samples = _samples(chosen)
+    samples = _samples(chosen, e["task"])
     if samples is None:
         res["why"] = "the run has no samples.jsonl to pair"
         return res
     try:
         c = compare(e["task"], e["_reference_samples"], samples)
-    except (PairingError, ValueError, KeyError) as exc:
+    except PairingError as exc:  # the reference is not of this run's samples: bad input
+        raise ConfigError(f"paired_reference={e['paired_reference']} does not pair with the run "
+                          f"{chosen['_folder']}: {exc}") from None
+    except (ValueError, KeyError) as exc:
         res["why"] = f"not comparable: {exc}"
         return res
     value, ci = ((c["difference"], c["difference_ci95"]) if e["metric"] == "paired.difference"
@@ -324,13 +326,16 @@ def _paired_check(res: dict, chosen: dict, e: dict) -> dict:
     return res
 
 
-def _samples(metrics: dict) -> list[dict] | None:
+def _samples(metrics: dict, task: str) -> list[dict] | None:
+    """The run's samples (None when it wrote none); one that cannot be read as the task's
+    samples (a FIFO, a device link, a NaN score) is bad input (ConfigError)."""
+    from harness.uncertainty import load_samples
+
     folder = metrics.get("_folder")
-    try:
-        return [json.loads(line) for line in (Path(folder) / "samples.jsonl").read_text()
-                .splitlines() if line.strip()] if folder else None
-    except (OSError, ValueError):
+    path = Path(folder) / "samples.jsonl" if folder else None
+    if path is None or not (path.exists() or path.is_symlink()):
         return None
+    return load_samples(path, task) or None
 
 
 def table(results: list[dict]) -> str:
@@ -361,10 +366,10 @@ def main(argv: list[str] | None = None) -> int:
         for line in skipped:
             print(line, file=sys.stderr)
         check_names_in_runs(entries, runs, " ".join(args.results))
+        results = check(runs, entries)  # a run's or reference's samples unreadable: bad input
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return BAD_INPUT_EXIT
-    results = check(runs, entries)
     print(table(results))
     failed = [r for r in results if not r["ok"]]
     print(f"\nregression gate: {len(results) - len(failed)} checks within bounds, "

@@ -13,6 +13,7 @@ half-width is in the metric's own units (points for scores x100, ppl for perplex
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from harness import stats
@@ -20,9 +21,38 @@ from harness.report import collect, compare, leaderboard
 from kvcore.errors import ConfigError
 
 
+# A wanted half-width below this is beneath any metric's resolution here (scores are x100 with
+# 4 decimals, perplexities a few digits): no sample could reach it.
+MIN_HALF_WIDTH = 1e-6
+# Columns side by side in one of plan's bootstraps: a paired comparison (reference, run).
+_PAIRED_COLUMNS = 2
+
+
+def check_arguments(half_width: float, resamples: int) -> None:
+    """--half-width and --resamples, before any run is read (ConfigError naming the option)."""
+    if not (math.isfinite(half_width) and half_width >= MIN_HALF_WIDTH):
+        raise ConfigError(f"--half-width {half_width}: must be a finite number of at least "
+                          f"{MIN_HALF_WIDTH:g}, in the metric's units (points for scores x100, "
+                          "ppl for perplexity)")
+    stats.check_resamples(resamples, _PAIRED_COLUMNS)
+
+
+def _needed(c: dict, pilot: float, half_width: float) -> int:
+    """The n for `half_width` from the pilot's; ConfigError when no sample size reaches it."""
+    try:
+        return stats.n_for_half_width(c["n"], pilot, half_width)
+    except ValueError:
+        reach = stats.half_width_for_n(c["n"], pilot, stats.MAX_SAMPLES)
+        raise ConfigError(f"--half-width {half_width:g}: {c['method']} {c['setting']} on "
+                          f"{c['column']} would need more than {stats.MAX_SAMPLES:.0e} "
+                          f"{c['n_unit']} (pilot half-width {pilot:.3g} at n={c['n']}); ask for "
+                          f"at least {reach:.3g}") from None
+
+
 def plan(paths: list[str], half_width: float, resamples: int = stats.RESAMPLES) -> list[dict]:
     """One record per paired comparison of the pilot: its n, half-width, discordance and the n
-    needed for `half_width`."""
+    needed for `half_width`. ConfigError for bad arguments or a pilot that cannot be read."""
+    check_arguments(half_width, resamples)
     rows = collect.collect(paths, warn=lambda text: print(text, file=sys.stderr))
     compare.attach(rows)
     board = leaderboard.build(rows)
@@ -41,11 +71,14 @@ def plan(paths: list[str], half_width: float, resamples: int = stats.RESAMPLES) 
                                          "every one): it cannot size a sweep"})
             continue
         record.update(n=c["n"], unit=c["n_unit"], half_width=pilot, discordance=c["discordance"],
-                      needed=stats.n_for_half_width(c["n"], pilot, half_width))
+                      needed=_needed(c, pilot, half_width))
         if "lost" in c:  # pass/fail: from the discordance, in the metric's units (x100 or x1)
             scale = 100.0 if "lm_eval" not in c["column"] else 1.0
-            record["needed_from_discordance"] = stats.n_for_paired_binary(
-                c["discordance"], c["difference"] / scale, half_width / scale)
+            try:
+                record["needed_from_discordance"] = stats.n_for_paired_binary(
+                    c["discordance"], c["difference"] / scale, half_width / scale)
+            except ValueError:  # beyond any sample size: the bootstrap's n already says so
+                pass
         out.append(record)
     return out
 
@@ -80,8 +113,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resamples", type=int, default=stats.RESAMPLES)
     args = ap.parse_args(argv)
     try:
-        if not args.half_width > 0:
-            raise ConfigError(f"--half-width {args.half_width}: must be positive")
         records = plan(args.paths, args.half_width, args.resamples)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -126,12 +126,18 @@ def stamp(metrics: dict[str, Any]) -> dict[str, Any]:
 
 
 def load(path: Path) -> dict[str, Any]:
-    """Read and check one metrics.json; SchemaError names the file and the first problems."""
+    """Read and check one metrics.json; SchemaError names the file and the first problems (also
+    a FIFO, device or oversized file, refused before a byte is read: harness.inputs)."""
+    from harness import inputs
+    from kvcore.errors import ConfigError
+
     try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise SchemaError(f"{path}: unreadable ({exc.strerror or exc})") from None
-    except (UnicodeDecodeError, ValueError) as exc:
+        text = inputs.read_text(Path(path), "metrics.json", inputs.SMALL_MAX_BYTES)
+    except ConfigError as exc:
+        raise SchemaError(str(exc).removeprefix("metrics.json: ")) from None
+    try:
+        data = inputs.strict_json(text)
+    except ValueError as exc:
         raise SchemaError(f"{path}: not valid JSON ({str(exc).splitlines()[0]})") from None
     wrong = problems(data)
     if wrong:

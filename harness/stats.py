@@ -24,10 +24,17 @@ from dataclasses import dataclass
 import numpy as np
 from scipy import stats as sps
 
+from kvcore.errors import ConfigError
+
 CONFIDENCE = 0.95
 RESAMPLES = 10_000
+MIN_RESAMPLES = 100  # below this a 95 % percentile interval rests on two or three draws
 SEED = 0
 _CHUNK_CELLS = 4_000_000  # resamples x clusters x columns drawn at once (memory bound)
+# What one bootstrap (draws, rank intervals) may hold at once; resample counts needing more are
+# refused before any draw (a 2 CPU / 24 GiB machine is shared by several jobs).
+MEMORY_LIMIT_BYTES = 2 * 2**30
+MAX_SAMPLES = 10**12  # a sample size beyond this is no plan (and overflows float arithmetic)
 
 
 # --- closed forms -----------------------------------------------------------------------------
@@ -85,23 +92,64 @@ def benjamini_hochberg(pvalues, fdr: float = 0.05) -> tuple[list[float], list[bo
     return adjusted.tolist(), rejected.tolist()
 
 
+def _whole_n(n: float, what: str) -> int:
+    """ceil(n) for a sample size, refused (ValueError) when it is beyond MAX_SAMPLES or not a
+    number (a tiny half-width overflows the float arithmetic)."""
+    if not n <= MAX_SAMPLES:  # also inf and NaN
+        raise ValueError(f"{what} needs more than {MAX_SAMPLES:.0e} samples")
+    return max(1, math.ceil(n))
+
+
 def n_for_half_width(pilot_n: int, pilot_half_width: float, half_width: float) -> int:
-    """Samples needed for a 95 % half-width, from a pilot's: a half-width shrinks as 1/sqrt(n)."""
-    if half_width <= 0:
-        raise ValueError("half_width must be positive")
+    """Samples needed for a 95 % half-width, from a pilot's: a half-width shrinks as 1/sqrt(n).
+    ValueError when the answer exceeds MAX_SAMPLES."""
+    if not (half_width > 0 and math.isfinite(half_width)):
+        raise ValueError("half_width must be a finite number above 0")
     if pilot_half_width <= 0:
         return 1  # no variation in the pilot: any n gives a zero-width interval
-    return max(1, math.ceil(pilot_n * (pilot_half_width / half_width) ** 2))
+    ratio = pilot_half_width / half_width  # inf for a wanted width of 1e-320
+    n = pilot_n * ratio * ratio if ratio < 1e150 else math.inf  # ratio ** 2 would raise
+    return _whole_n(n, f"a half-width of {half_width:g}")
+
+
+def half_width_for_n(pilot_n: int, pilot_half_width: float, n: float) -> float:
+    """The half-width a sample of n reaches, from a pilot's (the inverse of n_for_half_width)."""
+    return pilot_half_width * math.sqrt(pilot_n / n)
 
 
 def n_for_paired_binary(discordance_: float, difference: float, half_width: float,
                         confidence: float = CONFIDENCE) -> int:
     """Samples needed for a paired pass/fail difference's half-width (same units as
     `difference`, a fraction): the per-sample difference is -1, 0 or +1, its variance the
-    discordance minus the squared mean difference."""
+    discordance minus the squared mean difference. ValueError beyond MAX_SAMPLES."""
+    if not (half_width > 0 and math.isfinite(half_width)):
+        raise ValueError("half_width must be a finite number above 0")
     z = sps.norm.ppf(0.5 + confidence / 2)
     variance = max(discordance_ - difference ** 2, 0.0)
-    return max(1, math.ceil(z * z * variance / half_width ** 2))
+    n = z * z * variance / half_width / half_width  # inf, never 1 / 0, for a tiny width
+    return _whole_n(n, f"a half-width of {half_width:g}")
+
+
+def bootstrap_bytes(resamples: int, columns: int) -> int:
+    """Peak memory of `draws` plus `rank_intervals` on `columns` runs: the (resamples, columns)
+    draws and their copies (transform, ranks, quantile sorts: ~6 float64 arrays), the
+    (resamples, columns, columns) comparison of rank_intervals, and one chunk of picks."""
+    return resamples * (6 * 8 * columns + columns * columns) + 3 * 8 * _CHUNK_CELLS
+
+
+def check_resamples(resamples: int, columns: int, key: str = "--resamples") -> None:
+    """ConfigError unless `resamples` is an integer in [MIN_RESAMPLES, the count whose bootstrap
+    of `columns` runs fits MEMORY_LIMIT_BYTES]: checked before any draw."""
+    if not isinstance(resamples, int) or isinstance(resamples, bool) or \
+            resamples < MIN_RESAMPLES:
+        raise ConfigError(f"{key} {resamples}: at least {MIN_RESAMPLES}")
+    need = bootstrap_bytes(resamples, max(1, columns))
+    if need > MEMORY_LIMIT_BYTES:
+        fits = (MEMORY_LIMIT_BYTES - 3 * 8 * _CHUNK_CELLS) // (6 * 8 * columns + columns ** 2)
+        raise ConfigError(f"{key} {resamples}: the bootstrap of {columns} run(s) side by side "
+                          f"would hold about {need / 2**30:.3g} GiB, above the "
+                          f"{MEMORY_LIMIT_BYTES / 2**30:g} GiB limit "
+                          f"(harness.stats.MEMORY_LIMIT_BYTES); at most {fits} here")
 
 
 # --- the bootstrap design ---------------------------------------------------------------------

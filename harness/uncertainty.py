@@ -18,13 +18,15 @@ identical samples only) are the two entry points; both are pure on (metrics, sam
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
 
-from harness import stats
+from harness import inputs, stats
 from kvcore.errors import ConfigError
 
 
@@ -128,6 +130,100 @@ def units(task: str, samples: list[dict]) -> Units:
     if task not in UNITS:
         raise ValueError(f"task={task} has no per-sample design here")
     return UNITS[task][1](samples)
+
+
+# --- what a samples.jsonl row must hold, per task (checked as it is read) ----------------------
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _score_problem(row: dict, key: str, low: float, high: float, where: str = "") -> str:
+    """'' when row[key] is a finite number in [low, high] (a bool, string, null or NaN is not), or
+    absent (written before that record existed: the interval then says it has none)."""
+    if key not in row:
+        return ""
+    value = row[key]
+    if not _number(value):
+        return (f"{where}{key}={json.dumps(value)[:40]} must be a finite number in "
+                f"[{low:g}, {high:g}]")
+    if not low <= value <= high:
+        return f"{where}{key}={value!r} is outside [{low:g}, {high:g}]"
+    return ""
+
+
+def _text_problem(row: dict, key: str) -> str:
+    value = row.get(key)
+    return "" if key not in row or (isinstance(value, str) and value) else (
+        f"{key}={json.dumps(value)[:40]} must be a non-empty string")
+
+
+def _perplexity_row(row: dict) -> str:
+    if "token_nll" not in row:  # written before per-token records: no interval, said later
+        return ""
+    nll = row["token_nll"]
+    if not isinstance(nll, list):
+        return f"token_nll must be a list of numbers (got a {type(nll).__name__})"
+    for t, x in enumerate(nll):
+        if not _number(x) or x < 0:  # -log p is never negative
+            return f"token_nll[{t}]={json.dumps(x)[:40]} must be a finite number >= 0"
+    return ""
+
+
+def _ruler_row(row: dict) -> str:
+    length = row.get("length_tokens", 1)
+    if not isinstance(length, int) or isinstance(length, bool) or length <= 0:
+        return f"length_tokens={json.dumps(length)[:40]} must be a positive integer"
+    return _score_problem(row, "score", 0, 1) or _text_problem(row, "subtask")
+
+
+def _longbench_row(row: dict) -> str:
+    return _score_problem(row, "score", 0, 1) or _text_problem(row, "dataset")
+
+
+def _multiturn_row(row: dict) -> str:
+    turns = row.get("turns", [{}])
+    if not isinstance(turns, list) or not turns:
+        return f"turns={json.dumps(turns)[:40]} must be a non-empty list of turns"
+    for k, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            return f"turns[{k}] must be an object with 'correct'"
+        problem = _score_problem(turn, "correct", 0, 1, f"turns[{k}].")
+        if problem:
+            return problem
+    return ""
+
+
+def _xsum_row(row: dict) -> str:
+    return "" if row.get("skipped") is True else _score_problem(row, "rougeL", 0, 100)
+
+
+def _lm_eval_row(row: dict) -> str:
+    if "acc" not in row:  # a document without accuracy (e.g. a perplexity task): not scored
+        return ""
+    return _score_problem(row, "acc", 0, 1) or _text_problem(row, "task")
+
+
+ROW_CHECKS: dict[str, Callable[[dict], str]] = {
+    "perplexity": _perplexity_row, "ruler": _ruler_row, "longbench": _longbench_row,
+    "multiturn": _multiturn_row, "xsum": _xsum_row, "lm_eval": _lm_eval_row,
+}
+
+
+def row_problem(task: str, row: dict) -> str:
+    """Why one samples.jsonl row of `task` cannot be scored ('' when it can): a content id that
+    is not a string, or a score that is not a finite number in the task's range."""
+    if "sample_id" in row and (not isinstance(row["sample_id"], str) or not row["sample_id"]):
+        return f"sample_id={json.dumps(row['sample_id'])[:40]} must be a non-empty string"
+    check = ROW_CHECKS.get(task)
+    return check(row) if check else ""
+
+
+def load_samples(path: Path, task: str, key: str = "samples.jsonl") -> list[dict]:
+    """A run's samples.jsonl (or frozen reference) read for `task`: a regular file under the
+    size cap, one JSON object per line, every score a finite number in range; ConfigError
+    naming `key`, the file and the line otherwise. Before any bootstrap runs."""
+    return inputs.jsonl_rows(Path(path), key, lambda row: row_problem(task, row))
 
 
 def _design(u: Units, values: np.ndarray) -> stats.Design:

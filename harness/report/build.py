@@ -63,10 +63,12 @@ def build_report(patterns: list[str], out: Path | None = None, warn=None,
                  resamples: int = stats.RESAMPLES) -> tuple[list[dict], Path, list[Path]]:
     """Rows, the output folder and the figures made. ConfigError (bad paths, no valid run)."""
     out = out or default_out(patterns)
+    stats.check_resamples(resamples, 1)  # the count alone, before a file is read
     check_out(out)
     rows = collect.collect(patterns, warn)
     compare.attach(rows)
     board = leaderboard.build(rows)
+    stats.check_resamples(resamples, compare.widest_column(board))  # before any draw
     compare.rank_intervals(board, rows, resamples)
     compared, floors = compare.comparisons(board, rows, resamples)
     for c in compared:
@@ -101,8 +103,6 @@ def main(argv: list[str] | None = None) -> int:
                          f"(default {stats.RESAMPLES})")
     args = ap.parse_args(argv)
     try:
-        if args.resamples < 100:
-            raise ConfigError(f"--resamples {args.resamples}: at least 100")
         rows, out, made = build_report(args.paths, args.out, resamples=args.resamples)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -192,12 +192,17 @@ def row(path: Path, metrics: dict, root: Path | None) -> dict[str, Any]:
 def collect(patterns: list[str], warn=None) -> list[dict]:
     """The rows of every valid run under `patterns` (folders, globs, files), sorted; run names
     relative to the first folder. ConfigError: a path matches nothing, or no valid run."""
+    warn = warn or (lambda text: print(text, file=sys.stderr))
     first = Path(patterns[0]) if Path(patterns[0]).is_dir() else None
-    files = find_runs(patterns)
-    runs = load_runs(files, warn)
-    if not runs:
-        found = f"{len(files)} metrics.json, none valid" if files else "no metrics.json"
+    files = find_runs(patterns, warn)
+    skipped: list[str] = []
+    runs = load_runs(files, skipped.append)
+    if not runs:  # one line: the first file's reason is the likely one (the wrong folder)
+        found = (f"{len(files)} metrics.json, none valid; "
+                 f"{skipped[0].removeprefix('warning: ')}" if skipped else "no metrics.json")
         raise ConfigError(f"no runs to report under {' '.join(patterns)} ({found})")
+    for line in skipped:
+        warn(line)
     rows = [row(f, metrics, first) for f, metrics in runs]
     rows.sort(key=lambda r: (r["task"], r["model"], r["method"], r["budget"], r["run"]))
     return rows

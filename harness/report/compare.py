@@ -27,7 +27,8 @@ import numpy as np
 
 from harness import stats
 from harness.report.collect import REFERENCE, reference_protocol_label
-from harness.uncertainty import PairingError, cell_uncertainty, compare, units
+from harness.uncertainty import (PairingError, cell_uncertainty, compare, load_samples,
+                                 units)
 
 FDR = 0.05
 FLOOR_MARGIN = 0.10  # of the scale: a full cache this close to scoring nothing
@@ -35,13 +36,14 @@ ATTN_FLOOR = "eager"  # the attention path whose full-cache run is the noise flo
 
 
 def samples_of(r: dict) -> list[dict] | None:
-    """The run's samples.jsonl rows (cached on the row); None when it has none."""
+    """The run's samples.jsonl rows (cached on the row); None when it has none. A samples.jsonl
+    that is there but cannot be read as the task's samples (a FIFO, a link to a device, too
+    large, a NaN or string score, a row that is not an object) is bad input: ConfigError naming
+    the file and line (uncertainty.load_samples)."""
     if "_samples" not in r:
         path = Path(r["_folder"]) / "samples.jsonl"
-        try:
-            r["_samples"] = [json.loads(line) for line in path.read_text().splitlines() if line]
-        except (OSError, ValueError):
-            r["_samples"] = None
+        there = path.exists() or path.is_symlink()
+        r["_samples"] = (load_samples(path, r["task"]) or None) if there else None
     return r["_samples"]
 
 
@@ -59,7 +61,10 @@ def cell(r: dict) -> dict[str, Any]:
 
 
 def attach(rows: list[dict]) -> None:
-    """Each row's ci95, n and interval method, as the leaderboard and figures read them."""
+    """Each row's ci95, n and interval method, as the leaderboard and figures read them. Every
+    run's samples are read (and checked) first, so bad input stops before any bootstrap."""
+    for r in rows:
+        samples_of(r)
     for r in rows:
         c = cell(r)
         r["ci95_low"], r["ci95_high"] = (c["ci95"] if c.get("ci95") else (None, None))
@@ -180,6 +185,17 @@ def _floors(rows: list[dict], resamples: int) -> dict[tuple, dict]:
         out[key] = {"model": key[0], "protocol": key[1], "column": key[2],
                     "runs": (sdpa["run"], eager["run"]), **c}
     return out
+
+
+def widest_column(board: list[dict]) -> int:
+    """The most runs one bootstrap holds side by side: the entries of the fullest task column
+    of a section (rank intervals resample them jointly)."""
+    from harness.report.leaderboard import sections
+
+    counts = [sum(column in e["cells"] for e in entries)
+              for entries in sections(board).values()
+              for column in {c for e in entries for c in e["cells"]}]
+    return max(counts, default=1)
 
 
 def rank_intervals(board: list[dict], rows: list[dict], resamples: int = stats.RESAMPLES

@@ -262,7 +262,7 @@ def paired_gate(tmp_path: Path) -> Path:
 def test_paired_gate_fails_outside_the_noise_only(shift, noise, fails, tmp_path, capsys):
     base = np.array(json.loads(FROZEN.read_text().splitlines()[0])["token_nll"])
     nll = base + shift + np.random.default_rng(3 if shift else 0).normal(0, noise, base.size)
-    paired_tree(tmp_path / "runs", nll.round(6))
+    paired_tree(tmp_path / "runs", np.maximum(nll, 0).round(6))  # -log p is never below 0
     assert check.main([str(tmp_path / "runs"), "--against", str(paired_gate(tmp_path))]) == \
         (1 if fails else 0)
     out = capsys.readouterr().out
@@ -270,18 +270,21 @@ def test_paired_gate_fails_outside_the_noise_only(shift, noise, fails, tmp_path,
 
 
 def test_paired_gate_refuses_other_samples(tmp_path, capsys):
-    """A run on another text (other token ids, so another sample_id) is not comparable."""
+    """A run on another text (other token ids, so another sample_id) cannot be held against the
+    reference: bad input (exit 2, naming the reference), never a regression."""
     folder = paired_tree(tmp_path / "runs", [3.9] * 399)
     row = json.loads((folder / "samples.jsonl").read_text())
     (folder / "samples.jsonl").write_text(json.dumps(dict(row, sample_id="0123456789abcdef")))
-    assert check.main([str(tmp_path / "runs"), "--against", str(paired_gate(tmp_path))]) == 1
-    assert "not comparable: not the same samples" in capsys.readouterr().out
+    assert check.main([str(tmp_path / "runs"), "--against", str(paired_gate(tmp_path))]) == 2
+    err = capsys.readouterr().err
+    assert "does not pair with the run" in err and "not the same samples" in err
+    assert FROZEN.name in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("entry, expect", [
     ("metric: paired.difference, max: 1", "go with paired_reference"),
     ("metric: accuracy.ppl, paired_reference: x.jsonl, max: 1", "go with paired_reference"),
-    ("metric: paired.difference, paired_reference: nope.jsonl, max: 1", "nope.jsonl: unreadable"),
+    ("metric: paired.difference, paired_reference: nope.jsonl, max: 1", "nope.jsonl: no such file"),
 ])
 def test_bad_paired_thresholds_are_bad_input(entry, expect, tree, tmp_path, capsys):
     gate = tmp_path / "gate.yaml"
