@@ -102,3 +102,121 @@ def tiny_family_model(family: str, layers: int = 2, seed: int = 0, attn: str = "
                 module.weight.normal_(1.0, 0.5)
     hf_adapter.set_attention(model, attn)
     return model
+
+
+# --- a tiny model whose heads attend differently -------------------------------------------------
+# Random tiny models attend almost alike across heads, so a method pairing a query head with the
+# wrong KV head, or averaging the wrong group, keeps the same tokens there. `heads` is built so
+# that it does not: per layer, each KV head's group is one kind of head, and the two query heads
+# of a group look for different things.
+HEADS_KV, HEADS_GROUP, HEADS_DIM, HEADS_HIDDEN = 4, 2, 16, 64
+CLASSES = 8  # token id % CLASSES: the content each query head of a content head looks for
+RARE_EVERY = 31  # ids divisible by it: a rare kind a sink-like head draws most of its mass to
+_CONST, _CLASS0, _RARE = 0, 1, 1 + CLASSES  # embedding dimensions (the rest: small noise)
+# RoPE dims: pair i = (i, i + 8) turns by theta_i per position; with theta 1e9, pairs 0 and 1
+# turn 1 and 0.075 rad per position (a positional, local pattern), pairs 3 to 7 barely (< 0.03
+# rad over the test sequences), so content matches there hold at any distance.
+_LOCAL_DIMS, _CONTENT_DIMS = (0, 1), (3, 4, 5, 6)
+HEAD_KINDS = ("local", "content", "rare", "content")
+
+
+def head_kind(layer: int, kv_head: int) -> str:
+    """The kind of KV head `kv_head` in `layer` (it rotates by layer, so layers differ too)."""
+    return HEAD_KINDS[(kv_head + layer) % len(HEAD_KINDS)]
+
+
+def content_classes(layer: int, kv_head: int) -> tuple[int, int]:
+    """The token classes the two query heads of a content head look for."""
+    first = (2 * kv_head + 3 * layer) % CLASSES
+    return first, (first + 1) % CLASSES
+
+
+def heads_config(layers: int = 3, vocab: int = 256):
+    import transformers as tf
+
+    return tf.LlamaConfig(vocab_size=vocab, hidden_size=HEADS_HIDDEN,
+                          intermediate_size=2 * HEADS_HIDDEN, num_hidden_layers=layers,
+                          num_attention_heads=HEADS_KV * HEADS_GROUP,
+                          num_key_value_heads=HEADS_KV, head_dim=HEADS_DIM,
+                          max_position_embeddings=512, rope_theta=1e9,
+                          tie_word_embeddings=False)
+
+
+def _head_weights(layer: int, kv_head: int, gen) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(the two query heads' (HEADS_DIM, hidden) weights, the KV head's key weight): each query
+    row reads the constant dimension, each key row the feature its query heads look for."""
+    q = [torch.randn(HEADS_DIM, HEADS_HIDDEN, generator=gen) * 0.02 for _ in range(HEADS_GROUP)]
+    k = torch.randn(HEADS_DIM, HEADS_HIDDEN, generator=gen) * 0.02
+    kind = head_kind(layer, kv_head)
+    if kind == "local":  # q = k = constant: logits cos(d) and cos(0.075 d) of the distance d
+        for r, dim in enumerate(_LOCAL_DIMS):
+            q[r][dim, _CONST] = 1.5
+            k[dim, _CONST] += 1.0
+    else:
+        features = ((_RARE, _CLASS0 + content_classes(layer, kv_head)[0]) if kind == "rare"
+                    else tuple(_CLASS0 + c for c in content_classes(layer, kv_head)))
+        for r, (dim, feature) in enumerate(zip(_CONTENT_DIMS[2 * (kind == "rare"):], features)):
+            q[r][dim, _CONST] = 1.0
+            k[dim, feature] = 2.0 if feature == _RARE else 1.0
+    return q, k
+
+
+def heads_model(layers: int = 3, seed: int = 0, attn: str = "sdpa"):
+    """A tiny Llama (8 query heads, 4 KV heads, GQA 2) whose heads differ by construction: per
+    layer, KV heads of a local kind (attending by distance), two content kinds (each query head
+    attending the tokens of its own id class, a different class per query head, per KV head and
+    per layer) and a sink-like kind (one query head drawn to rare ids); random weights
+    elsewhere, small so that every layer's input stays close to the embedding."""
+    from transformers import AutoModelForCausalLM
+
+    from harness import hf_adapter
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(heads_config(layers), dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight  # (V, hidden)
+        emb.copy_(torch.randn(emb.shape, generator=gen) * 0.3)
+        ids = torch.arange(emb.shape[0])
+        emb[:, _CONST] = 4.0
+        emb[ids, _CLASS0 + ids % CLASSES] = 4.0
+        emb[:, _RARE] = torch.where(ids % RARE_EVERY == 0, 4.0, 0.0)
+        model.lm_head.weight.mul_(20.0)  # logits that differ between tokens
+        for i, layer in enumerate(model.model.layers):
+            attn_module = layer.self_attn
+            for h in range(HEADS_KV):
+                q, k = _head_weights(i, h, gen)
+                for r in range(HEADS_GROUP):
+                    row = (h * HEADS_GROUP + r) * HEADS_DIM
+                    attn_module.q_proj.weight[row:row + HEADS_DIM] = q[r]
+                attn_module.k_proj.weight[h * HEADS_DIM:(h + 1) * HEADS_DIM] = k
+    hf_adapter.set_attention(model, attn)
+    return model
+
+
+def permute_heads(model, kv_order: list[int], group_order: list[int] | None = None) -> None:
+    """Reorders the attention heads in `model`'s weights, in place, without changing what it
+    computes: new KV head i is old KV head kv_order[i] (its K/V rows and its query group move
+    with it), and inside every group new query head r is old query head group_order[r]."""
+    group_order = group_order or list(range(HEADS_GROUP))
+    cfg = model.config
+    g, d = cfg.num_attention_heads // cfg.num_key_value_heads, cfg.head_dim
+    query_order = [kv_order[i // g] * g + group_order[i % g] for i in range(len(kv_order) * g)]
+
+    def rows(order):
+        return torch.cat([torch.arange(o * d, (o + 1) * d) for o in order])
+
+    with torch.no_grad():
+        for layer in model.model.layers:
+            a = layer.self_attn
+            a.q_proj.weight.copy_(a.q_proj.weight[rows(query_order)])
+            for proj in (a.k_proj, a.v_proj):
+                proj.weight.copy_(proj.weight[rows(kv_order)])
+            a.o_proj.weight.copy_(a.o_proj.weight[:, rows(query_order)])
+
+
+def query_order(kv_order: list[int], group_order: list[int] | None = None) -> list[int]:
+    """The query-head order `permute_heads` gives: new query head i is old query_order[i]."""
+    group_order = group_order or list(range(HEADS_GROUP))
+    return [kv_order[i // HEADS_GROUP] * HEADS_GROUP + group_order[i % HEADS_GROUP]
+            for i in range(len(kv_order) * HEADS_GROUP)]

@@ -1,16 +1,25 @@
 """The methods and models every shared check runs over, and what each check starts from: the
 session's model of a family, a refusal turned into a skip, a request's logits."""
 
+import functools
+
 import pytest
 import torch
 
 from harness import hf_adapter
 from methods import available_methods
 from tests.conftest import make_engine
-from tests.models import FAMILIES
+from tests.models import FAMILIES, heads_model
 
 METHODS = available_methods()
-MODELS = ["stories", *FAMILIES]  # "llama" is the harness's reference tiny GQA Llama
+# "llama" is the harness's reference tiny GQA Llama; "heads" the tiny Llama whose heads attend
+# differently by construction (tests/models.py), where a head or group bug changes a kept set
+MODELS = ["stories", *FAMILIES, "heads"]
+
+
+@functools.cache
+def session_heads_model(layers: int):
+    return heads_model(layers)
 
 
 def get_model(which, request, layers=2):
@@ -18,6 +27,8 @@ def get_model(which, request, layers=2):
         return request.getfixturevalue("stories")[0]
     if which == "llama" and layers == 2:
         return request.getfixturevalue("tiny_model")
+    if which == "heads":
+        return session_heads_model(layers)
     return request.getfixturevalue("family_models")(which, layers)
 
 
