@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from harness import stats
-from harness.report import collect, compare, figures, html, leaderboard
+from harness.report import budgets, collect, compare, figures, html, leaderboard
 from harness.results import check_writable, write_text_atomic
 from kvcore.errors import ConfigError
 
@@ -51,12 +51,34 @@ def board_markdown(board: list[dict], paired: str) -> str:
             "## Paired comparison with the full cache\n\n" + paired)
 
 
-def notes(board: list[dict], made: list[Path], paired: str) -> str:
-    """report.md: the leaderboard, then which figure answers which question."""
-    lines = ["# kv-harness report", "", "## Leaderboard", "", board_markdown(board, paired),
+def notes(board: list[dict], made: list[Path], paired: str, answer: str = "") -> str:
+    """report.md: the answer per budget level, the leaderboard, then which figure answers which
+    question."""
+    lines = ["# kv-harness report", "", "## Which setting at this budget", "", answer,
+             "## Leaderboard", "", board_markdown(board, paired),
              "## Figures", ""]
     lines += [f"- `{p.name}`: {figures.question(p)}" for p in made]
     return "\n".join(lines) + "\n"
+
+
+def source_name(pattern: str) -> str:
+    """A source as the report names it: a folder by its name, never the machine's absolute
+    path (a relative glob as given)."""
+    path = Path(pattern)
+    return path.name if path.is_absolute() or path.is_dir() else pattern
+
+
+def shown_runs(rows: list[dict], patterns: list[str]) -> None:
+    """Runs outside the first folder (another folder given, or an absolute glob) named by their
+    source folder's name and the path inside it, never by an absolute path."""
+    roots = [Path(p).resolve() for p in patterns[1:] if Path(p).is_dir()]
+    for r in rows:
+        if not Path(r["run"]).is_absolute() and not r["run"].startswith(".."):
+            continue
+        folder = Path(r["_folder"]).resolve()
+        root = next((q for q in roots if q in folder.parents), None)
+        r["run"] = (f"{root.name}/{folder.relative_to(root)}" if root
+                    else f"{folder.parent.name}/{folder.name}")
 
 
 def build_report(patterns: list[str], out: Path | None = None, warn=None,
@@ -66,6 +88,7 @@ def build_report(patterns: list[str], out: Path | None = None, warn=None,
     stats.check_resamples(resamples, 1)  # the count alone, before a file is read
     check_out(out)
     rows = collect.collect(patterns, warn)
+    shown_runs(rows, patterns)
     compare.attach(rows)
     board = leaderboard.build(rows)
     stats.check_resamples(resamples, compare.widest_column(board))  # before any draw
@@ -75,6 +98,8 @@ def build_report(patterns: list[str], out: Path | None = None, warn=None,
         c["entry"].setdefault("verdicts", {})[c["column"]] = c["verdict"]
     paired = compare.markdown(compared, floors, compare.flags(board, compared),
                               compare.distinguishable(board), resamples)
+    answers = budgets.attach(board, rows, floors, resamples)
+    answer = budgets.markdown(answers)
     out.mkdir(parents=True, exist_ok=True)
     made = figures.draw_all(rows, out)
     for stale in out.iterdir():  # figures of an earlier report these runs no longer make
@@ -83,11 +108,13 @@ def build_report(patterns: list[str], out: Path | None = None, warn=None,
     write_text_atomic(out / "report.csv", collect.to_csv(rows))
     write_text_atomic(out / "leaderboard.csv", leaderboard.to_csv(board))
     write_text_atomic(out / "comparisons.csv", compare.to_csv(compared))
-    write_text_atomic(out / "leaderboard.md", board_markdown(board, paired))
-    write_text_atomic(out / "report.md", notes(board, made, paired) + "\n## Every run\n\n"
-                      + collect.markdown(rows))
+    write_text_atomic(out / "leaderboard.md", "## Which setting at this budget\n\n" + answer
+                      + "\n## Leaderboard\n\n" + board_markdown(board, paired))
+    write_text_atomic(out / "report.md", notes(board, made, paired, answer)
+                      + "\n## Every run\n\n" + collect.markdown(rows))
     write_text_atomic(out / "report.html", html.page(
-        rows, board, made, patterns, time.strftime("%Y-%m-%d %H:%M"), paired))
+        rows, board, made, [source_name(p) for p in patterns], time.strftime("%Y-%m-%d %H:%M"),
+        paired, answers))
     return rows, out, made
 
 

@@ -1,7 +1,13 @@
 """report.html: one self-contained page (no network at view time) a person opens.
 
-The leaderboard (sortable by any column, filterable), the figures as embedded PNGs with the
-question each answers, and every run in a folded table. Static figures on purpose: plotly's
+First the answer (harness.report.budgets): per budget level, the best setting, those that cannot
+be told from it after correction and the full cache, with what each costs. Then the leaderboard:
+one table per section and task column, grouped by budget level, best first inside a level, with
+the compact letter display; each row one line (provenance, operating point, variant and runs in
+the method cell's tooltip); speed figures from a shared lockstep step marked as shared. Then
+the figures as embedded PNGs with the question each answers, and every run in a folded table.
+No absolute path of the machine that made it: sources and runs are named relative to the
+report's folder. Static figures on purpose: plotly's
 self-contained HTML embeds ~4.6 MB of JavaScript per page and Vega-Lite (altair) needs the
 vl-convert native wheel to inline its JavaScript offline; neither is a dependency of the
 harness, and a PNG reads the same in a browser, on W&B and in a markdown note. The page's own
@@ -15,7 +21,7 @@ import base64
 import html
 from pathlib import Path
 
-from harness.report import leaderboard
+from harness.report import budgets, leaderboard
 from harness.report.collect import COLUMNS, fmt
 from harness.report import figures
 
@@ -28,7 +34,10 @@ table{border-collapse:collapse;font-size:12.5px;margin:.3em 0 1em;display:block;
 th,td{border:1px solid #ddd;padding:3px 7px;text-align:right;white-space:nowrap}
 th{background:#f5f5f5;cursor:pointer;position:sticky;top:0}
 th.sorted-asc::after{content:" \\25B2"} th.sorted-desc::after{content:" \\25BC"}
-td.text,th.text{text-align:left} td.text:last-child{white-space:normal;min-width:22em}
+td.text,th.text{text-align:left} tr.level th{background:#eef3fb;text-align:left;cursor:default}
+td.letters{font-family:ui-monospace,monospace;text-align:left;color:#1a4d8f}
+td.info{cursor:help} td.info::after{content:" \\24D8";color:#888}
+.shared{color:#8a5a00} ul.answer li{margin:.25em 0} ul.answer b{font-weight:600}
 tr.reference td{font-weight:600;background:#fafafa}
 tr.inactive td{color:#a00} td.best{background:#e6f4e6}
 figure{margin:1.2em 0} figure img{max-width:100%;height:auto;border:1px solid #eee}
@@ -41,22 +50,24 @@ SCRIPT = """
   function key(td){var v=td.getAttribute('data-v');
     return v===null||v===''?null:(isNaN(+v)?v.toLowerCase():+v);}
   document.querySelectorAll('table.sortable').forEach(function(table){
-    table.querySelectorAll('th').forEach(function(th,col){
+    table.tHead.querySelectorAll('th').forEach(function(th,col){
       th.addEventListener('click',function(){
         var asc=!th.classList.contains('sorted-asc');
-        table.querySelectorAll('th').forEach(function(h){h.classList.remove('sorted-asc','sorted-desc');});
+        table.tHead.querySelectorAll('th').forEach(function(h){h.classList.remove('sorted-asc','sorted-desc');});
         th.classList.add(asc?'sorted-asc':'sorted-desc');
-        var body=table.tBodies[0], rows=Array.prototype.slice.call(body.rows);
-        rows.sort(function(a,b){var x=key(a.cells[col]),y=key(b.cells[col]);
-          if(x===y)return 0; if(x===null)return 1; if(y===null)return -1;
-          return (x<y?-1:1)*(asc?1:-1);});
-        rows.forEach(function(r){body.appendChild(r);});
+        Array.prototype.forEach.call(table.tBodies,function(body){
+          var rows=Array.prototype.filter.call(body.rows,function(r){
+            return !r.classList.contains('level');});
+          rows.sort(function(a,b){var x=key(a.cells[col]),y=key(b.cells[col]);
+            if(x===y)return 0; if(x===null)return 1; if(y===null)return -1;
+            return (x<y?-1:1)*(asc?1:-1);});
+          rows.forEach(function(r){body.appendChild(r);});});
       });
     });
   });
   var box=document.getElementById('filter');
   if(box){box.addEventListener('input',function(){var q=box.value.toLowerCase();
-    document.querySelectorAll('table.sortable tbody tr').forEach(function(r){
+    document.querySelectorAll('table.sortable tbody tr:not(.level)').forEach(function(r){
       r.style.display=r.textContent.toLowerCase().indexOf(q)<0?'none':'';});});}
   document.body.setAttribute('data-ready','1');
 })();
@@ -75,36 +86,111 @@ def _td(value, text_column: bool = False, best: bool = False, shown: str | None 
             f"{_e(fmt(value) if shown is None else shown)}</td>")
 
 
-def _best(entries: list[dict], column: str) -> float | None:
-    values = [(e["tasks"][column], e["higher"][column]) for e in entries if column in e["tasks"]]
-    if len(values) < 2:
-        return None
-    higher = values[0][1]
-    return max(v for v, _ in values) if higher else min(v for v, _ in values)
+BOARD_HEAD = ("letters", "method", "setting", "value [95 %]", "n", "rank", "vs full",
+              "kv_held", "attended", "decode ms", "MiB/step", "active")
 
 
-def board_html(board: list[dict]) -> str:
+def _info(e: dict) -> str:
+    """The method cell's tooltip: what would make the row tall (provenance, operating point,
+    variant knobs, the runs behind it)."""
+    parts = [f"{k}: {e[k]}" for k in ("variant", "provenance", "operating_point") if e.get(k)]
+    return "\n".join(parts + [f"runs: {' '.join(e['runs'])}"])
+
+
+def _value_text(e: dict, column: str) -> str:
+    ci = e.get("ci", {}).get(column)
+    return fmt(e["tasks"][column]) + (f" [{fmt(ci[0])}, {fmt(ci[1])}]" if ci else "")
+
+
+def _rank_text(e: dict, column: str) -> str:
+    rank = e.get("ranks", {}).get(column)
+    return "" if not rank else f"#{rank[0]}" + (f"-{rank[1]}" if rank[1] != rank[0] else "")
+
+
+def _decode_td(e: dict) -> str:
+    if e.get("speed_shared"):
+        return (f'<td class="shared" data-v="{_e(e["decode_ms"])}" title="one batched step of '
+                f'{e["speed_shared"]} settings in lockstep: shared, not this setting\'s own">'
+                f'{_e(fmt(e["decode_ms"]))} shared</td>')
+    return _td(e.get("decode_ms"))
+
+
+def board_row(e: dict, column: str) -> str:
+    cls = ("reference" if e["method"] == leaderboard.REFERENCE else
+           "inactive" if e["active"] == "INACTIVE" else "")
+    verdict = e.get("verdicts", {}).get(column, "")
+    moved = e.get("bytes_per_step")
+    cells = [f'<td class="letters text">{_e(e.get("letters", {}).get(column, ""))}</td>',
+             f'<td class="text info" title="{_e(_info(e))}" data-v="{_e(e["method"])}">'
+             f'{_e(e["method"])}</td>',
+             _td(e["setting"], True),
+             _td(e["tasks"][column], shown=_value_text(e, column)),
+             _td(e["n"].get(column)),
+             _td((e.get("ranks", {}).get(column) or (None,))[0], shown=_rank_text(e, column)),
+             _td(verdict, True),
+             _td(e.get("kv_held")), _td(e.get("attended_fraction")), _decode_td(e),
+             _td(None if moved is None else moved / 2**20), _td(e["active"], True)]
+    return f'<tr class="setting {cls}">' + "".join(cells) + "</tr>"
+
+
+def _level_body(label: str, members: list[dict], column: str, note: str) -> str:
+    head = (f'<tr class="level"><th colspan="{len(BOARD_HEAD)}">{_e(label)} '
+            f'<span class="meta">· {len(members)} setting{"s" if len(members) != 1 else ""}'
+            f'{_e(note)}</span></th></tr>')
+    return "<tbody>" + head + "".join(board_row(e, column) for e in members) + "</tbody>"
+
+
+def board_html(board: list[dict], answers: list[dict]) -> str:
+    """One table per section and task column: the full cache, then each budget level."""
     out = []
+    by_key: dict[tuple, list[dict]] = {}
+    for a in answers:
+        by_key.setdefault((a["model"], a["protocol"], a["column"]), []).append(a)
     for (model, protocol), entries in leaderboard.sections(board).items():
-        own, rest = leaderboard.header(entries)
-        out.append(f"<h3>{_e(model)} · <code>{_e(protocol)}</code></h3>")
-        text = set(leaderboard.TEXT)
-        heads = [f'<th class="{"text" if c in text else ""}" title="{_e(c)}">'
-                 f'{_e(c + leaderboard.arrow(entries, c))}</th>' for c in own + rest]
-        out.append('<table class="sortable board"><thead><tr>' + "".join(heads)
-                   + "</tr></thead><tbody>")
-        best = {c: _best(entries, c) for c in rest}
-        for e in entries:
-            cls = ("reference" if e["method"] == "full" else
-                   "inactive" if e["active"] == "INACTIVE" else "")
-            cells = [_td(leaderboard.cell(e, c), c in text,
-                         best.get(c) is not None and leaderboard.cell(e, c) == best[c]
-                         and e["method"] != "full", leaderboard.shown(e, c))
-                     for c in own + rest]
-            out.append(f'<tr class="{cls}" title="{_e(" ".join(e["runs"]))}">'
-                       + "".join(cells) + "</tr>")
-        out.append("</tbody></table>")
+        for column in sorted({c for e in entries for c in e["tasks"]}):
+            out.append(f"<h3>{_e(model)} · <code>{_e(protocol)}</code> · "
+                       f"{_e(column + leaderboard.arrow(entries, column))}</h3>")
+            heads = "".join(f'<th class="{"text" if h in ("letters", "method", "setting", "vs full", "active") else ""}">'
+                            f"{_e(h)}</th>" for h in BOARD_HEAD)
+            out.append(f'<table class="sortable board"><thead><tr>{heads}</tr></thead>')
+            full = [e for e in entries if e["method"] == leaderboard.REFERENCE
+                    and column in e["tasks"]]
+            if full:
+                out.append(_level_body("full cache (reference)", full, column, ""))
+            for a in by_key.get((model, protocol, column), []):
+                out.append(_level_body(a["level"], a["members"], column,
+                                       f" · {a['apart']} of {a['pairs']} pairs told apart"))
+            out.append("</table>")
     return "\n".join(out)
+
+
+def answer_html(answers: list[dict], top: int = 8) -> str:
+    """The page's first section: per section, column and budget level, the best setting, those
+    that cannot be told from it, the full cache, and their costs."""
+    out, heading = [], None
+    for a in answers:
+        key = (a["model"], a["protocol"], a["column"])
+        if key != heading:
+            if heading is not None:
+                out.append("</ul>")
+            heading = key
+            out.append(f"<h3>{_e(a['model'])} · <code>{_e(a['protocol'])}</code> · "
+                       f"{_e(a['column'])}</h3><ul class=\"answer\">")
+            if a["full"]:
+                out.append(f"<li><b>full cache</b>: {_e(_value_text(a['full'], a['column']))} "
+                           f"({_e(budgets.cost(a['full']))})</li>")
+        best, same = a["members"][0], a["with_best"][1:]
+        listed = "; ".join(f"{budgets.name(e)} {fmt(e['tasks'][a['column']])} "
+                           f"({budgets.cost(e)})" for e in same[:top])
+        more = f"; and {len(same) - top} more (letter a below)" if len(same) > top else ""
+        out.append(f"<li><b>{_e(a['level'])}</b> ({len(a['members'])} settings): best "
+                   f"<b>{_e(budgets.name(best))}</b> "
+                   f"{_e(_value_text(best, a['column']))} ({_e(budgets.cost(best))})"
+                   + _e(budgets.alone(a, f"; cannot be told from it: {listed}{more}"
+                                      if same else "")) + "</li>")
+    if heading is not None:
+        out.append("</ul>")
+    return "\n".join(out) or "<p>No budget level has a setting with a value.</p>"
 
 
 def runs_html(rows: list[dict]) -> str:
@@ -159,12 +245,14 @@ def markdown_html(text: str) -> str:
 
 
 def page(rows: list[dict], board: list[dict], made: list[Path], sources: list[str],
-         generated: str, paired: str = "") -> str:
+         generated: str, paired: str = "", answers: list[dict] | None = None) -> str:
+    """The whole page; `sources` as the reader should see them (relative, never absolute)."""
     protocols = sorted({r["protocol"] for r in rows})
     models = sorted({r["model"] for r in rows})
     methods = sorted({r["method"] for r in rows})
     questions = "".join(f'<li><a href="#{_e(p.stem)}">{_e(p.name)}</a>: '
                         f"{_e(figures.question(p))}</li>" for p in made)
+    answers = answers or []
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
@@ -175,16 +263,24 @@ def page(rows: list[dict], board: list[dict], made: list[Path], sources: list[st
 <p class="meta">{len(rows)} runs of {len(methods)} methods ({_e(", ".join(methods))}) on
 {_e(", ".join(models))}; generated {_e(generated)} from {_e(" ".join(sources))}.<br>
 Protocols: {"; ".join(f"<code>{_e(p)}</code>" for p in protocols)}.</p>
+<h2 id="answer">Which setting at this budget</h2>
+<p>Per budget level (a setting's <code>budget_ratio</code>; a method at its own defaults by the
+band of KV held it measured), the best setting by the task's metric and the settings that
+cannot be told from it: paired comparisons of every two settings of the level on the same
+samples, Benjamini-Hochberg over the level's pairs (FDR {budgets.FDR:.0%}), a difference inside
+the noise floor never counts. KV held = bytes on every tier / full cache; decode ms = median per
+token, <span class="shared">shared</span> where one batched step timed N settings together in
+lockstep (no setting's own speed).</p>
+<div class="answer">{answer_html(answers)}</div>
 <h2>Leaderboard</h2>
-<p>One row per method setting (budget knobs, variant, provenance / operating point); each task
-column is the task's main metric (↑ higher / ↓ lower is better; the best non-reference value is
-shaded); the full cache is the bold row. KV held = bytes on every tier / full cache; attended =
-tokens attended / seen at decode steps (sparse layers); decode ms = median per token; bytes =
-host-to-device per decode step. A task cell reads value [95 % interval] n=units #rank interval
-(bootstrap ranks in its section); a verdict against the full cache follows where there is one.
-Click a column to sort (by value).
+<p>One table per task column, grouped by budget level, best first inside a level (click a
+column to sort inside the levels). Settings that share a letter cannot be told apart after
+correction (compact letter display; "a" holds the level's best). A value reads value [95 %
+interval]; rank = bootstrap rank interval in the section; vs full = the paired comparison with
+the full cache after Benjamini-Hochberg over the report. Hover a method for its provenance,
+operating point, variant and runs.
 <input id="filter" type="search" placeholder="filter rows (method, knob, …)"></p>
-{board_html(board)}
+{board_html(board, answers)}
 <h2>Paired comparison with the full cache</h2>
 {markdown_html(paired)}
 <h2>Figures</h2>

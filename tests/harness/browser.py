@@ -4,7 +4,7 @@ Chromium is driven over the DevTools protocol on a pipe (`--remote-debugging-pip
 fd 3, replies on fd 4, NUL-terminated JSON), so no websocket client or driver package is needed.
 `inspect(page)` returns the console errors and uncaught exceptions, every request the page made
 that left the file (http, https, ...), the images and whether each decoded, the page's own
-`data-ready` mark, the leaderboard's rows, and a screenshot.
+`data-ready` mark, the leaderboard's setting rows, and a screenshot.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ CHECK_JS = """JSON.stringify({
   text: document.body ? document.body.innerText.length : 0,
   images: Array.from(document.images).map(function(i){
     return {alt: i.alt, complete: i.complete, width: i.naturalWidth, height: i.naturalHeight};}),
-  boardRows: document.querySelectorAll('table.board tbody tr').length
+  boardRows: document.querySelectorAll('table.board tbody tr.setting').length
 })"""
 
 
@@ -89,9 +89,10 @@ class _Pipe:
 
 
 def inspect(page: Path, width: int = 1400, height: int = 900, settle_s: float = 0.3,
-            scripts: dict[str, str] | None = None) -> dict:
+            scripts: dict[str, str] | None = None, before_shot: str = "") -> dict:
     """Load `page` (a local file) and return what it showed; `scripts` {name: JavaScript} are
-    run after the checks, their values under state["scripts"]. RuntimeError if chromium fails."""
+    run after the checks, their values under state["scripts"]; `before_shot` (JavaScript, e.g.
+    a scroll) runs just before the screenshot. RuntimeError if chromium fails."""
     chromium = find_chromium()
     if chromium is None:
         raise FileNotFoundError("chromium is not installed")
@@ -118,7 +119,7 @@ def inspect(page: Path, width: int = 1400, height: int = 900, settle_s: float = 
         os.set_blocking(from_child_r, False)
         pipe = _Pipe(to_child_w, from_child_r)
         try:
-            return _visit(pipe, page, width, height, settle_s, scripts or {})
+            return _visit(pipe, page, width, height, settle_s, scripts or {}, before_shot)
         finally:
             try:
                 pipe.send("Browser.close", timeout_s=5)
@@ -134,7 +135,7 @@ def inspect(page: Path, width: int = 1400, height: int = 900, settle_s: float = 
 
 
 def _visit(pipe: _Pipe, page: Path, width: int, height: int, settle_s: float,
-           scripts: dict[str, str]) -> dict:
+           scripts: dict[str, str], before_shot: str = "") -> dict:
     targets = pipe.send("Target.getTargets")["targetInfos"]
     target = next(t["targetId"] for t in targets if t["type"] == "page")
     session = pipe.send("Target.attachToTarget", {"targetId": target, "flatten": True})["sessionId"]
@@ -161,6 +162,9 @@ def _visit(pipe: _Pipe, page: Path, width: int, height: int, settle_s: float,
     state = json.loads(pipe.send("Runtime.evaluate", {"expression": CHECK_JS,
                                                       "returnByValue": True},
                                  session=session)["result"]["value"])
+    if before_shot:
+        pipe.send("Runtime.evaluate", {"expression": before_shot}, session=session)
+        time.sleep(0.1)
     shot = pipe.send("Page.captureScreenshot", {"format": "png"}, session=session)["data"]
     state["screenshot_png"] = base64.b64decode(shot)
     state["scripts"] = {name: pipe.send("Runtime.evaluate", {"expression": js,
