@@ -55,6 +55,10 @@ class Selection:
     # (B, H_kv, n) text positions of the K/V rows `attend` got, when a layer fetched them before
     # (from the host tier); None: every stored token, in text order
     kv_rows: torch.Tensor | None = None
+    # the layer whose query (over its own keys) the scores came from: None, this layer's own; a
+    # cross-layer selector's reuse layer names its selecting layer (TidalDecode), and the
+    # shared contract then holds the scores and the attended mass to that layer's attention
+    source_layer: int | None = None
 
     def score_rows(self) -> torch.Tensor:
         return self.scores() if callable(self.scores) else self.scores
@@ -90,6 +94,12 @@ class SelectionLayer(KVLayer):
     # (unscaled) over the unit's tokens: an upper bound (Quest's criticality); the shared
     # contract holds the scores to it
     scores_bound_logits: ClassVar[bool] = False
+    # the scores are the exact attention probabilities of the source layer's query (per query
+    # head, or the group's mean per KV head): the shared contract recomputes them itself
+    scores_are_attention: ClassVar[bool] = False
+    # the layer whose query scores this layer's tokens (None: its own); set by a cross-layer
+    # selector and recorded in each `Selection`
+    source_layer: int | None = None
 
     def __init__(self, layer_idx: int, info: ModelInfo, method: KVMethod):
         super().__init__(layer_idx, info)
@@ -168,7 +178,7 @@ class SelectionLayer(KVLayer):
             keep = keep.repeat_interleave(self.unit_tokens, dim=-1)[..., :t]
         keep[..., :first] = True
         keep[..., t - last:] = True  # (last = 0: an empty slice)
-        return Selection(scores, keep, size, (first, last))
+        return Selection(scores, keep, size, (first, last), source_layer=self.source_layer)
 
     def fetch_and_attend(self, module, query, keys, values, keep, base, scaling, kwargs):
         """One decode row: each KV head's union of sets fetched, each query head attending its

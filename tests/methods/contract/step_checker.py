@@ -55,6 +55,9 @@ class StepChecker:
         # layer -> (B, H_kv, max positions) fp64: the attention each text position received,
         # summed over query rows (group mean per KV head), for `accumulates_attention` layers
         self.accumulated: dict[int, torch.Tensor] = {}
+        # layer -> (forward, its last query row (B, H_q, 1, D), the keys it attended, scaling):
+        # what a later layer declaring this one as its scores' source is checked against
+        self.attention_inputs: dict[int, tuple] = {}
         for layer in layers:
             layer.update = self._update(layer, layer.update)
             layer.attend = self._attend(layer, layer.attend)
@@ -188,6 +191,9 @@ class StepChecker:
                     f"layer {layer.layer_idx}: mask {tuple(attention_mask.shape)} for "
                     f"{query.shape[2]} queries over {keys.shape[-2]} keys")
             self.dense_rows[layer.layer_idx] = KVLayer.holding_prompt(layer)
+            scaling = kwargs.get("scaling")
+            self.attention_inputs[layer.layer_idx] = (
+                self.forwards, query[:, :, -1:], keys, module.scaling if scaling is None else scaling)
             if scored_eviction(layer) and layer.accumulates_attention:
                 self.accumulate(layer, module, query, keys, attention_mask, kwargs)
             out = attend(module, query, keys, values, attention_mask, base, **kwargs)
@@ -246,6 +252,7 @@ class StepChecker:
         where = f"layer {layer.layer_idx} after {layer.seen_tokens} tokens"
         assert h_sel in (h_q, h_kv) and keep.shape == (b, h_sel, t), (
             f"{where}: {h_sel} selecting rows, neither the {h_q} query heads nor {h_kv} KV heads")
+        self.check_source(layer, sel, scores, h_kv, where)
         first, last = sel.protected
         guard = set(range(first)) | set(range(t - last, t))
         for i, (row, held) in enumerate(zip(scores.reshape(-1, scores.shape[-1]).tolist(),
@@ -288,6 +295,37 @@ class StepChecker:
             f"{where}: query heads {worst.gt(1e-4).nonzero()[:, 1].tolist()} did not attend "
             f"exactly their own selected sets (max error {worst.max():.3g})")
 
+    def source_inputs(self, layer, sel) -> tuple:
+        """(last query row (B, H_q, 1, D), keys (B, H_kv, T, D), scaling) of the layer a
+        selection declares as its scores' source (its own by default), at this forward."""
+        source = layer.layer_idx if sel is None or sel.source_layer is None else sel.source_layer
+        where = f"layer {layer.layer_idx} after {layer.seen_tokens} tokens"
+        assert source <= layer.layer_idx, (
+            f"{where}: scores declared from layer {source}, which has not run yet")
+        recorded = self.attention_inputs.get(source)
+        assert recorded is not None and recorded[0] == self.forwards, (
+            f"{where}: scores declared from layer {source}, which did not attend in this forward")
+        return recorded[1:]
+
+    def check_source(self, layer, sel, scores, h_kv, where):
+        """Scores declared as exact attention (`scores_are_attention`) equal the attention the
+        contract computes from the declared source layer's query and keys (per query head, or
+        the group's mean per KV head): a reuse layer reading another layer's scores, or scores
+        pairing a query head with the wrong KV head, fail here."""
+        query, keys, scaling = self.source_inputs(layer, sel)
+        if not layer.scores_are_attention or keys.shape[2] != layer.seen_tokens:
+            return
+        b, h_q = query.shape[:2]
+        k = keys.double().repeat_interleave(h_q // keys.shape[1], dim=1)  # (B, H_q, T, D)
+        probs = (torch.einsum("bhd,bhtd->bht", query[:, :, -1].double(), k) * scaling).softmax(-1)
+        if scores.shape[1] != h_q:
+            probs = probs.view(b, h_kv, h_q // h_kv, -1).mean(2)  # (B, H_kv, T)
+        worst = float((probs.cpu() - scores.double()).abs().max())
+        source = layer.layer_idx if sel.source_layer is None else sel.source_layer
+        assert worst <= 1e-4, (
+            f"{where}: its scores are declared as layer {source}'s exact attention, and differ "
+            f"from what the contract computes from that layer's query and keys by {worst:.3g}")
+
     def check_bounds(self, layer, query, keys, scores, unit):
         """Per query head, every scored unit's score is at least its largest q.k (unscaled)
         over the unit's tokens (`scores_bound_logits`)."""
@@ -314,13 +352,15 @@ class StepChecker:
         if (query.shape[2] != 1 or not torch.is_tensor(keys) or KVLayer.holding_prompt(layer)
                 or keys.shape[2] != layer.seen_tokens or "selected_tokens" not in layer.stats()):
             return
+        # a selection from another layer's query carries that layer's attention, not this one's
+        query, keys, scaling = self.source_inputs(layer, getattr(layer, "selection", None))
+        if keys.shape[2] != layer.seen_tokens:
+            return
         b, h_q, _, _ = query.shape
         h_kv, t = keys.shape[1], keys.shape[2]
         positions = layer.kept_positions()  # (B, H_sel, n)
         if positions.shape[-1] >= t:
             return  # attended everything
-        scaling = kwargs.get("scaling")
-        scaling = module.scaling if scaling is None else scaling
         expanded = keys.float().repeat_interleave(h_q // h_kv, dim=1)  # (B, H_q, T, D)
         probs = (torch.einsum("bhd,bhtd->bht", query[:, :, 0].float(), expanded)
                  * scaling).softmax(-1)  # (B, H_q, T)
