@@ -5,7 +5,8 @@ batch size; a task column holds that task's main metric (declared on the task cl
 task whose options differ (perplexity on 150 or 400 tokens) are never one column: the options
 that differ between them tag the column ("perplexity max_tokens=400"). The mean column averages
 the higher-is-better task columns of a row that has them all. KV held, attended fraction,
-decode ms and bytes moved are means over the row's runs.
+decode ms and bytes moved are means over the row's runs. The CSV adds each row's budget level,
+how many settings shared its timed decode step (speed_shared) and its letters per task column.
 
 Every task cell carries its 95 % interval and n (`ci`, `n`; harness.report.compare attaches them
 to the rows) and, once compare.rank_intervals ran, its rank interval: markdown shows
@@ -178,7 +179,8 @@ def to_csv(board: list[dict]) -> str:
     """One flat table: the key, every task column of the whole report, the measures."""
     tasks = sorted({c for e in board for c in e["tasks"]})
     extra = [f"{c} {part}" for c in tasks for part in INTERVAL_PARTS]
-    fields = list(KEY) + tasks + [MEAN, *MEASURES, "active", "runs", IDENTICAL] + extra
+    fields = (list(KEY) + tasks + [MEAN, *MEASURES, "active", "runs", IDENTICAL, "level",
+                                    "speed_shared"] + extra)
     buf = io.StringIO()
     writer = csv.writer(buf)
     writer.writerow(fields)
@@ -190,11 +192,13 @@ def to_csv(board: list[dict]) -> str:
     return buf.getvalue()
 
 
-INTERVAL_PARTS = ("ci95_low", "ci95_high", "n", "rank_best", "rank_worst")
+# letters: the compact letter display inside the row's budget level (harness.report.budgets).
+INTERVAL_PARTS = ("ci95_low", "ci95_high", "n", "rank_best", "rank_worst", "letters")
 
 
 def interval_parts(e: dict, column: str) -> list:
     """A task cell's INTERVAL_PARTS (None where it has none)."""
     ci = e.get("ci", {}).get(column) or (None, None)
     rank = e.get("ranks", {}).get(column) or (None, None)
-    return [ci[0], ci[1], e.get("n", {}).get(column), rank[0], rank[1]]
+    return [ci[0], ci[1], e.get("n", {}).get(column), rank[0], rank[1],
+            e.get("letters", {}).get(column)]

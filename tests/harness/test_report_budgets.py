@@ -47,6 +47,11 @@ def test_report_answers_per_budget_with_letters(tmp_path):
     assert "cannot be told from it: snapkv budget_ratio=0.2 95" in line and "h2o" not in line
     board = (out / "leaderboard.md").read_text()
     assert board.index("Which setting at this budget") < board.index("## Leaderboard")
+    csv_text = (out / "leaderboard.csv").read_text().splitlines()
+    header = csv_text[0].split(",")
+    letters = header.index("ruler average letters")
+    tova = next(x for x in csv_text if ",tova," in x).split(",")
+    assert tova[letters] == "a" and tova[header.index("level")] == "budget_ratio 0.2"
 
 
 def test_letters_stay_with_their_settings_in_the_page(tmp_path):
