@@ -121,7 +121,7 @@ def jsonl_rows(path: Path, key: str, check_row: Callable[[dict], str] | None = N
             raise ConfigError(f"{key}: {path}: line {number} is not JSON "
                               f"({str(exc).splitlines()[0]})") from None
         if not isinstance(row, dict):
-            raise ConfigError(f"{key}: {path}: line {number} is a JSON {_json_type(row)}, "
+            raise ConfigError(f"{key}: {path}: line {number} is a JSON {json_type(row)}, "
                               "not an object (one sample per line)")
         problem = check_row(row) if check_row else ""
         if problem:
@@ -130,6 +130,7 @@ def jsonl_rows(path: Path, key: str, check_row: Callable[[dict], str] | None = N
     return rows
 
 
-def _json_type(value: Any) -> str:
-    return {list: "array", str: "string", bool: "boolean", type(None): "null"}.get(
+def json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type (array, string, number, boolean, null, object)."""
+    return {list: "array", str: "string", bool: "boolean", type(None): "null", dict: "object"}.get(
         type(value), "number")

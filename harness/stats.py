@@ -124,7 +124,7 @@ def n_for_paired_binary(discordance_: float, difference: float, half_width: floa
     discordance minus the squared mean difference. ValueError beyond MAX_SAMPLES."""
     if not (half_width > 0 and math.isfinite(half_width)):
         raise ValueError("half_width must be a finite number above 0")
-    z = sps.norm.ppf(0.5 + confidence / 2)
+    z = float(sps.norm.ppf(0.5 + confidence / 2))  # a Python float: overflow gives inf, quietly
     variance = max(discordance_ - difference ** 2, 0.0)
     n = z * z * variance / half_width / half_width  # inf, never 1 / 0, for a tiny width
     return _whole_n(n, f"a half-width of {half_width:g}")

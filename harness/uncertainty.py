@@ -163,7 +163,7 @@ def _perplexity_row(row: dict) -> str:
         return ""
     nll = row["token_nll"]
     if not isinstance(nll, list):
-        return f"token_nll must be a list of numbers (got a {type(nll).__name__})"
+        return f"token_nll must be a list of numbers (got a JSON {inputs.json_type(nll)})"
     for t, x in enumerate(nll):
         if not _number(x) or x < 0:  # -log p is never negative
             return f"token_nll[{t}]={json.dumps(x)[:40]} must be a finite number >= 0"

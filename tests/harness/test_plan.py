@@ -1,6 +1,10 @@
 """harness.plan: the n a sweep needs for a paired half-width, from a pilot."""
 
+import os
+from pathlib import Path
+
 import numpy as np
+import pytest
 
 from harness import plan
 from tests.helpers.reports import ruler_run
@@ -34,3 +38,66 @@ def test_a_pilot_without_variation_cannot_size_a_sweep(tmp_path):
     ruler_run(tmp_path, "h2o", [0] * 10, budget=0.2)  # every sample lost: no variance to scale
     [record] = plan.plan([str(tmp_path)], half_width=2, resamples=200)
     assert "needed" not in record and record["why"].startswith("no variation")
+
+
+def pilot(tmp_path: Path) -> Path:
+    rng = np.random.default_rng(1)
+    full = (rng.random(40) < 0.7).astype(float)
+    ruler_run(tmp_path, "full", full)
+    ruler_run(tmp_path, "h2o", np.where(rng.random(40) < 0.2, 1 - full, full), budget=0.2)
+    return tmp_path
+
+
+def refused(capsys, *argv: str) -> str:
+    assert plan.main(list(argv)) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and err.startswith("error: ")
+    return err
+
+
+@pytest.mark.parametrize("half_width", ["1e-200", "1e-320", "4.9e-324"])
+def test_a_half_width_beneath_any_metrics_resolution_is_refused(half_width, tmp_path, capsys):
+    """(pilot / wanted)^2 overflowed here: refused before the pilot is read."""
+    err = refused(capsys, str(pilot(tmp_path)), "--half-width", half_width, "--resamples", "300")
+    assert "--half-width" in err and "must be a finite number of at least 1e-06" in err
+
+
+def test_a_half_width_beyond_any_sample_size_names_the_one_within_reach(tmp_path, capsys,
+                                                                       monkeypatch):
+    """Above the floor, but needing more than 10^12 samples: refused with what n could reach."""
+    monkeypatch.setattr(plan, "MIN_HALF_WIDTH", 1e-30)
+    err = refused(capsys, str(pilot(tmp_path)), "--half-width", "1e-12", "--resamples", "300")
+    assert "would need more than 1e+12 samples" in err and "ask for at least" in err
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--half-width", "inf"], "--half-width inf: must be a finite number"),
+    (["--half-width", "nan"], "--half-width nan: must be a finite number"),
+    (["--half-width", "-3"], "--half-width -3.0: must be a finite number"),
+    (["--half-width", "1e400"], "--half-width inf: must be a finite number"),
+    (["--half-width", "2", "--resamples", "1"], "--resamples 1: at least 100"),
+    (["--half-width", "2", "--resamples", "-7"], "--resamples -7: at least 100"),
+    (["--half-width", "2", "--resamples", "5000000000"], "above the 2 GiB limit"),
+])
+def test_bad_arguments_are_refused_before_a_file_is_read(argv, expect, tmp_path, capsys):
+    """The pilot path does not even exist: the arguments are checked first."""
+    assert expect in refused(capsys, str(tmp_path / "nope"), *argv)
+
+
+@pytest.mark.parametrize("plant, expect", [
+    (lambda p: os.mkfifo(p), "is a FIFO (named pipe)"),
+    (lambda p: os.symlink("/dev/urandom", p), "(a link to /dev/urandom)"),
+    (lambda p: p.write_text('{"sample_id": "a", "subtask": "s", "length_tokens": 512, '
+                            '"score": NaN}\n'), "line 1 is not JSON (NaN is not a JSON number)"),
+    (lambda p: p.write_text('{"sample_id": "a", "subtask": "s", "length_tokens": 512, '
+                            '"score": "0.5"}\n'), 'line 1: score="0.5" must be a finite number'),
+    (lambda p: p.write_text('[["a", 1.0]]\n'), "line 1 is a JSON array, not an object"),
+])
+def test_a_pilot_whose_samples_cannot_be_read_is_refused_by_name(plant, expect, tmp_path,
+                                                                 capsys):
+    folder = pilot(tmp_path)
+    samples = next((folder / "ruler").rglob("h2o-*")) / "samples.jsonl"
+    samples.unlink()
+    plant(samples)
+    err = refused(capsys, str(folder), "--half-width", "5", "--resamples", "300")
+    assert str(samples) in err and expect in err

@@ -1,6 +1,8 @@
 """Report (table + plots) and regression gates, on a small results tree built here."""
 
 import json
+import os
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -435,3 +437,186 @@ def test_runs_reached_through_a_link_are_counted_once(tmp_path):
     fake_run(tmp_path / "r", "full", 50.0, 100.0)
     (tmp_path / "alias").symlink_to(tmp_path / "r")
     assert len(find_runs([str(tmp_path / "r"), str(tmp_path / "alias")])) == 1
+
+
+# --- statistics inputs held against bad input (issue 47) ---------------------------------------
+
+def user_file(root: Path) -> Path:
+    keep = root / "keep.txt"
+    keep.write_text("a user's file\n")
+    return keep
+
+
+def one_line_error(capsys) -> str:
+    out, err = capsys.readouterr()
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+    return err
+
+
+def sparse(path: Path, size: int) -> None:
+    """Extend `path` (created when absent) to `size` bytes without writing them: a sparse file
+    that claims far more than it holds."""
+    with open(path, "ab") as f:
+        f.truncate(size)
+
+
+def samples_tree(root: Path) -> tuple[Path, Path]:
+    """A full-cache and an h2o run on the frozen reference's sample: (h2o's samples, root)."""
+    frozen = json.loads(FROZEN.read_text().splitlines()[0])
+    base = np.array(frozen["token_nll"])
+    fake_run(root, "full", float(np.exp(base.mean())), 100.0)
+    (next(root.rglob("full-*")) / "samples.jsonl").write_text(json.dumps(frozen))
+    h2o = paired_tree(root, (base + 0.1).round(6))
+    return h2o / "samples.jsonl", root
+
+
+PLANTS = [
+    (lambda p: os.mkfifo(p), "is a FIFO (named pipe)"),
+    (lambda p: os.symlink("/dev/zero", p), "(a link to /dev/zero)"),
+    (lambda p: os.symlink("/dev/full", p), "(a link to /dev/full)"),
+    (lambda p: p.write_text('{"sample_id": "a", "token_nll": [1.0, NaN]}\n'),
+     "line 1 is not JSON (NaN is not a JSON number)"),
+    (lambda p: p.write_text('{"sample_id": "a", "token_nll": [1.0, null]}\n'),
+     "line 1: token_nll[1]=null must be a finite number >= 0"),
+    (lambda p: p.write_text('{"sample_id": "a", "token_nll": ["1.0"]}\n'),
+     'line 1: token_nll[0]="1.0" must be a finite number'),
+    (lambda p: p.write_text('[1.0, 2.0]\n'), "line 1 is a JSON array, not an object"),
+    (lambda p: sparse(p, 2**30), "above the 256 MiB limit"),
+]
+
+
+def plant_in(samples: Path, plant) -> None:
+    samples.unlink()
+    plant(samples)
+
+
+def no_hang(seconds: int = 60):
+    """Fail (instead of hanging the suite) when a FIFO is opened for reading."""
+    def fail(*_):
+        raise AssertionError("a read blocked (a FIFO was opened)")
+    signal.signal(signal.SIGALRM, fail)
+    signal.alarm(seconds)
+
+
+@pytest.mark.parametrize("plant, expect", PLANTS)
+def test_report_refuses_samples_it_cannot_read_before_writing(plant, expect, tmp_path, capsys):
+    samples, root = samples_tree(tmp_path / "runs")
+    keep = user_file(tmp_path)
+    plant_in(samples, plant)
+    no_hang()
+    try:
+        code = report.main([str(root), "--out", str(tmp_path / "out"), "--resamples", "200"])
+    finally:
+        signal.alarm(0)
+    assert code == 2
+    err = one_line_error(capsys)
+    assert str(samples) in err and expect in err
+    assert not (tmp_path / "out").exists() and keep.read_text() == "a user's file\n"
+
+
+@pytest.mark.parametrize("resamples, expect", [
+    ("1", "--resamples 1: at least 100"), ("99", "--resamples 99: at least 100"),
+    ("400000000", "above the 2 GiB limit (harness.stats.MEMORY_LIMIT_BYTES)"),
+    ("1000000000000", "above the 2 GiB limit"),
+])
+def test_report_bounds_resamples_before_reading(resamples, expect, tmp_path, capsys):
+    _, root = samples_tree(tmp_path / "runs")
+    assert report.main([str(root), "--out", str(tmp_path / "out"), "--resamples",
+                        resamples]) == 2
+    assert expect in one_line_error(capsys) and not (tmp_path / "out").exists()
+
+
+def test_report_resamples_are_bounded_by_the_widest_column(tmp_path, capsys, monkeypatch):
+    """The estimate counts the runs one bootstrap holds side by side (rank intervals)."""
+    from harness import stats
+
+    _, root = samples_tree(tmp_path / "runs")
+    monkeypatch.setattr(stats, "MEMORY_LIMIT_BYTES", stats.bootstrap_bytes(1000, 1))
+    assert report.main([str(root), "--out", str(tmp_path / "out"), "--resamples", "1000"]) == 2
+    assert "the bootstrap of 2 run(s) side by side" in one_line_error(capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def reference_gate(tmp_path: Path, reference: Path) -> Path:
+    gate = tmp_path / "gate.yaml"
+    gate.write_text("thresholds:\n  - {model: stories260k, method: h2o, task: perplexity, "
+                    f"metric: paired.difference, paired_reference: {reference}, max: 5.0}}\n")
+    return gate
+
+
+@pytest.mark.parametrize("plant, expect", PLANTS + [
+    (lambda p: p.write_text(""), "needs samples.jsonl rows with sample_id"),
+    (lambda p: p.write_text('{"sample_id": "a"}\n'), "no scored units for task=perplexity"),
+    (lambda p: p.mkdir(), "is a folder"),
+])
+def test_a_bad_paired_reference_is_bad_input_never_a_regression(plant, expect, tmp_path,
+                                                                capsys):
+    paired_tree(tmp_path / "runs", [3.9] * 399)
+    reference = tmp_path / "reference.samples.jsonl"
+    plant(reference)
+    keep = user_file(tmp_path)
+    no_hang()
+    try:
+        code = check.main([str(tmp_path / "runs"), "--against",
+                           str(reference_gate(tmp_path, reference))])
+    finally:
+        signal.alarm(0)
+    assert code == 2
+    err = one_line_error(capsys)
+    assert "paired_reference" in err and str(reference) in err and expect in err
+    assert keep.read_text() == "a user's file\n"
+
+
+@pytest.mark.parametrize("plant, expect", PLANTS[:4])
+def test_check_refuses_a_runs_samples_it_cannot_read(plant, expect, tmp_path, capsys):
+    samples = paired_tree(tmp_path / "runs", [3.9] * 399) / "samples.jsonl"
+    plant_in(samples, plant)
+    no_hang()
+    try:
+        code = check.main([str(tmp_path / "runs"), "--against", str(paired_gate(tmp_path))])
+    finally:
+        signal.alarm(0)
+    assert code == 2
+    err = one_line_error(capsys)
+    assert str(samples) in err and expect in err
+
+
+@pytest.mark.parametrize("plant, expect", [
+    (lambda p: sparse(p, 2**34), "above the 16 MiB limit"),
+    (lambda p: os.symlink("/dev/urandom", p), "not a regular file"),
+    (lambda p: os.mkfifo(p), "not a regular file"),
+    (lambda p: p.write_bytes(b"thresholds: [\xff\xfe]\n"), "not UTF-8 text (line 1"),
+])
+def test_a_thresholds_file_is_checked_by_kind_and_size_before_reading(plant, expect, tree,
+                                                                      tmp_path, capsys):
+    gate = tmp_path / "gate.yaml"
+    plant(gate)
+    assert check.main([str(tree), "--against", str(gate)]) == 2
+    err = one_line_error(capsys)
+    assert "--against" in err and str(gate) in err and expect in err
+
+
+@pytest.mark.parametrize("plant, expect", [
+    (lambda p: sparse(p, 2**34), "above the 16 MiB limit"),
+    (lambda p: p.write_text(p.read_text().replace('"ppl": 50.0', '"ppl": NaN')),
+     "NaN is not a JSON number"),
+])
+def test_a_metrics_json_too_large_or_not_json_is_skipped_by_name(plant, expect, tree, tmp_path,
+                                                                 capsys):
+    victim = next(tree.rglob("full-None-10-0-1")) / "metrics.json"
+    plant(victim)
+    rows, _, _ = report.build_report([str(tree)], tmp_path / "out", resamples=200)
+    err = capsys.readouterr().err
+    assert f"warning: skipped {victim}" in err and expect in err
+    assert all(r["_folder"] != victim.parent for r in rows)
+    assert len(rows) == 4  # the other runs are reported
+
+
+def test_a_folder_of_only_unreadable_runs_is_one_line_naming_the_first(tmp_path, capsys):
+    fake_run(tmp_path / "runs", "full", 50.0, 100.0)
+    victim = next((tmp_path / "runs").rglob("metrics.json"))
+    sparse(victim, 2**34)  # a metrics.json that claims 16 GiB
+    assert report.main([str(tmp_path / "runs"), "--out", str(tmp_path / "out")]) == 2
+    err = one_line_error(capsys)
+    assert "1 metrics.json, none valid" in err and "above the 16 MiB limit" in err
+    assert not (tmp_path / "out").exists()

@@ -7,6 +7,7 @@ import pytest
 from scipy import stats as sps
 
 from harness import stats
+from kvcore.errors import ConfigError
 
 
 def test_wilson_covers_a_known_rate_in_95_percent_of_1000_repetitions():
@@ -156,3 +157,48 @@ def test_bad_designs_are_refused():
         stats.design([1.0, float("nan")])
     with pytest.raises(ValueError, match="no weight for stratum 'B'"):
         stats.design([1, 2], strata=["A", "B"], weights={"A": 1})
+
+
+@pytest.mark.parametrize("half_width", [1e-200, 1e-310, 5e-324])
+def test_a_half_width_no_sample_size_reaches_is_refused_not_overflowed(half_width):
+    """(pilot / wanted)^2 overflows (OverflowError, or ceil(inf)) for a tiny wanted width."""
+    with pytest.raises(ValueError, match="needs more than 1e\\+12 samples"):
+        stats.n_for_half_width(60, 5.0, half_width)
+    with pytest.raises(ValueError, match="needs more than 1e\\+12 samples"):
+        stats.n_for_paired_binary(0.2, 0.0, half_width)
+    assert stats.n_for_paired_binary(0.0, 0.0, half_width) == 1  # no variance: any n
+
+
+@pytest.mark.parametrize("half_width", [0.0, -1.0, float("inf"), float("nan")])
+def test_a_half_width_that_is_no_width_is_refused(half_width):
+    with pytest.raises(ValueError, match="finite number above 0"):
+        stats.n_for_half_width(60, 5.0, half_width)
+    with pytest.raises(ValueError, match="finite number above 0"):
+        stats.n_for_paired_binary(0.2, 0.0, half_width)
+
+
+def test_the_half_width_a_sample_reaches_inverts_the_sample_size():
+    n = stats.n_for_half_width(60, 5.0, 1.25)
+    assert n == 960 and stats.half_width_for_n(60, 5.0, n) == pytest.approx(1.25)
+
+
+@pytest.mark.parametrize("resamples, columns, expect", [
+    (0, 2, "at least 100"), (-5, 2, "at least 100"), (99, 2, "at least 100"),
+    (10**9, 2, "above the 2 GiB limit (harness.stats.MEMORY_LIMIT_BYTES)"),
+    (10**6, 55, "the bootstrap of 55 run(s) side by side would hold about 5.37 GiB"),
+    (2**63, 1, "above the 2 GiB limit"),
+])
+def test_resample_counts_are_bounded_by_an_estimate_of_memory(resamples, columns, expect):
+    with pytest.raises(ConfigError) as info:
+        stats.check_resamples(resamples, columns)
+    assert expect in str(info.value) and str(info.value).startswith(f"--resamples {resamples}:")
+
+
+def test_the_largest_accepted_count_fits_the_limit_and_is_named():
+    with pytest.raises(ConfigError, match=r"at most (\d+) here") as info:
+        stats.check_resamples(10**8, 10)
+    most = int(str(info.value).rsplit("at most ", 1)[1].split()[0])
+    stats.check_resamples(most, 10)  # the count it names is accepted
+    assert stats.bootstrap_bytes(most, 10) <= stats.MEMORY_LIMIT_BYTES
+    assert stats.bootstrap_bytes(most + 1, 10) > stats.MEMORY_LIMIT_BYTES
+    stats.check_resamples(stats.RESAMPLES, 200)  # the default, for a large report
