@@ -64,6 +64,8 @@ class VllmKnobs:
     kv_space_gib: int = 4  # VLLM_CPU_KVCACHE_SPACE: the KV pool, GiB
     max_num_seqs: int = 32  # sequences vLLM's scheduler runs at once
     max_model_len: int = 0  # tokens per sequence; 0: the model's max positions
+    omp_threads_bind: str = "auto"  # VLLM_CPU_OMP_THREADS_BIND: auto | a core list, e.g. 0-1
+    reserved_cpus: int = -1  # VLLM_CPU_NUM_OF_RESERVED_CPU; -1: vLLM's default
     python: str = str(DEFAULT_PYTHON)  # the vLLM venv's interpreter
     start_timeout_s: int = 1200  # the engine's start-up (280 s seen under load 11)
 
@@ -108,6 +110,9 @@ def check_knobs(knobs: VllmKnobs) -> None:
     for key in ("kv_space_gib", "max_num_seqs", "start_timeout_s"):
         if getattr(knobs, key) <= 0:
             raise ConfigError(f"vllm.{key}={getattr(knobs, key)} must be a positive integer")
+    if knobs.reserved_cpus < -1:
+        raise ConfigError(f"vllm.reserved_cpus={knobs.reserved_cpus} must be >= 0 (or -1: "
+                          "vLLM's default)")
     if knobs.max_model_len < 0:
         raise ConfigError(f"vllm.max_model_len={knobs.max_model_len} must be >= 0 (0: the "
                           "model's max positions)")
@@ -218,7 +223,10 @@ def started(knobs: VllmKnobs, model_dir: str, dtype: str, max_model_len: int, se
         facts = worker.call({"op": "start", "model": model_dir, "dtype": dtype,
                              "kv_cache_dtype": knobs.kv_cache_dtype,
                              "max_model_len": max_model_len, "kv_space_gib": knobs.kv_space_gib,
-                             "max_num_seqs": knobs.max_num_seqs, "seed": seed},
+                             "max_num_seqs": knobs.max_num_seqs, "seed": seed,
+                             "omp_threads_bind": knobs.omp_threads_bind,
+                             "reserved_cpus": (None if knobs.reserved_cpus < 0
+                                               else knobs.reserved_cpus)},
                             timeout_s=knobs.start_timeout_s)
         facts = {k: v for k, v in facts.items() if k != "ok"}
         yield worker, facts
@@ -434,10 +442,8 @@ def run(args: list[str]) -> Path:
     folder = model_folder(session.spec)  # converted before the prompt checks need its tokenizer
     session.validate(setting)
     OmegaConf.set_struct(cfg, False)  # the vllm section is this engine's, not the schema's
-    cfg = OmegaConf.merge(cfg, {"vllm": {k: getattr(knobs, k) for k in ("kv_cache_dtype",
-                                                                       "kv_space_gib",
-                                                                       "max_num_seqs",
-                                                                       "max_model_len")}})
+    cfg = OmegaConf.merge(cfg, {"vllm": {k: v for k, v in vars(knobs).items()
+                                         if k not in ("python", "start_timeout_s")}})
     identity = config_hash(cfg)
     out = output_dir(setting.runner, setting.task_name, session.spec.name, METHOD_NAME)
     done = resolve_output(setting.runner, out, identity)

@@ -55,6 +55,11 @@ class Worker:
             raise ValueError(f"kv_cache_dtype={kv!r}; allowed: {', '.join(KV_CACHE_DTYPES)}")
         # Read by vLLM at engine start (the spawned engine core inherits the environment).
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(int(msg.get("kv_space_gib", 1)))
+        # OpenMP placement of the model runner: "auto" (vLLM's default: compute threads on the
+        # cores it does not reserve for the engine core's busy loop), or a core list "0-1"
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(msg.get("omp_threads_bind", "auto"))
+        if msg.get("reserved_cpus") is not None:
+            os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(int(msg["reserved_cpus"]))
         t0 = time.perf_counter()
         import torch
         import vllm
@@ -76,7 +81,8 @@ class Worker:
                       "max_num_batched_tokens": sched.max_num_batched_tokens,
                       "chunked_prefill": bool(getattr(sched, "enable_chunked_prefill", False)),
                       "kv_space_gib": int(os.environ["VLLM_CPU_KVCACHE_SPACE"]),
-                      "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
+                      "omp_threads_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
+                      "reserved_cpus": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU"),
                       "torch_threads": torch.get_num_threads(),
                       "start_s": round(time.perf_counter() - t0, 3)}
         return self.facts

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The cross-engine runs of results/reports/vllm (docs/vllm.md): RULER at 1K (6 samples per cell,
+# n = 60) and streaming perplexity on WikiText-2 (4096 tokens), through vLLM (full cache in the
+# model dtype, fp8 e4m3, fp8 e5m2) and through our engine (full cache), then one report.
+#   results/reports/vllm/make_runs.sh vllm|ours|report [ROOT]
+set -euo pipefail
+cd "$(dirname "$0")/../../.."
+ROOT=${2:-results/reports/vllm/runs}
+export OMP_WAIT_POLICY=PASSIVE HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
+RULER=(model=smollm2_135m task=ruler task.lengths=[1024] task.samples_per_cell=6)
+PPL=(model=smollm2_135m task=perplexity task.dataset=wikitext2 task.max_tokens=4096)
+case "$1" in
+vllm)
+    for kv in auto fp8_e4m3 fp8_e5m2; do
+        .venv/bin/python -m harness.vllm_engine "${RULER[@]}" vllm.kv_cache_dtype=$kv \
+            runner.results_root="$ROOT"
+        .venv/bin/python -m harness.vllm_engine "${PPL[@]}" vllm.kv_cache_dtype=$kv \
+            runner.results_root="$ROOT"
+    done ;;
+ours)
+    .venv/bin/python -m harness "${RULER[@]}" method=full runner.results_root="$ROOT"
+    .venv/bin/python -m harness "${PPL[@]}" method=full runner.results_root="$ROOT" ;;
+report)
+    .venv/bin/python -m harness.report "$ROOT" --out results/reports/vllm/report ;;
+*) echo "usage: $0 vllm|ours|report [ROOT]" >&2; exit 2 ;;
+esac
