@@ -230,16 +230,32 @@ def test_declared_protections_hold_against_adverse_scores(name, request, tmp_pat
 
 # --- refusals ------------------------------------------------------------------------------------
 
+def layers_beyond(method, num_layers: int) -> list[str]:
+    """The knobs of `method` that name layers (a list of layer indices) naming one the model
+    does not have: refusing them is a refusal of the knob's value on a small model (TidalDecode's
+    selection layers 2 and 13 on 2 layers), not of the family."""
+    return [knob for knob, value in method.hyperparameters().items()
+            if isinstance(value, (list, tuple)) and value
+            and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+            and max(value) >= num_layers]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_refusals_follow_capabilities(family):
     """Only sliding-window layers (the tiny Mistral) refuse, and exactly the token-selecting
-    methods; every other family serves every method."""
+    methods; every other family serves every method (a knob naming a layer the tiny model
+    lacks may be refused, by a reason naming that knob)."""
     info = hf_adapter.model_info(family_config(family))
     for name in METHODS:
         # ShadowKV's default threshold (official: prompts above 4096 tokens) is beyond the tiny
         # models' positions, a refusal of the knob's value, not of the family
         method = build_method(name, **({"compress_above_tokens": 0} if name == "shadowkv" else {}))
         reasons = method.validate(info, {"batch_size": 1})
+        beyond = layers_beyond(method, info.num_layers)
+        if beyond:  # refused for its layer knobs: only by reasons naming them
+            knob_reasons = [r for r in reasons if any(f"method.{k}=" in r for k in beyond)]
+            assert knob_reasons, (name, family, f"{beyond} name layers it lacks, unrefused")
+            reasons = [r for r in reasons if r not in knob_reasons]
         expect = family == "mistral" and method.capabilities.selects_tokens
         assert bool(reasons) == expect, (name, family, reasons)
         if expect:
