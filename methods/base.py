@@ -537,7 +537,7 @@ class KVMethod:
     prepare_knobs: ClassVar[tuple[str, ...] | None] = None
 
     def __post_init__(self) -> None:
-        for reason in self.check_hyperparameters():
+        for reason in seed_reasons(self) + self.check_hyperparameters():
             raise ConfigError(reason)
 
     @classmethod
@@ -592,7 +592,8 @@ class KVMethod:
         if mode is not None and mode not in self.capabilities.modes:
             reasons.append(f"method.mode={mode!r}; allowed for {self.name}: "
                            f"{', '.join(self.capabilities.modes)}")
-        return reasons + empty_path_reasons(self) + self.architecture_reasons(info)
+        return (reasons + empty_path_reasons(self) + position_knob_reasons(self, info)
+                + self.architecture_reasons(info))
 
     def layout_reasons(self, runner: dict[str, Any]) -> list[str]:
         """Reasons this configuration cannot store its K/V in runner.kv_layout."""
@@ -682,6 +683,44 @@ class KVMethod:
     def effective_dense_layers(self, info: ModelInfo, protocol: Protocol) -> tuple[int, ...]:
         """The effective dense layers: the protocol's and the method's own, sorted."""
         return tuple(sorted(set(protocol.dense_layers) | set(self.own_dense_layers(info))))
+
+
+# Knobs every method shares by name, checked here once for all of them (a method's own
+# `check_hyperparameters` adds what only it knows):
+# - seeds (`seed`, `*_seed`): torch.Generator takes a signed 64-bit seed, so 2**70 would fail
+#   only once the method draws, after the weights loaded;
+# - knobs counting positions of one sequence (sinks, windows, a pooling kernel, the future
+#   positions Expected Attention averages its rotation over): beyond the model's positions none
+#   can ever be reached, and some size a table by themselves (future_tokens=10**9 allocates).
+SEED_MAX = 2 ** 63 - 1
+POSITION_KNOBS = ("sink_tokens", "window_tokens", "recent_tokens", "kernel_tokens",
+                  "history_tokens", "future_tokens")
+
+
+def seed_reasons(method: "KVMethod") -> list[str]:
+    """Reasons a seed knob of `method` is not an integer in 0..2**63-1."""
+    reasons = []
+    for f in dataclasses.fields(method):
+        if f.name == "seed" or f.name.endswith("_seed"):
+            value = getattr(method, f.name)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= SEED_MAX:
+                reasons.append(f"method.{f.name}={value!r} must be an integer in 0..2**63-1 "
+                               "(a 64-bit generator seed)")
+    return reasons
+
+
+def position_knob_reasons(method: "KVMethod", info: ModelInfo) -> list[str]:
+    """Reasons a position-counting knob of `method` (POSITION_KNOBS) exceeds the model's
+    positions (a model that does not declare them is not bounded here)."""
+    if not info.max_positions:
+        return []
+    reasons = []
+    for name in POSITION_KNOBS:
+        value = getattr(method, name, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > info.max_positions:
+            reasons.append(f"method.{name}={value} is beyond the model's {info.max_positions} "
+                           f"positions (max_position_embeddings): at most {info.max_positions}")
+    return reasons
 
 
 # The one budget rule of every method (methods.eviction.BudgetedMethod, README "Budgets"): the

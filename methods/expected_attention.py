@@ -85,6 +85,11 @@ class ExpectedAttention(BudgetedMethod):
             reasons.append(f"method.future_tokens={self.future_tokens!r} must be a positive integer")
         if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
             reasons.append(f"method.sink_tokens={self.sink_tokens!r} must be an integer >= 0")
+        if isinstance(self.sink_tokens, int) and isinstance(self.budget_tokens, int) and \
+                self.sink_tokens > self.budget_tokens > 0:
+            reasons.append(f"method.sink_tokens={self.sink_tokens} must be at most "
+                           f"method.budget_tokens={self.budget_tokens}: the sinks are kept within "
+                           "the budget")
         if not isinstance(self.epsilon, (int, float)) or self.epsilon < 0:
             reasons.append(f"method.epsilon={self.epsilon!r} must be a number >= 0")
         return reasons
@@ -142,6 +147,10 @@ class ExpectedAttentionLayer(EvictionLayer):
 
     def score(self) -> torch.Tensor:
         m = self.method
+        if self.moments.count == 0:  # the prompt is all sinks: no query to take statistics of
+            raise ConfigError(f"method.sink_tokens={m.sink_tokens} covers the whole prompt of "
+                              f"{self.seen_tokens} tokens: Expected Attention needs prompt queries "
+                              "past the sinks; use sink_tokens below the shortest prompt")
         mean, cov = self.moments.mean_and_covariance(m.covariance)
         rotation = averaged_rope(self.seen_tokens, m.future_tokens, m.inv_freq())
         mean, cov = mean @ rotation.T, None if cov is None else rotation @ cov @ rotation.T

@@ -89,6 +89,8 @@ SYSTEM_PROMPTS = ("keep", "sinks")
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with "
 OVERLAP_TOKENS = 8  # the previous chunk's tail quoted in a later chunk's instruction (official)
+# level=head scores with a one-token budget: a calibration context must be longer to evict at all
+CALIBRATION_MIN_TOKENS = 2
 
 
 @dataclass(kw_only=True)
@@ -155,9 +157,10 @@ class KVzip(BudgetedMethod):
                                f"only (level={self.level} scores every prompt by reconstructing "
                                "it); set level=head or drop it")
         if not isinstance(self.calibration_tokens, int) or isinstance(
-                self.calibration_tokens, bool) or self.calibration_tokens < 1:
+                self.calibration_tokens, bool) or self.calibration_tokens < CALIBRATION_MIN_TOKENS:
             reasons.append(f"method.calibration_tokens={self.calibration_tokens!r} must be an "
-                           "integer >= 1")
+                           f"integer >= {CALIBRATION_MIN_TOKENS} (the head scores come from "
+                           "evicting down to one token: a shorter context evicts nothing)")
         for key in ("head_scores_path", "calibration_path"):
             value = getattr(self, key)
             if value is not None and not Path(value).exists():
@@ -166,6 +169,12 @@ class KVzip(BudgetedMethod):
 
     def validate(self, info: ModelInfo, runner: dict) -> list[str]:
         reasons = super().validate(info, runner)
+        room = calibration_room(info)
+        if self.level == "head" and not self.head_scores_path and room < CALIBRATION_MIN_TOKENS:
+            reasons.append(f"method.level=head computes its head scores from a calibration "
+                           f"context, but the model's {info.max_positions} positions leave room "
+                           f"for {room} token(s) of it (at least {CALIBRATION_MIN_TOKENS}); give "
+                           "method.head_scores_path")
         if self.level == "head" and self.head_scores_path:
             try:
                 load_head_scores(self.head_scores_path, info)
@@ -198,6 +207,9 @@ class KVzip(BudgetedMethod):
         scorer = KVzip(budget_tokens=1, chunk_tokens=self.chunk_tokens,
                        sink_tokens=self.sink_tokens, system_prompt=self.system_prompt)
         scorer._forward, scorer._prompts = self._forward, self._prompts
+        if ids.numel() < CALIBRATION_MIN_TOKENS:
+            raise ConfigError(f"method.level=head: the calibration context has {ids.numel()} "
+                              f"token(s); its head scores need at least {CALIBRATION_MIN_TOKENS}")
         layers = self._forward(scorer, ids)
         scorer.reconstruct(layers[0])
         return torch.stack([kv.kvzip_scores[0].amax(-1) for kv in layers]).float().cpu()
@@ -480,12 +492,19 @@ def load_head_scores(path, info: ModelInfo) -> torch.Tensor:
     return torch.stack(tables).amax(0)
 
 
+def calibration_room(info: ModelInfo) -> int:
+    """The calibration tokens the model's positions hold with the reconstruction forward after
+    them (the context, then a chunk of it repeated, with the instructions); unbounded when the
+    model does not declare its positions."""
+    limit = info.max_positions
+    return max((limit - 64) // 2, 1) if limit else 2 ** 62
+
+
 def calibration_ids(ctx, path: str | None, tokens: int) -> tuple[torch.Tensor, str]:
     """The head-score calibration context: `tokens` ids of `path` (default PG-19's first book),
     capped to fit the model's positions with the reconstruction forward after it; seeded
     random ids for models built in code."""
-    limit = ctx.info.max_positions  # the context, then a chunk of it repeated (+ instructions)
-    want = tokens if not limit else min(tokens, max((limit - 64) // 2, 1))
+    want = min(tokens, calibration_room(ctx.info))
     if ctx.calibration_ids is not None:
         return torch.as_tensor(ctx.calibration_ids).flatten()[:want], "ctx.calibration_ids"
     if ctx.tokenizer is None:
