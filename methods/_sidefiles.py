@@ -10,8 +10,14 @@ artefacts): checked like knobs and recorded.
   its content, bytes); the runner writes the record into metrics.json (`side_files`), so a report
   tells a run that read the authors' artefacts from one that fell back to a proxy by what it
   read, not by its label. `reset()` starts a new record (one per run).
-* **Cache writes** that fail (a full disk, a read-only folder) cost the cache, never the run: one
-  warning line naming the file, and the artefact stays in memory.
+* **Read once, size and kind first.** A side file is opened without blocking, must be a
+  regular file (a FIFO, a device, a socket or a folder is refused by name, also behind a link)
+  of at most `MAX_SIDE_FILE_BYTES` (a sparse giant is refused by its size before a byte is
+  read); its bytes are read once per run and handed to every later reader of the same path, so
+  what is hashed in the record is what the method uses (a file rewritten between `validate`
+  and `prepare` changes nothing).
+* Cached artefacts a method computes (calibrations, probe scores) are not side files: they are
+  the project's own outputs, recorded by what they are (`methods._artefacts`).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import json
 import logging
 import math
 import os
-import tempfile
+import stat
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,10 +36,16 @@ from kvcore.errors import ConfigError
 
 log = logging.getLogger(__name__)
 _record: dict[str, dict[str, Any]] = {}
+_content: dict[str, bytes] = {}  # resolved path -> the bytes read this run (read once)
+# The largest side file read: calibration texts, head tables and published filters are a few
+# MiB; anything near this size is a mistake (a disk image, a sparse file, /dev/zero behind a
+# link) that would be read whole into memory.
+MAX_SIDE_FILE_BYTES = 256 * 2 ** 20
 
 
 def reset() -> None:
     _record.clear()
+    _content.clear()
 
 
 def read() -> list[dict[str, Any]]:
@@ -64,6 +76,9 @@ def calibration_path(given: str | None, data_dir, what: str, folders: bool = Fal
     PG-19's first book in the shared data folder; one line naming what is missing otherwise."""
     default = None if data_dir is None else Path(data_dir) / "pg19" / "pg19_firstbook.txt"
     path = Path(given) if given else default
+    kind = None if path is None else kind_of(path)
+    if kind is not None and not (kind == "a folder" and folders):
+        raise ConfigError(f"method.calibration_path={path}: {kind}, not a text file ({what})")
     if path is None or not (path.exists() if folders else path.is_file()):
         kind = "file or folder" if folders else "file"
         raise ConfigError(f"method.calibration_path={path}: no such {kind} ({what}; default: "
@@ -71,15 +86,66 @@ def calibration_path(given: str | None, data_dir, what: str, folders: bool = Fal
     return path
 
 
-def read_bytes(key: str, path: Path) -> bytes:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{key}={path}: no such file")
+def kind_of(path: Path) -> str | None:
+    """What `path` is when it is there but not a regular file ("a FIFO (named pipe)", "a
+    character device", ...; links followed), else None (a regular file, or nothing there)."""
     try:
-        content = path.read_bytes()
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    return _kind(mode)
+
+
+def _kind(mode: int) -> str | None:
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return None if stat.S_ISREG(mode) else "not a regular file"
+
+
+def read_bytes(key: str, path: Path) -> bytes:
+    """The file's bytes, checked (a regular file within MAX_SIDE_FILE_BYTES) and read once per
+    run: a second reader of the same path gets the bytes the record's hash was taken of."""
+    path = Path(path)
+    resolved = str(path.resolve())
+    if resolved not in _content:
+        _content[resolved] = _read_checked(key, path)
+    content = _content[resolved]
+    record(key, path, content)
+    return content
+
+
+def _read_checked(key: str, path: Path) -> bytes:
+    """Open without blocking (a FIFO would wait for a writer), check kind and size on the open
+    file itself, then read at most the size it had (a file that grows meanwhile is refused)."""
+    kind = kind_of(path)
+    if kind is not None:
+        raise ConfigError(f"{key}={path}: {kind}; allowed: a regular file")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ConfigError(f"{key}={path}: no such file") from None
     except OSError as exc:
         raise ConfigError(f"{key}={path}: cannot be read ({exc.strerror or exc})") from None
-    record(key, path, content)
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        kind = _kind(info.st_mode)
+        if kind is not None:
+            raise ConfigError(f"{key}={path}: {kind}; allowed: a regular file")
+        if info.st_size > MAX_SIDE_FILE_BYTES:
+            sparse = " (sparse: most of it was never written)" \
+                if info.st_blocks * 512 < info.st_size // 2 else ""
+            raise ConfigError(f"{key}={path}: {info.st_size / 2 ** 30:.2f} GiB{sparse}; a side file "
+                              f"is at most {MAX_SIDE_FILE_BYTES // 2 ** 20} MiB")
+        try:
+            content = f.read(info.st_size + 1)
+        except OSError as exc:
+            raise ConfigError(f"{key}={path}: cannot be read ({exc.strerror or exc})") from None
+    if len(content) != info.st_size:
+        raise ConfigError(f"{key}={path}: changed while it was read ({info.st_size} bytes, then "
+                          f"{len(content)}); give a file that is not being written")
     return content
 
 
@@ -117,34 +183,3 @@ def check_numbers(key: str, path: Path, values, where: Callable[[int], str],
         v = float(v)
         if not math.isfinite(v) or (low is not None and v < low) or (high is not None and v > high):
             raise ConfigError(f"{key}={path}: {where(i)} is {v!r}; allowed: {allowed}")
-
-
-def save_cache(path: Path, write: Callable[[str], None], what: str) -> bool:
-    """Write a cached artefact atomically (`write(tmp)` then rename); a failure (full disk,
-    read-only folder) is one warning line and False: the artefact is used uncached."""
-    tmp = None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-        os.close(fd)
-        write(tmp)
-        os.replace(tmp, path)
-        return True
-    except (OSError, RuntimeError) as exc:  # torch.save wraps a failed write in RuntimeError
-        text = (str(getattr(exc, "strerror", None) or exc).splitlines() or [""])[0]
-        log.warning("%s: cannot write the cache %s (%s); going on without caching it", what,
-                    path, text)
-        return False
-    finally:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-
-
-def load_cache(key: str, path: Path, load: Callable[[Path], Any]) -> Any:
-    """`load(path)` of a cached artefact, recorded as read (its checks are the caller's)."""
-    value = load(path)
-    try:
-        record(key, path, Path(path).read_bytes())
-    except OSError:
-        pass
-    return value

@@ -185,12 +185,13 @@ def svd_filters(ctx, ids: torch.Tensor, samples: int) -> torch.Tensor:
 def load_filters(path: str, info: ModelInfo) -> torch.Tensor:
     """Published filters `(L, H_kv, D)` from a `.safetensors` file or a folder holding
     `model.safetensors` (the authors' hub format, key `q_filters`)."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     file = Path(path)
     file = file / "model.safetensors" if file.is_dir() else file
+    content = sidefiles.read_bytes("method.filters_path", file)  # checked, recorded, read once
     try:
-        filters = load_file(str(file))["q_filters"].float()
+        filters = load(content)["q_filters"].float()
     except Exception as exc:  # unreadable or a different format: one clear line
         raise ConfigError(f"method.filters_path={path}: not a Q-Filters safetensors file with "
                           f"a 'q_filters' tensor ({exc})") from None

@@ -75,8 +75,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvcore.errors import ConfigError
 from kvcore.offload import HostKVStore
+from methods import _sidefiles as sidefiles
 from methods.base import (Capabilities, KVLayer, KVMethod, ModelInfo, ServingNeeds, budget_for,
                           check_budget)
 from methods.kernels import kivi_quant as kq
@@ -259,12 +259,9 @@ class TailorKV(KVMethod):
             seeded = torch.Generator().manual_seed(0)
             ids = torch.randint(3, ctx.vocab_size, (want,), generator=seeded)
             return ids, "seeded random token ids (no tokenizer)"
-        default = ctx.data_dir and Path(ctx.data_dir) / "pg19" / "pg19_firstbook.txt"
-        path = Path(self.calibration_path) if self.calibration_path else default
-        if path is None or not path.is_file():
-            raise ConfigError(f"method.calibration_path={path}: no such file (TailorKV's layer "
-                              "probe text; default: PG-19's first book in ../shared/data)")
-        text = path.read_text(encoding="utf-8")
+        path = sidefiles.calibration_path(self.calibration_path, ctx.data_dir,
+                                          "TailorKV's layer probe text")
+        text = sidefiles.read_text("method.calibration_path", path)  # checked and recorded
         ids = torch.tensor(ctx.tokenizer(text, verbose=False)["input_ids"])
         return ids[:want], str(path)
 
