@@ -194,13 +194,13 @@ def collect(patterns: list[str], warn=None) -> list[dict]:
     relative to the first folder. ConfigError: a path matches nothing, or no valid run."""
     warn = warn or (lambda text: print(text, file=sys.stderr))
     first = Path(patterns[0]) if Path(patterns[0]).is_dir() else None
-    files = find_runs(patterns, warn)
     skipped: list[str] = []
+    files = find_runs(patterns, skipped.append)
     runs = load_runs(files, skipped.append)
     if not runs:  # one line: the first file's reason is the likely one (the wrong folder)
-        found = (f"{len(files)} metrics.json, none valid; "
-                 f"{skipped[0].removeprefix('warning: ')}" if skipped else "no metrics.json")
-        raise ConfigError(f"no runs to report under {' '.join(patterns)} ({found})")
+        found = f"{len(files)} metrics.json, none valid" if files else "no metrics.json"
+        why = f"; {skipped[0].removeprefix('warning: ')}" if skipped else ""
+        raise ConfigError(f"no runs to report under {' '.join(patterns)} ({found}{why})")
     for line in skipped:
         warn(line)
     rows = [row(f, metrics, first) for f, metrics in runs]

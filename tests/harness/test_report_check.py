@@ -439,7 +439,7 @@ def test_runs_reached_through_a_link_are_counted_once(tmp_path):
     assert len(find_runs([str(tmp_path / "r"), str(tmp_path / "alias")])) == 1
 
 
-# --- statistics inputs held against bad input (issue 47) ---------------------------------------
+# --- statistics inputs held against bad input ------------------------------------------------
 
 def user_file(root: Path) -> Path:
     keep = root / "keep.txt"
@@ -619,4 +619,16 @@ def test_a_folder_of_only_unreadable_runs_is_one_line_naming_the_first(tmp_path,
     assert report.main([str(tmp_path / "runs"), "--out", str(tmp_path / "out")]) == 2
     err = one_line_error(capsys)
     assert "1 metrics.json, none valid" in err and "above the 16 MiB limit" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_whose_only_metrics_json_is_a_device_link_is_one_line(tmp_path, capsys):
+    """find_runs skips it (not a regular file); the refusal says so in its one line."""
+    fake_run(tmp_path / "runs", "full", 50.0, 100.0)
+    victim = next((tmp_path / "runs").rglob("metrics.json"))
+    victim.unlink()
+    os.symlink("/dev/zero", victim)
+    assert report.main([str(tmp_path / "runs"), "--out", str(tmp_path / "out")]) == 2
+    err = one_line_error(capsys)
+    assert "(no metrics.json; skipped" in err and "not a regular file" in err
     assert not (tmp_path / "out").exists()
