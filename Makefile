@@ -118,3 +118,11 @@ $(VLLM_STAMP): scripts/vllm-peer.lock
 test-vllm: setup vllm-setup
 	$(OFFLINE) WANDB_MODE=offline KVH_VLLM_TESTS=1 KVH_VLLM_PYTHON=$(VLLM_PY) \
 		$(PY) -m pytest -p no:xdist -rs tests/vllm $(PYTEST_ARGS)
+
+# The docs site, strictly (a broken link or anchor fails) into site/: the generated pages (the
+# methods table and pages, the configuration reference) checked against the code first.
+.PHONY: docs
+docs: setup
+	$(PY) -m harness.methods_table --check
+	$(PY) -m harness.config_reference --check
+	$(PY) -m mkdocs build --strict --site-dir site

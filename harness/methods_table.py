@@ -1,6 +1,7 @@
-"""The README method table and the per-method pages, generated from the methods' declarations.
+"""The README method table and the docs' method pages, generated from the methods' declarations.
 
     python -m harness.methods_table          # rewrite the README table and docs/methods/*.md
+                                             # (index.md: the table for the docs site)
     python -m harness.methods_table --check  # exit 1 when either differs from the declarations
 
 One line per method: name (linking to its page), family, one sentence of mechanism, paper and
@@ -66,19 +67,37 @@ def _paper_label(url: str | None) -> str:
     return url.rsplit("/", 1)[-1] if url else ""
 
 
-def table_line(cls: type[KVMethod]) -> str:
+def table_line(cls: type[KVMethod], pages: str = "docs/methods/") -> str:
+    """One method's row; `pages`: where its page lies, seen from the file holding the table."""
     needs = serving_requirements(cls)
     wanted = ", ".join(n for n in NEEDS if needs[n]) or "–"
-    cells = [f"[`{cls.name}`](docs/methods/{cls.name}.md)", cls.family or "–",
+    cells = [f"[`{cls.name}`]({pages}{cls.name}.md)", cls.family or "–",
              cls.summary or "–", _link(cls.paper_url, _paper_label(cls.paper_url)),
              _link(cls.code_url, "code"), cls.provenance, needs["cache"], needs["unit"], wanted]
     return "| " + " | ".join(cells) + " |"
 
 
-def table() -> str:
+def table(pages: str = "docs/methods/") -> str:
     head = ("| method | family | mechanism | paper | code | provenance | cache | unit | needs |\n"
             "|---|---|---|---|---|---|---|---|---|")
-    return "\n".join([head, *(table_line(method_class(n)) for n in available_methods())])
+    return "\n".join([head, *(table_line(method_class(n), pages) for n in available_methods())])
+
+
+LEGEND = """One line per method, generated from its declarations; each name links to its page (knobs
+and defaults, capabilities, the authors' setting, how it works). **cache**: how it writes the
+K/V store — `append-only` (never drops), `drops at prompt end` (compresses each prompt once,
+then appends), `append-only, selective reads` (keeps every token, reads a subset), `evicts
+while decoding`, `own storage` (codes, low-rank factors, merged layers: not a plain paged
+store); **unit**: what it keeps, drops or selects (token, page, head, layer); **needs**:
+attention weights (computes probabilities itself: no fused FlashAttention-style kernel), ragged
+heads (KV heads of a layer hold different lengths), a host tier, calibration artefacts.
+Adding a method: [adding a method or a task](../adding.md); every knob of every method is in
+the [configuration reference](../configuration.md)."""
+
+
+def index_page() -> str:
+    """docs/methods/index.md: the README's table, its links relative to the folder."""
+    return "\n".join(["# Methods", "", GENERATED_MARK, "", LEGEND, "", table(""), ""])
 
 
 def page(name: str) -> str:
@@ -120,6 +139,7 @@ def readme_with_table(text: str) -> str:
 def expected_files() -> dict[Path, str]:
     files = {README: readme_with_table(README.read_text())}
     files.update({PAGES / f"{n}.md": page(n) for n in available_methods()})
+    files[PAGES / "index.md"] = index_page()
     return files
 
 
