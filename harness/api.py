@@ -18,13 +18,30 @@ acts at the same point either way.
 
 One cache serves one sequence (batch 1, no padding), as one request of the engine; the runner's
 `runner.batch_size` batches many. Opening a cache switches the model to the harness's attention
-(the same arithmetic as transformers' sdpa or eager while no cache is bound) and installs two
+(the same arithmetic as transformers' sdpa or eager while no cache is bound) and installs its
 forward hooks; `close()` (or leaving the `with` block) removes them and restores the model.
+
+What it refuses, each with a `ConfigError` naming what it needs (nothing runs, the cache and the
+model untouched):
+* a model it cannot drive: None, not a transformers causal LM (`PreTrainedModel` with
+  `generate`), or one whose decoder layers are not `model.model.layers[i].self_attn`;
+* a forward that breaks the one-sequence contract: a batch of several, padding (an
+  `attention_mask` holding zeros), `use_cache=False` (transformers then re-feeds the whole
+  sequence every step), a second prompt after the first (a second `generate`, or a multi-token
+  forward after decoding began), tokens beyond the model's positions (max_position_embeddings),
+  and `reset()`, `crop()` or beam search's reordering: one cache is one sequence, for one
+  `generate`; open a new cache for the next (there is no reset);
+* a closed cache: any use after `close()`;
+* a method changed after it was built: a built `KVMethod` handed in is rebuilt from its knobs
+  (so they are checked as `build_method` checks them) and the cache runs that copy; changing
+  `cache.method`'s knobs afterwards is refused at the next forward. Built methods are thus
+  re-validated when used, never trusted as mutated.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -38,6 +55,11 @@ from harness.run import check_runner, engine_settings, kv_figures, protocol_reas
 from kvcore.errors import ConfigError
 from methods import build_method
 from methods.base import KVMethod
+
+# The decoder families the harness's attention seams are tested on (tests/models.py and
+# tests/harness/test_architecture_refusals.py): each keeps its layers at model.model.layers[i],
+# attention at .self_attn.
+TESTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "olmo2", "granite")
 
 
 @dataclass(frozen=True)
@@ -80,23 +102,60 @@ def cache(model, tokenizer, method: str | KVMethod, *, dense_layers=(),
     `runner.budget_basis`, `runner.kv_offload`, `runner.check_budget`,
     `runner.decode_interval_tokens`). Refusals raise
     `ConfigError` with the runner's one-line messages, before the method prepares or the
-    model is touched."""
+    model is touched (module docstring: what else it refuses)."""
+    check_model(model)
     if isinstance(method, str):
         method = build_method(method, **hyperparameters)
-    elif hyperparameters:
-        raise ConfigError(f"hyperparameters {sorted(hyperparameters)} given with a built method "
-                          f"({method.name}): pass its name instead, or build it with them")
+    elif isinstance(method, KVMethod):
+        if hyperparameters:
+            raise ConfigError(f"hyperparameters {sorted(hyperparameters)} given with a built "
+                              f"method ({method.name}): pass its name instead, or build it with "
+                              "them")
+        method = rebuilt(method)
+    else:
+        raise ConfigError(f"method={method!r}: give a method name (e.g. 'snapkv') or a KVMethod "
+                          "built by methods.build_method")
     runner = runner_options(dense_layers, budget_basis, kv_offload, check_budget,
                             decode_interval_tokens)
     check_runner(runner)
     dtype = next(model.parameters()).dtype
-    info = hf_adapter.model_info(model.config, dtype)
+    try:
+        info = hf_adapter.model_info(model.config, dtype)
+    except (AttributeError, TypeError, ValueError) as exc:
+        raise ConfigError(f"model {type(model).__name__}: its config does not describe a "
+                          f"decoder the harness can size ({exc})") from None
     settings = engine_settings(runner)
     reasons = (method.validate(info, runner)
                + protocol_reasons(method, GenerateLoop(), info, settings.protocol, runner))
     if reasons:
         raise ConfigError("; ".join(reasons))
     return MethodKVCache(model, tokenizer, method, info, settings)
+
+
+def check_model(model) -> None:
+    """A `ConfigError` unless `model` is a transformers causal LM whose decoder layers sit where
+    the harness's attention seams reach them (model.model.layers[i].self_attn)."""
+    from transformers import GenerationMixin, PreTrainedModel
+
+    families = ", ".join(TESTED_FAMILIES)
+    if not isinstance(model, PreTrainedModel) or not isinstance(model, GenerationMixin):
+        raise ConfigError(f"model={type(model).__name__ if model is not None else None}: "
+                          "api.cache needs a transformers causal LM (AutoModelForCausalLM."
+                          f"from_pretrained(...)); families tested: {families}")
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList) or not len(layers) or \
+            not all(hasattr(layer, "self_attn") for layer in layers):
+        kind = getattr(model.config, "model_type", type(model).__name__)
+        raise ConfigError(f"model {type(model).__name__} ({kind}): no decoder layers at "
+                          "model.model.layers[i].self_attn, where the harness's attention seams "
+                          f"attach; families tested: {families}")
+
+
+def rebuilt(method: KVMethod) -> KVMethod:
+    """A fresh copy of a built method from its current knobs, checked as `build_method` checks
+    them (a knob set after construction is validated here, not trusted)."""
+    knobs = {f.name: getattr(method, f.name) for f in dataclasses.fields(method) if f.init}
+    return build_method(method.name, **knobs)
 
 
 class MethodKVCache(hf_adapter.MethodCache):
@@ -121,13 +180,85 @@ class MethodKVCache(hf_adapter.MethodCache):
         super().__init__(method, info, self.engine.tier, settings.protocol)
         self.pos = 0  # tokens fed so far (the engine's Request.pos)
         self._forward: tuple[contextlib.ExitStack, bool, int] | None = None
-        self._handles = hf_adapter.watch_forwards(model, self)
+        self._knobs = method.hyperparameters()  # as built: a later change is refused
         self.closed = False
+        # the contract check first: hooks run in the order registered
+        self._handles = [model.register_forward_pre_hook(self._check_forward, with_kwargs=True),
+                         *hf_adapter.watch_forwards(model, self)]
+
+    # --- the one-sequence contract, checked before a forward given this cache ----------------
+    def _check_forward(self, module, args, kwargs) -> None:
+        if not any(kwargs.get(k) is self for k in hf_adapter.CACHE_ARGUMENTS):
+            return
+        self._check_open()
+        name = self.method.name
+        if kwargs.get("use_cache") is False:
+            raise ConfigError(f"use_cache=False with a {name} cache: transformers then feeds the "
+                              "whole sequence again at every step; leave use_cache on")
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, torch.Tensor) and not mask.is_floating_point() and \
+                not bool(mask.all()):
+            raise ConfigError(f"a {name} cache serves one unpadded sequence; this forward's "
+                              "attention_mask has zeros (padding): one cache per sequence, "
+                              "without padding")
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        embeds = kwargs.get("inputs_embeds")
+        q_len = (ids if ids is not None else embeds).shape[1]
+        if q_len > 1 and self.pos:
+            raise ConfigError(f"a {name} cache serves one sequence: it holds {self.pos} tokens "
+                              f"and this forward feeds a new prompt of {q_len} (a second "
+                              "generate?); open a new cache for each generate")
+        limit = self.info.max_positions
+        if limit and self.pos + q_len > limit and not self.method.bounds_positions():
+            raise ConfigError(f"{self.pos + q_len} tokens are beyond the model's {limit} "
+                              "positions (max_position_embeddings); shorten the prompt or "
+                              "max_new_tokens")
+        changed = {k: v for k, v in self.method.hyperparameters().items() if self._knobs[k] != v}
+        if changed:
+            raise ConfigError(f"method.{next(iter(changed))} of this {name} cache changed after "
+                              f"it was built ({', '.join(f'{k}={v!r}' for k, v in changed.items())}"
+                              "); build a new cache with the knobs you want")
+
+    def _check_open(self) -> None:
+        if getattr(self, "closed", False):  # (transformers' Cache.__init__ runs before it is set)
+            raise ConfigError(f"this {self.method.name} cache is closed; open a new one "
+                              "(api.cache)")
+
+    # transformers' Cache calls: refused when closed; never reset, cropped or reordered
+    def update(self, *args, **kwargs):
+        self._check_open()
+        return super().update(*args, **kwargs)
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        self._check_open()
+        return super().get_seq_length(*args, **kwargs)
+
+    def get_mask_sizes(self, *args, **kwargs):
+        self._check_open()
+        return super().get_mask_sizes(*args, **kwargs)
+
+    def _one_sequence(self, what: str):
+        raise ConfigError(f"a {self.method.name} cache serves one sequence and cannot be "
+                          f"{what}; open a new cache (api.cache) instead")
+
+    def reset(self):
+        self._one_sequence("reset")
+
+    def crop(self, *args, **kwargs):
+        self._one_sequence("cropped")
+
+    def reorder_cache(self, *args, **kwargs):
+        self._one_sequence("reordered (beam search)")
+
+    def batch_repeat_interleave(self, *args, **kwargs):
+        self._one_sequence("repeated over a batch (beam search, num_return_sequences)")
+
+    def batch_select_indices(self, *args, **kwargs):
+        self._one_sequence("reindexed over a batch")
 
     # --- the engine's Request._forward, split around the model's forward ---------------------
     def before_forward(self, input_ids: torch.Tensor | None, q_len: int) -> None:
-        if self.closed:
-            raise RuntimeError(f"this {self.method.name} cache is closed; open a new one")
+        self._check_open()
         self._unbind()  # a forward that raised left its binding
         if input_ids is not None and input_ids.shape[0] != 1:
             raise ConfigError(f"a {self.method.name} cache serves one sequence; this forward "

@@ -121,3 +121,97 @@ def test_one_sequence_per_cache_and_the_model_restored_after(stories):
     assert model.config._attn_implementation == "sdpa"
     assert not model._forward_hooks and not model._forward_pre_hooks
     assert torch.equal(model.generate(**inputs, max_new_tokens=4, do_sample=False), plain)
+
+
+# --- what the API refuses in its own words (harness/api.py's docstring) -----------------------
+
+def test_a_model_it_cannot_drive_is_named_with_what_it_needs(stories):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    _, tokenizer = stories
+    for model in (None, "stories260K", torch.nn.Linear(2, 2)):
+        with pytest.raises(ConfigError, match="api.cache needs a transformers causal LM .*"
+                                              "families tested: llama, qwen2"):
+            api.cache(model, tokenizer, "h2o", budget_tokens=16)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=64,
+                                      n_positions=32))  # its layers are transformer.h
+    with pytest.raises(ConfigError, match=r"GPT2LMHeadModel \(gpt2\): no decoder layers at "
+                                          r"model.model.layers\[i\].self_attn.*families tested"):
+        api.cache(gpt2, tokenizer, "h2o", budget_tokens=16)
+    with pytest.raises(ConfigError, match="give a method name"):
+        api.cache(stories[0], tokenizer, None)
+
+
+def test_a_built_method_changed_before_use_is_revalidated(stories):
+    from methods import build_method
+
+    model, tokenizer = stories
+    method = build_method("snapkv", budget_tokens=16, window_tokens=4)
+    method.budget_tokens = -3  # set after construction: never trusted
+    with pytest.raises(ConfigError, match=r"method.budget_tokens=-3 must be a positive integer"):
+        api.cache(model, tokenizer, method)
+    method.budget_tokens, method.window_tokens = 16, "four"
+    with pytest.raises(ConfigError, match="method.window_tokens"):
+        api.cache(model, tokenizer, method)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_method_changed_after_the_cache_was_built_is_refused(stories):
+    model, tokenizer = stories
+    inputs = tokenizer(PROMPT, return_tensors="pt")
+    with api.cache(model, tokenizer, "snapkv", budget_tokens=16, window_tokens=4) as cache:
+        cache.method.budget_tokens = 10 ** 9
+        with pytest.raises(ConfigError, match=r"method.budget_tokens of this snapkv cache changed "
+                                              r"after it was built \(budget_tokens=1000000000\)"):
+            model.generate(**inputs, cache=cache, max_new_tokens=2, do_sample=False)
+        assert cache.pos == 0
+
+
+def test_a_closed_cache_refuses_every_use(stories):
+    model, tokenizer = stories
+    inputs = tokenizer(PROMPT, return_tensors="pt")
+    cache = api.cache(model, tokenizer, "h2o", budget_tokens=16)
+    cache.close()
+    with pytest.raises(ConfigError, match="this h2o cache is closed; open a new one"):
+        model(**inputs, cache=cache)
+    with pytest.raises(ConfigError, match="is closed"):
+        model.generate(**inputs, cache=cache, max_new_tokens=2, do_sample=False)
+    assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+def test_one_cache_one_generate(stories):
+    model, tokenizer = stories
+    inputs = tokenizer(PROMPT, return_tensors="pt")
+    with api.cache(model, tokenizer, "h2o", budget_tokens=16) as cache:
+        model.generate(**inputs, cache=cache, max_new_tokens=3, do_sample=False)
+        seen = cache.pos
+        with pytest.raises(ConfigError, match=f"it holds {seen} tokens and this forward feeds a "
+                                              "new prompt"):
+            model.generate(**inputs, cache=cache, max_new_tokens=3, do_sample=False)
+        for call, what in ((cache.reset, "reset"), (lambda: cache.crop(2), "cropped"),
+                           (lambda: cache.batch_repeat_interleave(2), "repeated")):
+            with pytest.raises(ConfigError, match=f"serves one sequence and cannot be {what}"):
+                call()
+        assert cache.pos == seen
+
+
+def test_padding_use_cache_false_and_positions_beyond_the_model_are_refused(stories):
+    model, tokenizer = stories
+    inputs = tokenizer(PROMPT, return_tensors="pt")
+    padded = {"input_ids": inputs.input_ids,
+              "attention_mask": torch.cat([torch.zeros(1, 2, dtype=torch.long),
+                                           inputs.attention_mask[:, 2:]], dim=1)}
+    limit = model.config.max_position_embeddings
+    with api.cache(model, tokenizer, "h2o", budget_tokens=16) as cache:
+        with pytest.raises(ConfigError, match="attention_mask has zeros"):
+            model.generate(**padded, cache=cache, max_new_tokens=2, do_sample=False)
+        with pytest.raises(ConfigError, match="use_cache=False"):
+            model.generate(**inputs, cache=cache, max_new_tokens=2, do_sample=False,
+                           use_cache=False)
+        too_long = torch.full((1, limit + 1), 5, dtype=torch.long)
+        with pytest.raises(ConfigError, match=f"{limit + 1} tokens are beyond the model's {limit} "
+                                              "positions"):
+            model(input_ids=too_long, cache=cache)
+        assert cache.pos == 0  # nothing ran: the cache still takes its one sequence
+        out = model.generate(**inputs, cache=cache, max_new_tokens=2, do_sample=False)
+        assert out.shape[1] == inputs.input_ids.shape[1] + 2
