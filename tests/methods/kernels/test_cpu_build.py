@@ -1,11 +1,15 @@
 """methods/kernels/cpu_build.py: build once into the cache, load, and say why when it cannot."""
 
 import ctypes
+import os
+import subprocess
+import sys
 
 import pytest
 
 from kvcore.errors import ConfigError
 from methods.kernels import cpu_build
+from tests.conftest import PROJECT
 
 
 def _source(tmp_path, name, text):
@@ -155,3 +159,21 @@ def test_a_link_planted_at_the_librarys_name_is_replaced_not_followed(tmp_path, 
     cpu_build._build(source)
     assert victim.read_text() == "a user's file\n"
     assert not (cache / name).is_symlink() and not list(cache.glob(".build-*"))
+
+
+def test_the_cli_refuses_hostile_kernel_flags_before_anything_loads(tmp_path):
+    """`python -m harness` with linker flags naming a user's file: exit 2, one `error:` line
+    naming the variable and the flag, the file untouched, no results root."""
+    keep = tmp_path / "keep.txt"
+    keep.write_text("a user's file\n")
+    env = {**os.environ, "KVH_KERNEL_FLAGS": f"-O2 -Wl,-o,{keep}",
+           "KVH_KERNEL_CACHE": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-m", "harness", "model=stories260k", "method=kivi",
+                           f"runner.results_root={tmp_path / 'results'}"], cwd=PROJECT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        line for line in done.stderr.strip().splitlines() if line.startswith("error: ")]
+    assert f"error: KVH_KERNEL_FLAGS: '-Wl,-o,{keep}' is not a kernel build flag" in done.stderr
+    assert keep.read_text() == "a user's file\n"
+    assert not (tmp_path / "results").exists() and not (tmp_path / "cache").exists()
