@@ -154,8 +154,11 @@ def check_model(model) -> None:
 def rebuilt(method: KVMethod) -> KVMethod:
     """A fresh copy of a built method from its current knobs, checked as `build_method` checks
     them (a knob set after construction is validated here, not trusted)."""
+    from kvcore.typecheck import check_types
+
     knobs = {f.name: getattr(method, f.name) for f in dataclasses.fields(method) if f.init}
-    return build_method(method.name, **knobs)
+    check_types(type(method), knobs, "method")  # its own class: a method defined outside too
+    return type(method)(**knobs)
 
 
 class MethodKVCache(hf_adapter.MethodCache):
