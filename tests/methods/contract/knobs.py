@@ -27,8 +27,33 @@ def behaviour(model, method) -> tuple[torch.Tensor, list]:
     return torch.stack(logits), state
 
 
+# Test values for knobs of methods written before `knob_test_values` (a new method declares
+# its own, for a knob whose default is null or that takes no numeric perturbation)
+LEGACY_KNOB_VALUES = {
+    ("shadowkv", "rank"): [4],  # null: the official rank 160, clamped to the head size
+    ("squeezeattention", "scorer_options"): [{"recent_ratio": 0.25}],  # its H2O scorer's knob
+}
+# knobs naming a file or a folder (null: the method's default artefacts): what they read is
+# tested by the method's own tests and tests/methods/contract/test_prepare_knobs.py
+FILE_KNOB_SUFFIXES = ("_path", "_dir")
+
+
+def declared_values(name: str, knob: str) -> list | None:
+    declared = getattr(method_class(name), "knob_test_values", {})
+    if knob in declared:
+        return list(declared[knob])
+    return LEGACY_KNOB_VALUES.get((name, knob))
+
+
 def alternatives(name: str, knob: str, value, settings: dict) -> list:
-    """Other values of `knob` to try, most telling first."""
+    """Other values of `knob` to try, most telling first: the method's declared test values
+    (`knob_test_values`), else perturbations of the default (a list of layer indices: one
+    fewer, each one layer later)."""
+    declared = declared_values(name, knob)
+    if declared is not None:
+        return [v for v in declared if v != value]
+    if isinstance(value, list) and value and all(isinstance(i, int) for i in value):
+        return [v for v in (value[:-1], [i + 1 for i in value]) if v != value]
     if isinstance(value, bool):
         return [not value]
     if isinstance(value, int):

@@ -6,7 +6,8 @@ the kept positions must differ. A knob that by design changes nothing in this ca
 `KVMethod.inert_knobs` with its reason (e.g. InfiniGen's `mode`: `system` and `simulate` give
 the same outputs by construction), and the test checks that claim too. String knobs take the
 alternatives the method's own refusal names ("allowed: ..."); a knob with no such list is
-perturbed only if it is numeric or boolean.
+perturbed only if it is numeric, boolean or a list of layer indices; a knob with none of these
+(a null default) takes the values its method declares in `knob_test_values`, or the test fails.
 
 This is also how a newcomer's "uniform split" (PyramidKV's pyramid silently flat) is caught: its
 `beta` then changes nothing (tests/methods/contract/test_contract_mutants.py). A knob that changes
@@ -18,7 +19,7 @@ import pytest
 from harness import hf_adapter
 from methods import available_methods, build_method, method_class
 from tests.methods.contract.common import get_model
-from tests.methods.contract.knobs import knob_acts, knobs
+from tests.methods.contract.knobs import FILE_KNOB_SUFFIXES, knob_acts, knobs
 from tests.methods.contract.step_checker import SEQ_TOKENS
 
 
@@ -41,8 +42,11 @@ def test_every_knob_acts(name, knob, request, monkeypatch, tmp_path):
     if knob in inert:
         assert acts is not True, f"method.{knob} is declared inert ({inert[knob]}) but acts"
         return
-    if acts is None:
-        pytest.skip(f"method.{knob}: no other valid value to try (no numeric perturbation and "
-                    "no 'allowed:' list in its refusal)")
+    if acts is None and knob.endswith(FILE_KNOB_SUFFIXES):
+        pytest.skip(f"method.{knob} names a file or folder (its contents: the method's own tests)")
+    assert acts is not None, (
+        f"method={name}: method.{knob}: no other valid value to try (a null default, no numeric "
+        "perturbation, no 'allowed:' list in its refusal): declare one in the method's "
+        "knob_test_values (no knob untested)")
     assert acts, (f"method={name}: method.{knob} changes nothing in the compressing case: an "
                   "ignored knob (or declare it in inert_knobs with the reason)")
