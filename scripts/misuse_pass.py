@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -337,6 +338,469 @@ CASES: list[Case] = [
 ]
 
 
+# Case folders prepared by a block of cases below: {Case.setup: prepare(tmp)}.
+SETUPS: dict[str, Callable[[Path], None]] = {}
+
+
+# --- statistics and gate inputs: report, plan, check and the gate's folder ---------------------
+# Runs with samples (perplexity and RULER, a full-cache run and an h2o run on the same samples), a
+# frozen reference and a paired gate, then one file made hostile: a FIFO, a device link, a sparse
+# giant, a NaN / null / string / bool score, a row that is no object, another sample. Each must
+# be refused in one line naming the file, before any bootstrap, with nothing written.
+
+_SID = "5eed0000c0ffee01"  # the one perplexity sample's content id
+_NLL = [round(2.0 + 0.37 * ((7 * t) % 11) / 11, 6) for t in range(64)]  # its token losses
+
+
+def _stats_run(folder: Path, method: str, task: str, accuracy: dict, rows: list[dict]) -> None:
+    """A run folder (metrics.json as _fake_run writes it, for `method` and `task`) with its
+    samples.jsonl."""
+    _fake_run(folder)
+    metrics = json.loads((folder / "metrics.json").read_text())
+    metrics["method"].update(name=method, hyperparameters={"budget_ratio": 0.2}
+                             if method != "full" else {}, axis_keys=["budget_ratio"])
+    metrics["task"]["name"] = task
+    metrics["accuracy"] = accuracy
+    (folder / "metrics.json").write_text(json.dumps(metrics))
+    (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _stats_tree(tmp: Path) -> None:
+    """tmp/runs (perplexity and RULER, full and h2o), tmp/ref.jsonl (full's perplexity samples)
+    and tmp/gate.yaml (h2o paired with that reference)."""
+    runs = tmp / "runs"
+    for method, shift in (("full", 0.0), ("h2o", 0.25)):
+        nll = [round(x + shift, 6) for x in _NLL]
+        _stats_run(runs / "perplexity" / "stories260k" / method / "t0", method, "perplexity",
+                   {"ppl": 9.0 + shift}, [{"sample_id": _SID, "token_nll": nll}])
+        scores = [float((i * 7 + (3 if shift else 0)) % 10 < 7) for i in range(30)]
+        _stats_run(runs / "ruler" / "stories260k" / method / "t0", method, "ruler",
+                   {"average": 100 * sum(scores) / 30},
+                   [{"sample_id": f"{i:016x}", "subtask": "niah_single", "length_tokens": 256,
+                     "score": s} for i, s in enumerate(scores)])
+    (tmp / "ref.jsonl").write_text(json.dumps({"sample_id": _SID, "token_nll": _NLL}) + "\n")
+    (tmp / "gate.yaml").write_text(
+        "thresholds:\n  - {model: stories260k, method: h2o, task: perplexity, "
+        "metric: paired.difference, paired_reference: ref.jsonl, max: 50.0}\n")
+
+
+_TARGETS = {  # the file a case makes hostile
+    "ppl": "runs/perplexity/stories260k/h2o/t0/samples.jsonl",
+    "ruler": "runs/ruler/stories260k/h2o/t0/samples.jsonl",
+    "ref": "ref.jsonl", "gate": "gate.yaml",
+}
+
+
+def _fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _link(target: str) -> Callable[[Path], None]:
+    def plant(path: Path) -> None:
+        path.unlink()
+        os.symlink(target, path)
+    return plant
+
+
+def _link_chain(path: Path) -> None:  # a link to a link to /dev/zero
+    path.unlink()
+    os.symlink("/dev/zero", path.with_name("hop"))
+    os.symlink(path.with_name("hop"), path)
+
+
+def _loop(path: Path) -> None:
+    path.unlink()
+    os.symlink(path, path)
+
+
+def _folder(path: Path) -> None:
+    path.unlink()
+    path.mkdir()
+
+
+def _sparse(size: int) -> Callable[[Path], None]:
+    def plant(path: Path) -> None:  # claims `size` bytes, writes none
+        with open(path, "ab") as f:
+            f.truncate(size)
+    return plant
+
+
+def _text(text: str) -> Callable[[Path], None]:
+    return lambda path: path.write_text(text)
+
+
+def _nll(first: str) -> Callable[[Path], None]:
+    def plant(path: Path) -> None:  # the first token loss of the first row, as raw text
+        text = path.read_text()
+        path.write_text(re.sub(r'"token_nll": \[[-0-9.e]+', f'"token_nll": [{first}', text,
+                               count=1))
+    return plant
+
+
+def _edit(old: str, new: str) -> Callable[[Path], None]:
+    def plant(path: Path) -> None:  # one field of the first row, as raw text
+        text = path.read_text()
+        assert old in text, (old, path)
+        path.write_text(text.replace(old, new, 1))
+    return plant
+
+
+_FIRST_SCORE = '"score": 1.0'
+_MIB = 2**20
+
+
+def _inputs(name: str, module: str, args: list[str], target: str,
+            plant: Callable[[Path], None] | None, names: tuple[str, ...], root: str = "",
+            env: dict[str, str] | None = None, expect: str = "refuse") -> Case:
+    """A case on the statistics tree with `target` (a _TARGETS key) made hostile by `plant`."""
+    key = f"inputs/{len(SETUPS)}"
+
+    def prepare(tmp: Path) -> None:
+        _stats_tree(tmp)
+        if plant is not None:
+            plant(tmp / _TARGETS[target])
+    SETUPS[key] = prepare
+    return Case(f"inputs: {name}", args, expect=expect, names=names, module=module, setup=key,
+                root=root, env=env or {})
+
+
+_REPORT = ["{tmp}/runs", "--out", "{tmp}/out", "--resamples", "200"]
+
+
+def _report(name: str, target: str, plant, names=("samples.jsonl",)) -> Case:
+    return _inputs(f"report {name}", "harness.report", _REPORT, target, plant, names,
+                   root="{tmp}/out")
+
+
+def _plan(name: str, plant, *args: str, target: str = "ruler", names=("samples.jsonl",)) -> Case:
+    return _inputs(f"plan {name}", "harness.plan", ["{tmp}/runs", *(args or (
+        "--half-width", "5", "--resamples", "200"))], target, plant, names)
+
+
+def _check(name: str, target: str, plant, names=("ref.jsonl",)) -> Case:
+    return _inputs(f"check {name}", "harness.check", ["{tmp}/runs", "--against",
+                                                      "{tmp}/gate.yaml"], target, plant, names)
+
+
+def _gate_folder(tmp: Path, extra: Callable[[Path], None] | None) -> None:
+    """tmp/ci_gate as an earlier gate leaves it (a run, a sweep folder with its mark), then
+    `extra` planted in it."""
+    gate = tmp / "ci_gate"
+    _fake_run(gate / "perplexity" / "stories260k" / "full" / "t0")
+    sweep = gate / "_sweeps" / "stories"
+    sweep.mkdir(parents=True)
+    (sweep / ".kvh-sweep.json").write_text('{"harness": "kv-harness", "pid": 1}')
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")
+    if extra is not None:
+        extra(gate)
+
+
+def _gate(name: str, value: str, extra=None, argv: tuple[str, ...] = (),
+          names=("GATE_DIR",)) -> Case:
+    key = f"inputs/{len(SETUPS)}"
+    SETUPS[key] = lambda tmp: _gate_folder(tmp, extra)
+    return Case(f"inputs: gate {name}", list(argv), names=names, module="harness.gate_dir",
+                setup=key, root="", env={"GATE_DIR": value})
+
+
+def _user_folder(gate: Path) -> None:
+    mine = gate.parent / "mine"
+    (mine / "photos").mkdir(parents=True)
+    (mine / "photos" / "cat.jpg").write_bytes(b"\xff\xd8 a cat")
+    (mine / "todo.txt").write_text("buy milk\n")
+
+
+CASES += [
+    # report: the run's samples made hostile (one line, exit 2, --out never created)
+    _report("samples FIFO", "ppl", _fifo),
+    _report("samples -> /dev/full", "ppl", _link("/dev/full")),
+    _report("samples -> /dev/random", "ppl", _link("/dev/random")),
+    _report("samples -> /dev/null", "ppl", _link("/dev/null")),
+    _report("samples -> link -> /dev/zero", "ppl", _link_chain),
+    _report("samples sparse 257 MiB", "ppl", _sparse(257 * _MIB)),
+    _report("samples is a folder", "ppl", _folder),
+    _report("samples broken link", "ppl", _link("/nonexistent/samples.jsonl")),
+    _report("samples link loop", "ppl", _loop),
+    _report("token_nll Infinity", "ppl", _nll('Infinity')),
+    _report("token_nll -Infinity", "ppl", _nll('-Infinity')),
+    _report("token_nll 1e999 (inf)", "ppl", _nll('1e999')),
+    _report("token_nll true", "ppl", _nll('true')),
+    _report("token_nll '2.0'", "ppl", _nll('"2.0"')),
+    _report("token_nll -2", "ppl", _nll('-2')),
+    _report("token_nll nested list", "ppl", _nll('[2.0]')),
+    _report("token_nll a mapping", "ppl", _text(json.dumps({"sample_id": _SID,
+                                                             "token_nll": {"0": 2.0}}))),
+    _report("row a JSON string", "ppl", _text('"' + _SID + '"\n')),
+    _report("row a number", "ppl", _text("3.25\n")),
+    _report("row null", "ppl", _text("null\n")),
+    _report("row truncated", "ppl", _text('{"sample_id": "' + _SID + '", "token_nll": [2.0,')),
+    _report("row latin-1 bytes", "ppl", lambda p: p.write_bytes(b'{"sample_id": "caf\xe9"}\n')),
+    _report("sample_id a number", "ppl", _edit(f'"{_SID}"', "12345")),
+    _report("ruler score 1e400", "ruler", _edit(_FIRST_SCORE, '"score": 1e400')),
+    _report("ruler score '1'", "ruler", _edit(_FIRST_SCORE, '"score": "1"')),
+    _report("ruler score false", "ruler", _edit(_FIRST_SCORE, '"score": false')),
+    _report("ruler score 2.0", "ruler", _edit(_FIRST_SCORE, '"score": 2.0')),
+    _report("ruler score -0.25", "ruler", _edit(_FIRST_SCORE, '"score": -0.25')),
+    _report("ruler score [1]", "ruler", _edit(_FIRST_SCORE, '"score": [1]')),
+    _report("ruler length_tokens '256'", "ruler",
+            _edit('"length_tokens": 256', '"length_tokens": "256"')),
+    _report("ruler subtask 3", "ruler", _edit('"subtask": "niah_single"', '"subtask": 3')),
+    Case("inputs: report metrics.json sparse 17 MiB, the only run", _REPORT,
+         module="harness.report", setup="inputs/only-run:sparse", root="{tmp}/out",
+         names=("metrics.json", "16 MiB")),
+    Case("inputs: report metrics.json -> /dev/zero, the only run", _REPORT,
+         module="harness.report", setup="inputs/only-run:zero", root="{tmp}/out",
+         names=("metrics.json", "/dev/zero")),
+    _inputs("report --resamples 1", "harness.report", [*_REPORT[:3], "--resamples", "1"],
+            "ppl", None, ("--resamples",), root="{tmp}/out"),
+    _inputs("report --resamples 50", "harness.report", [*_REPORT[:3], "--resamples", "50"],
+            "ppl", None, ("--resamples",), root="{tmp}/out"),
+    _inputs("report --resamples 3*10**8", "harness.report",
+            [*_REPORT[:3], "--resamples", "300000000"], "ppl", None, ("--resamples",),
+            root="{tmp}/out"),
+    _inputs("report --resamples 10**15", "harness.report",
+            [*_REPORT[:3], "--resamples", str(10**15)], "ppl", None, ("--resamples",),
+            root="{tmp}/out"),
+    _inputs("report --resamples 2**70", "harness.report",
+            [*_REPORT[:3], "--resamples", str(2**70)], "ppl", None, ("--resamples",),
+            root="{tmp}/out"),
+    _inputs("report --resamples 1e9 (not an integer)", "harness.report",
+            [*_REPORT[:3], "--resamples", "1e9"], "ppl", None, ("--resamples",),
+            root="{tmp}/out"),
+    _inputs("report of good samples (valid)", "harness.report", _REPORT, "ppl", None, (),
+            root="{tmp}/out", expect="run"),
+    # plan: its arguments before any file, then the pilot's samples
+    _plan("--half-width 1e-100", None, "--half-width", "1e-100", names=("--half-width",)),
+    _plan("--half-width 1e-308", None, "--half-width", "1e-308", names=("--half-width",)),
+    _plan("--half-width 5e-324", None, "--half-width", "5e-324", names=("--half-width",)),
+    _plan("--half-width 1e-7", None, "--half-width", "1e-7", names=("--half-width",)),
+    _plan("--half-width -inf", None, "--half-width=-inf", names=("--half-width",)),
+    _plan("--half-width 1e309 (inf)", None, "--half-width", "1e309", names=("--half-width",)),
+    _plan("--resamples 1", None, "--half-width", "5", "--resamples", "1",
+          names=("--resamples",)),
+    _plan("--resamples 3*10**9", None, "--half-width", "5", "--resamples", "3000000000",
+          names=("--resamples",)),
+    _plan("--resamples 10**20", None, "--half-width", "5", "--resamples", str(10**20),
+          names=("--resamples",)),
+    _plan("samples FIFO", _fifo),
+    _plan("samples -> /dev/random", _link("/dev/random")),
+    _plan("samples sparse 257 MiB", _sparse(257 * _MIB)),
+    _plan("ruler score NaN", _edit(_FIRST_SCORE, '"score": NaN')),
+    _plan("ruler score '0'", _edit(_FIRST_SCORE, '"score": "0"')),
+    _plan("ruler score true", _edit(_FIRST_SCORE, '"score": true')),
+    _plan("ruler row a list", _text('[["0000000000000000", 1.0]]\n')),
+    # check: the frozen reference, the run's samples and the thresholds file
+    _check("reference FIFO", "ref", _fifo),
+    _check("reference -> /dev/full", "ref", _link("/dev/full")),
+    _check("reference -> /dev/null", "ref", _link("/dev/null")),
+    _check("reference -> /dev/random", "ref", _link("/dev/random")),
+    _check("reference sparse 257 MiB", "ref", _sparse(257 * _MIB)),
+    _check("reference is a folder", "ref", _folder),
+    _check("reference broken link", "ref", _link("/nonexistent/ref.jsonl")),
+    _check("reference row a list", "ref", _text(json.dumps([_SID, _NLL]) + "\n")),
+    _check("reference token_nll Infinity", "ref", _nll('Infinity')),
+    _check("reference token_nll '2.0'", "ref", _nll('"2.0"')),
+    _check("reference on other samples", "ref", _edit(_SID, "0123456789abcdef")),
+    _check("reference on other tokens", "ref", _text(json.dumps(
+        {"sample_id": _SID, "token_nll": _NLL[:10]}) + "\n")),
+    _check("reference scores a sample twice", "ref", _text(2 * (json.dumps(
+        {"sample_id": _SID, "token_nll": _NLL}) + "\n"))),
+    _check("reference without token_nll", "ref", _text(json.dumps({"sample_id": _SID}) + "\n")),
+    _check("reference empty", "ref", _text("")),
+    _check("reference latin-1 bytes", "ref", lambda p: p.write_bytes(b"{\"id\": \"\xe9\"}\n")),
+    _check("reference rows without sample_id", "ref", _text(json.dumps({"token_nll": _NLL}))),
+    _check("run samples FIFO", "ppl", _fifo, names=("samples.jsonl",)),
+    _check("run samples -> /dev/full", "ppl", _link("/dev/full"), names=("samples.jsonl",)),
+    _check("run token_nll null", "ppl", _nll('null'),
+           names=("samples.jsonl",)),
+    _check("run row a list", "ppl", _text("[1.0, 2.0]\n"), names=("samples.jsonl",)),
+    _check("run on other samples", "ppl", _edit(_SID, "fedcba9876543210"),
+           names=("ref.jsonl",)),
+    _check("thresholds sparse 17 MiB", "gate", _sparse(17 * _MIB), names=("gate.yaml",)),
+    _check("thresholds FIFO", "gate", _fifo, names=("gate.yaml",)),
+    _check("thresholds -> /dev/random", "gate", _link("/dev/random"), names=("gate.yaml",)),
+    _check("thresholds latin-1 bytes", "gate", lambda p: p.write_bytes(b"thresholds: [\xe9]\n"),
+           names=("gate.yaml",)),
+    # the gate's output folder, named by GATE_DIR (make gate): refused unless all is its own
+    _gate("GATE_DIR a user's folder", "{tmp}/mine", _user_folder),
+    _gate("GATE_DIR a link to an earlier gate", "{tmp}/link",
+          lambda g: os.symlink(g, g.parent / "link")),
+    _gate("GATE_DIR a user's file", "{tmp}/keep.txt"),
+    _gate("GATE_DIR a FIFO", "{tmp}/pipe", lambda g: os.mkfifo(g.parent / "pipe")),
+    _gate("GATE_DIR empty", ""),
+    _gate("GATE_DIR gate + a user file deep", "{tmp}/ci_gate",
+          lambda g: (g / "perplexity" / "stories260k" / "notes.md").write_text("mine\n")),
+    _gate("GATE_DIR gate + a link inside", "{tmp}/ci_gate",
+          lambda g: os.symlink(g.parent / "keep.txt", g / "perplexity" / "keep.txt")),
+    _gate("GATE_DIR gate + a file in a run folder", "{tmp}/ci_gate",
+          lambda g: (g / "perplexity" / "stories260k" / "full" / "t0" / "mine.csv")
+          .write_text("1,2\n")),
+    _gate("GATE_DIR gate + a sweep folder without its mark", "{tmp}/ci_gate",
+          lambda g: (g / "_sweeps" / "stories" / ".kvh-sweep.json").unlink()),
+    _gate("a user's folder as the argument", "", _user_folder, argv=("{tmp}/mine",),
+          names=("mine",)),
+]
+
+
+def _only_run(tmp: Path, plant: Callable[[Path], None]) -> None:
+    """One run whose metrics.json is made hostile: the report names it in its one line."""
+    folder = tmp / "runs" / "perplexity" / "stories260k" / "full" / "t0"
+    _fake_run(folder)
+    plant(folder / "metrics.json")
+
+
+SETUPS["inputs/only-run:sparse"] = lambda tmp: _only_run(tmp, _sparse(17 * _MIB))
+SETUPS["inputs/only-run:zero"] = lambda tmp: _only_run(tmp, _link("/dev/zero"))
+
+
+# issue 47: API, knobs, kernel flags, side files
+# Kernel build flags and cache folder (checked by the CLI before anything loads), the knob
+# classes every method shares (seeds, position-counting knobs), KVzip's calibration context,
+# Expected Attention's sinks, and side files that are FIFOs, devices, folders or sparse giants.
+# The API's own refusals cannot go through the CLI: tests/harness/test_api.py holds them.
+
+def _c2(name: str, method: str, *opts: str, **kw) -> Case:
+    """A run of `method` on a 24-token prompt (so every method has one to act on)."""
+    return Case(f"i47c2 {name}", [*PPL, "task.prefill_tokens=24", f"method={method}", *opts],
+                **kw)
+
+
+def _flags(name: str, flags: str, method: str = "kivi") -> Case:
+    return _c2(f"KVH_KERNEL_FLAGS {name}", method, env={"KVH_KERNEL_FLAGS": flags},
+               names=("KVH_KERNEL_FLAGS",))
+
+
+def _kernel_cache(name: str, folder: str, setup: str = "") -> Case:
+    return _c2(f"KVH_KERNEL_CACHE {name}", "kivi", env={"KVH_KERNEL_CACHE": folder},
+               setup=setup, names=("KVH_KERNEL_CACHE",))
+
+
+def _c2_fifo(tmp: Path) -> None:
+    os.mkfifo(tmp / "side.fifo")
+    (tmp / "duo_fifo").mkdir()
+    os.mkfifo(tmp / "duo_fifo" / "full_attention_heads.tsv")
+
+
+def _c2_sparse(tmp: Path) -> None:
+    with open(tmp / "giant.txt", "wb") as f:  # 11 GB claimed, nothing written
+        f.truncate(11 * 10 ** 9)
+
+
+SETUPS["i47c2/fifo"] = _c2_fifo
+SETUPS["i47c2/sparse"] = _c2_sparse
+SETUPS["i47c2/short"] = lambda tmp: _model_copy(tmp / "short", max_position_embeddings=66)
+SETUPS["i47c2/pos200"] = lambda tmp: _model_copy(tmp / "pos200", max_position_embeddings=200)
+
+_SHORT = ["model=hf", "model.name_or_path={tmp}/short", "runner.threads=1", "task.max_tokens=40",
+          "task.prefill_tokens=24"]
+_POS200 = ["model=hf", "model.name_or_path={tmp}/pos200", "runner.threads=1",
+           "task.max_tokens=40", "task.prefill_tokens=24"]
+
+CASES += [
+    # --- kernel build flags: only what a build needs; nothing naming a file or another tool ---
+    _flags("-Wl,-o names a user file", "-Wl,-o,{tmp}/keep.txt"),
+    _flags("-o then a user file", "-O2 -o {tmp}/keep.txt"),
+    _flags("-Wl,--output=", "-Wl,--output={tmp}/out.so"),
+    _flags("-Wa,-o assembler output", "-Wa,-o,{tmp}/keep.txt"),
+    _flags("-Wp,-MD dependency file", "-Wp,-MD,{tmp}/keep.txt"),
+    _flags("-MF dependency file", "-MD -MF {tmp}/deps.d"),
+    _flags("-specs= file", "-specs={tmp}/specs"),
+    _flags("@file of arguments", "@{tmp}/keep.txt"),
+    _flags("-fprofile-generate= folder", "-fprofile-generate={tmp}/prof"),
+    _flags("-fdump-tree-all writes dumps", "-fdump-tree-all"),
+    _flags("-fplugin= loads code", "-fplugin={tmp}/plugin.so"),
+    _flags("-fstack-usage writes .su files", "-O3 -fstack-usage"),
+    _flags("-save-temps", "-save-temps=obj"),
+    _flags("-B compiler search path", "-B{tmp}"),
+    _flags("-include a file", "-include {tmp}/keep.txt"),
+    _flags("-Xlinker", "-Xlinker --output"),
+    _flags("-mllvm", "-mllvm -stats"),
+    _flags("--sysroot=", "--sysroot={tmp}"),
+    _flags("-D value with a path", "-DOUT=/tmp/x"),
+    _flags("a bare source file", "{tmp}/keep.txt"),
+    _flags("with method=turboquant", "-mno-avx512f -Wl,-T,{tmp}/script", method="turboquant"),
+    _kernel_cache("a user's folder", "{tmp}/mine", setup="mine"),
+    _kernel_cache("a user's file", "{tmp}/keep.txt"),
+    _kernel_cache("a dangling link", "{tmp}/dangling", setup="dangling"),
+    _kernel_cache("a link loop", "{tmp}/loop", setup="loop"),
+    _kernel_cache("empty", ""),
+    # --- seeds: 0..2**63-1 for every method that draws -------------------------------------
+    _c2("turboquant seed=2**63", "turboquant", "method.seed=9223372036854775808",
+        names=("method.seed",)),
+    _c2("turboquant seed=-7", "turboquant", "method.seed=-7", names=("method.seed",)),
+    _c2("razor_attention probe_seed=2**64", "razor_attention",
+        "method.probe_seed=18446744073709551616", names=("method.probe_seed",)),
+    _c2("headkv probe_seed=-1", "headkv", "method.probe_seed=-1", names=("method.probe_seed",)),
+    _c2("duo_attention probe_seed=10**30", "duo_attention",
+        "method.probe_seed=1000000000000000000000000000000", names=("method.probe_seed",)),
+    # --- knobs counting positions: within the model's (stories260K: 512) ---------------------
+    _c2("expected_attention future_tokens=513", "expected_attention", "method.future_tokens=513",
+        names=("method.future_tokens",)),
+    _c2("expected_attention sink_tokens=100000", "expected_attention",
+        "method.sink_tokens=100000", names=("method.sink_tokens",)),
+    _c2("expected_attention sinks above budget_tokens", "expected_attention",
+        "method.budget_tokens=10", "method.sink_tokens=20", names=("method.sink_tokens",)),
+    _c2("expected_attention sinks cover the prompt", "expected_attention",
+        "method.sink_tokens=30", "method.budget_ratio=0.5", names=("method.sink_tokens",)),
+    _c2("snapkv window_tokens=4096 (int)", "snapkv", "method.window_tokens=4096",
+        names=("method.window_tokens",)),
+    _c2("pyramidkv kernel_tokens=1001", "pyramidkv", "method.kernel_tokens=1001",
+        names=("method.kernel_tokens",)),
+    _c2("adakv window_tokens=600", "adakv", "method.window_tokens=600",
+        names=("method.window_tokens",)),
+    _c2("scissorhands history_tokens=10**6", "scissorhands", "method.history_tokens=1000000",
+        names=("method.history_tokens",)),
+    _c2("kvzip sink_tokens=2048", "kvzip", "method.sink_tokens=2048",
+        names=("method.sink_tokens",)),
+    _c2("qfilters window_tokens=9999", "qfilters", "method.window_tokens=9999",
+        names=("method.window_tokens",)),
+    _c2("razor_attention sink_tokens=777", "razor_attention", "method.sink_tokens=777",
+        names=("method.sink_tokens",)),
+    _c2("tailorkv recent_tokens=100000", "tailorkv", "method.recent_tokens=100000",
+        names=("method.recent_tokens",)),
+    Case("i47c2 expected_attention future_tokens=300 on a 200-position model",
+         [*_POS200, "method=expected_attention", "method.future_tokens=300"],
+         setup="i47c2/pos200", names=("method.future_tokens",)),
+    # --- KVzip head level: a calibration context it can evict from ---------------------------
+    _c2("kvzip level=head calibration_tokens=0", "kvzip", "method.level=head",
+        "method.calibration_tokens=0", names=("method.calibration_tokens",)),
+    Case("i47c2 kvzip level=head on a 66-position model", [*_SHORT, "method=kvzip",
+                                                          "method.level=head"],
+         setup="i47c2/short", names=("method.level=head", "head_scores_path")),
+    # --- side files: kind and size before a byte is read ---------------------------------------
+    _c2("kvquant calibration_path=/dev/zero", "kvquant", "method.calibration_path=/dev/zero",
+        names=("calibration_path",)),
+    _c2("infinigen calibration_path=/dev/urandom", "infinigen",
+        "method.calibration_path=/dev/urandom", names=("calibration_path",)),
+    _c2("qfilters calibration_path a FIFO", "qfilters", "method.calibration_path={tmp}/side.fifo",
+        setup="i47c2/fifo", names=("calibration_path",)),
+    _c2("qfilters filters_path a FIFO", "qfilters", "method.filters_path={tmp}/side.fifo",
+        setup="i47c2/fifo", names=("filters_path",)),
+    _c2("qfilters filters_path=/dev/zero", "qfilters", "method.filters_path=/dev/zero",
+        names=("filters_path",)),
+    _c2("kvzip head_scores_path=/dev/zero", "kvzip", "method.level=head",
+        "method.head_scores_path=/dev/zero", names=("head_scores_path",)),
+    _c2("kvzip calibration_path a FIFO", "kvzip", "method.level=head",
+        "method.calibration_path={tmp}/side.fifo", setup="i47c2/fifo",
+        names=("calibration_path",)),
+    _c2("headkv head_scores_path a FIFO", "headkv", "method.head_scores_path={tmp}/side.fifo",
+        setup="i47c2/fifo", names=("head_scores_path",)),
+    _c2("duo_attention pattern_path holding a FIFO", "duo_attention",
+        "method.pattern_path={tmp}/duo_fifo", setup="i47c2/fifo", names=("pattern_path",)),
+    _c2("kvquant calibration_path a sparse 11 GB file", "kvquant",
+        "method.calibration_path={tmp}/giant.txt", setup="i47c2/sparse",
+        names=("calibration_path",)),
+    _c2("infinigen calibration_path a sparse 11 GB file", "infinigen",
+        "method.calibration_path={tmp}/giant.txt", setup="i47c2/sparse",
+        names=("calibration_path",)),
+    _c2("tailorkv calibration_path=/dev/zero", "tailorkv", "method.calibration_path=/dev/zero",
+        names=("calibration_path",)),
+    _c2("infinigen calibration_path a folder", "infinigen", "method.calibration_path={tmp}",
+        names=("calibration_path",)),
+]
+
+
 # --- case folders ---------------------------------------------------------------------------
 
 def _fake_run(folder: Path) -> None:
@@ -357,7 +821,9 @@ def _fake_run(folder: Path) -> None:
 
 def setup_case(tmp: Path, how: str) -> None:
     (tmp / "keep.txt").write_text("a user's file\n")  # every case: must survive
-    if how == "empty":
+    if how in SETUPS:  # a block's own preparation
+        SETUPS[how](tmp)
+    elif how == "empty":
         (tmp / "empty").mkdir()
     elif how == "loop":
         os.symlink(tmp / "loop", tmp / "loop")
@@ -508,7 +974,8 @@ def run_case(case: Case, base: Path, index: int, timeout_s: float, project: Path
     env = {**os.environ, "HYDRA_FULL_ERROR": "0", "WANDB_MODE": "offline",
            "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
            "KVH_CACHE_DIR": os.environ.get("KVH_CACHE_DIR", str(Path.home() / ".cache" /
-                                                               "kv-harness")), **case.env}
+                                                               "kv-harness")),
+           **{k: v.format(tmp=tmp, root=root) for k, v in case.env.items()}}
     start = time.monotonic()
     try:
         proc = subprocess.run([PYTHON, "-m", case.module, *args], cwd=project, env=env,
