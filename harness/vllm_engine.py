@@ -52,8 +52,7 @@ TURBOQUANT = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "tu
 # stream_scores (streaming perplexity).
 TASKS = ("ruler", "longbench", "xsum", "perplexity")
 # Runner knobs that still mean something here; every other must keep its declared default.
-RUNNER_KNOBS = ("results_root", "output_dir", "overwrite", "seed", "debug", "skip_existing",
-                "prefill_chunk_tokens")
+RUNNER_KNOBS = ("results_root", "output_dir", "overwrite", "seed", "debug", "skip_existing")
 
 
 @dataclass(frozen=True)
