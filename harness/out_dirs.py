@@ -1,15 +1,20 @@
-"""The regression gate's output folder (`make gate`): emptied before the gate's sweeps write into
-it, only when everything in it is the harness's own output.
+"""The folders `make` targets empty and write into, named by environment variables: emptied only
+when everything in them is what that target writes.
 
-    GATE_DIR=results/ci_gate python -m harness.gate_dir      # what `make gate` runs first
+    GATE_DIR=results/ci_gate python -m harness.out_dirs GATE_DIR      # `make gate`, first step
+    PARITY_DIR=results/parity python -m harness.out_dirs PARITY_DIR    # `make parity`, first step
 
-The folder comes from the environment (`GATE_DIR`, as make passes it; default results/ci_gate)
-or an argument, and is checked like a CLI output path: a link is refused (never followed out),
-as is a file, and a folder holding anything the harness did not write (a user's file, a link, a
-run folder with a file of someone else's). What the harness writes there: run folders
-(`harness.results.RUN_FILES` and a valid metrics.json), sweep folders (their `SWEEP_MARK`),
-staging folders of killed runs (their `STAGING_MARK`) and the folders above them. Exit 2 with
-one `error:` line naming the variable when refused; nothing is changed then.
+Each variable (as make passes it; its default otherwise) is checked like a CLI output path: a
+link is refused (never followed out), as is a file, and a folder holding anything the target did
+not write (a user's file, a link, a FIFO, a run folder with someone else's file in it):
+
+* GATE_DIR: a results tree: run folders (`harness.results.RUN_FILES` and a valid metrics.json),
+  sweep folders (their `SWEEP_MARK`), staging folders of killed runs (their `STAGING_MARK`) and
+  the folders above them;
+* PARITY_DIR: the parity files (`PARITY_FILES`: benchmarks/parity.py and scripts/kvpress_peer.py
+  write them), as regular files.
+
+Refused: exit 2 with one `error:` line naming the variable; nothing is changed then.
 """
 
 from __future__ import annotations
@@ -20,12 +25,16 @@ import shutil
 import stat
 import sys
 from pathlib import Path
+from typing import Callable
 
 from kvcore.errors import ConfigError
 
-ENV = "GATE_DIR"
-DEFAULT = Path("results") / "ci_gate"
 _SHOWN = 3  # foreign entries named in the message
+# What `make parity` writes into PARITY_DIR (benchmarks/parity.py ours, scripts/kvpress_peer.py),
+# and the temporary names its atomic writes use on the way.
+PARITY_FILES = frozenset({"prompts.json", "ours.json", "peer.json", "qfilters.safetensors",
+                          "prompts.json.tmp", "ours.json.tmp", "peer.json.tmp",
+                          "qfilters.tmp"})
 
 
 def _owned_marker(folder: Path) -> bool:
@@ -33,22 +42,20 @@ def _owned_marker(folder: Path) -> bool:
     from harness.results import STAGING_MARK
     from harness.sweep import SWEEP_MARK
 
-    return any(stat.S_ISREG(os.lstat(folder / mark).st_mode) for mark in (SWEEP_MARK,
-                                                                          STAGING_MARK)
-               if os.path.lexists(folder / mark))
+    return any(os.path.lexists(folder / mark) and stat.S_ISREG(os.lstat(folder / mark).st_mode)
+               for mark in (SWEEP_MARK, STAGING_MARK))
 
 
-def foreign(folder: Path, top: Path | None = None) -> list[str]:
-    """Paths (relative to `top`) under `folder` the harness did not write; links are never
-    followed (a link is itself foreign: the harness writes none)."""
+def results_foreign(folder: Path, top: Path | None = None) -> list[str]:
+    """Paths (relative to `top`) under a results tree that no run or sweep of the harness wrote;
+    links are never followed (a link is itself foreign: the harness writes none)."""
     from harness.results import not_ours
 
     top = top or folder
     out = []
     for entry in sorted(folder.iterdir()):
         name = str(entry.relative_to(top))
-        mode = os.lstat(entry).st_mode
-        if not stat.S_ISDIR(mode):  # a file outside a run folder, a link, a FIFO
+        if not stat.S_ISDIR(os.lstat(entry).st_mode):  # a file outside a run, a link, a FIFO
             out.append(name)
         elif _owned_marker(entry):
             continue
@@ -57,30 +64,45 @@ def foreign(folder: Path, top: Path | None = None) -> list[str]:
             if why:
                 out.append(f"{name} ({why})")
         else:
-            out += foreign(entry, top)
+            out += results_foreign(entry, top)
         if len(out) >= _SHOWN:
             break
     return out
 
 
-def prepare(folder: Path, key: str) -> Path:
-    """Empty `folder` for a new gate (create it when absent); ConfigError naming `key` when it is
-    a link, a file, or holds anything the harness did not write. Returns the folder."""
+def parity_foreign(folder: Path) -> list[str]:
+    """Entries of a parity folder that are not the parity files, as regular files."""
+    return [entry.name for entry in sorted(folder.iterdir())
+            if entry.name not in PARITY_FILES or not stat.S_ISREG(os.lstat(entry).st_mode)
+            ][:_SHOWN]
+
+
+# variable -> (its default, what decides the folder's entries are the target's own)
+FOLDERS: dict[str, tuple[Path, Callable[[Path], list[str]]]] = {
+    "GATE_DIR": (Path("results") / "ci_gate", results_foreign),
+    "PARITY_DIR": (Path("results") / "parity", parity_foreign),
+}
+
+
+def prepare(folder: Path, key: str, foreign: Callable[[Path], list[str]]) -> Path:
+    """Empty `folder` (create it when absent); ConfigError naming `key` when it is a link, a
+    file, or holds anything `foreign` names. Returns the folder."""
     from harness.results import check_writable
 
     if folder.is_symlink():
-        raise ConfigError(f"{key}: {folder} is a link (to {os.path.realpath(folder)}); the gate "
+        raise ConfigError(f"{key}: {folder} is a link (to {os.path.realpath(folder)}); make "
                           "writes only into a folder of its own, never through a link. Give a "
                           "folder path")
     if folder.exists() and not folder.is_dir():
-        raise ConfigError(f"{key}: {folder} is a file, not a folder; nothing was changed")
+        kind = "a FIFO" if stat.S_ISFIFO(os.stat(folder).st_mode) else "a file"
+        raise ConfigError(f"{key}: {folder} is {kind}, not a folder; nothing was changed")
     if folder.is_dir():
         held = foreign(folder)
         if held:
             raise ConfigError(f"{key}: {folder} holds files the harness did not write "
                               f"({', '.join(held)}{' ...' if len(held) >= _SHOWN else ''}); "
-                              "nothing was changed. Choose a new or empty folder, or an "
-                              "earlier gate's")
+                              "nothing was changed. Choose a new or empty folder, or one this "
+                              "target wrote before")
         shutil.rmtree(folder)
     check_writable(folder, key)
     folder.mkdir(parents=True)
@@ -88,31 +110,28 @@ def prepare(folder: Path, key: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m harness.gate_dir",
+    ap = argparse.ArgumentParser(prog="python -m harness.out_dirs",
                                  description=__doc__.splitlines()[0])
-    ap.add_argument("folder", nargs="?", type=Path, default=None,
-                    help=f"the gate's output folder (default ${ENV}, else {DEFAULT})")
+    ap.add_argument("variable", choices=sorted(FOLDERS),
+                    help="the environment variable naming the folder (its default when unset)")
     args = ap.parse_args(argv)
-    given = os.environ.get(ENV)
-    if args.folder is not None:
-        folder, key = args.folder, str(args.folder)
-    elif given is not None:
-        if not given.strip():
-            print(f"error: {ENV}='{given}' is empty; give the gate's output folder",
-                  file=sys.stderr)
-            return 2
-        folder, key = Path(given), f"{ENV}={given}"
-    else:
-        folder, key = DEFAULT, f"{ENV} (default {DEFAULT})"
+    default, foreign = FOLDERS[args.variable]
+    given = os.environ.get(args.variable)
+    if given is not None and not given.strip():
+        print(f"error: {args.variable}='{given}' is empty; give the target's output folder",
+              file=sys.stderr)
+        return 2
+    folder = Path(given) if given is not None else default
+    key = f"{args.variable}={given}" if given is not None else f"{args.variable} ({default})"
     try:
-        prepare(folder, key)
+        prepare(folder, key, foreign)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except OSError as exc:  # permissions while emptying it
         print(f"error: {key}: cannot empty {folder} ({exc.strerror or exc})", file=sys.stderr)
         return 2
-    print(f"gate output folder: {folder} (empty)")
+    print(f"{args.variable}: {folder} (empty)")
     return 0
 
 

@@ -342,7 +342,7 @@ CASES: list[Case] = [
 SETUPS: dict[str, Callable[[Path], None]] = {}
 
 
-# --- statistics and gate inputs: report, plan, check and the gate's folder ---------------------
+# --- statistics and gate inputs: report, plan, check, the gate's and parity's folders ----------
 # Runs with samples (perplexity and RULER, a full-cache run and an h2o run on the same samples), a
 # frozen reference and a paired gate, then one file made hostile: a FIFO, a device link, a sparse
 # giant, a NaN / null / string / bool score, a row that is no object, another sample. Each must
@@ -496,12 +496,20 @@ def _gate_folder(tmp: Path, extra: Callable[[Path], None] | None) -> None:
         extra(gate)
 
 
-def _gate(name: str, value: str, extra=None, argv: tuple[str, ...] = (),
-          names=("GATE_DIR",)) -> Case:
+def _gate(name: str, value: str, extra=None, variable: str = "GATE_DIR") -> Case:
+    """harness.out_dirs on the folder `variable` names (make gate / make parity's first step)."""
     key = f"inputs/{len(SETUPS)}"
     SETUPS[key] = lambda tmp: _gate_folder(tmp, extra)
-    return Case(f"inputs: gate {name}", list(argv), names=names, module="harness.gate_dir",
-                setup=key, root="", env={"GATE_DIR": value})
+    return Case(f"inputs: out_dirs {name}", [variable], names=(variable,),
+                module="harness.out_dirs", setup=key, root="", env={variable: value})
+
+
+def _parity_files(gate: Path) -> None:
+    """tmp/parity as make parity leaves it."""
+    parity = gate.parent / "parity"
+    parity.mkdir()
+    for name in ("prompts.json", "ours.json", "peer.json", "qfilters.safetensors"):
+        (parity / name).write_text("{}\n")
 
 
 def _user_folder(gate: Path) -> None:
@@ -622,7 +630,8 @@ CASES += [
     _check("thresholds -> /dev/random", "gate", _link("/dev/random"), names=("gate.yaml",)),
     _check("thresholds latin-1 bytes", "gate", lambda p: p.write_bytes(b"thresholds: [\xe9]\n"),
            names=("gate.yaml",)),
-    # the gate's output folder, named by GATE_DIR (make gate): refused unless all is its own
+    # the folders make gate / make parity empty (GATE_DIR, PARITY_DIR): refused unless all is
+    # what that target writes
     _gate("GATE_DIR a user's folder", "{tmp}/mine", _user_folder),
     _gate("GATE_DIR a link to an earlier gate", "{tmp}/link",
           lambda g: os.symlink(g, g.parent / "link")),
@@ -638,8 +647,16 @@ CASES += [
           .write_text("1,2\n")),
     _gate("GATE_DIR gate + a sweep folder without its mark", "{tmp}/ci_gate",
           lambda g: (g / "_sweeps" / "stories" / ".kvh-sweep.json").unlink()),
-    _gate("a user's folder as the argument", "", _user_folder, argv=("{tmp}/mine",),
-          names=("mine",)),
+    _gate("PARITY_DIR a user's folder", "{tmp}/mine", _user_folder, "PARITY_DIR"),
+    _gate("PARITY_DIR an earlier gate's folder", "{tmp}/ci_gate", None, "PARITY_DIR"),
+    _gate("PARITY_DIR parity files + a user file", "{tmp}/parity", lambda g: (
+        _parity_files(g), (g.parent / "parity" / "results.xlsx").write_text("mine")),
+        "PARITY_DIR"),
+    _gate("PARITY_DIR peer.json a link to a user file", "{tmp}/parity", lambda g: (
+        _parity_files(g), (g.parent / "parity" / "peer.json").unlink(),
+        os.symlink(g.parent / "keep.txt", g.parent / "parity" / "peer.json")), "PARITY_DIR"),
+    _gate("PARITY_DIR a link to a parity folder", "{tmp}/plink", lambda g: (
+        _parity_files(g), os.symlink(g.parent / "parity", g.parent / "plink")), "PARITY_DIR"),
 ]
 
 

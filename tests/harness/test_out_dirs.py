@@ -1,6 +1,6 @@
-"""harness.gate_dir (`make gate`'s first step): the gate's output folder, named by GATE_DIR, is
-emptied only when all it holds is the harness's own output; a user's folder, a file or a link is
-refused in one line naming the variable, and nothing is changed."""
+"""harness.out_dirs (the first step of `make gate` and `make parity`): the folder GATE_DIR or
+PARITY_DIR names is emptied only when all it holds is what that target writes; a user's folder,
+a file or a link is refused in one line naming the variable, and nothing is changed."""
 
 import hashlib
 import json
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import gate_dir
+from harness import out_dirs
 from harness.results import STAGING_MARK
 from harness.sweep import SWEEP_MARK
 from tests.helpers.reports import fake_run
@@ -46,12 +46,9 @@ def gate_tree(root: Path) -> Path:
     return root
 
 
-def run(monkeypatch, capsys, value: str | None, *argv: str) -> tuple[int, str]:
-    if value is None:
-        monkeypatch.delenv(gate_dir.ENV, raising=False)
-    else:
-        monkeypatch.setenv(gate_dir.ENV, value)
-    code = gate_dir.main(list(argv))
+def run(monkeypatch, capsys, value: str, variable: str = "GATE_DIR") -> tuple[int, str]:
+    monkeypatch.setenv(variable, value)
+    code = out_dirs.main([variable])
     return code, capsys.readouterr().err
 
 
@@ -105,23 +102,50 @@ def test_a_link_is_refused_and_its_target_untouched(tmp_path, monkeypatch, capsy
     assert digest(target) == before and (tmp_path / "ci_gate").is_symlink()
 
 
-def test_a_file_an_empty_value_and_an_argument(tmp_path, monkeypatch, capsys):
+def test_a_file_and_an_empty_value(tmp_path, monkeypatch, capsys):
     user = tmp_path / "report.pdf"
     user.write_bytes(b"%PDF")
     code, err = run(monkeypatch, capsys, str(user))
     assert code == 2 and "is a file, not a folder" in err and user.read_bytes() == b"%PDF"
     code, err = run(monkeypatch, capsys, "  ")
     assert code == 2 and "GATE_DIR='  ' is empty" in err
-    (tmp_path / "mine").mkdir()
-    (tmp_path / "mine" / "a.txt").write_text("a")
-    code, err = run(monkeypatch, capsys, None, str(tmp_path / "mine"))  # a CLI argument alike
-    assert code == 2 and err.startswith(f"error: {tmp_path / 'mine'}: ") and "a.txt" in err
 
 
-def test_the_makefile_gate_empties_its_folder_through_this_check_only():
-    """`make gate` once ran `rm -rf $(GATE_DIR)`: a GATE_DIR pointing at a user's folder lost
-    it. The recipe now runs harness.gate_dir, and removes nothing itself."""
+def parity_folder(folder: Path) -> Path:
+    folder.mkdir()
+    for name in out_dirs.PARITY_FILES:
+        (folder / name).write_text("{}")
+    return folder
+
+
+def test_an_earlier_parity_folder_is_emptied(tmp_path, monkeypatch, capsys):
+    folder = parity_folder(tmp_path / "parity")
+    assert run(monkeypatch, capsys, str(folder), "PARITY_DIR") == (0, "")
+    assert folder.is_dir() and not any(folder.iterdir())
+
+
+@pytest.mark.parametrize("plant, expect", [
+    (lambda f: (f / "notes.txt").write_text("mine"), "notes.txt"),
+    (lambda f: ((f / "peer.json").unlink(), os.symlink("/etc/hostname", f / "peer.json")),
+     "peer.json"),
+    (lambda f: (f / "sub").mkdir(), "sub"),
+])
+def test_a_parity_folder_with_anything_else_is_refused_untouched(plant, expect, tmp_path,
+                                                                 monkeypatch, capsys):
+    folder = parity_folder(tmp_path / "parity")
+    plant(folder)
+    before = digest(folder)
+    code, err = run(monkeypatch, capsys, str(folder), "PARITY_DIR")
+    assert code == 2 and err.startswith(f"error: PARITY_DIR={folder}: ") and expect in err
+    assert len(err.strip().splitlines()) == 1 and digest(folder) == before
+
+
+@pytest.mark.parametrize("target, variable", [("gate", "GATE_DIR"), ("parity", "PARITY_DIR")])
+def test_the_makefile_empties_its_folders_through_this_check_only(target, variable):
+    """`make gate` and `make parity` once ran `rm -rf $(GATE_DIR)` / `$(PARITY_DIR)`: a variable
+    pointing at a user's folder lost it. Each recipe now runs harness.out_dirs first, and
+    removes nothing itself."""
     makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
-    recipe = makefile.split("\ngate: setup\n", 1)[1].split("\n\n", 1)[0]
-    assert "-m harness.gate_dir" in recipe and "rm " not in recipe
-    assert "export GATE_DIR" in makefile
+    recipe = makefile.split(f"\n{target}: setup", 1)[1].split("\n\n", 1)[0]
+    assert f"-m harness.out_dirs {variable}" in recipe and "rm " not in recipe
+    assert f"export {variable}" in makefile
