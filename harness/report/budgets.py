@@ -188,7 +188,9 @@ def markdown(answers: list[dict], top: int = 8) -> str:
         listed = "; ".join(f"{name(e)} {fmt(e['tasks'][a['column']])} ({cost(e)})"
                            for e in same[:top])
         more = f"; and {len(same) - top} more (letter a)" if len(same) > top else ""
-        out.append(f"- **{a['level']}** ({len(a['members'])} settings, {a['apart']} of "
+        count = len(a["members"])
+        out.append(f"- **{a['level']}** ({count} setting{'s' if count != 1 else ''}, "
+                   f"{a['apart']} of "
                    f"{a['pairs']} pairs told apart): best {name(best)} "
                    f"{fmt(best['tasks'][a['column']])} ({cost(best)})"
                    + alone(a, f"; cannot be told from it: {listed}{more}" if same else ""))

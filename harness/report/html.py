@@ -36,8 +36,10 @@ th{background:#f5f5f5;cursor:pointer;position:sticky;top:0}
 th.sorted-asc::after{content:" \\25B2"} th.sorted-desc::after{content:" \\25BC"}
 td.text,th.text{text-align:left} tr.level th{background:#eef3fb;text-align:left;cursor:default}
 td.letters{font-family:ui-monospace,monospace;text-align:left;color:#1a4d8f}
-td.info{cursor:help} td.info::after{content:" \\24D8";color:#888}
-.shared{color:#8a5a00} ul.answer li{margin:.25em 0} ul.answer b{font-weight:600}
+td.info{cursor:help;text-decoration:underline dotted #999}
+.shared{color:#8a5a00} table.answer td{white-space:normal;vertical-align:top}
+table.answer td:first-child{min-width:11em} table.answer td:nth-child(2){min-width:18em}
+table.answer th{cursor:default}
 tr.reference td{font-weight:600;background:#fafafa}
 tr.inactive td{color:#a00} td.best{background:#e6f4e6}
 figure{margin:1.2em 0} figure img{max-width:100%;height:auto;border:1px solid #eee}
@@ -164,32 +166,58 @@ def board_html(board: list[dict], answers: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _cost_short(e: dict) -> str:
+    """KV held, decode ms (* when a shared batched step timed it), bytes moved per step."""
+    parts = [f"KV held {fmt(e['kv_held'])}" if e.get("kv_held") is not None else ""]
+    if e.get("decode_ms") is not None:
+        parts.append(f"{fmt(e['decode_ms'])} ms" + ("*" if e.get("speed_shared") else ""))
+    if e.get("bytes_per_step"):
+        parts.append(f"{fmt(e['bytes_per_step'] / 2**20)} MiB/step")
+    return " · ".join(p for p in parts if p)
+
+
+def _answer_row(a: dict, top: int) -> str:
+    column, best, same = a["column"], a["members"][0], a["with_best"][1:]
+    listed = "; ".join(f"{budgets.name(e)} {fmt(e['tasks'][column])} ({_cost_short(e)})"
+                       for e in same[:top])
+    more = f"; and {len(same) - top} more (letter a below)" if len(same) > top else ""
+    rest = listed + more if same else budgets.alone(a, "").lstrip("; ")
+    return (f'<tr><td class="text"><b>{_e(a["level"])}</b><br><span class="meta">'
+            f'{len(a["members"])} setting{"s" if len(a["members"]) != 1 else ""}, '
+            f'{a["apart"]} of {a["pairs"]} pairs told apart</span></td>'
+            f'<td class="text"><b>{_e(budgets.name(best))}</b> '
+            f'{_e(_value_text(best, column))}<br><span class="meta">{_e(_cost_short(best))}'
+            f'</span></td><td class="text">{_e(rest)}</td></tr>')
+
+
 def answer_html(answers: list[dict], top: int = 8) -> str:
-    """The page's first section: per section, column and budget level, the best setting, those
-    that cannot be told from it, the full cache, and their costs."""
-    out, heading = [], None
+    """The page's first section: per section and column, one row per budget level: the best
+    setting, those that cannot be told from it (with what each costs), the full cache first."""
+    by_key: dict[tuple, list[dict]] = {}
     for a in answers:
-        key = (a["model"], a["protocol"], a["column"])
-        if key != heading:
-            if heading is not None:
-                out.append("</ul>")
-            heading = key
-            out.append(f"<h3>{_e(a['model'])} · <code>{_e(a['protocol'])}</code> · "
-                       f"{_e(a['column'])}</h3><ul class=\"answer\">")
-            if a["full"]:
-                out.append(f"<li><b>full cache</b>: {_e(_value_text(a['full'], a['column']))} "
-                           f"({_e(budgets.cost(a['full']))})</li>")
-        best, same = a["members"][0], a["with_best"][1:]
-        listed = "; ".join(f"{budgets.name(e)} {fmt(e['tasks'][a['column']])} "
-                           f"({budgets.cost(e)})" for e in same[:top])
-        more = f"; and {len(same) - top} more (letter a below)" if len(same) > top else ""
-        out.append(f"<li><b>{_e(a['level'])}</b> ({len(a['members'])} settings): best "
-                   f"<b>{_e(budgets.name(best))}</b> "
-                   f"{_e(_value_text(best, a['column']))} ({_e(budgets.cost(best))})"
-                   + _e(budgets.alone(a, f"; cannot be told from it: {listed}{more}"
-                                      if same else "")) + "</li>")
-    if heading is not None:
-        out.append("</ul>")
+        by_key.setdefault((a["model"], a["protocol"], a["column"]), []).append(a)
+    out = []
+    for (model, protocol, column), levels in by_key.items():
+        members = [e for a in levels for e in a["members"]]
+        out.append(f"<h3>{_e(model)} · <code>{_e(protocol)}</code> · "
+                   f"{_e(column + leaderboard.arrow(members, column))}</h3>")
+        out.append('<table class="answer"><thead><tr><th class="text">budget level</th>'
+                   '<th class="text">best setting</th><th class="text">cannot be told from '
+                   "the best after correction (letter a)</th></tr></thead><tbody>")
+        full = levels[0]["full"]
+        if full:
+            out.append(f'<tr class="reference"><td class="text">full cache</td>'
+                       f'<td class="text">{_e(_value_text(full, column))}<br>'
+                       f'<span class="meta">{_e(_cost_short(full))}</span></td>'
+                       f'<td class="text">the reference</td></tr>')
+        out += [_answer_row(a, top) for a in levels]
+        out.append("</tbody></table>")
+        shared = sorted({e["speed_shared"] for e in members + ([full] if full else [])
+                         if e.get("speed_shared")})
+        if shared:
+            out.append(f'<p class="meta shared">* decode ms of one batched step shared by '
+                       f'{"/".join(map(str, shared))} settings in lockstep: the same for all of '
+                       "them, not the setting's own speed.</p>")
     return "\n".join(out) or "<p>No budget level has a setting with a value.</p>"
 
 

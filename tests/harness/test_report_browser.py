@@ -51,6 +51,8 @@ LAYOUT_JS = """JSON.stringify({
             decode: r.cells[9].textContent};}),
   line: parseFloat(getComputedStyle(document.querySelector('table.board td')).lineHeight),
   answer: document.querySelector('div.answer').textContent,
+  answerRows: Array.from(document.querySelectorAll('table.answer tbody tr')).map(function(r){
+    return Array.from(r.cells).map(function(c){return c.innerText.replace(/\\s+/g, ' ');});}),
   html: document.documentElement.outerHTML
 })"""
 LONG = ("an operating point long enough to wrap any table cell it sat in: model family, "
@@ -107,7 +109,14 @@ def test_report_html_renders_in_chromium(tmp_path):
     assert all(r["height"] < 1.8 * layout["line"] for r in layout["rows"]), layout["rows"]
     assert all(LONG in r["tip"] for r in ruler)  # the operating point: in the tooltip only
     assert LONG not in layout["answer"] and "shared" in ruler[0]["decode"]
-    assert "best tova budget_ratio=0.2" in layout["answer"]
+    rows = layout["answerRows"][-4:]  # the RULER column: full, 0.2, 0.5, the defaults band
+    assert rows[0][0] == "full cache" and rows[0][1].startswith("100 ")
+    assert rows[1][0].startswith("budget_ratio 0.2 2 settings, 1 of 1 pairs told apart")
+    assert rows[1][1].startswith("tova budget_ratio=0.2 93.33")
+    assert rows[1][2] == "every other setting is told apart from it"
+    assert rows[2][1].startswith("h2o budget_ratio=0.5 96.67")
+    assert rows[2][2].startswith("tova budget_ratio=0.5 95 (KV held 0.5 ·")
+    assert rows[3][2] == "the only setting at this level"
     assert str(tmp_path) not in layout["html"] and "/tmp" not in layout["html"]
     assert "runs more" in layout["html"] or "more/" in layout["html"]
 
