@@ -31,15 +31,18 @@ test: setup
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline \
 		$(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
-# Every shared check of one method (contract, knobs, score direction, layouts, prompt protocol)
-# and its own tests, e.g. `make test-method M=h2o`; the skips say why, and the shared checks with
-# no case for it are named at the end.
-SHARED_METHOD_TESTS := tests/methods/contract
+# Every shared check of one method (the contract: kept sets, head permutation, knobs, score
+# direction, layouts, prompt protocol; tests/harness's tests parametrized by method name: API,
+# sweeps, replay, decode interval, methods table) and its own tests, e.g. `make test-method
+# M=h2o`; the skips say why; the checks that apply, and those with no case for it, are named at
+# the end.
+SHARED_METHOD_TESTS := tests/methods/contract tests/harness
 test-method: setup
 	@test -n "$(M)" || { echo "usage: make test-method M=<method name> (methods/<name>.py)"; exit 2; }
+	@test -f methods/$(M).py || { echo "error: M=$(M): no methods/$(M).py"; exit 2; }
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=offline \
-		$(PY) -m pytest -rs --method $(M) $(SHARED_METHOD_TESTS) tests/methods/test_$(M).py \
-		$(PYTEST_ARGS)
+		$(PY) -m pytest -rs --method $(M) $(SHARED_METHOD_TESTS) \
+		tests/methods/test_$(M).py $(PYTEST_ARGS)
 
 # Sweeps on a real one-node SLURM cluster started in a temp dir (needs root and
 # `apt-get install slurm-wlm slurmdbd munge mariadb-server-core mariadb-client-core`).
@@ -52,7 +55,7 @@ GATE_DIR ?= results/ci_gate
 export GATE_DIR
 gate: setup
 	@# emptied only when all it holds is the harness's own output (a user's folder is refused)
-	$(PY) -m harness.out_dirs GATE_DIR
+	$(PY) -m harness.gate_dir
 	$(PY) -m harness -m model=stories260k task.dataset=pg19 task.max_tokens=400 \
 		method=full,h2o,kivi,oracle_topk,infinigen,full_offload \
 		runner.results_root=$(GATE_DIR) hydra.sweep.dir=$(GATE_DIR)/_sweeps/stories
@@ -68,7 +71,6 @@ PEER_VENV ?= .venv-peer
 PEER_PY := $(PEER_VENV)/bin/python
 PEER_STAMP := $(PEER_VENV)/.installed-$(shell cat scripts/kvpress-peer.lock | cksum | cut -d' ' -f1)
 PARITY_DIR ?= results/parity
-export PARITY_DIR
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
 peer-setup: $(PEER_STAMP)
@@ -82,8 +84,7 @@ $(PEER_STAMP): scripts/kvpress-peer.lock
 
 # Our side first (it writes the prompts and converts the embedded model), then kvpress, then the table.
 parity: setup peer-setup
-	@# emptied only when all it holds is the parity files (a user's folder is refused)
-	$(PY) -m harness.out_dirs PARITY_DIR
+	rm -rf $(PARITY_DIR)
 	$(OFFLINE) $(PY) benchmarks/parity.py ours $(PARITY_DIR)
 	$(OFFLINE) $(PEER_PY) scripts/kvpress_peer.py --prompts $(PARITY_DIR)/prompts.json \
 		--out $(PARITY_DIR)/peer.json

@@ -57,32 +57,50 @@ def pytest_collection_modifyitems(config, items):
 
 
 def only_method(config, items, method: str) -> None:
-    """Drop the cases of other methods (a `name` parameter, or their own test files) and keep
-    the rest (the checks over every method at once); the shared checks (tests parametrized by
-    `name`) with no case for `method` are named at the end of the run."""
+    """Keep `method`'s cases: those whose `name` parameter is `method` (the shared checks
+    parametrized by method, in tests/methods/contract and tests/harness alike), its own
+    tests/methods/test_<method>.py, and the contract's checks over every method at once; drop
+    every other case. The shared checks that apply (with their case counts) and those with no
+    case for `method` are named at the end of the run."""
     from methods import available_methods
 
-    others = {f"test_{name}.py" for name in available_methods() if name != method}
-    keep, drop, shared, applies = [], [], set(), set()
+    names = set(available_methods())
+    own = f"test_{method}.py"
+    keep, drop, shared, applies = [], [], set(), {}
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        check = f"{item.path.name}::{item.originalname}"
-        if "name" in params:
+        check = f"{item.path.parent.name}/{item.path.name}::{item.originalname}"
+        by_method = params.get("name") in names
+        if by_method:
             shared.add(check)
-        if item.path.name in others or params.get("name", method) != method:
-            drop.append(item)
-        else:
+        if by_method:
+            kept = params["name"] == method
+        else:  # its own file; the checks over every method at once: the contract's, and
+            # the generated methods table and pages (a new method's line must be in them)
+            kept = item.path.name in (own, "test_methods_table.py") \
+                or item.path.parent.name == "contract"
+        if kept:
             keep.append(item)
-            applies.add(check)
+            if by_method:
+                applies[check] = applies.get(check, 0) + 1
+        else:
+            drop.append(item)
     config.hook.pytest_deselected(items=drop)
     items[:] = keep
-    config.stash[_NOT_APPLYING] = sorted(shared - applies)
+    config.stash[_APPLYING] = sorted(applies.items())
+    config.stash[_NOT_APPLYING] = sorted(shared - set(applies))
 
 
+_APPLYING = pytest.StashKey[list]()
 _NOT_APPLYING = pytest.StashKey[list]()
 
 
 def pytest_terminal_summary(terminalreporter, config):
+    applying = config.stash.get(_APPLYING, None)
+    if applying:
+        terminalreporter.section(f"shared checks for {config.getoption('--method')}")
+        for check, cases in applying:
+            terminalreporter.write_line(f"applies ({cases} case{'s' * (cases > 1)}): {check}")
     missing = config.stash.get(_NOT_APPLYING, None)
     if missing:
         terminalreporter.section(f"shared checks with no case for {config.getoption('--method')}")
