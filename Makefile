@@ -55,7 +55,7 @@ GATE_DIR ?= results/ci_gate
 export GATE_DIR
 gate: setup
 	@# emptied only when all it holds is the harness's own output (a user's folder is refused)
-	$(PY) -m harness.gate_dir
+	$(PY) -m harness.out_dirs GATE_DIR
 	$(PY) -m harness -m model=stories260k task.dataset=pg19 task.max_tokens=400 \
 		method=full,h2o,kivi,oracle_topk,infinigen,full_offload \
 		runner.results_root=$(GATE_DIR) hydra.sweep.dir=$(GATE_DIR)/_sweeps/stories
@@ -71,6 +71,7 @@ PEER_VENV ?= .venv-peer
 PEER_PY := $(PEER_VENV)/bin/python
 PEER_STAMP := $(PEER_VENV)/.installed-$(shell cat scripts/kvpress-peer.lock | cksum | cut -d' ' -f1)
 PARITY_DIR ?= results/parity
+export PARITY_DIR
 OFFLINE := HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
 peer-setup: $(PEER_STAMP)
@@ -84,7 +85,8 @@ $(PEER_STAMP): scripts/kvpress-peer.lock
 
 # Our side first (it writes the prompts and converts the embedded model), then kvpress, then the table.
 parity: setup peer-setup
-	rm -rf $(PARITY_DIR)
+	@# emptied only when all it holds is the parity files (a user's folder is refused)
+	$(PY) -m harness.out_dirs PARITY_DIR
 	$(OFFLINE) $(PY) benchmarks/parity.py ours $(PARITY_DIR)
 	$(OFFLINE) $(PEER_PY) scripts/kvpress_peer.py --prompts $(PARITY_DIR)/prompts.json \
 		--out $(PARITY_DIR)/peer.json
