@@ -6,7 +6,10 @@ Reads only `metrics.json` files (a run *is* its folder), each checked against th
 (harness/schema.py): a corrupt or foreign file is skipped with a warning naming it, the rest are
 reported; hidden folders (runs being written) are never read. Writes into --out (default
 `<first dir>/_report`; a new folder, or one holding only an earlier report):
-  * report.html      the page to open: sortable leaderboard, figures, every run (self-contained)
+  * report.html      the page to open (self-contained): first, per budget level, the best
+                     setting, those that cannot be told from it and the full cache, with their
+                     cost (budgets); then the leaderboard grouped by budget with letters
+                     (letters), the figures, every run
   * leaderboard.md/.csv  methods x tasks (main metric) per model and protocol, with KV held,
                      attended fraction, decode ms, bytes moved, provenance / operating point
   * report.md        the leaderboard and which figure answers which question, then every run
@@ -16,7 +19,9 @@ reported; hidden folders (runs being written) are never read. Writes into --out 
                      bytes per step); each PNG at most 3000 px a side
 
 Modules: collect (runs -> rows, the axes), style (one colour/marker per method), figures,
-leaderboard, html, build (the command).
+leaderboard, compare (intervals, comparisons with the full cache), budgets (budget levels,
+pairwise comparisons inside them), letters (the compact letter display), html, build (the
+command).
 """
 
 from harness.report.build import build_report, check_out, main
