@@ -41,7 +41,6 @@ scripts/gpu_check.sh where a GPU is available.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from dataclasses import dataclass
@@ -49,7 +48,7 @@ from pathlib import Path
 
 import yaml
 
-from harness import CONF_DIR
+from harness import CONF_DIR, inputs
 from kvcore.errors import ConfigError
 
 RESERVE_FRACTION = 0.1  # device memory kept for activations, workspace and fragmentation
@@ -132,12 +131,15 @@ def load_runs(patterns: list[str]) -> list[MethodRatios]:
         if not files:
             raise ConfigError(f"--runs {pattern}: no metrics.json found")
         for f in files:
-            try:
-                ratios = ratios_from_run(json.loads(f.read_text()), str(f.parent))
-            except (OSError, ValueError, KeyError) as exc:
+            try:  # kind and size first: a FIFO or a link to /dev/zero is skipped, never read
+                metrics = inputs.strict_json(inputs.read_text(f, "--runs"))
+                if not isinstance(metrics, dict):
+                    raise ValueError(f"a JSON {inputs.json_type(metrics)}, not a run's metrics")
+                ratios = ratios_from_run(metrics, str(f.parent))
+            except (OSError, ValueError, KeyError) as exc:  # ConfigError is a ValueError
                 print(f"warning: skipping {f}: {exc}", file=sys.stderr)
                 continue
-            metrics_kv = json.loads(f.read_text()).get("kv", {})
+            metrics_kv = metrics.get("kv", {})
             if metrics_kv.get("method_active") is False:
                 print(f"warning: skipping {f.parent}: the method did not act in that run "
                       f"({metrics_kv.get('inactive_reason')})", file=sys.stderr)

@@ -125,3 +125,17 @@ def test_rows_written_before_a_record_existed_are_read_and_good_rows_pass(tmp_pa
     rows = [{"sample_id": "a", "token_nll": [0.0, 3.25]}, {"sample_id": "b", "token_nll": [1]}]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
     assert load_samples(path, "perplexity") == rows
+
+
+def test_projection_skips_a_metrics_json_it_cannot_read_without_blocking(tmp_path, capsys):
+    """harness.projection --runs reads metrics.json through the same capped reader."""
+    from harness import projection
+
+    for name, make in (("fifo", os.mkfifo), ("zero", lambda p: os.symlink("/dev/zero", p)),
+                       ("list", lambda p: p.write_text("[1, 2]"))):
+        (tmp_path / name).mkdir()
+        make(tmp_path / name / "metrics.json")
+    assert projection.load_runs([str(tmp_path)]) == []
+    err = capsys.readouterr().err
+    assert "is a FIFO (named pipe)" in err and "(a link to /dev/zero)" in err
+    assert "a JSON array, not a run's metrics" in err
