@@ -97,7 +97,9 @@ def test_the_site_builds_strictly_and_a_broken_link_fails_it(docs_copy, tmp_path
     assert broken.returncode != 0 and "configuration-old.md" in broken.stderr
 
 
-def test_every_nav_page_exists_and_every_hand_written_page_is_in_the_nav():
+def test_every_nav_page_exists():
+    """A page missing from the nav still builds (mkdocs.yml: omitted_files info), so a page
+    added beside these never breaks the site; one the nav names must exist."""
     config = yaml.safe_load((PROJECT / "mkdocs.yml").read_text())
 
     def pages(node):
@@ -111,6 +113,5 @@ def test_every_nav_page_exists_and_every_hand_written_page_is_in_the_nav():
                 yield from pages(value)
 
     listed = set(pages(config["nav"]))
-    assert all((PROJECT / "docs" / p).is_file() for p in listed), listed
-    top = {p.name for p in (PROJECT / "docs").glob("*.md")}
-    assert top - listed == set(), "add these pages to mkdocs.yml's nav"
+    assert listed and all((PROJECT / "docs" / p).is_file() for p in listed), listed
+    assert config["validation"]["omitted_files"] == "info"
