@@ -158,6 +158,10 @@ def _text_problem(row: dict, key: str) -> str:
         f"{key}={json.dumps(value)[:40]} must be a non-empty string")
 
 
+# -log p >= 0; an engine that reports log-probabilities (vLLM) may round one just above 0.
+NLL_SLACK = 1e-4
+
+
 def _perplexity_row(row: dict) -> str:
     if "token_nll" not in row:  # written before per-token records: no interval, said later
         return ""
@@ -165,7 +169,7 @@ def _perplexity_row(row: dict) -> str:
     if not isinstance(nll, list):
         return f"token_nll must be a list of numbers (got a JSON {inputs.json_type(nll)})"
     for t, x in enumerate(nll):
-        if not _number(x) or x < 0:  # -log p is never negative
+        if not _number(x) or x < -NLL_SLACK:  # -log p is never negative
             return f"token_nll[{t}]={json.dumps(x)[:40]} must be a finite number >= 0"
     return ""
 
