@@ -128,7 +128,7 @@ def cache(model, tokenizer, method: str | KVMethod, *, dense_layers=(),
     reasons = (method.validate(info, runner)
                + protocol_reasons(method, GenerateLoop(), info, settings.protocol, runner))
     if reasons:
-        raise ConfigError("; ".join(reasons))
+        raise ConfigError("; ".join(dict.fromkeys(reasons)))  # each once
     return MethodKVCache(model, tokenizer, method, info, settings)
 
 

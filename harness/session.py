@@ -190,8 +190,8 @@ class Session:
 
         with _recording(setting):
             reasons = self.reasons(setting)
-        if reasons:
-            raise ConfigError("; ".join(reasons))
+        if reasons:  # each once (a side file is checked by kind, then read by its method)
+            raise ConfigError("; ".join(dict.fromkeys(reasons)))
         setting.task.check_data()
         if self._checking_tokenizer is None:  # one load for every setting
             from harness.run import checking_tokenizer

@@ -71,6 +71,28 @@ def empty_path_reasons(method) -> list[str]:
     return reasons
 
 
+def path_kind_reasons(method) -> list[str]:
+    """A path knob (`*_path`) naming a FIFO, a device or a socket, or a file larger than a side
+    file may be: refused by what it is before weights load (a method may read it only in
+    `prepare`); folders and missing paths are left to the method's own checks."""
+    reasons = []
+    for field in dataclasses.fields(method):
+        value = getattr(method, field.name)
+        if not field.name.endswith("_path") or not isinstance(value, str) or not value.strip():
+            continue
+        try:
+            info = os.stat(value)
+        except (OSError, ValueError):
+            continue
+        kind = _kind(info.st_mode)
+        if kind not in (None, "a folder"):
+            reasons.append(f"method.{field.name}={value}: {kind}; allowed: a regular file")
+        elif kind is None and info.st_size > MAX_SIDE_FILE_BYTES:
+            reasons.append(f"method.{field.name}={value}: {info.st_size / 2 ** 30:.2f} GiB; a "
+                           f"side file is at most {MAX_SIDE_FILE_BYTES // 2 ** 20} MiB")
+    return reasons
+
+
 def calibration_path(given: str | None, data_dir, what: str, folders: bool = False) -> Path:
     """`method.calibration_path` resolved: the file given (or folder, with `folders`), else
     PG-19's first book in the shared data folder; one line naming what is missing otherwise."""

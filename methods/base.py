@@ -19,7 +19,7 @@ import torch
 
 from kvcore.errors import ConfigError
 from kvcore.storage import KV_LAYOUTS, ContiguousRows, HeadBlocks, Rows, grown_capacity
-from methods._sidefiles import empty_path_reasons
+from methods._sidefiles import empty_path_reasons, path_kind_reasons
 from methods.kernels import ragged_attention, ragged_attention_cpu
 from methods.scoring import plain_attention, plain_decode_row
 
@@ -592,7 +592,8 @@ class KVMethod:
         if mode is not None and mode not in self.capabilities.modes:
             reasons.append(f"method.mode={mode!r}; allowed for {self.name}: "
                            f"{', '.join(self.capabilities.modes)}")
-        return (reasons + empty_path_reasons(self) + position_knob_reasons(self, info)
+        return (reasons + empty_path_reasons(self) + path_kind_reasons(self)
+                + position_knob_reasons(self, info)
                 + self.architecture_reasons(info))
 
     def layout_reasons(self, runner: dict[str, Any]) -> list[str]:

@@ -94,3 +94,25 @@ def test_published_qfilters_are_a_recorded_side_file(tmp_path):
 def test_qfilters_filters_path_that_is_a_fifo_is_named(fifo):
     method = build_method("qfilters", filters_path=str(fifo))
     assert "a FIFO (named pipe)" in one_reason(method)
+
+
+@pytest.mark.parametrize("name, knob", [("qfilters", "calibration_path"),
+                                        ("tailorkv", "calibration_path"),
+                                        ("qfilters", "filters_path"),
+                                        ("duo_attention", "pattern_path")])
+def test_a_path_knob_naming_a_fifo_or_device_is_refused_before_weights(fifo, name, knob):
+    """Every `*_path` knob, whether its method reads it in validate or only in prepare: a FIFO
+    or a device is named by validate (once, even where the method then reads it too)."""
+    for path in (fifo, "/dev/zero"):
+        reason = one_reason(build_method(name, **{knob: str(path)}))
+        kind = "a FIFO (named pipe)" if path == fifo else "a character device"
+        assert reason == f"method.{knob}={path}: {kind}; allowed: a regular file" or \
+            reason.startswith(f"method.{knob}={path}: {kind}; allowed: a regular file; ")
+
+
+def test_a_path_knob_naming_a_sparse_giant_is_refused_before_weights(tmp_path):
+    giant = tmp_path / "calib.txt"
+    with open(giant, "wb") as f:
+        f.truncate(11 * 10 ** 9)
+    reason = one_reason(build_method("qfilters", calibration_path=str(giant)))
+    assert "calib.txt: 10.24 GiB; a side file is at most 256 MiB" in reason
