@@ -95,7 +95,13 @@ parity: setup peer-setup
 bench: setup
 	$(PY) benchmarks/decode_vs_hf.py
 
+# VENV and PEER_VENV may come from the environment: each is removed only when it is a virtual
+# environment (its pyvenv.cfg), never a user's folder the variable happens to name.
 clean:
+	@for d in "$(VENV)" "$(PEER_VENV)"; do \
+		test ! -e "$$d" || test -L "$$d" || test -f "$$d/pyvenv.cfg" || { \
+		echo "error: $$d is not a virtual environment (no pyvenv.cfg); nothing was removed" >&2; \
+		exit 2; }; done
 	rm -rf $(VENV) $(PEER_VENV) .pytest_cache
 
 # vLLM as a second engine (docs/vllm.md, harness/vllm_engine.py): its own venv, pinned in

@@ -149,3 +149,28 @@ def test_the_makefile_empties_its_folders_through_this_check_only(target, variab
     recipe = makefile.split(f"\n{target}: setup", 1)[1].split("\n\n", 1)[0]
     assert f"-m harness.out_dirs {variable}" in recipe and "rm " not in recipe
     assert f"export {variable}" in makefile
+
+
+def test_make_clean_never_removes_a_folder_that_is_not_a_virtual_environment(tmp_path):
+    """VENV / PEER_VENV may come from the environment: a user's folder they name is refused
+    (exit 2, one line, untouched) before anything is removed."""
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        pytest.skip("no make on this machine")
+    project = Path(__file__).resolve().parents[2]
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "thesis.tex").write_text("mine")
+    venv = tmp_path / "venv"  # the other variable: a venv of the test's own, never the project's
+    venv.mkdir()
+    (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    before = digest(home)
+    for variable, other in (("VENV", "PEER_VENV"), ("PEER_VENV", "VENV")):
+        env = {**os.environ, variable: str(home), other: str(venv)}
+        proc = subprocess.run(["make", "-s", "-C", str(project), "clean"], env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and digest(home) == before
+        assert f"error: {home} is not a virtual environment (no pyvenv.cfg)" in proc.stderr
+        assert (venv / "pyvenv.cfg").is_file()  # refused before anything was removed
