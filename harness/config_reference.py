@@ -6,7 +6,8 @@
 Every knob of every group: `runner`, `model`, `logger`, `hardware` from their YAML
 (`conf/<group>/<choice>.yaml`: the keys config_check declares, the defaults, the inline comment
 as the knob's meaning); `task` and `method` from their dataclasses (fields, annotations,
-defaults) with the meaning from the same YAML's comments. Allowed values come from the code's
+defaults) with the meaning from the same YAML's comments. A knob its own YAML leaves without a
+comment takes the group's comment for that key (`_shared.yaml` first, then another choice). Allowed values come from the code's
 own constants where the code checks them (`ALLOWED`), from a `Literal` annotation, from a
 boolean, or from the comment's `a | b` list. Which methods or tasks read a knob: a method's or
 task's own fields are read by it; the shared method knobs (methods.SHARED_KNOBS) by the methods
@@ -63,6 +64,18 @@ def yaml_comments(path: Path) -> dict[str, str]:
             out[last] = (out[last] + " " + line.strip().lstrip("#").strip()).strip()
         else:
             last = None
+    return out
+
+
+def group_comments(group: str) -> dict[str, str]:
+    """{key: its comment} over every YAML of a group (`_shared.yaml` first, then by name): the
+    meaning of a knob a choice declares without a comment, from where the group explains it."""
+    out: dict[str, str] = {}
+    paths = sorted((CONF_DIR / group).glob("*.yaml"), key=lambda p: (p.stem != "_shared", p.stem))
+    for path in paths:
+        for key, comment in yaml_comments(path).items():
+            if comment and key not in out:
+                out[key] = comment
     return out
 
 
@@ -141,7 +154,7 @@ def yaml_section(group: str, constants: dict[str, tuple]) -> list[str]:
         if path.stem.startswith("_"):
             continue
         defaults = {k: v for k, v in yaml_defaults(group, path.stem).items() if k != "name"}
-        comments = yaml_comments(path)
+        comments = {**group_comments(group), **{k: c for k, c in yaml_comments(path).items() if c}}
         out += [f"### `{group}={path.stem}`", ""]
         if not defaults:
             out += ["No knobs.", ""]
@@ -168,7 +181,8 @@ def _default(f: dataclasses.Field) -> Any:
 def class_rows(group: str, cls: type, yaml_path: Path) -> list[str]:
     """A method's or task's fields: annotation, default, allowed, the YAML comment."""
     hints = typing.get_type_hints(cls)
-    comments = yaml_comments(yaml_path) if yaml_path.is_file() else {}
+    own = yaml_comments(yaml_path) if yaml_path.is_file() else {}
+    comments = {**group_comments(group), **{k: c for k, c in own.items() if c}}
     rows = []
     for f in dataclasses.fields(cls):
         tp = hints.get(f.name, Any)
