@@ -200,7 +200,7 @@ def load_duo_pattern(path: str | Path, info: ModelInfo) -> tuple[torch.Tensor, d
     `recent_size` used in training), or the .tsv file itself. Returns (gates (L, H_kv) fp64, config)."""
     key, path = "method.pattern_path", Path(path)
     tsv = path / "full_attention_heads.tsv" if path.is_dir() else path
-    if not tsv.is_file():
+    if not tsv.is_file() and sidefiles.kind_of(tsv) is None:  # (a FIFO or device: named there)
         raise ConfigError(f"{key}={path}: no full_attention_heads.tsv there (the "
                           "official DuoAttention pattern folder or its .tsv file)")
     text = sidefiles.read_text(key, tsv)

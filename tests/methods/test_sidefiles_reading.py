@@ -116,3 +116,11 @@ def test_a_path_knob_naming_a_sparse_giant_is_refused_before_weights(tmp_path):
         f.truncate(11 * 10 ** 9)
     reason = one_reason(build_method("qfilters", calibration_path=str(giant)))
     assert "calib.txt: 10.24 GiB; a side file is at most 256 MiB" in reason
+
+
+def test_duo_attention_pattern_folder_holding_a_fifo_names_it(tmp_path):
+    folder = tmp_path / "pattern"
+    folder.mkdir()
+    os.mkfifo(folder / "full_attention_heads.tsv")
+    reason = one_reason(build_method("duo_attention", pattern_path=str(folder)))
+    assert "full_attention_heads.tsv: a FIFO (named pipe); allowed: a regular file" in reason
