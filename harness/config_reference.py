@@ -146,6 +146,34 @@ def _row(*cells: str) -> str:
 HEAD = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
 
 
+# Runner settings only some methods take, by what each method declares (methods.base.Capabilities):
+# (setting, the declaration it needs, predicate on the capabilities).
+RUNNER_READERS = (
+    ("runner.kv_offload=cpu", "Capabilities.offloads_kv", lambda c: c.offloads_kv),
+    ("runner.kv_layout=paged", "\"paged\" in Capabilities.kv_layouts",
+     lambda c: "paged" in c.kv_layouts),
+    ("runner.prefill=chunked", "\"chunked\" in Capabilities.prefill_modes",
+     lambda c: "chunked" in c.prefill_modes),
+    ("runner.prefill=sparse", "\"sparse\" in Capabilities.prefill_modes",
+     lambda c: "sparse" in c.prefill_modes),
+    ("runner.decode_interval_tokens=N", "Capabilities.recompresses_during_decode",
+     lambda c: c.recompresses_during_decode),
+)
+
+
+def runner_readers() -> list[str]:
+    """Which methods take the runner settings that not every method can (the others are refused
+    before the weights load)."""
+    from methods import available_methods, method_class
+
+    out = ["Settings only some methods take (declared in `methods.base.Capabilities`; any other "
+           "method is refused before the weights load):", ""]
+    for setting, declared, takes in RUNNER_READERS:
+        names = [n for n in available_methods() if takes(method_class(n).capabilities)]
+        out.append(f"- `{setting}` ({declared}): {', '.join(f'`{n}`' for n in names) or 'none'}")
+    return out + [""]
+
+
 def yaml_section(group: str, constants: dict[str, tuple]) -> list[str]:
     """One table per choice of a YAML group (read by the runner, for every method and task)."""
     out = [f"## `{group}`", "", f"Read by the runner for every method and task; a choice is "
@@ -167,7 +195,7 @@ def yaml_section(group: str, constants: dict[str, tuple]) -> list[str]:
             out.append(_row(f"`{group}.{key}`", yaml_type(value), _code(value),
                             _allowed(values) or "–", _cell(comment)))
         out.append("")
-    return out
+    return out + (runner_readers() if group == "runner" else [])
 
 
 def _default(f: dataclasses.Field) -> Any:
