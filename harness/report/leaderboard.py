@@ -142,6 +142,8 @@ def cell(e: dict, column: str) -> Any:
 def shown(e: dict, column: str) -> str:
     """A cell as text: a task column with its interval, n and rank interval."""
     value = cell(e, column)
+    if column == "decode_ms" and value is not None and e.get("speed_shared"):
+        return f"{fmt(value)} shared"  # one batched step of several settings: none's own
     ci = e.get("mean_ci") if column == MEAN else e.get("ci", {}).get(column)
     if column not in e["tasks"] and column != MEAN or value is None:
         return fmt(value)

@@ -54,6 +54,20 @@ def test_report_answers_per_budget_with_letters(tmp_path):
     assert tova[letters] == "a" and tova[header.index("level")] == "budget_ratio 0.2"
 
 
+def test_a_shared_decode_step_is_marked_in_the_markdown_leaderboard(tmp_path):
+    for method, budget in (("full", None), ("h2o", 0.2)):
+        ruler_run(tmp_path / "runs", method, [1, 0] * 10, budget=budget)
+    (folder,) = (tmp_path / "runs").glob("ruler/*/h2o/*")
+    metrics = json.loads((folder / "metrics.json").read_text())
+    metrics["run"]["sweep"] = {"settings": 2, "decode_batch": 2}
+    (folder / "metrics.json").write_text(json.dumps(metrics))
+    _, out, _ = report.build_report([str(tmp_path / "runs")], tmp_path / "out", resamples=300)
+    rows = [x for x in (out / "leaderboard.md").read_text().splitlines() if x.startswith("| ")]
+    h2o = next(x for x in rows if x.startswith("| h2o"))
+    full = next(x for x in rows if x.startswith("| full"))
+    assert " 11.11 shared |" in h2o and "shared" not in full
+
+
 def test_letters_stay_with_their_settings_in_the_page(tmp_path):
     for method, budget, scores in (("h2o", 0.5, [0] * 30), ("tova", 0.5, [1] * 30)):
         ruler_run(tmp_path / "runs", method, scores, budget=budget)
