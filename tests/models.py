@@ -222,11 +222,13 @@ def query_order(kv_order: list[int], group_order: list[int] | None = None) -> li
             for i in range(len(kv_order) * HEADS_GROUP)]
 
 
-def alter_kv_head(model, kv_head: int = 0, layer: int = 0, scale: float = 0.5) -> None:
-    """Changes one KV head of one layer in place (its key weights scaled, its value weights
-    negated): what that layer computes in every other head stays the same."""
+def alter_kv_head(model, kv_head: int = 0, layer: int = 0) -> None:
+    """Changes one KV head of one layer in place (seeded noise on its key weights, its value
+    weights negated): what that layer computes in every other head stays the same."""
     d = model.config.head_dim
     attn = model.model.layers[layer].self_attn
+    gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        attn.k_proj.weight[kv_head * d:(kv_head + 1) * d] *= scale
+        rows = attn.k_proj.weight[kv_head * d:(kv_head + 1) * d]
+        rows += torch.randn(rows.shape, generator=gen) * rows.abs().max()
         attn.v_proj.weight[kv_head * d:(kv_head + 1) * d] *= -1.0
