@@ -697,11 +697,16 @@ def _c2_fifo(tmp: Path) -> None:
     os.mkfifo(tmp / "side.fifo")
     (tmp / "duo_fifo").mkdir()
     os.mkfifo(tmp / "duo_fifo" / "full_attention_heads.tsv")
+    (tmp / "texts").mkdir()  # a folder of calibration texts, one of them a FIFO
+    (tmp / "texts" / "a.txt").write_text("Once upon a time. " * 200)
+    os.mkfifo(tmp / "texts" / "b.txt")
 
 
 def _c2_sparse(tmp: Path) -> None:
-    with open(tmp / "giant.txt", "wb") as f:  # 11 GB claimed, nothing written
-        f.truncate(11 * 10 ** 9)
+    # 300 MiB claimed, nothing written: above the side-file limit (256 MiB), small enough for
+    # this script's own before/after hashing of the case folder
+    with open(tmp / "giant.txt", "wb") as f:
+        f.truncate(300 * 2 ** 20)
 
 
 SETUPS["i47c2/fifo"] = _c2_fifo
@@ -736,6 +741,10 @@ CASES += [
     _flags("--sysroot=", "--sysroot={tmp}"),
     _flags("-D value with a path", "-DOUT=/tmp/x"),
     _flags("a bare source file", "{tmp}/keep.txt"),
+    _flags("-fprofile-use= reads a profile path", "-fprofile-use={tmp}/prof"),
+    _flags("-Wl,-rpath", "-O3 -Wl,-rpath,{tmp}"),
+    _flags("-D value with a comma", "-DLIST=a,b"),
+    _flags("-fopt-info writes a report", "-fopt-info-vec-all={tmp}/opt.txt"),
     _flags("with method=turboquant", "-mno-avx512f -Wl,-T,{tmp}/script", method="turboquant"),
     _kernel_cache("a user's folder", "{tmp}/mine", setup="mine"),
     _kernel_cache("a user's file", "{tmp}/keep.txt"),
@@ -805,16 +814,22 @@ CASES += [
         setup="i47c2/fifo", names=("head_scores_path",)),
     _c2("duo_attention pattern_path holding a FIFO", "duo_attention",
         "method.pattern_path={tmp}/duo_fifo", setup="i47c2/fifo", names=("pattern_path",)),
-    _c2("kvquant calibration_path a sparse 11 GB file", "kvquant",
+    _c2("kvquant calibration_path a sparse 300 MiB file", "kvquant",
         "method.calibration_path={tmp}/giant.txt", setup="i47c2/sparse",
         names=("calibration_path",)),
-    _c2("infinigen calibration_path a sparse 11 GB file", "infinigen",
+    _c2("infinigen calibration_path a sparse 300 MiB file", "infinigen",
         "method.calibration_path={tmp}/giant.txt", setup="i47c2/sparse",
         names=("calibration_path",)),
     _c2("tailorkv calibration_path=/dev/zero", "tailorkv", "method.calibration_path=/dev/zero",
         names=("calibration_path",)),
     _c2("infinigen calibration_path a folder", "infinigen", "method.calibration_path={tmp}",
         names=("calibration_path",)),
+    _c2("tailorkv calibration_path a FIFO", "tailorkv", "method.calibration_path={tmp}/side.fifo",
+        setup="i47c2/fifo", names=("calibration_path",)),
+    _c2("qfilters calibration_path=/dev/urandom", "qfilters",
+        "method.calibration_path=/dev/urandom", names=("calibration_path",)),
+    _c2("kvquant calibration folder holding a FIFO", "kvquant",
+        "method.calibration_path={tmp}/texts", setup="i47c2/fifo", names=("b.txt",)),
 ]
 
 
