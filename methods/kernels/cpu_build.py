@@ -74,6 +74,10 @@ def _cache_dir() -> Path:
                 return path
         except OSError:
             continue
+        except ConfigError:
+            if root and path == Path(root):  # the folder the user named: refused by name
+                raise
+            continue  # our default holding something else: the next candidate
     raise RuntimeError("no writable directory for built kernels (set KVH_KERNEL_CACHE)")
 
 

@@ -177,3 +177,16 @@ def test_the_cli_refuses_hostile_kernel_flags_before_anything_loads(tmp_path):
     assert f"error: KVH_KERNEL_FLAGS: '-Wl,-o,{keep}' is not a kernel build flag" in done.stderr
     assert keep.read_text() == "a user's file\n"
     assert not (tmp_path / "results").exists() and not (tmp_path / "cache").exists()
+
+
+def test_a_default_cache_holding_other_files_is_passed_over(tmp_path, monkeypatch):
+    """Without $KVH_KERNEL_CACHE, a default folder holding files the harness did not write is
+    left alone and the next candidate (a temp folder) takes the build."""
+    monkeypatch.delenv("KVH_KERNEL_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(cpu_build.tempfile, "gettempdir", lambda: str(tmp_path / "tmp"))
+    default = tmp_path / "home" / ".cache" / "kv-harness" / "kernels"
+    default.mkdir(parents=True)
+    (default / "notes.txt").write_text("mine\n")
+    assert cpu_build._cache_dir() == tmp_path / "tmp" / "kv-harness-kernels"
+    assert sorted(p.name for p in default.iterdir()) == ["notes.txt"]
