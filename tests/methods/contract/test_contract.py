@@ -30,7 +30,8 @@ from methods import build_method, method_class
 from methods.eviction import EvictionLayer
 from tests.conftest import PROJECT, make_engine
 from tests.methods.contract import rules
-from tests.methods.contract.common import METHODS, MODELS, get_model, run_logits, skip_if_refused
+from tests.methods.contract.common import (HEADS, METHODS, MODELS, get_model, run_logits,
+                                           skip_if_refused)
 from tests.methods.contract.step_checker import SEQ_TOKENS, check_compressing_contract
 from tests.models import FAMILIES, family_config
 
@@ -189,8 +190,9 @@ def _with_modes():
     return cases
 
 
-# every model under eager attention, and the tiny Llama under sdpa too (see the checker)
-ATTENTIONS = [*((which, "eager") for which in MODELS), ("llama", "sdpa")]
+# every model under eager attention (the heads model too), and the tiny Llama under sdpa too
+# (see the checker)
+ATTENTIONS = [*((which, "eager") for which in [*MODELS, HEADS]), ("llama", "sdpa")]
 
 
 @pytest.mark.parametrize("which, attn", ATTENTIONS,
