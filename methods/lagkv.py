@@ -72,6 +72,8 @@ class LagKV(BudgetedMethod):
 
 
 class LagKVLayer(EvictionLayer):
+    score_reads: ClassVar[tuple[str, ...]] = ("keys", "values")  # held K/V only (the contract)
+
     def tail_tokens(self) -> int:
         """The last full partition (no reference after it) and the incomplete one."""
         rest = max(0, self.kept_tokens() - self.method.sink_tokens)
