@@ -23,13 +23,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from methods import _sidefiles as sidefiles
+from methods import _artefacts as artefacts
 from methods.base import KVLayer, KVMethod, ModelInfo
 
 log = logging.getLogger(__name__)
@@ -168,37 +167,33 @@ def probe_scores(ctx, period: int, repeats: int, seed: int, cache_dir: str | Non
     key = hashlib.sha256(json.dumps({"v": PROBE_FORMAT_VERSION, "model": ctx.fingerprint,
                                      "period": period, "repeats": repeats, "bos": bos,
                                      "seed": seed}).encode()).hexdigest()[:24]
-    root = Path(cache_dir or ctx.cache_dir or os.environ.get("KVH_CACHE_DIR")
-                or Path.home() / ".cache" / "kv-harness") / "headwise_probe"
-    path = root / f"{key}.pt"
-    loaded = _load_scores(path, info)
-    status = "loaded"
-    if loaded is None:
+    path = artefacts.cache_root("headwise_probe", cache_dir, ctx.cache_dir) / f"{key}.pt"
+    scores = _load_scores(path, info)
+    loaded = scores is not None
+    if not loaded:
         ids = probe_tokens(period, repeats, ctx.vocab_size, seed, bos)
         layers = ctx.capture(_ProbeMethod(period_tokens=period, offset_tokens=offset), ids)
         g = info.group_size
         echo = torch.stack([lay.echo.view(info.num_kv_heads, g).amax(-1) for lay in layers])
         ind = torch.stack([lay.induction.view(info.num_kv_heads, g).amax(-1) for lay in layers])
-        loaded = (echo.float(), ind.float())
-        _save_scores(path, *loaded)
-        status = "computed"
-    facts = {"probe_scores": status, "probe_path": str(path), "probe_period_tokens": period,
+        scores = (echo.float(), ind.float())
+        _save_scores(path, *scores)
+    facts = {"probe_scores": artefacts.provenance("head probe scores", key, path, scores, loaded), "probe_period_tokens": period,
              "probe_repeats": repeats, "probe_bos": bos, "probe_seed": seed,
              "probe_group_reduce": "max"}
-    return loaded[0], loaded[1], facts
+    return scores[0], scores[1], facts
 
 
 def _save_scores(path: Path, echo: torch.Tensor, induction: torch.Tensor) -> None:
     payload = {"version": PROBE_FORMAT_VERSION, "echo": echo, "induction": induction}
-    sidefiles.save_cache(path, lambda tmp: torch.save(payload, tmp), "head probe scores")
+    artefacts.save(path, lambda tmp: torch.save(payload, tmp), "head probe scores")
 
 
 def _load_scores(path: Path, info: ModelInfo):
-    if not path.is_file():
-        return None
     try:
-        payload = sidefiles.load_cache("method.cache_dir", path, lambda p: torch.load(
-            p, map_location="cpu", weights_only=True))
+        payload = artefacts.load(path)
+        if payload is None:
+            return None
         echo, ind = payload["echo"], payload["induction"]
     except Exception as exc:  # unreadable: rebuild
         log.warning("head probe scores %s unreadable (%s): recomputing", path, exc)

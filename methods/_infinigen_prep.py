@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import tempfile
 import time
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 
 from kvcore.errors import ConfigError
+from methods import _artefacts as artefacts
 from methods import _sidefiles as sidefiles
 from methods.base import KVLayer, KVMethod, ModelInfo
 
@@ -210,8 +210,7 @@ def calibration_reasons(method, info: ModelInfo) -> list[str]:
 
 
 def artefact_root(method, cache_dir: Path | None = None) -> Path:
-    return Path(method.cache_dir or cache_dir or os.environ.get("KVH_CACHE_DIR") or
-                Path.home() / ".cache" / "kv-harness") / "infinigen"
+    return artefacts.cache_root("infinigen", method.cache_dir, cache_dir)
 
 
 def cache_dir_reason(method) -> str | None:
@@ -232,13 +231,6 @@ def cache_dir_reason(method) -> str | None:
     except OSError as exc:
         return f"{key}: {root} is not writable ({exc.strerror or exc}); set method.cache_dir"
     return None
-
-
-def _tensor_hash(*tensors: torch.Tensor) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.contiguous().cpu().numpy().tobytes())
-    return h.hexdigest()
 
 
 def skew_heads(method, info: ModelInfo) -> int:
@@ -302,14 +294,12 @@ def prepare_skewing(method, ctx) -> tuple[SkewingArtefacts, dict]:
     path = artefact_root(method, ctx.cache_dir) / f"{key}.pt"
     t0 = time.time()
     heads = skew_heads(method, info)
-    loaded = _load(path, info, heads)
-    if loaded is None:
+    tensors = _load(path, info, heads)
+    loaded = tensors is not None
+    if not loaded:
         tensors = compute(ctx, ids, method.skewing, heads, method.partial_index)
         _save(path, *tensors)
-        status = "computed"
-    else:
-        tensors = loaded
-        status = "loaded"
+    made = artefacts.provenance("infinigen skewing", key, path, tensors, loaded)
     device = ctx.device
     skew, q_e, k_e = (t.to(device) for t in tensors)
     art = SkewingArtefacts(skew=skew, q_energy=q_e, k_energy=k_e, project_query=ctx.project_query,
@@ -317,7 +307,7 @@ def prepare_skewing(method, ctx) -> tuple[SkewingArtefacts, dict]:
                            column_score=method.column_score,
                            query_rows=info.num_heads // heads)
     widths = [art.columns(i).shape[-1] for i in range(info.num_layers)]
-    facts = {"skewing_artefacts": status, "artefact_path": str(path), "partial_columns": k,
+    facts = {"skewing_artefacts": made, "partial_columns": k,
              "partial_columns_per_head_max": max(widths),
              "partial_columns_per_head_mean": round(sum(
                  float(column_choice(q_e[i], k_e[i], k, method.column_score)[1].sum(-1).mean())
@@ -330,21 +320,20 @@ def prepare_skewing(method, ctx) -> tuple[SkewingArtefacts, dict]:
 
 def _save(path: Path, skew: torch.Tensor, q_energy: torch.Tensor, k_energy: torch.Tensor) -> None:
     payload = {"version": FORMAT_VERSION, "skew": skew, "q_energy": q_energy, "k_energy": k_energy,
-               "sha256": _tensor_hash(skew, q_energy, k_energy)}
-    sidefiles.save_cache(path, lambda tmp: torch.save(payload, tmp), "infinigen artefacts")
+               "sha256": artefacts.tensors_sha256((skew, q_energy, k_energy))}
+    artefacts.save(path, lambda tmp: torch.save(payload, tmp), "infinigen artefacts")
 
 
 def _load(path: Path, info: ModelInfo, skew_heads: int):
-    if not path.is_file():
-        return None
     try:
-        payload = sidefiles.load_cache("method.cache_dir", path, lambda p: torch.load(
-            p, map_location="cpu", weights_only=True))
+        payload = artefacts.load(path)
+        if payload is None:
+            return None
         skew, q_e, k_e = payload["skew"], payload["q_energy"], payload["k_energy"]
         heads = (info.num_layers, skew_heads)
         shape_ok = (tuple(skew.shape) == (*heads, info.head_dim, info.head_dim)
                     and tuple(q_e.shape) == tuple(k_e.shape) == (*heads, info.head_dim))
-        if shape_ok and payload.get("sha256") == _tensor_hash(skew, q_e, k_e):
+        if shape_ok and payload.get("sha256") == artefacts.tensors_sha256((skew, q_e, k_e)):
             return skew, q_e, k_e
     except Exception as exc:  # unreadable file: treated like a corrupt one
         log.warning("infinigen artefacts %s unreadable (%s): rebuilding", path, exc)

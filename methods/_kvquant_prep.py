@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from methods import _sidefiles as sidefiles
+from methods import _artefacts as artefacts
 from methods.base import ModelInfo
 from methods.rope import rotate
 
@@ -175,17 +175,16 @@ def calibrate(ctx, samples: list[torch.Tensor], method, capture_method) -> Calib
 
 def save(path: Path, cal: Calibration) -> None:
     payload = {"version": FORMAT_VERSION, "tensors": list(cal.tensors())}
-    sidefiles.save_cache(path, lambda tmp: torch.save(payload, tmp), "kvquant calibration")
+    artefacts.save(path, lambda tmp: torch.save(payload, tmp), "kvquant calibration")
 
 
 def load(path: Path, info: ModelInfo, k_bits: int, v_bits: int) -> Calibration | None:
     """The cached constants, or None (absent, unreadable or not this model's: recalibrate)."""
-    if not path.is_file():
-        return None
     try:
-        tensors = sidefiles.load_cache("method.cache_dir", path, lambda p: torch.load(
-            p, map_location="cpu", weights_only=True))["tensors"]
-        cal = Calibration(*tensors)
+        payload = artefacts.load(path)
+        if payload is None:
+            return None
+        cal = Calibration(*payload["tensors"])
     except Exception as exc:  # unreadable: recalibrate
         log.warning("kvquant calibration %s unreadable (%s): recomputing", path, exc)
         return None

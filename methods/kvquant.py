@@ -83,7 +83,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +92,7 @@ import torch
 
 from kvcore.errors import ConfigError
 from kvcore.storage import ContiguousRows
+from methods import _artefacts as artefacts
 from methods import _kvquant_prep as prep
 from methods import _sidefiles as sidefiles
 from methods._kvquant_prep import (Calibration, kmeans_1d, nearest_centroid,  # noqa: F401
@@ -231,18 +231,16 @@ class KVQuant(KVMethod):
             "vb": self.v_bits, "o": self.outlier_ratio, "qn": norms,
             "ids": hashlib.sha256(torch.stack(samples).numpy().tobytes()).hexdigest()
         }).encode()).hexdigest()[:24]
-        root = Path(self.cache_dir or ctx.cache_dir or os.environ.get("KVH_CACHE_DIR")
-                    or Path.home() / ".cache" / "kv-harness") / "kvquant"
-        path = root / f"{key}.pt"
+        path = artefacts.cache_root("kvquant", self.cache_dir, ctx.cache_dir) / f"{key}.pt"
         self._cal = prep.load(path, ctx.info, self.k_bits, self.v_bits)
-        status = "loaded"
-        if self._cal is None:
+        loaded = self._cal is not None
+        if not loaded:
             self._cal = prep.calibrate(ctx, samples, self, _CaptureMethod())
             prep.save(path, self._cal)
-            status = "computed"
+        made = artefacts.provenance("kvquant calibration", key, path, self._cal.tensors(), loaded)
         self._cal = Calibration(*(t.to(ctx.device) for t in self._cal.tensors()))
         self.set_rope(ctx.rope_inv_freq.to(ctx.device))
-        return {"calibration": status, "calibration_path": str(path), "calibration_source": source,
+        return {"calibration": made, "calibration_source": source,
                 "calibration_samples": len(samples),
                 "calibration_tokens": int(sum(s.numel() for s in samples)),
                 "kmeans_weighting": "none (official without --fisher)",

@@ -17,6 +17,11 @@ os.environ.setdefault("WANDB_MODE", "offline")
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+
+# The helpers assert on behalf of many tests: rewritten like test modules, so a failure there
+# shows its diff rather than a bare AssertionError (before anything imports them).
+pytest.register_assert_rewrite("tests.helpers")
+
 import torch  # noqa: E402
 
 from harness import hf_adapter, models  # noqa: E402

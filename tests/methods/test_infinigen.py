@@ -165,21 +165,26 @@ def test_pool_capacity_bounds_the_host_pool(tiny4, cache_dir):
 
 def test_artefacts_round_trip_and_corrupt_cache_is_rebuilt(tiny4, cache_dir, caplog):
     first = build_method("infinigen")
-    facts1 = hf_adapter.prepare(first, tiny4, None)
-    second = build_method("infinigen")
-    facts2 = hf_adapter.prepare(second, tiny4, None)
-    assert (facts1["skewing_artefacts"], facts2["skewing_artefacts"]) == ("computed", "loaded")
+    with caplog.at_level(logging.INFO, logger="methods._artefacts"):
+        facts1 = hf_adapter.prepare(first, tiny4, None)
+        second = build_method("infinigen")
+        facts2 = hf_adapter.prepare(second, tiny4, None)
+    assert ["loaded from the cache" in r.message for r in caplog.records
+            if r.name == "methods._artefacts"] == [False, True]
+    assert facts1["skewing_artefacts"] == facts2["skewing_artefacts"]  # cold = warm
     assert torch.equal(first._art.skew, second._art.skew)
     assert torch.equal(first._art.q_energy, second._art.q_energy)
     assert torch.equal(first._art.k_energy, second._art.k_energy)
-    path = facts1["artefact_path"]
+    path = facts1["skewing_artefacts"]["path"]
     with open(path, "r+b") as f:
         f.seek(200)
         f.write(b"\x00" * 64)
     third = build_method("infinigen")
-    with caplog.at_level(logging.WARNING):
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
         facts3 = hf_adapter.prepare(third, tiny4, None)
-    assert facts3["skewing_artefacts"] == "computed"
+    assert "infinigen skewing computed" in caplog.text
+    assert facts3["skewing_artefacts"] == facts1["skewing_artefacts"]
     assert "rebuilding" in caplog.text
     assert torch.equal(third._art.skew, first._art.skew)
 

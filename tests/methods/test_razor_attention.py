@@ -1,6 +1,7 @@
 """RazorAttention: the |D|-weighted compensation token, the probe and its cache, the budget.
 (The per-head attention by hand, with and without compensation, is in test_duo_attention.py.)"""
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -97,14 +98,17 @@ def test_union_of_the_best_echo_and_induction_heads():
     assert select_union(echo, echo, 1, 2).tolist() == [[True, False], [False, True]]  # overlap
 
 
-def test_prepare_records_identification_and_caches(stories, tmp_path):
+def test_prepare_records_identification_and_caches(stories, tmp_path, caplog):
     model = stories[0]
     method = build_method("razor_attention", cache_dir=str(tmp_path))
-    first = hf_adapter.prepare(method, model, None)
-    again = hf_adapter.prepare(build_method("razor_attention", cache_dir=str(tmp_path)), model,
-                               None)
+    with caplog.at_level(logging.INFO, logger="methods._artefacts"):
+        first = hf_adapter.prepare(method, model, None)
+        again = hf_adapter.prepare(build_method("razor_attention", cache_dir=str(tmp_path)),
+                                   model, None)
     assert first["head_identification"] == "echo/induction probe (Huawei's tool)"
-    assert first["probe_scores"] == "computed" and again["probe_scores"] == "loaded"
+    assert ["loaded from the cache" in r.message for r in caplog.records
+            if r.name == "methods._artefacts"] == [False, True]
+    assert first["probe_scores"] == again["probe_scores"]  # cold = warm
     assert first["probe_period_tokens"] == 128 and first["probe_repeats"] == 4  # 512 positions
     info = hf_adapter.model_info(model.config)
     n = info.num_layers * info.num_kv_heads
