@@ -37,8 +37,6 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True,
     from harness import sweep_engine
     from harness.profiling import reset_peak_memory
     from harness.run import build_metrics, output_dir, seed_everything, write_result
-    from harness.sweep_records import Records, record_path
-    from harness.sweep_shards import Shard
     from harness.session import Session, compose
     from harness.sweep import resolve_output
     from harness.sweep_shards import shard_reasons
@@ -56,7 +54,7 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True,
     if not composed:
         return outcomes
     session = Session(list(composed.values()))
-    todo, outs = [], {}
+    todo, outs, records = [], {}, {}
     count = shard.count if shard is not None else merge or 1
     for i, setting in composed.items():
         try:
@@ -78,6 +76,11 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True,
                   f"{done}")
             outcomes[i] = Outcome("ok", str(done), done)  # as a single run returns it
             continue
+        try:  # before weights load: a foreign, stale or malformed record file refuses
+            records[i] = setting_records(setting, shard, merge, count)
+        except ConfigError as exc:
+            outcomes[i] = Outcome("failed", str(exc))
+            continue
         todo.append(i)
         outs[i] = out
     if not todo:
@@ -94,13 +97,13 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True,
     for i in todo:
         seed_everything(int(composed[i].runner["seed"]))  # as a single run seeds before prepare
         members.append(sweep_engine.Member(composed[i], session.engine(composed[i])))
-    records = [None if m.setting.runner.get("diagnostics") else
-               Records(record_path(m.setting.runner, m.setting.identity, shard)) if not merge else
-               Records.merged([record_path(m.setting.runner, m.setting.identity, Shard(j, merge))
-                               for j in range(merge)]) for m in members]
+    records = [records[i] for i in todo]
     resumed = sum(r.resumed for r in records if r)
     if resumed and not merge:
-        print(f"sweep engine: resuming, {resumed} (setting, sample) answers recorded before")
+        print(f"sweep engine: resuming, {resumed} (setting, sample) answers recorded before:")
+        for m, r in zip(members, records):
+            if r and r.resumed:
+                print(f"  {m.setting.label}: {r.resumed} from {r.path}")
     if merge:
         print(f"sweep engine: merging the records of {merge} shards ({resumed} (setting, "
               "sample) answers)")
@@ -187,3 +190,24 @@ def shared_summary(members, groups) -> str:
         lines.append(f"  own task pass    {', '.join(own)}")
     return "\n".join(lines)
 
+
+def setting_records(setting, shard, merge: int, count: int):
+    """The setting's records (None under diagnostics: it keeps none): its own file, or, for a
+    merge, its shards' files; refused by name when a record file of this setting from a sweep
+    split otherwise lies beside them."""
+    from harness.sweep_records import Records, owner, record_path, strays
+    from harness.sweep_shards import Shard
+
+    if setting.runner.get("diagnostics"):
+        return None
+    stray = strays(setting.runner, setting.identity, count)
+    if stray:
+        raise ConfigError(f"sweep records of {setting.label} from a sweep split otherwise lie in "
+                          f"{stray[0].parent} ({', '.join(p.name for p in stray)}): resume with "
+                          "the runner.shards that wrote them, or remove them")
+    if not merge:
+        return Records(record_path(setting.runner, setting.identity, shard),
+                       owner(setting, shard))
+    shards = [Shard(j, merge) for j in range(merge)]
+    return Records.merged([record_path(setting.runner, setting.identity, s) for s in shards],
+                          [owner(setting, s) for s in shards])

@@ -20,9 +20,13 @@ limit) or with diagnostics (no records) runs unsharded.
 
 from __future__ import annotations
 
+import os
 import pickle
+import signal
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,17 +78,49 @@ def run_shard_file(path: Path) -> None:
     """A shard process (see `start_local`): the pickled (configs, choices, shard) at `path`."""
     from harness.sweep_run import run_sweep
 
+    watch_parent(int(os.environ.get(PARENT_ENV, "0")))
     cfgs, choices, shard = pickle.loads(path.read_bytes())
     run_sweep(cfgs, choices=choices, shard=shard)
 
 
+# A shard process dies with the sweep that started it, even one killed by SIGKILL (which runs no
+# handler of the sweep's): the kernel signals it (Linux's parent-death signal, set between fork
+# and exec), and the shard also checks its parent itself (other systems, or a sweep that died
+# before the signal was armed).
+PARENT_ENV = "KVH_SHARD_PARENT"
+_PR_SET_PDEATHSIG = 1
+
+
+def _arm_parent_death_signal() -> None:
+    """preexec_fn of a shard process: SIGKILL when its parent dies (Linux; a no-op elsewhere)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def watch_parent(parent: int, every_s: float = 1.0) -> None:
+    """Exit (143, as a terminated process) once the process `parent` is no longer this one's
+    parent; 0: no parent to watch (a shard run by hand, or a SLURM array task)."""
+    if parent <= 0:
+        return
+
+    def check() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(143)
+
+    threading.Thread(target=check, name="shard-parent-watch", daemon=True).start()
+
+
 def start_local(cfgs, choices, count: int, folder: Path) -> list[tuple[subprocess.Popen, Path]]:
     """`count` shard processes on this machine, each logging to `folder/shard-<i>.log`."""
-    import os
-
     folder.mkdir(parents=True, exist_ok=True)
     # runner.threads=null means all cores: shared out between the shards (unless set outside)
-    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // count)), **os.environ}
+    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // count)), **os.environ,
+           PARENT_ENV: str(os.getpid())}
     procs = []
     for i in range(count):
         job = folder / f"shard-{i}.pkl"
@@ -93,7 +129,7 @@ def start_local(cfgs, choices, count: int, folder: Path) -> list[tuple[subproces
         with log.open("w") as out:
             procs.append((subprocess.Popen([sys.executable, "-m", "harness.sweep_shards",
                                             str(job)], stdout=out, stderr=subprocess.STDOUT,
-                                           env=env),
+                                           env=env, preexec_fn=_arm_parent_death_signal),
                           log))
     return procs
 
