@@ -671,7 +671,7 @@ SETUPS["inputs/only-run:sparse"] = lambda tmp: _only_run(tmp, _sparse(17 * _MIB)
 SETUPS["inputs/only-run:zero"] = lambda tmp: _only_run(tmp, _link("/dev/zero"))
 
 
-# issue 47: API, knobs, kernel flags, side files
+# The API's CLI neighbours, method knobs, kernel flags and side files: refused before work.
 # Kernel build flags and cache folder (checked by the CLI before anything loads), the knob
 # classes every method shares (seeds, position-counting knobs), KVzip's calibration context,
 # Expected Attention's sinks, and side files that are FIFOs, devices, folders or sparse giants.
