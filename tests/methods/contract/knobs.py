@@ -74,6 +74,12 @@ def alternatives(name: str, knob: str, value, settings: dict) -> list:
     return []
 
 
+def has_alternatives(name: str, knob: str) -> bool:
+    """Whether `alternatives` names any other value of `knob` (valid or not)."""
+    settings = method_class(name).compressing_hyperparameters(SEQ_TOKENS)
+    return bool(alternatives(name, knob, getattr(build_method(name, **settings), knob), settings))
+
+
 def knob_acts(model, name: str, knob: str) -> bool | None:
     """True when another valid value of `knob` changes the behaviour in the compressing case,
     False when none does, None when no other valid value could be tried."""
