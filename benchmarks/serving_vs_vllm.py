@@ -8,7 +8,10 @@ tokens (no stop token, so every sequence carries the same work). Per engine and 
   * TTFT: time from the arrival to each request's first token (median over requests);
   * ITL: the gaps between consecutive tokens of a request, p50 and p90 over all requests.
 vLLM: its token arrival times, read in the worker as the engine steps (scripts/vllm_worker.py);
-its scheduler runs the B requests with continuous batching and chunked prefill.
+its scheduler runs the B requests with continuous batching and chunked prefill, prefix caching
+off: RULER prompts share their haystack's opening and a cell repeats the last cell's prompts, so
+a prefix cache would skip prefill work our engine does (a deployment would keep it on; our
+engine has no prefix cache).
 Ours: one static batch of B (harness.batch): the B prompts prefilled together, then one decode
 step per token for all B; TTFT = the batch's prefill (+ its first token), ITL = the decode steps.
 
@@ -160,7 +163,7 @@ def main() -> None:
            "cells": {}, "finished": False}
     knobs = VllmKnobs(kv_space_gib=args.vllm_kv_space_gib, max_num_seqs=max(args.batches),
                       max_model_len=max(args.lengths),
-                      omp_threads_bind=args.vllm_bind)
+                      omp_threads_bind=args.vllm_bind, prefix_caching=False)
     with tempfile.TemporaryDirectory(prefix="kvh-serving-") as tmp, \
             started(knobs, folder, "float32", knobs.max_model_len, 0,
                     Path(tmp) / "vllm.log") as (worker, facts):

@@ -63,6 +63,7 @@ class VllmKnobs:
     kv_space_gib: int = 4  # VLLM_CPU_KVCACHE_SPACE: the KV pool, GiB
     max_num_seqs: int = 32  # sequences vLLM's scheduler runs at once
     max_model_len: int = 0  # tokens per sequence; 0: the model's max positions
+    prefix_caching: bool = True  # vLLM's default; answers do not depend on it, timings do
     omp_threads_bind: str = "auto"  # VLLM_CPU_OMP_THREADS_BIND: auto | a core list, e.g. 0-1
     reserved_cpus: int = -1  # VLLM_CPU_NUM_OF_RESERVED_CPU; -1: vLLM's default
     python: str = str(DEFAULT_PYTHON)  # the vLLM venv's interpreter
@@ -86,7 +87,11 @@ def parse_knobs(args: list[str]) -> tuple[VllmKnobs, list[str]]:
             raise ConfigError(f"vllm.{key} is not a vLLM engine knob"
                               + (f" (did you mean vllm.{near[0]}?)" if near else "")
                               + f"; allowed: {', '.join(fields)}")
-        if fields[key].type == "int":
+        if fields[key].type == "bool":
+            if value.lower() not in ("true", "false"):
+                raise ConfigError(f"vllm.{key}={value!r} must be true or false")
+            given[key] = value.lower() == "true"
+        elif fields[key].type == "int":
             try:
                 given[key] = int(value)
             except ValueError:
@@ -224,6 +229,7 @@ def started(knobs: VllmKnobs, model_dir: str, dtype: str, max_model_len: int, se
                              "max_model_len": max_model_len, "kv_space_gib": knobs.kv_space_gib,
                              "max_num_seqs": knobs.max_num_seqs, "seed": seed,
                              "omp_threads_bind": knobs.omp_threads_bind,
+                             "prefix_caching": knobs.prefix_caching,
                              "reserved_cpus": (None if knobs.reserved_cpus < 0
                                                else knobs.reserved_cpus)},
                             timeout_s=knobs.start_timeout_s)

@@ -69,6 +69,9 @@ class Worker:
                        kv_cache_dtype=kv, max_model_len=int(msg["max_model_len"]),
                        max_num_seqs=int(msg.get("max_num_seqs", 32)),
                        seed=int(msg.get("seed", 0)), enforce_eager=True,
+                       # on by default in vLLM: a prompt sharing blocks with an earlier one
+                       # skips their prefill (off for timings that must redo the same work)
+                       enable_prefix_caching=bool(msg.get("prefix_caching", True)),
                        # the harness tokenizes; vLLM gets ids and returns ids
                        skip_tokenizer_init=False, disable_log_stats=True)
         cache = self.llm.llm_engine.vllm_config.cache_config
@@ -77,6 +80,7 @@ class Worker:
                       "transformers": _version("transformers"), "python": sys.version.split()[0],
                       "kv_cache_dtype": str(cache.cache_dtype), "block_size": cache.block_size,
                       "num_gpu_blocks": getattr(cache, "num_gpu_blocks", None),
+                      "prefix_caching": bool(cache.enable_prefix_caching),
                       "max_num_seqs": sched.max_num_seqs,
                       "max_num_batched_tokens": sched.max_num_batched_tokens,
                       "chunked_prefill": bool(getattr(sched, "enable_chunked_prefill", False)),

@@ -25,6 +25,7 @@ def one_line(exc_info) -> str:
     ("vllm.max_num_seqs=many", "vllm.max_num_seqs='many' must be an integer"),
     ("vllm.python=/nonexistent/python", "make vllm-setup"),
     ("vllm.kv_cache_dtype", "write vllm.<key>=<value>"),
+    ("vllm.prefix_caching=maybe", "vllm.prefix_caching='maybe' must be true or false"),
 ])
 def test_bad_knobs_are_refused_in_one_line(arg, expected):
     with pytest.raises(ConfigError) as err:
@@ -34,8 +35,10 @@ def test_bad_knobs_are_refused_in_one_line(arg, expected):
 
 def test_knobs_and_overrides_are_split():
     knobs, rest = parse_knobs(["task=ruler", "vllm.kv_cache_dtype=fp8_e5m2",
-                               "vllm.max_num_seqs=4", "vllm.python=/bin/sh"])
-    assert (knobs.kv_cache_dtype, knobs.max_num_seqs, rest) == ("fp8_e5m2", 4, ["task=ruler"])
+                               "vllm.max_num_seqs=4", "vllm.prefix_caching=false",
+                               "vllm.python=/bin/sh"])
+    assert (knobs.kv_cache_dtype, knobs.max_num_seqs, knobs.prefix_caching, rest) == (
+        "fp8_e5m2", 4, False, ["task=ruler"])
 
 
 @pytest.mark.parametrize("overrides, expected", [

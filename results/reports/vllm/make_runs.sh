@@ -2,7 +2,9 @@
 # The cross-engine runs of results/reports/vllm (docs/vllm.md): RULER at 1K (6 samples per cell,
 # n = 60) and streaming perplexity on WikiText-2 (4096 tokens), through vLLM (full cache in the
 # model dtype, fp8 e4m3, fp8 e5m2) and through our engine (full cache), then one report.
-#   results/reports/vllm/make_runs.sh vllm|ours|report [ROOT]
+# `quant`: our KV quantizers (KIVI, KVQuant, TurboQuant at their defaults) on the same samples, one
+# sweep per task (the sweep engine prefills each prompt once for the three).
+#   results/reports/vllm/make_runs.sh vllm|ours|quant|report [ROOT]
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 ROOT=${2:-results/reports/vllm/runs}
@@ -20,7 +22,12 @@ vllm)
 ours)
     .venv/bin/python -m harness "${RULER[@]}" method=full runner.results_root="$ROOT"
     .venv/bin/python -m harness "${PPL[@]}" method=full runner.results_root="$ROOT" ;;
+quant)
+    .venv/bin/python -m harness -m "${RULER[@]}" method=kivi,kvquant,turboquant \
+        runner.results_root="$ROOT" hydra.sweep.dir="$ROOT/_sweeps/ruler"
+    .venv/bin/python -m harness -m "${PPL[@]}" method=kivi,kvquant,turboquant \
+        runner.results_root="$ROOT" hydra.sweep.dir="$ROOT/_sweeps/ppl" ;;
 report)
     .venv/bin/python -m harness.report "$ROOT" --out results/reports/vllm/report ;;
-*) echo "usage: $0 vllm|ours|report [ROOT]" >&2; exit 2 ;;
+*) echo "usage: $0 vllm|ours|quant|report [ROOT]" >&2; exit 2 ;;
 esac
