@@ -12,11 +12,11 @@ from tests.helpers.runs import cfg_for
 from tests.helpers.sweeps import TASK, folder_figures
 
 # every method whose prepare() caches an artefact on disk (methods._artefacts)
-CACHING = ["kvquant", "infinigen", "razor_attention", "headkv"]
+CACHING = ["kvquant", "infinigen", "razor_attention", "headkv", "duo_attention"]
 
 
 @pytest.mark.parametrize("name", CACHING)
-def test_cold_and_warm_runs_write_the_same_figures(name, tmp_path, monkeypatch):
+def test_cold_and_warm_runs_write_the_same_figures(name, tmp_path, monkeypatch, torch_path):
     need_shared(STORIES)
     monkeypatch.setenv("KVH_CACHE_DIR", str(tmp_path / "cache"))
     cold = run(cfg_for(*TASK, f"method={name}", f"runner.output_dir={tmp_path}/cold"))
