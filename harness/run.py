@@ -66,6 +66,9 @@ def _choice(group: str) -> str:
         return "?"
 
 
+MAX_SHARDS = 1000  # a SLURM array's default index limit; local shards: one per CPU at most
+
+
 def check_runner(runner: dict[str, Any]) -> None:
     def positive_int(key: str, allow_none: bool = False) -> None:
         value = runner.get(key)
@@ -80,6 +83,9 @@ def check_runner(runner: dict[str, Any]) -> None:
     for key in ("shards", "sweep_decode_batch"):  # a runner dict built in code (lm-eval, the
         if key in runner:  # API) may leave them out
             positive_int(key)
+    if runner.get("shards", 1) > MAX_SHARDS:
+        raise ConfigError(f"runner.shards={runner['shards']}: allowed 1..{MAX_SHARDS} (one process "
+                          "or SLURM array task each; SLURM's default MaxArraySize is 1001)")
     cpus = os.cpu_count() or 1
     if runner.get("threads") is not None and runner["threads"] > cpus:
         raise ConfigError(f"runner.threads={runner['threads']} is more than this machine's {cpus} "

@@ -22,6 +22,7 @@ from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrid
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from harness.results import write_json_atomic
+from kvcore.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +106,12 @@ def run_group(group: list, sweep_dir: Path, shards_done: bool = False) -> None:
         log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
     try:
         if count > 1 and not shards_done:
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+                os.cpu_count() or 1)
+            if count > cpus:  # a process per shard: more than the CPUs only queue and swap
+                raise ConfigError(f"runner.shards={count} starts {count} shard processes on this "
+                                  f"machine of {cpus} CPUs; allowed here: 1..{cpus} (more on "
+                                  "a cluster: hydra/launcher=kvh_slurm)")
             folder = sweep_dir / "shards" / f"{int(group[0][0]):04d}"
             log.info(f"{count} shard processes on this machine (logs: {folder})")
             failed = wait_local(start_local(cfgs, choices, count, folder))

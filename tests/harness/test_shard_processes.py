@@ -83,3 +83,22 @@ def test_a_shard_checks_its_parent_itself(tmp_path):
     while alive(pid) and time.time() < deadline:
         time.sleep(0.1)
     assert not alive(pid)
+
+
+def test_shards_are_bounded(tmp_path):
+    """More shard processes than this machine's CPUs (a local sweep) or than a SLURM array
+    takes: one line naming runner.shards, before any shard starts, nothing written."""
+    from tests.helpers.runs import cli
+
+    need_shared(STORIES)
+    cpus = len(os.sched_getaffinity(0))
+    root = tmp_path / "results"
+    base = ["-m", "model=stories260k", "task=ruler", "task.lengths=[320]", "method=full,h2o",
+            "runner.threads=1", f"runner.results_root={root}",
+            f"hydra.sweep.dir={tmp_path}/sweeps"]
+    local = cli(*base, f"runner.shards={cpus + 1}")
+    assert f"runner.shards={cpus + 1} starts {cpus + 1} shard processes" in local.stderr
+    assert not (tmp_path / "sweeps" / "shards").exists() and not list(root.rglob("*.jsonl"))
+    huge = cli(*[a for a in base[1:] if not a.startswith("method=")], "method=full",
+               "runner.shards=1001")
+    assert huge.returncode == 2 and "runner.shards=1001: allowed 1..1000" in huge.stderr
