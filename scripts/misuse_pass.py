@@ -835,6 +835,23 @@ CASES += [
 
 # --- case folders ---------------------------------------------------------------------------
 
+# Sweep shards: bounded by a SLURM array's index limit (every launcher) and by this machine's CPUs
+# (local shard processes), refused before any shard process starts.
+_RULER = ["model=stories260k", "task=ruler", "task.lengths=[320]", "runner.threads=1"]
+CASES += [
+    Case("shards: 1001 (above a SLURM array)", [*_RULER, "runner.shards=1001",
+                                                "runner.results_root={root}"],
+         names=("runner.shards",)),
+    Case("shards: 10**6", [*_RULER, "runner.shards=1000000", "runner.results_root={root}"],
+         names=("runner.shards",)),
+    Case("shards: -3", [*_RULER, "runner.shards=-3", "runner.results_root={root}"],
+         names=("runner.shards",)),
+    Case("shards: a string", [*_RULER, "runner.shards=many", "runner.results_root={root}"],
+         names=("runner.shards",)),
+    Case("shards: 1.5", [*_RULER, "runner.shards=1.5", "runner.results_root={root}"],
+         names=("runner.shards",)),
+]
+
 def _fake_run(folder: Path) -> None:
     """A minimal run folder that harness.report / harness.check read."""
     folder.mkdir(parents=True)
