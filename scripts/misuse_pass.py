@@ -938,7 +938,7 @@ def _side_files(tmp: Path) -> None:
             (folder / "config.json").write_text(config)
     for what, score in (("nan", "NaN"), ("inf", "Infinity"), ("negative", "-0.5"),
                         ("huge", "1e308, 1e308")):
-        table = ", ".join(f'"{l}-{h}": [{score}]' for l in range(5) for h in range(8))
+        table = ", ".join(f'"{layer}-{h}": [{score}]' for layer in range(5) for h in range(8))
         (tmp / f"headkv_{what}.json").write_text("{" + table + "}\n")
 
 
