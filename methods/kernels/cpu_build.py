@@ -40,7 +40,11 @@ import torch
 
 from kvcore.errors import ConfigError
 
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
+# Linked apart from the compile and without -ffast-math: gcc < 13 links crtfastmath.o into a
+# shared library built with it, whose constructor sets flush-to-zero for the whole process when
+# the library loads (every later torch, numpy and Python float op would read subnormals as 0).
+_LINK = ("-shared", "-fopenmp")
 _LIBS = ("-lm",)
 _loaded: dict[str, ctypes.CDLL | None] = {}
 _errors: dict[str, str] = {}
@@ -180,7 +184,7 @@ def _build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     if not compiler_available():
         raise RuntimeError(f"no C compiler ({compiler}) on PATH")
     flags = _flags(extra_flags)
-    recipe = " ".join((compiler, *flags, *_LIBS, _host_tag())).encode()
+    recipe = " ".join((compiler, *flags, *_LINK, *_LIBS, _host_tag())).encode()
     digest = hashlib.sha256(source.read_bytes() + recipe).hexdigest()[:16]
     cache = _cache_dir()
     target = cache / f"{source.stem}_{digest}.so"
@@ -190,11 +194,14 @@ def _build(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
     # follow); the library then replaces the cache's name (a rename never follows a link).
     work = Path(tempfile.mkdtemp(dir=cache, prefix=".build-"))
     try:
-        built = work / target.name
-        done = subprocess.run([compiler, *flags, str(source), "-o", str(built), *_LIBS],
-                              capture_output=True, text=True, timeout=120, cwd=work)
-        if done.returncode:
-            raise RuntimeError(f"{compiler} failed on {source.name}: {done.stderr.strip()[:500]}")
+        built, obj = work / target.name, work / f"{source.stem}.o"
+        for step in ([*flags, "-c", str(source), "-o", str(obj)],
+                     [*_LINK, str(obj), "-o", str(built), *_LIBS]):
+            done = subprocess.run([compiler, *step], capture_output=True, text=True,
+                                  timeout=120, cwd=work)
+            if done.returncode:
+                raise RuntimeError(f"{compiler} failed on {source.name}: "
+                                   f"{done.stderr.strip()[:500]}")
         os.replace(built, target)
     finally:
         shutil.rmtree(work, ignore_errors=True)

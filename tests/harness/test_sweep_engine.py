@@ -338,7 +338,9 @@ def test_a_split_that_drops_or_duplicates_a_sample_fails_the_merge(planted, tmp_
         owns = sweep_shards.Shard.owns
         monkeypatch.setattr(sweep_shards.Shard, "owns", lambda self, prompt, prompts: (
             prompt == 0 or owns(self, prompt, prompts)))
-    with pytest.raises(ConfigError, match="no record for|recorded by two shards"):
+    # a sample recorded twice refuses the setting's merge before weights (a failed member, one
+    # line); a sample recorded by none stops the merge where it is missed
+    with pytest.raises((ConfigError, AssertionError), match="no record for|recorded by two shards"):
         sharded_folders(SHARD_SETTINGS[:1], tmp_path)
     assert not list(tmp_path.rglob("metrics.json"))
 

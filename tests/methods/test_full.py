@@ -41,7 +41,7 @@ def test_full_has_no_budget_and_counts_bytes(tiny_model):
     assert sample["tokens_per_layer"] == [50] * cfg.num_hidden_layers
     assert sample["bytes_per_layer"] == [per_layer] * cfg.num_hidden_layers
     assert sample["budget_per_layer"] == [None] * cfg.num_hidden_layers
-    assert engine.ledger.summary()["compression_ratio"] == 1.0
+    assert engine.ledger.summary()["held_ratio"] == 1.0
 
 
 def test_unknown_hyperparameter_is_rejected():

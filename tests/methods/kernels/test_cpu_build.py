@@ -190,3 +190,22 @@ def test_a_default_cache_holding_other_files_is_passed_over(tmp_path, monkeypatc
     (default / "notes.txt").write_text("mine\n")
     assert cpu_build._cache_dir() == tmp_path / "tmp" / "kv-harness-kernels"
     assert sorted(p.name for p in default.iterdir()) == ["notes.txt"]
+
+
+def test_loading_a_kernel_leaves_the_processs_floating_point_alone(tmp_path):
+    """A kernel compiled with -ffast-math must not switch the whole process to flush-to-zero
+    when it loads (gcc < 13 links crtfastmath.o into such a library): every later torch, numpy
+    or Python float op would read subnormals as 0. In a fresh process (this one may have loaded
+    kernels already)."""
+    if not cpu_build.compiler_available():
+        pytest.skip("no C compiler here")
+    source = _source(tmp_path, "twice", "double twice(double x) { return 2.0 * x; }\n")
+    code = ("import ctypes, sys; from methods.kernels import cpu_build\n"
+            "lib = cpu_build.library(__import__('pathlib').Path(sys.argv[1]), lambda l: None)\n"
+            "assert lib is not None, cpu_build._errors\n"
+            "print(float('1e-310') > 0.0, 1e-300 * 1e-10 > 0.0)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(source)], cwd=PROJECT,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "KVH_KERNEL_CACHE": str(tmp_path / "cache")})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "True"]
