@@ -16,21 +16,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from kvcore.errors import ConfigError
+from kvcore.files import nonregular_kind as _kind
 
 # samples.jsonl of a long streaming-perplexity run holds ~10 bytes per scored token: 256 MiB is
 # ~25M tokens, far beyond any run here, and parses into a few GiB of Python objects at most.
 JSONL_MAX_BYTES = 256 * 2**20
 # metrics.json and thresholds files are a few kB; a megabyte-sized one is not ours.
 SMALL_MAX_BYTES = 16 * 2**20
-
-_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-          (stat.S_ISSOCK, "a socket"))
-
-
-def _kind(mode: int) -> str:
-    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
-
 
 def _mib(n: int) -> str:
     return f"{n / 2**20:.4g} MiB"

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from kvcore.errors import ConfigError
+from kvcore.files import user_cache_root
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +84,7 @@ def smollm2_gguf_path() -> Path:
 
 
 def default_cache_dir() -> Path:
-    root = os.environ.get("KVH_CACHE_DIR") or Path.home() / ".cache" / "kv-harness"
-    return Path(root)
+    return user_cache_root()
 
 
 def resolve_model(cfg: dict[str, Any]) -> ModelSpec:

@@ -24,6 +24,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from kvcore.files import user_cache_root
+
 log = logging.getLogger(__name__)
 
 
@@ -33,7 +35,7 @@ def cache_root(kind: str, *given) -> Path:
     for folder in given:
         if folder:
             return Path(folder) / kind
-    return Path(os.environ.get("KVH_CACHE_DIR") or Path.home() / ".cache" / "kv-harness") / kind
+    return user_cache_root() / kind
 
 
 def tensors_sha256(tensors: Iterable[torch.Tensor]) -> str:

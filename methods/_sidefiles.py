@@ -28,11 +28,11 @@ import json
 import logging
 import math
 import os
-import stat
 from pathlib import Path
 from typing import Any, Callable
 
 from kvcore.errors import ConfigError
+from kvcore.files import nonregular_kind as _kind
 
 log = logging.getLogger(__name__)
 _record: dict[str, dict[str, Any]] = {}
@@ -116,15 +116,6 @@ def kind_of(path: Path) -> str | None:
     except OSError:
         return None
     return _kind(mode)
-
-
-def _kind(mode: int) -> str | None:
-    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket")):
-        if test(mode):
-            return name
-    return None if stat.S_ISREG(mode) else "not a regular file"
 
 
 def read_bytes(key: str, path: Path) -> bytes:
