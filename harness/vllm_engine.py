@@ -220,8 +220,11 @@ class VllmWorker:
 
 @contextmanager
 def started(knobs: VllmKnobs, model_dir: str, dtype: str, max_model_len: int, seed: int,
-            log_path: Path) -> Iterator[tuple[VllmWorker, dict[str, Any]]]:
-    """A started worker and its facts (versions, KV format, block size, start-up seconds)."""
+            log_path: Path, pool: dict[str, Any] | None = None
+            ) -> Iterator[tuple[VllmWorker, dict[str, Any]]]:
+    """A started worker and its facts (versions, KV format, block size, start-up seconds).
+    `pool`: extra start fields of the worker for a benchmark that fixes the KV pool exactly
+    (`num_gpu_blocks`, `block_size`, `log_stats`; scripts/vllm_worker.py), not run knobs."""
     worker = VllmWorker(knobs.python, log_path)
     try:
         facts = worker.call({"op": "start", "model": model_dir, "dtype": dtype,
@@ -231,7 +234,7 @@ def started(knobs: VllmKnobs, model_dir: str, dtype: str, max_model_len: int, se
                              "omp_threads_bind": knobs.omp_threads_bind,
                              "prefix_caching": knobs.prefix_caching,
                              "reserved_cpus": (None if knobs.reserved_cpus < 0
-                                               else knobs.reserved_cpus)},
+                                               else knobs.reserved_cpus), **(pool or {})},
                             timeout_s=knobs.start_timeout_s)
         facts = {k: v for k, v in facts.items() if k != "ok"}
         yield worker, facts

@@ -10,6 +10,9 @@ Requests (one line each; every answer is one line, {"ok": true, ...} or {"ok": f
 "error": "<one line>"}):
   {"op": "start", "model": DIR, "dtype": "float32", "kv_cache_dtype": "auto", "max_model_len": N,
    "kv_space_gib": G, "seed": 0, "max_num_seqs": S}          -> versions, start-up seconds
+      optional: "num_gpu_blocks": K (the KV pool fixed at exactly K blocks, one of them vLLM's
+      null block), "block_size": T (tokens per block), "log_stats": true (vLLM's stat loggers:
+      "Running: n reqs" in its log every 5 s, and each generate answers its preemptions)
   {"op": "generate", "requests": [{"prompt_ids": [...], "max_new_tokens": n,
    "stop_token_ids": [...], "ignore_eos": false}, ...]}
       -> per request: generated ids, prompt tokens, and the time (s since the call) at which
@@ -73,13 +76,17 @@ class Worker:
                        # skips their prefill (off for timings that must redo the same work)
                        enable_prefix_caching=bool(msg.get("prefix_caching", True)),
                        # the harness tokenizes; vLLM gets ids and returns ids
-                       skip_tokenizer_init=False, disable_log_stats=True)
+                       skip_tokenizer_init=False,
+                       disable_log_stats=not bool(msg.get("log_stats", False)),
+                       **_pool_args(msg))
         cache = self.llm.llm_engine.vllm_config.cache_config
         sched = self.llm.llm_engine.vllm_config.scheduler_config
         self.facts = {"vllm": vllm.__version__, "torch": torch.__version__,
                       "transformers": _version("transformers"), "python": sys.version.split()[0],
                       "kv_cache_dtype": str(cache.cache_dtype), "block_size": cache.block_size,
                       "num_gpu_blocks": getattr(cache, "num_gpu_blocks", None),
+                      "num_gpu_blocks_override": getattr(cache, "num_gpu_blocks_override", None),
+                      "log_stats": bool(msg.get("log_stats", False)),
                       "prefix_caching": bool(cache.enable_prefix_caching),
                       "max_num_seqs": sched.max_num_seqs,
                       "max_num_batched_tokens": sched.max_num_batched_tokens,
@@ -101,6 +108,7 @@ class Worker:
         from vllm.sampling_params import RequestOutputKind
 
         engine = self._engine()
+        preempted_before = self._preemptions()
         t0 = time.perf_counter()
         index: dict[str, int] = {}
         outs = [{"token_ids": [], "token_s": [], "prompt_tokens": len(r["prompt_ids"])}
@@ -122,7 +130,18 @@ class Worker:
                 rec["token_s"] += [round(now, 6)] * len(new)
                 if out.finished:
                     rec["finish_reason"] = out.outputs[0].finish_reason if out.outputs else None
-        return {"outputs": outs, "wall_s": round(time.perf_counter() - t0, 6)}
+        wall_s = round(time.perf_counter() - t0, 6)
+        answer = {"outputs": outs, "wall_s": wall_s}
+        if preempted_before is not None:
+            answer["preemptions"] = self._preemptions() - preempted_before
+        return answer
+
+    def _preemptions(self) -> int | None:
+        """vLLM's cumulative preemption counter (its Prometheus metrics; None without stats)."""
+        if not self.facts.get("log_stats"):
+            return None
+        return int(sum(m.value for m in self.llm.get_metrics()
+                       if m.name == "vllm:num_preemptions"))
 
     def prompt_logprobs(self, msg: dict) -> dict:
         from vllm import SamplingParams, TokensPrompt
@@ -143,6 +162,18 @@ class Worker:
         for pos, entry in enumerate(final.prompt_logprobs[1:], start=1):
             logprobs.append(float(entry[ids[pos]].logprob))
         return {"logprobs": logprobs, "wall_s": round(time.perf_counter() - t0, 6)}
+
+
+def _pool_args(msg: dict) -> dict:
+    """The KV pool's shape when the caller fixes it: a whole-GiB VLLM_CPU_KVCACHE_SPACE cannot
+    hold an exact number of requests, an exact block count can (vLLM's num_gpu_blocks_override,
+    applied by its generic KV planner on the CPU path too, v1/core/kv_cache_utils.py)."""
+    args = {}
+    if msg.get("num_gpu_blocks") is not None:
+        args["num_gpu_blocks_override"] = int(msg["num_gpu_blocks"])
+    if msg.get("block_size") is not None:
+        args["block_size"] = int(msg["block_size"])
+    return args
 
 
 def _version(package: str) -> str | None:
