@@ -69,6 +69,13 @@ METHODS = {
     "infinigen": ("infinigen", {}, "none"),
     "full_offload": ("full_offload", {}, "none"),
     "h2o_offload": ("h2o", {"budget_ratio": 0.2}, "cpu"),
+    # the rest of the compressing family, for the vLLM projection (benchmarks/vllm_projection.py)
+    "snapkv": ("snapkv", {"budget_ratio": 0.2}, "none"),
+    "pyramidkv": ("pyramidkv", {"budget_ratio": 0.2}, "none"),
+    "tova": ("tova", {"budget_ratio": 0.2}, "none"),
+    "quest": ("quest", {"budget_ratio": 0.2}, "none"),
+    "kvquant": ("kvquant", {}, "none"),
+    "turboquant": ("turboquant", {}, "none"),
 }
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GIB = 2**30
