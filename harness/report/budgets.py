@@ -118,7 +118,7 @@ def attach(board: list[dict], rows: list[dict], floors: list[dict],
     from harness.report.leaderboard import sections
 
     by_run = {r["run"]: r for r in rows}
-    floor_of = {(f["model"], f["protocol"], f["column"]): f for f in floors}
+    floor_of = compare.widest_floors(floors)
     answers = []
     for (model, protocol), entries in sections(board).items():
         full = next((e for e in entries if e["method"] == REFERENCE and e["batch"] == 1), None)

@@ -7,9 +7,12 @@ against the full cache, the noise floor, and the flags read from them.
   column, on identical samples only (paired by content id; a run on other samples is listed as
   not paired, with what differs). "worse than full" / "better than full" are decided after a
   Benjamini-Hochberg correction over every comparison of the report (FDR 5 %).
-* Noise floor: the full cache run again with the other attention path (runner.attn_impl=eager
-  beside sdpa) on the same samples; its paired difference is the harness's own noise, and a
-  method whose difference lies within it is a tie. Those floor runs are left out of the board.
+* Noise floors: the full cache run again by another execution path on the same samples, its
+  paired difference with our full cache (sdpa) is noise no method can be credited with: our
+  engine with the other attention path (runner.attn_impl=eager), and another engine's full
+  cache (harness.vllm_engine: a run with an `engine` section whose KV nothing compresses,
+  kv.method_active absent, as our full cache's). A method whose difference lies within the
+  widest floor of its section and column is a tie. Floor runs are left out of the board.
 * Rank intervals: ranks in each bootstrap resample (joint for runs on the reference's samples),
   their 95 % percentile range.
 * Flags: a column where the full cache's interval reaches within 10 points (10 % of the scale) of
@@ -76,19 +79,41 @@ def attach(rows: list[dict]) -> None:
         if ATTN_FLOOR in attn and len(attn) > 1:
             for r in group:
                 r["_floor"] = _attn(r) == ATTN_FLOOR
+        for r in _engine_references(rows, group):
+            r["_floor"] = True
+
+
+def _engine(r: dict) -> str | None:
+    """The other engine that ran this run (its metrics' `engine.name`), None for ours."""
+    return (r["_metrics"].get("engine") or {}).get("name")
+
+
+def _engine_references(rows: list[dict], group: list[dict]) -> list[dict]:
+    """Other engines' full-cache runs of the same cell as our full-cache `group`: an engine
+    run that compresses nothing (kv.method_active absent, as our full cache's), on the same
+    model, task, options and batch; the protocol may differ (the full cache ignores it)."""
+    cell = _cell_key(group[0])[:1] + _cell_key(group[0])[2:]
+    return [r for r in rows if _engine(r) and r["value"] is not None
+            and r["_metrics"].get("kv", {}).get("method_active") is None
+            and _cell_key(r)[:1] + _cell_key(r)[2:] == cell]
 
 
 def _attn(r: dict) -> str:
     return r["_metrics"].get("protocol", {}).get("attn_impl", "sdpa")
 
 
+def _cell_key(r: dict) -> tuple:
+    """(model, protocol, task, metric, batch, task options): runs of one cell."""
+    return (r["model"], r["protocol"], r["task"], r["metric"], r["batch"],
+            json.dumps(r["_metrics"]["task"].get("options"), sort_keys=True, default=str))
+
+
 def _full_runs(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """Our engine's full-cache runs, by cell."""
     out: dict[tuple, list[dict]] = {}
     for r in rows:
-        if r["method"] == REFERENCE and r["value"] is not None:
-            out.setdefault((r["model"], r["protocol"], r["task"], r["metric"], r["batch"],
-                            json.dumps(r["_metrics"]["task"].get("options"), sort_keys=True,
-                                       default=str)), []).append(r)
+        if r["method"] == REFERENCE and r["value"] is not None and not _engine(r):
+            out.setdefault(_cell_key(r), []).append(r)
     return out
 
 
@@ -113,7 +138,8 @@ def comparisons(board: list[dict], rows: list[dict], resamples: int = stats.RESA
     from harness.report.leaderboard import sections
 
     by_run = {r["run"]: r for r in rows}
-    floors = _floors(rows, resamples)
+    every_floor = _floors(rows, resamples)
+    floors = widest_floors(every_floor)
     out = []
     by_section = sections(board)
     for (model, protocol), entries in by_section.items():
@@ -142,7 +168,7 @@ def comparisons(board: list[dict], rows: list[dict], resamples: int = stats.RESA
         c["verdict"] = _verdict(c, hit)
     for c in out:
         c.setdefault("verdict", "not paired")
-    return out, list(floors.values())
+    return out, every_floor
 
 
 def _reference(entries: list[dict]) -> dict | None:
@@ -165,25 +191,39 @@ def _verdict(c: dict, significant: bool) -> str:
     return "worse than full" if worse else "better than full"
 
 
-def _floors(rows: list[dict], resamples: int) -> dict[tuple, dict]:
-    """(model, protocol, column) -> the full cache eager vs sdpa paired difference."""
+def _floors(rows: list[dict], resamples: int) -> list[dict]:
+    """Every noise floor: per our full-cache cell, eager vs sdpa and each other engine's full
+    cache vs ours, paired on the same samples."""
     from harness.report.leaderboard import task_columns
 
     columns = task_columns(rows)
-    out = {}
+    out = []
     for group in _full_runs(rows).values():
-        floor_runs = [r for r in group if r["_floor"]]
         main = [r for r in group if not r["_floor"]]
-        if not floor_runs or not main:
+        if not main:
             continue
-        sdpa, eager = _latest(main), _latest(floor_runs)
-        c = _compare(sdpa, eager, resamples)
-        key = (sdpa["model"], sdpa["protocol"], columns[id(sdpa)])
-        if c["paired"]:
-            low, high = c["difference_ci95"]
-            c["magnitude"] = max(abs(low), abs(high), abs(c["difference"]))
-        out[key] = {"model": key[0], "protocol": key[1], "column": key[2],
-                    "runs": (sdpa["run"], eager["run"]), **c}
+        ours = _latest(main)
+        others = [("attention path: eager vs sdpa", _latest(eager))
+                  for eager in [[r for r in group if r["_floor"]]] if eager]
+        others += [(f"engine: {_engine(r)} vs ours", r) for r in _engine_references(rows, group)]
+        for kind, other in others:
+            c = _compare(ours, other, resamples)
+            if c["paired"]:
+                low, high = c["difference_ci95"]
+                c["magnitude"] = max(abs(low), abs(high), abs(c["difference"]))
+            out.append({"model": ours["model"], "protocol": ours["protocol"],
+                        "column": columns[id(ours)], "kind": kind,
+                        "runs": (ours["run"], other["run"]), **c})
+    return out
+
+
+def widest_floors(floors: list[dict]) -> dict[tuple, dict]:
+    """(model, protocol, column) -> its widest paired floor: a difference within it is a tie."""
+    out: dict[tuple, dict] = {}
+    for f in floors:
+        key = (f["model"], f["protocol"], f["column"])
+        if f["paired"] and f["magnitude"] >= out.get(key, {}).get("magnitude", -1.0):
+            out[key] = f
     return out
 
 
@@ -279,7 +319,8 @@ def distinguishable(board: list[dict], top: int = 10) -> list[str]:
             higher = ranked[0]["higher"][column]
             ranked.sort(key=lambda e: -e["tasks"][column] if higher else e["tasks"][column])
             ranked = ranked[:top]
-            name = {id(e): f"{e['method']} {e['setting']}".strip() for e in ranked}
+            name = {id(e): " ".join(filter(None, (e["method"], e["setting"], e["variant"])))
+                    for e in ranked}  # the variant too: two vLLM KV formats are two entries
             apart = [f"{name[id(a)]} > {name[id(b)]}" for i, a in enumerate(ranked)
                      for b in ranked[i + 1:] if a["ranks"][column][1] < b["ranks"][column][0]]
             total = len(ranked) * (len(ranked) - 1) // 2
@@ -334,8 +375,9 @@ def markdown(compared: list[dict], floors: list[dict], flagged: list[str],
     out = [f"Each setting against the full cache of its section, on identical samples (paired "
            f"by content id; {resamples} paired-bootstrap resamples, seed {stats.SEED}). "
            f"Verdicts after Benjamini-Hochberg over the {sum(c['paired'] for c in compared)} "
-           f"paired comparisons of this report, FDR {FDR:.0%}; a difference within the noise "
-           "floor (full cache, eager vs sdpa attention) is a tie.", ""]
+           f"paired comparisons of this report, FDR {FDR:.0%}; a difference within the widest noise "
+           "floor of its column (the full cache run by another path: eager attention, another "
+           "engine) is a tie.", ""]
     cols = ["model", "protocol", "method", "setting", "column", "n", "difference [95 %]",
             "retained [95 %]", "test", "p", "q (BH)", "discordance", "verdict"]
     out += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -350,12 +392,12 @@ def markdown(compared: list[dict], floors: list[dict], flagged: list[str],
             cells = [c["model"], c["protocol"], c["method"], c["setting"], c["column"]] + [""] * 7 \
                 + [f"not paired: {c['why']}"]
         out.append("| " + " | ".join(str(x).replace("|", "\\|") for x in cells) + " |")
-    out += ["", "Noise floor (full cache, eager vs sdpa attention, same samples):", ""]
+    out += ["", "Noise floors (the full cache run by another path, same samples):", ""]
     if not floors:
         out.append("- none measured (run the full cache with runner.attn_impl=eager beside "
-                   "sdpa on the same samples)")
+                   "sdpa, or through harness.vllm_engine, on the same samples)")
     for f in floors:
-        out.append(f"- {f['model']} · {f['protocol']} · {f['column']}: "
+        out.append(f"- {f['model']} · {f['protocol']} · {f['column']} · {f['kind']}: "
                    + (f"difference {_f(f['difference'])} {_ci(f['difference_ci95'])}, "
                       f"floor ±{_f(f['magnitude'])}, discordance {_f(f['discordance'])} "
                       f"(n={f['n']} {f['n_unit']})" if f["paired"]

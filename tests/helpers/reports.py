@@ -41,3 +41,4 @@ def ruler_run(root, method, scores, budget=None, started="2026-11-29T10:00:00"):
     rows = [{"sample_id": f"{i:016x}", "subtask": "niah_single", "length_tokens": 512,
              "score": float(s)} for i, s in enumerate(scores)]
     (folder / "samples.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    return folder
