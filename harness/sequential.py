@@ -1,0 +1,338 @@
+"""Anytime-valid intervals for sequential rounds: a paired mean difference watched after every
+round, stopped when its question is answered, its interval still valid at the stopping time.
+
+The interval is the hedged-capital confidence sequence (CS) of Waudby-Smith & Ramdas,
+"Estimating means of bounded random variables by betting" (JRSS-B 2024, arXiv 2010.09686),
+on the per-sample paired difference D = score(setting) - score(reference) of scores bounded in
+[0, R] (RULER and LongBench: x100, R = 100), mapped to Y = (D + R) / 2R in [0, 1]. For every
+candidate mean m two bettors stake on "above m" and "below m" with a predictable plug-in
+fraction (from the samples before, never the current one), truncated so no bet can lose
+everything; their averaged wealth is a nonnegative martingale when m is the true mean, so by
+Ville's inequality it ever reaches 1/alpha with probability at most alpha. The CS is every m
+whose wealth has not (running intersection: a value once rejected stays rejected), computed on
+a grid of m and widened by one grid step each side so the grid never cuts the truth off.
+
+Why this one: it needs nothing but the bound (no variance assumption, valid for pass/fail and
+graded scores alike), it adapts to the variance of the differences (pairs that agree on most
+samples, the common case here, give low-variance differences and narrow sets), and among the
+published CSs for bounded means it is the tightest in the authors' comparisons (against
+empirical-Bernstein stitching and the predictable-mixture bounds); an alpha-spending rule would
+fix the looks in advance, while a CS allows any number of rounds, of any size, and stopping for
+any reason. The price against a fixed-n interval is a wider interval at the same n (about
+1.3-2x here): that is what keeps repeated looks honest.
+
+Target: the CS covers the mean of the differences' conditional means over the samples seen
+(the samples come in the task's order: RULER's round-robin over its cells, so at a multiple of
+the number of cells this is the equal-weight mean over the cells).
+
+Questions and their error: every setting is compared with the reference (decided "worse" or
+"better" when its CS excludes 0, "indistinguishable" when it lies inside +-margin), and with
+`top_k`, every pair of settings of one budget level (ordered when its paired CS excludes 0) and
+every setting's membership of its level's top k (in: fewer than k others are not shown below it;
+out: k others are shown above it). alpha is split evenly over every CS that may be looked at
+(Bonferroni over the settings and the pairs, fixed before the first round so an interval never
+depends on when others stop): the chance that any reported CS, at any round, misses its mean
+is at most alpha. A setting is sampled while any question it is part of is undecided (its own,
+or another's membership resting on an unordered pair with it); once it stops, its data and so
+its interval are fixed for good.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Grid of candidate means on [0, 1] (for Y); 2000 steps: 0.1 points on a x100 difference.
+GRID_STEPS = 2000
+# Bets are at most this fraction of the wealth over the gap to the bound (the paper's c).
+BET_CAP = 0.5
+# Wealth is split evenly between the bettor on "above m" and the one on "below m" (theta).
+HEDGE = 0.5
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A difference's CS at `n` samples, in the scores' units (low <= mean <= high)."""
+
+    low: float
+    high: float
+    mean: float
+    n: int
+
+    def excludes_zero(self) -> bool:
+        return self.low > 0 or self.high < 0
+
+    def within(self, margin: float) -> bool:
+        return margin > 0 and -margin < self.low and self.high < margin
+
+    def as_dict(self) -> dict:
+        return {"low": self.low, "high": self.high, "mean": self.mean, "n": self.n}
+
+
+def _grid(steps: int) -> np.ndarray:
+    return np.linspace(0.0, 1.0, steps + 1)[1:-1]  # (G,): interior points, bets need 0 < m < 1
+
+
+def _plug_in_bets(y: np.ndarray, alpha: float) -> np.ndarray:
+    """(n,) predictable bet sizes lambda_t: sqrt(2 log(2/alpha) / (sigma2_{t-1} t log(1+t)))
+    with the running mean and variance estimates seeded at 1/2 and 1/4 (the paper's eq. 26)."""
+    n = y.size
+    t = np.arange(1, n + 1, dtype=float)
+    mu = (0.5 + np.cumsum(y)) / (t + 1)  # mu_hat_t, uses y_1..y_t
+    var = (0.25 + np.cumsum((y - mu) ** 2)) / (t + 1)  # sigma2_hat_t
+    var_before = np.concatenate([[0.25], var[:-1]])  # sigma2_hat_{t-1}: predictable
+    return np.sqrt(2 * math.log(2 / alpha) / (var_before * t * np.log1p(t)))
+
+
+def rejected_at(y, alpha: float, steps: int = GRID_STEPS) -> tuple[np.ndarray, np.ndarray]:
+    """For Y in [0, 1] (n,), the grid (G,) and, per candidate mean, the first t (1-based) at which
+    its hedged wealth reached 1/alpha (n + 1: never within the n samples)."""
+    y = np.asarray(y, dtype=float)
+    m = _grid(steps)
+    n = y.size
+    first = np.full(m.size, n + 1)
+    if n == 0:
+        return m, first
+    lam = _plug_in_bets(y, alpha)[:, None]  # (n, 1)
+    up = np.minimum(lam, BET_CAP / m[None, :])  # (n, G): never bet more than wealth allows
+    down = np.minimum(lam, BET_CAP / (1 - m[None, :]))
+    gap = y[:, None] - m[None, :]
+    log_up = np.cumsum(np.log1p(up * gap), axis=0)
+    log_down = np.cumsum(np.log1p(-down * gap), axis=0)
+    wealth = np.logaddexp(math.log(HEDGE) + log_up, math.log(1 - HEDGE) + log_down)
+    hit = wealth >= math.log(1 / alpha)  # (n, G)
+    any_hit = hit.any(axis=0)
+    first[any_hit] = hit[:, any_hit].argmax(axis=0) + 1
+    return m, first
+
+
+def _hull(m: np.ndarray, alive: np.ndarray, y_mean: float) -> tuple[float, float]:
+    """The CS's hull in Y, one grid step wider each side (the truth may lie between points)."""
+    kept = np.flatnonzero(alive)
+    if kept.size == 0:  # every grid point rejected: the truth lies between two (a zero-width CS)
+        nearest = int(np.argmin(np.abs(m - y_mean)))
+        kept = np.array([nearest])
+    lo = m[kept[0] - 1] if kept[0] > 0 else 0.0
+    hi = m[kept[-1] + 1] if kept[-1] + 1 < m.size else 1.0
+    return float(lo), float(hi)
+
+
+def sequence(differences, bound: float, alpha: float, looks=None,
+             steps: int = GRID_STEPS) -> list[Interval]:
+    """The CS of the mean paired difference after each look.
+
+    Args:
+        differences: (n,) per-sample differences, each in [-bound, bound].
+        bound: R, the scores' range (scores in [0, R]).
+        alpha: this CS's error (already split over the questions).
+        looks: the sample counts to report at (default: every n from 1).
+        steps: grid resolution on [0, 1].
+
+    Returns:
+        One Interval per look, in the differences' units.
+    """
+    d = np.asarray(differences, dtype=float)
+    check_differences(d, bound)
+    looks = list(range(1, d.size + 1)) if looks is None else list(looks)
+    if any(k < 0 or k > d.size for k in looks):
+        raise ValueError(f"looks must lie in [0, {d.size}]")
+    y = (d + bound) / (2 * bound)
+    m, first = rejected_at(y, alpha, steps)
+    out = []
+    for k in looks:
+        if k == 0:
+            out.append(Interval(-bound, bound, 0.0, 0))
+            continue
+        lo, hi = _hull(m, first > k, float(y[:k].mean()))
+        out.append(Interval(lo * 2 * bound - bound, hi * 2 * bound - bound,
+                            float(d[:k].mean()), k))
+    return out
+
+
+def check_differences(d: np.ndarray, bound: float) -> None:
+    if not (math.isfinite(bound) and bound > 0):
+        raise ValueError(f"bound={bound!r} must be a positive finite number")
+    if d.ndim != 1 or not np.all(np.isfinite(d)) or np.any(np.abs(d) > bound * (1 + 1e-9)):
+        raise ValueError(f"differences must be finite and within [-{bound:g}, {bound:g}]")
+
+
+# --- questions and decisions ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Design:
+    """The rounds' statistical knobs: `alpha` over every question, the equivalence `margin`
+    (scores' units; 0: never "indistinguishable"), `top_k` per budget level (None: the question
+    is not asked) and the scores' bound R."""
+
+    alpha: float = 0.05
+    margin: float = 0.0
+    top_k: int | None = None
+    bound: float = 100.0
+
+    def __post_init__(self) -> None:
+        if not (0 < self.alpha < 1):
+            raise ValueError(f"alpha={self.alpha!r} must lie in (0, 1)")
+        if not (math.isfinite(self.margin) and self.margin >= 0):
+            raise ValueError(f"margin={self.margin!r} must be a finite number >= 0")
+        if self.top_k is not None and (isinstance(self.top_k, bool) or self.top_k < 1):
+            raise ValueError(f"top_k={self.top_k!r} must be a positive integer or None")
+
+
+def pairs(levels: dict[str, str]) -> list[tuple[str, str]]:
+    """Every unordered pair of settings sharing a budget level (sorted, stable)."""
+    names = sorted(levels)
+    return [(a, b) for i, a in enumerate(names) for b in names[i + 1:] if levels[a] == levels[b]]
+
+
+def per_question_alpha(design: Design, levels: dict[str, str]) -> float:
+    """Bonferroni: alpha over every CS that may be looked at, fixed before the first round."""
+    questions = len(levels) + (len(pairs(levels)) if design.top_k is not None else 0)
+    return design.alpha / max(1, questions)
+
+
+@dataclass
+class State:
+    """Where every question stands after a round (what the rounds ledger records)."""
+
+    versus_reference: dict[str, Interval] = field(default_factory=dict)
+    verdict: dict[str, str] = field(default_factory=dict)  # worse|better|indistinguishable|undecided
+    pair_interval: dict[tuple[str, str], Interval] = field(default_factory=dict)
+    membership: dict[str, str] = field(default_factory=dict)  # in|out|undecided (top_k only)
+    active: set[str] = field(default_factory=set)
+
+
+def verdict_of(interval: Interval, margin: float) -> str:
+    if interval.excludes_zero():
+        return "better" if interval.low > 0 else "worse"
+    if interval.within(margin):
+        return "indistinguishable"
+    return "undecided"
+
+
+def _membership(name: str, levels: dict[str, str], above: set[tuple[str, str]], k: int) -> str:
+    """`above` holds (a, b) for every pair whose CS shows a above b."""
+    rivals = [o for o in levels if o != name and levels[o] == levels[name]]
+    if sum((o, name) in above for o in rivals) >= k:
+        return "out"
+    if sum((name, o) not in above for o in rivals) <= k - 1:
+        return "in"
+    return "undecided"
+
+
+def decide(scores: dict[str, list[float]], reference: list[float], levels: dict[str, str],
+           design: Design, higher_is_better: bool = True, steps: int = GRID_STEPS) -> State:
+    """Every question after a round, from the scores so far.
+
+    Args:
+        scores: per setting, its per-sample scores on the first n_s samples of the common order.
+        reference: the reference's scores on the first max(n_s) samples (at least).
+        levels: per setting, its budget level (pairs and top k are taken inside a level).
+        design: the knobs; the per-CS alpha is split over all settings and pairs of `levels`.
+        higher_is_better: the direction that "above" (top k) follows.
+
+    Returns:
+        The State: each setting's CS against the reference and its verdict, every pair's CS, each
+        membership, and the settings to sample next round.
+    """
+    alpha = per_question_alpha(design, levels)
+    state = State()
+    for name in sorted(scores):
+        n = len(scores[name])
+        if len(reference) < n:
+            raise ValueError(f"reference has {len(reference)} scores, {name} has {n}")
+        d = np.asarray(scores[name], dtype=float) - np.asarray(reference[:n], dtype=float)
+        interval = sequence(d, design.bound, alpha, [n], steps)[0]
+        state.versus_reference[name] = interval
+        state.verdict[name] = verdict_of(interval, design.margin)
+    unordered: dict[str, set[str]] = {name: set() for name in scores}
+    if design.top_k is not None:
+        above: set[tuple[str, str]] = set()
+        for a, b in pairs(levels):
+            n = min(len(scores[a]), len(scores[b]))
+            d = np.asarray(scores[a][:n], dtype=float) - np.asarray(scores[b][:n], dtype=float)
+            interval = sequence(d, design.bound, alpha, [n], steps)[0]
+            state.pair_interval[(a, b)] = interval
+            if interval.excludes_zero():
+                a_higher = interval.low > 0  # the difference a - b is positive
+                above.add((a, b) if a_higher == higher_is_better else (b, a))
+            else:
+                unordered[a].add(b)
+                unordered[b].add(a)
+        for name in scores:
+            state.membership[name] = _membership(name, levels, above, design.top_k)
+    for name in scores:
+        own = state.verdict[name] != "undecided" and state.membership.get(name) != "undecided"
+        needed = any(state.membership.get(o) == "undecided" for o in unordered[name])
+        if not own or needed:
+            state.active.add(name)
+    return state
+
+
+class Rounds:
+    """The rounds' bookkeeping: scores appended round by round for the sampled settings only,
+    every question decided again after each round, and each setting's report fixed when it stops.
+
+    A stopped setting is never given samples again (`add` refuses them), so its CS, computed
+    from its own first n samples and the reference's, is the one at its stopping time for good.
+    """
+
+    def __init__(self, levels: dict[str, str], design: Design, higher_is_better: bool = True,
+                 steps: int = GRID_STEPS):
+        if not levels:
+            raise ValueError("no settings to sample")
+        self.levels, self.design = dict(levels), design
+        self.higher_is_better, self.steps = higher_is_better, steps
+        self.scores: dict[str, list[float]] = {name: [] for name in levels}
+        self.reference: list[float] = []
+        self.active: set[str] = set(levels)
+        self.reported: dict[str, dict] = {}
+        self.history: list[dict] = []
+        self.state: State | None = None
+
+    def add(self, scores: dict[str, list[float]], reference: list[float]) -> State:
+        """One round: the next block's scores of exactly the active settings and the reference
+        (all on the same samples, in the same order). Returns the State after it."""
+        if set(scores) != self.active:
+            extra, missing = sorted(set(scores) - self.active), sorted(self.active - set(scores))
+            raise ValueError(f"a round samples the active settings only: extra {extra}, "
+                             f"missing {missing}")
+        if len(reference) == 0 or any(len(v) != len(reference) for v in scores.values()):
+            raise ValueError("every setting of a round scores the reference's samples")
+        for name, values in scores.items():
+            self.scores[name].extend(float(x) for x in values)
+        self.reference.extend(float(x) for x in reference)
+        ran = sorted(self.active)
+        self.state = decide(self.scores, self.reference, self.levels, self.design,
+                            self.higher_is_better, self.steps)
+        for name in ran:
+            if name not in self.state.active:
+                self.reported[name] = self.report(name, len(self.history) + 1)
+        self.active = set(self.state.active)
+        self.history.append(self.summary(ran))
+        return self.state
+
+    def report(self, name: str, round_: int) -> dict:
+        """The setting's figures as they stand (fixed once it stops)."""
+        state = self.state
+        return {"round": round_, "n": len(self.scores[name]),
+                "versus_reference": state.versus_reference[name].as_dict(),
+                "verdict": state.verdict[name],
+                **({"membership": state.membership[name]} if state.membership else {})}
+
+    def summary(self, ran: list[str]) -> dict:
+        """What the ledger keeps of a round: who ran, n per setting, every CS and decision."""
+        state = self.state
+        return {"round": len(self.history) + 1, "ran": ran,
+                "n": {name: len(v) for name, v in self.scores.items()},
+                "reference_n": len(self.reference),
+                "versus_reference": {k: v.as_dict() for k, v in state.versus_reference.items()},
+                "verdict": dict(state.verdict),
+                "membership": dict(state.membership),
+                "pairs": [{"a": a, "b": b, **v.as_dict(), "ordered": v.excludes_zero()}
+                          for (a, b), v in state.pair_interval.items()],
+                "active_next": sorted(state.active)}
+
+    def done(self) -> bool:
+        return not self.active
