@@ -10,6 +10,8 @@ Requests (one line each; every answer is one line, {"ok": true, ...} or {"ok": f
 "error": "<one line>"}):
   {"op": "start", "model": DIR, "dtype": "float32", "kv_cache_dtype": "auto", "max_model_len": N,
    "kv_space_gib": G, "seed": 0, "max_num_seqs": S}          -> versions, start-up seconds
+     (+ "method": "quest", "method_knobs": {...}: Quest inside vLLM's attention by the project's
+      plugin, scripts/kvh_vllm_plugin, asked for through the environment)
       optional: "num_gpu_blocks": K (the KV pool fixed at exactly K blocks, one of them vLLM's
       null block), "block_size": T (tokens per block), "log_stats": true (vLLM's stat loggers:
       "Running: n reqs" in its log every 5 s, and each generate answers its preemptions)
@@ -63,6 +65,7 @@ class Worker:
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = str(msg.get("omp_threads_bind", "auto"))
         if msg.get("reserved_cpus") is not None:
             os.environ["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(int(msg["reserved_cpus"]))
+        method = _plugin_method(msg)  # before vLLM starts: its engine core inherits the env
         t0 = time.perf_counter()
         import torch
         import vllm
@@ -95,7 +98,7 @@ class Worker:
                       "omp_threads_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"],
                       "reserved_cpus": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU"),
                       "torch_threads": torch.get_num_threads(),
-                      "start_s": round(time.perf_counter() - t0, 3)}
+                      "start_s": round(time.perf_counter() - t0, 3), **method}
         return self.facts
 
     def _engine(self):
@@ -132,16 +135,18 @@ class Worker:
                     rec["finish_reason"] = out.outputs[0].finish_reason if out.outputs else None
         wall_s = round(time.perf_counter() - t0, 6)
         answer = {"outputs": outs, "wall_s": wall_s}
-        if preempted_before is not None:
-            answer["preemptions"] = self._preemptions() - preempted_before
+        preempted_after = self._preemptions()
+        if preempted_before is not None and preempted_after is not None:
+            answer["preemptions"] = preempted_after - preempted_before
         return answer
 
     def _preemptions(self) -> int | None:
-        """vLLM's cumulative preemption counter (its Prometheus metrics; None without stats)."""
+        """vLLM's cumulative preemption counter (its Prometheus metrics); None without stats or
+        without the counter (never a 0 that was not counted)."""
         if not self.facts.get("log_stats"):
             return None
-        return int(sum(m.value for m in self.llm.get_metrics()
-                       if m.name == "vllm:num_preemptions"))
+        values = [m.value for m in self.llm.get_metrics() if m.name == "vllm:num_preemptions"]
+        return int(sum(values)) if values else None
 
     def prompt_logprobs(self, msg: dict) -> dict:
         from vllm import SamplingParams, TokensPrompt
@@ -162,6 +167,58 @@ class Worker:
         for pos, entry in enumerate(final.prompt_logprobs[1:], start=1):
             logprobs.append(float(entry[ids[pos]].logprob))
         return {"logprobs": logprobs, "wall_s": round(time.perf_counter() - t0, 6)}
+
+
+PLUGIN_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "kvh_vllm_plugin",
+                          "kvh_vllm")
+PLUGIN_METHODS = ("quest",)  # run inside vLLM's attention by the project's plugin
+
+
+def _plugin_method(msg: dict) -> dict:
+    """Ask the project's vLLM plugin (scripts/kvh_vllm_plugin) for a method through the
+    environment, or make sure it stays idle (method full); the facts to record."""
+    method = msg.get("method") or "full"
+    if method == "full":
+        os.environ.pop("KVH_VLLM_METHOD", None)  # an inherited setting never reaches a full run
+        os.environ.pop("KVH_VLLM_QUEST", None)
+        return {}
+    if method not in PLUGIN_METHODS:
+        raise ValueError(f"method={method!r}; allowed: full, {', '.join(PLUGIN_METHODS)}")
+    if msg.get("prefix_caching", True):
+        raise ValueError(f"method={method} needs prefix_caching false (the plugin tells requests "
+                         "apart by their first block, which a prefix cache shares)")
+    installed = _installed_plugin()
+    os.environ["KVH_VLLM_METHOD"] = method
+    os.environ["KVH_VLLM_QUEST"] = json.dumps(msg.get("method_knobs") or {})
+    return {"method": method, "method_knobs": msg.get("method_knobs") or {},
+            "attention_backend": "kvh_vllm.quest_backend.QuestCPUBackend (vLLM general plugin "
+                                 "kvh_quest over CPU_ATTN)", "plugin_dir": installed}
+
+
+def _installed_plugin() -> str:
+    """The installed plugin's folder, refused unless its files are this tree's (a stale plugin
+    would run another Quest): `make vllm-setup` reinstalls it when they change."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("kvh_vllm")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("the project's vLLM plugin (kvh_vllm) is not installed in this venv: "
+                         "run make vllm-setup")
+    where = list(spec.submodule_search_locations)[0]
+    for name in sorted(os.listdir(PLUGIN_DIR)):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(PLUGIN_DIR, name), "rb") as ours:
+            want = ours.read()
+        try:
+            with open(os.path.join(where, name), "rb") as theirs:
+                same = theirs.read() == want
+        except OSError:
+            same = False
+        if not same:
+            raise ValueError(f"the installed vLLM plugin ({where}) differs from "
+                             f"scripts/kvh_vllm_plugin/kvh_vllm/{name}: run make vllm-setup")
+    return where
 
 
 def _pool_args(msg: dict) -> dict:
