@@ -91,3 +91,18 @@ def test_a_run_folder_pairs_with_ours(tmp_path):
     paired = compare("ruler", rows[0], rows[1], 200)
     assert paired["n"] == 2
     assert (Path(theirs) / "vllm.log").stat().st_size > 0
+
+
+def test_a_conversation_gets_our_answers(worker, smollm2):
+    """Multi-turn through vLLM (each turn one request of the whole history, prefix cache on)
+    answers every turn as our engine's full cache does, feeding the same positions."""
+    from tasks import build_task
+
+    w, _ = worker
+    engine = ours(smollm2)
+    vllm = VllmEngine(w, smollm2[1], engine.info, engine.method, "")
+    task = build_task("multiturn", context_tokens=600, turns=3, samples=2, max_new_tokens=16)
+    mine, theirs = task.evaluate(engine).samples, task.evaluate(vllm).samples
+    assert [s["positions_fed"] for s in theirs] == [s["positions_fed"] for s in mine]
+    assert [[t["prediction"] for t in s["turns"]] for s in theirs] == \
+        [[t["prediction"] for t in s["turns"]] for s in mine]
