@@ -43,7 +43,7 @@ _NOT_IDENTITY = {"runner": ("output_dir", "results_root", "debug", "skip_existin
 # (runner.skip_existing) still finds those runs. Any other value is part of the identity.
 _NEUTRAL = {"runner": {"kv_device_limit_mib": None, "kv_admission": "request",
                        "decode_interval_tokens": None},
-            "task": {"query": "aware", "prefill_tokens": None}}
+            "task": {"query": "aware", "prefill_tokens": None, "skip_samples": 0}}
 
 
 def config_hash(cfg: DictConfig) -> str:

@@ -275,9 +275,14 @@ class Ruler(Task):
     # aware: the question is part of the prompt the method compresses (RULER as published);
     # agnostic: the context is prefilled and compressed first, the question fed after it (kvpress)
     query: str = "aware"
+    # the first this many samples of the task's order left out (with limit: the window
+    # [skip_samples, skip_samples + limit)): sequential rounds take one block each
+    skip_samples: int = 0
 
     def check_options(self) -> list[str]:
         reasons = []
+        if not is_int(self.skip_samples) or self.skip_samples < 0:
+            reasons.append(f"task.skip_samples={self.skip_samples!r} must be an integer >= 0")
         if not isinstance(self.subtasks, (list, tuple)) or not self.subtasks:
             reasons.append(f"task.subtasks={self.subtasks!r} must be a non-empty list; allowed: "
                            f"{', '.join(SUBTASKS)}")
@@ -344,6 +349,11 @@ class Ruler(Task):
                      for _ in (self.depths if subtask == "niah_single" else [None])]
         count = len(per_round) * self.samples_per_cell  # cells() without building them
         tokens = sum(per_round) * self.samples_per_cell
+        if self.skip_samples >= count:
+            return [f"task.skip_samples={self.skip_samples} leaves no sample of the task's "
+                    f"{count} (task.samples_per_cell={self.samples_per_cell} x {len(per_round)} "
+                    f"cells); allowed: 0..{count - 1}, or raise task.samples_per_cell"]
+        count -= self.skip_samples
         if self.limit and count > self.limit:
             count, tokens = self.limit, self.limit * max(self.lengths)
         sizes = [size_reason(f"task.lengths={self.lengths}", max(self.lengths) *
@@ -385,6 +395,7 @@ class Ruler(Task):
                 for subtask in self.subtasks:
                     for depth in (self.depths if subtask == "niah_single" else [None]):
                         out.append((subtask, length, depth, index))
+        out = out[self.skip_samples:]
         return out[: self.limit] if self.limit else out
 
     def _builder(self, subtask: str, length: int, depth: float | None, fmt: PromptFormat):
