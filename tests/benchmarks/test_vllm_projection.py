@@ -153,3 +153,18 @@ def test_report_and_figure_from_recorded_numbers(tmp_path):
     text = stem.with_suffix(".md").read_text()
     assert "| h2o | 0.250 | 8.00 | 25.0 | 1.25 |" in text
     assert "**projected**" in text and stem.with_suffix(".png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--concurrency", "4"], "--concurrency 4: at least 2 distinct positive integers"),
+    (["--concurrency", "1", "32"], "--concurrency 32: above --requests 16"),
+    (["--c-full", "0"], "--c-full 0.0: must be a positive number"),
+    (["--methods", "full"], "--methods full: benchmarks/throughput.py measures"),
+])
+def test_bad_arguments_are_one_line_before_anything_runs(argv, says, capsys):
+    from benchmarks.vllm_projection import parse
+
+    with pytest.raises(SystemExit) as exit_:
+        parse(argv)
+    assert exit_.value.code == 2
+    assert says in capsys.readouterr().err
