@@ -15,29 +15,18 @@ harness wrote in it names a process that is gone, never because of its name.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Iterable
 
+from harness.schema import SchemaError, is_complete_run, json_safe, load
 from kvcore.errors import ConfigError, OutputError
 
 
 # What a run folder holds, all written by the runner; a folder with anything else is not ours.
 RUN_FILES = frozenset({"config.yaml", "metrics.json", "samples.jsonl", "diagnostics.json", "wandb"})
-
-
-def json_safe(value: Any) -> Any:
-    """JSON-safe: NaN/inf become None (strict JSON), tuples become lists."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {str(k): json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    return value
 
 
 def user_mode(kind: str) -> int:
@@ -101,8 +90,6 @@ def check_writable(folder: Path, key: str = "runner.output_dir") -> None:
 def inside_a_run(path: Path) -> Path | None:
     """The complete run of this harness that `path` would be inside, if any (a run folder holds
     only its own files: a folder written into it makes it unrecognisable as a run)."""
-    from harness.schema import is_complete_run
-
     for parent in Path(os.path.abspath(path)).parents:
         if (parent / "metrics.json").is_file() and is_complete_run(parent):
             return parent
@@ -141,8 +128,6 @@ def check_output_dir(path: Path, overwrite: bool) -> None:
 
 def not_ours(folder: Path) -> str:
     """Why `folder` is not a replaceable run of this harness ('' when it is one)."""
-    from harness.schema import SchemaError, load
-
     extra = sorted(p.name for p in folder.iterdir() if p.name not in RUN_FILES)
     if extra:
         return f"it holds {', '.join(extra[:3])}{' ...' if len(extra) > 3 else ''}"

@@ -16,9 +16,18 @@ import math
 from pathlib import Path
 from typing import Any
 
-from harness.results import json_safe
-
 SCHEMA_VERSION = 1
+
+def json_safe(value: Any) -> Any:
+    """JSON-safe (every writer of the harness goes through it): NaN/inf become None (strict JSON), tuples become lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
 
 NUMBER = "number"  # int or float, not bool
 OPT_NUMBER = "number or null"

@@ -27,7 +27,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from harness.results import json_safe
+from harness.schema import json_safe
 from kvcore.errors import ConfigError
 
 FOLDER = "_sweep_records"

@@ -6,12 +6,16 @@ and task loaded once, each prompt prefilled once per prefill group).
 
 from __future__ import annotations
 
+import os
+import pickle
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from omegaconf import DictConfig
 
+from harness.sweep_shards import PARENT_ENV, Shard, shard_reasons, watch_parent
 from kvcore.errors import ConfigError, UnsupportedCombination
 
 
@@ -39,7 +43,6 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True,
     from harness.run import build_metrics, output_dir, seed_everything, write_result
     from harness.session import Session, compose
     from harness.sweep import resolve_output
-    from harness.sweep_shards import shard_reasons
 
     t_start = time.time()
     outcomes: list[Outcome | None] = [None] * len(cfgs)
@@ -196,7 +199,6 @@ def setting_records(setting, shard, merge: int, count: int):
     merge, its shards' files; refused by name when a record file of this setting from a sweep
     split otherwise lies beside them."""
     from harness.sweep_records import Records, owner, record_path, strays
-    from harness.sweep_shards import Shard
 
     if setting.runner.get("diagnostics"):
         return None
@@ -211,3 +213,15 @@ def setting_records(setting, shard, merge: int, count: int):
     shards = [Shard(j, merge) for j in range(merge)]
     return Records.merged([record_path(setting.runner, setting.identity, s) for s in shards],
                           [owner(setting, s) for s in shards])
+
+
+def run_shard_file(path: Path) -> None:
+    """A shard process (harness.sweep_shards.start_local starts `python -m harness.sweep_run
+    <path>`): the pickled (configs, choices, shard) at `path`."""
+    watch_parent(int(os.environ.get(PARENT_ENV, "0")))
+    cfgs, choices, shard = pickle.loads(path.read_bytes())
+    run_sweep(cfgs, choices=choices, shard=shard)
+
+
+if __name__ == "__main__":
+    run_shard_file(Path(sys.argv[1]))

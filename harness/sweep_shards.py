@@ -74,15 +74,6 @@ def shard_reasons(setting, count: int) -> list[str]:
     return why
 
 
-def run_shard_file(path: Path) -> None:
-    """A shard process (see `start_local`): the pickled (configs, choices, shard) at `path`."""
-    from harness.sweep_run import run_sweep
-
-    watch_parent(int(os.environ.get(PARENT_ENV, "0")))
-    cfgs, choices, shard = pickle.loads(path.read_bytes())
-    run_sweep(cfgs, choices=choices, shard=shard)
-
-
 # A shard process dies with the sweep that started it, even one killed by SIGKILL (which runs no
 # handler of the sweep's): the kernel signals it (Linux's parent-death signal, set between fork
 # and exec), and the shard also checks its parent itself (other systems, or a sweep that died
@@ -127,7 +118,7 @@ def start_local(cfgs, choices, count: int, folder: Path) -> list[tuple[subproces
         job.write_bytes(pickle.dumps((cfgs, choices, Shard(i, count))))
         log = folder / f"shard-{i}.log"
         with log.open("w") as out:
-            procs.append((subprocess.Popen([sys.executable, "-m", "harness.sweep_shards",
+            procs.append((subprocess.Popen([sys.executable, "-m", "harness.sweep_run",
                                             str(job)], stdout=out, stderr=subprocess.STDOUT,
                                            env=env, preexec_fn=_arm_parent_death_signal),
                           log))
@@ -149,7 +140,3 @@ def wait_local(procs: list[tuple[subprocess.Popen, Path]]) -> list[str]:
                 proc.terminate()
                 proc.wait()
     return failed
-
-
-if __name__ == "__main__":
-    run_shard_file(Path(sys.argv[1]))
