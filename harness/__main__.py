@@ -90,7 +90,8 @@ def register_launchers() -> None:
     from hydra.core.plugins import Plugins
 
     for module, name in (("hydra_plugins.kvh_sweep.sweep_launcher", "SweepLauncher"),
-                         ("hydra_plugins.kvh_slurm.slurm_launcher", "SlurmLauncher")):
+                         ("hydra_plugins.kvh_slurm.slurm_launcher", "SlurmLauncher"),
+                         ("hydra_plugins.kvh_rounds.rounds_sweeper", "RoundsSweeper")):
         try:  # an install made before the plugin shipped: single runs still work
             Plugins.instance().register(getattr(importlib.import_module(module), name))
         except ImportError:

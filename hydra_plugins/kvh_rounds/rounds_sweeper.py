@@ -1,0 +1,39 @@
+"""The rounds sweeper: Hydra's basic sweeper's product of overrides, launched round by round for
+the settings still undecided (harness.rounds holds the logic; this class only connects it to
+Hydra's launcher, so every launcher of the harness runs the rounds' jobs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from omegaconf import OmegaConf
+
+from harness.rounds import check_knobs, run_rounds
+from kvcore.errors import ConfigError
+
+
+class RoundsSweeper(BasicSweeper):
+    """`hydra/sweeper=kvh_rounds`; its knobs are harness.rounds.Knobs (hydra.sweeper.<key>)."""
+
+    def __init__(self, max_batch_size: int | None = None, params: Any = None, **knobs: Any):
+        super().__init__(max_batch_size=None, params=None)
+        self.knobs = check_knobs(knobs, prefix="hydra.sweeper.")
+
+    def sweep(self, arguments: list[str]) -> Any:
+        assert self.config is not None and self.launcher is not None
+        task = OmegaConf.select(self.config, "task.name")
+        if OmegaConf.select(self.config, "task.skip_samples", default=None) is None:
+            raise ConfigError(f"task={task} has no task.skip_samples (a window of its samples): "
+                              "rounds run on task=ruler")
+        sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        sweep_dir.mkdir(parents=True, exist_ok=True)
+        root = str(OmegaConf.select(self.config, "runner.results_root") or "results")
+
+        def launch(batch: list[list[str]], first: int) -> None:
+            self.validate_batch_is_legal(batch)
+            self.launcher.launch(batch, initial_job_idx=first)
+
+        run_rounds(list(arguments), self.knobs, str(task), root, sweep_dir, launch)
+        return []

@@ -1,0 +1,165 @@
+"""The rounds driver (harness.rounds): knobs and sweep shapes refused in one line, rounds that
+sample only the undecided settings on consecutive sample windows, a ledger that resumes after a
+cut without answering any (setting, sample) twice, and the whole thing through the CLI on
+stories260K."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from harness import rounds as rd
+from kvcore.errors import ConfigError
+from tests.conftest import PROJECT, STORIES, need_shared
+
+
+@pytest.mark.parametrize("raw, match", [
+    ({"block": 0}, "rounds.block=0 must be an integer >= 1"),
+    ({"block": 20, "max_n": 10}, r"rounds.max_n=10 must be an integer >= rounds.block=20"),
+    ({"alpha": 1.0}, r"rounds.alpha=1.0 must be a number in \(0, 1\)"),
+    ({"margin_points": -1}, r"rounds.margin_points=-1 must be a number in \[0, 100\)"),
+    ({"top_k": 0}, "rounds.top_k=0 must be an integer >= 1 or null"),
+    ({"blocks": 3}, "rounds.blocks is not a rounds knob; allowed: rounds.block"),
+])
+def test_bad_knobs_are_one_line(raw, match):
+    with pytest.raises(ConfigError, match=match):
+        rd.check_knobs(raw)
+
+
+@pytest.mark.parametrize("args, match", [
+    (["model=a,b", "method=h2o"], "model has several values"),
+    (["method=h2o", "task.limit=10"], "task.limit is set by the rounds"),
+    (["method=full"], "no setting to compare with the full cache"),
+])
+def test_sweeps_rounds_cannot_run_are_refused(args, match):
+    with pytest.raises(ConfigError, match=match):
+        rd.plan(args)
+
+
+def test_the_plan_has_settings_levels_and_one_reference():
+    p = rd.plan(["task=ruler", "method=full,h2o,snapkv", "method.budget_ratio=0.2,0.5",
+                 "method.recent_ratio=0.5"])
+    assert sorted(p.settings) == ["method=h2o method.budget_ratio=0.2",
+                                  "method=h2o method.budget_ratio=0.5",
+                                  "method=snapkv method.budget_ratio=0.2",
+                                  "method=snapkv method.budget_ratio=0.5"]
+    assert p.levels["method=h2o method.budget_ratio=0.2"] == "budget_ratio=0.2"
+    assert p.reference == ["task=ruler", "method=full"]  # no method knob of the settings
+
+
+# planted pass rates per method: the fake launcher scores sample i as a pass when u[i] < p
+PLANTED = {"full": 0.8, "same": 0.8, "bad": 0.05, "close": 0.7}
+U = np.random.default_rng(0).random(400)
+
+
+class FakeLaunch:
+    """Writes each job's run folder (RULER-shaped samples.jsonl) and status as a launcher would;
+    `cut_at`: raise when that round's batch comes (the process killed mid-sweep)."""
+
+    def __init__(self, sweep_dir, cut_at=None):
+        self.sweep_dir, self.cut_at, self.ran, self.batches = sweep_dir, cut_at, [], 0
+
+    def __call__(self, batch, first):
+        self.batches += 1
+        if self.batches == self.cut_at:
+            raise KeyboardInterrupt
+        for k, job in enumerate(batch):
+            o = dict(part.split("=", 1) for part in job)
+            method, offset, limit = o["method"], int(o["task.skip_samples"]), int(o["task.limit"])
+            self.ran += [(method, i) for i in range(offset, offset + limit)]
+            folder = rd.Path(o["runner.results_root"]) / method / f"run-{first + k}"
+            folder.mkdir(parents=True)
+            rows = [{"sample_id": f"s{i}", "subtask": "niah_single", "length_tokens": 320,
+                     "score": float(U[i] < PLANTED[method])} for i in range(offset, offset + limit)]
+            (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+            status = self.sweep_dir / "status" / f"{first + k:04d}.json"
+            status.parent.mkdir(parents=True, exist_ok=True)
+            status.write_text(json.dumps({"status": "ok", "detail": str(folder)}))
+
+
+def test_rounds_sample_the_undecided_only_and_resume_after_a_cut(tmp_path):
+    knobs = rd.check_knobs({"block": 20, "max_n": 400, "margin_points": 5, "top_k": 1,
+                            "ledger_dir": str(tmp_path / "ledger")})
+    args = ["task=ruler", "method=same,bad,close"]
+    first = FakeLaunch(tmp_path / "sweep1", cut_at=3)
+    with pytest.raises(KeyboardInterrupt):
+        rd.run_rounds(args, knobs, "ruler", str(tmp_path), tmp_path / "sweep1", first,
+                      say=lambda line: None)
+    ledger = json.loads((tmp_path / "ledger" / rd.LEDGER).read_text())
+    assert len(ledger["rounds"]) == 2 and ledger["status"] == "running"
+    again = FakeLaunch(tmp_path / "sweep2")
+    lines = []
+    ledger = rd.run_rounds(args, knobs, "ruler", str(tmp_path), tmp_path / "sweep2", again,
+                           say=lines.append)
+    assert lines[0].startswith("rounds: resuming after round 2")
+    # the cut round's jobs had not run; nothing finished ran again
+    answered = first.ran + again.ran
+    assert len(answered) == len(set(answered))
+    windows = [(r["offset"], r["block"]) for r in ledger["rounds"]]
+    assert windows == [(20 * i, 20) for i in range(len(windows))]
+    reported = ledger["reported"]
+    assert reported["method=bad"]["verdict"] == "worse"
+    assert reported["method=same"]["verdict"] == "indistinguishable"
+    assert reported["method=same"]["membership"] == "in"
+    # the clear loser stopped first, and was never sampled after its stopping round
+    stop = reported["method=bad"]["round"]
+    assert all("method=bad" not in r["ran"] for r in ledger["rounds"][stop:])
+    assert reported["method=bad"]["n"] == 20 * stop < reported["method=close"]["n"]
+    assert ledger["status"] == "done"
+    # a rerun of a finished sweep replays its rounds and runs nothing
+    idle = FakeLaunch(tmp_path / "sweep3")
+    rd.run_rounds(args, knobs, "ruler", str(tmp_path), tmp_path / "sweep3", idle,
+                  say=lambda line: None)
+    assert idle.ran == []
+
+
+def test_a_ledger_of_another_sweep_is_refused(tmp_path):
+    knobs = rd.check_knobs({"block": 20, "max_n": 40, "ledger_dir": str(tmp_path / "l")})
+    rd.run_rounds(["method=same,bad"], knobs, "ruler", str(tmp_path), tmp_path / "s",
+                  FakeLaunch(tmp_path / "s"), say=lambda line: None)
+    other = rd.check_knobs({"block": 10, "max_n": 40, "ledger_dir": str(tmp_path / "l")})
+    with pytest.raises(ConfigError, match="records another sweep"):
+        rd.run_rounds(["method=same,bad"], other, "ruler", str(tmp_path), tmp_path / "s2",
+                      FakeLaunch(tmp_path / "s2"), say=lambda line: None)
+
+
+STORIES_RULER = ["model=stories260k", "task=ruler", "task.lengths=[320]",
+                 "task.subtasks=[niah_single]", "task.depths=[25,75]", "task.max_new_tokens=8",
+                 "task.samples_per_cell=3", "runner.threads=1", "method=h2o,snapkv",
+                 "method.budget_tokens=24"]
+
+
+def _cli(args, tmp_path):
+    return subprocess.run([sys.executable, "-m", "harness.rounds", *STORIES_RULER, *args,
+                           f"runner.results_root={tmp_path}"],
+                          cwd=PROJECT, env={**os.environ, "PYTHONPATH": str(PROJECT)},
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_the_cli_runs_rounds_and_resumes_on_stories260k(tmp_path):
+    need_shared(STORIES)
+    ledger_dir = tmp_path / "ledger"
+    bad = _cli(["rounds.block=0"], tmp_path)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        "error: rounds.block=0 must be an integer >= 1 (samples a round adds per setting)"]
+    one = _cli(["rounds.block=2", "rounds.max_n=2", f"rounds.ledger_dir={ledger_dir}"], tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    first = sorted(p.parent for p in (ledger_dir / "round-01").rglob("metrics.json"))
+    assert len(first) == 3  # the full cache, h2o, snapkv
+    two = _cli(["rounds.block=2", "rounds.max_n=4", f"rounds.ledger_dir={ledger_dir}"], tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert "rounds: resuming after round 1" in two.stdout
+    assert sorted(p.parent for p in (ledger_dir / "round-01").rglob("metrics.json")) == first
+    ledger = json.loads((ledger_dir / rd.LEDGER).read_text())
+    assert [(r["round"], r["offset"], r["reference_n"]) for r in ledger["rounds"]] == [
+        (1, 0, 2), (2, 2, 4)]
+    samples = [json.loads(line) for f in sorted((ledger_dir / "round-02").rglob("samples.jsonl"))
+               for line in f.read_text().splitlines()]
+    ids_1 = {json.loads(line)["sample_id"] for f in first
+             for line in (f / "samples.jsonl").read_text().splitlines()}
+    assert len(samples) == 6 and not ids_1 & {s["sample_id"] for s in samples}
