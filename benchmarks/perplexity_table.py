@@ -137,11 +137,11 @@ def existing(cfg, task: str) -> Path | None:
     """The complete run of exactly this config under its runner.results_root
     (runner.skip_existing's rule), or None; a config the method's own knobs refuse raises its
     ConfigError as a run would."""
-    from harness.run import _split_name
+    from harness.runner import split_name
     from harness.sweep import config_hash, find_complete
     from methods import build_method
 
-    name, options = _split_name("method", cfg.method)
+    name, options = split_name("method", cfg.method)
     build_method(name, **options)
     root = Path(cfg.runner.results_root) / task / cfg.model.name / name
     return find_complete(root, config_hash(cfg))

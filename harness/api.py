@@ -51,7 +51,8 @@ from harness import hf_adapter
 from harness.accounting import KVLedger
 from harness.methods_table import serving_requirements
 from harness.prompting import close_prompt, open_prompt
-from harness.run import check_runner, engine_settings, kv_figures, protocol_reasons
+from harness.runner import check_runner, engine_settings, protocol_reasons
+from harness.run import kv_figures
 from kvcore.errors import ConfigError
 from methods import build_method
 from methods.base import KVMethod

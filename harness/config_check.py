@@ -27,7 +27,6 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from harness import CONF_DIR
-from harness.sweep import group_options as options
 from kvcore.errors import ConfigError
 from kvcore.typecheck import describe
 
@@ -36,6 +35,11 @@ YAML_GROUPS = ("runner", "model", "logger", "hardware")
 CLASS_GROUPS = ("method", "task")
 GROUPS = (*CLASS_GROUPS, *YAML_GROUPS)
 TOP_LEVEL = (*GROUPS, "hydra")
+
+
+def group_options(group: str, conf=CONF) -> list[str]:
+    """The choices of a config group: its YAML files, less the `_`-prefixed fragments."""
+    return sorted(p.stem for p in (conf / group).glob("*.yaml") if not p.stem.startswith("_"))
 
 
 def closest(name: str, allowed: list[str] | tuple[str, ...]) -> str | None:
@@ -90,7 +94,7 @@ def _choice(group: str, node: dict[str, Any]) -> str | None:
     name = node.get("name")
     if isinstance(name, str) and (CONF / group / f"{name}.yaml").is_file():
         return name
-    found = options(group)
+    found = group_options(group)
     return found[0] if len(found) == 1 else None
 
 
@@ -204,7 +208,7 @@ def struct_hint(message: str, argv: list[str] | None = None) -> str | None:
     if group not in GROUPS or not key or "." in key:
         return None
     given = _argv_choice(group, argv or [])
-    choices = [c for c in (given or "").split(",") if c in options(group)]
+    choices = [c for c in (given or "").split(",") if c in group_options(group)]
     for choice in choices:  # the (first) chosen option lacking the key: its own declared keys
         allowed = allowed_any(group, choice)
         if allowed and key not in allowed:
@@ -235,7 +239,7 @@ def yaml_defaults_list() -> dict[str, str]:
 
 def allowed_any(group: str, choice: str | None) -> list[str]:
     """Declared keys for `choice`, or the union over the group's options."""
-    choices = [choice] if choice in options(group) else options(group)
+    choices = [choice] if choice in group_options(group) else group_options(group)
     keys: list[str] = []
     for c in choices:
         for key in declared_keys(group, c, c) or []:

@@ -40,7 +40,7 @@ def allowed_constants() -> dict[str, tuple]:
     breaks the generator instead of leaving the page wrong)."""
     from harness.loggers import MODES
     from harness.models import DTYPES
-    from harness.run import ATTN_IMPLS, KV_OFFLOADS
+    from harness.runner import ATTN_IMPLS, KV_OFFLOADS
     from harness.serving import ADMISSIONS
     from methods.base import BUDGET_BASES, PREFILL_MODES
 

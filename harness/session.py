@@ -18,6 +18,8 @@ from typing import Any, ClassVar
 
 from omegaconf import DictConfig, OmegaConf
 
+from harness.runner import (check_prompts, check_runner, checking_tokenizer, engine_settings,
+                            plain, protocol_from, protocol_reasons, split_name, storage_reasons)
 from kvcore.errors import ConfigError
 from tasks.base import Task
 
@@ -52,21 +54,20 @@ def compose(cfg: DictConfig, choices: dict[str, str] | None = None) -> Setting:
     `choices`: the config file chosen per group (a sweep member's; by default the Hydra job's)."""
     from harness.config_check import check_config
     from harness.loggers import check_logger
-    from harness.run import _plain, _split_name, check_runner
     from harness.sweep import config_hash
     from methods import build_method
     from tasks import build_task
 
     check_config(cfg)  # every key declared (`+` keys too), no NaN/inf, types of YAML knobs
-    runner = _plain(cfg.runner)
+    runner = plain(cfg.runner)
     check_runner(runner)
     choices = choices or {}
-    method_name, method_opts = _split_name("method", cfg.method, choices.get("method"))
-    task_name, task_opts = _split_name("task", cfg.task, choices.get("task"))
-    check_logger(_plain(cfg.logger))
+    method_name, method_opts = split_name("method", cfg.method, choices.get("method"))
+    task_name, task_opts = split_name("task", cfg.task, choices.get("task"))
+    check_logger(plain(cfg.logger))
     method = build_method(method_name, **method_opts)
     task = build_task(task_name, **task_opts)
-    return Setting(cfg, runner, _plain(cfg.model), method_name, method, task_name, task,
+    return Setting(cfg, runner, plain(cfg.model), method_name, method, task_name, task,
                    config_hash(cfg))
 
 
@@ -100,7 +101,6 @@ def setting(model_cfg: dict[str, Any], runner: dict[str, Any], method, task: Tas
     --model_args, a benchmark): the model group's keys, a full runner (`runner_of`), a built
     method (methods.build_method) and a task (`OwnFeed` where the caller feeds the engine
     itself). The runner is checked as `compose` checks it; the rest by `Session.validate`."""
-    from harness.run import check_runner
     from harness.sweep import config_hash
 
     check_runner(runner)
@@ -177,7 +177,6 @@ class Session:
 
     def reasons(self, setting: Setting) -> list[str]:
         """Why this setting cannot run on this model (method x task x protocol x storage)."""
-        from harness.run import protocol_from, protocol_reasons, storage_reasons
 
         runner, method, task = setting.runner, setting.method, setting.task
         return (method.validate(self.info, runner) + task.validate(self.info, method)
@@ -186,7 +185,6 @@ class Session:
 
     def validate(self, setting: Setting) -> None:
         """Every check before weights load, one ConfigError naming the key."""
-        from harness.run import check_prompts
 
         with _recording(setting):
             reasons = self.reasons(setting)
@@ -194,7 +192,6 @@ class Session:
             raise ConfigError("; ".join(dict.fromkeys(reasons)))
         setting.task.check_data()
         if self._checking_tokenizer is None:  # one load for every setting
-            from harness.run import checking_tokenizer
 
             self._checking_tokenizer = checking_tokenizer(self.spec)
         check_prompts(setting.task, self.spec, self.info, setting.method, self.config,
@@ -212,7 +209,6 @@ class Session:
         """The setting's method prepared on the loaded model (once: a later call gives a fresh
         engine over the same prepared method), and its engine."""
         from harness.engine import Engine
-        from harness.run import engine_settings
 
         if setting.method.needs_prepare() and not setting.is_prepared:
             self._prepare(setting)

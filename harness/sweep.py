@@ -28,6 +28,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from harness import CONF_DIR
+from harness.config_check import (GROUPS, TOP_LEVEL, allowed_any, group_options,
+                                  unknown_key_message)
 from harness.results import check_output_dir, check_writable, inside_a_run, write_json_atomic
 from harness.schema import SchemaError, load
 from kvcore.errors import ConfigError
@@ -251,8 +253,6 @@ def unknown_keys(overrides: list[str]) -> str | None:
     as a one-line reason; refused before any member runs (harness.config_check)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from harness.config_check import GROUPS, TOP_LEVEL, allowed_any, unknown_key_message
-
     for override in OverridesParser.create().parse_overrides(overrides):
         dotted = override.key_or_group
         group, _, key = dotted.partition(".")
@@ -287,10 +287,6 @@ def unknown_choices(overrides: list[str], conf: Path = CONF
         if bad:
             out.append((i, group, [v for v in values if v not in bad], bad))
     return out
-
-
-def group_options(group: str, conf: Path = CONF) -> list[str]:
-    return sorted(p.stem for p in (conf / group).glob("*.yaml") if not p.stem.startswith("_"))
 
 
 def config_groups() -> str:

@@ -140,7 +140,7 @@ def build_engine(model: str, method: str = "full", prefill_chunk_tokens: int = 5
     (harness.session: every check before the weights load).
 
     Returns (engine, the model's description)."""
-    from harness.run import ATTN_IMPLS
+    from harness.runner import ATTN_IMPLS
     from harness.session import Session, setting
     from methods import build_method
 

@@ -8,7 +8,8 @@ import json
 import pytest
 
 from harness import batch as batching
-from harness.run import protocol_reasons, run
+from harness.runner import protocol_reasons
+from harness.run import run
 from methods import build_method
 from methods.base import Protocol
 from tasks import build_task

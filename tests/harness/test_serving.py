@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from harness import hf_adapter, serving
-from harness.run import check_runner, protocol_reasons, run
+from harness.runner import check_runner, protocol_reasons
+from harness.run import run
 from kvcore.errors import ConfigError
 from kvcore.paged import BlockPool, DeviceBudget, DeviceMemoryExceeded
 from methods import build_method

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from harness import hf_adapter
-from harness.run import protocol_reasons
+from harness.runner import protocol_reasons
 from kvcore.errors import ConfigError
 from kvcore.offload import Tier, TransferLedger
 from methods import build_method

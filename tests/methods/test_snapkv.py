@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from harness.engine import Engine, EngineSettings
 from harness import hf_adapter
-from harness.run import protocol_reasons
+from harness.runner import protocol_reasons
 from methods import build_method
 from methods.base import ModelInfo, Protocol
 from methods.snapkv import pool_along_text

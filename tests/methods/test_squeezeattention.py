@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from harness import hf_adapter
-from harness.run import protocol_reasons
+from harness.runner import protocol_reasons
 from kvcore.errors import ConfigError
 from methods import build_method
 from methods.base import Protocol

@@ -276,7 +276,7 @@ def test_sparse_prefill_and_prompt_less_streams_are_refused(tiny_model):
     """The official prefill is dense and the budget is the prompt's: runner.prefill=sparse and a
     stream with no prompt are refused before weights load."""
     from harness import hf_adapter
-    from harness.run import protocol_reasons
+    from harness.runner import protocol_reasons
     from methods.base import Protocol
 
     method = build_method("tailorkv")

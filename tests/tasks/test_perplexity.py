@@ -104,7 +104,7 @@ def test_prompt_compressor_acts_after_the_prompt(stories, data_dir):
     cut to its budget at the prompt's end and the scored tokens differ from the full cache's."""
     from harness.engine import Protocol
     from harness.hf_adapter import model_info
-    from harness.run import protocol_reasons
+    from harness.runner import protocol_reasons
 
     model, tok = stories
     info = model_info(model.config)
