@@ -113,7 +113,20 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed-$(shell cat scripts/vllm-peer.lock | cksum | cut -d' ' -f1)
 .PHONY: vllm-setup test-vllm
 
-vllm-setup: $(VLLM_STAMP)
+# The project's vLLM plugin (scripts/kvh_vllm_plugin: Quest inside vLLM's CPU attention), installed
+# from a copy (no build folders left in the tree, none reused) whenever one of its files changes.
+VLLM_PLUGIN_FILES := $(sort $(wildcard scripts/kvh_vllm_plugin/pyproject.toml scripts/kvh_vllm_plugin/kvh_vllm/*.py))
+VLLM_PLUGIN_STAMP := $(VLLM_VENV)/.plugin-$(shell cat $(VLLM_PLUGIN_FILES) | cksum | cut -d' ' -f1)
+
+vllm-setup: $(VLLM_STAMP) $(VLLM_PLUGIN_STAMP)
+
+$(VLLM_PLUGIN_STAMP): $(VLLM_STAMP) $(VLLM_PLUGIN_FILES)
+	tmp=$$(mktemp -d) && cp -r scripts/kvh_vllm_plugin/pyproject.toml scripts/kvh_vllm_plugin/kvh_vllm "$$tmp" && \
+		$(VLLM_PY) -m pip install -q --no-deps --no-build-isolation --no-index --force-reinstall "$$tmp"; \
+		status=$$?; rm -rf "$$tmp"; exit $$status
+	$(VLLM_PY) -c "import kvh_vllm.quest_backend"
+	rm -f $(VLLM_VENV)/.plugin-*
+	touch $@
 
 $(VLLM_STAMP): scripts/vllm-peer.lock
 	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)

