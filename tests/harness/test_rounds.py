@@ -163,3 +163,12 @@ def test_the_cli_runs_rounds_and_resumes_on_stories260k(tmp_path):
     ids_1 = {json.loads(line)["sample_id"] for f in first
              for line in (f / "samples.jsonl").read_text().splitlines()}
     assert len(samples) == 6 and not ids_1 & {s["sample_id"] for s in samples}
+    # killed after round 2's jobs, before its ledger entry: the rerun reuses the round's runs
+    second = sorted(p.parent for p in (ledger_dir / "round-02").rglob("metrics.json"))
+    ledger["rounds"] = ledger["rounds"][:1]
+    (ledger_dir / rd.LEDGER).write_text(json.dumps(ledger))
+    cut = _cli(["rounds.block=2", "rounds.max_n=4", f"rounds.ledger_dir={ledger_dir}"], tmp_path)
+    assert cut.returncode == 0, cut.stderr[-3000:]
+    assert cut.stdout.count("skipped: a complete result for this config") == 3
+    assert sorted(p.parent for p in (ledger_dir / "round-02").rglob("metrics.json")) == second
+    assert len(json.loads((ledger_dir / rd.LEDGER).read_text())["rounds"]) == 2
