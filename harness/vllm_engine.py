@@ -48,9 +48,9 @@ METHOD_NAME = "vllm"  # the board's row name; the KV format is its variant
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 KV_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}  # per element; auto = the model dtype's
 TURBOQUANT = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
-# Tasks whose engine calls this engine serves: generate_many (RULER, LongBench, XSum) and
-# stream_scores (streaming perplexity).
-TASKS = ("ruler", "longbench", "xsum", "perplexity")
+# Tasks whose engine calls this engine serves: generate_many (RULER, LongBench, XSum),
+# stream_scores (streaming perplexity) and request (multi-turn: a conversation, turn by turn).
+TASKS = ("ruler", "longbench", "xsum", "perplexity", "multiturn")
 # Runner knobs that still mean something here; every other must keep its declared default.
 RUNNER_KNOBS = ("results_root", "output_dir", "overwrite", "seed", "debug", "skip_existing")
 # Methods run inside vLLM's attention by the project's plugin (scripts/kvh_vllm_plugin): the knobs
@@ -144,8 +144,7 @@ def check_setting(setting) -> None:
     if setting.method_name in PLUGIN_METHODS:
         check_plugin_setting(setting)
     if setting.task_name not in TASKS:
-        why = {"multiturn": "rewinds a shared cache between turns",
-               "lm_eval": "scores loglikelihood requests through our cache"}.get(
+        why = {"lm_eval": "scores loglikelihood requests through our cache"}.get(
                    setting.task_name, "uses engine calls this engine does not serve")
         raise ConfigError(f"task={setting.task_name}: {why}; the vLLM engine runs "
                           f"task={'|'.join(TASKS)}")
@@ -396,9 +395,10 @@ class VllmEngine:
         first = max(prompt_tokens, 1)
         return -torch.tensor(answer["logprobs"][first:], dtype=torch.float32)
 
-    def request(self, *args, **kwargs):
-        raise ConfigError("this task feeds our engine's cache directly (engine.request); the "
-                          "vLLM engine serves generate_many and stream_scores only")
+    @contextmanager
+    def request(self, final_tokens: int | None = None) -> Iterator["VllmConversation"]:
+        """One conversation (multi-turn), as a serving engine holds one: see VllmConversation."""
+        yield VllmConversation(self)
 
     def speed(self) -> dict[str, Any]:
         """Time to first token and inter-token latency as the worker saw the tokens arrive
@@ -416,6 +416,33 @@ class VllmEngine:
                                             else None),
                 "timing": "vLLM worker: arrival time of each generated token, all requests in "
                           "flight at once"}
+
+
+class VllmConversation:
+    """Our engine's `Request` calls (prefill, generate, pos) served by vLLM for a conversation:
+    each turn is one vLLM request whose prompt is the whole history so far (context, earlier
+    questions and answers), as a chat server sends it; vLLM's prefix cache keeps the history's
+    blocks between turns. What the history holds is what our request's cache holds: the fed
+    tokens and every generated token but the last, which our engine has not fed yet (the task
+    feeds it with the next turn when it is not a stop token)."""
+
+    def __init__(self, engine: VllmEngine):
+        self.engine = engine
+        self.history: list[int] = []
+
+    @property
+    def pos(self) -> int:
+        return len(self.history)
+
+    def prefill(self, ids) -> None:
+        self.history += [int(t) for t in ids]
+
+    def generate(self, segment, max_new_tokens: int, stop_ids: set[int] | None = None
+                 ) -> list[int]:
+        prompt = self.history + [int(t) for t in segment]
+        out = next(self.engine.generate_many([prompt], max_new_tokens, stop_ids))
+        self.history = prompt + out[:-1]
+        return out
 
 
 def model_folder(spec) -> str:

@@ -43,7 +43,7 @@ def test_knobs_and_overrides_are_split():
 
 @pytest.mark.parametrize("overrides, expected", [
     ([*RULER, "method=h2o"], "method=h2o: the vLLM engine runs the full cache, "),
-    ([*ST, "task=multiturn"], "task=multiturn: rewinds a shared cache between turns"),
+    ([*ST, "task=lm_eval"], "task=lm_eval: scores loglikelihood requests through our cache"),
     ([*ST, "task=perplexity", "task.mode=chunked"], "task.mode=chunked"),
     ([*RULER, "runner.kv_layout=paged"], "runner.kv_layout='paged' configures our engine"),
     ([*RULER, "runner.attn_impl=eager"], "runner.attn_impl='eager' configures our engine"),
@@ -116,3 +116,42 @@ def test_stream_scores_are_negative_logprobs_after_the_prompt():
 
     assert engine.stream_scores(torch.tensor([1, 2, 3, 4]), 0).tolist() == [1.0, 2.0, 0.5]
     assert engine.stream_scores(torch.tensor([1, 2, 3, 4]), 2).tolist() == [2.0, 0.5]
+
+
+class ReplayWorker:
+    """A stand-in for the vLLM worker that serves `generate` with our own engine's full cache,
+    each request prefilled from its whole prompt, as vLLM serves a turn of a conversation."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def call(self, msg):
+        assert msg["op"] == "generate"
+        outs = []
+        for r in msg["requests"]:
+            ids = next(self.engine.generate_many([r["prompt_ids"]], r["max_new_tokens"],
+                                                 set(r["stop_token_ids"])))
+            outs.append({"token_ids": ids, "token_s": [0.1 * (i + 1) for i in range(len(ids))],
+                         "prompt_tokens": len(r["prompt_ids"])})
+        return {"outputs": outs, "wall_s": 0.5}
+
+
+def test_a_conversation_through_the_vllm_engine_holds_what_our_request_holds(stories):
+    """Multi-turn through VllmEngine.request (each turn one request of the whole history) gives
+    our engine's answers and feeds the same positions: the history is our cache's content."""
+    from methods import build_method
+    from tasks import build_task
+    from tests.conftest import make_engine
+
+    model, tokenizer = stories
+    ours = make_engine(model, build_method("full"), tokenizer)
+    vllm = VllmEngine(ReplayWorker(make_engine(model, build_method("full"), tokenizer)),
+                      tokenizer, ours.info, ours.method, "")
+    task = build_task("multiturn", context_tokens=250, turns=2, samples=2, max_new_tokens=6,
+                      haystack="repeat")
+    mine, theirs = task.evaluate(ours).samples, task.evaluate(vllm).samples
+    assert [s["positions_fed"] for s in theirs] == [s["positions_fed"] for s in mine]
+    assert [[t["prediction"] for t in s["turns"]] for s in theirs] == \
+        [[t["prediction"] for t in s["turns"]] for s in mine]
+    assert vllm.speed()["generated_tokens"] == sum(t["generated_tokens"] for s in mine
+                                                  for t in s["turns"])
