@@ -8,6 +8,15 @@ paired-bootstrap half-width h0 at n0 units scales as 1/sqrt(n): n = n0 (h0 / h)^
 scores of independent samples the same n also follows from the pilot's discordance d and
 difference D (the per-sample difference's variance is d - D^2), printed beside it. The
 half-width is in the metric's own units (points for scores x100, ppl for perplexity).
+
+With `--rounds-block B --rounds-max-n N` it also plans the sequential design (harness.rounds,
+harness.sequential): for every comparison of bounded per-sample scores, sweeps simulated from
+the pilot's paired differences (pass/fail: exactly its gained and lost shares; graded: a
+three-point stand-in with the pilot's mean and variance; fixed seed) looked at every B samples
+with the anytime-valid CS (alpha split over the comparisons, Bonferroni, as the rounds do),
+stopped when it excludes 0 or lies inside +-`--margin`: the mean stopping n, the share decided
+by N, the n at which the CS reaches the wanted half-width, and the n of a fixed-sample design
+deciding the same question with the same power; "saved" is that n minus the mean stopping n.
 """
 
 from __future__ import annotations
@@ -49,10 +58,14 @@ def _needed(c: dict, pilot: float, half_width: float) -> int:
                           f"at least {reach:.3g}") from None
 
 
-def plan(paths: list[str], half_width: float, resamples: int = stats.RESAMPLES) -> list[dict]:
+def plan(paths: list[str], half_width: float, resamples: int = stats.RESAMPLES,
+         rounds: dict | None = None) -> list[dict]:
     """One record per paired comparison of the pilot: its n, half-width, discordance and the n
-    needed for `half_width`. ConfigError for bad arguments or a pilot that cannot be read."""
+    needed for `half_width`; with `rounds` (block, max_n, alpha, margin) the sequential
+    design's figures too. ConfigError for bad arguments or a pilot that cannot be read."""
     check_arguments(half_width, resamples)
+    if rounds:
+        check_rounds(rounds["block"], rounds["max_n"], rounds["alpha"], rounds["margin"])
     rows = collect.collect(paths, warn=lambda text: print(text, file=sys.stderr))
     compare.attach(rows)
     board = leaderboard.build(rows)
@@ -80,12 +93,73 @@ def plan(paths: list[str], half_width: float, resamples: int = stats.RESAMPLES) 
             except ValueError:  # beyond any sample size: the bootstrap's n already says so
                 pass
         out.append(record)
+    if rounds:
+        add_rounds(out, compared, half_width, rounds["block"], rounds["max_n"],
+                   rounds["alpha"], rounds["margin"])
     return out
 
 
-def table(records: list[dict], half_width: float) -> str:
+def check_rounds(block: int | None, max_n: int | None, alpha: float, margin: float) -> None:
+    """The sequential options (ConfigError naming the option), before any run is read."""
+    if (block is None) != (max_n is None):
+        raise ConfigError("--rounds-block and --rounds-max-n go together (samples per round, "
+                          "the sample budget per setting)")
+    if block is None:
+        return
+    if block < 1 or max_n < block:
+        raise ConfigError(f"--rounds-block {block} --rounds-max-n {max_n}: allowed: "
+                          "1 <= block <= max_n")
+    if not 0 < alpha < 1:
+        raise ConfigError(f"--alpha {alpha}: must lie in (0, 1)")
+    if not (math.isfinite(margin) and margin >= 0):
+        raise ConfigError(f"--margin {margin}: must be a number >= 0, in the metric's units")
+
+
+def add_rounds(records: list[dict], compared: list[dict], half_width: float, block: int,
+               max_n: int, alpha: float, margin: float) -> None:
+    """The sequential design's figures on every record of bounded per-sample scores."""
+    from harness import sequential
+
+    by_key = {(c["model"], c["protocol"], c["method"], c["setting"], c["column"]): c
+              for c in compared}
+    sized = [r for r in records if "needed" in r and r["unit"] == "samples"]
+    per = alpha / max(1, len(sized))  # Bonferroni over the comparisons, as the rounds split it
+    for r in sized:
+        c = by_key[(r["model"], r["protocol"], r["method"], r["setting"], r["column"])]
+        bound = 100.0 if "lm_eval" not in c["column"] else 1.0
+        if "lost" in c:  # pass/fail: the differences are exactly +bound, -bound or 0
+            plus, minus = c["gained"] / c["n"], c["lost"] / c["n"]
+        else:
+            sd = r["half_width"] / 1.96 * math.sqrt(c["n"])
+            try:
+                plus, minus = sequential.three_point(c["difference"], sd ** 2, bound)
+            except ValueError as exc:
+                r["rounds_why"] = str(exc)
+                continue
+        p = sequential.plan_rounds(plus, minus, bound, per, margin, block, max_n, half_width)
+        r.update(rounds_expected_n=p.expected_n, rounds_power=p.power,
+                 rounds_n_for_half_width=p.n_for_half_width,
+                 fixed_n_same_power=p.fixed_n_same_power,
+                 samples_saved=(None if p.fixed_n_same_power is None
+                                else p.fixed_n_same_power - p.expected_n))
+
+
+def _rounds_cells(r: dict, max_n: int) -> list[str]:
+    if "rounds_expected_n" not in r:
+        return ["", "", "", "", r.get("rounds_why", "")]
+    fixed = r["fixed_n_same_power"]
+    return [f"{r['rounds_expected_n']:.0f}", f"{r['rounds_power']:.2f}",
+            str(r["rounds_n_for_half_width"] or f"> {max_n}"),
+            "" if fixed is None else str(fixed),
+            "" if r["samples_saved"] is None else f"{r['samples_saved']:.0f}"]
+
+
+def table(records: list[dict], half_width: float, max_n: int | None = None) -> str:
     cols = ["model", "protocol", "task column", "method", "setting", "pilot n",
             "pilot half-width", "discordance", f"n for ±{half_width:g}"]
+    if max_n is not None:
+        cols += ["rounds: mean n", f"decided by {max_n}", f"CS n for ±{half_width:g}",
+                 "fixed n, same power", "saved"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in records:
         if "why" in r:
@@ -99,6 +173,8 @@ def table(records: list[dict], half_width: float) -> str:
             cells = [r["model"], r["protocol"], r["column"], r["method"], r["setting"],
                      f"{r['n']} {r['unit']}", f"{r['half_width']:.3g}",
                      f"{r['discordance']:.3g}", needed]
+        cells += _rounds_cells(r, max_n) if max_n is not None else []
+        cells += [""] * (len(cols) - len(cells))
         lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -111,9 +187,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="wanted 95 %% half-width of each paired difference, in the metric's "
                          "units (points for scores x100, ppl for perplexity)")
     ap.add_argument("--resamples", type=int, default=stats.RESAMPLES)
+    ap.add_argument("--rounds-block", type=int, default=None,
+                    help="also plan sequential rounds of this many samples (harness.rounds)")
+    ap.add_argument("--rounds-max-n", type=int, default=None,
+                    help="the rounds' sample budget per setting")
+    ap.add_argument("--alpha", type=float, default=0.05,
+                    help="the rounds' error over every comparison (default 0.05)")
+    ap.add_argument("--margin", type=float, default=0.0,
+                    help="the rounds' equivalence margin, in the metric's units (default 0)")
     args = ap.parse_args(argv)
+    rounds = None
+    if args.rounds_block is not None or args.rounds_max_n is not None:
+        rounds = {"block": args.rounds_block, "max_n": args.rounds_max_n,
+                  "alpha": args.alpha, "margin": args.margin}
     try:
-        records = plan(args.paths, args.half_width, args.resamples)
+        records = plan(args.paths, args.half_width, args.resamples, rounds)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -121,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: no setting paired with a full-cache run in the pilot (run method=full on "
               "the same samples)", file=sys.stderr)
         return 2
-    sys.stdout.write(table(records, args.half_width))
+    sys.stdout.write(table(records, args.half_width, args.rounds_max_n if rounds else None))
     return 0
 
 

@@ -336,3 +336,78 @@ class Rounds:
 
     def done(self) -> bool:
         return not self.active
+
+
+# --- planning: the rounds' expected cost against a fixed-n design ---------------------------------
+
+def three_point(mean: float, var: float, bound: float) -> tuple[float, float]:
+    """P(D = +bound), P(D = -bound) of the difference on {-bound, 0, +bound} with this mean and
+    variance (pass/fail scores: exactly the gained and lost shares). ValueError when no such
+    distribution exists (a variance beyond what the bound allows)."""
+    second = (var + mean ** 2) / bound ** 2  # E[D^2] / R^2 = P(+) + P(-)
+    shift = mean / bound  # P(+) - P(-)
+    plus, minus = (second + shift) / 2, (second - shift) / 2
+    if minus < -1e-12 or plus < -1e-12 or second > 1 + 1e-12:
+        raise ValueError(f"no difference in [-{bound:g}, {bound:g}] has mean {mean:.4g} and "
+                         f"variance {var:.4g}")
+    return max(plus, 0.0), max(minus, 0.0)
+
+
+@dataclass(frozen=True)
+class RoundsPlan:
+    """What the rounds would cost one comparison: the mean stopping n (`expected_n`, capped at
+    max_n), the share of simulated sweeps decided by max_n (`power`), the n at which the median
+    CS half-width reaches the wanted one (None: not by max_n), and the fixed-n design deciding
+    the same question with the same power (None: no effect to power)."""
+
+    expected_n: float
+    power: float
+    n_for_half_width: int | None
+    fixed_n_same_power: int | None
+
+
+def plan_rounds(plus: float, minus: float, bound: float, alpha: float, margin: float,
+                block: int, max_n: int, half_width: float, sims: int = 100, seed: int = 0,
+                steps: int = 400) -> RoundsPlan:
+    """Simulated sweeps (fixed seed) of one comparison whose per-sample difference is +bound,
+    -bound or 0 with probabilities plus, minus and the rest: looks every `block` samples, stop
+    when the CS excludes 0 or lies inside +-margin."""
+    rng = np.random.default_rng(seed)
+    looks = list(range(block, max_n + 1, block))
+    stops, widths = [], []
+    for _ in range(sims):
+        u = rng.random(max_n)
+        d = bound * ((u < plus).astype(float) - ((u >= plus) & (u < plus + minus)))
+        seq = sequence(d, bound, alpha, looks, steps)
+        decided = [k for k, iv in zip(looks, seq) if verdict_of(iv, margin) != "undecided"]
+        stops.append(decided[0] if decided else None)
+        widths.append([(iv.high - iv.low) / 2 for iv in seq])
+    median = np.median(np.asarray(widths), axis=0)
+    reach = [k for k, w in zip(looks, median) if w <= half_width]
+    power = sum(s is not None for s in stops) / sims
+    mean = bound * (plus - minus)
+    sd = math.sqrt(max(bound ** 2 * (plus + minus) - mean ** 2, 0.0))
+    return RoundsPlan(float(np.mean([s if s is not None else max_n for s in stops])), power,
+                      reach[0] if reach else None,
+                      fixed_n_for_power(mean, sd, alpha, power, margin))
+
+
+def fixed_n_for_power(mean: float, sd: float, alpha: float, power: float,
+                      margin: float) -> int | None:
+    """The n of a fixed-sample two-sided z test at level alpha (|mean| > margin: is it not 0) or
+    of an equivalence test (two one-sided tests at alpha, |mean| < margin) with this power; the
+    power is capped at 0.995 (a simulated 100 % is not a certainty); None at power 0 (the
+    rounds never decided: nothing to match) or when neither question applies."""
+    from statistics import NormalDist
+
+    if power <= 0:
+        return None
+    z = NormalDist().inv_cdf
+    power = min(power, 0.995)
+    if sd == 0:
+        return 1
+    if abs(mean) > margin and mean != 0:
+        return math.ceil(((z(1 - alpha / 2) + z(power)) * sd / abs(mean)) ** 2)
+    if margin > abs(mean):
+        return math.ceil(((z(1 - alpha) + z((1 + power) / 2)) * sd / (margin - abs(mean))) ** 2)
+    return None

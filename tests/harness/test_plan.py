@@ -101,3 +101,28 @@ def test_a_pilot_whose_samples_cannot_be_read_is_refused_by_name(plant, expect, 
     plant(samples)
     err = refused(capsys, str(folder), "--half-width", "5", "--resamples", "300")
     assert str(samples) in err and expect in err
+
+
+def test_the_rounds_plan_saves_samples_on_a_clear_loss_and_says_so(tmp_path, capsys):
+    """A setting losing about 40 points: the rounds stop long before the fixed-n design of the
+    same power; a setting equal to the full cache on all but a few samples is decided
+    "indistinguishable" within a 10-point margin."""
+    rng = np.random.default_rng(0)
+    full = (rng.random(80) < 0.8).astype(float)
+    loser = np.where(rng.random(80) < 0.5, 0.0, full)
+    close = np.where(rng.random(80) < 0.03, 1 - full, full)
+    ruler_run(tmp_path, "full", full)
+    ruler_run(tmp_path, "h2o", loser, budget=0.2)
+    ruler_run(tmp_path, "snapkv", close, budget=0.2)
+    rounds = {"block": 10, "max_n": 200, "alpha": 0.05, "margin": 10.0}
+    records = {r["method"]: r for r in plan.plan([str(tmp_path)], half_width=5.0,
+                                                 resamples=500, rounds=rounds)}
+    lossy = records["h2o"]
+    assert lossy["rounds_power"] == 1.0 and lossy["rounds_expected_n"] < 60
+    assert lossy["samples_saved"] > 0 and lossy["fixed_n_same_power"] > lossy["rounds_expected_n"]
+    assert records["snapkv"]["rounds_power"] > 0.5  # inside +-10 points, and shown to be
+    assert plan.main([str(tmp_path), "--half-width", "5", "--resamples", "300",
+                      "--rounds-block", "10", "--rounds-max-n", "200", "--margin", "10"]) == 0
+    assert "fixed n, same power" in capsys.readouterr().out
+    assert plan.main([str(tmp_path), "--half-width", "5", "--rounds-block", "10"]) == 2
+    assert "--rounds-block and --rounds-max-n go together" in capsys.readouterr().err
