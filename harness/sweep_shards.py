@@ -82,12 +82,13 @@ PARENT_ENV = "KVH_SHARD_PARENT"
 _PR_SET_PDEATHSIG = 1
 
 
-def _arm_parent_death_signal() -> None:
-    """preexec_fn of a shard process: SIGKILL when its parent dies (Linux; a no-op elsewhere)."""
+def arm_parent_death_signal(sig: int = signal.SIGKILL) -> None:
+    """preexec_fn of a child process (a shard; the vLLM worker): `sig` when its parent dies
+    (Linux; a no-op elsewhere)."""
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
     except (OSError, AttributeError):
         pass
 
@@ -120,7 +121,7 @@ def start_local(cfgs, choices, count: int, folder: Path) -> list[tuple[subproces
         with log.open("w") as out:
             procs.append((subprocess.Popen([sys.executable, "-m", "harness.sweep_run",
                                             str(job)], stdout=out, stderr=subprocess.STDOUT,
-                                           env=env, preexec_fn=_arm_parent_death_signal),
+                                           env=env, preexec_fn=arm_parent_death_signal),
                           log))
     return procs
 

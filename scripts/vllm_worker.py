@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import traceback
@@ -82,6 +83,7 @@ class Worker:
                        skip_tokenizer_init=False,
                        disable_log_stats=not bool(msg.get("log_stats", False)),
                        **_pool_args(msg))
+        signal.signal(signal.SIGTERM, _die_with_group)  # again, should vLLM have set its own
         cache = self.llm.llm_engine.vllm_config.cache_config
         sched = self.llm.llm_engine.vllm_config.scheduler_config
         self.facts = {"vllm": vllm.__version__, "torch": torch.__version__,
@@ -242,7 +244,18 @@ def _version(package: str) -> str | None:
         return None
 
 
+def _die_with_group(signum=None, frame=None) -> None:
+    """SIGTERM (the kernel's parent-death signal when the harness dies, or a user's kill): take
+    vLLM's engine core and model runner down too, which otherwise outlive this process holding
+    the KV space. Only when this worker leads its own process group (as the harness starts it):
+    run by hand from a shell, the group is the shell's job."""
+    if os.getpgrp() == os.getpid():
+        os.killpg(os.getpid(), signal.SIGKILL)
+    os._exit(143)
+
+
 def main() -> int:
+    signal.signal(signal.SIGTERM, _die_with_group)
     proto = _protocol_stream()
     worker = Worker()
     ops = {"start": worker.start, "generate": worker.generate,

@@ -1,6 +1,12 @@
 """The vLLM engine's checks before anything starts (no vLLM needed): every refusal is one line
 naming the key and what is allowed, and nothing is written."""
 
+import os
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 
 from harness import vllm_engine
@@ -155,3 +161,46 @@ def test_a_conversation_through_the_vllm_engine_holds_what_our_request_holds(sto
         [[t["prediction"] for t in s["turns"]] for s in mine]
     assert vllm.speed()["generated_tokens"] == sum(t["generated_tokens"] for s in mine
                                                   for t in s["turns"])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as stat:  # a zombie is dead, only not yet reaped
+        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
+def test_the_worker_dies_with_a_harness_killed_outright(tmp_path):
+    """A harness SIGKILLed mid-run (no handler of ours runs) takes its vLLM worker down: the
+    kernel sends the worker SIGTERM and the worker kills its process group (vLLM's engine
+    core and model runner with it). The worker here is the real script under our own python:
+    it imports vLLM only when started."""
+    # The worker's stdin stays open after the parent dies (a sleeper holds its write end), as
+    # when the worker is busy in vLLM and not reading: only the parent-death signal ends it.
+    code = ("import subprocess, sys, time; from pathlib import Path; from harness.vllm_engine "
+            f"import VllmWorker; w = VllmWorker(sys.executable, Path({str(tmp_path / 'log')!r}));"
+            " s = subprocess.Popen(['sleep', '60'], pass_fds=[w.proc.stdin.fileno()]); "
+            "print(w.proc.pid, s.pid, flush=True); time.sleep(120)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              cwd=str(vllm_engine.ROOT))
+    worker, sleeper = (int(x) for x in parent.stdout.readline().split())
+    try:
+        assert os.getpgid(worker) == worker  # it leads its own group
+        parent.kill()
+        parent.wait()
+        deadline = time.time() + 20
+        while _alive(worker) and time.time() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker)
+    finally:
+        os.kill(sleeper, signal.SIGKILL)
+
+
+def test_killing_the_worker_takes_its_group(tmp_path):
+    w = vllm_engine.VllmWorker(sys.executable, tmp_path / "log")
+    w.kill()
+    assert w.proc.returncode == -signal.SIGKILL
+    w.close()
