@@ -91,6 +91,9 @@ def check_knobs(raw: dict[str, Any], prefix: str = "rounds.") -> Knobs:
     if k["ledger_dir"] is not None and (not isinstance(k["ledger_dir"], str)
                                         or not k["ledger_dir"]):
         raise ConfigError(f"{prefix}ledger_dir={k['ledger_dir']!r} must be a folder path or null")
+    if k["ledger_dir"] and "\\" in k["ledger_dir"]:
+        raise ConfigError(f"{prefix}ledger_dir={k['ledger_dir']!r}: a backslash cannot pass "
+                          "through Hydra's override grammar; use / in paths")
     return Knobs(k["block"], k["max_n"], float(k["alpha"]), float(k["margin_points"]),
                  k["top_k"], k["ledger_dir"])
 
@@ -390,6 +393,15 @@ def split_argv(argv: list[str]) -> tuple[dict[str, Any], list[str]]:
     return knobs, rest
 
 
+def _hydra_value(value: Any) -> str:
+    """A knob as Hydra's override grammar reads it back (a path quoted: commas, spaces)."""
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return "'" + value.replace("'", "\\'") + "'"  # check_knobs refused backslashes
+    return str(value)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Check the rounds knobs (one line, exit 2), then run the harness's multirun with the
     rounds sweeper (hydra_plugins/kvh_rounds)."""
@@ -403,8 +415,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     from harness import __main__ as entry
 
-    sweeper = [f"hydra.sweeper.{k}={'null' if v is None else v}"
-               for k, v in asdict(knobs).items()]
+    sweeper = [f"hydra.sweeper.{k}={_hydra_value(v)}" for k, v in asdict(knobs).items()]
     sys.argv = [sys.argv[0], "-m", "hydra/sweeper=kvh_rounds", *sweeper, *rest]
     entry.cli()
 

@@ -19,7 +19,7 @@ published CSs for bounded means it is the tightest in the authors' comparisons (
 empirical-Bernstein stitching and the predictable-mixture bounds); an alpha-spending rule would
 fix the looks in advance, while a CS allows any number of rounds, of any size, and stopping for
 any reason. The price against a fixed-n interval is a wider interval at the same n (about
-1.3-2x here): that is what keeps repeated looks honest.
+1.5x for pass/fail differences at n = 200): that is what keeps repeated looks honest.
 
 Target: the CS covers the mean of the differences' conditional means over the samples seen
 (the samples come in the task's order: RULER's round-robin over its cells, so at a multiple of
