@@ -190,7 +190,7 @@ def open_ledger(path: Path, knobs: Knobs, the_plan: Plan) -> dict:
             "reference": the_plan.reference, "common": the_plan.common,
             "settings": the_plan.settings, "levels": the_plan.levels}
     if not path.exists():
-        return {**head, "max_n": knobs.max_n, "rounds": [], "reported": {},
+        return {**head, "max_n": knobs.max_n, "skipped": {}, "rounds": [], "reported": {},
                 "status": "running"}
     try:
         ledger = json.loads(path.read_text())
@@ -285,56 +285,89 @@ def run_rounds(arguments: list[str], knobs: Knobs, task: str, results_root: str,
     ledger = open_ledger(path, knobs, the_plan)
     design = sq.Design(alpha=knobs.alpha, margin=knobs.margin_points, top_k=knobs.top_k,
                        bound=100.0)
-    rounds = sq.Rounds(the_plan.levels, design)
-    for recorded in ledger["rounds"]:  # resume: the finished rounds, from their folders
-        folders = {k: home / v for k, v in recorded["folders"].items()}
-        block, ref, _ = paired_block(folders, task)
-        rounds.add(block, ref)
-        if rounds.history[-1]["active_next"] != recorded["active_next"]:
-            raise ConfigError(f"{path}: round {recorded['round']}'s folders no longer give its "
-                              "recorded decisions (a run folder changed); move the ledger "
-                              "folder away to start again")
-    if ledger["rounds"]:
+    rounds = _replay(ledger, the_plan, design, home, task) if ledger["rounds"] else None
+    if rounds is not None:
         say(f"rounds: resuming after round {len(ledger['rounds'])} ({path})")
     job = 0
-    while not rounds.done() and len(rounds.reference) < knobs.max_n:
-        number, offset = len(rounds.history) + 1, len(rounds.reference)
+    while rounds is None or (not rounds.done() and len(rounds.reference) < knobs.max_n):
+        number = len(ledger["rounds"]) + 1
+        offset = len(rounds.reference) if rounds else 0
         size = min(knobs.block, knobs.max_n - offset)
-        folder = home / f"round-{number:02d}"
-        extra = round_overrides(folder, offset, size)
-        labels = [REFERENCE, *sorted(rounds.active)]
-        batch = [without_root(the_plan.reference) + extra] + [
-            without_root(the_plan.common + the_plan.settings[x]) + extra for x in labels[1:]]
+        labels = [REFERENCE, *sorted(rounds.active if rounds else the_plan.settings)]
+        extra = round_overrides(home / f"round-{number:02d}", offset, size)
         say(f"rounds: round {number}: samples [{offset}, {offset + size}) for "
             f"{len(labels) - 1} setting(s) and the full cache")
-        launch(batch, job)
-        statuses = read_statuses(sweep_dir, job, len(batch))
-        job += len(batch)
-        folders = {}
-        for label, status in zip(labels, statuses):
-            if status.get("status") != "ok":
-                raise RoundError(f"round {number}: {label} {status.get('status')}: "
-                                 f"{status.get('detail')}; rerun the same command to resume "
-                                 f"(ledger: {path})")
-            folders[label] = Path(status["detail"])
+        launch([without_root(the_plan.reference) + extra] + [
+            without_root(the_plan.common + the_plan.settings[x]) + extra for x in labels[1:]],
+            job)
+        folders = _folders(labels, read_statuses(sweep_dir, job, len(labels)), number, path,
+                           ledger if rounds is None else None)
+        job += len(labels)
+        if rounds is None:  # after round 1: the settings that can run are known
+            rounds = sq.Rounds(_levels(ledger, the_plan), design)
         block, ref, bound = paired_block(folders, task)
         if bound != design.bound:
             raise RoundError(f"task={task}: scores bounded by {bound}, not 100 points")
         rounds.add(block, ref)
-        entry = {**rounds.history[-1], "offset": offset, "block": size,
-                 "folders": {k: str(v.relative_to(home)) if v.is_relative_to(home) else str(v)
-                             for k, v in folders.items()}}
-        ledger["rounds"].append(entry)
-        ledger["reported"] = _reported(rounds)
-        ledger["status"] = "done" if rounds.done() else "running"
-        _write(path, ledger)
+        ledger["rounds"].append({**rounds.history[-1], "offset": offset, "block": size,
+                                 "folders": {k: _relative(v, home) for k, v in folders.items()}})
+        _record(path, ledger, rounds, "done" if rounds.done() else "running")
     if not rounds.done():
-        ledger["status"] = "budget spent"
-        ledger["reported"] = _reported(rounds)
-        _write(path, ledger)
+        _record(path, ledger, rounds, "budget spent")
     for line in summary(ledger):
         say(line)
     return ledger
+
+
+def _levels(ledger: dict, the_plan: Plan) -> dict[str, str]:
+    """The settings the rounds decide: the sweep's, but those refused at round 1."""
+    kept = {k: v for k, v in the_plan.levels.items() if k not in ledger["skipped"]}
+    if not kept:
+        raise RoundError("every setting was refused in round 1: "
+                         + "; ".join(f"{k}: {v}" for k, v in ledger["skipped"].items()))
+    return kept
+
+
+def _replay(ledger: dict, the_plan: Plan, design: sq.Design, home: Path,
+            task: str) -> sq.Rounds:
+    """The finished rounds again, from their folders (their recorded decisions checked)."""
+    rounds = sq.Rounds(_levels(ledger, the_plan), design)
+    for recorded in ledger["rounds"]:
+        block, ref, _ = paired_block({k: home / v for k, v in recorded["folders"].items()}, task)
+        rounds.add(block, ref)
+        if rounds.history[-1]["active_next"] != recorded["active_next"]:
+            raise ConfigError(f"{home / LEDGER}: round {recorded['round']}'s folders no longer "
+                              "give its recorded decisions (a run folder changed); move the "
+                              "ledger folder away to start again")
+    return rounds
+
+
+def _folders(labels: list[str], statuses: list[dict], number: int, path: Path,
+             first: dict | None) -> dict[str, Path]:
+    """Each job's run folder from its status. In round 1 (`first`: the ledger) a setting the
+    harness refuses (skipped, or inactive: the method never acts at this length) leaves the
+    rounds with its reason; any other unfinished job stops them (a rerun resumes)."""
+    folders = {}
+    for label, status in zip(labels, statuses):
+        state, detail = status.get("status"), status.get("detail")
+        if state == "ok":
+            folders[label] = Path(detail)
+        elif first is not None and label != REFERENCE and state in ("skipped", "inactive"):
+            first["skipped"][label] = f"{state}: {detail}"
+        else:
+            raise RoundError(f"round {number}: {label} {state}: {detail}; rerun the same "
+                             f"command to resume (ledger: {path})")
+    return folders
+
+
+def _relative(folder: Path, home: Path) -> str:
+    return str(folder.relative_to(home)) if folder.is_relative_to(home) else str(folder)
+
+
+def _record(path: Path, ledger: dict, rounds: sq.Rounds, status: str) -> None:
+    ledger["reported"] = _reported(rounds)
+    ledger["status"] = status
+    _write(path, ledger)
 
 
 def _reported(rounds: sq.Rounds) -> dict:
@@ -361,6 +394,8 @@ def summary(ledger: dict) -> list[str]:
     budget = ledger["max_n"] * len(reported)
     lines = [f"rounds: {len(ledger['rounds'])} round(s), {ledger['status']}; {used} (setting, "
              f"sample) answers of {budget} at max_n (saved {budget - used})"]
+    for name, why in sorted(ledger.get("skipped", {}).items()):
+        lines.append(f"  {name}: not run ({why})")
     for name, r in sorted(reported.items()):
         v = r["versus_reference"]
         tail = f", top {ledger['knobs']['top_k']}: {r['membership']}" if "membership" in r else ""

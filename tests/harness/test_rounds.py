@@ -71,21 +71,24 @@ class FakeLaunch:
         for k, job in enumerate(batch):
             o = dict(part.split("=", 1) for part in job)
             method, offset, limit = o["method"], int(o["task.skip_samples"]), int(o["task.limit"])
+            status = self.sweep_dir / "status" / f"{first + k:04d}.json"
+            status.parent.mkdir(parents=True, exist_ok=True)
+            if method == "refused":  # as the harness skips a combination it cannot run
+                status.write_text(json.dumps({"status": "skipped", "detail": "no budget knob"}))
+                continue
             self.ran += [(method, i) for i in range(offset, offset + limit)]
             folder = rd.Path(o["runner.results_root"]) / method / f"run-{first + k}"
             folder.mkdir(parents=True)
             rows = [{"sample_id": f"s{i}", "subtask": "niah_single", "length_tokens": 320,
                      "score": float(U[i] < PLANTED[method])} for i in range(offset, offset + limit)]
             (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-            status = self.sweep_dir / "status" / f"{first + k:04d}.json"
-            status.parent.mkdir(parents=True, exist_ok=True)
             status.write_text(json.dumps({"status": "ok", "detail": str(folder)}))
 
 
 def test_rounds_sample_the_undecided_only_and_resume_after_a_cut(tmp_path):
     knobs = rd.check_knobs({"block": 20, "max_n": 400, "margin_points": 5, "top_k": 1,
                             "ledger_dir": str(tmp_path / "ledger")})
-    args = ["task=ruler", "method=same,bad,close"]
+    args = ["task=ruler", "method=same,bad,close,refused"]
     first = FakeLaunch(tmp_path / "sweep1", cut_at=3)
     with pytest.raises(KeyboardInterrupt):
         rd.run_rounds(args, knobs, "ruler", str(tmp_path), tmp_path / "sweep1", first,
@@ -103,6 +106,10 @@ def test_rounds_sample_the_undecided_only_and_resume_after_a_cut(tmp_path):
     windows = [(r["offset"], r["block"]) for r in ledger["rounds"]]
     assert windows == [(20 * i, 20) for i in range(len(windows))]
     reported = ledger["reported"]
+    assert ledger["skipped"] == {"method=refused": "skipped: no budget knob"}
+    assert "method=refused" not in reported and "  method=refused: not run (skipped: no budget " \
+        "knob)" in lines
+    assert all("method=refused" not in r["ran"] for r in ledger["rounds"])
     assert reported["method=bad"]["verdict"] == "worse"
     assert reported["method=same"]["verdict"] == "indistinguishable"
     assert reported["method=same"]["membership"] == "in"
