@@ -207,6 +207,7 @@ def open_ledger(path: Path, knobs: Knobs, the_plan: Plan) -> dict:
         raise ConfigError(f"rounds.max_n={knobs.max_n}: {path} already holds {done} samples "
                           f"per sampled setting; allowed: rounds.max_n >= {done}")
     ledger["max_n"] = knobs.max_n
+    ledger.setdefault("skipped", {})
     return ledger
 
 
