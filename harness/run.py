@@ -106,12 +106,7 @@ def build_metrics(session, setting, engine, result, t_start: float,
         "memory": peak_memory(engine.device),
         "kv": kv_figures(engine, method),
         "transfer": {"kv_offload": runner.get("kv_offload", "none"), **engine.transfers.summary()},
-        "model": {"name": spec.name, "description": spec.description, "source": spec.source,
-                  "config_hash": spec.extra.get("identity", {}).get("config_hash"),
-                  "dtype": str(spec.dtype).replace("torch.", ""), "device": str(engine.device),
-                  "num_layers": info.num_layers, "num_heads": info.num_heads,
-                  "num_kv_heads": info.num_kv_heads, "head_dim": info.head_dim,
-                  "max_positions": info.max_positions,
+        "model": {**model_section(spec, info, engine.device),
                   "parameters": models.parameter_count(session.model)},
         "method": {"name": setting.method_name, "hyperparameters": method.hyperparameters(),
                    "provenance": method.provenance_label(),
@@ -135,9 +130,7 @@ def build_metrics(session, setting, engine, result, t_start: float,
                      "batch_size": runner["batch_size"], "attn_impl": runner["attn_impl"],
                      "positions": "text positions, explicit position_ids", "seed": runner["seed"]},
         "env": environment(Path(__file__).resolve().parents[1]),
-        "run": {"started": datetime.fromtimestamp(t_start).isoformat(timespec="seconds"),
-                "wall_s": round(time.time() - t_start, 3), "config_hash": setting.identity,
-                "status": "ok", **(run_extra or {})},
+        "run": {**run_section(t_start, setting.identity), **(run_extra or {})},
     }
     if engine.diagnostics is not None:
         metrics["diagnostics"] = engine.diagnostics.summary()
@@ -145,6 +138,22 @@ def build_metrics(session, setting, engine, result, t_start: float,
     if projected is not None:
         metrics["projected"] = projected
     return stamp(metrics)
+
+
+def model_section(spec, info, device) -> dict[str, Any]:
+    """metrics.json's `model`: what ran, whichever engine ran it."""
+    return {"name": spec.name, "description": spec.description, "source": spec.source,
+            "config_hash": spec.extra.get("identity", {}).get("config_hash"),
+            "dtype": str(spec.dtype).replace("torch.", ""), "device": str(device),
+            "num_layers": info.num_layers, "num_heads": info.num_heads,
+            "num_kv_heads": info.num_kv_heads, "head_dim": info.head_dim,
+            "max_positions": info.max_positions}
+
+
+def run_section(t_start: float, identity: str) -> dict[str, Any]:
+    """metrics.json's `run`: when it started, how long it took, its config identity."""
+    return {"started": datetime.fromtimestamp(t_start).isoformat(timespec="seconds"),
+            "wall_s": round(time.time() - t_start, 3), "config_hash": identity, "status": "ok"}
 
 
 def write_result(setting, out: Path, metrics: dict[str, Any], result, engine) -> Path:

