@@ -114,6 +114,19 @@ def test_keys_read_through_a_block_table_are_the_requests_keys():
     assert torch.equal(got[1, :, :64], torch.cat([cache[2], cache[8]], 1))
 
 
+def test_the_cpu_cache_is_read_in_vllms_layout():
+    """vLLM's CPU cache (vec ISA, checked against its cpu_attn_reshape_and_cache by hand): per
+    block and KV head, the keys channel-major [D][block], then the values token-major."""
+    blocks, h, bs, d = 3, 2, 32, 4
+    keys = torch.randn(blocks, h, bs, d)  # token-major, what a request's rows are
+    values = torch.randn(blocks, h, bs, d)
+    stored = torch.cat([keys.transpose(2, 3).reshape(blocks, h, bs * d),
+                        values.reshape(blocks, h, bs * d)], -1).view(blocks, h, bs, 2 * d)
+    k, v = quest_math.cpu_cache_views(stored)
+    assert torch.equal(k, keys) and torch.equal(v, values)
+    assert k.data_ptr() == stored.data_ptr()  # views: nothing copied
+
+
 def test_prompt_lengths_come_from_the_prefill_rows():
     book = quest_math.PromptLengths()
     # step 1: request A (first block 5) prefills 40 of 100 tokens, B (block 2) a 30-token prompt
@@ -251,8 +264,8 @@ def test_the_plugin_is_idle_without_a_method(monkeypatch):
 
 # --- against a real vLLM (make test-vllm) ------------------------------------------------------
 
-PROMPT = ("Paul Graham wrote essays about startups, programming languages and cities. " * 12
-          + "The special magic number is 48213. " + "Cities shape ambition in quiet ways. " * 8
+PROMPT = ("Paul Graham wrote essays about startups, programming languages and cities. " * 30
+          + "The special magic number is 48213. " + "Cities shape ambition in quiet ways. " * 20
           + "What is the special magic number? Answer: The special magic number is")
 
 

@@ -102,14 +102,12 @@ class QuestCPUImpl(CPUAttentionBackendImpl):
             return out
         if layer_index(layer.layer_name) in self.settings.dense_layers:
             return out
-        self._quest_rows(query, key, kv_cache, attn_metadata, output)
+        self._quest_rows(layer, query, key, kv_cache, attn_metadata, output)
         return out
 
-    def _quest_rows(self, query, key, kv_cache, meta, output) -> None:
+    def _quest_rows(self, layer, query, key, kv_cache, meta, output) -> None:
         """Recompute the decode rows' outputs with Quest (vLLM's kernel already wrote them)."""
-        num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
-        key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size,
-                                               -1).chunk(2, dim=2)
+        key_cache, value_cache = quest_math.cpu_cache_views(kv_cache)
         rows, tokens = meta.decode_rows, meta.decode_tokens
         lengths = meta.seq_lens[rows].long()
         longest = int(lengths.max())
@@ -117,6 +115,7 @@ class QuestCPUImpl(CPUAttentionBackendImpl):
         keys = quest_math.gather_paged(key_cache, table, longest)  # (R, H_kv, T, D)
         values = quest_math.gather_paged(value_cache, table, longest)
         if not self.layout_checked:
+            self.isa_seen = getattr(layer, "isa", None)
             self._check_layout(keys, key[tokens], lengths)
         q = query[tokens]  # (R, H_q, D)
         s = self.settings
@@ -129,8 +128,9 @@ class QuestCPUImpl(CPUAttentionBackendImpl):
         read = keys[torch.arange(keys.shape[0]), :, lengths - 1]  # (R, H_kv, D)
         if not torch.equal(read, newest.to(read.dtype)):
             raise RuntimeError("kv-harness Quest backend: the keys read through the block table "
-                               "are not the keys vLLM wrote (the CPU cache layout differs from "
-                               "[blocks, KV heads, block, head size] K then V)")
+                               "are not the keys vLLM wrote (this attention ISA, "
+                               f"{getattr(self, 'isa_seen', '?')}, stores another layout than "
+                               "quest_math.cpu_cache_views reads)")
         if not QuestCPUImpl.announced:
             print(f"kv-harness Quest: first decode step in process {os.getpid()} ({keys.shape[0]} "
                   f"rows; the keys read through the block table are vLLM's)", file=sys.stderr,

@@ -67,6 +67,19 @@ def page_counts(lengths: torch.Tensor, budgets: torch.Tensor, page_size: int,
     return torch.minimum(wanted.clamp(min=min_pages), pages)
 
 
+def cpu_cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token-major views `(num_blocks, H_kv, block_size, D)` of K and V in one layer's cache of
+    vLLM 0.32's CPU attention, `kv_cache (num_blocks, H_kv, block_size, 2 * D)`: per block and KV
+    head, block_size * D key elements stored channel-major (`[D][block_size]`, as its vec and
+    vec16 kernels read them; `cpu_attn_reshape_and_cache` writes them so), then block_size * D
+    value elements token-major (`[block_size][D]`). Views, no copy."""
+    blocks, heads, block_size, two_d = kv_cache.shape
+    d = two_d // 2
+    regions = kv_cache.view(blocks, heads, 2, block_size * d)
+    keys = regions[:, :, 0].view(blocks, heads, d, block_size).transpose(2, 3)
+    return keys, regions[:, :, 1].view(blocks, heads, block_size, d)
+
+
 def gather_paged(cache: torch.Tensor, block_table: torch.Tensor, tokens: int) -> torch.Tensor:
     """The first `tokens` rows of each request from a paged cache `(num_blocks, H_kv,
     block_size, D)` through its `block_table (R, max_blocks)`: `(R, H_kv, tokens, D)` (rows past
