@@ -179,3 +179,14 @@ def test_the_cli_runs_rounds_and_resumes_on_stories260k(tmp_path):
     assert cut.stdout.count("skipped: a complete result for this config") == 3
     assert sorted(p.parent for p in (ledger_dir / "round-02").rglob("metrics.json")) == second
     assert len(json.loads((ledger_dir / rd.LEDGER).read_text())["rounds"]) == 2
+
+
+def test_rounds_arguments_are_read_apart_from_the_sweep():
+    knobs, rest = rd.split_argv(["-m", "method=h2o,snapkv", "rounds.block=10",
+                                 "rounds.top_k=null", "rounds.alpha=0.1", "task=ruler"])
+    assert knobs == {"block": 10, "top_k": None, "alpha": 0.1}
+    assert rest == ["method=h2o,snapkv", "task=ruler"]
+    with pytest.raises(ConfigError, match="give rounds.block=<value>"):
+        rd.split_argv(["rounds.block"])
+    with pytest.raises(ConfigError, match="a backslash cannot pass"):
+        rd.check_knobs({"ledger_dir": "a\\b"})
