@@ -23,7 +23,8 @@ any reason. The price against a fixed-n interval is a wider interval at the same
 
 Target: the CS covers the mean of the differences' conditional means over the samples seen
 (the samples come in the task's order: RULER's round-robin over its cells, so at a multiple of
-the number of cells this is the equal-weight mean over the cells).
+the number of cells this is the equal-weight mean over the cells, not RULER's average, which
+weighs sub-tasks equally).
 
 Questions and their error: every setting is compared with the reference (decided "worse" or
 "better" when its CS excludes 0, "indistinguishable" when it lies inside +-margin), and with
