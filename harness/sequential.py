@@ -28,9 +28,10 @@ weighs sub-tasks equally).
 
 Questions and their error: every setting is compared with the reference (decided "worse" or
 "better" when its CS excludes 0, "indistinguishable" when it lies inside +-margin), and with
-`top_k`, every pair of settings of one budget level (ordered when its paired CS excludes 0) and
-every setting's membership of its level's top k (in: fewer than k others are not shown below it;
-out: k others are shown above it). alpha is split evenly over every CS that may be looked at
+`top_k`, every pair of settings of one budget level (ordered when its paired CS excludes 0,
+equal when it lies inside +-margin) and every setting's membership of its level's top k (in:
+fewer than k others are not shown below it; out: k others are shown above it; tied: neither,
+but every pair in the way is shown equal within the margin, so the top k is not unique). alpha is split evenly over every CS that may be looked at
 (Bonferroni over the settings and the pairs, fixed before the first round so an interval never
 depends on when others stop): the chance that any reported CS, at any round, misses its mean
 is at most alpha. A setting is sampled while any question it is part of is undecided (its own,
@@ -200,7 +201,7 @@ class State:
     versus_reference: dict[str, Interval] = field(default_factory=dict)
     verdict: dict[str, str] = field(default_factory=dict)  # worse|better|indistinguishable|undecided
     pair_interval: dict[tuple[str, str], Interval] = field(default_factory=dict)
-    membership: dict[str, str] = field(default_factory=dict)  # in|out|undecided (top_k only)
+    membership: dict[str, str] = field(default_factory=dict)  # in|out|tied|undecided (top_k)
     active: set[str] = field(default_factory=set)
 
 
@@ -247,28 +248,42 @@ def decide(scores: dict[str, list[float]], reference: list[float], levels: dict[
         interval = sequence(d, design.bound, alpha, [n], steps)[0]
         state.versus_reference[name] = interval
         state.verdict[name] = verdict_of(interval, design.margin)
-    unordered: dict[str, set[str]] = {name: set() for name in scores}
+    unsettled: dict[str, set[str]] = {name: set() for name in scores}
     if design.top_k is not None:
-        above: set[tuple[str, str]] = set()
-        for a, b in pairs(levels):
-            n = min(len(scores[a]), len(scores[b]))
-            d = np.asarray(scores[a][:n], dtype=float) - np.asarray(scores[b][:n], dtype=float)
-            interval = sequence(d, design.bound, alpha, [n], steps)[0]
-            state.pair_interval[(a, b)] = interval
-            if interval.excludes_zero():
-                a_higher = interval.low > 0  # the difference a - b is positive
-                above.add((a, b) if a_higher == higher_is_better else (b, a))
-            else:
-                unordered[a].add(b)
-                unordered[b].add(a)
+        above, unsettled = _pair_questions(scores, levels, design, alpha, higher_is_better,
+                                           steps, state)
         for name in scores:
-            state.membership[name] = _membership(name, levels, above, design.top_k)
+            membership = _membership(name, levels, above, design.top_k)
+            # only pairs shown equal within the margin stand in the way: a tie, decided
+            state.membership[name] = ("tied" if membership == "undecided"
+                                      and not unsettled[name] else membership)
     for name in scores:
         own = state.verdict[name] != "undecided" and state.membership.get(name) != "undecided"
-        needed = any(state.membership.get(o) == "undecided" for o in unordered[name])
+        needed = any(state.membership.get(o) == "undecided" for o in unsettled[name])
         if not own or needed:
             state.active.add(name)
     return state
+
+
+def _pair_questions(scores: dict[str, list[float]], levels: dict[str, str], design: Design,
+                    alpha: float, higher_is_better: bool, steps: int, state: State
+                    ) -> tuple[set[tuple[str, str]], dict[str, set[str]]]:
+    """Every pair's CS (into `state`), the pairs shown ordered ((a, b): a above b) and, per
+    setting, its rivals still unsettled: neither ordered nor shown equal within the margin."""
+    above: set[tuple[str, str]] = set()
+    unsettled: dict[str, set[str]] = {name: set() for name in scores}
+    for a, b in pairs(levels):
+        n = min(len(scores[a]), len(scores[b]))
+        d = np.asarray(scores[a][:n], dtype=float) - np.asarray(scores[b][:n], dtype=float)
+        interval = sequence(d, design.bound, alpha, [n], steps)[0]
+        state.pair_interval[(a, b)] = interval
+        if interval.excludes_zero():
+            a_higher = interval.low > 0  # the difference a - b is positive
+            above.add((a, b) if a_higher == higher_is_better else (b, a))
+        elif not interval.within(design.margin):
+            unsettled[a].add(b)
+            unsettled[b].add(a)
+    return above, unsettled
 
 
 class Rounds:

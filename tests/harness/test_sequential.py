@@ -151,3 +151,19 @@ def test_bad_arguments():
         sq.Design(top_k=0)
     with pytest.raises(ValueError, match="within"):
         sq.sequence([150.0], 100.0, 0.05)
+
+
+def test_settings_equal_within_the_margin_are_tied_not_sampled_forever():
+    """Two settings identical on every sample cannot be ordered; with a margin their pair is
+    shown equal, their top-1 membership is "tied", and the rounds stop."""
+    rng = np.random.default_rng(4)
+    ref = 100.0 * (rng.random(400) < 0.8)
+    twin = np.where(rng.random(400) < 0.5, 0.0, ref)  # about 40 points below the reference
+    values = {"a": twin, "b": twin.copy(), "c": 100.0 * (rng.random(400) < 0.05)}
+    levels = {k: "0.2" for k in values}
+    tied = run_sweep(values, ref, levels, sq.Design(alpha=0.05, margin=10.0, top_k=1), 20, 400)
+    assert tied.done()
+    assert {k: tied.reported[k]["membership"] for k in values} == {
+        "a": "tied", "b": "tied", "c": "out"}
+    endless = run_sweep(values, ref, levels, sq.Design(alpha=0.05, margin=0.0, top_k=1), 20, 400)
+    assert not endless.done() and len(endless.reference) == 400  # no margin: never settled
