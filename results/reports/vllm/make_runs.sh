@@ -5,6 +5,8 @@
 # `quant`: our KV quantizers (KIVI, KVQuant, TurboQuant at their defaults) on the same samples, one
 # sweep per task (the sweep engine prefills each prompt once for the three).
 #   results/reports/vllm/make_runs.sh vllm|ours|quant|report [ROOT]
+# `quest`: Quest at its defaults (budget_ratio 0.2) inside vLLM (scripts/kvh_vllm_plugin) and through
+# our engine, RULER 1K (make_runs.sh quest).
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
 ROOT=${2:-results/reports/vllm/runs}
@@ -27,6 +29,12 @@ quant)
         runner.results_root="$ROOT" hydra.sweep.dir="$ROOT/_sweeps/ruler"
     .venv/bin/python -m harness -m "${PPL[@]}" method=kivi,kvquant,turboquant \
         runner.results_root="$ROOT" hydra.sweep.dir="$ROOT/_sweeps/ppl" ;;
+quest)
+    # Quest inside vLLM (the project's plugin, docs/vllm.md) and ours, same samples and knobs;
+    # 16 sequences at once fit the 1 GiB KV space whole, so vLLM preempts none
+    .venv/bin/python -m harness.vllm_engine "${RULER[@]}" method=quest vllm.kv_space_gib=1 \
+        vllm.max_num_seqs=16 runner.results_root="$ROOT"
+    .venv/bin/python -m harness "${RULER[@]}" method=quest runner.results_root="$ROOT" ;;
 report)
     .venv/bin/python -m harness.report "$ROOT" --out results/reports/vllm/report ;;
 *) echo "usage: $0 vllm|ours|quant|report [ROOT]" >&2; exit 2 ;;
