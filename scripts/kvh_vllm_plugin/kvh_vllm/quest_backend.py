@@ -14,7 +14,8 @@ Why this shape:
     in prefill (`is_prefilling`: computed tokens < prompt tokens; the last prefill chunk ends at
     the prompt's end). A first block is the request's own only without prefix caching, so the
     harness turns it off for this backend. A request preempted and recomputed would re-record a
-    longer "prompt" (its generated tokens too): size the scheduler so none is (the run's log).
+    longer "prompt" (its generated tokens too): size the scheduler so none is (max_num_seqs
+    requests of the longest length fit the KV space)
 """
 
 from __future__ import annotations
