@@ -11,12 +11,14 @@ half-width is in the metric's own units (points for scores x100, ppl for perplex
 
 With `--rounds-block B --rounds-max-n N` it also plans the sequential design (harness.rounds,
 harness.sequential): for every comparison of bounded per-sample scores, sweeps simulated from
-the pilot's paired differences (pass/fail: exactly its gained and lost shares; graded: a
-three-point stand-in with the pilot's mean and variance; fixed seed) looked at every B samples
+the pilot's per-sample paired differences (drawn with replacement, fixed seed; the plain
+per-sample mean, as the rounds decide on, not a task's weighted average) looked at every B samples
 with the anytime-valid CS (alpha split over the comparisons, Bonferroni, as the rounds do),
 stopped when it excludes 0 or lies inside +-`--margin`: the mean stopping n, the share decided
 by N, the n at which the CS reaches the wanted half-width, and the n of a fixed-sample design
-deciding the same question with the same power; "saved" is that n minus the mean stopping n.
+deciding the same question with the same power; "saved" is that n minus the mean stopping n,
+and per task column the whole sweep's: a fixed-n sweep gives every setting one n, the n its
+hardest comparison needs.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def plan(paths: list[str], half_width: float, resamples: int = stats.RESAMPLES,
                 pass
         out.append(record)
     if rounds:
-        add_rounds(out, compared, half_width, rounds["block"], rounds["max_n"],
+        add_rounds(out, compared, rows, half_width, rounds["block"], rounds["max_n"],
                    rounds["alpha"], rounds["margin"])
     return out
 
@@ -115,33 +117,72 @@ def check_rounds(block: int | None, max_n: int | None, alpha: float, margin: flo
         raise ConfigError(f"--margin {margin}: must be a number >= 0, in the metric's units")
 
 
-def add_rounds(records: list[dict], compared: list[dict], half_width: float, block: int,
-               max_n: int, alpha: float, margin: float) -> None:
+def add_rounds(records: list[dict], compared: list[dict], rows: list[dict], half_width: float,
+               block: int, max_n: int, alpha: float, margin: float) -> None:
     """The sequential design's figures on every record of bounded per-sample scores."""
     from harness import sequential
 
     by_key = {(c["model"], c["protocol"], c["method"], c["setting"], c["column"]): c
               for c in compared}
+    by_run = {r["run"]: r for r in rows}
     sized = [r for r in records if "needed" in r and r["unit"] == "samples"]
     per = alpha / max(1, len(sized))  # Bonferroni over the comparisons, as the rounds split it
     for r in sized:
         c = by_key[(r["model"], r["protocol"], r["method"], r["setting"], r["column"])]
-        bound = 100.0 if "lm_eval" not in c["column"] else 1.0
-        if "lost" in c:  # pass/fail: the differences are exactly +bound, -bound or 0
-            plus, minus = c["gained"] / c["n"], c["lost"] / c["n"]
-        else:
-            sd = r["half_width"] / 1.96 * math.sqrt(c["n"])
-            try:
-                plus, minus = sequential.three_point(c["difference"], sd ** 2, bound)
-            except ValueError as exc:
-                r["rounds_why"] = str(exc)
-                continue
-        p = sequential.plan_rounds(plus, minus, bound, per, margin, block, max_n, half_width)
+        run = by_run[c["entry"]["cells"][c["column"]]]
+        pairing = _paired_with_full(run, rows)
+        if pairing is None or pairing.units.full_score is None:
+            r["rounds_why"] = ("no full-cache run on the same samples" if pairing is None
+                               else "scores without a bound")
+            continue
+        p = sequential.plan_rounds(pairing.run - pairing.reference, pairing.units.full_score,
+                                   per, margin, block, max_n, half_width)
         r.update(rounds_expected_n=p.expected_n, rounds_power=p.power,
                  rounds_n_for_half_width=p.n_for_half_width,
                  fixed_n_same_power=p.fixed_n_same_power,
                  samples_saved=(None if p.fixed_n_same_power is None
                                 else p.fixed_n_same_power - p.expected_n))
+
+
+def _paired_with_full(run: dict, rows: list[dict]):
+    """The run's samples paired with a full-cache run's on the same samples (one of the same
+    attention path first, the latest first), or None."""
+    from harness.report.compare import samples_of
+    from harness.uncertainty import PairingError, pair
+
+    attn = run["_metrics"].get("protocol", {}).get("attn_impl", "sdpa")
+    full = [r for r in rows if r["method"] == "full" and r["task"] == run["task"]
+            and r["model"] == run["model"] and r is not run]
+    full.sort(key=lambda r: (r["_metrics"].get("protocol", {}).get("attn_impl", "sdpa") == attn,
+                             r["_metrics"].get("run", {}).get("started", "")), reverse=True)
+    for ref in full:
+        try:
+            return pair(run["task"], samples_of(ref) or [], samples_of(run) or [])
+        except (PairingError, ValueError, KeyError):
+            continue
+    return None
+
+
+def sweep_totals(records: list[dict]) -> list[str]:
+    """Per task column, the whole sweep: the rounds' expected answers against a fixed-n sweep
+    of the same power (every setting at the n its hardest comparison needs: a sweep gives all
+    its settings one n). Columns where some comparison never decides say so."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        if "rounds_expected_n" in r:
+            groups.setdefault((r["model"], r["protocol"], r["column"]), []).append(r)
+    lines = []
+    for (model, protocol, column), rs in groups.items():
+        rounds = sum(r["rounds_expected_n"] for r in rs)
+        fixed = [r["fixed_n_same_power"] for r in rs]
+        head = f"sweep {model} {protocol} {column}: rounds ~{rounds:.0f} (setting, sample) answers"
+        if None in fixed:
+            lines.append(f"{head}; a fixed-n sweep cannot match their power (a comparison the "
+                         "rounds never decide by max_n)")
+            continue
+        lines.append(f"{head}; a fixed-n sweep of the same power: {len(rs)} x {max(fixed)} = "
+                     f"{len(rs) * max(fixed)} (saved {len(rs) * max(fixed) - rounds:.0f})")
+    return lines
 
 
 def _rounds_cells(r: dict, max_n: int) -> list[str]:
@@ -210,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
               "the same samples)", file=sys.stderr)
         return 2
     sys.stdout.write(table(records, args.half_width, args.rounds_max_n if rounds else None))
+    for line in sweep_totals(records) if rounds else []:
+        print(line)
     return 0
 
 

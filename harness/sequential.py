@@ -356,19 +356,6 @@ class Rounds:
 
 # --- planning: the rounds' expected cost against a fixed-n design ---------------------------------
 
-def three_point(mean: float, var: float, bound: float) -> tuple[float, float]:
-    """P(D = +bound), P(D = -bound) of the difference on {-bound, 0, +bound} with this mean and
-    variance (pass/fail scores: exactly the gained and lost shares). ValueError when no such
-    distribution exists (a variance beyond what the bound allows)."""
-    second = (var + mean ** 2) / bound ** 2  # E[D^2] / R^2 = P(+) + P(-)
-    shift = mean / bound  # P(+) - P(-)
-    plus, minus = (second + shift) / 2, (second - shift) / 2
-    if minus < -1e-12 or plus < -1e-12 or second > 1 + 1e-12:
-        raise ValueError(f"no difference in [-{bound:g}, {bound:g}] has mean {mean:.4g} and "
-                         f"variance {var:.4g}")
-    return max(plus, 0.0), max(minus, 0.0)
-
-
 @dataclass(frozen=True)
 class RoundsPlan:
     """What the rounds would cost one comparison: the mean stopping n (`expected_n`, capped at
@@ -382,30 +369,31 @@ class RoundsPlan:
     fixed_n_same_power: int | None
 
 
-def plan_rounds(plus: float, minus: float, bound: float, alpha: float, margin: float,
-                block: int, max_n: int, half_width: float, sims: int = 100, seed: int = 0,
+def plan_rounds(differences, bound: float, alpha: float, margin: float, block: int,
+                max_n: int, half_width: float, sims: int = 100, seed: int = 0,
                 steps: int = 400) -> RoundsPlan:
-    """Simulated sweeps (fixed seed) of one comparison whose per-sample difference is +bound,
-    -bound or 0 with probabilities plus, minus and the rest: looks every `block` samples, stop
-    when the CS excludes 0 or lies inside +-margin."""
+    """Simulated sweeps (fixed seed) of one comparison, each drawing its per-sample differences
+    from a pilot's (`differences`, with replacement): looks every `block` samples, stopped when
+    the CS excludes 0 or lies inside +-margin."""
+    pilot = np.asarray(differences, dtype=float)
+    check_differences(pilot, bound)
+    if pilot.size == 0:
+        raise ValueError("no pilot differences to plan from")
     rng = np.random.default_rng(seed)
     looks = list(range(block, max_n + 1, block))
     stops, widths = [], []
     for _ in range(sims):
-        u = rng.random(max_n)
-        d = bound * ((u < plus).astype(float) - ((u >= plus) & (u < plus + minus)))
-        seq = sequence(d, bound, alpha, looks, steps)
+        seq = sequence(rng.choice(pilot, max_n), bound, alpha, looks, steps)
         decided = [k for k, iv in zip(looks, seq) if verdict_of(iv, margin) != "undecided"]
         stops.append(decided[0] if decided else None)
         widths.append([(iv.high - iv.low) / 2 for iv in seq])
     median = np.median(np.asarray(widths), axis=0)
     reach = [k for k, w in zip(looks, median) if w <= half_width]
     power = sum(s is not None for s in stops) / sims
-    mean = bound * (plus - minus)
-    sd = math.sqrt(max(bound ** 2 * (plus + minus) - mean ** 2, 0.0))
     return RoundsPlan(float(np.mean([s if s is not None else max_n for s in stops])), power,
                       reach[0] if reach else None,
-                      fixed_n_for_power(mean, sd, alpha, power, margin))
+                      fixed_n_for_power(float(pilot.mean()), float(pilot.std()), alpha, power,
+                                        margin))
 
 
 def fixed_n_for_power(mean: float, sd: float, alpha: float, power: float,

@@ -123,6 +123,11 @@ def test_the_rounds_plan_saves_samples_on_a_clear_loss_and_says_so(tmp_path, cap
     assert records["snapkv"]["rounds_power"] > 0.5  # inside +-10 points, and shown to be
     assert plan.main([str(tmp_path), "--half-width", "5", "--resamples", "300",
                       "--rounds-block", "10", "--rounds-max-n", "200", "--margin", "10"]) == 0
-    assert "fixed n, same power" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fixed n, same power" in out
+    fixed = max(r["fixed_n_same_power"] for r in records.values())
+    expected = sum(r["rounds_expected_n"] for r in records.values())
+    assert f"a fixed-n sweep of the same power: 2 x {fixed} = {2 * fixed} (saved " \
+           f"{2 * fixed - expected:.0f})" in out
     assert plan.main([str(tmp_path), "--half-width", "5", "--rounds-block", "10"]) == 2
     assert "--rounds-block and --rounds-max-n go together" in capsys.readouterr().err
