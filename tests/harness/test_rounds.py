@@ -154,6 +154,15 @@ def test_the_cli_runs_rounds_and_resumes_on_stories260k(tmp_path):
     bad = _cli(["rounds.block=0"], tmp_path)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "error: rounds.block=0 must be an integer >= 1 (samples a round adds per setting)"]
+    stream = subprocess.run([sys.executable, "-m", "harness.rounds", "model=stories260k",
+                             "task=perplexity", "method=h2o,snapkv",
+                             f"runner.results_root={tmp_path}"], cwd=PROJECT,
+                            env={**os.environ, "PYTHONPATH": str(PROJECT)}, capture_output=True,
+                            text=True, timeout=600)
+    assert stream.returncode == 2 and stream.stderr.strip().splitlines()[-1] == (
+        "error: task=perplexity has no task.skip_samples (a window of its samples): rounds run "
+        "on task=ruler")
+    assert not any(tmp_path.iterdir())  # refused before anything ran: nothing left behind
     one = _cli(["rounds.block=2", "rounds.max_n=2", f"rounds.ledger_dir={ledger_dir}"], tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
     first = sorted(p.parent for p in (ledger_dir / "round-01").rglob("metrics.json"))
