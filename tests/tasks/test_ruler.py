@@ -277,3 +277,21 @@ def test_a_ruler_sample_count_is_estimated_without_building_the_cells(eight_gib,
     monkeypatch.setattr(Ruler, "cells", lambda self: pytest.fail("cells() were built"))
     task = build_task("ruler", samples_per_cell=10**12)
     assert task.validate(HUGE_MODEL, build_method("full"))
+
+
+def test_skip_samples_takes_a_window_of_the_same_order():
+    """task.skip_samples with task.limit: the window [skip, skip + limit) of the order limit alone
+    takes from (sequential rounds run consecutive windows); beyond the task's samples: refused."""
+    whole = ruler(subtasks=["niah_single", "vt"], depths=[25, 75], samples_per_cell=4).cells()
+    window = ruler(subtasks=["niah_single", "vt"], depths=[25, 75], samples_per_cell=4,
+                   skip_samples=6, limit=3)
+    assert len(whole) == 12 and window.cells() == whole[6:9]
+    info = ModelInfo(num_layers=1, num_heads=1, num_kv_heads=1, head_dim=8, max_positions=512)
+    assert window.validate(info, build_method("full")) == []
+    beyond = ruler(subtasks=["niah_single", "vt"], depths=[25, 75], samples_per_cell=4,
+                   skip_samples=12)
+    [reason] = beyond.validate(info, build_method("full"))
+    assert reason.startswith("task.skip_samples=12 leaves no sample of the task's 12") and \
+        "allowed: 0..11" in reason
+    with pytest.raises(ConfigError, match=r"task.skip_samples=-1 must be an integer >= 0"):
+        ruler(skip_samples=-1)
