@@ -98,16 +98,29 @@ def rejected_at(y, alpha: float, steps: int = GRID_STEPS) -> tuple[np.ndarray, n
     if n == 0:
         return m, first
     lam = _plug_in_bets(y, alpha)[:, None]  # (n, 1)
-    up = np.minimum(lam, BET_CAP / m[None, :])  # (n, G): never bet more than wealth allows
+    width = max(1, _CHUNK_CELLS // n)  # candidates at once: memory stays bounded at any n
+    for lo in range(0, m.size, width):
+        first[lo:lo + width] = _first_hits(y, lam, m[lo:lo + width], alpha)
+    return m, first
+
+
+# (samples x candidate means) held at once by `rejected_at`: about 32 MB per float array
+_CHUNK_CELLS = 4_000_000
+
+
+def _first_hits(y: np.ndarray, lam: np.ndarray, m: np.ndarray, alpha: float) -> np.ndarray:
+    """(g,) first t at which each candidate's hedged wealth reached 1/alpha (n + 1: never)."""
+    up = np.minimum(lam, BET_CAP / m[None, :])  # (n, g): never bet more than wealth allows
     down = np.minimum(lam, BET_CAP / (1 - m[None, :]))
     gap = y[:, None] - m[None, :]
     log_up = np.cumsum(np.log1p(up * gap), axis=0)
     log_down = np.cumsum(np.log1p(-down * gap), axis=0)
     wealth = np.logaddexp(math.log(HEDGE) + log_up, math.log(1 - HEDGE) + log_down)
-    hit = wealth >= math.log(1 / alpha)  # (n, G)
+    hit = wealth >= math.log(1 / alpha)  # (n, g)
+    out = np.full(m.size, y.size + 1)
     any_hit = hit.any(axis=0)
-    first[any_hit] = hit[:, any_hit].argmax(axis=0) + 1
-    return m, first
+    out[any_hit] = hit[:, any_hit].argmax(axis=0) + 1
+    return out
 
 
 def _hull(m: np.ndarray, alive: np.ndarray, y_mean: float) -> tuple[float, float]:
