@@ -77,9 +77,9 @@ def check_knobs(raw: dict[str, Any], prefix: str = "rounds.") -> Knobs:
     if not _is_int(k["block"]) or k["block"] < 1:
         raise ConfigError(f"{prefix}block={k['block']!r} must be an integer >= 1 (samples a round "
                           "adds per setting)")
-    if not _is_int(k["max_n"]) or k["max_n"] < k["block"]:
-        raise ConfigError(f"{prefix}max_n={k['max_n']!r} must be an integer >= {prefix}block="
-                          f"{k['block']} (the sample budget per setting)")
+    if not _is_int(k["max_n"]) or k["max_n"] < k["block"] or k["max_n"] % k["block"]:
+        raise ConfigError(f"{prefix}max_n={k['max_n']!r} must be a multiple of {prefix}block="
+                          f"{k['block']} (the sample budget per setting, in whole rounds)")
     if not _is_number(k["alpha"]) or not 0 < k["alpha"] < 1:
         raise ConfigError(f"{prefix}alpha={k['alpha']!r} must be a number in (0, 1) (the error "
                           "over every question, at every round)")
@@ -96,6 +96,15 @@ def check_knobs(raw: dict[str, Any], prefix: str = "rounds.") -> Knobs:
                           "through Hydra's override grammar; use / in paths")
     return Knobs(k["block"], k["max_n"], float(k["alpha"]), float(k["margin_points"]),
                  k["top_k"], k["ledger_dir"])
+
+
+def unbalanced(block: int, cells: int) -> str | None:
+    """Why a round of `block` samples is not balanced over the task's `cells` (None: it is)."""
+    if block % cells == 0:
+        return None
+    return (f"rounds.block={block} is not a multiple of the task's {cells} cells: a round "
+            "does not hold every cell equally often, so the intervals' coverage of the cells' "
+            f"mean is approximate; e.g. rounds.block={cells * max(1, round(block / cells))}")
 
 
 # --- the sweep's settings ------------------------------------------------------------------------
@@ -202,7 +211,7 @@ def open_ledger(path: Path, knobs: Knobs, the_plan: Plan) -> dict:
         raise ConfigError(f"{path} records another sweep (other settings, overrides or rounds "
                           "knobs); rerun with the same ones to resume (rounds.max_n may grow), "
                           "or choose another rounds.ledger_dir")
-    done = sum(r["block"] for r in ledger["rounds"])
+    done = knobs.block * len(ledger["rounds"])
     if knobs.max_n < done:
         raise ConfigError(f"rounds.max_n={knobs.max_n}: {path} already holds {done} samples "
                           f"per sampled setting; allowed: rounds.max_n >= {done}")
@@ -285,15 +294,14 @@ def run_rounds(arguments: list[str], knobs: Knobs, task: str, results_root: str,
     path = home / LEDGER
     ledger = open_ledger(path, knobs, the_plan)
     design = sq.Design(alpha=knobs.alpha, margin=knobs.margin_points, top_k=knobs.top_k,
-                       bound=100.0)
+                       bound=100.0, block=knobs.block)
     rounds = _replay(ledger, the_plan, design, home, task) if ledger["rounds"] else None
     if rounds is not None:
         say(f"rounds: resuming after round {len(ledger['rounds'])} ({path})")
     job = 0
     while rounds is None or (not rounds.done() and len(rounds.reference) < knobs.max_n):
         number = len(ledger["rounds"]) + 1
-        offset = len(rounds.reference) if rounds else 0
-        size = min(knobs.block, knobs.max_n - offset)
+        offset, size = len(rounds.reference) if rounds else 0, knobs.block
         labels = [REFERENCE, *sorted(rounds.active if rounds else the_plan.settings)]
         extra = round_overrides(home / f"round-{number:02d}", offset, size)
         say(f"rounds: round {number}: samples [{offset}, {offset + size}) for "

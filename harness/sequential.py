@@ -21,21 +21,27 @@ fix the looks in advance, while a CS allows any number of rounds, of any size, a
 any reason. The price against a fixed-n interval is a wider interval at the same n (about
 1.5x for pass/fail differences at n = 200): that is what keeps repeated looks honest.
 
-Target: the CS covers the mean of the differences' conditional means over the samples seen
-(the samples come in the task's order: RULER's round-robin over its cells, so at a multiple of
-the number of cells this is the equal-weight mean over the cells, not RULER's average, which
-weighs sub-tasks equally).
+Rounds: the bets are fixed for a round (from the samples of the rounds before) and the CS is
+looked at, and intersected, at round ends only. The samples come in the task's order (RULER's
+round-robin over its cells), so their means differ from sample to sample; when a round holds
+every cell equally often (a block that is a multiple of the number of cells), a round's
+expected wealth factor, a product of (1 + lambda * delta_i) with the deltas summing to 0, is at
+most 1 (the AM-GM inequality), so the wealth at round ends is a nonnegative supermartingale and
+the CS covers the equal-weight mean over the cells (not RULER's average, which weighs
+sub-tasks equally) exactly. Bets changed sample by sample (the paper's) need identically
+distributed samples.
 
 Questions and their error: every setting is compared with the reference (decided "worse" or
 "better" when its CS excludes 0, "indistinguishable" when it lies inside +-margin), and with
 `top_k`, every pair of settings of one budget level (ordered when its paired CS excludes 0,
 equal when it lies inside +-margin) and every setting's membership of its level's top k (in:
 fewer than k others are not shown below it; out: k others are shown above it; tied: neither,
-but every pair in the way is shown equal within the margin, so the top k is not unique). alpha is split evenly over every CS that may be looked at
-(Bonferroni over the settings and the pairs, fixed before the first round so an interval never
-depends on when others stop): the chance that any reported CS, at any round, misses its mean
-is at most alpha. A setting is sampled while any question it is part of is undecided (its own,
-or another's membership resting on an unordered pair with it); once it stops, its data and so
+but every pair in the way is shown equal within the margin, so the top k is not unique).
+alpha is split evenly over every CS that may be looked at (Bonferroni over the settings and
+the pairs, fixed before the first round so an interval never depends on when others stop):
+the chance that any reported CS, at any round, misses its mean is at most alpha. A setting is
+sampled while any question it is part of is undecided (its own, or another's membership
+resting on a pair with it that is neither ordered nor equal); once it stops, its data and so
 its interval are fixed for good.
 """
 
@@ -77,30 +83,34 @@ def _grid(steps: int) -> np.ndarray:
     return np.linspace(0.0, 1.0, steps + 1)[1:-1]  # (G,): interior points, bets need 0 < m < 1
 
 
-def _plug_in_bets(y: np.ndarray, alpha: float) -> np.ndarray:
-    """(n,) predictable bet sizes lambda_t: sqrt(2 log(2/alpha) / (sigma2_{t-1} t log(1+t)))
-    with the running mean and variance estimates seeded at 1/2 and 1/4 (the paper's eq. 26)."""
+def _plug_in_bets(y: np.ndarray, alpha: float, block: int = 1) -> np.ndarray:
+    """(n,) predictable bet sizes: sqrt(2 log(2/alpha) / (sigma2 t log(1+t))) with the running
+    mean and variance estimates seeded at 1/2 and 1/4 (the paper's eq. 26), t and sigma2 taken
+    at the start of each block of `block` samples (block 1: every sample, the paper's)."""
     n = y.size
     t = np.arange(1, n + 1, dtype=float)
     mu = (0.5 + np.cumsum(y)) / (t + 1)  # mu_hat_t, uses y_1..y_t
     var = (0.25 + np.cumsum((y - mu) ** 2)) / (t + 1)  # sigma2_hat_t
-    var_before = np.concatenate([[0.25], var[:-1]])  # sigma2_hat_{t-1}: predictable
-    return np.sqrt(2 * math.log(2 / alpha) / (var_before * t * np.log1p(t)))
+    var_before = np.concatenate([[0.25], var])  # sigma2_hat_{s} for s = 0..n
+    start = (np.arange(n) // block) * block  # samples before each one's block
+    first = start + 1.0  # the block's first t
+    return np.sqrt(2 * math.log(2 / alpha) / (var_before[start] * first * np.log1p(first)))
 
 
-def rejected_at(y, alpha: float, steps: int = GRID_STEPS) -> tuple[np.ndarray, np.ndarray]:
-    """For Y in [0, 1] (n,), the grid (G,) and, per candidate mean, the first t (1-based) at which
-    its hedged wealth reached 1/alpha (n + 1: never within the n samples)."""
+def rejected_at(y, alpha: float, steps: int = GRID_STEPS,
+                block: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """For Y in [0, 1] (n,), the grid (G,) and, per candidate mean, the first t (1-based, a
+    multiple of `block`) at which its hedged wealth reached 1/alpha (n + 1: never)."""
     y = np.asarray(y, dtype=float)
     m = _grid(steps)
     n = y.size
     first = np.full(m.size, n + 1)
     if n == 0:
         return m, first
-    lam = _plug_in_bets(y, alpha)[:, None]  # (n, 1)
+    lam = _plug_in_bets(y, alpha, block)[:, None]  # (n, 1)
     width = max(1, _CHUNK_CELLS // n)  # candidates at once: memory stays bounded at any n
     for lo in range(0, m.size, width):
-        first[lo:lo + width] = _first_hits(y, lam, m[lo:lo + width], alpha)
+        first[lo:lo + width] = _first_hits(y, lam, m[lo:lo + width], alpha, block)
     return m, first
 
 
@@ -108,18 +118,22 @@ def rejected_at(y, alpha: float, steps: int = GRID_STEPS) -> tuple[np.ndarray, n
 _CHUNK_CELLS = 4_000_000
 
 
-def _first_hits(y: np.ndarray, lam: np.ndarray, m: np.ndarray, alpha: float) -> np.ndarray:
-    """(g,) first t at which each candidate's hedged wealth reached 1/alpha (n + 1: never)."""
+def _first_hits(y: np.ndarray, lam: np.ndarray, m: np.ndarray, alpha: float,
+                block: int) -> np.ndarray:
+    """(g,) first block end t at which each candidate's hedged wealth reached 1/alpha (n + 1:
+    never). Only block ends are looked at: within a block the wealth is no martingale when the
+    block's samples have different means (RULER's cells), across whole blocks it is one."""
     up = np.minimum(lam, BET_CAP / m[None, :])  # (n, g): never bet more than wealth allows
     down = np.minimum(lam, BET_CAP / (1 - m[None, :]))
     gap = y[:, None] - m[None, :]
     log_up = np.cumsum(np.log1p(up * gap), axis=0)
     log_down = np.cumsum(np.log1p(-down * gap), axis=0)
     wealth = np.logaddexp(math.log(HEDGE) + log_up, math.log(1 - HEDGE) + log_down)
-    hit = wealth >= math.log(1 / alpha)  # (n, g)
+    ends = np.arange(block - 1, y.size, block)  # rows of the block ends
+    hit = wealth[ends] >= math.log(1 / alpha)  # (blocks, g)
     out = np.full(m.size, y.size + 1)
     any_hit = hit.any(axis=0)
-    out[any_hit] = hit[:, any_hit].argmax(axis=0) + 1
+    out[any_hit] = (ends[hit[:, any_hit].argmax(axis=0)] + 1)
     return out
 
 
@@ -134,27 +148,29 @@ def _hull(m: np.ndarray, alive: np.ndarray, y_mean: float) -> tuple[float, float
     return float(lo), float(hi)
 
 
-def sequence(differences, bound: float, alpha: float, looks=None,
-             steps: int = GRID_STEPS) -> list[Interval]:
+def sequence(differences, bound: float, alpha: float, looks=None, steps: int = GRID_STEPS,
+             block: int = 1) -> list[Interval]:
     """The CS of the mean paired difference after each look.
 
     Args:
         differences: (n,) per-sample differences, each in [-bound, bound].
         bound: R, the scores' range (scores in [0, R]).
         alpha: this CS's error (already split over the questions).
-        looks: the sample counts to report at (default: every n from 1).
+        looks: the sample counts to report at, multiples of `block` (default: every block end).
         steps: grid resolution on [0, 1].
+        block: samples per round: bets are fixed for a round and the CS is looked at (and
+            intersected) at round ends only. 1: every sample (i.i.d. differences).
 
     Returns:
         One Interval per look, in the differences' units.
     """
     d = np.asarray(differences, dtype=float)
     check_differences(d, bound)
-    looks = list(range(1, d.size + 1)) if looks is None else list(looks)
-    if any(k < 0 or k > d.size for k in looks):
-        raise ValueError(f"looks must lie in [0, {d.size}]")
+    looks = list(range(block, d.size + 1, block)) if looks is None else list(looks)
+    if any(k < 0 or k > d.size or k % block for k in looks):
+        raise ValueError(f"looks must be multiples of block={block} in [0, {d.size}]")
     y = (d + bound) / (2 * bound)
-    m, first = rejected_at(y, alpha, steps)
+    m, first = rejected_at(y, alpha, steps, block)
     out = []
     for k in looks:
         if k == 0:
@@ -179,14 +195,17 @@ def check_differences(d: np.ndarray, bound: float) -> None:
 class Design:
     """The rounds' statistical knobs: `alpha` over every question, the equivalence `margin`
     (scores' units; 0: never "indistinguishable"), `top_k` per budget level (None: the question
-    is not asked) and the scores' bound R."""
+    is not asked), the scores' bound R and the samples per round."""
 
     alpha: float = 0.05
     margin: float = 0.0
     top_k: int | None = None
     bound: float = 100.0
+    block: int = 1  # samples per round (bets fixed per round, looks at round ends)
 
     def __post_init__(self) -> None:
+        if isinstance(self.block, bool) or not isinstance(self.block, int) or self.block < 1:
+            raise ValueError(f"block={self.block!r} must be an integer >= 1")
         if not (0 < self.alpha < 1):
             raise ValueError(f"alpha={self.alpha!r} must lie in (0, 1)")
         if not (math.isfinite(self.margin) and self.margin >= 0):
@@ -258,7 +277,7 @@ def decide(scores: dict[str, list[float]], reference: list[float], levels: dict[
         if len(reference) < n:
             raise ValueError(f"reference has {len(reference)} scores, {name} has {n}")
         d = np.asarray(scores[name], dtype=float) - np.asarray(reference[:n], dtype=float)
-        interval = sequence(d, design.bound, alpha, [n], steps)[0]
+        interval = sequence(d, design.bound, alpha, [n], steps, design.block)[0]
         state.versus_reference[name] = interval
         state.verdict[name] = verdict_of(interval, design.margin)
     unsettled: dict[str, set[str]] = {name: set() for name in scores}
@@ -288,7 +307,7 @@ def _pair_questions(scores: dict[str, list[float]], levels: dict[str, str], desi
     for a, b in pairs(levels):
         n = min(len(scores[a]), len(scores[b]))
         d = np.asarray(scores[a][:n], dtype=float) - np.asarray(scores[b][:n], dtype=float)
-        interval = sequence(d, design.bound, alpha, [n], steps)[0]
+        interval = sequence(d, design.bound, alpha, [n], steps, design.block)[0]
         state.pair_interval[(a, b)] = interval
         if interval.excludes_zero():
             a_higher = interval.low > 0  # the difference a - b is positive
@@ -329,6 +348,9 @@ class Rounds:
                              f"missing {missing}")
         if len(reference) == 0 or any(len(v) != len(reference) for v in scores.values()):
             raise ValueError("every setting of a round scores the reference's samples")
+        if len(reference) != self.design.block:
+            raise ValueError(f"a round adds design.block={self.design.block} samples, not "
+                             f"{len(reference)}")
         for name, values in scores.items():
             self.scores[name].extend(float(x) for x in values)
         self.reference.extend(float(x) for x in reference)
@@ -396,7 +418,8 @@ def plan_rounds(differences, bound: float, alpha: float, margin: float, block: i
     looks = list(range(block, max_n + 1, block))
     stops, widths = [], []
     for _ in range(sims):
-        seq = sequence(rng.choice(pilot, max_n), bound, alpha, looks, steps)
+        seq = sequence(rng.choice(pilot, max_n - max_n % block), bound, alpha, looks, steps,
+                       block)
         decided = [k for k, iv in zip(looks, seq) if verdict_of(iv, margin) != "undecided"]
         stops.append(decided[0] if decided else None)
         widths.append([(iv.high - iv.low) / 2 for iv in seq])

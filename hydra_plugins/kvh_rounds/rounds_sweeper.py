@@ -4,14 +4,25 @@ Hydra's launcher, so every launcher of the harness runs the rounds' jobs)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from omegaconf import OmegaConf
 
-from harness.rounds import check_knobs, run_rounds
+from harness.rounds import check_knobs, run_rounds, unbalanced
 from kvcore.errors import ConfigError
+
+
+def task_cells(config) -> int:
+    """The task's cells (RULER: sub-task x length x depth), its samples' round-robin cycle."""
+    from tasks import build_task
+
+    options = OmegaConf.to_container(config.task, resolve=True)
+    options.pop("name", None)
+    options.update(limit=None, skip_samples=0, samples_per_cell=1)
+    return len(build_task(str(config.task.name), **options).cells())
 
 
 class RoundsSweeper(BasicSweeper):
@@ -27,6 +38,9 @@ class RoundsSweeper(BasicSweeper):
         if OmegaConf.select(self.config, "task.skip_samples", default=None) is None:
             raise ConfigError(f"task={task} has no task.skip_samples (a window of its samples): "
                               "rounds run on task=ruler")
+        warning = unbalanced(self.knobs.block, task_cells(self.config))
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         root = str(OmegaConf.select(self.config, "runner.results_root") or "results")

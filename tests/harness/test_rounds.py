@@ -20,7 +20,8 @@ from tests.conftest import PROJECT, STORIES, need_shared
 
 @pytest.mark.parametrize("raw, match", [
     ({"block": 0}, "rounds.block=0 must be an integer >= 1"),
-    ({"block": 20, "max_n": 10}, r"rounds.max_n=10 must be an integer >= rounds.block=20"),
+    ({"block": 20, "max_n": 10}, r"rounds.max_n=10 must be a multiple of rounds.block=20"),
+    ({"block": 20, "max_n": 50}, r"rounds.max_n=50 must be a multiple of rounds.block=20"),
     ({"alpha": 1.0}, r"rounds.alpha=1.0 must be a number in \(0, 1\)"),
     ({"margin_points": -1}, r"rounds.margin_points=-1 must be a number in \[0, 100\)"),
     ({"top_k": 0}, "rounds.top_k=0 must be an integer >= 1 or null"),
@@ -190,6 +191,14 @@ def test_the_cli_runs_rounds_and_resumes_on_stories260k(tmp_path):
     assert len(json.loads((ledger_dir / rd.LEDGER).read_text())["rounds"]) == 2
 
 
+def test_a_round_unbalanced_over_the_cells_is_named():
+    assert rd.unbalanced(14, 7) is None
+    assert rd.unbalanced(20, 7) == (
+        "rounds.block=20 is not a multiple of the task's 7 cells: a round does not hold every "
+        "cell equally often, so the intervals' coverage of the cells' mean is approximate; e.g. "
+        "rounds.block=21")
+
+
 def test_rounds_arguments_are_read_apart_from_the_sweep():
     knobs, rest = rd.split_argv(["-m", "method=h2o,snapkv", "rounds.block=10",
                                  "rounds.top_k=null", "rounds.alpha=0.1", "task=ruler"])
@@ -199,3 +208,17 @@ def test_rounds_arguments_are_read_apart_from_the_sweep():
         rd.split_argv(["rounds.block"])
     with pytest.raises(ConfigError, match="a backslash cannot pass"):
         rd.check_knobs({"ledger_dir": "a\\b"})
+
+
+def test_the_task_cells_count_ruler_cycle():
+    from omegaconf import OmegaConf
+
+    from harness import CONF_DIR
+    from hydra_plugins.kvh_rounds.rounds_sweeper import task_cells
+
+    cfg = OmegaConf.create({"task": OmegaConf.load(CONF_DIR / "task" / "ruler.yaml")})
+    cfg.task.subtasks, cfg.task.lengths = ["niah_single", "niah_multikey", "vt"], [1024]
+    cfg.task.limit, cfg.task.samples_per_cell = 3, 4  # neither changes the cycle
+    assert task_cells(cfg) == 7  # niah_single at 5 depths, 2 other sub-tasks
+    cfg.task.lengths = [1024, 4096]
+    assert task_cells(cfg) == 14

@@ -14,9 +14,9 @@ from harness import stats
 STEPS = 400  # a coarser grid than the harness's: the simulations stay at a few seconds
 
 
-def run_sweep(values: dict[str, np.ndarray], reference: np.ndarray, levels, design, block: int,
-              max_n: int) -> sq.Rounds:
-    rounds = sq.Rounds(levels, design, steps=STEPS)
+def run_sweep(values: dict[str, np.ndarray], reference: np.ndarray, levels, design: dict,
+              block: int, max_n: int) -> sq.Rounds:
+    rounds = sq.Rounds(levels, sq.Design(**design, block=block), steps=STEPS)
     start = 0
     while not rounds.done() and start < max_n:
         stop = min(start + block, max_n)
@@ -49,7 +49,7 @@ def test_planted_ordering_is_recovered():
     values = {k: 100.0 * ((0.8 * u + 0.2 * noise[k]) < p) for k, p in probs.items()}
     values["same"] = values["ref"].copy()  # the method is lossless here
     names = ["same", "close", "mid", "bad"]
-    design = sq.Design(alpha=0.05, margin=5.0, top_k=1)
+    design = {"alpha": 0.05, "margin": 5.0, "top_k": 1}
     rounds = run_sweep(values, values["ref"], {k: "0.5" for k in names}, design, 20, 600)
     assert rounds.done()
     verdicts = {k: rounds.reported[k]["verdict"] for k in names}
@@ -67,7 +67,7 @@ def test_planted_ordering_is_recovered():
     assert sum(n.values()) < 4 * 600 / 2  # far fewer samples than sampling everyone to the end
     # the top 2 asks for more: "close" must be shown above "mid" and "bad"
     top2 = run_sweep(values, values["ref"], {k: "0.5" for k in names},
-                     sq.Design(alpha=0.05, margin=5.0, top_k=2), 20, 600)
+                     {"alpha": 0.05, "margin": 5.0, "top_k": 2}, 20, 600)
     assert {k for k in names if top2.reported[k]["membership"] == "in"} == {"same", "close"}
 
 
@@ -95,7 +95,7 @@ def _null_rates(sims: int, alpha: float, block: int, max_n: int) -> tuple[float,
         diffs = [values[k] - values["ref"] for k in levels]
         diffs += [values[a] - values[b] for a, b in sq.pairs(levels)]
         cs_false += any(iv.excludes_zero() for d in diffs
-                        for iv in sq.sequence(d, 100.0, per, looks, STEPS))
+                        for iv in sq.sequence(d, 100.0, per, looks, STEPS, block))
         naive_false += any(any(_naive_looks(d, per, looks)) for d in diffs)
     return cs_false / sims, naive_false / sims
 
@@ -115,7 +115,7 @@ def test_stopping_never_changes_a_reported_interval():
     u = rng.random(300)
     values = {k: 100.0 * ((0.6 * u + 0.4 * rng.random(300)) < p) for k, p in probs.items()}
     levels = {"a": "0.2", "b": "0.2", "c": "0.2"}
-    design = sq.Design(alpha=0.05, margin=2.0, top_k=1)
+    design = sq.Design(alpha=0.05, margin=2.0, top_k=1, block=15)
     rounds = sq.Rounds(levels, design, steps=STEPS)
     seen: dict[str, dict] = {}
     start = 0
@@ -135,11 +135,11 @@ def test_stopping_never_changes_a_reported_interval():
     # ... its interval is its CS at its own n, recomputed from its samples alone
     n = stopped["n"]
     again = sq.sequence(values["a"][:n] - values["ref"][:n], 100.0,
-                        sq.per_question_alpha(design, levels), [n], STEPS)[0]
+                        sq.per_question_alpha(design, levels), [n], STEPS, block=15)[0]
     assert again.as_dict() == stopped["versus_reference"]
     # ... and it can never be sampled again
     with pytest.raises(ValueError, match="active settings only"):
-        rounds.add({"a": [0.0], **{k: [0.0] for k in rounds.active}}, [0.0])
+        rounds.add({"a": [0.0] * 15, **{k: [0.0] * 15 for k in rounds.active}}, [0.0] * 15)
 
 
 def test_bad_arguments():
@@ -151,6 +151,27 @@ def test_bad_arguments():
         sq.Design(top_k=0)
     with pytest.raises(ValueError, match="within"):
         sq.sequence([150.0], 100.0, 0.05)
+    with pytest.raises(ValueError, match="multiples of block=10"):
+        sq.sequence([0.0] * 30, 100.0, 0.05, [15], block=10)
+    with pytest.raises(ValueError, match="block"):
+        sq.Design(block=0)
+
+
+def test_cells_of_different_means_keep_coverage_with_round_bets():
+    """RULER's order: the samples cycle over cells whose differences have different means
+    (+30, -30, +20, -20, 0 points: 0 on average). With rounds holding each cell twice and bets
+    fixed per round, the CS of the cells' mean (0) stays valid over 20 looks."""
+    rng = np.random.default_rng(5)
+    cell_means = np.array([0.3, -0.3, 0.2, -0.2, 0.0])
+    misses = 0
+    for _ in range(150):
+        shift = np.tile(cell_means, 40)  # 200 samples, round-robin over the 5 cells
+        up = rng.random(200) < 0.4 + np.clip(shift, 0, None)
+        down = rng.random(200) < 0.4 + np.clip(-shift, 0, None)
+        d = 100.0 * (up.astype(float) - down)
+        looks = list(range(10, 201, 10))
+        misses += any(iv.excludes_zero() for iv in sq.sequence(d, 100.0, 0.05, looks, STEPS, 10))
+    assert misses / 150 <= 0.05
 
 
 def test_settings_equal_within_the_margin_are_tied_not_sampled_forever():
@@ -161,9 +182,9 @@ def test_settings_equal_within_the_margin_are_tied_not_sampled_forever():
     twin = np.where(rng.random(400) < 0.5, 0.0, ref)  # about 40 points below the reference
     values = {"a": twin, "b": twin.copy(), "c": 100.0 * (rng.random(400) < 0.05)}
     levels = {k: "0.2" for k in values}
-    tied = run_sweep(values, ref, levels, sq.Design(alpha=0.05, margin=10.0, top_k=1), 20, 400)
+    tied = run_sweep(values, ref, levels, {"alpha": 0.05, "margin": 10.0, "top_k": 1}, 20, 400)
     assert tied.done()
     assert {k: tied.reported[k]["membership"] for k in values} == {
         "a": "tied", "b": "tied", "c": "out"}
-    endless = run_sweep(values, ref, levels, sq.Design(alpha=0.05, margin=0.0, top_k=1), 20, 400)
+    endless = run_sweep(values, ref, levels, {"alpha": 0.05, "margin": 0.0, "top_k": 1}, 20, 400)
     assert not endless.done() and len(endless.reference) == 400  # no margin: never settled
