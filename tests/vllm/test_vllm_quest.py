@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PLUGIN = ROOT / "scripts" / "kvh_vllm_plugin"
 sys.path.insert(0, str(PLUGIN))  # the plugin's vLLM-free modules, as the vLLM venv installs them
 from kvh_vllm import quest_math  # noqa: E402
-from kvh_vllm.settings import quest_settings, requested_method  # noqa: E402
+from kvh_vllm.settings import layer_index, quest_settings, requested_method  # noqa: E402
 
 ST = ["model=stories260k"]
 RULER = [*ST, "task=ruler", "task.lengths=[256]", "task.limit=2"]
@@ -252,6 +252,13 @@ def test_the_plugin_refuses_bad_settings(text, expected):
     with pytest.raises(ValueError) as err:
         quest_settings(text)
     assert expected in str(err.value)
+
+
+def test_dense_layers_are_found_by_the_attention_layers_name():
+    assert layer_index("model.layers.0.self_attn.attn") == 0
+    assert layer_index("model.layers.17.self_attn.attn") == 17
+    with pytest.raises(ValueError, match="cannot read one layer index"):
+        layer_index("model.blocks.2.experts.3.attn")
 
 
 def test_the_plugin_is_idle_without_a_method(monkeypatch):

@@ -21,7 +21,6 @@ Why this shape:
 from __future__ import annotations
 
 import os
-import re
 import sys
 from dataclasses import dataclass, fields
 
@@ -34,7 +33,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from kvh_vllm import quest_math
-from kvh_vllm.settings import QUEST_ENV, quest_settings
+from kvh_vllm.settings import QUEST_ENV, layer_index, quest_settings
 
 
 @dataclass
@@ -73,14 +72,6 @@ class QuestCPUMetadataBuilder(CPUAttentionMetadataBuilder):
         budgets = quest_math.step_budget(torch.tensor(prompts, dtype=torch.int64),
                                          self.settings.budget_ratio, self.settings.budget_tokens)
         return rows_t, starts[rows_t], budgets
-
-
-def layer_index(layer_name: str) -> int:
-    """The decoder layer of an attention module's name (`model.layers.7.self_attn.attn` -> 7)."""
-    found = re.findall(r"\.(\d+)\.", f".{layer_name}.")
-    if len(found) != 1:
-        raise ValueError(f"cannot read one layer index from the attention layer {layer_name!r}")
-    return int(found[0])
 
 
 class QuestCPUImpl(CPUAttentionBackendImpl):

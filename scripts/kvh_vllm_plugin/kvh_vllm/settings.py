@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, field
 
 METHOD_ENV = "KVH_VLLM_METHOD"
@@ -64,3 +65,11 @@ def requested_method() -> str | None:
     if method not in METHODS:
         raise ValueError(f"{METHOD_ENV}={method!r}; allowed: {', '.join(METHODS)} (or unset)")
     return method
+
+
+def layer_index(layer_name: str) -> int:
+    """The decoder layer of an attention module's name (`model.layers.7.self_attn.attn` -> 7)."""
+    found = re.findall(r"\.(\d+)\.", f".{layer_name}.")
+    if len(found) != 1:
+        raise ValueError(f"cannot read one layer index from the attention layer {layer_name!r}")
+    return int(found[0])
