@@ -321,8 +321,8 @@ def run_rounds(arguments: list[str], knobs: Knobs, task: str, results_root: str,
         ledger["rounds"].append({**rounds.history[-1], "offset": offset, "block": size,
                                  "folders": {k: _relative(v, home) for k, v in folders.items()}})
         _record(path, ledger, rounds, "done" if rounds.done() else "running")
-    if not rounds.done():
-        _record(path, ledger, rounds, "budget spent")
+    # every setting's figures as this code computes them (after a replay too)
+    _record(path, ledger, rounds, "done" if rounds.done() else "budget spent")
     for line in summary(ledger):
         say(line)
     return ledger
@@ -348,6 +348,7 @@ def _replay(ledger: dict, the_plan: Plan, design: sq.Design, home: Path,
             raise ConfigError(f"{home / LEDGER}: round {recorded['round']}'s folders no longer "
                               "give its recorded decisions (a run folder changed); move the "
                               "ledger folder away to start again")
+        recorded.update(rounds.history[-1])  # its figures as this code computes them
     return rounds
 
 
