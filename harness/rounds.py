@@ -392,9 +392,37 @@ def _reported(rounds: sq.Rounds) -> dict:
 
 
 def _write(path: Path, ledger: dict) -> None:
-    from harness.results import write_json_atomic
+    """The ledger, and beside it `rounds.md` (the same figures as a table), both atomic."""
+    from harness.results import write_json_atomic, write_text_atomic
 
     write_json_atomic(path, ledger)
+    write_text_atomic(path.with_name(TABLE), table(ledger))
+
+
+TABLE = "rounds.md"
+
+
+def table(ledger: dict) -> str:
+    """Per setting: verdict, paired difference with the full cache and its CS at the setting's
+    n, the round it stopped (or "-": still undecided at max_n), and its top-k place."""
+    knobs = ledger["knobs"]
+    lines = [f"# Rounds: block {knobs['block']}, max_n {ledger['max_n']}, alpha {knobs['alpha']}, "
+             f"margin ±{knobs['margin_points']:g} points"
+             + (f", top {knobs['top_k']}" if knobs["top_k"] else ""), "",
+             *summary(ledger)[:1], "",
+             "| setting | level | verdict vs full | difference (points) | CS | n | stopped at round"
+             + (" | top k |" if knobs["top_k"] else " |"),
+             "|---|---|---|---|---|---|---|" + ("---|" if knobs["top_k"] else "")]
+    for name, r in sorted(ledger.get("reported", {}).items()):
+        v = r["versus_reference"]
+        cells = [name, ledger["levels"][name], r["verdict"], f"{v['mean']:+.1f}",
+                 f"[{v['low']:+.1f}, {v['high']:+.1f}]", str(r["n"]),
+                 str(r["round"]) if r["stopped"] else "-"]
+        cells += [r.get("membership", "")] if knobs["top_k"] else []
+        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
+    for name, why in sorted(ledger.get("skipped", {}).items()):
+        lines.append(f"\n{name}: not run ({why})")
+    return "\n".join(lines) + "\n"
 
 
 def summary(ledger: dict) -> list[str]:

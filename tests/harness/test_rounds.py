@@ -119,6 +119,11 @@ def test_rounds_sample_the_undecided_only_and_resume_after_a_cut(tmp_path):
     assert all("method=bad" not in r["ran"] for r in ledger["rounds"][stop:])
     assert reported["method=bad"]["n"] == 20 * stop < reported["method=close"]["n"]
     assert ledger["status"] == "done"
+    table = (tmp_path / "ledger" / rd.TABLE).read_text().splitlines()
+    bad = reported["method=bad"]
+    assert (f"| method=bad | default | worse | {bad['versus_reference']['mean']:+.1f} | "
+            f"[{bad['versus_reference']['low']:+.1f}, {bad['versus_reference']['high']:+.1f}] | "
+            f"{bad['n']} | {bad['round']} | out |") in table
     # a rerun of a finished sweep replays its rounds and runs nothing
     idle = FakeLaunch(tmp_path / "sweep3")
     rd.run_rounds(args, knobs, "ruler", str(tmp_path), tmp_path / "sweep3", idle,
