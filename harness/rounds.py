@@ -107,6 +107,15 @@ def unbalanced(block: int, cells: int) -> str | None:
             f"mean is approximate; e.g. rounds.block={cells * max(1, round(block / cells))}")
 
 
+def too_few_samples(max_n: int, cells: int, per_cell: int) -> str | None:
+    """Why the task cannot give max_n samples (None: it can)."""
+    if cells * per_cell >= max_n:
+        return None
+    return (f"rounds.max_n={max_n} is more than the task's {cells * per_cell} samples "
+            f"(task.samples_per_cell={per_cell} x {cells} cells); allowed: "
+            f"task.samples_per_cell >= {math.ceil(max_n / cells)}, or a smaller rounds.max_n")
+
+
 # --- the sweep's settings ------------------------------------------------------------------------
 
 @dataclass(frozen=True)

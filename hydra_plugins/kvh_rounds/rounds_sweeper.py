@@ -11,7 +11,7 @@ from typing import Any
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from omegaconf import OmegaConf
 
-from harness.rounds import check_knobs, run_rounds, unbalanced
+from harness.rounds import check_knobs, run_rounds, too_few_samples, unbalanced
 from kvcore.errors import ConfigError
 
 
@@ -38,7 +38,12 @@ class RoundsSweeper(BasicSweeper):
         if OmegaConf.select(self.config, "task.skip_samples", default=None) is None:
             raise ConfigError(f"task={task} has no task.skip_samples (a window of its samples): "
                               "rounds run on task=ruler")
-        warning = unbalanced(self.knobs.block, task_cells(self.config))
+        cells = task_cells(self.config)
+        short = too_few_samples(self.knobs.max_n, cells,
+                                int(OmegaConf.select(self.config, "task.samples_per_cell")))
+        if short:
+            raise ConfigError(short)
+        warning = unbalanced(self.knobs.block, cells)
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
         sweep_dir = Path(str(self.config.hydra.sweep.dir))

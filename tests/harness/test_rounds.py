@@ -169,6 +169,11 @@ def test_the_cli_runs_rounds_and_resumes_on_stories260k(tmp_path):
         "error: task=perplexity has no task.skip_samples (a window of its samples): rounds run "
         "on task=ruler")
     assert not any(tmp_path.iterdir())  # refused before anything ran: nothing left behind
+    short = _cli(["rounds.block=2", "rounds.max_n=8"], tmp_path)  # 3 per cell x 2 cells
+    assert short.returncode == 2 and short.stderr.strip().splitlines()[-1] == (
+        "error: rounds.max_n=8 is more than the task's 6 samples (task.samples_per_cell=3 x 2 "
+        "cells); allowed: task.samples_per_cell >= 4, or a smaller rounds.max_n")
+    assert not any(tmp_path.iterdir())
     one = _cli(["rounds.block=2", "rounds.max_n=2", f"rounds.ledger_dir={ledger_dir}"], tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
     first = sorted(p.parent for p in (ledger_dir / "round-01").rglob("metrics.json"))
@@ -213,6 +218,13 @@ def test_rounds_arguments_are_read_apart_from_the_sweep():
         rd.split_argv(["rounds.block"])
     with pytest.raises(ConfigError, match="a backslash cannot pass"):
         rd.check_knobs({"ledger_dir": "a\\b"})
+
+
+def test_a_budget_beyond_the_task_samples_is_refused():
+    assert rd.too_few_samples(70, 7, 10) is None
+    assert rd.too_few_samples(200, 7, 10) == (
+        "rounds.max_n=200 is more than the task's 70 samples (task.samples_per_cell=10 x 7 "
+        "cells); allowed: task.samples_per_cell >= 29, or a smaller rounds.max_n")
 
 
 def test_the_task_cells_count_ruler_cycle():
