@@ -37,6 +37,22 @@ GROUPS = (*CLASS_GROUPS, *YAML_GROUPS)
 TOP_LEVEL = (*GROUPS, "hydra")
 
 
+# Options added after runs were made, at the value that computes exactly what runs made before
+# they existed computed: left out of a run's identity at that value (harness.sweep.config_hash),
+# so a resumed sweep (runner.skip_existing) still finds those runs, and out of the report's
+# columns (a run recording `skip_samples=0` and one made before it are one column). Any other
+# value is part of the identity.
+NEUTRAL = {"runner": {"kv_device_limit_mib": None, "kv_admission": "request",
+                      "decode_interval_tokens": None},
+           "task": {"query": "aware", "prefill_tokens": None, "skip_samples": 0}}
+
+
+def without_neutral(group: str, section: dict[str, Any]) -> dict[str, Any]:
+    """`section` (a group's options) less the NEUTRAL options at their neutral value."""
+    neutral = NEUTRAL.get(group, {})
+    return {k: v for k, v in section.items() if not (k in neutral and v == neutral[k])}
+
+
 def group_options(group: str, conf=CONF) -> list[str]:
     """The choices of a config group: its YAML files, less the `_`-prefixed fragments."""
     return sorted(p.stem for p in (conf / group).glob("*.yaml") if not p.stem.startswith("_"))

@@ -28,8 +28,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from harness import CONF_DIR
-from harness.config_check import (GROUPS, TOP_LEVEL, allowed_any, group_options,
-                                  unknown_key_message)
+from harness.config_check import (GROUPS, NEUTRAL, TOP_LEVEL, allowed_any, group_options,
+                                  unknown_key_message, without_neutral)
 from harness.results import check_output_dir, check_writable, inside_a_run, write_json_atomic
 from harness.schema import SchemaError, load
 from kvcore.errors import ConfigError
@@ -40,12 +40,6 @@ CONF = CONF_DIR
 _NOT_IDENTITY = {"runner": ("output_dir", "results_root", "debug", "skip_existing", "overwrite",
                             "threads", "sweep_engine", "shards", "sweep_decode_batch"),
                  "logger": None, "hydra": None}
-# Options added after runs were made, at the value that computes exactly what runs made before
-# they existed computed: left out of the identity at that value, so a resumed sweep
-# (runner.skip_existing) still finds those runs. Any other value is part of the identity.
-_NEUTRAL = {"runner": {"kv_device_limit_mib": None, "kv_admission": "request",
-                       "decode_interval_tokens": None},
-            "task": {"query": "aware", "prefill_tokens": None, "skip_samples": 0}}
 
 
 def config_hash(cfg: DictConfig) -> str:
@@ -56,11 +50,9 @@ def config_hash(cfg: DictConfig) -> str:
         else:
             for key in keys:
                 plain.get(group, {}).pop(key, None)
-    for group, neutral in _NEUTRAL.items():
-        section = plain.get(group, {})
-        for key, value in neutral.items():
-            if key in section and section[key] == value:
-                del section[key]
+    for group in NEUTRAL:  # options added later, at the value runs before them computed
+        if group in plain:
+            plain[group] = without_neutral(group, plain[group])
     blob = json.dumps(plain, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 

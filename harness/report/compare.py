@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from harness import stats
+from harness.config_check import without_neutral
 from harness.report.collect import REFERENCE, reference_protocol_label
 from harness.uncertainty import (PairingError, cell_uncertainty, compare, load_samples,
                                  units)
@@ -105,7 +106,8 @@ def _attn(r: dict) -> str:
 def _cell_key(r: dict) -> tuple:
     """(model, protocol, task, metric, batch, task options): runs of one cell."""
     return (r["model"], r["protocol"], r["task"], r["metric"], r["batch"],
-            json.dumps(r["_metrics"]["task"].get("options"), sort_keys=True, default=str))
+            json.dumps(without_neutral("task", r["_metrics"]["task"].get("options") or {}),
+                       sort_keys=True, default=str))
 
 
 def _full_runs(rows: list[dict]) -> dict[tuple, list[dict]]:

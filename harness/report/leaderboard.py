@@ -22,6 +22,7 @@ import math
 import statistics
 from typing import Any
 
+from harness.config_check import without_neutral
 from harness.report.collect import REFERENCE, fmt
 
 # Task options that say where data lives, not what is measured.
@@ -36,7 +37,7 @@ IDENTICAL = "identical_to_full"
 
 
 def _options(r: dict) -> dict[str, str]:
-    opts = r["_metrics"].get("task", {}).get("options", {})
+    opts = without_neutral("task", r["_metrics"].get("task", {}).get("options", {}))
     return {k: fmt(v) for k, v in opts.items() if k not in _NOT_SETTING}
 
 
