@@ -83,12 +83,14 @@ def _knobs(method: dict[str, Any], group: str) -> str:
 
 
 def reference_protocol_label(metrics: dict) -> str:
-    """The protocol under which the full cache is this run's reference: its own, less what the
-    full cache never acts on (the decode-time compression interval, which it refuses), so a
-    setting compressing while decoding is compared with the full cache on the same samples."""
+    """The protocol under which the full cache is this run's reference, when its own section has
+    no full-cache run: its own, less what the full cache never acts on (the decode-time
+    compression interval, which it refuses; the dense layers, which it attends in full like
+    every other), so a setting compressing while decoding, or a method with dense layers of its
+    own (Quest's [0, 1]), is compared with the full cache on the same samples."""
     proto = {k: v for k, v in metrics.get("protocol", {}).items()
              if k != "decode_interval_tokens"}
-    return protocol_label({**metrics, "protocol": proto})
+    return protocol_label({**metrics, "protocol": {**proto, "dense_layers": []}})
 
 
 def protocol_label(metrics: dict) -> str:
