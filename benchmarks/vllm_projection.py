@@ -159,8 +159,8 @@ def run_methods(args, prompt_tokens: int, path: Path) -> None:
     """One run of benchmarks/throughput.py over full and the methods (our engine)."""
     cmd = [sys.executable, str(ROOT / "benchmarks" / "throughput.py"),
            "--prompt-tokens", str(prompt_tokens), "--new-tokens", str(args.new_tokens),
-           "--batches", str(args.method_batch), "--methods", "full", *args.methods,
-           "--json", str(path)]
+           "--batches", str(args.method_batch), "--rounds", str(args.method_rounds),
+           "--methods", "full", *args.methods, "--json", str(path)]
     print("  methods: " + " ".join(cmd[1:]), flush=True)
     subprocess.run(cmd, check=True, cwd=ROOT)
 
@@ -348,15 +348,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vllm-bind", default="auto")
     ap.add_argument("--methods", nargs="+", default=list(METHODS))
     ap.add_argument("--method-batch", type=int, default=4)
+    ap.add_argument("--method-rounds", type=int, default=1,
+                    help="throughput.py rounds (the methods alternate within a round; medians)")
     ap.add_argument("--methods-json", default=None,
                     help="throughput.py results to read (default: <out>_methods.json, run if absent)")
+    ap.add_argument("--rerun-methods", action="store_true",
+                    help="run throughput.py again even if its results exist")
     ap.add_argument("--resume", action="store_true",
                     help="keep the points <out>.json already has for this workload")
     ap.add_argument("--skip-curve", action="store_true", help="measure the methods only")
     ap.add_argument("--report-only", action="store_true",
                     help="rewrite the .md and .png from <out>.json; run nothing")
     args = ap.parse_args(argv)
-    for key in ("requests", "length", "new_tokens", "block_size", "method_batch"):
+    for key in ("requests", "length", "new_tokens", "block_size", "method_batch",
+                "method_rounds"):
         if getattr(args, key) <= 0:
             ap.error(f"--{key.replace('_', '-')} {getattr(args, key)}: must be a positive integer")
     if args.new_tokens >= args.length:
@@ -399,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         if previous.get("workload") == workload:
             out["curve"] = [p for p in previous["curve"] if p["concurrency"] in args.concurrency]
     done = {p["concurrency"] for p in out["curve"]}
-    if not methods_path.is_file():
+    if args.rerun_methods or not methods_path.is_file():
         run_methods(args, args.length - args.new_tokens, methods_path)
     out["method_points"], out["method_run"] = method_points(
         json.loads(methods_path.read_text()), args.method_batch)
@@ -415,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
               f"preemptions {point['preemptions']} (load {point['load_before']:.1f}->"
               f"{point['load_after']:.1f})", flush=True)
         write_outputs(out, stem)  # after every point: a cut run keeps what it measured
-    out["finished"] = not args.skip_curve
+    out["finished"] = {p["concurrency"] for p in out["curve"]} >= set(args.concurrency)
     write_outputs(out, stem)
     print(report(out))
     return 0
