@@ -31,8 +31,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from methods import build_method  # noqa: E402
-from methods.base import KVLayer, ModelInfo  # noqa: E402
 from methods.kernels import colsum_attention_cpu  # noqa: E402
+from methods.layer import KVLayer  # noqa: E402
+from methods.model import ModelInfo  # noqa: E402
 from methods.scoring import attention_with_probs, group_column_sums  # noqa: E402
 
 INFO = ModelInfo(num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, max_positions=16384)

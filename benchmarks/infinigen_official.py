@@ -64,7 +64,7 @@ def ours_engine(model, tok, info, name: str, kwargs: dict, data_dir: Path, extra
     from harness import hf_adapter
     from harness.engine import Engine, EngineSettings
     from methods import build_method
-    from methods.base import Protocol
+    from methods.protocol import Protocol
 
     method = build_method(name, **kwargs)
     hf_adapter.prepare(method, model, tok, info, data_dir=data_dir, **extra)

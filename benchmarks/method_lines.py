@@ -43,7 +43,7 @@ def on_eviction_template(name: str, base: type) -> bool:
     shape, or, for a method that needs prepared artefacts first, from the classes its file
     defines)."""
     from methods import build_method, method_class
-    from methods.base import ModelInfo
+    from methods.model import ModelInfo
 
     info = ModelInfo(num_layers=4, num_heads=4, num_kv_heads=2, head_dim=8, max_positions=512,
                      rope_theta=10000.0)

@@ -8,7 +8,7 @@ so a burst of machine noise hits every cell alike. Per cell: the median decode m
 all steps of all rounds, the storage waste when each sequence ended (harness.accounting: used /
 allocated K/V bytes) and the paged pools' figures. Per method, the ratio to read: the median
 over (round, step) of paged step k / contiguous step k (paired, same round). Goal:
-full <= 1.05x (decode reads the paged blocks in place: methods.base.FullLayer); H2O still
+full <= 1.05x (decode reads the paged blocks in place: methods.layer.FullLayer); H2O still
 gathers its blocks (its fused kernel reads a contiguous tensor), reported without a goal.
 `full_sdpa` is the full cache as it was before (the model's SDPA over `keys`/`values`, paged: a
 gather): `full` vs `full_sdpa` per layout shows what the in-place reads changed.
@@ -36,8 +36,9 @@ from harness.results import write_json_atomic  # noqa: E402
 from harness.session import of_methods  # noqa: E402
 from kvcore.errors import ConfigError  # noqa: E402
 from methods import build_method  # noqa: E402
-from methods.base import KVLayer, ModelInfo  # noqa: E402
 from methods.full import Full  # noqa: E402
+from methods.layer import KVLayer  # noqa: E402
+from methods.model import ModelInfo  # noqa: E402
 from tasks.text_sources import load_essays  # noqa: E402
 
 METHODS = {"full": ("full", {}), "full_sdpa": ("full_sdpa", {}),

@@ -59,7 +59,7 @@ ROWS = {
 
 def kernel_only(contexts: list[int], rows: list[str], repeats: int) -> dict:
     """Median ms of one layer's decode attention per row, and paired ratios to KIVI-2."""
-    from methods.base import ModelInfo
+    from methods.model import ModelInfo
 
     info = ModelInfo(num_layers=1, num_heads=9, num_kv_heads=3, head_dim=64, max_positions=1 << 20)
     out = {}

@@ -30,7 +30,7 @@ Budgets are checked after every forward (`check_step`), not only when a request 
 from __future__ import annotations
 
 from kvcore.errors import BudgetViolation
-from methods.base import ModelInfo
+from methods.model import ModelInfo
 
 ACTIVE_TOLERANCE = 1e-6  # below 1 - this, a method held or attended less than everything
 

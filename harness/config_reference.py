@@ -42,7 +42,7 @@ def allowed_constants() -> dict[str, tuple]:
     from harness.models import DTYPES
     from harness.runner import ATTN_IMPLS, KV_OFFLOADS
     from harness.serving import ADMISSIONS
-    from methods.base import BUDGET_BASES, PREFILL_MODES
+    from methods.protocol import BUDGET_BASES, PREFILL_MODES
 
     return {"runner.attn_impl": ATTN_IMPLS, "runner.kv_offload": KV_OFFLOADS,
             "runner.kv_admission": ADMISSIONS, "runner.prefill": PREFILL_MODES,
@@ -146,8 +146,8 @@ def _row(*cells: str) -> str:
 HEAD = ["| key | type | default | allowed | meaning |", "|---|---|---|---|---|"]
 
 
-# Runner settings only some methods take, by what each method declares (methods.base.Capabilities):
-# (setting, the declaration it needs, predicate on the capabilities).
+# Runner settings only some methods take, by what each method declares
+# (methods.capabilities.Capabilities): (setting, the declaration it needs, predicate on the capabilities).
 RUNNER_READERS = (
     ("runner.kv_offload=cpu", "Capabilities.offloads_kv", lambda c: c.offloads_kv),
     ("runner.kv_layout=paged", "\"paged\" in Capabilities.kv_layouts",
@@ -166,8 +166,8 @@ def runner_readers() -> list[str]:
     before the weights load)."""
     from methods import available_methods, method_class
 
-    out = ["Settings only some methods take (declared in `methods.base.Capabilities`; any other "
-           "method is refused before the weights load):", ""]
+    out = ["Settings only some methods take (declared in `methods.capabilities.Capabilities`; "
+           "any other method is refused before the weights load):", ""]
     for setting, declared, takes in RUNNER_READERS:
         names = [n for n in available_methods() if takes(method_class(n).capabilities)]
         out.append(f"- `{setting}` ({declared}): {', '.join(f'`{n}`' for n in names) or 'none'}")

@@ -18,7 +18,9 @@ from typing import ClassVar
 import torch
 
 from harness import hf_adapter
-from methods.base import KVLayer, KVMethod, ModelInfo
+from methods.base import KVMethod
+from methods.layer import KVLayer
+from methods.model import ModelInfo
 from methods.scoring import attention_with_probs
 
 

@@ -29,7 +29,9 @@ from kvcore.errors import ConfigError
 from kvcore.offload import Tier, TransferLedger
 from kvcore.paged import DEFAULT_BLOCK_TOKENS, PagedKV, PagedRows
 from kvcore.storage import Rows
-from methods.base import KVMethod, ModelInfo, Protocol
+from methods.base import KVMethod
+from methods.model import ModelInfo
+from methods.protocol import Protocol
 
 
 @dataclass(frozen=True)

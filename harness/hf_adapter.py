@@ -39,7 +39,10 @@ from transformers.masking_utils import (AttentionMaskInterface, causal_mask_func
                                         sdpa_mask, sliding_window_causal_mask_function)
 
 from kvcore.errors import ConfigError
-from methods.base import KVLayer, KVMethod, ModelInfo, PrepareContext, Protocol
+from methods.base import KVMethod
+from methods.layer import KVLayer
+from methods.model import ModelInfo, PrepareContext
+from methods.protocol import Protocol
 from methods.scoring import expand_kv
 
 ATTN_IMPLEMENTATIONS = {"sdpa": "kvh_sdpa", "eager": "kvh_eager"}

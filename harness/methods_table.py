@@ -19,7 +19,8 @@ import sys
 from pathlib import Path
 
 from methods import available_methods, method_class
-from methods.base import Capabilities, KVMethod, ServingNeeds
+from methods.base import KVMethod
+from methods.capabilities import Capabilities, ServingNeeds
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -1,4 +1,4 @@
-"""When a prompt starts and ends, for every method alike (methods.base.Protocol).
+"""When a prompt starts and ends, for every method alike (methods.protocol.Protocol).
 
 The engine (`Request.prefill`) and the batch (`BatchRequest.prefill`) both feed prompts through
 these two calls, so "dense prefill" means one thing everywhere: the layers hold the prompt in full

@@ -27,7 +27,7 @@ from harness.schema import stamp
 from harness.runner import plain
 from harness.session import Session
 from harness.sweep import multirun_job, record_status, resolve_output
-from methods.base import compression_timing
+from methods.protocol import compression_timing
 
 log = logging.getLogger("harness")
 ACCOUNTING = ("harness.accounting: held = bytes on every tier / full cache in the model dtype; "

@@ -18,7 +18,7 @@ from harness.serving import check_admission
 from kvcore.errors import ConfigError
 from kvcore.paged import DEFAULT_BLOCK_TOKENS
 from kvcore.storage import KV_LAYOUTS
-from methods.base import BUDGET_BASES, PREFILL_MODES, Protocol
+from methods.protocol import BUDGET_BASES, PREFILL_MODES, Protocol
 
 ATTN_IMPLS = ("sdpa", "eager")
 KV_OFFLOADS = ("none", "cpu")

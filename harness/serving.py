@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvcore.errors import ConfigError
-from methods.base import ModelInfo
+from methods.model import ModelInfo
 
 ADMISSIONS = ("request", "layerkv")
 

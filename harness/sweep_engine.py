@@ -65,7 +65,8 @@ from harness.prompting import score_prompt
 from harness.sweep_decode import Decoder, decodes_alone
 from kvcore.errors import ConfigError
 from kvcore.storage import Rows
-from methods.base import KVMethod, Protocol
+from methods.base import KVMethod
+from methods.protocol import Protocol
 
 # Runner keys that say where or how results are written or shown, not what is computed.
 _NOT_COMPUTE = ("output_dir", "results_root", "debug", "skip_existing", "overwrite", "threads",

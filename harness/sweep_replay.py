@@ -33,7 +33,10 @@ import torch
 
 from harness import sweep_records
 from harness.prompting import open_prompt
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
+from methods.base import KVMethod
+from methods.capabilities import Capabilities
+from methods.layer import KVLayer
+from methods.model import ModelInfo
 from methods.scoring import attention_with_probs
 
 

@@ -12,12 +12,16 @@ from pathlib import Path
 
 from kvcore.errors import ConfigError, UnsupportedCombination
 from kvcore.typecheck import check_types
-from methods.base import Capabilities, KVLayer, KVMethod
+from methods.base import KVMethod
+from methods.capabilities import Capabilities
+from methods.layer import KVLayer
 
 __all__ = ["Capabilities", "KVLayer", "KVMethod", "available_methods", "build_method", "method_class"]
 
 SHARED_KNOBS = ("budget_ratio", "budget_tokens")  # declared for every method (conf/method/_shared.yaml)
-_NOT_METHODS = {"base", "eviction", "kernels", "rope", "scoring", "selection"}  # helper modules, not methods
+# helper modules, not methods
+_NOT_METHODS = {"base", "budget", "capabilities", "eviction", "kernels", "layer", "model", "protocol",
+                "rope", "scoring", "selection"}
 
 
 def available_methods() -> list[str]:

@@ -29,7 +29,9 @@ from pathlib import Path
 import torch
 
 from methods import _artefacts as artefacts
-from methods.base import KVLayer, KVMethod, ModelInfo
+from methods.base import KVMethod
+from methods.layer import KVLayer
+from methods.model import ModelInfo
 
 log = logging.getLogger(__name__)
 PROBE_FORMAT_VERSION = 2  # 2: P tokens x repeats + BOS, every earlier occurrence, / S^2

@@ -44,7 +44,9 @@ from dataclasses import dataclass
 import torch
 
 from kvcore.storage import Rows, gather_rows
-from methods.base import KVMethod, ModelInfo, require_basis
+from methods.base import KVMethod
+from methods.budget import require_basis
+from methods.model import ModelInfo
 from methods.eviction import (PAD_POSITION, EvictionLayer, drop_one_token, keep_tokens,
                               per_head_index)
 

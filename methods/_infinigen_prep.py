@@ -26,7 +26,9 @@ import torch
 from kvcore.errors import ConfigError
 from methods import _artefacts as artefacts
 from methods import _sidefiles as sidefiles
-from methods.base import KVLayer, KVMethod, ModelInfo
+from methods.base import KVMethod
+from methods.layer import KVLayer
+from methods.model import ModelInfo
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 2

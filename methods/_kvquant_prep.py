@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from methods import _artefacts as artefacts
-from methods.base import ModelInfo
+from methods.model import ModelInfo
 from methods.rope import rotate
 
 log = logging.getLogger(__name__)

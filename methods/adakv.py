@@ -43,7 +43,9 @@ from typing import ClassVar
 
 import torch
 
-from methods.base import KVLayer, ModelInfo, ServingNeeds
+from methods.capabilities import ServingNeeds
+from methods.layer import KVLayer
+from methods.model import ModelInfo
 from methods.snapkv import SnapKV, SnapKVLayer
 
 

@@ -62,7 +62,10 @@ from methods import _sidefiles as sidefiles
 from methods._head_probe import check_probe_knobs, probe_scores, select_retrieval
 from methods._headwise import (HeadwiseLayer, HeadwiseMethod, check_headwise_knobs,
                                stream_budget_slots)
-from methods.base import PREFILL_MODES, Capabilities, KVLayer, ModelInfo, ServingNeeds
+from methods.capabilities import Capabilities, ServingNeeds
+from methods.layer import KVLayer
+from methods.model import ModelInfo
+from methods.protocol import PREFILL_MODES
 
 PROXY_ECHO_HEAD_RATIO = 0.01  # razor_probe proxy: share of all heads taken from the echo ranking
 

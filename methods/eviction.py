@@ -42,7 +42,7 @@ The template does the rest: text positions `(B, H_kv, T)`, the protection, top-k
 compaction of K, V, positions and state, the budget that the engine checks after every forward
 (`allowed_tokens`), the optional host tier (`runner.kv_offload=cpu`), and the accounting.
 
-Budget rule (the one rule of every method, methods/base.py): `budget_tokens`, when set, takes
+Budget rule (the one rule of every method, methods/budget.py): `budget_tokens`, when set, takes
 precedence over `budget_ratio` (a fraction of the protocol's budget basis: the final length by
 default). What a layer may hold (`allowed_tokens`) always comes from that rule at that moment,
 never from what the method kept: after a prompt compressor's compression it is the rule's budget
@@ -62,59 +62,18 @@ order (paged: rewritten into the first blocks, the rest freed).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Callable, ClassVar
 
 import torch
 
 from kvcore.offload import HostKVStore, host_store
 from kvcore.storage import ContiguousRows, Rows, doubled_capacity
-from methods.base import KVLayer, KVMethod, ModelInfo, budget_for, check_budget, exact_attention
+from methods.budget import BudgetedMethod
+from methods.layer import KVLayer, exact_attention
+from methods.model import ModelInfo
 from methods.scoring import plain_attention
 
 PAD_POSITION = 2 ** 62  # the position of a ragged head's padded slots (never a real one)
-
-
-@dataclass(kw_only=True)
-class BudgetedMethod(KVMethod):
-    """The shared budget knobs and their one rule; `layer_budget` is the per-layer allocation hook."""
-
-    budget_ratio: float | None = 0.2
-    budget_tokens: int | None = None
-    min_budget_tokens: ClassVar[int] = 1  # a ratio budget never goes below this
-    # the budget is first applied when a dense prompt is compressed (KVMethod.prompt_end_knobs)
-    prompt_end_knobs: ClassVar[tuple[str, ...]] = ("budget_ratio", "budget_tokens")
-
-    def check_hyperparameters(self) -> list[str]:
-        return check_budget(self.budget_ratio, self.budget_tokens)
-
-    @classmethod
-    def lossless_hyperparameters(cls, seq_tokens: int) -> dict:
-        return {"budget_tokens": seq_tokens}
-
-    def total_tokens(self, basis: int) -> int:
-        """Tokens one layer keeps under a uniform allocation when the budget basis is `basis`
-        tokens (`KVLayer.basis_tokens()`: the final length, or the tokens seen)."""
-        return budget_for(basis, self.budget_ratio, self.budget_tokens, minimum=self.min_budget_tokens)
-
-    def layer_budget(self, layer_idx: int, num_layers: int, basis: int) -> int:
-        """Per-layer allocation hook: tokens layer `layer_idx` of `num_layers` keeps when the
-        budget basis is `basis` tokens (uniform by default; PyramidKV's pyramid,
-        SqueezeAttention's clusters)."""
-        return self.total_tokens(basis)
-
-    def head_budgets(self, scores: torch.Tensor, budget: int, layer_idx: int) -> torch.Tensor:
-        """Per-head allocation hook: tokens each KV head keeps, `(B, H_kv)` int64, given the
-        layer's guarded scores `(B, H_kv, T)` fp32 (protected tokens +inf, slots a head does not
-        hold -inf) and the layer's budget (uniform by default: every head keeps `budget`; AdaKV
-        splits H_kv x budget by a flattened top-k; HeadKV by static per-(layer, head) scores, hence
-        `layer_idx`)."""
-        return torch.full(scores.shape[:2], budget, dtype=torch.int64, device=scores.device)
-
-    @classmethod
-    def allocates_per_head(cls) -> bool:
-        """Whether `head_budgets` is the method's own (the template then keeps per head)."""
-        return cls.head_budgets is not BudgetedMethod.head_budgets
 
 
 # Aligned per-token rows `(B, H_kv, T, ...)` (K, V, positions and a method's state), one `Rows`

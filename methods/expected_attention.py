@@ -25,7 +25,7 @@ The decoding-phase use (kvpress's DecodingPress wrapper) is the harness's decode
 (`runner.decode_interval_tokens`): the statistics are then those of the queries decoded since the
 last compression, as DecodingPress scores from its buffer of recent hidden states.
 
-Hyperparameters (the one budget rule, methods/base.py):
+Hyperparameters (the one budget rule, methods/budget.py):
     budget_ratio / budget_tokens: tokens kept per layer and KV head at the end of a prompt,
         sinks included; a ratio is of the prompt's tokens.
     future_tokens: future positions the RoPE rotation is averaged over (kvpress: 512).
@@ -44,8 +44,11 @@ import torch
 
 from kvcore.errors import ConfigError
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, ModelInfo
-from methods.eviction import BudgetedMethod, EvictionLayer
+from methods.budget import BudgetedMethod
+from methods.capabilities import Capabilities
+from methods.eviction import EvictionLayer
+from methods.layer import KVLayer
+from methods.model import ModelInfo
 from methods.rope import rotate, rotate_half
 from methods.scoring import expand_kv
 

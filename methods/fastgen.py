@@ -57,8 +57,11 @@ from typing import Any, ClassVar
 import torch
 
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, PrepareContext, ServingNeeds
+from methods.base import KVMethod
+from methods.capabilities import Capabilities, ServingNeeds
 from methods.eviction import EvictionLayer, keep_tokens, per_head_index
+from methods.layer import KVLayer
+from methods.model import ModelInfo, PrepareContext
 from methods.scoring import attention_with_probs, group_column_sums
 from methods.snapkv import window_votes
 

@@ -1,7 +1,7 @@
 """Full cache: every token's K/V kept, attention unchanged. The baseline every method is judged by.
 
 Its logits equal a plain transformers forward to fp32 rounding (tests/methods/test_full.py:
-decode steps attend over the stored rows in place, `methods.base.FullLayer`); it has no
+decode steps attend over the stored rows in place, `methods.layer.FullLayer`); it has no
 hyperparameters and no budget. Under LayerKV admission (runner.kv_admission=layerkv) the serving
 scheduler may place some of a request's layers whole on the host tier: those layers are
 full_offload's (stored on the host, fetched whole every step), with the same outputs.
@@ -13,10 +13,13 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from kvcore.storage import KV_LAYOUTS
-from methods.base import (PREFILL_MODES, Capabilities, KVLayer, KVMethod, ModelInfo,
-                          PrepareContext)
+from methods.base import KVMethod
+from methods.capabilities import Capabilities
 from methods.full_offload import FullOffload, FullOffloadLayer
 from methods.kernels import ragged_attention
+from methods.layer import KVLayer
+from methods.model import ModelInfo, PrepareContext
+from methods.protocol import PREFILL_MODES
 
 
 @dataclass(kw_only=True)

@@ -19,8 +19,11 @@ from typing import ClassVar
 
 from kvcore.offload import HostKVStore, host_store
 from kvcore.storage import KV_LAYOUTS
-from methods.base import (PREFILL_MODES, Capabilities, KVLayer, KVMethod, ModelInfo, ServingNeeds,
-                          exact_attention)
+from methods.base import KVMethod
+from methods.capabilities import Capabilities, ServingNeeds
+from methods.layer import KVLayer, exact_attention
+from methods.model import ModelInfo
+from methods.protocol import PREFILL_MODES
 
 
 @dataclass(kw_only=True)

@@ -28,7 +28,7 @@ Follows the paper's Alg. 1 and the real-drop cache, with these deliberate choice
 Hyperparameters:
     budget_ratio: kept tokens per layer and KV head as a fraction of tokens seen (default 0.2).
     budget_tokens: a fixed number of kept tokens instead; takes precedence over budget_ratio
-        (the one budget rule, methods/base.py).
+        (the one budget rule, methods/budget.py).
     recent_ratio: share of the budget given to the most recent tokens (paper: 0.5).
 """
 
@@ -40,9 +40,13 @@ from typing import Any, ClassVar
 import torch
 
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, ModelInfo, PrepareContext, PREFILL_MODES
-from methods.eviction import BudgetedMethod, EvictionLayer
+from methods.budget import BudgetedMethod
+from methods.capabilities import Capabilities
+from methods.eviction import EvictionLayer
 from methods.kernels import colsum_attention_cpu
+from methods.layer import KVLayer
+from methods.model import ModelInfo, PrepareContext
+from methods.protocol import PREFILL_MODES
 from methods.scoring import attention_with_probs, group_column_sums, plain_decode_row
 
 

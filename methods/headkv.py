@@ -48,7 +48,9 @@ from kvcore.errors import ConfigError
 from methods import _sidefiles as sidefiles
 from methods._head_probe import check_probe_knobs, probe_scores
 from methods.adakv import AdaKVLayer
-from methods.base import KVLayer, ModelInfo, ServingNeeds
+from methods.capabilities import ServingNeeds
+from methods.layer import KVLayer
+from methods.model import ModelInfo
 from methods.snapkv import SnapKV
 
 

@@ -52,8 +52,12 @@ from methods._infinigen_speculation import (PartialKeys, group_scores, rank_curr
                                             select_tokens)
 from methods._selection_host import HostTierLayer
 from methods._selection_pool import EVICTIONS, PooledLayer
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, ServingNeeds, budget_for
+from methods.base import KVMethod
+from methods.budget import budget_for
+from methods.capabilities import Capabilities, ServingNeeds
 from methods.kernels import sparse_attention, speculation_cpu
+from methods.layer import KVLayer
+from methods.model import ModelInfo
 from methods.rope import rotate
 from methods.scoring import additive_mask, expand_kv, few_rows_matmul, gather_tokens
 from methods.selection import Selection, SelectionLayer, kv_union, serving_rows

@@ -11,7 +11,7 @@ protected (the paper protects none). Keys are scored as cached, post-RoPE (as kv
 LongBench within 0.04 % of the non-evicting baseline at an 8K budget on Llama-3.1-8B and
 Llama-3.2-3B (abstract).
 
-Hyperparameters (the one budget rule, methods/base.py):
+Hyperparameters (the one budget rule, methods/budget.py):
     budget_ratio / budget_tokens: N, the keys kept per layer and KV head (paper: about 8K tokens).
 The block size of block-wise prefill is the runner's `prefill_chunk_tokens` (kvpress: 128).
 """
@@ -24,8 +24,12 @@ from typing import ClassVar
 import torch
 
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, ModelInfo, PREFILL_MODES
-from methods.eviction import BudgetedMethod, EvictionLayer
+from methods.budget import BudgetedMethod
+from methods.capabilities import Capabilities
+from methods.eviction import EvictionLayer
+from methods.layer import KVLayer
+from methods.model import ModelInfo
+from methods.protocol import PREFILL_MODES
 
 
 @dataclass(kw_only=True)

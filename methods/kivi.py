@@ -58,9 +58,12 @@ from typing import Any, ClassVar
 import torch
 
 from kvcore.storage import TokenMajorRows
-from methods.base import (PREFILL_MODES, Capabilities, KVLayer, KVMethod, ModelInfo,
-                          PrepareContext, exact_attention)
+from methods.base import KVMethod
+from methods.capabilities import Capabilities
 from methods.kernels import kivi_quant as kq
+from methods.layer import KVLayer, exact_attention
+from methods.model import ModelInfo, PrepareContext
+from methods.protocol import PREFILL_MODES
 from methods.kernels.kivi_attention import (KIVICache, decode_attention, decode_kernel,
                                             dequantize_cache)
 from methods.scoring import plain_decode_row

@@ -25,7 +25,7 @@ score, at prefill only). Differences, each a choice the two references already d
 The official language-modelling script also prunes at every decoded token; that per-step variant
 is not offered (it would be a decode-time method; this one compresses the prompt).
 
-Hyperparameters (the one budget rule, methods/base.py):
+Hyperparameters (the one budget rule, methods/budget.py):
     budget_ratio / budget_tokens: keys kept per layer and KV head at the end of a prompt, the
         window included (paper: 10 %-90 % eviction); a ratio is of the prompt's tokens.
     window_tokens: most recent tokens always kept (0: none, as the official code).
@@ -39,8 +39,11 @@ from typing import ClassVar
 import torch
 
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, ModelInfo
-from methods.eviction import BudgetedMethod, EvictionLayer
+from methods.budget import BudgetedMethod
+from methods.capabilities import Capabilities
+from methods.eviction import EvictionLayer
+from methods.layer import KVLayer
+from methods.model import ModelInfo
 
 
 @dataclass(kw_only=True)

@@ -62,8 +62,11 @@ import torch
 import torch.nn.functional as F
 
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo
+from methods.base import KVMethod
+from methods.capabilities import Capabilities
 from methods.eviction import EvictionLayer, keep_tokens
+from methods.layer import KVLayer
+from methods.model import ModelInfo
 from methods.scoring import attention_with_probs, gather_tokens, group_column_sums
 
 

@@ -97,7 +97,10 @@ from methods import _kvquant_prep as prep
 from methods import _sidefiles as sidefiles
 from methods._kvquant_prep import (Calibration, kmeans_1d, nearest_centroid,  # noqa: F401
                                    q_norm, safe, value_normalise)
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, ServingNeeds
+from methods.base import KVMethod
+from methods.capabilities import Capabilities, ServingNeeds
+from methods.layer import KVLayer
+from methods.model import ModelInfo
 from methods.kernels.kvquant_attention import (KVQuantCache, decode_attention, decode_kernel,
                                                dequantize_cache, pack_bits, rope_table,
                                                unpack_bits)  # noqa: F401

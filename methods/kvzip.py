@@ -50,7 +50,7 @@ Differences:
 A request's first prompt is scored (the cache holds it whole, in text order); a later prompt in
 the same request is refused with a clear error.
 
-Hyperparameters (the one budget rule, methods/base.py):
+Hyperparameters (the one budget rule, methods/budget.py):
     budget_ratio / budget_tokens: tokens kept per layer and KV head (per-head mean for `pair`),
         sinks included; a ratio is of the prompt's tokens.
     level: pair | pair-uniform | head (budget_ratio only: the share of heads kept).
@@ -79,9 +79,12 @@ import torch
 from kvcore.errors import ConfigError
 from kvcore.storage import KV_LAYOUTS
 from methods import _sidefiles as sidefiles
-from methods.base import (Capabilities, FullLayer, KVLayer, KVMethod, ModelInfo, ServingNeeds,
-                          require_basis)
-from methods.eviction import BudgetedMethod, EvictionLayer
+from methods.base import KVMethod
+from methods.budget import BudgetedMethod, require_basis
+from methods.capabilities import Capabilities, ServingNeeds
+from methods.eviction import EvictionLayer
+from methods.layer import FullLayer, KVLayer
+from methods.model import ModelInfo
 
 log = logging.getLogger(__name__)
 LEVELS = ("pair", "pair-uniform", "head")

@@ -14,7 +14,7 @@ Reconstruction from the paper's description (kvpress ships it as `LagKVPress`; n
 one budget over the scored partitions per KV head (the template's top-k), rather than a fixed
 share of each partition.
 
-Hyperparameters (the one budget rule, methods/base.py):
+Hyperparameters (the one budget rule, methods/budget.py):
     budget_ratio / budget_tokens: tokens kept per layer and KV head at the end of a prompt,
         sinks and tail included (a ratio is of the prompt's tokens).
     sink_tokens: the first tokens kept whatever their score (default 16).
@@ -29,8 +29,11 @@ from typing import ClassVar
 import torch
 
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, ModelInfo
-from methods.eviction import BudgetedMethod, EvictionLayer
+from methods.budget import BudgetedMethod
+from methods.capabilities import Capabilities
+from methods.eviction import EvictionLayer
+from methods.layer import KVLayer
+from methods.model import ModelInfo
 
 
 @dataclass(kw_only=True)

@@ -43,7 +43,10 @@ from typing import ClassVar
 import torch
 
 from kvcore.storage import ContiguousRows
-from methods.base import Capabilities, KVLayer, KVMethod, ModelInfo, ServingNeeds, exact_attention
+from methods.base import KVMethod
+from methods.capabilities import Capabilities, ServingNeeds
+from methods.layer import KVLayer, exact_attention
+from methods.model import ModelInfo
 
 KINDS = ("k", "v")
 

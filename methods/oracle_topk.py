@@ -15,7 +15,7 @@ key (as every evicting method's prompt does); "sparse" = each prompt row selects
 among its causal keys, inside multi-token chunks (per-row masks; k from the tokens seen at chunk
 end), so the engine need not feed the prompt one token at a time.
 
-Hyperparameters (the one budget rule, methods/base.py):
+Hyperparameters (the one budget rule, methods/budget.py):
     budget_ratio: tokens attended per KV head as a fraction of tokens seen (default 0.2).
     budget_tokens: a fixed number instead; takes precedence over budget_ratio.
 """
@@ -28,8 +28,10 @@ from typing import ClassVar
 import torch
 
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, ModelInfo, ServingNeeds
-from methods.eviction import BudgetedMethod
+from methods.budget import BudgetedMethod
+from methods.capabilities import Capabilities, ServingNeeds
+from methods.layer import KVLayer
+from methods.model import ModelInfo
 from methods.scoring import additive_mask, expand_kv, group_mean
 from methods.selection import SelectionLayer
 

@@ -28,7 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from methods.base import KVLayer, ModelInfo, require_basis
+from methods.budget import require_basis
+from methods.layer import KVLayer
+from methods.model import ModelInfo
 from methods.snapkv import SnapKV, SnapKVLayer
 
 

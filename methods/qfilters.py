@@ -23,7 +23,7 @@ kvpress's `QFilterPress` (the same score, prefill only, no window). Differences:
     `model.safetensors` holding `q_filters (L, H_kv, D)`) load by path (`filters_path`);
   * evicting after the forward (the template), the official cache evicts before attending.
 
-Hyperparameters (the one budget rule, methods/base.py):
+Hyperparameters (the one budget rule, methods/budget.py):
     budget_ratio / budget_tokens: keys kept per layer and KV head (the window included).
     window_tokens: most recent tokens kept whatever their score (kvpress: 0; the official
         generation example: 64 of 128).
@@ -47,8 +47,13 @@ import torch
 from kvcore.errors import ConfigError
 from kvcore.storage import KV_LAYOUTS
 from methods import _sidefiles as sidefiles
-from methods.base import PREFILL_MODES, Capabilities, KVLayer, KVMethod, ModelInfo, ServingNeeds
-from methods.eviction import BudgetedMethod, EvictionLayer
+from methods.base import KVMethod
+from methods.budget import BudgetedMethod
+from methods.capabilities import Capabilities, ServingNeeds
+from methods.eviction import EvictionLayer
+from methods.layer import KVLayer
+from methods.model import ModelInfo
+from methods.protocol import PREFILL_MODES
 
 log = logging.getLogger(__name__)
 SEQUENCE_TOKENS = 2048  # the official calibration sequences' length (make_filters.py)

@@ -53,9 +53,11 @@ import torch
 
 from kvcore.guards import size_reason
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, ModelInfo, ServingNeeds
-from methods.eviction import BudgetedMethod
+from methods.budget import BudgetedMethod
+from methods.capabilities import Capabilities, ServingNeeds
 from methods.kernels import quest_pages
+from methods.layer import KVLayer
+from methods.model import ModelInfo
 from methods.scoring import expand_kv
 from methods.selection import SelectionLayer
 

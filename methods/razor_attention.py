@@ -51,7 +51,10 @@ from kvcore.storage import KV_LAYOUTS
 from methods._head_probe import check_probe_knobs, probe_scores, select_union
 from methods._headwise import (HeadwiseLayer, HeadwiseMethod, check_headwise_knobs,
                                stream_budget_slots)
-from methods.base import PREFILL_MODES, Capabilities, KVLayer, ModelInfo, ServingNeeds
+from methods.capabilities import Capabilities, ServingNeeds
+from methods.layer import KVLayer
+from methods.model import ModelInfo
+from methods.protocol import PREFILL_MODES
 
 
 @dataclass(kw_only=True)

@@ -36,7 +36,7 @@ runs, `run_math.py` for the defaults), followed step for step. Differences:
 `mix_lambda` 0.07 is the default of the official scripts (`run_math.py`); the README's table says
 0.1. The official `first_tokens` option is accepted and unused there, so no sinks are kept.
 
-Hyperparameters (the one budget rule, methods/base.py):
+Hyperparameters (the one budget rule, methods/budget.py):
     budget_ratio / budget_tokens: tokens kept per layer and KV head after each compression,
         window included (official scripts: 128 .. 4096 tokens).
     window_tokens: observation window, always kept (official alpha: 8).
@@ -55,8 +55,10 @@ from typing import ClassVar
 import torch
 
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, ModelInfo
-from methods.eviction import BudgetedMethod
+from methods.budget import BudgetedMethod
+from methods.capabilities import Capabilities
+from methods.layer import KVLayer
+from methods.model import ModelInfo
 from methods.snapkv import SnapKVLayer, pool_along_text
 
 

@@ -36,7 +36,7 @@ budget:
   * the history costs `history_tokens` bytes per token per KV head, metadata not counted in the
     KV bytes (as H2O's scores are not).
 
-Hyperparameters (the one budget rule, methods/base.py):
+Hyperparameters (the one budget rule, methods/budget.py):
     budget_ratio / budget_tokens: kept per layer and KV head (paper: 2x-5x compression).
     history_tokens: the history window of queries w (code: 100).
     recent_tokens: the protected recent window r (code: 10).
@@ -50,8 +50,12 @@ from typing import ClassVar
 import torch
 
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, ModelInfo, PREFILL_MODES
-from methods.eviction import BudgetedMethod, EvictionLayer
+from methods.budget import BudgetedMethod
+from methods.capabilities import Capabilities
+from methods.eviction import EvictionLayer
+from methods.layer import KVLayer
+from methods.model import ModelInfo
+from methods.protocol import PREFILL_MODES
 from methods.scoring import attention_with_probs
 
 

@@ -37,8 +37,10 @@ from typing import Callable, ClassVar
 
 import torch
 
-from methods.base import KVLayer, KVMethod, ModelInfo
+from methods.base import KVMethod
 from methods.kernels import sparse_attention
+from methods.layer import KVLayer
+from methods.model import ModelInfo
 from methods.scoring import attention_with_probs, gather_tokens
 
 
@@ -132,7 +134,7 @@ class SelectionLayer(KVLayer):
         return self.holding_prompt()
 
     def step_budget(self) -> int:
-        """The shared rule's budget for this layer now (methods.eviction.BudgetedMethod; a method
+        """The shared rule's budget for this layer now (methods.budget.BudgetedMethod; a method
         with a rule of its own overrides this)."""
         return self.method.layer_budget(self.layer_idx, self.info.num_layers, self.basis_tokens())
 

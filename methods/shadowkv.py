@@ -81,8 +81,11 @@ from typing import ClassVar
 import torch
 
 from kvcore.errors import ConfigError
-from methods.base import (Capabilities, KVLayer, KVMethod, ModelInfo, ServingNeeds, budget_for,
-                          check_budget)
+from methods.base import KVMethod
+from methods.budget import budget_for, check_budget
+from methods.capabilities import Capabilities, ServingNeeds
+from methods.layer import KVLayer
+from methods.model import ModelInfo
 from methods.rope import rotate
 from methods.scoring import gather_tokens
 from methods.selection import SelectionLayer

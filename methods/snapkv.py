@@ -22,7 +22,7 @@ over the group *before* pooling, one index set per KV head (KVCache-Factory's kv
 averages after pooling — identical for average pooling). Query-aware by design: a question at the
 end of the prompt is in the window.
 
-Hyperparameters (the one budget rule, methods/base.py):
+Hyperparameters (the one budget rule, methods/budget.py):
     budget_ratio / budget_tokens: tokens kept per layer and KV head at the end of a prompt,
         window included (paper: 1024, 2048 or 4096 tokens); a ratio is of the prompt's tokens seen.
     window_tokens: observation window (paper configs: 32).
@@ -39,8 +39,11 @@ import torch
 import torch.nn.functional as F
 
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, ModelInfo
-from methods.eviction import BudgetedMethod, EvictionLayer
+from methods.budget import BudgetedMethod
+from methods.capabilities import Capabilities
+from methods.eviction import EvictionLayer
+from methods.layer import KVLayer
+from methods.model import ModelInfo
 from methods.scoring import causal_allowed, group_column_sums
 
 POOLINGS = ("max", "avg")

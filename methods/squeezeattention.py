@@ -29,7 +29,7 @@ re-rotated at in-cache positions; `scorer=streaming_llm`) and a sliding window (
 method on the scored-eviction template (SCORERS), H2O by default as in the paper.
 
 Hyperparameters:
-    budget_ratio / budget_tokens: the uniform budget `ini` (one budget rule, methods/base.py).
+    budget_ratio / budget_tokens: the uniform budget `ini` (one budget rule, methods/budget.py).
     low_group_ratio: G3's budget as a fraction of the uniform one (README runs: p/ini = 0.25/0.4
         and 0.08/0.21; default 0.5, ours: halfway between them, as no single default is published).
     scorer: the sequence-wise method inside each layer (SCORERS).
@@ -48,8 +48,11 @@ import torch.nn.functional as F
 
 from kvcore.errors import ConfigError
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, ModelInfo, require_basis
-from methods.eviction import BudgetedMethod, EvictionLayer
+from methods.budget import BudgetedMethod, require_basis
+from methods.capabilities import Capabilities
+from methods.eviction import EvictionLayer
+from methods.layer import KVLayer
+from methods.model import ModelInfo
 
 # (not kvmerger: its threshold, not a budget, decides what a layer keeps)
 SCORERS = ("h2o", "streaming_llm", "tova", "scissorhands", "keydiff", "snapkv")

@@ -19,7 +19,7 @@ whole cache: no rounding accumulates in bf16/fp16 however long the stream. With 
 sinks keep their text positions: plain "sinks + window" (kvpress's StreamingLLMPress without its
 KeyRerotationPress).
 
-Hyperparameters (budget rule of methods/base.py; window_tokens applies when both budgets are null):
+Hyperparameters (budget rule of methods/budget.py; window_tokens applies when both budgets are null):
     sink_tokens: tokens kept from the start (paper: 4).
     window_tokens: most recent tokens kept (the paper's cache sizes are 4 + {508, 1020, ...}).
     budget_tokens: total kept (sinks + window) instead; takes precedence over budget_ratio.
@@ -37,8 +37,12 @@ import torch
 
 from kvcore.errors import ConfigError
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, ModelInfo, check_budget, PREFILL_MODES
-from methods.eviction import BudgetedMethod, EvictionLayer
+from methods.budget import BudgetedMethod, check_budget
+from methods.capabilities import Capabilities
+from methods.eviction import EvictionLayer
+from methods.layer import KVLayer
+from methods.model import ModelInfo
+from methods.protocol import PREFILL_MODES
 from methods.rope import prepared, rotate_prepared
 
 

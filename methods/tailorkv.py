@@ -77,11 +77,14 @@ import torch
 
 from kvcore.offload import HostKVStore
 from methods import _sidefiles as sidefiles
-from methods.base import (Capabilities, KVLayer, KVMethod, ModelInfo, ServingNeeds, budget_for,
-                          check_budget)
+from methods.base import KVMethod
+from methods.budget import budget_for, check_budget
+from methods.capabilities import Capabilities, ServingNeeds
 from methods.kernels import kivi_quant as kq
 from methods.kernels.kivi_attention import decode_kernel
 from methods.kivi import KIVI, KIVILayer, quantization_reasons, value_group_reasons
+from methods.layer import KVLayer
+from methods.model import ModelInfo
 from methods.scoring import expand_kv
 from methods.selection import SelectionLayer
 

@@ -12,7 +12,7 @@ Llama-3-8B); the GQA reduction (the top-k of the group's mean probability per KV
 oracle_topk and InfiniGen choose) and the prompt (attended in full under runner.prefill=dense)
 are ours.
 
-Hyperparameters (the one budget rule, methods/base.py):
+Hyperparameters (the one budget rule, methods/budget.py):
     budget_ratio: tokens attended per KV head in the reusing layers, a fraction of the budget
         basis (default 0.2); budget_tokens: a fixed number instead (takes precedence).
     selection_layers: the layers that select (ascending); the first is the first sparse layer's
@@ -27,8 +27,10 @@ from typing import ClassVar
 import torch
 
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, FullLayer, KVLayer, ModelInfo, ServingNeeds
-from methods.eviction import BudgetedMethod
+from methods.budget import BudgetedMethod
+from methods.capabilities import Capabilities, ServingNeeds
+from methods.layer import FullLayer, KVLayer
+from methods.model import ModelInfo
 from methods.scoring import attention_with_probs, group_mean
 from methods.selection import SelectionLayer
 

@@ -14,7 +14,7 @@ original positions. Protocol: with `runner.prefill=dense` a prompt chunk is prun
 (with one chunk: the official one-shot prefill); `runner.prefill=sparse` feeds the prompt token by
 token (per-step TOVA).
 
-Hyperparameters (the one budget rule, methods/base.py):
+Hyperparameters (the one budget rule, methods/budget.py):
     budget_ratio / budget_tokens: the cache size K per layer (README example K = 512).
 """
 
@@ -26,8 +26,12 @@ from typing import ClassVar
 import torch
 
 from kvcore.storage import KV_LAYOUTS
-from methods.base import Capabilities, KVLayer, ModelInfo, PREFILL_MODES
-from methods.eviction import BudgetedMethod, EvictionLayer
+from methods.budget import BudgetedMethod
+from methods.capabilities import Capabilities
+from methods.eviction import EvictionLayer
+from methods.layer import KVLayer
+from methods.model import ModelInfo
+from methods.protocol import PREFILL_MODES
 
 
 @dataclass(kw_only=True)

@@ -58,8 +58,12 @@ import torch
 
 from kvcore.storage import ContiguousRows
 from methods import _turboquant_quant as tq
-from methods.base import PREFILL_MODES, Capabilities, KVLayer, KVMethod, ModelInfo
+from methods.base import KVMethod
+from methods.capabilities import Capabilities
 from methods.kernels import turboquant_cpu
+from methods.layer import KVLayer
+from methods.model import ModelInfo
+from methods.protocol import PREFILL_MODES
 from methods.kernels.turboquant_attention import (TQCache, TQTensor, decode_attention,
                                                   decode_kernel, dequantize_cache, pack_masks)
 from methods.scoring import plain_decode_row

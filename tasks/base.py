@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from kvcore.errors import ConfigError
-from methods.base import KVMethod, ModelInfo
+from methods.base import KVMethod
+from methods.model import ModelInfo
 
 
 def content_id(prompt: Any, reference: Any) -> str:

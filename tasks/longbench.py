@@ -42,7 +42,8 @@ from kvcore.errors import ConfigError
 from harness.metrics import METRICS
 from harness.models import CHAT_TEMPLATE_KWARGS, chat_text
 from harness.progress import progress
-from methods.base import KVMethod, ModelInfo
+from methods.base import KVMethod
+from methods.model import ModelInfo
 from tasks._longbench_config import DATASETS, HUB_ARCHIVE, HUB_REPO, DatasetSpec
 from tasks.base import Task, TaskResult, content_id
 from tasks.text_sources import data_root, jsonl_objects

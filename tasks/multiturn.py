@@ -36,7 +36,8 @@ from kvcore.errors import ConfigError
 from kvcore.guards import PROMPT_HOST_BYTES_PER_TOKEN, size_reason
 from harness.models import CHAT_TEMPLATE_KWARGS
 from harness.progress import progress
-from methods.base import KVMethod, ModelInfo
+from methods.base import KVMethod
+from methods.model import ModelInfo
 from tasks.base import Task, TaskResult, content_id
 from tasks.prompts import (CHAT_OPTIONS, HAYSTACKS, KEY_WORDS, NEEDLE, RULER_DEPTHS, PromptFormat,
                            clean_prediction, haystack_with_needles, is_int, largest_fitting,

@@ -23,7 +23,8 @@ from typing import ClassVar
 import torch
 from harness.progress import progress
 
-from methods.base import KVMethod, ModelInfo
+from methods.base import KVMethod
+from methods.model import ModelInfo
 from tasks.base import Task, TaskResult, content_id
 from tasks.text_sources import TEXT_DATASETS, load_text
 

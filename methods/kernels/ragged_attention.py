@@ -250,7 +250,7 @@ def decode_kernel(query: torch.Tensor, keys: HeadBlocks, values: HeadBlocks) -> 
 def decode_kernel_name(device) -> str:
     """What the full cache's decode steps run on `device` (for metrics.json): "c" on CPU when
     the C kernel builds (else "sdpa": the model's own attention), on CUDA "triton" for paged
-    rows and "sdpa" for contiguous ones (methods.base.FullLayer)."""
+    rows and "sdpa" for contiguous ones (methods.layer.FullLayer)."""
     if torch.device(device).type == "cuda":
         return "triton (paged), sdpa (contiguous)"
     return "c" if ragged_attention_cpu.library() is not None else "sdpa"

@@ -11,7 +11,7 @@ from harness import batch as batching
 from harness.runner import protocol_reasons
 from harness.run import run
 from methods import build_method
-from methods.base import Protocol
+from methods.protocol import Protocol
 from tasks import build_task
 from tests.conftest import STORIES, make_engine, need_shared
 from tests.helpers.generation import prompts_of

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from kvcore.errors import BudgetViolation
-from methods.base import KVLayer, KVMethod
+from methods.base import KVMethod
+from methods.layer import KVLayer
 from tests.conftest import make_engine
 
 

@@ -1,4 +1,4 @@
-"""Compression during decoding (`runner.decode_interval_tokens`, methods.base.Protocol): every N
+"""Compression during decoding (`runner.decode_interval_tokens`, methods.protocol.Protocol): every N
 tokens after the prompt a once-per-prompt compressor is brought back to its budget by its own
 scorer. Checked for every method declaring `Capabilities.recompresses_during_decode`: the cache
 never holds more than the budget plus N at any decode step (and does act), the result does not
@@ -13,7 +13,7 @@ import torch
 from harness.runner import check_runner, decode_interval_reasons
 from kvcore.errors import ConfigError
 from methods import available_methods, build_method, method_class
-from methods.base import Protocol
+from methods.protocol import Protocol
 from tests.conftest import STORIES, make_engine, need_shared
 from tests.helpers.sweeps import TASK, assert_equal_to_single_runs
 from tests.methods.contract.common import get_model, skip_if_refused

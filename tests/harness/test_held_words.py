@@ -7,7 +7,7 @@ import pytest
 
 from harness.accounting import KVLedger
 from harness.run import held_words, summary
-from methods.base import ModelInfo
+from methods.model import ModelInfo
 from tests.helpers.reports import fake_run
 
 

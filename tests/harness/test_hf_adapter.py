@@ -8,7 +8,9 @@ import torch
 import transformers
 
 from harness import hf_adapter
-from methods.base import Capabilities, KVLayer, KVMethod
+from methods.base import KVMethod
+from methods.capabilities import Capabilities
+from methods.layer import KVLayer
 from tests.conftest import make_engine
 from methods.rope import rotate
 from tests.models import FAMILIES, tiny_family_model

@@ -12,7 +12,10 @@ from harness.accounting import activity
 from harness.run import run
 from kvcore.errors import BudgetViolation, ConfigError
 from methods import build_method
-from methods.base import Capabilities, FullLayer, KVLayer, KVMethod, Protocol
+from methods.base import KVMethod
+from methods.capabilities import Capabilities
+from methods.layer import FullLayer, KVLayer
+from methods.protocol import Protocol
 from tests.conftest import STORIES, make_engine, need_shared
 from tests.helpers.runs import cfg_for
 

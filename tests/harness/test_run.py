@@ -234,7 +234,7 @@ def live_objects() -> tuple[int, int, int, int]:
 
     import torch
 
-    from methods.base import KVLayer
+    from methods.layer import KVLayer
 
     gc.collect()
     objects = gc.get_objects()

@@ -13,8 +13,8 @@ from harness.run import run
 from kvcore.errors import ConfigError
 from kvcore.paged import BlockPool, DeviceBudget, DeviceMemoryExceeded
 from methods import build_method
-from methods.base import Protocol
 from methods.full_offload import FullOffloadLayer
+from methods.protocol import Protocol
 from tasks import build_task
 from tests.conftest import make_engine
 from tests.helpers.generation import prompts_of

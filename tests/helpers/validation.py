@@ -3,7 +3,7 @@ validated against, and a HeadKV head-scores file written for it."""
 
 import json
 
-from methods.base import ModelInfo
+from methods.model import ModelInfo
 
 INFO = ModelInfo(num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, max_positions=512,
                  rope_theta=10000.0)

@@ -6,7 +6,8 @@ import torch
 from harness.accounting import KVLedger, waste_ratio
 from kvcore.paged import BlockPool, PagedKV, PagedRows
 from kvcore.storage import ContiguousRows, grown_capacity
-from methods.base import KVLayer, ModelInfo
+from methods.layer import KVLayer
+from methods.model import ModelInfo
 
 INFO = ModelInfo(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, max_positions=4096)
 

@@ -9,7 +9,8 @@ import torch
 from harness.accounting import KVLedger
 from kvcore.paged import HEAD_POOL_SUFFIX, BlockPool, PagedKV, PagedRows
 from kvcore.storage import ContiguousRows, TokenMajorRows
-from methods.base import KVLayer, ModelInfo
+from methods.layer import KVLayer
+from methods.model import ModelInfo
 
 B, H, D, BT = 2, 3, 4, 4  # batch rows, heads, trailing dim, block tokens
 ROW_BYTES = D * 4  # one head's token, fp32

@@ -13,7 +13,7 @@ from tests.conftest import make_engine
 def masked_full_gap(model, tok, method, monkeypatch, prompt_tokens: int = 80) -> float:
     """Max |logit difference| at the first decode step between `method` and the full cache
     masked per KV head to what `method` kept; asserts some layer's heads are ragged."""
-    from methods.base import FullLayer
+    from methods.layer import FullLayer
 
     ids = tok("Once upon a time there was a little dog named Max. " * 8)["input_ids"]
     ids = ids[:prompt_tokens + 1]

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from kvcore.storage import grown_capacity
-from methods.base import KVLayer, ModelInfo
+from methods.layer import KVLayer
+from methods.model import ModelInfo
 
 INFO = ModelInfo(num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8, max_positions=4096)
 
@@ -133,8 +134,8 @@ def test_exact_attention_over_ragged_rows_in_place():
     from types import SimpleNamespace
 
     from kvcore.paged import BlockPool, PagedRows
-    from methods.base import exact_attention
     from methods.kernels.ragged_attention import ragged_attention_ref
+    from methods.layer import exact_attention
 
     gen = torch.Generator().manual_seed(0)
     k, v = torch.randn(1, 2, 12, 8, generator=gen), torch.randn(1, 2, 12, 8, generator=gen)

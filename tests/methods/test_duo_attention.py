@@ -13,8 +13,8 @@ from kvcore.errors import ConfigError
 from methods import build_method
 from methods._head_probe import select_retrieval
 from methods._headwise import HeadwiseLayer
-from methods.base import ModelInfo
 from methods.duo_attention import load_duo_pattern, sparsify_gates
+from methods.model import ModelInfo
 from tests.conftest import make_engine
 from tests.helpers.validation import one_reason
 from tests.methods.headwise_reference import masked_full_gap, streaming_positions

@@ -5,9 +5,9 @@ import torch
 
 from kvcore.paged import BlockPool, PagedRows
 from kvcore.storage import ContiguousRows, doubled_capacity
-from methods.base import ModelInfo
-from methods.eviction import (BudgetedMethod, EvictionLayer, append_tokens, drop_one_token,
-                              keep_tokens)
+from methods.budget import BudgetedMethod
+from methods.eviction import EvictionLayer, append_tokens, drop_one_token, keep_tokens
+from methods.model import ModelInfo
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])

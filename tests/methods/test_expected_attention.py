@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from methods import build_method
-from methods.base import ModelInfo
+from methods.model import ModelInfo
 from tests.conftest import make_engine
 
 D, THETA = 4, 10.0

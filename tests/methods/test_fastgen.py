@@ -156,7 +156,7 @@ def test_token_kinds_from_the_tokenizer(stories):
 def test_the_run_reports_heads_per_policy(stories):
     """metrics.json kv.method_facts: per request, the (layer, KV head) pairs of each policy (all
     of them, the protocol's dense layers aside), next to kv.held_ratio."""
-    from methods.base import Protocol
+    from methods.protocol import Protocol
 
     model, tok = stories
     ids = tok("Once upon a time, there was a little dog named Max. " * 8)["input_ids"][:80]

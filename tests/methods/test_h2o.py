@@ -6,8 +6,8 @@ import torch
 from harness import hf_adapter
 from kvcore.errors import ConfigError
 from methods import build_method
-from methods.base import Protocol
 from methods.h2o import H2OLayer
+from methods.protocol import Protocol
 from methods.scoring import group_mean
 from tests.conftest import make_engine
 

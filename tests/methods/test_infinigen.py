@@ -451,7 +451,7 @@ def test_speculation_multiplies_only_the_partial_columns(tiny4, cache_dir):
 # --- calibration robustness ---------------------------------------------------------------------
 
 def _info(**kw):
-    from methods.base import ModelInfo
+    from methods.model import ModelInfo
 
     return ModelInfo(**{"num_layers": 4, "num_heads": 4, "num_kv_heads": 2, "head_dim": 64,
                         "max_positions": 4096, "rope_theta": 1e4, **kw})
@@ -574,7 +574,7 @@ def test_select_tokens_is_the_official_count_rule_by_hand():
 
 
 def _union_layer(selected, counts, stored):
-    from methods.base import ModelInfo
+    from methods.model import ModelInfo
 
     layer = InfiniGenLayer.__new__(InfiniGenLayer)
     layer.info = ModelInfo(num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,

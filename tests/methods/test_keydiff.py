@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from methods import build_method
-from methods.base import ModelInfo, Protocol
 from methods.keydiff import anchor_cosine
+from methods.model import ModelInfo
+from methods.protocol import Protocol
 from tests.conftest import make_engine
 
 

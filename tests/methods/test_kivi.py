@@ -14,7 +14,7 @@ from harness import models
 from kvcore.errors import ConfigError
 from harness.run import run
 from methods import build_method
-from methods.base import ModelInfo
+from methods.model import ModelInfo
 from methods.kernels import kivi_attention as ka  # imported here, under the interpreter (conftest)
 from methods.kernels import kivi_quant as kq
 from tests.conftest import PROJECT, STORIES, make_engine, need_shared

@@ -5,8 +5,8 @@ import torch
 
 from kvcore.errors import ConfigError
 from methods import build_method
-from methods.base import ModelInfo
 from methods.knorm import key_norms
+from methods.model import ModelInfo
 from tests.conftest import make_engine
 
 INFO = ModelInfo(num_layers=1, num_heads=2, num_kv_heads=1, head_dim=2, max_positions=16)

@@ -8,8 +8,8 @@ import torch
 
 from kvcore.errors import ConfigError, UnsupportedCombination
 from methods import build_method
-from methods.base import ModelInfo
 from methods.kvmerger import gaussian_merge, merging_sets
+from methods.model import ModelInfo
 from methods.scoring import attention_with_probs
 from tests.conftest import make_engine
 
@@ -158,7 +158,7 @@ def test_bad_config_names_the_key(key, value):
 
 def test_refused_where_no_prompt_ends():
     from harness.runner import protocol_reasons
-    from methods.base import Protocol
+    from methods.protocol import Protocol
     from tasks import build_task
 
     info = ModelInfo(num_layers=4, num_heads=2, num_kv_heads=2, head_dim=8, max_positions=64)

@@ -11,9 +11,10 @@ import torch
 from harness import hf_adapter
 from kvcore.errors import ConfigError
 from methods import build_method
-from methods.base import ModelInfo, Protocol
 from methods.kernels import cpu_build
 from methods.kernels import kivi_quant as kq
+from methods.model import ModelInfo
+from methods.protocol import Protocol
 from methods import kvquant
 from methods.kvquant import (Calibration, KVQuantLayer, kmeans_1d, nearest_centroid, pack_bits,
                              q_norm, unpack_bits)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from methods import build_method
-from methods.base import ModelInfo
 from methods.kvzip import chunk_scores
+from methods.model import ModelInfo
 from tests.conftest import make_engine
 
 

@@ -8,8 +8,8 @@ import torch
 
 from kvcore.errors import ConfigError
 from methods import build_method
-from methods.base import ModelInfo
 from methods.minicache import slerp_merge
+from methods.model import ModelInfo
 from tests.conftest import make_engine
 
 
@@ -145,7 +145,7 @@ def test_refused_where_no_prompt_ends():
     """Merging starts at the end of the first prompt: streaming perplexity (every token a decode
     step) and sparse prefill are refused before weights load."""
     from harness.runner import protocol_reasons
-    from methods.base import Protocol
+    from methods.protocol import Protocol
     from tasks import build_task
 
     info = ModelInfo(num_layers=4, num_heads=2, num_kv_heads=2, head_dim=8, max_positions=64)

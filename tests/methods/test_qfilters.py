@@ -7,7 +7,7 @@ from safetensors.torch import save_file
 from harness import hf_adapter
 from kvcore.errors import ConfigError
 from methods import build_method
-from methods.base import ModelInfo
+from methods.model import ModelInfo
 from methods.qfilters import filters_from_queries
 from tests.conftest import make_engine
 

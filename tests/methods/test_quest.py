@@ -9,7 +9,7 @@ from harness import hf_adapter
 from kvcore.errors import ConfigError
 from methods import build_method
 from methods.kernels import quest_pages
-from methods.base import ModelInfo
+from methods.model import ModelInfo
 from methods.quest import QuestLayer, page_bounds, scored_allowance
 from tests.conftest import make_engine
 from tests.helpers.validation import HUGE_MODEL, one_reason

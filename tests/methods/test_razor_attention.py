@@ -12,7 +12,7 @@ from kvcore.errors import ConfigError
 from methods import build_method
 from methods._head_probe import _ProbeLayer, probe_period, probe_tokens, select_union
 from methods._headwise import HeadwiseLayer
-from methods.base import ModelInfo
+from methods.model import ModelInfo
 from tests.conftest import make_engine
 from tests.methods.headwise_reference import streaming_positions
 

@@ -6,7 +6,8 @@ import torch
 
 from harness.runner import decode_interval_reasons
 from methods import build_method
-from methods.base import ModelInfo, Protocol
+from methods.model import ModelInfo
+from methods.protocol import Protocol
 
 D, H_Q, H_KV = 8, 4, 2
 

@@ -5,7 +5,7 @@ import torch
 
 from kvcore.errors import ConfigError
 from methods import build_method
-from methods.base import ModelInfo
+from methods.model import ModelInfo
 from methods.scissorhands import ScissorhandsLayer, low_attention
 from tests.conftest import make_engine
 

@@ -3,8 +3,8 @@ each KV head serving the union of its query heads' sets, the attention and the a
 
 import torch
 
-from methods.base import ModelInfo
-from methods.eviction import BudgetedMethod
+from methods.budget import BudgetedMethod
+from methods.model import ModelInfo
 from methods.scoring import attention_with_probs
 from methods.selection import SelectionLayer, kv_union
 

@@ -10,7 +10,8 @@ from harness.runner import protocol_reasons
 from kvcore.errors import ConfigError
 from kvcore.offload import Tier, TransferLedger
 from methods import build_method
-from methods.base import ModelInfo, PrepareContext, Protocol
+from methods.model import ModelInfo, PrepareContext
+from methods.protocol import Protocol
 from methods.rope import rotate
 from methods.shadowkv import ShadowKVLayer, chunk_rows
 from tests.conftest import make_engine

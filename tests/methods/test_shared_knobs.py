@@ -8,7 +8,8 @@ import pytest
 
 from kvcore.errors import ConfigError
 from methods import available_methods, build_method, method_class
-from methods.base import POSITION_KNOBS, SEED_MAX, ModelInfo
+from methods.base import POSITION_KNOBS, SEED_MAX
+from methods.model import ModelInfo
 from tests.helpers.validation import INFO, one_reason
 
 

@@ -8,7 +8,8 @@ from harness.engine import Engine, EngineSettings
 from harness import hf_adapter
 from harness.runner import protocol_reasons
 from methods import build_method
-from methods.base import ModelInfo, Protocol
+from methods.model import ModelInfo
+from methods.protocol import Protocol
 from methods.snapkv import pool_along_text
 from tasks import build_task
 from tests.conftest import make_engine

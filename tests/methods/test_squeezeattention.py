@@ -9,7 +9,7 @@ from harness import hf_adapter
 from harness.runner import protocol_reasons
 from kvcore.errors import ConfigError
 from methods import build_method
-from methods.base import Protocol
+from methods.protocol import Protocol
 from methods.squeezeattention import budget_factors, kmeans_1d
 from tasks import build_task
 from tests.conftest import make_engine

@@ -139,7 +139,7 @@ def test_no_drift_in_bf16_after_4096_steps():
     rotation of each token's un-rotated key to its in-frame position, within bf16 rounding (the
     former in-place re-rotation every step drifted by 23 % after 500 steps), and the query-key
     distances are the in-cache ones of the paper."""
-    from methods.base import ModelInfo
+    from methods.model import ModelInfo
     from methods.streaming_llm import StreamingLLM
 
     torch.manual_seed(0)

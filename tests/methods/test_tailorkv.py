@@ -8,9 +8,9 @@ import torch
 from kvcore.errors import BudgetViolation, ConfigError
 from kvcore.offload import Tier, TransferLedger
 from methods import build_method
-from methods.base import ModelInfo, PrepareContext
 from methods.kernels import kivi_quant as kq
 from methods.kivi import KIVILayer
+from methods.model import ModelInfo, PrepareContext
 from methods.scoring import attention_with_probs
 from methods.tailorkv import TopKOffloadLayer, outside_top_mass
 from tests.conftest import make_engine
@@ -277,7 +277,7 @@ def test_sparse_prefill_and_prompt_less_streams_are_refused(tiny_model):
     stream with no prompt are refused before weights load."""
     from harness import hf_adapter
     from harness.runner import protocol_reasons
-    from methods.base import Protocol
+    from methods.protocol import Protocol
 
     method = build_method("tailorkv")
     info = hf_adapter.model_info(tiny_model.config)

@@ -48,7 +48,7 @@ def test_layers_after_a_selection_layer_attend_its_top_k(three_layers):
 
 
 def test_the_layers_before_the_first_selection_layer_are_dense():
-    from methods.base import ModelInfo
+    from methods.model import ModelInfo
 
     info = ModelInfo(num_layers=16, num_heads=4, num_kv_heads=2, head_dim=8, max_positions=64)
     method = build_method("tidaldecode")

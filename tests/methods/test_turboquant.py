@@ -11,7 +11,7 @@ import torch
 
 from methods import _turboquant_quant as tq
 from methods import build_method
-from methods.base import ModelInfo
+from methods.model import ModelInfo
 from tests.conftest import make_engine
 
 

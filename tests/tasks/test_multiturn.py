@@ -5,7 +5,7 @@ import pytest
 
 from kvcore.errors import ConfigError
 from methods import build_method
-from methods.base import ModelInfo
+from methods.model import ModelInfo
 from tasks import build_task
 from tasks.prompts import NEEDLE, PromptFormat, needle_depth_fractions
 from tests.conftest import make_engine

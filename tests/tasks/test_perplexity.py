@@ -135,7 +135,7 @@ def test_prefill_tokens_refusals(options, match):
 
 
 def test_prefill_tokens_must_leave_tokens_to_stream():
-    from methods.base import ModelInfo
+    from methods.model import ModelInfo
 
     info = ModelInfo(num_layers=2, num_heads=2, num_kv_heads=2, head_dim=4, max_positions=512,
                      rope_theta=10000.0)

@@ -7,7 +7,7 @@ import pytest
 
 from kvcore.errors import ConfigError
 from methods import build_method
-from methods.base import ModelInfo
+from methods.model import ModelInfo
 from tasks import build_task
 from tasks.prompts import (NEEDLE, NOISE_SENTENCE, PromptFormat, clean_prediction,
                            haystack_with_needles, largest_fitting, needle_depth_fractions,

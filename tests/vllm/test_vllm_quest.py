@@ -90,7 +90,7 @@ def test_the_plugins_quest_is_ours_at_every_decode_step(tiny_model, monkeypatch,
 
 
 def test_the_budget_rule_is_the_harness_rule():
-    from methods.base import budget_for
+    from methods.budget import budget_for
 
     prompts = torch.tensor([1, 4, 5, 999, 1000, 1001, 1023])
     for ratio in (0.2, 0.1, 0.35):

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from methods.base import KVLayer
-from methods.eviction import BudgetedMethod
+from methods.budget import BudgetedMethod
+from methods.layer import KVLayer
 
 # knob -> which text positions it protects: "first" N, "last" N, or the last share x the budget
 PROTECTION_KNOBS = {"sink_tokens": "first", "window_tokens": "last", "recent_tokens": "last",
@@ -88,7 +88,7 @@ def kept_after_crafted_compression(method, scores, budget: int | None = None, la
     methods whose scores are hard to craft through a model (the scores are given, the rest —
     protections, per-layer and per-head budgets, top-k — is the method's). `setup(layer)`: per-
     request state to set first (SqueezeAttention's factor)."""
-    from methods.base import ModelInfo
+    from methods.model import ModelInfo
 
     h, t = scores.shape[1:]
     info = ModelInfo(num_layers=num_layers, num_heads=h, num_kv_heads=h, head_dim=4,

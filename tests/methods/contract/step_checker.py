@@ -4,8 +4,8 @@ request (`check_compressing_contract`; the checks are listed in test_contract.py
 import torch
 
 from harness import hf_adapter
-from methods.base import KVLayer
 from methods.eviction import EvictionLayer
+from methods.layer import KVLayer
 from methods.selection import SelectionLayer
 from tests.conftest import make_engine
 from tests.methods.contract import rules

@@ -85,7 +85,8 @@ def test_every_method_has_a_hand_computed_kept_set_test():
 def test_declared_capabilities_match_the_code():
     """Capabilities are read by the runner, so they must be true: every prefill mode is a
     known one; knobs and provenance are declared."""
-    from methods.base import PREFILL_MODES, PROVENANCES
+    from methods.base import PROVENANCES
+    from methods.protocol import PREFILL_MODES
 
     for name in METHODS:
         cls = method_class(name)

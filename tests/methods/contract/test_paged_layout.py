@@ -13,7 +13,7 @@ from harness.run import run
 from kvcore.errors import ConfigError
 from kvcore.paged import PagedRows
 from methods import available_methods, build_method, method_class
-from methods.base import Capabilities
+from methods.capabilities import Capabilities
 from tests.conftest import STORIES, make_engine, need_shared
 from tests.helpers.runs import cfg_for
 from tests.methods.contract.paged import BLOCK_TOKENS, assert_paged, decode, paged_engine

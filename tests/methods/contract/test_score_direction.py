@@ -22,8 +22,8 @@ import pytest
 
 from harness import hf_adapter
 from methods import available_methods, build_method, method_class
-from methods.base import ModelInfo
 from methods.eviction import EvictionLayer
+from methods.model import ModelInfo
 from methods.selection import SelectionLayer
 from tests.methods.contract.direction import TURNS, direction_kls, direction_settings, pg19_ids
 

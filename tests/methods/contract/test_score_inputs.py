@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from methods import available_methods, build_method, method_class
-from methods.base import ModelInfo
 from methods.eviction import EvictionLayer
+from methods.model import ModelInfo
 from tests.methods.contract.step_checker import SEQ_TOKENS
 
 INPUTS = ("keys", "values")

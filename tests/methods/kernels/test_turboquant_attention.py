@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from methods import build_method
-from methods.base import ModelInfo
+from methods.model import ModelInfo
 from methods.kernels import cpu_build, turboquant_cpu
 from methods.kernels import turboquant_attention as ta  # under the interpreter (conftest)
 

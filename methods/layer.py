@@ -1,0 +1,288 @@
+"""What a layer is: `KVLayer`, the per-request, per-layer KV state every method's layer extends
+(the kept K/V and whatever a method needs), `FullLayer` (the full cache, the default layer) and
+`exact_attention` (the full cache's one arithmetic). A layer never imports transformers:
+`harness.hf_adapter` bridges it to the model's cache and attention seams, so a method file stays
+plain torch.
+
+Shapes: keys/values `(B, H_kv, T, D)`, query `(B, H_q, q_len, D)`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from kvcore.storage import ContiguousRows, HeadBlocks, Rows, grown_capacity
+from methods.kernels import ragged_attention, ragged_attention_cpu
+from methods.model import ModelInfo
+from methods.protocol import Protocol
+from methods.scoring import plain_attention, plain_decode_row
+
+AttentionFn = Callable[..., tuple[torch.Tensor, Any]]
+
+
+class KVLayer:
+    """Per-request, per-layer KV state. It stores everything (the full cache), `update` returns
+    the stored K/V as tensors and `attend` calls the model's attention: the base every method's
+    layer extends. A method's default layer is `FullLayer` (the same storage, decode rows read
+    in place).
+
+    Contract (checked by tests on eager attention and chunked prefill):
+      * `seen_tokens` counts every token ever given to `update` (positions never depend on how
+        many were evicted);
+      * `mask_sizes(q_len)` is called before `update` and describes what `update` will return:
+        `(kept + q_len, seen - kept)`;
+      * `update()` returns the K/V to attend over this step (kept + new).
+    """
+
+    def __init__(self, layer_idx: int, info: ModelInfo):
+        self.layer_idx = layer_idx
+        self.info = info
+        self.seen_tokens = 0
+        # K and V as `Rows` (kvcore.storage), created at the first write in the run's layout
+        # (runner.kv_layout, via the tier): a decode step writes its row in place instead of
+        # concatenating (copying) the whole cache. See `keys` / `values`.
+        self._kv: dict[str, Rows] = {}
+        # The request's context, set once by the cache that builds its layers
+        # (harness.hf_adapter.MethodCache) right after `make_layer`, whose signature a method
+        # keeps free of it: the request's kvcore.offload.Tier (placement, ledger, side stream),
+        # the run's Protocol, and the following layer (built after this one).
+        self.tier = None
+        self.protocol = Protocol()
+        self.next_layer: KVLayer | None = None
+        # Per-prompt state, set by harness.prompting.open_prompt / close_prompt: a prompt is
+        # being fed, and the length a ratio budget is a fraction of (budget_basis="final").
+        self.prompt_open = False
+        self.final_tokens: int | None = None
+
+    # --- protocol (read by every method alike) ------------------------------------------------
+    def holding_prompt(self) -> bool:
+        """True while a prompt is fed under `runner.prefill=dense`: it is held and attended in
+        full, and compressed once, at `on_prefill_end` (never after a prefill chunk)."""
+        return self.prompt_open and self.protocol.prefill == "dense"
+
+    def basis_tokens(self, seen: int | None = None) -> int | None:
+        """The length a ratio budget is a fraction of now (Protocol.budget_basis): the
+        sequence's final length ("final", set by the engine; None until a prompt is fed or a
+        stream declares it), or the tokens seen ("seen"; `seen` overrides `seen_tokens` for a
+        layer sizing a step before its update). Pass it to `budget_for`."""
+        if self.protocol.budget_basis == "seen":
+            return self.seen_tokens if seen is None else seen
+        return self.final_tokens
+
+    # --- stored K/V (the default storage; subclasses read and assign these) -------------------
+    def kv_rows(self, name: str, growth: Callable[[int, int], int] = grown_capacity) -> Rows:
+        """The storage of `name` ("keys", "values"), created in the run's layout on first use:
+        paged when the tier carries block pools (runner.kv_layout=paged), else contiguous with
+        `growth` sizing its buffer."""
+        rows = self._kv.get(name)
+        if rows is None:
+            paged = getattr(self.tier, "paged", None)
+            rows = paged.rows(self.layer_idx, name) if paged is not None else ContiguousRows(growth)
+            self._kv[name] = rows
+        return rows
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The stored keys `(B, H_kv, T, D)`: contiguous layout: a view of the valid rows of the
+        buffer (writes to it are stored); paged: a gather of the blocks into a fresh tensor
+        (read-only; write through `kv_rows("keys").write_at`). Assigning replaces the content:
+        contiguous: the tensor becomes the buffer (no copy); paged: blocks beyond its length
+        are freed and the rest rewritten."""
+        rows = self._kv.get("keys")
+        return None if rows is None else rows.view()
+
+    @keys.setter
+    def keys(self, tensor: torch.Tensor | None) -> None:
+        self.kv_rows("keys").assign(tensor)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """The stored values `(B, H_kv, T, D)` (as `keys`)."""
+        rows = self._kv.get("values")
+        return None if rows is None else rows.view()
+
+    @values.setter
+    def values(self, tensor: torch.Tensor | None) -> None:
+        self.kv_rows("values").assign(tensor)
+
+    def storage_stats(self) -> dict[str, int]:
+        """The K/V storage's figures for the waste accounting (harness.accounting):
+        `kv_bytes_used` (valid tokens) and `kv_bytes_allocated` (with the unused capacity or
+        block slots); empty without stored K/V."""
+        if not self._kv:
+            return {}
+        return {"kv_bytes_used": sum(rows.used_bytes() for rows in self._kv.values()),
+                "kv_bytes_allocated": sum(rows.allocated_bytes() for rows in self._kv.values())}
+
+    def release(self) -> None:
+        """Give the storage back (paged: blocks return to the pool); called when a request ends."""
+        for rows in self._kv.values():
+            rows.release()
+
+    # --- cache seam -------------------------------------------------------------------------
+    def update(self, keys: torch.Tensor, values: torch.Tensor, position_ids: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new K/V `(B, H_kv, q_len, D)` and return what attention sees this step."""
+        self.append_kv(keys, values)
+        return self.keys, self.values
+
+    def append_kv(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Append the new K/V `(B, H_kv, q_len, D)` to the stored rows (ragged rows: after each
+        head's own tokens) and count them as seen."""
+        self.seen_tokens += keys.shape[-2]
+        self.kv_rows("keys").append(keys)
+        self.kv_rows("values").append(values)
+
+    def kept_tokens(self) -> int:
+        """Tokens stored now (before the next update)."""
+        rows = self._kv.get("keys")
+        return 0 if rows is None else rows.length
+
+    def mask_sizes(self, q_len: int) -> tuple[int, int]:
+        kept = self.kept_tokens()
+        return kept + q_len, self.seen_tokens - kept
+
+    def prefetch(self, hidden_states: torch.Tensor, position_ids: torch.Tensor | None,
+                 ahead: bool) -> None:
+        """Called before this layer's attention (`ahead=False`, with this layer's input) and one
+        layer earlier (`ahead=True`, with the previous layer's attention input x_{i-1}), so a
+        method can speculate and start moving K/V while the previous layer still computes.
+        Only called for methods with `lookahead` or when the runner offloads the KV."""
+
+    def observe_attention_block(self, residual: torch.Tensor,
+                                attention_output: torch.Tensor) -> None:
+        """Called after this layer's attention block at every forward, for methods declaring
+        `observes_attention_block`: `residual` is the decoder layer's input (the residual stream
+        before its norm) and `attention_output` what the attention block adds to it (after the
+        output projection), both `(B, q_len, hidden)`."""
+
+    def observe_token_ids(self, ids: torch.Tensor) -> None:
+        """Called before every forward for methods declaring `needs_token_ids`: the ids `(B, q)`
+        whose K/V this layer's next `update` receives (a prefill chunk, a decode step; in a batch,
+        this sequence's real ids only, so `q` is its own count)."""
+
+    def attended_tokens(self) -> int:
+        """Tokens the last decode step attended to (for the density / relative-KV-size figure)."""
+        return self.kept_tokens()
+
+    def after_forward(self) -> None:
+        """Called by the engine after every model forward: evict here (attention has run), unless
+        `holding_prompt()` (the prompt is compressed once, at `on_prefill_end`)."""
+
+    def score_prompt(self) -> None:
+        """Called for every layer, in order, once a prompt has been fed in full and before any
+        `on_prefill_end`: the prompt's-end work that reads no prompt-end knob
+        (`KVMethod.prompt_end_knobs`), such as KVzip's reconstruction scores. A sweep calls it
+        once for the settings sharing a prompt state and hands each its copy, so it must leave
+        that state equal for all of them (recompute in `on_prefill_end` what a knob changes);
+        called again, it does nothing."""
+
+    def on_prefill_end(self) -> None:
+        """Called once after each prompt has been fed in full (whatever the chunking), before the
+        first decode step: every method that compresses a prompt does it here under
+        `runner.prefill=dense` (`holding_prompt()` was true for the prompt's forwards)."""
+
+    def kept_positions(self) -> torch.Tensor:
+        """Text positions of the tokens attention used at the last step, `(B, H_kv, T)` (or (T,)).
+
+        Non-evicting layers keep every position; eviction/selection methods override this.
+        """
+        return torch.arange(self.kept_tokens())
+
+    # --- attention seam ---------------------------------------------------------------------
+    def attend(self, module, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               attention_mask: torch.Tensor | None, base: AttentionFn, **kwargs):
+        """Attention over what `update` returned; `base` is the model's own attention function."""
+        return base(module, query, keys, values, attention_mask, **kwargs)
+
+    # --- accounting -------------------------------------------------------------------------
+    def allowed_tokens(self) -> int | None:
+        """Most tokens this layer may hold (or, for selection methods, attend) now under the
+        method's budget; None: unbounded. Checked by the engine after every forward."""
+        return None
+
+    def facts(self) -> dict[str, float]:
+        """What this layer's method chose for the request, as numbers to sum (e.g. FastGen's
+        heads per policy), read when the request ends: summed over the request's layers, then
+        averaged over requests into metrics.json `kv.method_facts` (harness.accounting)."""
+        return {}
+
+    def stats(self) -> dict[str, int]:
+        """Tokens and bytes really held by this layer now (per KV head, tokens are the max).
+
+        Selection methods (which keep everything but attend to a subset) add `selected_tokens`:
+        the most tokens attended at one step; the budget is then checked against it. Methods
+        holding part of their state on the host tier add `kv_bytes_device` (the compute-device
+        share of `kv_bytes`). `kv_bytes` counts the valid tokens only; layers storing K/V in
+        `Rows` add `storage_stats()`: `kv_bytes_used` and `kv_bytes_allocated` (including unused
+        capacity or block slots).
+        """
+        storage = self.storage_stats()
+        keys = self._kv.get("keys")
+        return {"kv_tokens": 0 if keys is None else keys.length,
+                "kv_bytes": storage.get("kv_bytes_used", 0),
+                "kv_bytes_used": 0, "kv_bytes_allocated": 0, **storage}
+
+
+class FullLayer(KVLayer):
+    """The full cache, the default layer (`KVMethod.make_layer` / `make_dense_layer`): KVLayer's
+    storage, with decode steps that attend over the stored rows where they are
+    (`Rows.in_place`: the contiguous buffer, or the paged blocks through per-head block tables —
+    no gather), one methods.kernels.ragged_attention call per layer and step: the C kernel on CPU
+    (fp32, both layouts, so paged and contiguous give the same bits), Triton on CUDA for the paged
+    layout (contiguous keeps SDPA's fused kernels there). Everything else — prefill chunks, masked
+    or non-plain calls (sliding windows, soft-capping, eager's explicit mask), dtypes or devices
+    no kernel serves — takes `base` over `keys` / `values`, as KVLayer does.
+
+    `update` then returns `kvcore.storage.HeadBlocks` instead of tensors (only this class's
+    `attend` receives them; subclasses of KVLayer keep getting tensors)."""
+
+    def update(self, keys, values, position_ids):
+        self.append_kv(keys, values)
+        if keys.shape[-2] == 1 and self.reads_in_place(keys):
+            blocks = self._kv["keys"].in_place(), self._kv["values"].in_place()
+            if None not in blocks:
+                return blocks
+        return self.keys, self.values
+
+    def reads_in_place(self, keys: torch.Tensor) -> bool:
+        """Whether this decode step's attention reads the rows in place (see the class)."""
+        if self.layer_idx in self.info.sliding_window_layers:  # the window mask: base
+            return False
+        if keys.device.type == "cpu":
+            return keys.dtype == torch.float32 and ragged_attention_cpu.library() is not None
+        return keys.is_cuda and getattr(self.tier, "paged", None) is not None
+
+    def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
+        if isinstance(keys, HeadBlocks) and not plain_decode_row(query, attention_mask, kwargs):
+            keys, values = self.keys, self.values  # a masked or non-plain call: the tensors
+        return exact_attention(module, query, keys, values, attention_mask, base, **kwargs)
+
+
+def exact_attention(module, query: torch.Tensor, keys, values, attention_mask, base: AttentionFn,
+                    **kwargs):
+    """The full cache's attention, one arithmetic for every layer that attends to everything it
+    holds (FullLayer, the host-tier full cache, a lossless method's exact path), so they give
+    the same bits.
+
+    `keys`/`values` are `(B, H_kv, T, D)` tensors or rows read in place (`HeadBlocks`, ragged or
+    not). Rows in place always go through methods.kernels.ragged_attention: causal attention per
+    head over its own tokens (the chunk's q tokens last; the model's mask for a sequence alone
+    is that causal mask, rebuilt per head), plain calls only (no window, soft-capping, sinks:
+    ValueError). Tensors: a plain decode row (`methods.scoring.plain_decode_row`) in fp32 on the
+    CPU goes through the same kernel when it is built; anything else through `base`."""
+    blocks = isinstance(keys, HeadBlocks)
+    if blocks and not plain_attention(kwargs):
+        raise ValueError("rows read in place attend with plain causal attention only (no "
+                         "sliding window, soft-capping or sinks); pass tensors to the model's")
+    if blocks or (plain_decode_row(query, attention_mask, kwargs) and keys.device.type == "cpu"
+                  and keys.dtype == values.dtype == torch.float32
+                  and ragged_attention_cpu.library() is not None):
+        if not blocks:
+            keys, values = HeadBlocks.of(keys), HeadBlocks.of(values)
+        scaling = kwargs.get("scaling")
+        scaling = module.scaling if scaling is None else scaling
+        return ragged_attention.ragged_attention(query, keys, values, scaling), None
+    return base(module, query, keys, values, attention_mask, **kwargs)
