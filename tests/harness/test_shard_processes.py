@@ -8,11 +8,11 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 
 from tests.conftest import PROJECT, STORIES, need_shared
+from tests.helpers.processes import alive, gone_within
 
 # The sweep: two shards of a RULER sweep long enough to outlive the test by far if not stopped.
 SWEEP = textwrap.dedent("""
@@ -31,14 +31,6 @@ SWEEP = textwrap.dedent("""
 """)
 
 
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/status").read_text()
-    except FileNotFoundError:
-        return False
-    return "\nState:\tZ" not in state  # a zombie has stopped (nobody may reap it here)
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc (Linux)")
 def test_shards_die_when_their_sweep_is_killed(tmp_path):
     need_shared(STORIES)
@@ -50,10 +42,7 @@ def test_shards_die_when_their_sweep_is_killed(tmp_path):
         time.sleep(1.0)  # the shards are importing torch, far from done
         sweep.send_signal(signal.SIGKILL)
         sweep.wait()
-        deadline = time.time() + 10
-        while any(alive(p) for p in shards) and time.time() < deadline:
-            time.sleep(0.1)
-        assert not any(alive(p) for p in shards), "a shard outlived its killed sweep"
+        assert gone_within(shards, 10), "a shard outlived its killed sweep"
     finally:
         sweep.kill()
         for pid in shards if "shards" in locals() else []:
@@ -79,10 +68,7 @@ def test_a_shard_checks_its_parent_itself(tmp_path):
     assert alive(pid)
     parent.kill()
     parent.wait()
-    deadline = time.time() + 10
-    while alive(pid) and time.time() < deadline:
-        time.sleep(0.1)
-    assert not alive(pid)
+    assert gone_within([pid], 10)
 
 
 def test_shards_are_bounded(tmp_path):

@@ -10,6 +10,17 @@ import pytest
 from harness.vllm_engine import DEFAULT_PYTHON
 
 
+# Small settings the refusal tests compose (no weights load).
+ST = ["model=stories260k"]
+RULER = [*ST, "task=ruler", "task.lengths=[256]", "task.limit=2"]
+
+
+def one_line(exc_info) -> str:
+    text = str(exc_info.value)
+    assert "\n" not in text
+    return text
+
+
 def vllm_python() -> Path:
     return Path(os.environ.get("KVH_VLLM_PYTHON") or DEFAULT_PYTHON)
 

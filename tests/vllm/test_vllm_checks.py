@@ -5,22 +5,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from harness import vllm_engine
 from harness.vllm_engine import VllmEngine, check_setting, compose_setting, kv_held_ratio, parse_knobs
 from kvcore.errors import ConfigError
+from tests.helpers.processes import gone_within
+from tests.vllm.conftest import RULER, ST, one_line  # noqa: E402
 
-ST = ["model=stories260k"]
-RULER = [*ST, "task=ruler", "task.lengths=[256]", "task.limit=2"]
-
-
-def one_line(exc_info) -> str:
-    text = str(exc_info.value)
-    assert "\n" not in text
-    return text
 
 
 @pytest.mark.parametrize("arg, expected", [
@@ -53,6 +46,8 @@ def test_knobs_and_overrides_are_split():
     ([*ST, "task=perplexity", "task.mode=chunked"], "task.mode=chunked"),
     ([*RULER, "runner.kv_layout=paged"], "runner.kv_layout='paged' configures our engine"),
     ([*RULER, "runner.attn_impl=eager"], "runner.attn_impl='eager' configures our engine"),
+    ([*ST, "task=perplexity", "task.mode=streaming", "method=quest"],
+     "task=perplexity with method=quest"),
 ])
 def test_what_vllm_cannot_run_is_refused(overrides, expected):
     _, setting = compose_setting(overrides)
@@ -163,15 +158,6 @@ def test_a_conversation_through_the_vllm_engine_holds_what_our_request_holds(sto
                                                   for t in s["turns"])
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as stat:  # a zombie is dead, only not yet reaped
-        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal: Linux")
 def test_the_worker_dies_with_a_harness_killed_outright(tmp_path):
     """A harness SIGKILLed mid-run (no handler of ours runs) takes its vLLM worker down: the
@@ -191,10 +177,7 @@ def test_the_worker_dies_with_a_harness_killed_outright(tmp_path):
         assert os.getpgid(worker) == worker  # it leads its own group
         parent.kill()
         parent.wait()
-        deadline = time.time() + 20
-        while _alive(worker) and time.time() < deadline:
-            time.sleep(0.1)
-        assert not _alive(worker)
+        assert gone_within([worker], 20)
     finally:
         os.kill(sleeper, signal.SIGKILL)
 

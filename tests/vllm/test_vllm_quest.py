@@ -25,15 +25,8 @@ PLUGIN = ROOT / "scripts" / "kvh_vllm_plugin"
 sys.path.insert(0, str(PLUGIN))  # the plugin's vLLM-free modules, as the vLLM venv installs them
 from kvh_vllm import quest_math  # noqa: E402
 from kvh_vllm.settings import layer_index, quest_settings, requested_method  # noqa: E402
+from tests.vllm.conftest import RULER, one_line  # noqa: E402
 
-ST = ["model=stories260k"]
-RULER = [*ST, "task=ruler", "task.lengths=[256]", "task.limit=2"]
-
-
-def one_line(exc_info) -> str:
-    text = str(exc_info.value)
-    assert "\n" not in text
-    return text
 
 
 # --- the selection math against ours ------------------------------------------------------------
@@ -180,18 +173,6 @@ def test_the_prefix_cache_is_off_for_quest_unless_asked_on():
 ])
 def test_quest_knobs_the_plugin_does_not_implement_are_refused(overrides, expected):
     _, setting = compose_setting([*RULER, "method=quest", *overrides])
-    with pytest.raises(ConfigError) as err:
-        check_setting(setting)
-    assert expected in one_line(err)
-
-
-@pytest.mark.parametrize("overrides, expected", [
-    ([*ST, "task=perplexity", "task.mode=streaming", "method=quest"],
-     "task=perplexity with method=quest"),
-    ([*RULER, "method=h2o"], "method=h2o: the vLLM engine runs the full cache"),
-])
-def test_tasks_and_methods_quest_cannot_run_are_refused(overrides, expected):
-    _, setting = compose_setting(overrides)
     with pytest.raises(ConfigError) as err:
         check_setting(setting)
     assert expected in one_line(err)
