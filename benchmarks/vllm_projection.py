@@ -403,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
         previous = json.loads(stem.with_suffix(".json").read_text())
         if previous.get("workload") == workload:
             out["curve"] = [p for p in previous["curve"] if p["concurrency"] in args.concurrency]
+            # the run that measured the kept points, then this one
+            out["command"] = previous["command"] + "\n" + out["command"]
     done = {p["concurrency"] for p in out["curve"]}
     if args.rerun_methods or not methods_path.is_file():
         run_methods(args, args.length - args.new_tokens, methods_path)
