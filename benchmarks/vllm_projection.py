@@ -124,7 +124,8 @@ def measure_point(args, folder: str, prompts: list[list[int]], concurrency: int)
             "preemptions": answer.get("preemptions"),
             "load_before": load_before, "load_after": load_after,
             "point_s": time.perf_counter() - t_start,
-            "engine": facts, "log": log_facts(text)}
+            "engine": facts, "log": log_facts(text),
+            "token_s": times}  # per request, each token's arrival: the profile can be redone
 
 
 def generate(worker, prompts: list[list[int]], new_tokens: int) -> dict:

@@ -98,9 +98,24 @@ def project(throughput: Sequence[tuple[float, float]], decode_share: Sequence[tu
             "projected_tok_s": projected_engine(upper, share, overhead_ratio), "clamped": note}
 
 
+STEP_GAP_S = 0.001  # stamps closer than this came out of one engine step (a step takes >= 10 ms)
+
+
+def engine_steps(stamps: Sequence[float], gap_s: float = STEP_GAP_S) -> list[list[float]]:
+    """Token stamps grouped into engine steps: the worker stamps each output of a step as it
+    reads it (microseconds apart), a new step starts after a gap of at least `gap_s`."""
+    steps: list[list[float]] = []
+    for t in sorted(stamps):
+        if steps and t - steps[-1][-1] < gap_s:
+            steps[-1].append(t)
+        else:
+            steps.append([t])
+    return steps
+
+
 def step_profile(token_times_s: Sequence[Sequence[float]], wall_s: float) -> dict:
     """What vLLM's per-token arrival times say about one workload (all requests sent at once,
-    each token stamped when its engine step returned, so a step's tokens share a time):
+    each token stamped as the worker read it from its engine step; engine_steps groups them):
 
     * max_decoding: the most requests between their first and last token at one step (the
       concurrency the KV space allowed, from the outside: a request in prefill is not counted);
@@ -113,17 +128,18 @@ def step_profile(token_times_s: Sequence[Sequence[float]], wall_s: float) -> dic
         raise ConfigError(f"wall_s={wall_s}: must be positive")
     spans = [(ts[0], ts[-1]) for ts in token_times_s if ts]
     firsts = {first for first, _ in spans}
-    steps = sorted({t for ts in token_times_s for t in ts})
+    steps = engine_steps([t for ts in token_times_s for t in ts])
     decode_s = weighted = 0.0
     most = 0
     previous = 0.0
-    for t in steps:
+    for stamps in steps:
+        t = stamps[-1]
         duration = t - previous
         previous = t
-        decoding = sum(1 for first, last in spans if first <= t <= last)
+        decoding = sum(1 for first, last in spans if first <= t and stamps[0] <= last)
         most = max(most, decoding)
         weighted += decoding * duration
-        if t not in firsts:
+        if not firsts.intersection(stamps):
             decode_s += duration
     return {"max_decoding": most, "mean_decoding": weighted / wall_s,
             "decode_share": min(1.0, decode_s / wall_s), "steps": len(steps)}

@@ -97,6 +97,16 @@ def test_step_profile_counts_decoding_requests_and_the_pure_decode_share():
     assert together["decode_share"] == pytest.approx(0.5 / 1.5)
 
 
+def test_outputs_read_microseconds_apart_are_one_engine_step():
+    # r0 decodes alone until r1's prefill step (1.0 -> 3.0), which also gives r0 a token; the
+    # worker stamps the two outputs of that step 20 us apart
+    times = [[0.5, 1.0, 3.0, 3.5], [3.00002, 3.50001]]
+    profile = step_profile(times, wall_s=3.5)
+    assert profile["steps"] == 4 and profile["max_decoding"] == 2
+    # r0 first token (0.5 s) and r1 prefill (2 s) are prefill steps; 1.0 and 3.5 decode only
+    assert profile["decode_share"] == pytest.approx((0.5 + 0.5) / 3.5, abs=1e-4)
+
+
 def test_pool_blocks_hold_whole_requests_plus_the_null_block():
     from benchmarks.vllm_projection import blocks_per_request, pool_blocks
 
