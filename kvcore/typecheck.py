@@ -5,7 +5,9 @@ Values arrive from Hydra's override grammar (`128.0` is a float, `true` a bool, 
 from YAML or from lm-eval's `--model_args`. The rules are strict where a lenient reading would
 record a knob that was not used: a bool is never an int, a float is never an int (even `128.0`),
 a string is never a number; an int is accepted where a float is expected; a float is finite
-(NaN and infinity are refused for every float knob).
+(NaN and infinity are refused for every float knob). A choice knob (`Literal[...]`) takes one of
+its values, of the same type (`4.0` is not the choice `4`), and a refusal lists them
+(`method.k_bits=3; allowed: 2, 4, 8`).
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ def matches(value: Any, tp: Any) -> bool:
     if _is_union(tp):
         return any(matches(value, t) for t in _args(tp))
     origin = typing.get_origin(tp)
-    if origin is typing.Literal:
-        return value in _args(tp)
+    if origin is typing.Literal:  # the same type too: 4.0 or True is not the choice 4 or 1
+        return any(value == a and type(value) is type(a) for a in _args(tp))
     if origin in (list, tuple, typing.Sequence, set, frozenset):
         if not isinstance(value, (list, tuple)):
             return False
@@ -100,6 +102,10 @@ def check_types(cls: type, values: dict[str, Any], prefix: str) -> None:
         tp = types_.get(key)
         if tp is None or matches(value, tp):
             continue
+        choices = _choices(tp)
+        if choices:
+            raise ConfigError(f"{prefix}.{key}={value!r}{_choice_hint(value)}; allowed: "
+                              + ", ".join(choices))
         hint = ""
         if isinstance(value, float) and not math.isfinite(value) and _wants(tp, float):
             raise ConfigError(f"{prefix}.{key}={value!r} must be a finite number")
@@ -117,6 +123,29 @@ def check_types(cls: type, values: dict[str, Any], prefix: str) -> None:
         elif not isinstance(value, str) and _wants(tp, str):
             hint = f" (quote it: {prefix}.{key}='{value}')"
         raise ConfigError(f"{prefix}.{key}={value!r} must be {describe(tp)}{hint}")
+
+
+def _choices(tp: Any) -> list[str]:
+    """The values a `Literal` annotation allows, as a user writes them (null too where the
+    annotation also allows None); empty for any other annotation."""
+    parts = _args(tp) if _is_union(tp) else (tp,)
+    literals = [a for t in parts if typing.get_origin(t) is typing.Literal for a in _args(t)]
+    if not literals:
+        return []
+    return [str(a) for a in literals] + (["null"] if type(None) in parts else [])
+
+
+def _choice_hint(value: Any) -> str:
+    """Why a value of the wrong kind is none of a choice knob's values."""
+    if value is None:
+        return " (null is not one of its values)"
+    if isinstance(value, (list, tuple, dict)):
+        return f" (got a {'mapping' if isinstance(value, dict) else 'list'}; give one value)"
+    if isinstance(value, bool):
+        return " (got a boolean)"
+    if isinstance(value, float) and value.is_integer():
+        return " (got a float; write it without a decimal point)"
+    return ""
 
 
 def _allowed(cls: type, values: dict[str, Any], key: str, prefix: str) -> str:

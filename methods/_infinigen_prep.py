@@ -20,6 +20,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -32,8 +33,8 @@ from methods.model import ModelInfo
 
 log = logging.getLogger(__name__)
 FORMAT_VERSION = 2
-COLUMN_SCORES = ("q", "qk_union", "qk_sum")
-PARTIAL_INDEXES = ("setup_prompt", "calibration", "prefill")
+ColumnScore = Literal["q", "qk_union", "qk_sum"]
+PartialIndex = Literal["setup_prompt", "calibration", "prefill"]
 # The official Llama setup's partial-column prompt (accuracy/setup/gen_partial_weight.py): six
 # COPA-style sentences, about 100 tokens; the column energies of `partial_index=setup_prompt`.
 SETUP_PROMPT = (

@@ -11,13 +11,14 @@ seen, `fit_pool` drops tokens before new ones are kept: `counter` (fewest past s
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 
 from kvcore.storage import ContiguousRows
 from methods.scoring import gather_tokens
 
-EVICTIONS = ("counter", "lru", "fifo")
+Eviction = Literal["counter", "lru", "fifo"]
 POOL_ROWS = ("positions", "counter", "last_used")
 
 
@@ -30,7 +31,7 @@ def _pool_row(name: str, doc: str) -> property:
 
 class PooledLayer:
     """Mixin of a selecting layer whose held tokens form a pool; the layer names its policy
-    (`eviction_policy`, one of EVICTIONS) and drops rows from its stores (`keep_rows`)."""
+    (`eviction_policy`, an Eviction) and drops rows from its stores (`keep_rows`)."""
 
     positions = _pool_row("positions", "(B, H_kv, T) text positions held")
     counter = _pool_row("counter", "(B, H_kv, T) steps that selected the token")

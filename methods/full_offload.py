@@ -48,11 +48,6 @@ class FullOffload(KVMethod):
     serving_needs: ClassVar[ServingNeeds] = ServingNeeds(needs_host_tier=True)
     prefetch: bool = True
 
-    def check_hyperparameters(self) -> list[str]:
-        if not isinstance(self.prefetch, bool):
-            return [f"method.prefetch={self.prefetch!r}; allowed: true, false"]
-        return []
-
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         return FullOffloadLayer(layer_idx, info, self)
 

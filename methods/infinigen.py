@@ -41,17 +41,17 @@ measured accuracy); both modes give the same logits.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
 from kvcore.storage import KV_LAYOUTS
-from methods._infinigen_prep import (COLUMN_SCORES, PARTIAL_INDEXES, SkewingArtefacts,
+from methods._infinigen_prep import (ColumnScore, PartialIndex, SkewingArtefacts,
                                      cache_dir_reason, calibration_reasons, prepare_skewing)
 from methods._infinigen_speculation import (PartialKeys, group_scores, rank_current,
                                             select_tokens)
 from methods._selection_host import HostTierLayer
-from methods._selection_pool import EVICTIONS, PooledLayer
+from methods._selection_pool import Eviction, PooledLayer
 from methods.base import KVMethod
 from methods.budget import budget_for
 from methods.capabilities import Capabilities, ServingNeeds
@@ -62,8 +62,9 @@ from methods.rope import rotate
 from methods.scoring import additive_mask, expand_kv, few_rows_matmul, gather_tokens
 from methods.selection import Selection, SelectionLayer, kv_union, serving_rows
 
-GROUP_REDUCES = ("max", "mean", "prob_mean")
-HEAD_FORMS = ("query_head", "kv_head")  # skew_per / select_per: the official MHA form, or ours
+GroupReduce = Literal["max", "mean", "prob_mean"]
+# skew_per / select_per: the official MHA form, or ours
+HeadForm = Literal["query_head", "kv_head"]
 
 
 def _use_kernel(query: torch.Tensor) -> bool:
@@ -102,19 +103,19 @@ class InfiniGen(KVMethod):
     budget_ratio: float = 0.2
     dense_layers: list[int] = field(default_factory=lambda: [0, 1])
     pool_capacity: float = 1.0
-    eviction: str = "counter"
-    mode: str = "system"
+    eviction: Eviction = "counter"
+    mode: Literal["system", "simulate"] = "system"
     skewing: bool = True
-    partial_index: str = "setup_prompt"
-    column_score: str = "qk_union"
-    group_reduce: str = "max"
+    partial_index: PartialIndex = "setup_prompt"
+    column_score: ColumnScore = "qk_union"
+    group_reduce: GroupReduce = "max"
     shared_count: bool = True
-    speculation_input: str = "previous"
-    skew_per: str = "query_head"
-    select_per: str = "query_head"
+    speculation_input: Literal["previous", "own"] = "previous"
+    skew_per: HeadForm = "query_head"
+    select_per: HeadForm = "query_head"
     head0_threshold: bool = True
-    current_token: str = "ranked"
-    zero_count: str = "all"
+    current_token: Literal["ranked", "added"] = "ranked"
+    zero_count: Literal["all", "one"] = "all"
     calibration_path: str | None = None
     calibration_tokens: int = 2048
     cache_dir: str | None = None
@@ -133,14 +134,6 @@ class InfiniGen(KVMethod):
             value = getattr(self, key)
             if not number(value) or not 0 < value <= 1:
                 r.append(f"method.{key}={value!r} must be in (0, 1]")
-        choices = {"eviction": EVICTIONS, "mode": self.capabilities.modes,
-                   "partial_index": PARTIAL_INDEXES, "current_token": ("ranked", "added"),
-                   "zero_count": ("all", "one"), "column_score": COLUMN_SCORES,
-                   "group_reduce": GROUP_REDUCES, "speculation_input": ("previous", "own"),
-                   "skew_per": HEAD_FORMS, "select_per": HEAD_FORMS}
-        for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
-                r.append(f"method.{key}={getattr(self, key)!r}; allowed: {', '.join(allowed)}")
         if self.eviction != "counter" and number(self.pool_capacity) and self.pool_capacity >= 1:
             r.append(f"method.eviction={self.eviction} acts only when the host pool is smaller "
                      "than the context: set method.pool_capacity below 1 (it is "
@@ -149,9 +142,6 @@ class InfiniGen(KVMethod):
             r.append(f"method.group_reduce={self.group_reduce} acts only when a KV head selects "
                      "for its group: set method.select_per=kv_head (each query head selects on "
                      "its own scores)")
-        for key in ("skewing", "shared_count", "head0_threshold"):
-            if not isinstance(getattr(self, key), bool):
-                r.append(f"method.{key}={getattr(self, key)!r} must be true or false")
         index = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
         layers = self.dense_layers
         if not isinstance(layers, (list, tuple)) or not all(index(i) and i >= 0 for i in layers):

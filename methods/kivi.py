@@ -91,13 +91,13 @@ class KIVI(KVMethod):
 
     axis_keys: ClassVar[tuple[str, ...]] = ("k_bits", "v_bits")
     variant_keys: ClassVar[tuple[str, ...]] = ("group_size", "residual_tokens")
-    k_bits: int = 2
-    v_bits: int = 2
+    k_bits: kq.KiviBits = 2
+    v_bits: kq.KiviBits = 2
     group_size: int = 32
     residual_tokens: int = 128
 
     def check_hyperparameters(self) -> list[str]:
-        return quantization_reasons(self, kq.ALLOWED_BITS)
+        return quantization_reasons(self)
 
     @classmethod
     def lossless_hyperparameters(cls, seq_tokens: int) -> dict[str, Any]:
@@ -126,17 +126,14 @@ class KIVI(KVMethod):
 
 
 # Checks shared with the methods that quantize layers with KIVI's scheme (TailorKV): `method` has
-# k_bits, v_bits, group_size, residual_tokens and value_group_channels(head_dim).
-def quantization_reasons(method, allowed_bits: tuple[int, ...]) -> list[str]:
+# k_bits, v_bits (their allowed widths are the fields' Literal types, checked with every knob's
+# type), group_size, residual_tokens and value_group_channels(head_dim).
+def quantization_reasons(method) -> list[str]:
     """Reasons the quantization knobs are invalid, each naming its key."""
     reasons = []
-    allowed = ", ".join(map(str, allowed_bits))
-    for key in ("k_bits", "v_bits"):
-        if getattr(method, key) not in allowed_bits:
-            reasons.append(f"method.{key}={getattr(method, key)}; allowed: {allowed}")
     if method.group_size <= 0:
         reasons.append(f"method.group_size={method.group_size} must be a positive integer")
-    elif not reasons and (method.group_size * min(method.k_bits, method.v_bits)) % 8:
+    elif (method.group_size * min(method.k_bits, method.v_bits)) % 8:
         reasons.append(f"method.group_size={method.group_size}: a group of "
                        f"{min(method.k_bits, method.v_bits)}-bit codes must fill whole bytes "
                        f"(use a multiple of {8 // min(method.k_bits, method.v_bits)})")

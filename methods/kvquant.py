@@ -86,7 +86,7 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal, get_args
 
 import torch
 
@@ -107,7 +107,8 @@ from methods.kernels.kvquant_attention import (KVQuantCache, decode_attention, d
 from methods.rope import rotate
 from methods.scoring import plain_decode_row
 
-ALLOWED_BITS = (2, 3, 4)
+KVQuantBits = Literal[2, 3, 4]
+ALLOWED_BITS = get_args(KVQuantBits)
 
 
 @dataclass(kw_only=True)
@@ -154,8 +155,8 @@ class KVQuant(KVMethod):
     serving_needs: ClassVar[ServingNeeds] = ServingNeeds(needs_calibration=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("k_bits", "v_bits")
 
-    k_bits: int = 4
-    v_bits: int = 4
+    k_bits: KVQuantBits = 4
+    v_bits: KVQuantBits = 4
     outlier_ratio: float = 0.01
     first_fp16_tokens: int = 1
     q_norm: bool | None = None
@@ -176,9 +177,6 @@ class KVQuant(KVMethod):
 
     def check_hyperparameters(self) -> list[str]:
         r = []
-        for key in ("k_bits", "v_bits"):
-            if getattr(self, key) not in ALLOWED_BITS:
-                r.append(f"method.{key}={getattr(self, key)!r}; allowed: 2, 3, 4")
         o = self.outlier_ratio
         if not isinstance(o, (int, float)) or not 0 <= o < 0.5:
             r.append(f"method.outlier_ratio={o!r} must be in [0, 0.5) (0.01 = the paper's 1 %)")

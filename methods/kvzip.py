@@ -72,7 +72,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, Literal
 
 import torch
 
@@ -87,8 +87,8 @@ from methods.layer import FullLayer, KVLayer
 from methods.model import ModelInfo
 
 log = logging.getLogger(__name__)
-LEVELS = ("pair", "pair-uniform", "head")
-SYSTEM_PROMPTS = ("keep", "sinks")
+Level = Literal["pair", "pair-uniform", "head"]
+SystemPrompt = Literal["keep", "sinks"]
 FIRST_PROMPT = "\n\nRepeat the previous context exactly."
 LATER_PROMPT = "\n\nRepeat the part of the previous context exactly, starting with "
 OVERLAP_TOKENS = 8  # the previous chunk's tail quoted in a later chunk's instruction (official)
@@ -120,10 +120,10 @@ class KVzip(BudgetedMethod):
     inert_knobs: ClassVar[dict[str, str]] = {
         "system_prompt": "the test models have no chat template, so no prompt opens with a "
                          "system prompt (tests/methods/test_kvzip.py plants one)"}
-    level: str = "pair"
+    level: Level = "pair"
     chunk_tokens: int = 2000
     sink_tokens: int = 4
-    system_prompt: str = "keep"
+    system_prompt: SystemPrompt = "keep"
     head_scores_path: str | None = None
     calibration_path: str | None = None
     calibration_tokens: int = 2048
@@ -138,14 +138,9 @@ class KVzip(BudgetedMethod):
 
     def check_hyperparameters(self) -> list[str]:
         reasons = super().check_hyperparameters()
-        if self.level not in LEVELS:
-            reasons.append(f"method.level={self.level!r}; allowed: {', '.join(LEVELS)}")
         if not isinstance(self.chunk_tokens, int) or self.chunk_tokens <= OVERLAP_TOKENS:
             reasons.append(f"method.chunk_tokens={self.chunk_tokens!r} must be an integer > "
                            f"{OVERLAP_TOKENS}")
-        if self.system_prompt not in SYSTEM_PROMPTS:
-            reasons.append(f"method.system_prompt={self.system_prompt!r}; allowed: "
-                           f"{', '.join(SYSTEM_PROMPTS)}")
         if not isinstance(self.sink_tokens, int) or self.sink_tokens < 0:
             reasons.append(f"method.sink_tokens={self.sink_tokens!r} must be an integer >= 0")
         if self.level == "head" and self.budget_tokens is not None:

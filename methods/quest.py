@@ -47,7 +47,7 @@ accuracy loss at 4K-token budgets on LongBench.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
@@ -61,8 +61,9 @@ from methods.model import ModelInfo
 from methods.scoring import expand_kv
 from methods.selection import SelectionLayer
 
-HEAD_FORMS = ("query_head", "kv_head")  # select_per: the official accuracy path's, or ours
-CURRENT_PAGE = ("scored", "forced")  # the official accuracy path's, or ours (its kernels path's)
+HeadForm = Literal["query_head", "kv_head"]  # select_per: the official accuracy path's, or ours
+# current_page: the official accuracy path's, or ours (its kernels path's)
+CurrentPage = Literal["scored", "forced"]
 
 
 @dataclass(kw_only=True)
@@ -84,10 +85,10 @@ class Quest(BudgetedMethod):
                                                "min_pages", "group_reduce")
     page_size: int = 16
     dense_layers: list[int] = field(default_factory=lambda: [0, 1])
-    select_per: str = "query_head"
-    current_page: str = "scored"
+    select_per: HeadForm = "query_head"
+    current_page: CurrentPage = "scored"
     min_pages: int = 3
-    group_reduce: str = "max"
+    group_reduce: quest_pages.Reduction = "max"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -97,21 +98,14 @@ class Quest(BudgetedMethod):
         reasons = super().check_hyperparameters()
         if not isinstance(self.page_size, int) or isinstance(self.page_size, bool) or self.page_size < 1:
             reasons.append(f"method.page_size={self.page_size!r} must be a positive integer")
-        for key, allowed in (("select_per", HEAD_FORMS), ("current_page", CURRENT_PAGE)):
-            if getattr(self, key) not in allowed:
-                reasons.append(f"method.{key}={getattr(self, key)!r}; allowed: {', '.join(allowed)}")
         if not isinstance(self.min_pages, int) or isinstance(self.min_pages, bool) or self.min_pages < 1:
             reasons.append(f"method.min_pages={self.min_pages!r} must be a positive integer")
-        if self.group_reduce in quest_pages.REDUCTIONS and self.group_reduce != "max" \
-                and self.select_per == "query_head":
+        if self.group_reduce != "max" and self.select_per == "query_head":
             reasons.append(f"method.group_reduce={self.group_reduce} acts only when a KV head "
                            "selects for its group: set method.select_per=kv_head")
         if self.min_pages != 3 and self.current_page == "forced":
             reasons.append(f"method.min_pages={self.min_pages} acts only with "
                            "method.current_page=scored (the official page count)")
-        if self.group_reduce not in quest_pages.REDUCTIONS:
-            reasons.append(f"method.group_reduce={self.group_reduce!r}; allowed: "
-                           f"{', '.join(quest_pages.REDUCTIONS)}")
         if not all(isinstance(i, int) and i >= 0 for i in self.dense_layers):
             reasons.append(f"method.dense_layers={self.dense_layers!r} must be layer indices >= 0")
         return reasons

@@ -152,8 +152,8 @@ class TailorKV(KVMethod):
     recent_tokens: int = 56
     topk_tokens: int = 128
     key_channels: int = 8
-    k_bits: int = 1
-    v_bits: int = 1
+    k_bits: kq.PackableBits = 1
+    v_bits: kq.PackableBits = 1
     group_size: int = 64
     residual_tokens: int = 128
     quant_layers: list[int] | None = None
@@ -173,7 +173,7 @@ class TailorKV(KVMethod):
         r = []
         if self.budget_ratio is not None or self.budget_tokens is not None:
             r += check_budget(self.budget_ratio, self.budget_tokens)
-        r += quantization_reasons(self, kq.PACKABLE_BITS)
+        r += quantization_reasons(self)
         if self.sink_tokens < 0:
             r.append(f"method.sink_tokens={self.sink_tokens} must be an integer >= 0")
         for key in ("recent_tokens", "key_channels", "probe_queries", "calibration_tokens"):

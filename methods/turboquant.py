@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -69,7 +69,7 @@ from methods.kernels.turboquant_attention import (TQCache, TQTensor, decode_atte
 from methods.scoring import plain_decode_row
 
 MIN_BITS, MAX_BITS = 2, 8  # prod keys need >= 1 code bit besides the sign; kernels read <= 8
-QUANTIZERS = ("prod", "mse")
+Quantizer = Literal["prod", "mse"]  # the key quantizer: Algorithm 2, or 1
 
 
 @dataclass(kw_only=True)
@@ -91,7 +91,7 @@ class TurboQuant(KVMethod):
 
     k_bits: float = 3.5
     v_bits: float = 3.5
-    k_quantizer: str = "prod"
+    k_quantizer: Quantizer = "prod"
     outlier_ratio: float = 0.25
     block_tokens: int = 128
     seed: int = 0
@@ -104,8 +104,6 @@ class TurboQuant(KVMethod):
                     or (bits * 4) % 1:
                 reasons.append(f"method.{key}={bits!r} must be a multiple of 0.25 in "
                                f"[{MIN_BITS}, {MAX_BITS}] (paper: 2.5 and 3.5)")
-        if self.k_quantizer not in QUANTIZERS:
-            reasons.append(f"method.k_quantizer={self.k_quantizer!r}; allowed: prod, mse")
         if not isinstance(self.outlier_ratio, (int, float)) or not 0 < self.outlier_ratio < 1:
             reasons.append(f"method.outlier_ratio={self.outlier_ratio!r} must be in (0, 1)")
         if not isinstance(self.block_tokens, int) or self.block_tokens < 1:

@@ -18,16 +18,19 @@ interpreter, for tests; it must be set before this module is imported), else the
 from __future__ import annotations
 
 import os
-from typing import NamedTuple
+from typing import Literal, NamedTuple, get_args
 
 import torch
 import triton
 import triton.language as tl
 
-ALLOWED_BITS = (2, 4, 8)  # KIVI's k_bits / v_bits knobs (the paper's 2 and 4; 8 near-lossless)
+# KIVI's k_bits / v_bits knobs (the paper's 2 and 4; 8 near-lossless)
+KiviBits = Literal[2, 4, 8]
+ALLOWED_BITS = get_args(KiviBits)
 # Code widths the packing and the kernels handle (whole codes per byte); 1 bit serves TailorKV's
 # quantized layers (methods/tailorkv.py).
-PACKABLE_BITS = (1, 2, 4, 8)
+PackableBits = Literal[1, 2, 4, 8]
+PACKABLE_BITS = get_args(PackableBits)
 # Triton decides at decoration time whether kernels are interpreted: remember what it saw, so a
 # CPU tensor never reaches a compiled kernel (which would fail with "0 active drivers").
 _INTERPRETED_AT_IMPORT = os.environ.get("TRITON_INTERPRET") == "1"

@@ -25,13 +25,15 @@ before import — tests), `page_scores_ref()` (torch).
 from __future__ import annotations
 
 import os
+from typing import Literal, get_args
 
 import torch
 import triton
 import triton.language as tl
 
 _INTERPRETED_AT_IMPORT = os.environ.get("TRITON_INTERPRET") == "1"
-REDUCTIONS = ("max", "sum")
+Reduction = Literal["max", "sum"]  # how a KV head reduces its group's page bounds
+REDUCTIONS = get_args(Reduction)
 
 
 def use_triton(x: torch.Tensor) -> bool:
