@@ -193,6 +193,7 @@ def method_points(throughput_json: dict, batch: int) -> tuple[dict, dict]:
                         "ours_end_to_end_tok_s": batch * new / wall_s}
     facts = {"prompt_tokens": int(length), "batch": batch, "new_tokens": new,
              "threads": throughput_json.get("threads"), "load_avg": part.get("load_avg"),
+             "rounds": throughput_json.get("rounds"),
              "methods": throughput_json.get("methods")}
     return points, facts
 
@@ -308,10 +309,15 @@ def report(out: dict) -> str:
         lines += [
             "## Per method: measured r and overhead, projected throughput", "",
             f"r and o from one run of `benchmarks/throughput.py` (our engine, prompts of "
-            f"{m.get('prompt_tokens')} tokens, batch {m.get('batch')}, {m.get('new_tokens')} new "
-            f"tokens, load {m.get('load_avg')}): r = KV bytes per sequence over the full "
-            "cache's (both tiers), o = the full cache's decode tok/s over the method's (mean "
-            "step time ratio at the same batch).", "",
+            f"{m.get('prompt_tokens')} tokens of essay text, batch {m.get('batch')}, "
+            f"{m.get('new_tokens')} new tokens, {m.get('rounds')} round(s) with the methods "
+            f"alternating in each, medians; load {m.get('load_avg')}): r = KV bytes per "
+            "sequence over the full cache's (both tiers), o = the full cache's decode tok/s "
+            "over the method's (mean step time ratio at the same batch).", "",
+            "```bash", f"python benchmarks/throughput.py --prompt-tokens {m.get('prompt_tokens')} "
+            f"--new-tokens {m.get('new_tokens')} --batches {m.get('batch')} --rounds "
+            f"{m.get('rounds')} --methods {' '.join(m.get('methods') or [])} --json "
+            f"{m.get('source')}", "```", "",
             method_table(out["projected"]), "",
             "Formulas (benchmarks/vllm_projection_math.py): c = c_full / r; upper bound = vLLM's "
             "measured throughput at c, linear in log c between measured points (clamped beyond "
