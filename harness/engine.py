@@ -26,6 +26,7 @@ from harness.diagnostics import Diagnostics
 from harness.profiling import SpeedSummary, Timer
 from harness.progress import progress
 from kvcore.errors import ConfigError
+from kvcore.guards import check_stop
 from kvcore.offload import Tier, TransferLedger
 from kvcore.paged import DEFAULT_BLOCK_TOKENS, PagedKV, PagedRows
 from kvcore.storage import Rows
@@ -256,6 +257,7 @@ class Request:
         """One forward over the method's cache; then the method evicts and every layer's budget is
         checked. With `sample`, also returns the positions each layer attended (read before
         eviction). Only `decode` steps enter the attended-fraction accounting."""
+        check_stop()  # a signal whose KeyboardInterrupt a finalizer swallowed stops here
         t = ids.shape[1]
         positions = torch.arange(self.pos, self.pos + t, device=ids.device).unsqueeze(0)
         positions = positions.expand(ids.shape[0], -1)

@@ -23,6 +23,7 @@ from typing import Any, Iterable
 
 from harness.schema import SchemaError, is_complete_run, json_safe, load
 from kvcore.errors import ConfigError, OutputError
+from kvcore.guards import check_stop
 
 
 # What a run folder holds, all written by the runner; a folder with anything else is not ours.
@@ -230,7 +231,10 @@ class RunFolder:
     def commit(self, overwrite: bool = False) -> Path:
         """Move into place. An empty folder there is replaced; a previous run of this harness only
         with `overwrite` (checked again now: the folder may have changed during the run);
-        anything else is left untouched and OutputError raised."""
+        anything else is left untouched and OutputError raised. A stop asked by a signal
+        (kvcore.guards) is raised here, before anything moves: a signal whose KeyboardInterrupt
+        Python dropped (it landed in a finalizer) never lets a result through."""
+        check_stop()
         if self.final.is_symlink() or (self.final.exists() and not self.final.is_dir()):
             raise OutputError(f"{self.final} became a file during the run; it was left untouched")
         if self.final.is_dir() and any(self.final.iterdir()):

@@ -194,3 +194,21 @@ def test_a_results_root_link_leading_nowhere_is_refused_before_the_weights(targe
     assert message.startswith(f"runner.results_root={link}: cannot write under")
     assert "is a link that leads nowhere" in message
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link"]
+
+
+def test_a_stop_whose_interrupt_was_swallowed_still_writes_nothing(tmp_path):
+    """A signal's KeyboardInterrupt raised inside a finalizer is dropped by Python ("Exception
+    ignored in ... __del__"); the stop it recorded is raised again when the result would be
+    committed, so the run folder never appears."""
+    from harness.results import RunFolder
+    from kvcore import guards
+
+    folder = RunFolder(tmp_path / "run")
+    folder.write_json("metrics.json", {"accuracy": {}})
+    guards.request_stop()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            folder.commit()
+    finally:
+        guards.clear_stop()
+    assert not (tmp_path / "run").exists()
