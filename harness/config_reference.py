@@ -98,7 +98,8 @@ def type_name(tp: Any) -> str:
         return "None"
     origin = typing.get_origin(tp)
     if origin is typing.Literal:
-        return "str" if all(isinstance(a, str) for a in typing.get_args(tp)) else "literal"
+        kinds = {type(a).__name__ for a in typing.get_args(tp)}  # the choices' own type
+        return kinds.pop() if len(kinds) == 1 else "literal"
     if origin in (typing.Union, getattr(__import__("types"), "UnionType")):
         return " | ".join(type_name(a) for a in typing.get_args(tp))
     if origin is not None:
