@@ -110,11 +110,20 @@ def protocol_label(metrics: dict) -> str:
     return f"{label} {variant}" if variant else label
 
 
+def method_label(metrics: dict) -> str:
+    """The method's name, with the engine that ran it when that is not ours and not the name
+    itself (Quest inside vLLM is `quest (vllm)`, beside our `quest`; vLLM's own KV formats are
+    the method `vllm`)."""
+    name = metrics["method"]["name"]
+    engine = (metrics.get("engine") or {}).get("name")
+    return f"{name} ({engine})" if engine and engine != name else name
+
+
 def series_label(metrics: dict) -> str:
     """One curve per method variant and protocol: points of different protocols never join."""
     method = metrics["method"]
-    return f"{method['name']} {_knobs(method, 'variant_keys')} [{protocol_label(metrics)}]".replace(
-        "  ", " ")
+    return (f"{method_label(metrics)} {_knobs(method, 'variant_keys')} "
+            f"[{protocol_label(metrics)}]").replace("  ", " ")
 
 
 def main_metric(metrics: dict) -> tuple[str, float | None, bool]:
@@ -165,7 +174,7 @@ def row(path: Path, metrics: dict, root: Path | None) -> dict[str, Any]:
     name, value, higher = main_metric(metrics)
     return {
         "run": str(path.parent.relative_to(root) if root and root in path.parents else path.parent),
-        "model": model_label(metrics), "method": method["name"],
+        "model": model_label(metrics), "method": method_label(metrics),
         "variant": _knobs(method, "variant_keys"),
         "_variant": {k: fmt(v) for k, v in method.get("hyperparameters", {}).items()
                      if k in method.get("variant_keys", []) and v is not None},
