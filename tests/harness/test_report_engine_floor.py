@@ -52,3 +52,18 @@ def test_an_engine_run_that_compresses_is_a_setting_not_a_floor(tmp_path):
     verdict, board = verdict_and_board(tmp_path, with_engine=True, engine_active=True)
     assert verdict == "worse than full" and "engine: vllm" not in board
     assert "| vllm" in board.split("Noise floors")[0]  # on the board, paired with full
+
+
+def test_a_method_run_by_another_engine_is_named_with_it(tmp_path):
+    """Quest inside vLLM beside our Quest: two rows, told apart by the engine's name."""
+    runs = tmp_path / "runs"
+    ruler_run(runs, "full", scores_losing(0))
+    ruler_run(runs, "quest", scores_losing(10), budget=0.2, started="2026-11-29T12:00:00")
+    theirs = ruler_run(runs, "quest", scores_losing(10), budget=0.2, started="2026-11-29T13:00:00")
+    metrics = json.loads((theirs / "metrics.json").read_text())
+    metrics["engine"] = {"name": "vllm"}
+    metrics["kv"]["method_active"] = True
+    (theirs / "metrics.json").write_text(json.dumps(metrics))
+    _, out, _ = report.build_report([str(runs)], runs / "out", resamples=200)
+    board = (out / "leaderboard.md").read_text().split("Noise floors")[0]
+    assert "| quest (vllm) |" in board and "| quest |" in board
