@@ -63,6 +63,10 @@ def check_runner(runner: dict[str, Any]) -> None:
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ConfigError(f"runner.{key}={value!r} must be a positive integer")
 
+    def one_of(key: str, allowed: tuple, default: Any = None) -> None:
+        if runner.get(key, default) not in allowed:
+            raise ConfigError(f"runner.{key}={runner.get(key)!r}; allowed: {', '.join(allowed)}")
+
     positive_int("prefill_chunk_tokens")
     positive_int("batch_size")
     positive_int("threads", allow_none=True)
@@ -79,12 +83,8 @@ def check_runner(runner: dict[str, Any]) -> None:
     if runner.get("batch_size") != 1 and runner.get("diagnostics"):
         raise ConfigError(f"runner.batch_size={runner.get('batch_size')} with runner.diagnostics: "
                           "the fidelity shadow cache follows one sequence; use runner.batch_size=1")
-    if runner.get("kv_offload", "none") not in KV_OFFLOADS:
-        raise ConfigError(f"runner.kv_offload={runner.get('kv_offload')!r}; allowed: "
-                          f"{', '.join(KV_OFFLOADS)}")
-    if runner.get("kv_layout", "contiguous") not in KV_LAYOUTS:
-        raise ConfigError(f"runner.kv_layout={runner.get('kv_layout')!r}; allowed: "
-                          f"{', '.join(KV_LAYOUTS)}")
+    one_of("kv_offload", KV_OFFLOADS, "none")
+    one_of("kv_layout", KV_LAYOUTS, "contiguous")
     if "kv_block_tokens" in runner:
         positive_int("kv_block_tokens")
         if (runner.get("kv_layout", "contiguous") != "paged"
@@ -93,9 +93,7 @@ def check_runner(runner: dict[str, Any]) -> None:
                               "runner.kv_layout=paged only (contiguous buffers have no blocks); "
                               "set runner.kv_layout=paged or drop it")
     check_admission(runner)
-    if runner.get("attn_impl") not in ATTN_IMPLS:
-        raise ConfigError(f"runner.attn_impl={runner.get('attn_impl')!r}; allowed: "
-                          f"{', '.join(ATTN_IMPLS)}")
+    one_of("attn_impl", ATTN_IMPLS)
     if runner.get("diagnostics"):
         positive_int("diagnostics_every_steps")
     elif runner.get("diagnostics_every_steps", _declared("diagnostics_every_steps")) != \
@@ -115,12 +113,8 @@ def check_runner(runner: dict[str, Any]) -> None:
             isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in dense)):
         raise ConfigError(f"runner.dense_layers={dense!r} must be a list of layer indices >= 0 "
                           "(e.g. [0,1]) or []")
-    if runner.get("prefill", "dense") not in PREFILL_MODES:
-        raise ConfigError(f"runner.prefill={runner.get('prefill')!r}; allowed: "
-                          f"{', '.join(PREFILL_MODES)}")
-    if runner.get("budget_basis", "final") not in BUDGET_BASES:
-        raise ConfigError(f"runner.budget_basis={runner.get('budget_basis')!r}; allowed: "
-                          f"{', '.join(BUDGET_BASES)}")
+    one_of("prefill", PREFILL_MODES, "dense")
+    one_of("budget_basis", BUDGET_BASES, "final")
     positive_int("decode_interval_tokens", allow_none=True)
     for key in ("check_budget", "debug", "diagnostics", "skip_existing", "overwrite",
                 "sweep_engine"):
