@@ -71,13 +71,19 @@ def cell_of(wall_s: float, tokens: int, ttft_ms: list[float], itl_ms: list[float
             "itl_ms_p50": percentile(itl_ms, 50), "itl_ms_p90": percentile(itl_ms, 90)}
 
 
-def run_vllm(worker, prompts: list[list[int]], new_tokens: int) -> dict:
+def vllm_generate(worker, prompts: list[list[int]], new_tokens: int) -> dict:
+    """The worker's answer for `prompts` sent at once, exactly `new_tokens` each (no stop)."""
     answer = worker.call({"op": "generate", "requests": [
         {"prompt_ids": p, "max_new_tokens": new_tokens, "stop_token_ids": [],
          "ignore_eos": True} for p in prompts]})
-    outs = answer["outputs"]
-    if any(len(o["token_ids"]) != new_tokens for o in outs):
+    if any(len(o["token_ids"]) != new_tokens for o in answer["outputs"]):
         raise RuntimeError("vLLM stopped a request early despite ignore_eos")
+    return answer
+
+
+def run_vllm(worker, prompts: list[list[int]], new_tokens: int) -> dict:
+    answer = vllm_generate(worker, prompts, new_tokens)
+    outs = answer["outputs"]
     ttft = [1000 * o["token_s"][0] for o in outs]
     itl = [1000 * (b - a) for o in outs for a, b in zip(o["token_s"], o["token_s"][1:])]
     return cell_of(answer["wall_s"], len(prompts) * new_tokens, ttft, itl)

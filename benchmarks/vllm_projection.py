@@ -87,6 +87,7 @@ def log_facts(text: str) -> dict:
 
 def measure_point(args, folder: str, prompts: list[list[int]], concurrency: int) -> dict:
     """One vLLM start with the pool for `concurrency` requests; the workload once."""
+    from benchmarks.serving_vs_vllm import vllm_generate
     from harness.vllm_engine import VllmKnobs, started
 
     per_request = blocks_per_request(max(map(len, prompts)), args.new_tokens, args.block_size)
@@ -103,9 +104,9 @@ def measure_point(args, folder: str, prompts: list[list[int]], concurrency: int)
                 raise RuntimeError(f"vLLM took {facts.get('num_gpu_blocks')} blocks of "
                                    f"{facts.get('block_size')} tokens, asked {blocks} of "
                                    f"{args.block_size}")
-            generate(worker, prompts[:1], 4)  # warm-up: the first call's set-up
+            vllm_generate(worker, prompts[:1], 4)  # warm-up: the first call's set-up
             load_before = os.getloadavg()[0]
-            answer = generate(worker, prompts, args.new_tokens)
+            answer = vllm_generate(worker, prompts, args.new_tokens)
             load_after = os.getloadavg()[0]
         text = log.read_text(errors="replace")
     outs = answer["outputs"]
@@ -128,30 +129,19 @@ def measure_point(args, folder: str, prompts: list[list[int]], concurrency: int)
             "token_s": times}  # per request, each token's arrival: the profile can be redone
 
 
-def generate(worker, prompts: list[list[int]], new_tokens: int) -> dict:
-    answer = worker.call({"op": "generate", "requests": [
-        {"prompt_ids": p, "max_new_tokens": new_tokens, "stop_token_ids": [],
-         "ignore_eos": True} for p in prompts]})
-    if any(len(o["token_ids"]) != new_tokens for o in answer["outputs"]):
-        raise RuntimeError("vLLM stopped a request early despite ignore_eos")
-    return answer
-
-
 def build_prompts(args) -> tuple[str, list[list[int]]]:
     """The model folder vLLM loads and the workload's prompts (tokenizer only: no weights)."""
-    from transformers import AutoTokenizer
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
 
     from benchmarks.serving_vs_vllm import prompts_for
-    from harness import models
+    from harness import hf_adapter, models
     from harness.vllm_engine import model_folder
 
     spec = models.resolve_model({"name": "smollm2_135m", "device": "cpu"})
     folder = model_folder(spec)
-    config = json.loads((Path(folder) / "config.json").read_text())
-    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    # K and V, every layer, fp32: what one token's slot in vLLM's pool takes
-    args.kv_bytes_per_token = 2 * config["num_hidden_layers"] * kv_heads * head_dim * 4
+    info = hf_adapter.model_info(AutoConfig.from_pretrained(folder), torch.float32)
+    args.kv_bytes_per_token = info.kv_bytes_per_token()  # one token's slot in vLLM's fp32 pool
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return folder, prompts_for(tokenizer, args.length, args.requests, args.new_tokens)
 
