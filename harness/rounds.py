@@ -27,69 +27,61 @@ import itertools
 import json
 import math
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable
 
 from harness import sequential as sq
 from kvcore.errors import ConfigError
+from kvcore.typecheck import check_types
 
 LEDGER = "rounds.json"
 LEDGER_VERSION = 1
 # The keys a round sets on every job: a user's value would be silently replaced, so refused.
 OWNED = ("task.limit", "task.skip_samples", "runner.skip_existing", "runner.output_dir")
 REFERENCE = "full"
-# The knobs of `python -m harness.rounds` (rounds.<key>) = the sweeper's (hydra.sweeper.<key>).
-DEFAULTS: dict[str, Any] = {"block": 20, "max_n": 100, "alpha": 0.05, "margin_points": 0.0,
-                            "top_k": None, "ledger_dir": None}
 
 
 @dataclass(frozen=True)
 class Knobs:
-    """The rounds' knobs: samples per round (`block`), the sample budget per setting (`max_n`),
+    """The rounds' knobs (`python -m harness.rounds`: rounds.<key>; the sweeper's:
+    hydra.sweeper.<key>): samples per round (`block`), the sample budget per setting (`max_n`),
     the error over every question (`alpha`), the equivalence margin in the metric's points
     (`margin_points`, 0: never "indistinguishable"), the top k per budget level (`top_k`, None:
     not asked) and where the ledger and the rounds' runs go (`ledger_dir`)."""
 
-    block: int
-    max_n: int
-    alpha: float
-    margin_points: float
-    top_k: int | None
-    ledger_dir: str | None
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    block: int = 20
+    max_n: int = 100
+    alpha: float = 0.05
+    margin_points: float = 0.0
+    top_k: int | None = None
+    ledger_dir: str | None = None
 
 
 def check_knobs(raw: dict[str, Any], prefix: str = "rounds.") -> Knobs:
     """The knobs checked (ConfigError naming `<prefix><key>` and what is allowed)."""
-    unknown = sorted(set(raw) - set(DEFAULTS))
+    names = [f.name for f in fields(Knobs)]
+    unknown = sorted(set(raw) - set(names))
     if unknown:
         raise ConfigError(f"{prefix}{unknown[0]} is not a rounds knob; allowed: "
-                          f"{', '.join(prefix + k for k in DEFAULTS)}")
-    k = {**DEFAULTS, **raw}
-    if not _is_int(k["block"]) or k["block"] < 1:
+                          f"{', '.join(prefix + k for k in names)}")
+    check_types(Knobs, raw, prefix.rstrip("."))  # types, as for method and task knobs
+    k = {**asdict(Knobs()), **raw}
+    if k["block"] < 1:
         raise ConfigError(f"{prefix}block={k['block']!r} must be an integer >= 1 (samples a round "
                           "adds per setting)")
-    if not _is_int(k["max_n"]) or k["max_n"] < k["block"] or k["max_n"] % k["block"]:
+    if k["max_n"] < k["block"] or k["max_n"] % k["block"]:
         raise ConfigError(f"{prefix}max_n={k['max_n']!r} must be a multiple of {prefix}block="
                           f"{k['block']} (the sample budget per setting, in whole rounds)")
-    if not _is_number(k["alpha"]) or not 0 < k["alpha"] < 1:
+    if not 0 < k["alpha"] < 1:
         raise ConfigError(f"{prefix}alpha={k['alpha']!r} must be a number in (0, 1) (the error "
                           "over every question, at every round)")
-    if not _is_number(k["margin_points"]) or not 0 <= k["margin_points"] < 100:
+    if not 0 <= k["margin_points"] < 100:
         raise ConfigError(f"{prefix}margin_points={k['margin_points']!r} must be a number in "
                           "[0, 100) (the metric's points; 0: never 'indistinguishable')")
-    if k["top_k"] is not None and (not _is_int(k["top_k"]) or k["top_k"] < 1):
+    if k["top_k"] is not None and k["top_k"] < 1:
         raise ConfigError(f"{prefix}top_k={k['top_k']!r} must be an integer >= 1 or null")
-    if k["ledger_dir"] is not None and (not isinstance(k["ledger_dir"], str)
-                                        or not k["ledger_dir"]):
+    if k["ledger_dir"] is not None and not k["ledger_dir"]:
         raise ConfigError(f"{prefix}ledger_dir={k['ledger_dir']!r} must be a folder path or null")
     if k["ledger_dir"] and "\\" in k["ledger_dir"]:
         raise ConfigError(f"{prefix}ledger_dir={k['ledger_dir']!r}: a backslash cannot pass "
