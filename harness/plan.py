@@ -130,7 +130,7 @@ def add_rounds(records: list[dict], compared: list[dict], rows: list[dict], half
     for r in sized:
         c = by_key[(r["model"], r["protocol"], r["method"], r["setting"], r["column"])]
         run = by_run[c["entry"]["cells"][c["column"]]]
-        pairing = _paired_with_full(run, rows)
+        pairing = _paired_with_full(run, by_run[c["reference_run"]])
         if pairing is None or pairing.units.full_score is None:
             r["rounds_why"] = ("no full-cache run on the same samples" if pairing is None
                                else "scores without a bound")
@@ -144,23 +144,16 @@ def add_rounds(records: list[dict], compared: list[dict], rows: list[dict], half
                                 else p.fixed_n_same_power - p.expected_n))
 
 
-def _paired_with_full(run: dict, rows: list[dict]):
-    """The run's samples paired with a full-cache run's on the same samples (one of the same
-    attention path first, the latest first), or None."""
+def _paired_with_full(run: dict, reference: dict):
+    """The run's samples paired with the full-cache run its comparison used (the report's
+    reference of its section and column), or None when they are not the same samples."""
     from harness.report.compare import samples_of
     from harness.uncertainty import PairingError, pair
 
-    attn = run["_metrics"].get("protocol", {}).get("attn_impl", "sdpa")
-    full = [r for r in rows if r["method"] == "full" and r["task"] == run["task"]
-            and r["model"] == run["model"] and r is not run]
-    full.sort(key=lambda r: (r["_metrics"].get("protocol", {}).get("attn_impl", "sdpa") == attn,
-                             r["_metrics"].get("run", {}).get("started", "")), reverse=True)
-    for ref in full:
-        try:
-            return pair(run["task"], samples_of(ref) or [], samples_of(run) or [])
-        except (PairingError, ValueError, KeyError):
-            continue
-    return None
+    try:
+        return pair(run["task"], samples_of(reference) or [], samples_of(run) or [])
+    except (PairingError, ValueError, KeyError):
+        return None
 
 
 def sweep_totals(records: list[dict]) -> list[str]:

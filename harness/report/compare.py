@@ -158,7 +158,7 @@ def comparisons(board: list[dict], rows: list[dict], resamples: int = stats.RESA
                     continue
                 c = {"model": model, "protocol": protocol, "method": e["method"],
                      "setting": e["setting"], "variant": e["variant"], "column": column,
-                     "higher": e["higher"][column], "entry": e,
+                     "higher": e["higher"][column], "entry": e, "reference_run": ref,
                      **_compare(by_run[ref], by_run[run], resamples)}
                 c["floor"] = (floors.get((model, protocol, column))
                               or floors.get((model, reference_protocol, column)))
