@@ -108,10 +108,7 @@ def build_metrics(session, setting, engine, result, t_start: float,
         "transfer": {"kv_offload": runner.get("kv_offload", "none"), **engine.transfers.summary()},
         "model": {**model_section(spec, info, engine.device),
                   "parameters": models.parameter_count(session.model)},
-        "method": {"name": setting.method_name, "hyperparameters": method.hyperparameters(),
-                   "provenance": method.provenance_label(),
-                   "operating_point": method.operating_point,
-                   "axis_keys": list(method.axis_keys), "variant_keys": list(method.variant_keys),
+        "method": {**method_section(setting),
                    "capabilities": vars(method.capabilities) if hasattr(method.capabilities, "__dict__")
                    else {}, "prepare": setting.prepared, "side_files": setting.side_files,
                    "serving": serving_requirements(method)},
@@ -148,6 +145,15 @@ def model_section(spec, info, device) -> dict[str, Any]:
             "num_layers": info.num_layers, "num_heads": info.num_heads,
             "num_kv_heads": info.num_kv_heads, "head_dim": info.head_dim,
             "max_positions": info.max_positions}
+
+
+def method_section(setting) -> dict[str, Any]:
+    """metrics.json's `method`, what names the setting (the report's row and curve), whichever
+    engine ran it."""
+    method = setting.method
+    return {"name": setting.method_name, "hyperparameters": method.hyperparameters(),
+            "provenance": method.provenance_label(), "operating_point": method.operating_point,
+            "axis_keys": list(method.axis_keys), "variant_keys": list(method.variant_keys)}
 
 
 def run_section(t_start: float, identity: str) -> dict[str, Any]:

