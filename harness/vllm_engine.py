@@ -655,6 +655,8 @@ def summary(metrics: dict[str, Any], folder: Path) -> str:
                      "flight)")
     lines.append(f"  engine    start-up {eng.get('start_s')} s, KV {eng.get('kv_cache_dtype')}, "
                  f"block {eng.get('block_size')} tokens")
+    if metrics["kv"].get("method_active") is False:  # the words of our runs' summary
+        lines.append(f"  INACTIVE  the method did not act: {metrics['kv']['inactive_reason']}")
     lines.append(f"  written   {folder}")
     return "\n".join(lines)
 
