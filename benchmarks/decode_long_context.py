@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from harness import batch as batching  # noqa: E402
-from harness.progress import progress  # noqa: E402
-from harness.results import write_json_atomic  # noqa: E402
+from harness.core import batch as batching  # noqa: E402
+from harness.core.progress import progress  # noqa: E402
+from harness.store.results import write_json_atomic  # noqa: E402
 from harness.session import of_methods  # noqa: E402
 from kvcore.errors import ConfigError  # noqa: E402
 from methods import build_method  # noqa: E402

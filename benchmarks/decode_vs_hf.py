@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
-from harness.engine import Engine  # noqa: E402
+from harness.core.engine import Engine  # noqa: E402
 from harness.session import of_methods  # noqa: E402
 from kvcore.errors import ConfigError  # noqa: E402
 from methods import build_method  # noqa: E402

@@ -53,9 +53,9 @@ IDLE = " (idle)"  # the run's kv.inactive_reason is set: the method never compre
 
 
 def idle(metrics: dict) -> str:
-    """IDLE for a run flagged inactive, re-judged by today's rule (harness.accounting.activity:
+    """IDLE for a run flagged inactive, re-judged by today's rule (harness.core.accounting.activity:
     runs recorded before a layer holding less counted as acting may carry a stale flag)."""
-    from harness.accounting import activity
+    from harness.core.accounting import activity
 
     kv = metrics["kv"]
     return IDLE if kv.get("inactive_reason") and not activity(True, kv)["method_active"] else ""
@@ -165,7 +165,7 @@ def main() -> None:
     args = ap.parse_args()
     before = previous_rows(args.previous, args.previous_table) if args.previous else None
 
-    from harness.results import write_text_atomic
+    from harness.store.results import write_text_atomic
     from methods import method_class
 
     protocol = [f"runner.dense_layers=[{','.join(map(str, DENSE_LAYERS))}]"]

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from harness.results import write_json_atomic  # noqa: E402
+from harness.store.results import write_json_atomic  # noqa: E402
 from methods import build_method  # noqa: E402
 from paged_layout import (  # noqa: E402
     LAYOUTS, batch_prompts, lockstep, open_cells, paired_ratio)

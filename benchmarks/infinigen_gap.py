@@ -88,7 +88,7 @@ def main() -> None:
 
     import torch
 
-    from harness import models
+    from harness.core import models
     from harness.session import OwnFeed, Session, runner_of, setting
     from kvcore.errors import ConfigError
     from methods import build_method

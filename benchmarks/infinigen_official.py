@@ -46,7 +46,8 @@ from benchmarks.infinigen_gap import parse_variant, run_one  # noqa: E402
 
 
 def load(name: str):
-    from harness import hf_adapter, models
+    from harness.core import hf_adapter
+    from harness.core import models
     if name == "tiny_gqa7":
         model = models.tiny_llama(num_layers=6, hidden=448, heads=14, kv_heads=2, vocab=256,
                                   seed=0, attn="eager")
@@ -61,8 +62,8 @@ def load(name: str):
 def ours_engine(model, tok, info, name: str, kwargs: dict, data_dir: Path, extra: dict):
     """Our method on the model the authors' code reads (tiny_gqa7 is built in code, no model
     config names it), layers 0 and 1 dense as InfiniGen's."""
-    from harness import hf_adapter
-    from harness.engine import Engine, EngineSettings
+    from harness.core import hf_adapter
+    from harness.core.engine import Engine, EngineSettings
     from methods import build_method
     from methods.protocol import Protocol
 
@@ -81,7 +82,7 @@ class Reference:
     """The official mask simulation on a loaded Llama-style model (batch 1, fp32)."""
 
     def __init__(self, model, inv_freq: torch.Tensor):
-        from harness import hf_adapter
+        from harness.core import hf_adapter
         self.model = model
         self.attn = hf_adapter.attention_modules(model)
         self.inv_freq = inv_freq
@@ -211,7 +212,8 @@ def main() -> None:
     ap.add_argument("--ours-variants", nargs="*", default=["infinigen:mode=simulate"])
     args = ap.parse_args()
 
-    from harness import hf_adapter, models
+    from harness.core import hf_adapter
+    from harness.core import models
     from methods._infinigen_prep import SETUP_PROMPT
     from tasks.text_sources import essays_dir
 

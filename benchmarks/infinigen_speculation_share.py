@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from harness import models  # noqa: E402
+from harness.core import models  # noqa: E402
 from harness.session import of_methods  # noqa: E402
 from kvcore.errors import ConfigError  # noqa: E402
 from methods import build_method  # noqa: E402

@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from harness.results import write_json_atomic  # noqa: E402
+from harness.store.results import write_json_atomic  # noqa: E402
 
 H_KV, H_Q, HEAD_DIM = 8, 32, 128  # Llama-3-8B attention shape
 GB = 1e9

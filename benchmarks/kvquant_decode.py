@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.decode_long_context import lockstep, open_rows, paired_ratio  # noqa: E402
-from harness.results import write_json_atomic  # noqa: E402
+from harness.store.results import write_json_atomic  # noqa: E402
 from tasks.text_sources import load_essays  # noqa: E402
 
 REFERENCE = "kivi_2bit"

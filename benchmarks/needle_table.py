@@ -93,7 +93,7 @@ def main() -> None:
 
     from hydra import compose, initialize_config_dir
 
-    from harness.results import write_text_atomic
+    from harness.store.results import write_text_atomic
     from harness.run import run
     from kvcore.errors import ConfigError
 

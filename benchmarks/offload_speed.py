@@ -31,9 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.random_models import SHAPES, random_llama, random_prompt  # noqa: E402
-from harness import hf_adapter, models  # noqa: E402
-from harness.engine import Engine, EngineSettings  # noqa: E402
-from harness.results import write_json_atomic  # noqa: E402
+from harness.core import hf_adapter
+from harness.core import models  # noqa: E402
+from harness.core.engine import Engine, EngineSettings  # noqa: E402
+from harness.store.results import write_json_atomic  # noqa: E402
 from harness.session import of_methods  # noqa: E402
 from kvcore.errors import ConfigError  # noqa: E402
 from methods import build_method  # noqa: E402

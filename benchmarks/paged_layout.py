@@ -5,7 +5,7 @@ evenly spaced down to half) is decoded together (engine.batch) for `--new-tokens
 method and layout. Lockstep: in each round every (method, layout) cell's batch is prefilled and
 open side by side, then step k of every cell runs back to back (the order rotating each step),
 so a burst of machine noise hits every cell alike. Per cell: the median decode ms per step over
-all steps of all rounds, the storage waste when each sequence ended (harness.accounting: used /
+all steps of all rounds, the storage waste when each sequence ended (harness.core.accounting: used /
 allocated K/V bytes) and the paged pools' figures. Per method, the ratio to read: the median
 over (round, step) of paged step k / contiguous step k (paired, same round). Goal:
 full <= 1.05x (decode reads the paged blocks in place: methods.layer.FullLayer); H2O still
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from harness.results import write_json_atomic  # noqa: E402
+from harness.store.results import write_json_atomic  # noqa: E402
 from harness.session import of_methods  # noqa: E402
 from kvcore.errors import ConfigError  # noqa: E402
 from methods import build_method  # noqa: E402

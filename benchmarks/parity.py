@@ -216,7 +216,7 @@ def recording_scores(method, store: dict):
 def run_sample(engine, method, sample: dict, lift: bool) -> dict:
     """One sample through an engine request: context (compressed at its end), kept positions,
     then question + greedy answer (a per-step method's budget lifted: kvpress's protocol)."""
-    from harness import batch as batching
+    from harness.core import batch as batching
 
     budget = getattr(method, "budget_tokens", None)
     scores: dict = {}
@@ -254,8 +254,9 @@ def run_ours(folder: Path) -> None:
     import torch
 
     import transformers
-    from harness import hf_adapter, models
-    from harness.engine import Engine, EngineSettings
+    from harness.core import hf_adapter
+    from harness.core import models
+    from harness.core.engine import Engine, EngineSettings
     from methods import build_method
 
     torch.manual_seed(0)
@@ -292,7 +293,8 @@ def save_qfilters(model, tokenizer, info, path: Path) -> None:
     """Q-Filters' filters from its own calibration (the method's defaults), for both sides."""
     from safetensors.torch import save_file
 
-    from harness import hf_adapter, models
+    from harness.core import hf_adapter
+    from harness.core import models
     from methods import build_method
 
     method = build_method("qfilters")

@@ -137,8 +137,8 @@ def existing(cfg, task: str) -> Path | None:
     """The complete run of exactly this config under its runner.results_root
     (runner.skip_existing's rule), or None; a config the method's own knobs refuse raises its
     ConfigError as a run would."""
-    from harness.runner import split_name
-    from harness.sweep import config_hash, find_complete
+    from harness.config.runner import split_name
+    from harness.config.multirun import config_hash, find_complete
     from methods import build_method
 
     name, options = split_name("method", cfg.method)

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from harness.results import write_json_atomic  # noqa: E402
+from harness.store.results import write_json_atomic  # noqa: E402
 from kvcore.paged import PagedKV  # noqa: E402
 from kvcore.storage import ContiguousRows  # noqa: E402
 from methods.kernels import ragged_attention as ra  # noqa: E402

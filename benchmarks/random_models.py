@@ -26,7 +26,7 @@ def random_llama(name: str, device: str, dtype: torch.dtype, max_positions: int)
     """(model, None): no tokenizer; prompts are random ids (`random_prompt`)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from harness import hf_adapter
+    from harness.core import hf_adapter
 
     config = LlamaConfig(**SHAPES[name], max_position_embeddings=max_positions)
     torch.manual_seed(0)

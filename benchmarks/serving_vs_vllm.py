@@ -12,7 +12,7 @@ its scheduler runs the B requests with continuous batching and chunked prefill, 
 off: RULER prompts share their haystack's opening and a cell repeats the last cell's prompts, so
 a prefix cache would skip prefill work our engine does (a deployment would keep it on; our
 engine has no prefix cache).
-Ours: one static batch of B (harness.batch): the B prompts prefilled together, then one decode
+Ours: one static batch of B (harness.core.batch): the B prompts prefilled together, then one decode
 step per token for all B; TTFT = the batch's prefill (+ its first token), ITL = the decode steps.
 
 Within a cell the engines alternate (vLLM, ours contiguous, ours paged), `--rounds` rounds,
@@ -39,10 +39,11 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from harness import hf_adapter, models  # noqa: E402
-from harness.engine import Engine, EngineSettings  # noqa: E402
-from harness.results import write_json_atomic  # noqa: E402
-from harness.vllm_engine import VllmKnobs, model_folder, started  # noqa: E402
+from harness.core import hf_adapter
+from harness.core import models  # noqa: E402
+from harness.core.engine import Engine, EngineSettings  # noqa: E402
+from harness.store.results import write_json_atomic  # noqa: E402
+from harness.engines.vllm_engine import VllmKnobs, model_folder, started  # noqa: E402
 from methods import build_method  # noqa: E402
 from tasks import build_task  # noqa: E402
 

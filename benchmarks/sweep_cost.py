@@ -1,6 +1,6 @@
 """What the sweep engine saves: the same settings x samples through the old path (one run per
 setting, each loading the model, building the task and prefilling every prompt) and through the
-sweep engine (harness.sweep_run: all of that once, each prompt's dense forward run once and
+sweep engine (harness.sweep.run: all of that once, each prompt's dense forward run once and
 replayed into every setting's layers), alternated in one process, CPU-seconds per (setting,
 sample) and their ratio.
 
@@ -101,7 +101,7 @@ def old_path(cfgs) -> list[Path]:
 
 
 def sweep_path(cfgs) -> list[Path]:
-    from harness.sweep_run import run_sweep
+    from harness.sweep.run import run_sweep
 
     outcomes = run_sweep(cfgs)
     bad = [o.detail for o in outcomes if o.status != "ok"]

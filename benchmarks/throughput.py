@@ -1,7 +1,7 @@
 """Serving shape: decode throughput and KV capacity per method versus batch size.
 
 For each method and batch size B: B different prompts of `--prompt-tokens` tokens (consecutive
-slices of the essay text) are prefilled together (ragged-capable batch, harness.batch) and
+slices of the essay text) are prefilled together (ragged-capable batch, harness.core.batch) and
 decoded greedily for `--new-tokens` tokens with no stop token, so every step carries B rows. Per
 cell: decode tokens/s (all sequences; tokens / decode wall time), decode ms per step (median:
 each sequence's time per output token), prefill tokens/s, the KV bytes one sequence holds at
@@ -53,10 +53,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from benchmarks.random_models import SHAPES, random_llama, random_prompt  # noqa: E402
-from harness import hf_adapter, models  # noqa: E402
-from harness.engine import Engine, EngineSettings  # noqa: E402
-from harness.profiling import peak_memory, reset_peak_memory  # noqa: E402
-from harness.results import write_json_atomic  # noqa: E402
+from harness.core import hf_adapter
+from harness.core import models  # noqa: E402
+from harness.core.engine import Engine, EngineSettings  # noqa: E402
+from harness.core.profiling import peak_memory, reset_peak_memory  # noqa: E402
+from harness.store.results import write_json_atomic  # noqa: E402
 from methods import build_method  # noqa: E402
 from tasks.text_sources import load_essays  # noqa: E402
 
@@ -119,7 +120,7 @@ def measure(model, tok, info, name, method, prompts: list[list[int]], new_tokens
 
 def measure_ttft(model, tok, info, method, prompts: list[list[int]], new_tokens: int,
                  limit_mib: float, admission: str) -> dict:
-    """N requests arriving together, admitted under the device limit (harness.serving)."""
+    """N requests arriving together, admitted under the device limit (harness.core.serving)."""
     engine = Engine(model, tok, method, info,
                     EngineSettings(prefill_chunk_tokens=2048, batch_size=len(prompts),
                                    kv_layout="paged", kv_device_limit_mib=limit_mib,
@@ -155,7 +156,7 @@ def ttft_table(cells: dict, limit_mib: float) -> str:
 
 
 def run_ttft(args, model, tok, info, text, vocab, out: dict) -> None:
-    from harness.serving import ADMISSIONS, layer_bytes
+    from harness.core.serving import ADMISSIONS, layer_bytes
 
     method = build_method("full")
     dtype_bytes = DTYPES[args.dtype].itemsize

@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.vllm_projection_math import project, step_profile  # noqa: E402
-from harness.results import write_json_atomic, write_text_atomic  # noqa: E402
+from harness.store.results import write_json_atomic, write_text_atomic  # noqa: E402
 from kvcore.errors import ConfigError  # noqa: E402
 
 # the compressing family throughput.py measures, one or more per mechanism (eviction while
@@ -88,7 +88,7 @@ def log_facts(text: str) -> dict:
 def measure_point(args, folder: str, prompts: list[list[int]], concurrency: int) -> dict:
     """One vLLM start with the pool for `concurrency` requests; the workload once."""
     from benchmarks.serving_vs_vllm import vllm_generate
-    from harness.vllm_engine import VllmKnobs, started
+    from harness.engines.vllm_engine import VllmKnobs, started
 
     per_request = blocks_per_request(max(map(len, prompts)), args.new_tokens, args.block_size)
     blocks = pool_blocks(concurrency, per_request)
@@ -135,8 +135,9 @@ def build_prompts(args) -> tuple[str, list[list[int]]]:
     from transformers import AutoConfig, AutoTokenizer
 
     from benchmarks.serving_vs_vllm import prompts_for
-    from harness import hf_adapter, models
-    from harness.vllm_engine import model_folder
+    from harness.core import hf_adapter
+    from harness.core import models
+    from harness.engines.vllm_engine import model_folder
 
     spec = models.resolve_model({"name": "smollm2_135m", "device": "cpu"})
     folder = model_folder(spec)

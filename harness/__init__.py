@@ -1,7 +1,7 @@
 """kv-harness: one engine, one method interface, every task.
 
 The runner lives in `harness.run` (`python -m harness`), the prefill/decode loop in
-`harness.engine`, and the only code touching transformers internals in `harness.hf_adapter`.
+`harness.core.engine`, and the only code touching transformers internals in `harness.core.hf_adapter`.
 `harness.api` runs a method inside transformers' own `generate`.
 """
 

@@ -16,9 +16,9 @@ from omegaconf import DictConfig  # noqa: E402
 from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
 from harness import CONF_DIR  # noqa: E402
-from harness.config_check import struct_hint  # noqa: E402
+from harness.config.config_check import struct_hint  # noqa: E402
 from harness.run import main_guarded  # noqa: E402
-from harness.sweep import discard_claimed  # noqa: E402
+from harness.config.multirun import discard_claimed  # noqa: E402
 from kvcore.errors import ConfigError  # noqa: E402
 from kvcore.guards import request_stop  # noqa: E402
 from methods.kernels.cpu_build import check_environment as check_kernel_environment  # noqa: E402

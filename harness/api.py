@@ -6,7 +6,7 @@
     cache.report()  # {"kv": {"held_ratio": ...}, "transfer": {...}}: metrics.json's figures
     cache.close()   # or `with api.cache(...) as cache:`
 
-The protocol is the runner's (harness.engine), so a method gives here the tokens it gives under
+The protocol is the runner's (harness.core.engine), so a method gives here the tokens it gives under
 `python -m harness`: dense prefill (the prompt attended in full, compressed once when it is
 over), decode steps as the method says, the one budget rule checked after every forward, the
 same refusals (one line, before anything runs) and the same accounting. transformers' `generate`
@@ -47,11 +47,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from harness import hf_adapter
-from harness.accounting import KVLedger
-from harness.methods_table import serving_requirements
-from harness.prompting import close_prompt, open_prompt
-from harness.runner import check_runner, engine_settings, protocol_reasons
+from harness.core import hf_adapter
+from harness.core.accounting import KVLedger
+from harness.report.methods_table import serving_requirements
+from harness.core.prompting import close_prompt, open_prompt
+from harness.config.runner import check_runner, engine_settings, protocol_reasons
 from harness.run import kv_figures
 from kvcore.errors import ConfigError
 from methods import build_method
@@ -85,7 +85,7 @@ def runner_options(dense_layers=(), budget_basis: str = "final", kv_offload: str
     """The runner's declared defaults (conf/runner/default.yaml) with the protocol knobs this
     API takes; every other runner knob keeps its default (batch 1, contiguous storage, dense
     prefill)."""
-    from harness.config_check import yaml_defaults
+    from harness.config.config_check import yaml_defaults
 
     runner = dict(yaml_defaults("runner", "default"))
     runner.update(dense_layers=list(dense_layers), budget_basis=budget_basis,
@@ -167,8 +167,8 @@ class MethodKVCache(hf_adapter.MethodCache):
     (`hf_adapter.watch_forwards`). Use it as `cache=` of `generate` or of each forward."""
 
     def __init__(self, model, tokenizer, method: KVMethod, info, settings):
-        from harness import models
-        from harness.engine import Engine
+        from harness.core import models
+        from harness.core.engine import Engine
 
         self.model, self.method = model, method
         self.engine = Engine(model, tokenizer, method, info, settings)
@@ -314,7 +314,7 @@ class MethodKVCache(hf_adapter.MethodCache):
         """The run's figures as `python -m harness` writes them to metrics.json: `kv` (held and
         attended: `held_ratio`, `attended_fraction_sparse_layers`, bytes and tokens per layer,
         `method_active`) and `transfer` (bytes moved between tiers), for this sequence so far;
-        `serving`: what a serving engine must offer the method (harness.methods_table)."""
+        `serving`: what a serving engine must offer the method (harness.report.methods_table)."""
         self.engine.ledger = KVLedger(self.info)
         if self.pos:
             self.engine.ledger.record(self.kv_layers, check=False)

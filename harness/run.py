@@ -20,17 +20,17 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvcore.errors import BudgetViolation, ConfigError, OutputError, UnsupportedCombination
-from harness.loggers import log_run
-from harness.methods_table import serving_requirements
-from harness.projection import project
-from harness.schema import stamp
-from harness.runner import plain
+from harness.report.loggers import log_run
+from harness.report.methods_table import serving_requirements
+from harness.core.projection import project
+from harness.store.schema import stamp
+from harness.config.runner import plain
 from harness.session import Session
-from harness.sweep import multirun_job, record_status, resolve_output
+from harness.config.multirun import multirun_job, record_status, resolve_output
 from methods.protocol import compression_timing
 
 log = logging.getLogger("harness")
-ACCOUNTING = ("harness.accounting: held = bytes on every tier / full cache in the model dtype; "
+ACCOUNTING = ("harness.core.accounting: held = bytes on every tier / full cache in the model dtype; "
               "attended = tokens attended / tokens seen at decode steps, ratio of sums, sparse "
               "layers = all but the effective dense layers")
 
@@ -75,7 +75,7 @@ def run(cfg: DictConfig) -> Path:
 
     import torch
 
-    from harness.profiling import reset_peak_memory
+    from harness.core.profiling import reset_peak_memory
 
     if runner.get("threads"):
         torch.set_num_threads(int(runner["threads"]))
@@ -90,12 +90,12 @@ def run(cfg: DictConfig) -> Path:
 
 def build_metrics(session, setting, engine, result, t_start: float,
                   run_extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """metrics.json of one setting (harness.schema), from its engine's accounting and its task
+    """metrics.json of one setting (harness.store.schema), from its engine's accounting and its task
     result: the one construction for a single run and for each setting of a sweep."""
-    from harness import models
-    from harness.env import environment
-    from harness.profiling import peak_memory
-    from harness.uncertainty import cell_uncertainty
+    from harness.core import models
+    from harness.core.env import environment
+    from harness.core.profiling import peak_memory
+    from harness.stats.uncertainty import cell_uncertainty
 
     cfg, runner, method, spec, info = (setting.cfg, setting.runner, setting.method,
                                        session.spec, session.info)
@@ -164,7 +164,7 @@ def run_section(t_start: float, identity: str) -> dict[str, Any]:
 
 def write_result(setting, out: Path, metrics: dict[str, Any], result, engine) -> Path:
     """The run folder, written atomically (staged, mirrored, committed); returns where."""
-    from harness.results import RunFolder
+    from harness.store.results import RunFolder
 
     cfg, runner = setting.cfg, setting.runner
     key = "runner.output_dir" if runner.get("output_dir") else "runner.results_root"
@@ -221,8 +221,8 @@ def mirror(cfg: DictConfig, folder, out: Path, metrics: dict[str, Any], samples)
 
 
 def kv_figures(engine, method) -> dict[str, Any]:
-    """The one accounting (harness.accounting) of what the method held and attended."""
-    from harness.accounting import activity
+    """The one accounting (harness.core.accounting) of what the method held and attended."""
+    from harness.core.accounting import activity
 
     kv = {**engine.ledger.summary(), **engine.attended.summary()}
     paged = engine.tier.paged
@@ -291,7 +291,7 @@ def summary(metrics: dict[str, Any], folder: Path) -> str:
     if kv.get("method_active") is False:
         lines.append(f"  INACTIVE  the method did not act: {kv['inactive_reason']}")
     nonfinite = [k for k, v in acc.items() if isinstance(v, float) and not math.isfinite(v)]
-    if nonfinite:  # harness.check never passes such a run
+    if nonfinite:  # harness.report.check never passes such a run
         lines.append(f"  NOT FINITE  {', '.join(f'{k}={acc[k]}' for k in nonfinite)}: the "
                      "model's outputs overflowed or hold NaN; this is no result")
     diag = metrics.get("diagnostics")

@@ -2,7 +2,7 @@
 one engine per setting.
 
 A `Session` holds the settings of one model and one task (a single run is a session of one;
-a sweep, harness.sweep_engine, a session of many). Every setting is composed and validated
+a sweep, harness.sweep.execute, a session of many). Every setting is composed and validated
 before any weights load; the model and tokenizer then load once and `engine(setting)` builds
 each setting's method (prepare included) and engine over them. The CLI and the sweep compose
 settings from Hydra configs (`compose`); lm-eval's model and the benchmarks, which feed the
@@ -18,7 +18,7 @@ from typing import Any, ClassVar
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness.runner import (check_prompts, check_runner, checking_tokenizer, engine_settings,
+from harness.config.runner import (check_prompts, check_runner, checking_tokenizer, engine_settings,
                             plain, protocol_from, protocol_reasons, split_name, storage_reasons)
 from kvcore.errors import ConfigError
 from tasks.base import Task
@@ -37,7 +37,7 @@ class Setting:
     method: Any  # methods.base.KVMethod
     task_name: str
     task: Any  # tasks.base.Task
-    identity: str  # harness.sweep.config_hash
+    identity: str  # harness.config.multirun.config_hash
     prepared: dict[str, Any] = field(default_factory=dict)
     is_prepared: bool = False  # its method prepared (Session.engine), `prepared` its facts
     side_files: list[dict[str, Any]] = field(default_factory=list)  # read by validate, prepare
@@ -52,9 +52,9 @@ class Setting:
 def compose(cfg: DictConfig, choices: dict[str, str] | None = None) -> Setting:
     """Every check of one config that needs no model (keys, types, runner, method, task).
     `choices`: the config file chosen per group (a sweep member's; by default the Hydra job's)."""
-    from harness.config_check import check_config
-    from harness.loggers import check_logger
-    from harness.sweep import config_hash
+    from harness.config.config_check import check_config
+    from harness.report.loggers import check_logger
+    from harness.config.multirun import config_hash
     from methods import build_method
     from tasks import build_task
 
@@ -74,7 +74,7 @@ def compose(cfg: DictConfig, choices: dict[str, str] | None = None) -> Setting:
 def runner_of(**knobs: Any) -> dict[str, Any]:
     """The runner's declared defaults (conf/runner/default.yaml) with `knobs` changed, for a
     caller that composes no Hydra config (`setting`)."""
-    from harness.config_check import yaml_defaults
+    from harness.config.config_check import yaml_defaults
 
     runner = dict(yaml_defaults("runner", "default"))
     unknown = sorted(set(knobs) - set(runner))
@@ -101,7 +101,7 @@ def setting(model_cfg: dict[str, Any], runner: dict[str, Any], method, task: Tas
     --model_args, a benchmark): the model group's keys, a full runner (`runner_of`), a built
     method (methods.build_method) and a task (`OwnFeed` where the caller feeds the engine
     itself). The runner is checked as `compose` checks it; the rest by `Session.validate`."""
-    from harness.sweep import config_hash
+    from harness.config.multirun import config_hash
 
     check_runner(runner)
     cfg = OmegaConf.create({"model": dict(model_cfg), "runner": dict(runner),
@@ -156,7 +156,8 @@ class Session:
         self._checking_tokenizer = None  # loaded by the first `validate`
         # KVMethod.prepare_key -> (the attributes `prepare` set, its facts, the side files read)
         self._prepared: dict[str, tuple[dict, dict, list]] = {}
-        from harness import hf_adapter, models
+        from harness.core import hf_adapter
+        from harness.core import models
 
         spec = models.resolve_model(first.model_cfg)
         self.config = models.load_config(spec)
@@ -199,7 +200,7 @@ class Session:
 
     def load(self, attn_impl: str) -> None:
         """Weights and tokenizer, once."""
-        from harness import models
+        from harness.core import models
 
         if self.model is None:
             log.info("loading %s", self.spec.description)
@@ -208,7 +209,7 @@ class Session:
     def engine(self, setting: Setting):
         """The setting's method prepared on the loaded model (once: a later call gives a fresh
         engine over the same prepared method), and its engine."""
-        from harness.engine import Engine
+        from harness.core.engine import Engine
 
         if setting.method.needs_prepare() and not setting.is_prepared:
             self._prepare(setting)
@@ -220,7 +221,8 @@ class Session:
         """`prepare` the setting's method, or give it the artefacts of a setting prepared
         before with the same `KVMethod.prepare_key` (its prepare read only what this one's
         reads alike): the attributes that prepare set, its facts and the side files read."""
-        from harness import hf_adapter, models
+        from harness.core import hf_adapter
+        from harness.core import models
 
         method = setting.method
         key = method.prepare_key()

@@ -20,7 +20,7 @@ of blocks), and its free blocks are reported separately (`PagedKV.summary`).
 
 A device limit (`DeviceBudget`, runner.kv_device_limit_mib) caps the bytes of blocks held on the
 compute device at once, over every layer's pools together: an allocation beyond it raises
-`DeviceMemoryExceeded` instead of growing (the serving scheduler, harness.serving, admits requests
+`DeviceMemoryExceeded` instead of growing (the serving scheduler, harness.core.serving, admits requests
 so that it never does; the check makes the limit a fact rather than a plan).
 """
 

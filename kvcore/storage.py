@@ -11,7 +11,7 @@ state) as `Rows`; `runner.kv_layout` picks the storage behind K and V:
 
 Both give the same values bit for bit; only where the bytes live, and how many are held, differ.
 Figures: `used_bytes()` = the valid rows; `allocated_bytes()` = what the storage holds for them
-(the buffer's capacity, or blocks held x block bytes); harness.accounting turns them into waste.
+(the buffer's capacity, or blocks held x block bytes); harness.core.accounting turns them into waste.
 
 **Ragged heads** (head-wise budgets). Every `(batch row b, head h)` has its own valid length,
 `lengths() (B, H)`; `length` is the longest head's (the extent `T` of `view()`). Rows are

@@ -68,7 +68,7 @@ class Capabilities:
 @dataclass(frozen=True)
 class ServingNeeds:
     """What a serving engine (vLLM, SGLang) must offer a method beyond its `Capabilities`: no run
-    depends on it; harness.methods_table derives the serving requirements (the README method
+    depends on it; harness.report.methods_table derives the serving requirements (the README method
     table, each run's metrics.json) from both, and tests/harness/test_methods_table.py holds the
     cache and host-tier columns to what decoding does."""
 

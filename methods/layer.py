@@ -1,7 +1,7 @@
 """What a layer is: `KVLayer`, the per-request, per-layer KV state every method's layer extends
 (the kept K/V and whatever a method needs), `FullLayer` (the full cache, the default layer) and
 `exact_attention` (the full cache's one arithmetic). A layer never imports transformers:
-`harness.hf_adapter` bridges it to the model's cache and attention seams, so a method file stays
+`harness.core.hf_adapter` bridges it to the model's cache and attention seams, so a method file stays
 plain torch.
 
 Shapes: keys/values `(B, H_kv, T, D)`, query `(B, H_q, q_len, D)`.
@@ -45,13 +45,13 @@ class KVLayer:
         # concatenating (copying) the whole cache. See `keys` / `values`.
         self._kv: dict[str, Rows] = {}
         # The request's context, set once by the cache that builds its layers
-        # (harness.hf_adapter.MethodCache) right after `make_layer`, whose signature a method
+        # (harness.core.hf_adapter.MethodCache) right after `make_layer`, whose signature a method
         # keeps free of it: the request's kvcore.offload.Tier (placement, ledger, side stream),
         # the run's Protocol, and the following layer (built after this one).
         self.tier = None
         self.protocol = Protocol()
         self.next_layer: KVLayer | None = None
-        # Per-prompt state, set by harness.prompting.open_prompt / close_prompt: a prompt is
+        # Per-prompt state, set by harness.core.prompting.open_prompt / close_prompt: a prompt is
         # being fed, and the length a ratio budget is a fraction of (budget_basis="final").
         self.prompt_open = False
         self.final_tokens: int | None = None
@@ -108,7 +108,7 @@ class KVLayer:
         self.kv_rows("values").assign(tensor)
 
     def storage_stats(self) -> dict[str, int]:
-        """The K/V storage's figures for the waste accounting (harness.accounting):
+        """The K/V storage's figures for the waste accounting (harness.core.accounting):
         `kv_bytes_used` (valid tokens) and `kv_bytes_allocated` (with the unused capacity or
         block slots); empty without stored K/V."""
         if not self._kv:
@@ -206,7 +206,7 @@ class KVLayer:
     def facts(self) -> dict[str, float]:
         """What this layer's method chose for the request, as numbers to sum (e.g. FastGen's
         heads per policy), read when the request ends: summed over the request's layers, then
-        averaged over requests into metrics.json `kv.method_facts` (harness.accounting)."""
+        averaged over requests into metrics.json `kv.method_facts` (harness.core.accounting)."""
         return {}
 
     def stats(self) -> dict[str, int]:

@@ -55,7 +55,7 @@ class ModelInfo:
 
 @dataclass
 class PrepareContext:
-    """Everything a method's offline `prepare` may use, built by the runner (harness.hf_adapter).
+    """Everything a method's offline `prepare` may use, built by the runner (harness.core.hf_adapter).
 
     A method file never loads models or touches transformers; what it needs of the loaded model
     arrives here as plain tensors and callables.

@@ -8,7 +8,7 @@ PARTS_DIR holds what the steps wrote: gpu_tests.xml (pytest junit), kernels.json
 every cell, so a part killed by its timeout still counts what it measured). A part that is
 absent (or unreadable) is recorded as null; every expected goal cell is listed, with a null value
 and a note (missing / skipped / out of memory) when it was not measured. Both files are written
-atomically (harness.results).
+atomically (harness.store.results).
 
 Goals (`goals`: name -> {value, min, met, note}):
   * `<part> <context> B=<b> infinigen/full_offload decode`: InfiniGen >= 2x full_offload decode
@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from harness.results import write_json_atomic, write_text_atomic  # noqa: E402
+from harness.store.results import write_json_atomic, write_text_atomic  # noqa: E402
 
 THROUGHPUT_GOALS = (  # (method, baseline, label, minimum ratio or None: reported only)
     ("infinigen", "full_offload", "infinigen/full_offload decode", 2.0),

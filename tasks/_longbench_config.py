@@ -32,7 +32,7 @@ _NARRATIVE_RULES = ("asconcisely as you can, using a single phrase if possible. 
 class DatasetSpec:
     prompt: str  # str.format template over the row's fields {context} and {input}
     max_new_tokens: int  # dataset2maxlen.json
-    metric: str  # a key of harness.metrics.METRICS
+    metric: str  # a key of harness.core.metrics.METRICS
     chat_template: bool  # pred.py wraps the prompt in the chat template (False: few-shot / code)
     first_line: bool = False  # eval.py scores only the first line of the prediction
     stop_at_newline: bool = False  # pred.py also stops at "\n" (and never emits it first)

@@ -37,7 +37,7 @@ class Task:
     main_metric: ClassVar[str]
     higher_is_better: ClassVar[bool]
     # Sends independent prompts through `engine.generate_many`, so runner.batch_size > 1 decodes
-    # them together (harness.batch); False: one stream or a rewound context, batch 1 only.
+    # them together (harness.core.batch); False: one stream or a rewound context, batch 1 only.
     batches: ClassVar[bool] = False
     # The option that makes part of the input a prompt where phases() has none (named in the
     # runner's refusal of a prompt-only method), or None.

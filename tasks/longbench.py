@@ -9,7 +9,7 @@ length (samsum also stops at a newline, which may not be the first token); only 
 the prediction is scored for trec, triviaqa and samsum. The score of a sample is the max of the
 dataset's metric over its reference answers; a dataset's score is the mean ×100 and `average` is
 the mean over the datasets run. Prompts, lengths and metric choice: `tasks/_longbench_config.py`;
-metrics: `harness/metrics.py`.
+metrics: `harness/core/metrics.py`.
 
 Differences from `pred.py`, all recorded in the protocol block:
 * truncation is done on token ids (pred.py decodes both halves and re-tokenizes the text);
@@ -39,9 +39,9 @@ from typing import Any, ClassVar
 import torch
 
 from kvcore.errors import ConfigError
-from harness.metrics import METRICS
-from harness.models import CHAT_TEMPLATE_KWARGS, chat_text
-from harness.progress import progress
+from harness.core.metrics import METRICS
+from harness.core.models import CHAT_TEMPLATE_KWARGS, chat_text
+from harness.core.progress import progress
 from methods.base import KVMethod
 from methods.model import ModelInfo
 from tasks._longbench_config import DATASETS, HUB_ARCHIVE, HUB_REPO, DatasetSpec

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from harness.progress import progress
+from harness.core.progress import progress
 
 from methods.base import KVMethod
 from methods.model import ModelInfo

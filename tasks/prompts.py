@@ -15,7 +15,7 @@ import random
 import re
 from typing import Any, Callable
 
-from harness.models import chat_text
+from harness.core.models import chat_text
 from kvcore.errors import ConfigError
 from tasks.text_sources import data_root, load_essays, read_text_file
 

@@ -48,8 +48,8 @@ from typing import Any, ClassVar
 
 from kvcore.errors import ConfigError
 from kvcore.guards import PROMPT_HOST_BYTES_PER_TOKEN, size_reason
-from harness.models import CHAT_TEMPLATE_KWARGS
-from harness.progress import progress
+from harness.core.models import CHAT_TEMPLATE_KWARGS
+from harness.core.progress import progress
 from methods.base import KVMethod
 from methods.model import ModelInfo
 from tasks.base import Task, TaskResult, content_id

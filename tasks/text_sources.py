@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from kvcore.errors import ConfigError
-from harness.models import SHARED_DIR
+from harness.core.models import SHARED_DIR
 
 TEXT_DATASETS = ("wikitext2", "essays", "pg19", "text_file")
 

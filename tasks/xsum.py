@@ -33,8 +33,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from kvcore.errors import ConfigError
-from harness.metrics import rouge_scores
-from harness.progress import progress
+from harness.core.metrics import rouge_scores
+from harness.core.progress import progress
 from tasks.base import Task, TaskResult, content_id
 from tasks.text_sources import data_root, jsonl_objects
 

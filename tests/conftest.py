@@ -24,8 +24,9 @@ pytest.register_assert_rewrite("tests.helpers")
 
 import torch  # noqa: E402
 
-from harness import hf_adapter, models  # noqa: E402
-from harness.engine import Engine, EngineSettings  # noqa: E402
+from harness.core import hf_adapter
+from harness.core import models  # noqa: E402
+from harness.core.engine import Engine, EngineSettings  # noqa: E402
 
 
 def _share_the_cores() -> None:

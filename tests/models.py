@@ -88,7 +88,7 @@ def tiny_family_model(family: str, layers: int = 2, seed: int = 0, attn: str = "
     """A tiny randomly initialised causal LM of `family`, on our registered attention."""
     from transformers import AutoModelForCausalLM
 
-    from harness import hf_adapter
+    from harness.core import hf_adapter
 
     config = family_config(family, layers)
     torch.manual_seed(seed)
@@ -169,7 +169,7 @@ def heads_model(layers: int = 3, seed: int = 0, attn: str = "sdpa"):
     elsewhere, small so that every layer's input stays close to the embedding."""
     from transformers import AutoModelForCausalLM
 
-    from harness import hf_adapter
+    from harness.core import hf_adapter
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(heads_config(layers), dtype=torch.float32).eval()

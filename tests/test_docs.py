@@ -8,9 +8,9 @@ import sys
 import pytest
 import yaml
 
-from harness import config_reference
-from harness.config_check import YAML_GROUPS, declared_keys, yaml_defaults
-from harness.config_reference import comment_choices
+from harness.report import config_reference
+from harness.config.config_check import YAML_GROUPS, declared_keys, yaml_defaults
+from harness.report.config_reference import comment_choices
 from tests.conftest import PROJECT
 
 README_MAX_LINES = 150
@@ -22,7 +22,7 @@ def test_readme_fits_a_screen():
 
 
 def test_the_configuration_reference_is_up_to_date():
-    assert config_reference.main(["--check"]) == 0, "run: python -m harness.config_reference"
+    assert config_reference.main(["--check"]) == 0, "run: python -m harness.report.config_reference"
 
 
 def reference_rows() -> set[str]:

@@ -13,7 +13,7 @@ SCANNED = ("harness", "tasks", "benchmarks")
 # file -> why it may call the sequence's steps itself
 ALLOWED = {
     "harness/session.py": "the entry path itself",
-    "harness/sweep_engine.py": "the sweep's shared-prefill and eager engines, over the model and "
+    "harness/sweep/execute.py": "the sweep's shared-prefill and eager engines, over the model and "
                                "methods its Session loaded and prepared",
     "harness/api.py": "the user's own model, already loaded: the cache runs the runner's checks "
                       "(method.validate, protocol_reasons) before it prepares",
@@ -78,7 +78,7 @@ def test_only_the_session_loads_prepares_and_builds_engines():
 
 
 def test_a_planted_sequence_is_found(tmp_path):
-    planted = ("from harness import hf_adapter, models\nfrom harness.engine import Engine\n"
+    planted = ("from harness import hf_adapter, models\nfrom harness.core.engine import Engine\n"
                "model, tok = models.load_model(spec, 'sdpa')\n"
                "hf_adapter.prepare(method, model, tok, info)\n"
                "engine = Engine(model, tok, method, info)\n")

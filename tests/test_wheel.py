@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from harness import models
+from harness.core import models
 from tests.conftest import PROJECT, STORIES, need_shared
 
 SOURCES = ("pyproject.toml", "README.md", "conf", "harness", "hydra_plugins", "kvcore", "methods",

@@ -35,8 +35,8 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, re
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from kvcore.errors import ConfigError
-from harness.models import chat_text, parameter_count
-from harness.progress import progress
+from harness.core.models import chat_text, parameter_count
+from harness.core.progress import progress
 from harness.session import OwnFeed
 
 log = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def merge_cli_options(args: dict[str, Any], cli: dict[str, Any] | None) -> dict[
 
 
 def _check_batch(batch_size: Any, max_batch_size: Any) -> int:
-    """lm-eval's batch_size: a positive integer (requests decoded together, harness.batch), or
+    """lm-eval's batch_size: a positive integer (requests decoded together, harness.core.batch), or
     auto, which runs batch 1 (no memory probing: a KV method changes what fits)."""
     value = parse_value(batch_size) if batch_size is not None else 1
     if isinstance(value, str) and value.startswith("auto"):
@@ -140,7 +140,7 @@ def build_engine(model: str, method: str = "full", prefill_chunk_tokens: int = 5
     (harness.session: every check before the weights load).
 
     Returns (engine, the model's description)."""
-    from harness.runner import ATTN_IMPLS
+    from harness.config.runner import ATTN_IMPLS
     from harness.session import Session, setting
     from methods import build_method
 
@@ -255,9 +255,9 @@ class KVHarnessLM(TemplateLM):
         return cls(**merge_cli_options(dict(arg_dict), additional_config))
 
     def activity(self) -> dict[str, Any]:
-        """Whether the KV method acted over the requests served so far (harness.accounting):
+        """Whether the KV method acted over the requests served so far (harness.core.accounting):
         kv.method_active / kv.inactive_reason, as the runner records them."""
-        from harness.accounting import activity
+        from harness.core.accounting import activity
 
         engine = self.engine
         kv = {**engine.ledger.summary(), **engine.attended.summary()}

@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 from kvcore.errors import ConfigError
-from harness.models import PROJECT_ROOT, SHARED_DIR, default_cache_dir
+from harness.core.models import PROJECT_ROOT, SHARED_DIR, default_cache_dir
 
 TEMPLATE_DIR = PROJECT_ROOT / "tasks" / "lm_eval_tasks"
 TEMPLATE_SUFFIX = ".yaml.in"

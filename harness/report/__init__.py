@@ -3,7 +3,7 @@
     python -m harness.report <results dir or glob> [<more> ...] [--out DIR]
 
 Reads only `metrics.json` files (a run *is* its folder), each checked against the schema
-(harness/schema.py): a corrupt or foreign file is skipped with a warning naming it, the rest are
+(harness/store/schema.py): a corrupt or foreign file is skipped with a warning naming it, the rest are
 reported; hidden folders (runs being written) are never read. Writes into --out (default
 `<first dir>/_report`; a new folder, or one holding only an earlier report):
   * report.html      the page to open (self-contained): first, per budget level, the best

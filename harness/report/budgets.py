@@ -5,7 +5,7 @@ pairwise inside each group, and the compact letter display of those comparisons.
   otherwise (a method at its own defaults: a window, a bit width) the band its measured KV held
   falls in (BANDS). The full cache is the reference of every group, never a member.
 * Inside a group and task column, every pair of settings is compared on identical samples
-  (harness.uncertainty.compare: paired bootstrap, or exact McNemar for pass/fail samples), the
+  (harness.stats.uncertainty.compare: paired bootstrap, or exact McNemar for pass/fail samples), the
   p-values corrected by Benjamini-Hochberg over the group's pairs (FDR 5 %); a pair is told
   apart when the correction rejects "no difference" and the difference exceeds the noise floor
   where one was measured. A pair that cannot be paired (other samples) is never told apart.
@@ -20,11 +20,11 @@ import itertools
 import math
 from typing import Any
 
-from harness import stats
+from harness.stats import intervals as stats
 from harness.report import compare, letters
 from harness.report.collect import REFERENCE, fmt
-from harness.uncertainty import PairingError
-from harness.uncertainty import compare as paired_compare
+from harness.stats.uncertainty import PairingError
+from harness.stats.uncertainty import compare as paired_compare
 
 FDR = compare.FDR
 # Upper edges of the KV-held bands for settings with no budget_ratio (the last: more than full).

@@ -8,9 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-from harness import stats
+from harness.stats import intervals as stats
 from harness.report import budgets, collect, compare, figures, html, leaderboard
-from harness.results import check_writable, write_text_atomic
+from harness.store.results import check_writable, write_text_atomic
 from kvcore.errors import ConfigError
 
 OUTPUTS = ("report.md", "report.csv", "leaderboard.md", "leaderboard.csv", "report.html",

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harness.schema import SchemaError, load
+from harness.store.schema import SchemaError, load
 from kvcore.errors import ConfigError
 
 COLUMNS = ["run", "model", "method", "budget", "protocol", "batch", "task", "metric", "value",
@@ -24,7 +24,7 @@ COLUMNS = ["run", "model", "method", "budget", "protocol", "batch", "task", "met
            "ci95_low", "ci95_high", "n", "interval",
            # samples answered by the full cache by the method's rule (a sweep's; blank: no rule)
            "identical_to_full"]
-# The two trade-off axes, both defined once in harness.accounting and read the same way for every
+# The two trade-off axes, both defined once in harness.core.accounting and read the same way for every
 # run: the figures, the leaderboard and W&B take their names and units from here.
 # {key: (short name for an axis, its definition for a caption)}.
 AXES = {"kv_held": ("KV held", "bytes on every tier / the full cache in the model dtype"),

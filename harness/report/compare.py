@@ -1,7 +1,7 @@
 """Every leaderboard number with its uncertainty: intervals, rank intervals, paired comparisons
 against the full cache, the noise floor, and the flags read from them.
 
-* A cell's interval and n come from its run's `uncertainty` (harness.uncertainty), recomputed
+* A cell's interval and n come from its run's `uncertainty` (harness.stats.uncertainty), recomputed
   from samples.jsonl for runs written before it.
 * Comparisons: each setting against the full cache of its section (model x protocol) and task
   column, on identical samples only (paired by content id; a run on other samples is listed as
@@ -10,7 +10,7 @@ against the full cache, the noise floor, and the flags read from them.
 * Noise floors: the full cache run again by another execution path on the same samples, its
   paired difference with our full cache (sdpa) is noise no method can be credited with: our
   engine with the other attention path (runner.attn_impl=eager), and another engine's full
-  cache (harness.vllm_engine: a run with an `engine` section whose KV nothing compresses,
+  cache (harness.engines.vllm_engine: a run with an `engine` section whose KV nothing compresses,
   kv.method_active absent, as our full cache's). A method whose difference lies within the
   widest floor of its section and column is a tie. Floor runs are left out of the board.
 * Rank intervals: ranks in each bootstrap resample (joint for runs on the reference's samples),
@@ -28,10 +28,10 @@ from typing import Any
 
 import numpy as np
 
-from harness import stats
-from harness.config_check import without_neutral
+from harness.stats import intervals as stats
+from harness.config.config_check import without_neutral
 from harness.report.collect import REFERENCE, reference_protocol_label
-from harness.uncertainty import (PairingError, cell_uncertainty, compare, load_samples,
+from harness.stats.uncertainty import (PairingError, cell_uncertainty, compare, load_samples,
                                  units)
 
 FDR = 0.05
@@ -397,7 +397,7 @@ def markdown(compared: list[dict], floors: list[dict], flagged: list[str],
     out += ["", "Noise floors (the full cache run by another path, same samples):", ""]
     if not floors:
         out.append("- none measured (run the full cache with runner.attn_impl=eager beside "
-                   "sdpa, or through harness.vllm_engine, on the same samples)")
+                   "sdpa, or through harness.engines.vllm_engine, on the same samples)")
     for f in floors:
         out.append(f"- {f['model']} · {f['protocol']} · {f['column']} · {f['kind']}: "
                    + (f"difference {_f(f['difference'])} {_ci(f['difference_ci95'])}, "

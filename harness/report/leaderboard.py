@@ -22,7 +22,7 @@ import math
 import statistics
 from typing import Any
 
-from harness.config_check import without_neutral
+from harness.config.config_check import without_neutral
 from harness.report.collect import REFERENCE, fmt
 
 # Task options that say where data lives, not what is measured.

@@ -1,5 +1,5 @@
 """The rounds sweeper: Hydra's basic sweeper's product of overrides, launched round by round for
-the settings still undecided (harness.rounds holds the logic; this class only connects it to
+the settings still undecided (harness.sweep.rounds holds the logic; this class only connects it to
 Hydra's launcher, so every launcher of the harness runs the rounds' jobs)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from omegaconf import OmegaConf
 
-from harness.rounds import check_knobs, run_rounds, too_few_samples, unbalanced
+from harness.sweep.rounds import check_knobs, run_rounds, too_few_samples, unbalanced
 from kvcore.errors import ConfigError
 
 
@@ -26,7 +26,7 @@ def task_cells(config) -> int:
 
 
 class RoundsSweeper(BasicSweeper):
-    """`hydra/sweeper=kvh_rounds`; its knobs are harness.rounds.Knobs (hydra.sweeper.<key>)."""
+    """`hydra/sweeper=kvh_rounds`; its knobs are harness.sweep.rounds.Knobs (hydra.sweeper.<key>)."""
 
     def __init__(self, max_batch_size: int | None = None, params: Any = None, **knobs: Any):
         super().__init__(max_batch_size=None, params=None)

@@ -1,10 +1,10 @@
 """`hydra/launcher=slurm` and `slurm_cpu` (conf/hydra/launcher/): hydra-submitit's SLURM launcher
-with a one-line refusal and cancelled members recorded as failed (see harness/cluster.py).
+with a one-line refusal and cancelled members recorded as failed (see harness/sweep/cluster.py).
 Hydra only instantiates launchers defined under the `hydra_plugins` package, hence this module.
 
 The unit sent to the cluster is the shard, not the member: the members sharing model and task
 (hydra_plugins.kvh_sweep) become one job array of `runner.shards` tasks, each running every
-member on its share of the samples through the sweep engine (harness.sweep_shards), requeued on
+member on its share of the samples through the sweep engine (harness.sweep.shards), requeued on
 timeout (`hydra.launcher.max_num_timeout` times; a requeued shard resumes from its records);
 once all have ended, one merge job per group writes each member's folder and status.
 `runner.sweep_engine=false`: one array task per member, each loading everything itself."""
@@ -23,7 +23,7 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher as _Base
 from omegaconf import OmegaConf, open_dict
 
-from harness.cluster import (ENDED_GRACE_S, accounting_disabled, ended_in_queue, queue_states,
+from harness.sweep.cluster import (ENDED_GRACE_S, accounting_disabled, ended_in_queue, queue_states,
                              record_unfinished, refusal_line)
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ def launch_shards(executor, params: dict, members: list, sweep_dir: Path) -> lis
     every member with SLURM's word; the other groups' results count."""
     from submitit.core.utils import FailedJobError, FailedSubmissionError
 
-    from harness.sweep_shards import Shard
+    from harness.sweep.shards import Shard
     from hydra_plugins.kvh_sweep.sweep_launcher import shard_count, shared_key
 
     groups: dict[str, list] = {}

@@ -1,9 +1,9 @@
 """The default local launcher: `python -m harness -m method=h2o,snapkv method.budget_ratio=0.2,0.5`
 composes every member, then runs the members of each (model, task) through the sweep engine in
-this process (harness.sweep_run: model, tokenizer and task loaded once, each prompt prefilled
+this process (harness.sweep.run: model, tokenizer and task loaded once, each prompt prefilled
 once per prefill group), each member writing its own result folder and status as a member of
 Hydra's basic launcher would. `runner.shards=n`: the samples split over n processes on this
-machine, each running every member on its share, merged here (harness.sweep_shards).
+machine, each running every member on its share, merged here (harness.sweep.shards).
 `runner.sweep_engine=false` (on every member) keeps Hydra's basic launcher: one member after
 another, each loading everything itself."""
 
@@ -21,7 +21,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrides, setup_globals
 from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
-from harness.results import write_json_atomic
+from harness.store.results import write_json_atomic
 from kvcore.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -84,8 +84,8 @@ def shard_count(group: list) -> int:
 
 
 def run_shard(group: list, shard) -> None:
-    """One shard of `group` (harness.sweep_shards): its samples for every member, recorded."""
-    from harness.sweep_run import run_sweep
+    """One shard of `group` (harness.sweep.shards): its samples for every member, recorded."""
+    from harness.sweep.run import run_sweep
 
     cfgs, choices = member_configs(group)
     run_sweep(cfgs, choices=choices, shard=shard)
@@ -96,8 +96,8 @@ def run_group(group: list, sweep_dir: Path, shards_done: bool = False) -> None:
     runner.shards=n the pass is n shard processes on this machine (or, `shards_done`, the
     shards of a SLURM array that already ran), then their merge here."""
     from harness.run import _inactive_reason, traceback_wanted
-    from harness.sweep_run import run_sweep
-    from harness.sweep_shards import start_local, wait_local
+    from harness.sweep.run import run_sweep
+    from harness.sweep.shards import start_local, wait_local
 
     HydraConfig.instance().set_config(group[0][2])  # multirun_job(): the sweep's folder
     cfgs, choices = member_configs(group)

@@ -101,7 +101,7 @@ def test_decode_interval_through_the_api_equals_the_runner(stories, tmp_path):
 ])
 def test_refusals_are_the_runners_and_come_before_anything_runs(stories, monkeypatch, name,
                                                                  knobs, message):
-    from harness import hf_adapter
+    from harness.core import hf_adapter
 
     model, tokenizer = stories
     monkeypatch.setattr(hf_adapter, "prepare", lambda *a, **k: pytest.fail("prepared"))

@@ -103,7 +103,7 @@ def test_soft_capped_attention_is_refused_for_every_method():
     seams replace: every method refuses it instead of serving a different model."""
     from transformers import Gemma2Config
 
-    from harness.hf_adapter import model_info
+    from harness.core.hf_adapter import model_info
     from methods import available_methods, build_method, method_class
 
     info = model_info(Gemma2Config(num_hidden_layers=2, hidden_size=64, intermediate_size=128,

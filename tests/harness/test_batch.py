@@ -1,4 +1,4 @@
-"""Batched ragged requests (harness.batch): per-sequence caches, no padding stored or attended,
+"""Batched ragged requests (harness.core.batch): per-sequence caches, no padding stored or attended,
 sequences leaving the batch when they stop, batch-aware speed figures and runner refusals.
 (Every method's B=3 equivalence with batch 1 is in tests/methods/contract/test_contract.py.)"""
 
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from harness import batch as batching
-from harness.runner import protocol_reasons
+from harness.core import batch as batching
+from harness.config.runner import protocol_reasons
 from harness.run import run
 from methods import build_method
 from methods.protocol import Protocol
@@ -61,7 +61,7 @@ def test_min_new_tokens_masks_stop_tokens_in_batches(tiny_model):
 
 
 def test_tasks_that_cannot_batch_are_refused_before_loading(tiny_model):
-    from harness import hf_adapter
+    from harness.core import hf_adapter
 
     info = hf_adapter.model_info(tiny_model.config)
     method = build_method("full")
@@ -111,7 +111,7 @@ def decode_alone_and_together(model, methods, lengths, limits):
     engine's decode figures after the second."""
     from contextlib import ExitStack
 
-    from harness.batch import decode_requests
+    from harness.core.batch import decode_requests
 
     prompts = prompts_of(lengths, seed=5)
     engines = [make_engine(model, method, chunk=8) for method in methods]
@@ -128,7 +128,7 @@ def decode_alone_and_together(model, methods, lengths, limits):
 
 
 def test_requests_of_different_methods_decode_together_as_alone(tiny_model):
-    """A sweep's settings decoded together (harness.batch.decode_requests): three methods, three
+    """A sweep's settings decoded together (harness.core.batch.decode_requests): three methods, three
     prompt lengths (so positions differ per row), three limits (rows leave the batch): each row
     equals its request decoded alone, and each engine counts its own steps only."""
     methods = [build_method("h2o", budget_tokens=10), build_method("full"),

@@ -42,18 +42,21 @@ def test_interrupted_run_leaves_no_partial_result(sig, tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "harness", "model=stories260k", "method=h2o",
                              "task.max_tokens=512", f"runner.results_root={tmp_path}"],
                             cwd=PROJECT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             preexec_fn=_ignore_sigint)
     deadline = time.time() + 120
-    seen = ""
-    while time.time() < deadline:  # wait until decoding has started
-        line = proc.stdout.readline()
-        seen += line
-        if "streaming perplexity" in line or not line:
+    seen = b""
+    # raw reads, not readline: the progress bar's first frame ends in no newline (the next
+    # frame's "\r" or the close ends it), so a line-wise read sees it only once decoding is over
+    while time.time() < deadline and b"streaming perplexity" not in seen:
+        chunk = os.read(proc.stdout.fileno(), 4096)
+        if not chunk:
             break
+        seen += chunk
     time.sleep(0.2)
     proc.send_signal(sig)
-    rest, _ = proc.communicate(timeout=60)
+    out, _ = proc.communicate(timeout=60)
+    seen, rest = seen.decode(errors="replace"), out.decode(errors="replace")
     assert proc.returncode == 130, seen + rest
     assert "interrupted: no result written" in rest
     assert not list(tmp_path.rglob("metrics.json"))

@@ -3,7 +3,7 @@ SLURM's queue without a result is told apart from one still running (tests/slurm
 
 import json
 
-from harness import cluster
+from harness.sweep import cluster
 from hydra_plugins.kvh_slurm import slurm_launcher
 
 SBATCH_ERROR = ("Command '['sbatch', '/x/.submission_file_1.sh']' returned non-zero exit status 1.\n"

@@ -1,4 +1,4 @@
-"""harness.config_check: keys added with `+` checked against the config schema (with the closest
+"""harness.config.config_check: keys added with `+` checked against the config schema (with the closest
 allowed name in Hydra's own hint too), finite numbers, and no "quote it" hint for a null."""
 
 import pytest

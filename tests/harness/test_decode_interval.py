@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from harness.runner import check_runner, decode_interval_reasons
+from harness.config.runner import check_runner, decode_interval_reasons
 from kvcore.errors import ConfigError
 from methods import available_methods, build_method, method_class
 from methods.protocol import Protocol

@@ -5,8 +5,8 @@ import json
 import torch
 
 from methods import build_method
-from harness.engine import Engine, EngineSettings
-from harness import hf_adapter
+from harness.core.engine import Engine, EngineSettings
+from harness.core import hf_adapter
 
 
 def diag_run(model, method, ids, every=4):
@@ -47,7 +47,7 @@ def test_lossy_methods_lose_mass_and_oracle_keeps_most(stories):
 
 def test_recall_skips_a_ragged_heads_padding():
     """kept_positions of ragged heads pads with -1: no mass is counted for it."""
-    from harness.diagnostics import _recall
+    from harness.core.diagnostics import _recall
 
     probs = torch.tensor([0.1, 0.2, 0.3, 0.4]).view(1, 1, 1, 4).expand(1, 2, 1, 4)
     positions = torch.tensor([[[3, 1, -1], [0, 2, 3]]])  # head 0 holds 2 tokens, head 1 three

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from harness.accounting import KVLedger
+from harness.core.accounting import KVLedger
 from harness.run import held_words, summary
 from methods.model import ModelInfo
 from tests.helpers.reports import fake_run

@@ -7,7 +7,7 @@ import pytest
 import torch
 import transformers
 
-from harness import hf_adapter
+from harness.core import hf_adapter
 from methods.base import KVMethod
 from methods.capabilities import Capabilities
 from methods.layer import KVLayer

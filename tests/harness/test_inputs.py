@@ -1,4 +1,4 @@
-"""harness.inputs and uncertainty.load_samples: files a user names are checked by kind and size
+"""harness.store.inputs and uncertainty.load_samples: files a user names are checked by kind and size
 before a byte is read, rows parsed strictly and checked per task, each refusal one line naming
 the file (and line)."""
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from harness import inputs
-from harness.uncertainty import load_samples, row_problem
+from harness.store import inputs
+from harness.stats.uncertainty import load_samples, row_problem
 from kvcore.errors import ConfigError
 
 
@@ -128,8 +128,8 @@ def test_rows_written_before_a_record_existed_are_read_and_good_rows_pass(tmp_pa
 
 
 def test_projection_skips_a_metrics_json_it_cannot_read_without_blocking(tmp_path, capsys):
-    """harness.projection --runs reads metrics.json through the same capped reader."""
-    from harness import projection
+    """harness.core.projection --runs reads metrics.json through the same capped reader."""
+    from harness.core import projection
 
     for name, make in (("fifo", os.mkfifo), ("zero", lambda p: os.symlink("/dev/zero", p)),
                        ("list", lambda p: p.write_text("[1, 2]"))):

@@ -116,7 +116,7 @@ def test_generate_until_equals_hflm(stories):
 
 @pytest.mark.parametrize("scoring", ["chunked", "stepwise"])
 def test_batch_size_three_equals_batch_one(stories, manager, scoring):
-    """lm-eval batch_size=3 (harness.batch) while H2O compresses: the same loglikelihoods (fp32
+    """lm-eval batch_size=3 (harness.core.batch) while H2O compresses: the same loglikelihoods (fp32
     tolerance), greedy flags and generations as batch 1."""
     from lm_eval.api.instance import Instance
 
@@ -208,7 +208,7 @@ def test_model_args_build_engine_with_method():
     (dict(model="stories260k", prefill_chunk_tokens=0), "prefill_chunk_tokens=0"),
 ])
 def test_bad_model_args_raise_one_config_error(args, message, monkeypatch):
-    from harness import models
+    from harness.core import models
 
     def refuse(*a, **k):
         raise AssertionError("weights were loaded before the config error was found")

@@ -1,4 +1,4 @@
-"""The W&B mirror (logger=wandb, harness.loggers): its options checked before the weights load,
+"""The W&B mirror (logger=wandb, harness.report.loggers): its options checked before the weights load,
 and a failing mirror costing the mirror, not the result."""
 
 import errno

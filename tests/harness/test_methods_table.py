@@ -6,8 +6,9 @@ holds fewer at some step."""
 import pytest
 import torch
 
-from harness import api, methods_table
-from harness.methods_table import serving_requirements
+from harness import api
+from harness.report import methods_table
+from harness.report.methods_table import serving_requirements
 from methods import available_methods, method_class
 from tests.conftest import STORIES, need_shared
 from tests.helpers.generation import PROMPT, knobs_for
@@ -16,7 +17,7 @@ DECODE_STEPS = 10
 
 
 def test_readme_table_and_pages_equal_the_generated_ones():
-    assert methods_table.main(["--check"]) == 0, "run: python -m harness.methods_table"
+    assert methods_table.main(["--check"]) == 0, "run: python -m harness.report.methods_table"
 
 
 def test_every_method_has_one_table_line_with_its_serving_columns():

@@ -3,7 +3,7 @@ metrics.py + the `rouge` package for ROUGE-L; rouge-score for XSum)."""
 
 import pytest
 
-from harness.metrics import (
+from harness.core.metrics import (
     HIGHER_IS_BETTER,
     METRICS,
     classification_score,

@@ -1,4 +1,4 @@
-"""harness.models, model=hf: weights that do not match the config are an error, a useless or
+"""harness.core.models, model=hf: weights that do not match the config are an error, a useless or
 non-finite config.json is one line before the weights load, NaN weights are refused, GGUF files
 are converted once (a user's folder never overwritten), and every model gets its own name (folder
 or hub id + config hash, GGUF metadata)."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from harness import models
+from harness.core import models
 from harness.report import find_runs, row
 from harness.run import run
 from kvcore.errors import ConfigError
@@ -209,7 +209,7 @@ def test_tokenizer_larger_than_the_embedding_is_refused_before_the_run(tmp_path,
 
 @pytest.mark.usefixtures("shared_folder")
 def test_cache_dir_that_is_a_file_or_read_only(tmp_path, monkeypatch, no_weight_loading):
-    from harness import results
+    from harness.store import results
 
     a_file = tmp_path / "cache"
     a_file.write_text("not a folder")
@@ -319,7 +319,7 @@ def test_a_named_model_from_another_folder_is_refused(tmp_path, no_weight_loadin
 def test_a_copy_of_the_named_model_keeps_its_name(tmp_path):
     import shutil
 
-    from harness import models
+    from harness.core import models
 
     need_shared(STORIES)
     copy = tmp_path / "stories_copy"

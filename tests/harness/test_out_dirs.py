@@ -1,4 +1,4 @@
-"""harness.out_dirs (the first step of `make gate` and `make parity`): the folder GATE_DIR or
+"""harness.store.out_dirs (the first step of `make gate` and `make parity`): the folder GATE_DIR or
 PARITY_DIR names is emptied only when all it holds is what that target writes; a user's folder,
 a file or a link is refused in one line naming the variable, and nothing is changed."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import out_dirs
-from harness.results import STAGING_MARK
-from harness.sweep import SWEEP_MARK
+from harness.store import out_dirs
+from harness.store.results import STAGING_MARK
+from harness.store.results import SWEEP_MARK
 from tests.helpers.reports import fake_run
 
 
@@ -143,11 +143,11 @@ def test_a_parity_folder_with_anything_else_is_refused_untouched(plant, expect, 
 @pytest.mark.parametrize("target, variable", [("gate", "GATE_DIR"), ("parity", "PARITY_DIR")])
 def test_the_makefile_empties_its_folders_through_this_check_only(target, variable):
     """`make gate` and `make parity` once ran `rm -rf $(GATE_DIR)` / `$(PARITY_DIR)`: a variable
-    pointing at a user's folder lost it. Each recipe now runs harness.out_dirs first, and
+    pointing at a user's folder lost it. Each recipe now runs harness.store.out_dirs first, and
     removes nothing itself."""
     makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
     recipe = makefile.split(f"\n{target}: setup", 1)[1].split("\n\n", 1)[0]
-    assert f"-m harness.out_dirs {variable}" in recipe and "rm " not in recipe
+    assert f"-m harness.store.out_dirs {variable}" in recipe and "rm " not in recipe
     assert f"export {variable}" in makefile
 
 

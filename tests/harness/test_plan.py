@@ -1,4 +1,4 @@
-"""harness.plan: the n a sweep needs for a paired half-width, from a pilot."""
+"""harness.report.plan: the n a sweep needs for a paired half-width, from a pilot."""
 
 import os
 from pathlib import Path
@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import plan
+from harness.report import plan
 from tests.helpers.reports import ruler_run
 
 

@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from harness.projection import project
+from harness.core.projection import project
 from tests.conftest import PROJECT
 
 
@@ -39,7 +39,7 @@ def _llama_config(tmp_path, **kw):
 
 def test_capacity_projection_by_hand(tmp_path):
     """Weights from the meta-device model, KV bytes exact, batch and roofline step by hand."""
-    from harness.projection import MethodRatios, project_capacity, shape_from_config
+    from harness.core.projection import MethodRatios, project_capacity, shape_from_config
 
     shape = shape_from_config(_llama_config(tmp_path), "bfloat16")
     # embed + lm_head 2*1000*256; per layer q,o 256*256, k,v 256*64, mlp 3*256*512, 2 norms; final norm
@@ -60,7 +60,7 @@ def test_capacity_projection_by_hand(tmp_path):
 def test_projection_cli_reads_runs_and_refuses_bad_input(tmp_path, capsys):
     import json
 
-    from harness.projection import main
+    from harness.core.projection import main
 
     config = _llama_config(tmp_path / "m")
     run = tmp_path / "runs" / "h2o"

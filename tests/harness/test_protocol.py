@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from harness.accounting import activity
+from harness.core.accounting import activity
 from harness.run import run
 from kvcore.errors import BudgetViolation, ConfigError
 from methods import build_method

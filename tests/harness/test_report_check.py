@@ -8,7 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from harness import check, report
+from harness import report
+from harness.report import check
 from kvcore.errors import ConfigError
 from tests.helpers.reports import fake_run
 
@@ -384,7 +385,7 @@ def thresholds(path, body):
 
 
 def test_check_ratio_to_a_method_no_run_has_is_bad_input(tmp_path, capsys):
-    from harness import check
+    from harness.report import check
 
     fake_run(tmp_path / "r", "full", 50.0, 100.0)
     fake_run(tmp_path / "r", "h2o", 55.0, 100.0, budget=0.2)
@@ -395,7 +396,7 @@ def test_check_ratio_to_a_method_no_run_has_is_bad_input(tmp_path, capsys):
 
 
 def test_check_refuses_a_key_given_twice_in_an_entry(tmp_path, capsys):
-    from harness import check
+    from harness.report import check
 
     fake_run(tmp_path / "r", "full", 50.0, 100.0)
     gate = thresholds(tmp_path / "t.yaml", "  - {model: stories260k, method: full, task: "
@@ -405,7 +406,7 @@ def test_check_refuses_a_key_given_twice_in_an_entry(tmp_path, capsys):
 
 
 def test_check_against_a_device_says_what_it_is(tmp_path, capsys):
-    from harness import check
+    from harness.report import check
 
     fake_run(tmp_path / "r", "full", 50.0, 100.0)
     assert check.main([str(tmp_path / "r"), "--against", "/dev/zero"]) == 2
@@ -516,7 +517,7 @@ def test_report_refuses_samples_it_cannot_read_before_writing(plant, expect, tmp
 
 @pytest.mark.parametrize("resamples, expect", [
     ("1", "--resamples 1: at least 100"), ("99", "--resamples 99: at least 100"),
-    ("400000000", "above the 2 GiB limit (harness.stats.MEMORY_LIMIT_BYTES)"),
+    ("400000000", "above the 2 GiB limit (harness.stats.intervals.MEMORY_LIMIT_BYTES)"),
     ("1000000000000", "above the 2 GiB limit"),
 ])
 def test_report_bounds_resamples_before_reading(resamples, expect, tmp_path, capsys):
@@ -528,7 +529,7 @@ def test_report_bounds_resamples_before_reading(resamples, expect, tmp_path, cap
 
 def test_report_resamples_are_bounded_by_the_widest_column(tmp_path, capsys, monkeypatch):
     """The estimate counts the runs one bootstrap holds side by side (rank intervals)."""
-    from harness import stats
+    from harness.stats import intervals as stats
 
     _, root = samples_tree(tmp_path / "runs")
     monkeypatch.setattr(stats, "MEMORY_LIMIT_BYTES", stats.bootstrap_bytes(1000, 1))

@@ -1,5 +1,5 @@
 """A task option added after runs were made, recorded at its neutral value (the value the earlier
-runs computed with, harness.config_check.NEUTRAL), does not split the report: a run recording
+runs computed with, harness.config.config_check.NEUTRAL), does not split the report: a run recording
 it and a run made before it are one column, paired; any other value is its own column."""
 
 import json

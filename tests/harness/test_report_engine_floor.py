@@ -1,4 +1,4 @@
-"""The cross-engine noise floor: another engine's full cache (harness.vllm_engine's runs) paired
+"""The cross-engine noise floor: another engine's full cache (harness.engines.vllm_engine's runs) paired
 with ours on the same samples is a noise floor like eager vs sdpa: shown with the floors, left
 out of the board, and a method's difference within it is a tie, not the method's."""
 

@@ -1,4 +1,4 @@
-"""Run folders (harness.results): a result is written whole or not at all (full disk, crash), a
+"""Run folders (harness.store.results): a result is written whole or not at all (full disk, crash), a
 user's folder is never replaced nor staged over, `runner.output_dir` and `runner.skip_existing`,
 the user's umask, and results roots that cannot be written refused before the weights load."""
 
@@ -127,7 +127,7 @@ def _dead_pid() -> int:
 
 
 def test_stale_staging_cleanup_spares_a_users_folder_named_like_one(tmp_path):
-    from harness.results import STAGING_MARK, RunFolder
+    from harness.store.results import STAGING_MARK, RunFolder
 
     pid = _dead_pid()
     users = tmp_path / f".backup.partial-{pid}-important"  # named like a staging folder
@@ -200,7 +200,7 @@ def test_a_stop_whose_interrupt_was_swallowed_still_writes_nothing(tmp_path):
     """A signal's KeyboardInterrupt raised inside a finalizer is dropped by Python ("Exception
     ignored in ... __del__"); the stop it recorded is raised again when the result would be
     committed, so the run folder never appears."""
-    from harness.results import RunFolder
+    from harness.store.results import RunFolder
     from kvcore import guards
 
     folder = RunFolder(tmp_path / "run")

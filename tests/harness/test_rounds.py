@@ -1,4 +1,4 @@
-"""The rounds driver (harness.rounds): knobs and sweep shapes refused in one line, rounds that
+"""The rounds driver (harness.sweep.rounds): knobs and sweep shapes refused in one line, rounds that
 sample only the undecided settings on consecutive sample windows, a ledger that resumes after a
 cut without answering any (setting, sample) twice, and the whole thing through the CLI on
 stories260K."""
@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from harness import rounds as rd
+from harness.sweep import rounds as rd
 from kvcore.errors import ConfigError
 from tests.conftest import PROJECT, STORIES, need_shared
 
@@ -148,7 +148,7 @@ STORIES_RULER = ["model=stories260k", "task=ruler", "task.lengths=[320]",
 
 
 def _cli(args, tmp_path):
-    return subprocess.run([sys.executable, "-m", "harness.rounds", *STORIES_RULER, *args,
+    return subprocess.run([sys.executable, "-m", "harness.sweep.rounds", *STORIES_RULER, *args,
                            f"runner.results_root={tmp_path}"],
                           cwd=PROJECT, env={**os.environ, "PYTHONPATH": str(PROJECT)},
                           capture_output=True, text=True, timeout=600)
@@ -160,7 +160,7 @@ def test_the_cli_runs_rounds_and_resumes_on_stories260k(tmp_path):
     bad = _cli(["rounds.block=0"], tmp_path)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
         "error: rounds.block=0 must be an integer >= 1 (samples a round adds per setting)"]
-    stream = subprocess.run([sys.executable, "-m", "harness.rounds", "model=stories260k",
+    stream = subprocess.run([sys.executable, "-m", "harness.sweep.rounds", "model=stories260k",
                              "task=perplexity", "method=h2o,snapkv",
                              f"runner.results_root={tmp_path}"], cwd=PROJECT,
                             env={**os.environ, "PYTHONPATH": str(PROJECT)}, capture_output=True,

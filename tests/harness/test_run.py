@@ -302,7 +302,7 @@ def test_refused_before_weights_load(index, tmp_path, no_weight_loading):
 
 @pytest.mark.usefixtures("shared_folder")
 def test_metrics_follow_the_versioned_schema(tmp_path):
-    from harness import schema
+    from harness.store import schema
 
     out = run(cfg_for("model=stories260k", "task.max_tokens=40", f"runner.results_root={tmp_path}"))
     metrics = json.loads((out / "metrics.json").read_text())
@@ -362,7 +362,7 @@ def test_a_seed_numpy_cannot_take_is_one_line(seed, tmp_path, no_weight_loading)
 
 
 def test_a_non_finite_result_is_flagged_in_the_summary_and_never_passes_a_gate(tmp_path):
-    from harness import check
+    from harness.report import check
     from harness.run import summary
 
     folder = fake_run(tmp_path / "r", "full", float("nan"), 100.0)

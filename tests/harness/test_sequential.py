@@ -1,4 +1,4 @@
-"""The rounds' statistics (harness.sequential) on simulated sweeps with a fixed seed: a planted
+"""The rounds' statistics (harness.stats.sequential) on simulated sweeps with a fixed seed: a planted
 ordering is recovered, repeated looks under the null keep the false-ordering rate at or below
 alpha (where a fixed-n interval re-checked every round does not), and a stopped setting's
 reported interval never changes."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from harness import sequential as sq
-from harness import stats
+from harness.stats import sequential as sq
+from harness.stats import intervals as stats
 
 STEPS = 400  # a coarser grid than the harness's: the simulations stay at a few seconds
 

@@ -1,4 +1,4 @@
-"""Admission under a device KV limit (harness.serving): request-level waves vs LayerKV's layer-wise
+"""Admission under a device KV limit (harness.core.serving): request-level waves vs LayerKV's layer-wise
 placement. The limit is enforced by the device pools; LayerKV is lossless; refusals before
 weights."""
 
@@ -7,8 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from harness import hf_adapter, serving
-from harness.runner import check_runner, protocol_reasons
+from harness.core import hf_adapter
+from harness.core import serving
+from harness.config.runner import check_runner, protocol_reasons
 from harness.run import run
 from kvcore.errors import ConfigError
 from kvcore.paged import BlockPool, DeviceBudget, DeviceMemoryExceeded

@@ -3,7 +3,7 @@ before the weights load, a refused one named by its row."""
 
 import pytest
 
-from harness import models
+from harness.core import models
 from harness.session import of_methods, runner_of
 from kvcore.errors import ConfigError
 from methods import build_method

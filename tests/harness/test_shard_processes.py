@@ -19,7 +19,7 @@ SWEEP = textwrap.dedent("""
     import sys, time
     from pathlib import Path
     from hydra import compose, initialize_config_dir
-    from harness.sweep_shards import start_local
+    from harness.sweep.shards import start_local
     with initialize_config_dir(config_dir=sys.argv[1], version_base="1.3"):
         cfg = compose(config_name="config", overrides=[
             "model=stories260k", "task=ruler", "task.lengths=[320]", "task.samples_per_cell=50",
@@ -55,7 +55,7 @@ def test_shards_die_when_their_sweep_is_killed(tmp_path):
 def test_a_shard_checks_its_parent_itself(tmp_path):
     """Where the parent-death signal is not armed (another system, or a parent gone before it
     was), the shard's own check stops it."""
-    child = ("import os, sys, time; from harness.sweep_shards import watch_parent; "
+    child = ("import os, sys, time; from harness.sweep.shards import watch_parent; "
              "watch_parent(int(sys.argv[1]), every_s=0.1); time.sleep(60)")
     parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import os, subprocess, sys, time

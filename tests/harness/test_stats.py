@@ -1,4 +1,4 @@
-"""harness.stats: coverage by simulation (seeded), hand-computed cases, and the designs."""
+"""harness.stats.intervals: coverage by simulation (seeded), hand-computed cases, and the designs."""
 
 import math
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from harness import stats
+from harness.stats import intervals as stats
 from kvcore.errors import ConfigError
 
 
@@ -187,7 +187,7 @@ def test_the_half_width_a_sample_reaches_inverts_the_sample_size():
 
 @pytest.mark.parametrize("resamples, columns, expect", [
     (0, 2, "at least 100"), (-5, 2, "at least 100"), (99, 2, "at least 100"),
-    (10**9, 2, "above the 2 GiB limit (harness.stats.MEMORY_LIMIT_BYTES)"),
+    (10**9, 2, "above the 2 GiB limit (harness.stats.intervals.MEMORY_LIMIT_BYTES)"),
     (10**6, 55, "the bootstrap of 55 run(s) side by side would hold about 5.37 GiB"),
     (2**63, 1, "above the 2 GiB limit"),
 ])

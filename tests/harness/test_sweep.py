@@ -171,7 +171,7 @@ def test_two_sweeps_at_once_keep_their_own_folders(tmp_path):
 
 
 def test_claimed_sweep_folders_are_unique(tmp_path):
-    from harness.sweep import claim_sweep_dir
+    from harness.config.multirun import claim_sweep_dir
 
     base = tmp_path / "_sweeps" / "20261130-120000"
     first, second = claim_sweep_dir(base), claim_sweep_dir(base)
@@ -189,7 +189,7 @@ def test_explicit_sweep_folder_with_earlier_statuses_is_refused(tmp_path):
 
 
 def test_a_member_that_reported_nothing_counts_as_failed(tmp_path):
-    from harness.sweep import read_statuses
+    from harness.config.multirun import read_statuses
 
     for num in (0, 1):
         (tmp_path / str(num)).mkdir()
@@ -205,7 +205,7 @@ def test_options_added_later_keep_earlier_runs_resumable():
     identity of one made with them at their neutral values; any other value is a different run."""
     from omegaconf import OmegaConf
 
-    from harness.sweep import config_hash
+    from harness.config.multirun import config_hash
 
     base = {"runner": {"batch_size": 1}, "task": {"name": "ruler"}, "method": {"name": "full"}}
     neutral = {"runner": {"batch_size": 1, "kv_device_limit_mib": None, "kv_admission": "request"},
@@ -252,7 +252,9 @@ def test_sweep_with_an_added_unknown_key_is_refused_before_any_member(tmp_path):
 
 
 def test_read_only_sweep_root_and_report_out_are_one_line(tmp_path, monkeypatch, capsys):
-    from harness import report, results, sweep
+    from harness import report
+    from harness.store import results
+    from harness.config import multirun as sweep
 
     def read_only(*a, **k):
         raise OSError(errno.EROFS, "Read-only file system")

@@ -1,4 +1,4 @@
-"""The sweep engine gives every setting what a single run of it gives (harness.sweep_engine):
+"""The sweep engine gives every setting what a single run of it gives (harness.sweep.execute):
 predictions, scores and KV figures, for every method and both K/V layouts."""
 
 import json
@@ -7,7 +7,7 @@ import re
 import pytest
 
 from harness.run import run
-from harness.sweep_run import run_sweep
+from harness.sweep.run import run_sweep
 from kvcore.errors import ConfigError
 from methods import available_methods, method_class
 from tests.conftest import PROJECT, STORIES, need_shared
@@ -58,7 +58,7 @@ def full_alone(tmp_path_factory):
 def test_sweep_equals_single_runs(name, layout, tmp_path, full_alone):
     """Each method's two settings swept with the full cache equal their single runs. The
     settings' prefills are one recorded dense forward, replayed into each method's layers
-    (harness.sweep_replay) unless its layers attend otherwise (the reason is then recorded)."""
+    (harness.sweep.replay) unless its layers attend otherwise (the reason is then recorded)."""
     need_shared(STORIES)
     runner = [f"runner.kv_layout={layout}"]
     settings = [[*TASK, *runner, f"method={name}", *knobs] for knobs in knob_settings(name)]
@@ -200,7 +200,7 @@ def test_a_prompt_state_mutated_by_one_setting_is_caught(tmp_path):
 
 
 def test_batched_settings_equal_their_single_runs_and_batch_one(tmp_path):
-    """runner.batch_size>1: each such setting runs its own task pass (harness.batch); the batch
+    """runner.batch_size>1: each such setting runs its own task pass (harness.core.batch); the batch
     size is a memory knob and changes no prediction or score."""
     need_shared(STORIES)
     settings = [[*TASK, "method=snapkv", f"method.budget_tokens={b}", f"runner.batch_size={n}"]
@@ -214,7 +214,7 @@ def test_batched_settings_equal_their_single_runs_and_batch_one(tmp_path):
 def test_a_killed_sweep_resumes_from_its_records(tmp_path, monkeypatch, capsys):
     """Killed after three (setting, sample) answers: the next start reuses those three (their
     accounting included) and computes the rest; every setting equals its single run."""
-    from harness import sweep_records
+    from harness.sweep import records as sweep_records
 
     need_shared(STORIES)
     settings = [[*TASK, "method=tova", f"method.budget_tokens={b}"] for b in (24, 48)]
@@ -248,8 +248,8 @@ def test_a_handed_over_prompt_state_decodes_to_the_same_logits(tiny_model, name,
 
     import torch
 
-    from harness import hf_adapter
-    from harness.engine import Engine, EngineSettings
+    from harness.core import hf_adapter
+    from harness.core.engine import Engine, EngineSettings
     from methods import build_method
 
     info = hf_adapter.model_info(tiny_model.config)
@@ -285,7 +285,7 @@ SHARD_SETTINGS = [[*SHARDED, "method=snapkv", "method.budget_tokens=24"],
 
 def sharded_folders(overrides_list, root, count=2):
     """Each shard of the settings in turn (as its own process would), then their merge."""
-    from harness.sweep_shards import Shard
+    from harness.sweep.shards import Shard
 
     cfgs = [cfg_for(*knobs, f"runner.results_root={root}", f"runner.shards={count}")
             for knobs in overrides_list]
@@ -308,7 +308,7 @@ def unsharded(tmp_path_factory):
 def test_merged_shards_equal_the_unsharded_sweep(tmp_path, unsharded):
     """Two shards, each answering its samples for every setting, merged: every setting's
     predictions, scores and metrics (accuracy, KV figures) are the unsharded sweep's."""
-    from harness.sweep_records import FOLDER
+    from harness.sweep.records import FOLDER
 
     whole = unsharded
     merged = sharded_folders(SHARD_SETTINGS, tmp_path / "sharded")
@@ -328,7 +328,7 @@ def test_a_split_that_drops_or_duplicates_a_sample_fails_the_merge(planted, tmp_
                                                                     monkeypatch):
     """The planted bug: the split gives sample 0 to no shard, or to both; the merge stops with
     one line (never a result short of a sample, or counting one twice)."""
-    from harness import sweep_shards
+    from harness.sweep import shards as sweep_shards
 
     need_shared(STORIES)
     split = sweep_shards.owner
@@ -347,7 +347,7 @@ def test_a_split_that_drops_or_duplicates_a_sample_fails_the_merge(planted, tmp_
 
 def test_a_setting_that_cannot_be_sharded_is_refused_by_name(tmp_path):
     need_shared(STORIES)
-    from harness.sweep_shards import Shard
+    from harness.sweep.shards import Shard
 
     cfgs = [cfg_for(*SHARD_SETTINGS[0], "runner.batch_size=2", "runner.shards=2",
                     f"runner.results_root={tmp_path}"),
@@ -391,7 +391,7 @@ def test_a_sample_that_fits_the_budget_takes_the_full_caches_answer(tmp_path, mo
     by their rule, so each sample is answered once for them (the second takes the first's
     answer) and counted in identical_to_full; the answers are what each computes alone. A
     budget below the prompt is never counted; the full cache and quantizers have no rule."""
-    from harness.engine import Request
+    from harness.core.engine import Request
 
     need_shared(STORIES)
     settings = [[*TASK, "method=full"], [*TASK, "method=h2o", "method.budget_tokens=400"],
@@ -427,7 +427,7 @@ def test_a_sample_that_fits_the_budget_takes_the_full_caches_answer(tmp_path, mo
     ("streaming_llm", {"budget_tokens": 50}, None),  # its window is not what bounds it then
     ("kivi", {}, None), ("full", {}, None)])
 def test_the_rule_budget_is_the_configuration_the_contract_checks(name, knobs, budget):
-    from harness.sweep_engine import rule_budget
+    from harness.sweep.execute import rule_budget
     from methods import build_method
 
     assert rule_budget(build_method(name, **knobs)) == budget

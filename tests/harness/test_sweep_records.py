@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from harness.sweep_records import FOLDER, Records, owner, record_path, strays
-from harness.sweep_shards import Shard
+from harness.sweep.records import FOLDER, Records, owner, record_path, strays
+from harness.sweep.shards import Shard
 from kvcore.errors import ConfigError
 
 RUNNER_KEY = "runner.results_root"
@@ -129,7 +129,7 @@ def test_a_sweep_names_stray_and_foreign_records_before_work(tmp_path, no_weight
     """An unsharded sweep beside a killed 2-shard sweep's records, and a setting whose record
     file holds another setting's answers: each such member fails with one line naming the file
     before any weights load, and nothing is written or removed."""
-    from harness.sweep_run import run_sweep
+    from harness.sweep.run import run_sweep
     from harness.session import compose
     from tests.conftest import STORIES, need_shared
     from tests.helpers.runs import cfg_for

@@ -1,4 +1,4 @@
-"""A prompt's recorded dense forward, replayed into a method's fresh layers (harness.sweep_replay),
+"""A prompt's recorded dense forward, replayed into a method's fresh layers (harness.sweep.replay),
 leaves them as the method's own forward does: for every method, on stories260K (a trained model,
 so kept sets depend on the scores), with the prompt in three chunks, the layers then compress the
 prompt and decode; every decode step's logits, kept positions and held figures are equal."""
@@ -6,8 +6,9 @@ prompt and decode; every decode step's logits, kept positions and held figures a
 import pytest
 import torch
 
-from harness import hf_adapter, sweep_replay
-from harness.engine import Engine
+from harness.core import hf_adapter
+from harness.sweep import replay as sweep_replay
+from harness.core.engine import Engine
 from methods import available_methods, build_method, method_class
 from tests.conftest import make_engine
 

@@ -1,4 +1,4 @@
-"""harness.uncertainty: a cell's interval from its samples, and pairing by content id only."""
+"""harness.stats.uncertainty: a cell's interval from its samples, and pairing by content id only."""
 
 import math
 import random
@@ -6,7 +6,7 @@ import random
 import numpy as np
 import pytest
 
-from harness.uncertainty import PairingError, cell_uncertainty, compare, pair
+from harness.stats.uncertainty import PairingError, cell_uncertainty, compare, pair
 from tasks.base import content_id
 
 

@@ -6,10 +6,10 @@ import time
 
 from omegaconf import OmegaConf
 
-from harness.loggers import comparison_table
+from harness.report.loggers import comparison_table
 from harness.report import leaderboard
 from harness.report.collect import collect
-from harness.sweep import SweepSummary
+from harness.sweep.summary import SweepSummary
 from tests.helpers.reports import fake_run
 
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from harness.run import run
-from harness.sweep_run import run_sweep
+from harness.sweep.run import run_sweep
 from kvcore.errors import ConfigError, UnsupportedCombination
 from tests.helpers.runs import cfg_for
 

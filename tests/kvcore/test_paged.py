@@ -1,9 +1,9 @@
 """The paged KV allocator (kvcore.paged): block tables, pool growth in whole blocks, reuse of freed
-blocks, per-head evictions, and the storage waste figures (harness.accounting) on a hand case."""
+blocks, per-head evictions, and the storage waste figures (harness.core.accounting) on a hand case."""
 
 import torch
 
-from harness.accounting import KVLedger, waste_ratio
+from harness.core.accounting import KVLedger, waste_ratio
 from kvcore.paged import BlockPool, PagedKV, PagedRows
 from kvcore.storage import ContiguousRows, grown_capacity
 from methods.layer import KVLayer

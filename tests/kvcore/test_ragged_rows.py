@@ -6,7 +6,7 @@ waste accounting on a hand case. Seconds."""
 import pytest
 import torch
 
-from harness.accounting import KVLedger
+from harness.core.accounting import KVLedger
 from kvcore.paged import HEAD_POOL_SUFFIX, BlockPool, PagedKV, PagedRows
 from kvcore.storage import ContiguousRows, TokenMajorRows
 from methods.layer import KVLayer

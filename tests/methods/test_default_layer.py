@@ -59,7 +59,7 @@ def decode_counting(model, monkeypatch, layout, steps=6):
     in-place kernel calls during the decode steps only. Returns (logits, gathers, kernel calls)."""
     import dataclasses
 
-    from harness.engine import Engine
+    from harness.core.engine import Engine
     from kvcore.paged import PagedRows
     from methods import build_method
     from methods.kernels import ragged_attention_cpu

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from harness import hf_adapter
+from harness.core import hf_adapter
 from kvcore.errors import ConfigError
 from methods import build_method
 from methods._head_probe import select_retrieval

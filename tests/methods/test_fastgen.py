@@ -6,7 +6,7 @@ contiguous (contract/test_paged_layout.py) run it too."""
 import pytest
 import torch
 
-from harness import hf_adapter
+from harness.core import hf_adapter
 from kvcore.errors import UnsupportedCombination
 from methods import build_method
 from methods.fastgen import POLICIES

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from harness import hf_adapter
+from harness.core import hf_adapter
 from methods import build_method
 from tests.conftest import make_engine
 from tests.helpers.reference import engine_logits, hf_incremental

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from harness import hf_adapter
+from harness.core import hf_adapter
 from kvcore.errors import ConfigError
 from methods import build_method
 from methods.h2o import H2OLayer
@@ -105,8 +105,8 @@ def test_bad_hyperparameters(kw, key):
 
 def test_offloaded_h2o_equals_resident_and_moves_the_kept_set(tiny_model):
     """runner.kv_offload=cpu: same logits, kept set fetched every decode step (FlexGen+H2O)."""
-    from harness import hf_adapter
-    from harness.engine import Engine, EngineSettings
+    from harness.core import hf_adapter
+    from harness.core.engine import Engine, EngineSettings
 
     ids = torch.randint(3, 250, (1, 50), generator=torch.Generator().manual_seed(3))
     info = hf_adapter.model_info(tiny_model.config)
@@ -128,7 +128,7 @@ def test_offloaded_h2o_equals_resident_and_moves_the_kept_set(tiny_model):
 def test_decode_runs_the_fused_kernel_and_equals_the_eager_path(tiny_model, monkeypatch):
     """On CPU every plain decode step of every layer runs the C kernel (attention, scores added
     in place, the victim picked from them); the eager path keeps the same tokens, same logits."""
-    from harness import hf_adapter
+    from harness.core import hf_adapter
     from methods import h2o
     from methods.kernels import colsum_attention_cpu as ca
     from methods.kernels import cpu_build

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import hf_adapter
+from harness.core import hf_adapter
 from kvcore.errors import ConfigError
 from methods import build_method
 from methods.headkv import head_shares, load_head_scores

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import hf_adapter
-from harness.engine import Engine, EngineSettings
+from harness.core import hf_adapter
+from harness.core.engine import Engine, EngineSettings
 from kvcore.errors import ConfigError
 from kvcore.storage import ContiguousRows
 from methods import build_method
@@ -27,7 +27,7 @@ def run(model, method, ids, prefill, chunk=16, tok=None):
 
 @pytest.fixture
 def tiny4():
-    from harness import models
+    from harness.core import models
 
     return models.tiny_llama(num_layers=4, max_positions=4096)
 
@@ -696,7 +696,7 @@ def test_equals_the_official_mask_simulation(cache_dir, current, mode):
     added on top and at least one token. The model: 7 query heads per KV head, q and k scaled
     so that its attention is peaked (some rows then count 0 under head 0's threshold)."""
     from benchmarks.infinigen_official import Reference, Rule, column_masks, skewing
-    from harness import models
+    from harness.core import models
     from methods._infinigen_prep import SETUP_PROMPT
 
     gqa7 = models.tiny_llama(num_layers=4, hidden=112, heads=7, kv_heads=1, max_positions=4096)

@@ -7,7 +7,7 @@ Mistral is refused (sliding-window layers; see tests/harness/test_architecture_r
 import pytest
 import torch
 
-from harness import hf_adapter
+from harness.core import hf_adapter
 from methods import build_method
 from methods.scoring import expand_kv
 from tests.conftest import make_engine

@@ -10,7 +10,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from harness import models
+from harness.core import models
 from kvcore.errors import ConfigError
 from harness.run import run
 from methods import build_method
@@ -328,8 +328,8 @@ def test_metrics_record_the_decode_attention_kernel(tmp_path, torch_path):
 def test_offloaded_kivi_equals_resident_and_moves_the_packed_bytes(tiny_model, torch_path):
     """runner.kv_offload=cpu (FlexGen+INT4): same logits; each decode step fetches exactly the
     quantized part (codes + fp16 scales/zeros), not fp K/V."""
-    from harness import hf_adapter
-    from harness.engine import Engine, EngineSettings
+    from harness.core import hf_adapter
+    from harness.core.engine import Engine, EngineSettings
     from methods import build_method
 
     ids = torch.randint(3, 250, (1, 110), generator=torch.Generator().manual_seed(5))

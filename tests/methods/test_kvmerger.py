@@ -157,7 +157,7 @@ def test_bad_config_names_the_key(key, value):
 
 
 def test_refused_where_no_prompt_ends():
-    from harness.runner import protocol_reasons
+    from harness.config.runner import protocol_reasons
     from methods.protocol import Protocol
     from tasks import build_task
 

@@ -198,7 +198,7 @@ def test_head_level_from_an_official_score_file_runs_without_reconstruction(tiny
     """Head scores from a file (the official format: a (layers, KV heads) tensor; a folder: the
     maximum over its files): no reconstruction forward; kept heads hold the whole prompt,
     evicted heads their sinks, both then every generated token."""
-    from harness import hf_adapter
+    from harness.core import hf_adapter
 
     info = hf_adapter.model_info(tiny_model.config)
     shape = (info.num_layers, info.num_kv_heads)
@@ -222,7 +222,7 @@ def test_head_level_from_an_official_score_file_runs_without_reconstruction(tiny
 
 
 def test_head_level_refusals(tiny_model, tmp_path):
-    from harness import hf_adapter
+    from harness.core import hf_adapter
     from kvcore.errors import ConfigError
 
     info = hf_adapter.model_info(tiny_model.config)

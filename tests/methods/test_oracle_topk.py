@@ -89,8 +89,8 @@ def test_oracle_beats_h2o_on_streaming_nll(stories):
 
 
 def _prompt_logits(model, method, ids, prefill, chunk):
-    from harness import hf_adapter
-    from harness.engine import Engine, EngineSettings
+    from harness.core import hf_adapter
+    from harness.core.engine import Engine, EngineSettings
     from methods.protocol import Protocol
 
     info = hf_adapter.model_info(model.config)

@@ -5,7 +5,7 @@ decode whose pages and output are recomputed by hand at every step."""
 import pytest
 import torch
 
-from harness import hf_adapter
+from harness.core import hf_adapter
 from kvcore.errors import ConfigError
 from methods import build_method
 from methods.kernels import quest_pages

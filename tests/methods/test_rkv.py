@@ -4,7 +4,7 @@ lambda x pooled window attention - (1 - lambda) x key redundancy, per KV head.""
 import pytest
 import torch
 
-from harness.runner import decode_interval_reasons
+from harness.config.runner import decode_interval_reasons
 from methods import build_method
 from methods.model import ModelInfo
 from methods.protocol import Protocol

@@ -5,8 +5,8 @@ model-level decode step recomputed by hand from the prompt's keys."""
 import pytest
 import torch
 
-from harness import hf_adapter
-from harness.runner import protocol_reasons
+from harness.core import hf_adapter
+from harness.config.runner import protocol_reasons
 from kvcore.errors import ConfigError
 from kvcore.offload import Tier, TransferLedger
 from methods import build_method

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness.engine import Engine, EngineSettings
-from harness import hf_adapter
-from harness.runner import protocol_reasons
+from harness.core.engine import Engine, EngineSettings
+from harness.core import hf_adapter
+from harness.config.runner import protocol_reasons
 from methods import build_method
 from methods.model import ModelInfo
 from methods.protocol import Protocol

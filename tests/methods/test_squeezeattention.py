@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import hf_adapter
-from harness.runner import protocol_reasons
+from harness.core import hf_adapter
+from harness.config.runner import protocol_reasons
 from kvcore.errors import ConfigError
 from methods import build_method
 from methods.protocol import Protocol

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from harness import hf_adapter
+from harness.core import hf_adapter
 from kvcore.errors import ConfigError
 from methods import build_method
 from methods.rope import rotate

@@ -244,7 +244,7 @@ def test_budget_holds_at_every_step_of_a_model_run(tiny_model, quant_layers, tmp
                                                    torch_path):
     """The engine checks every layer's budget after every forward (BudgetViolation otherwise);
     with only sparse layers the whole cache contract holds strictly at every step."""
-    from harness import hf_adapter
+    from harness.core import hf_adapter
 
     monkeypatch.setenv("KVH_CACHE_DIR", str(tmp_path))
     method = build_method("tailorkv", budget_tokens=12, sink_tokens=2, recent_tokens=4,
@@ -275,8 +275,8 @@ def test_budget_holds_at_every_step_of_a_model_run(tiny_model, quant_layers, tmp
 def test_sparse_prefill_and_prompt_less_streams_are_refused(tiny_model):
     """The official prefill is dense and the budget is the prompt's: runner.prefill=sparse and a
     stream with no prompt are refused before weights load."""
-    from harness import hf_adapter
-    from harness.runner import protocol_reasons
+    from harness.core import hf_adapter
+    from harness.config.runner import protocol_reasons
     from methods.protocol import Protocol
 
     method = build_method("tailorkv")
@@ -297,8 +297,8 @@ def test_runner_offload_moves_the_quantized_layers_too_with_the_same_logits(tiny
                                                                            torch_path):
     """runner.kv_offload=cpu: quantized (KIVI) layers keep their codes on the host as well; the
     sparse layers are on the host either way, so the logits do not change."""
-    from harness import hf_adapter
-    from harness.engine import Engine, EngineSettings
+    from harness.core import hf_adapter
+    from harness.core.engine import Engine, EngineSettings
 
     ids = torch.randint(3, 250, (1, 60), generator=torch.Generator().manual_seed(6))
     info = hf_adapter.model_info(tiny_model.config)

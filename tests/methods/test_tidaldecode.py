@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from harness import hf_adapter, models
+from harness.core import hf_adapter
+from harness.core import models
 from methods import build_method
 from tests.conftest import make_engine
 

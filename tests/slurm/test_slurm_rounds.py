@@ -1,4 +1,4 @@
-"""Sequential rounds (harness.rounds) on a real one-node SLURM cluster (scripts/slurm_local.py):
+"""Sequential rounds (harness.sweep.rounds) on a real one-node SLURM cluster (scripts/slurm_local.py):
 each round is a job array of its shards and a merge, and a rerun resumes from the ledger.
 
 Run with `make test-slurm` (root, Debian packages: see scripts/slurm_local.py).
@@ -45,7 +45,7 @@ def cluster(tmp_path_factory):
 
 
 def rounds(env, tmp_path, *args):
-    return subprocess.run([sys.executable, "-m", "harness.rounds", *ROUNDS, *args,
+    return subprocess.run([sys.executable, "-m", "harness.sweep.rounds", *ROUNDS, *args,
                            f"runner.results_root={tmp_path}",
                            f"rounds.ledger_dir={tmp_path / 'ledger'}"],
                           cwd=PROJECT, env={**env, "PYTHONPATH": str(PROJECT)},

@@ -5,7 +5,7 @@ its own think block) gets the switch from every task that renders a chat."""
 import copy
 import types
 
-from harness import models
+from harness.core import models
 from tasks.longbench import chat_pieces
 from tasks.prompts import PromptFormat
 

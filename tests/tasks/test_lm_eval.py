@@ -238,7 +238,7 @@ def test_runner_runs_lm_eval_task(tmp_path, monkeypatch):
     (["task.seed=abc"], "task.seed='abc' must be an integer"),
 ])
 def test_config_errors_before_weights(overrides, message, tmp_path, monkeypatch):
-    from harness import models
+    from harness.core import models
 
     def refuse(*a, **k):
         raise AssertionError("weights were loaded before the config error was found")
@@ -252,7 +252,7 @@ def test_config_errors_before_weights(overrides, message, tmp_path, monkeypatch)
 
 
 def test_missing_data_file_is_named(tmp_path, monkeypatch):
-    from harness import models
+    from harness.core import models
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
     need_shared(STORIES)
@@ -370,7 +370,7 @@ def test_runner_runs_your_own_task_yamls(tmp_path, monkeypatch):
                  "few-shot examples from"),  # the default 5 shots from a 2-document split
 ])
 def test_include_path_errors_before_weights(setup, message, tmp_path, monkeypatch):
-    from harness import models
+    from harness.core import models
 
     monkeypatch.setattr(models, "load_model", lambda *a, **k: pytest.fail("weights loaded"))
     need_shared(STORIES)

@@ -9,10 +9,11 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from harness import hf_adapter, models
-from harness.engine import Request
+from harness.core import hf_adapter
+from harness.core import models
+from harness.core.engine import Request
 from kvcore.errors import ConfigError
-from harness.metrics import rouge_l_score
+from harness.core.metrics import rouge_l_score
 from harness.run import run
 from methods import build_method
 from tasks import build_task

@@ -102,9 +102,9 @@ def test_prompt_then_streamed_scores_the_same_tokens_as_streaming(stories, data_
 def test_prompt_compressor_acts_after_the_prompt(stories, data_dir):
     """A prefill-only method is refused on a plain stream and runs after a prompt: its cache is
     cut to its budget at the prompt's end and the scored tokens differ from the full cache's."""
-    from harness.engine import Protocol
-    from harness.hf_adapter import model_info
-    from harness.runner import protocol_reasons
+    from harness.core.engine import Protocol
+    from harness.core.hf_adapter import model_info
+    from harness.config.runner import protocol_reasons
 
     model, tok = stories
     info = model_info(model.config)

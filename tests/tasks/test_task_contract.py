@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from harness.run import run
-from harness.uncertainty import cell_uncertainty
+from harness.stats.uncertainty import cell_uncertainty
 from kvcore.errors import ConfigError
 from methods import build_method
 from tasks import available_tasks, build_task, task_class

@@ -6,9 +6,9 @@ import json
 import pytest
 from hydra import compose, initialize_config_dir
 
-from harness.engine import Request
+from harness.core.engine import Request
 from kvcore.errors import ConfigError
-from harness.metrics import rouge_scores
+from harness.core.metrics import rouge_scores
 from harness.run import run
 from methods import build_method
 from tasks import build_task

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.vllm_engine import DEFAULT_PYTHON
+from harness.engines.vllm_engine import DEFAULT_PYTHON
 
 
 # Small settings the refusal tests compose (no weights load).

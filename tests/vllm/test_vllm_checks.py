@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from harness import vllm_engine
-from harness.vllm_engine import VllmEngine, check_setting, compose_setting, kv_held_ratio, parse_knobs
+from harness.engines import vllm_engine
+from harness.engines.vllm_engine import VllmEngine, check_setting, compose_setting, kv_held_ratio, parse_knobs
 from kvcore.errors import ConfigError
 from tests.helpers.processes import gone_within
 from tests.vllm.conftest import RULER, ST, one_line  # noqa: E402
@@ -166,7 +166,7 @@ def test_the_worker_dies_with_a_harness_killed_outright(tmp_path):
     it imports vLLM only when started."""
     # The worker's stdin stays open after the parent dies (a sleeper holds its write end), as
     # when the worker is busy in vLLM and not reading: only the parent-death signal ends it.
-    code = ("import subprocess, sys, time; from pathlib import Path; from harness.vllm_engine "
+    code = ("import subprocess, sys, time; from pathlib import Path; from harness.engines.vllm_engine "
             f"import VllmWorker; w = VllmWorker(sys.executable, Path({str(tmp_path / 'log')!r}));"
             " s = subprocess.Popen(['sleep', '60'], pass_fds=[w.proc.stdin.fileno()]); "
             "print(w.proc.pid, s.pid, flush=True); time.sleep(120)")

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import models
-from harness.vllm_engine import VllmEngine, VllmKnobs, model_folder, run, started
+from harness.core import models
+from harness.engines.vllm_engine import VllmEngine, VllmKnobs, model_folder, run, started
 from tests.conftest import make_engine
 from tests.vllm.conftest import vllm_python
 
@@ -71,7 +71,7 @@ def test_greedy_tokens_equal_ours(worker, smollm2):
 
 
 def test_a_run_folder_pairs_with_ours(tmp_path):
-    from harness.uncertainty import compare
+    from harness.stats.uncertainty import compare
     from tests.helpers.runs import cfg_for
     from harness.run import run as run_ours
 

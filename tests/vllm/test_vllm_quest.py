@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness import vllm_engine
-from harness.vllm_engine import (check_setting, compose_setting, parse_knobs, plugin_engine_knobs,
+from harness.engines import vllm_engine
+from harness.engines.vllm_engine import (check_setting, compose_setting, parse_knobs, plugin_engine_knobs,
                                  plugin_knobs)
 from kvcore.errors import ConfigError
 from methods import build_method
@@ -259,8 +259,8 @@ PROMPT = ("Paul Graham wrote essays about startups, programming languages and ci
 
 @pytest.mark.needs_vllm
 def test_greedy_tokens_of_vllm_quest_equal_ours(smollm2, tmp_path):
-    from harness import models
-    from harness.vllm_engine import VllmEngine, VllmKnobs, model_folder, started
+    from harness.core import models
+    from harness.engines.vllm_engine import VllmEngine, VllmKnobs, model_folder, started
     from tests.vllm.conftest import vllm_python
 
     model, tokenizer = smollm2

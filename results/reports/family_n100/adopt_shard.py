@@ -18,8 +18,8 @@ import make_runs  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 
 from harness.session import Session  # noqa: E402
-from harness.sweep_records import record_path  # noqa: E402
-from harness.sweep_shards import Shard  # noqa: E402
+from harness.sweep.records import record_path  # noqa: E402
+from harness.sweep.shards import Shard  # noqa: E402
 
 
 def identities(task: str, root: str, parts: list[str]) -> list[tuple[str, str, dict]]:

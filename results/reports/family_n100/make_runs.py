@@ -29,8 +29,8 @@ sys.path.insert(0, str(PROJECT))
 sys.path.insert(0, str(PROJECT / "benchmarks"))
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from harness.sweep_run import run_sweep  # noqa: E402
-from harness.sweep_shards import Shard  # noqa: E402
+from harness.sweep.run import run_sweep  # noqa: E402
+from harness.sweep.shards import Shard  # noqa: E402
 
 TASKS = {
     "ruler1k": ["task=ruler", "task.lengths=[1024]", "task.depths=[50]",

@@ -17,4 +17,4 @@ $P -m $T method=snapkv method.budget_ratio=0.1,0.5 hydra.sweep.dir=$R/_sweeps/r2
 $P $T method=streaming_llm method.window_tokens=128
 $P $T method=h2o method.budget_ratio=0.2
 python -m harness.report $R --out results/reports/issue34_uncertainty
-python -m harness.plan $R --half-width 2 > results/reports/issue34_uncertainty/plan.md
+python -m harness.report.plan $R --half-width 2 > results/reports/issue34_uncertainty/plan.md

@@ -17,7 +17,7 @@ PROJECT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(PROJECT))
 from hydra import compose, initialize_config_dir  # noqa: E402
 
-from harness.sweep_run import run_sweep  # noqa: E402
+from harness.sweep.run import run_sweep  # noqa: E402
 
 TASKS = {
     "needle": ["task=ruler", "task.lengths=[512]", "task.subtasks=[niah_single]",

@@ -19,15 +19,15 @@ LONGBENCH=(model=smollm2_135m task=longbench task.limit=8 task.max_length_tokens
            task.max_new_tokens=128)
 MULTITURN=(model=smollm2_135m task=multiturn task.samples=10 task.turns=4)
 for_both() {  # one task's overrides: through vLLM (full cache, KV auto), then through ours
-    .venv/bin/python -m harness.vllm_engine "$@" vllm.kv_space_gib=1 runner.results_root="$ROOT"
+    .venv/bin/python -m harness.engines.vllm_engine "$@" vllm.kv_space_gib=1 runner.results_root="$ROOT"
     .venv/bin/python -m harness "$@" method=full runner.results_root="$ROOT"
 }
 case "$1" in
 vllm)
     for kv in auto fp8_e4m3 fp8_e5m2; do
-        .venv/bin/python -m harness.vllm_engine "${RULER[@]}" vllm.kv_cache_dtype=$kv \
+        .venv/bin/python -m harness.engines.vllm_engine "${RULER[@]}" vllm.kv_cache_dtype=$kv \
             runner.results_root="$ROOT"
-        .venv/bin/python -m harness.vllm_engine "${PPL[@]}" vllm.kv_cache_dtype=$kv \
+        .venv/bin/python -m harness.engines.vllm_engine "${PPL[@]}" vllm.kv_cache_dtype=$kv \
             runner.results_root="$ROOT"
     done ;;
 ours)
@@ -44,7 +44,7 @@ tasks)
 quest)
     # Quest inside vLLM (the project's plugin, docs/vllm.md) and ours, same samples and knobs;
     # 16 sequences at once fit the 1 GiB KV space whole, so vLLM preempts none
-    .venv/bin/python -m harness.vllm_engine "${RULER[@]}" method=quest vllm.kv_space_gib=1 \
+    .venv/bin/python -m harness.engines.vllm_engine "${RULER[@]}" method=quest vllm.kv_space_gib=1 \
         vllm.max_num_seqs=16 runner.results_root="$ROOT"
     .venv/bin/python -m harness "${RULER[@]}" method=quest runner.results_root="$ROOT" ;;
 report)

@@ -6,7 +6,7 @@ import functools
 import pytest
 import torch
 
-from harness import hf_adapter
+from harness.core import hf_adapter
 from methods import available_methods
 from tests.conftest import make_engine
 from tests.models import FAMILIES, heads_model

@@ -6,7 +6,7 @@ import re
 
 import torch
 
-from harness import hf_adapter
+from harness.core import hf_adapter
 from kvcore.errors import ConfigError
 from methods import build_method, method_class
 from tests.conftest import make_engine

@@ -4,7 +4,7 @@ import dataclasses
 
 import torch
 
-from harness.engine import Engine
+from harness.core.engine import Engine
 from kvcore.offload import PagedHostKVStore
 from kvcore.paged import PagedRows
 from tests.conftest import make_engine

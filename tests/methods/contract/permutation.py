@@ -3,7 +3,7 @@ the `heads` model (tests/models.py), so that two orderings of the same heads can
 
 import torch
 
-from harness import hf_adapter
+from harness.core import hf_adapter
 from methods.selection import SelectionLayer
 from tests.conftest import make_engine
 from tests.methods.contract.step_checker import CHUNK_TOKENS, PREFILL_TOKENS, SEQ_TOKENS, held_rows

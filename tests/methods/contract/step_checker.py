@@ -3,7 +3,7 @@ request (`check_compressing_contract`; the checks are listed in test_contract.py
 
 import torch
 
-from harness import hf_adapter
+from harness.core import hf_adapter
 from methods.eviction import EvictionLayer
 from methods.layer import KVLayer
 from methods.selection import SelectionLayer

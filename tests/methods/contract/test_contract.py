@@ -25,7 +25,7 @@ One parametrized test per property over all methods: a new method is covered by 
 import pytest
 import torch
 
-from harness import hf_adapter
+from harness.core import hf_adapter
 from methods import build_method, method_class
 from methods.eviction import EvictionLayer
 from tests.conftest import PROJECT, make_engine
@@ -129,7 +129,7 @@ RAGGED_PROMPT_TOKENS, BATCH_DECODE_STEPS = (40, 64, 23), 6
 
 
 def alone_and_batched(model, name, prompts, steps):
-    """Each prompt greedily continued alone (batch 1) and all together (harness.batch), while the
+    """Each prompt greedily continued alone (batch 1) and all together (harness.core.batch), while the
     method compresses: per sequence (logits (steps+1, V), tokens) for both."""
     settings = method_class(name).compressing_hyperparameters(max(len(p) for p in prompts))
     alone = []

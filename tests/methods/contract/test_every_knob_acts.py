@@ -16,7 +16,7 @@ nothing on the random tiny Llama (whose flat attention can hide a threshold) is 
 
 import pytest
 
-from harness import hf_adapter
+from harness.core import hf_adapter
 from methods import available_methods, build_method, method_class
 from tests.methods.contract.common import get_model
 from tests.methods.contract.knobs import FILE_KNOB_SUFFIXES, has_alternatives, knob_acts, knobs

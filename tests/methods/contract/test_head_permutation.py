@@ -20,7 +20,7 @@ whole layer; a budget split across heads) says so below or by its rows.
 
 import pytest
 
-from harness import hf_adapter
+from harness.core import hf_adapter
 from methods import available_methods, build_method, method_class
 from tests.methods.contract.permutation import first_difference, permuted_sets, record_sets
 from tests.methods.contract.step_checker import SEQ_TOKENS

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from harness import hf_adapter
+from harness.core import hf_adapter
 from harness.run import run
 from kvcore.errors import ConfigError
 from kvcore.paged import PagedRows

@@ -7,7 +7,7 @@ attributes `prepare` set and the facts it returned (but wall times) must be equa
 import pytest
 import torch
 
-from harness import hf_adapter
+from harness.core import hf_adapter
 from harness.session import prepare_made
 from kvcore.errors import ConfigError
 from methods import available_methods, build_method, method_class

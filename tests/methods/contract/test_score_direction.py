@@ -20,7 +20,7 @@ import sys
 
 import pytest
 
-from harness import hf_adapter
+from harness.core import hf_adapter
 from methods import available_methods, build_method, method_class
 from methods.eviction import EvictionLayer
 from methods.model import ModelInfo

@@ -1,0 +1,612 @@
+"""Prefill once, compress many: one task pass answers every setting of a sweep.
+
+The settings of a sweep share the model and the task (harness.session). The task is evaluated
+once through a `FanOut` in place of an engine: each prompt it sends to `generate_many` is
+prefilled once per *prefill group*, and every setting of the group continues from its own copy
+of that prompt state: it compresses it (the prompt's end), is fed the query, decodes. Each
+other setting then runs its own task pass over a `Replay` of its answers, so its rows and
+metrics come from its own task code and its own engine's accounting, as in a single run.
+
+Prefill groups. Under runner.prefill=dense a layer holds the prompt in full while it is fed and
+compresses it once, at its end (harness.core.prompting); what a layer has recorded by then depends on
+its method's class and knobs, except the knobs a method declares it reads from the prompt's end
+on only (`KVMethod.prompt_end_knobs`, e.g. the budget), and on the runner (chunking, attention,
+layout, dense layers, ...; not the runner knobs read after the prompt only,
+`runner.decode_interval_tokens`: a restored layer keeps its own engine's protocol). Settings
+equal in all of that form a group and share one prompt state: each layer's whole state
+(`Request.snapshot`: K/V storage, per-token and per-layer records), which every setting restores
+as its own copy, its own method, tier and layers in place of the group's (`Request.restore`).
+
+One forward. The groups of settings whose runners feed prompts alike share more: the model's
+dense forward of each prompt is run once, recorded, and replayed into each group's layers
+(harness.sweep.replay: every call the model makes on a layer, made again on that group's
+layers without the model), so a sweep of many methods pays for the linear layers of a prompt
+once. Replay is checked at every layer (each layer's attention output must equal the
+recording's, bit for bit); a group whose layers attend otherwise moves to the recording made
+with eager attention, then to a forward of its own, and the reason is recorded.
+
+A group whose prompt state cannot be copied (a host KV store, an object of the method's own)
+replays the forward once to check it, then into each member's own request. A setting gets its
+own prefill when its runner feeds prompts otherwise (chunked or sparse prefill, batches, a
+device KV limit, an offloaded cache, a diagnostics shadow; batches and a device limit are
+evaluated by their own task pass and engine).
+What the shared prefill cost (its timed chunks, its tokens, the bytes it moved between tiers;
+with a replay, the recorded forward's and the replay's time) is counted in every setting's
+figures, as a single run of it would count it. The settings' answers to one prompt are
+decoded one at a time, or `runner.sweep_decode_batch` of them together, one batched forward
+per step (harness.sweep.decode).
+
+One token stream (streaming perplexity, `stream_scores`) is teacher-forced through every
+setting: no prompt is shared (each setting's layers act on every token), but the settings step
+in lockstep, `runner.sweep_decode_batch` at a time, one batched forward per token.
+
+Identical to the full cache by rule. A sample whose whole sequence (prompt, query, new tokens)
+fits a setting's token budget, where its method declares that such a budget keeps every token
+(`rule_budget`), is answered once for all such settings that compute alike (same runner, same
+attention kernel; a full-cache member answers first where there is one): the others take that
+answer and its accounting (time, KV figures), and every setting counts those samples in
+`identical_to_full` (metrics.json `run.sweep`; the report shows it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+
+from harness.core import batch as batching
+from harness.sweep import records as sweep_records
+from harness.sweep import replay as sweep_replay
+from harness.core.engine import Engine
+from harness.core.prompting import score_prompt
+from harness.sweep.decode import Decoder, decodes_alone
+from kvcore.errors import ConfigError
+from kvcore.storage import Rows
+from methods.base import KVMethod
+from methods.protocol import Protocol
+
+# Runner keys that say where or how results are written or shown, not what is computed.
+_NOT_COMPUTE = ("output_dir", "results_root", "debug", "skip_existing", "overwrite", "threads",
+                "sweep_engine", "shards", "sweep_decode_batch")
+# Runner keys read only once a prompt is over (each setting's own engine and layers apply them
+# after the shared prefill is handed over): they never split a prefill group.
+_AFTER_PROMPT = ("decode_interval_tokens",)
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, Protocol)
+
+
+@dataclass
+class Member:
+    """One setting of the sweep and its engine."""
+
+    setting: Any  # harness.session.Setting
+    engine: Engine
+    own_pass: bool = False  # evaluated by its own task pass (batches, device limit)
+    # samples whose sequence fits the method's rule budget (rule_budget): the full cache's
+    # answer, computed once per sample; None: its method has no such rule, or its own pass
+    identical_to_full: int | None = None
+    decode_batch: int = 1  # settings its decode steps ran with, at most (harness.sweep.decode)
+
+
+@dataclass
+class Group:
+    """Settings whose layers record the same state while a prompt is fed."""
+
+    members: list[int]  # indices into the sweep's members
+    prefill_engine: Engine | None = None  # None: one member, it prefills for itself
+    shared_prefills: int = 0  # prompts prefilled once for the group
+    own_prefills: int = 0  # prompts whose state could not be copied: each member prefilled
+    # the dense forward it replays (harness.sweep.replay) instead of running its own; None: its
+    # own forward (its runner feeds prompts otherwise, or its layers attended otherwise)
+    forward: "Forward | None" = None
+    eager: bool = False  # replays the forward's eager recording (Forward)
+    replay_refused: str | None = None  # why its layers could not replay the recorded forward
+    # its prompt state cannot be copied (a host-tier store, another object of its own): each
+    # member replays the forward into its own request, once the group's replay of the prompt
+    # has shown that its layers attend as the recording did
+    per_member: bool = False
+    streams: int = 0  # token streams its members were scored on (FanOut.stream_scores)
+
+
+class Forward:
+    """One dense forward per prompt for the groups replaying it (harness.sweep.replay): their
+    settings share the runner. Two recordings of a prompt at most, each made only when a group
+    replays it: with the model's attention (every group starts there) and with the eager
+    attention of methods computing probabilities (a group whose layers attended otherwise moves
+    there)."""
+
+    def __init__(self, lead: Engine, methods: list[KVMethod]):
+        self.lead, self.methods = lead, methods
+        self.engines: dict[bool, Engine] = {}  # eager -> its recorder engine
+        self.prompt: list[int] | None = None  # the prompt recorded now
+        self.recordings: dict[bool, sweep_replay.Recording] = {}
+        self.recorded = {False: 0, True: 0}  # prompts recorded, per kind
+
+    def record(self, prompt: list[int], eager: bool) -> "sweep_replay.Recording":
+        if prompt != self.prompt:
+            self.release()  # one prompt's recordings held at a time
+            self.prompt = prompt
+        if eager not in self.recordings:
+            if eager not in self.engines:
+                lead = self.lead
+                self.engines[eager] = Engine(
+                    lead.model, lead.tokenizer,
+                    sweep_replay.recorder_for(self.methods, eager,
+                                              lead.settings.protocol.dense_layers),
+                    lead.info, sweep_replay.recording_settings(lead.settings))
+            self.recordings[eager] = sweep_replay.record_prompt(self.engines[eager], prompt)
+            self.recorded[eager] += 1
+        return self.recordings[eager]
+
+    def release(self) -> None:
+        self.prompt, self.recordings = None, {}
+
+
+@dataclass
+class Call:
+    """One `generate_many` call of the task and every member's answers to it."""
+
+    prompts: list[list[int]]
+    limits: list[int]
+    queries: list[list[int]] | None
+    outputs: list[list[list[int]]] = field(default_factory=list)  # per member, per prompt
+
+
+@dataclass
+class Stream:
+    """One `stream_scores` call of the task and every member's scores of it."""
+
+    ids: torch.Tensor  # (T,)
+    prompt_tokens: int
+    scores: dict[int, torch.Tensor]  # member -> (T - max(prompt_tokens, 1),)
+
+
+def shares_prefill(setting) -> bool:
+    """Whether this setting's runner feeds a prompt the one way a prefill can be shared: dense,
+    one sequence at a time, no device limit, no host tier, no diagnostics shadow."""
+    r = setting.runner
+    return (r.get("prefill", "dense") == "dense" and r.get("batch_size", 1) == 1
+            and r.get("kv_device_limit_mib") is None and r.get("kv_offload", "none") == "none"
+            and not r.get("diagnostics"))
+
+
+def prefill_key(setting) -> str:
+    """Settings with equal keys record the same state while a dense prompt is fed."""
+    method = setting.method
+    knobs = {k: v for k, v in method.hyperparameters().items()
+             if k not in method.prompt_end_knobs}
+    runner = {k: v for k, v in setting.runner.items()
+              if k not in _NOT_COMPUTE and k not in _AFTER_PROMPT}
+    return json.dumps([method.name, knobs, runner], sort_keys=True, default=str)
+
+
+def rule_budget(method: KVMethod) -> int | None:
+    """The budget B under which `method`, as configured, keeps every token of any sequence of
+    up to B tokens by its own rule, or None. It has one when it is exactly the configuration
+    the contract test holds to equal the full cache: its defaults with
+    `lossless_hyperparameters(B)`, B a budget knob counted in tokens (an axis knob `*_tokens`).
+    Ratio budgets, quantizers (bits on their axis), knobs moved off that configuration and the
+    references have none."""
+    from methods import build_method
+
+    if not method.capabilities.compresses:
+        return None
+    knobs = method.hyperparameters()
+    for name in method.axis_keys:
+        budget = knobs.get(name)
+        if not name.endswith("_tokens") or not isinstance(budget, int) or isinstance(budget, bool):
+            continue
+        declared = type(method).lossless_hyperparameters(budget)
+        if name not in declared:
+            continue
+        try:
+            ruled = build_method(method.name, **declared).hyperparameters()
+        except ConfigError:
+            continue
+        if ruled == knobs:
+            return budget
+    return None
+
+
+def donor_key(setting) -> str:
+    """Settings with equal keys compute a full cache's answer with the same arithmetic: the
+    same runner (what it computes) and the same attention kernel."""
+    runner = {k: v for k, v in setting.runner.items() if k not in _NOT_COMPUTE}
+    return json.dumps([runner, setting.method.capabilities.needs_attn_scores], sort_keys=True,
+                      default=str)
+
+
+def fresh_layers_agree(lead: KVMethod, other: KVMethod, info, protocol: Protocol) -> bool:
+    """Whether `other`'s fresh layers equal `lead`'s but for their method (so that a prompt state
+    recorded by `lead`'s layers is `other`'s too, once its references are swapped)."""
+    from harness.core.hf_adapter import MethodCache
+
+    mine = MethodCache(lead, info, None, protocol).kv_layers
+    theirs = MethodCache(other, info, None, protocol).kv_layers
+    swap = {id(lead): other, **{id(a): b for a, b in zip(mine, theirs)}}
+    return all(type(a) is type(b) and _same(a.__dict__, b.__dict__, swap)
+               for a, b in zip(mine, theirs))
+
+
+def _same(a, b, swap: dict[int, object]) -> bool:
+    if id(a) in swap:
+        return swap[id(a)] is b
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+    if isinstance(a, _PLAIN):
+        return a == b
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y, swap) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k], swap) for k in a)
+    if isinstance(a, Rows):
+        return a.length == b.length == 0
+    return False
+
+
+def plan_groups(members: list[Member], info) -> list[Group]:
+    """Prefill groups of the members evaluated in the shared pass (see the module docstring)."""
+    groups: list[Group] = []
+    leads: dict[str, Group] = {}
+    for i, m in enumerate(members):
+        if m.own_pass:
+            continue
+        key = prefill_key(m.setting) if shares_prefill(m.setting) else None
+        group = leads.get(key) if key is not None else None
+        if group is not None:
+            lead = members[group.members[0]]
+            if fresh_layers_agree(lead.setting.method, m.setting.method, info,
+                                  m.engine.settings.protocol):
+                group.members.append(i)
+                continue
+        group = Group([i])
+        groups.append(group)
+        if key is not None and key not in leads:
+            leads[key] = group
+    _share_forwards(members, groups)
+    for group in groups:
+        if len(group.members) > 1 or group.forward is not None:
+            lead = members[group.members[0]].engine
+            group.prefill_engine = Engine(lead.model, lead.tokenizer, lead.method, lead.info,
+                                          lead.settings)
+    return groups
+
+
+def forward_key(setting) -> str | None:
+    """Settings with equal keys compute the same dense forward of a prompt (harness.sweep.replay:
+    the same runner), or None: it feeds prompts otherwise."""
+    if not shares_prefill(setting):
+        return None
+    runner = {k: v for k, v in setting.runner.items()
+              if k not in _NOT_COMPUTE and k not in _AFTER_PROMPT}
+    return json.dumps(runner, sort_keys=True, default=str)
+
+
+def _share_forwards(members: list[Member], groups: list[Group]) -> None:
+    """Groups whose settings compute the same dense forward replay one recording of it."""
+    by_key: dict[str, list[Group]] = {}
+    for group in groups:
+        key = forward_key(members[group.members[0]].setting)
+        if key is not None:
+            by_key.setdefault(key, []).append(group)
+    for same in by_key.values():
+        if len(same) > 1:
+            methods = [members[k].setting.method for g in same for k in g.members]
+            forward = Forward(members[same[0].members[0]].engine, methods)
+            for group in same:
+                group.forward = forward
+
+
+class MemoTokenizer:
+    """The tokenizer, remembering the ids of each text it encoded: every setting's task pass
+    builds the same samples, so they are tokenized once, in the first pass. Only plain calls
+    (a text, `add_special_tokens`, `verbose`) are remembered; each caller gets its own lists."""
+
+    _PLAIN_KWARGS = {"add_special_tokens", "verbose"}
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self._encoded = tokenizer, {}
+
+    def __getattr__(self, name: str):
+        return getattr(self._tokenizer, name)
+
+    def __len__(self) -> int:
+        return len(self._tokenizer)
+
+    def __call__(self, text, **kwargs):
+        if not isinstance(text, str) or set(kwargs) - self._PLAIN_KWARGS:
+            return self._tokenizer(text, **kwargs)
+        key = (text, tuple(sorted(kwargs.items())))
+        if key not in self._encoded:
+            self._encoded[key] = {k: list(v) for k, v in self._tokenizer(text, **kwargs).items()}
+        from transformers import BatchEncoding
+
+        return BatchEncoding({k: list(v) for k, v in self._encoded[key].items()})
+
+
+class FanOut:
+    """The engine a sweep's first task pass sees: `generate_many` answers every prompt for every
+    member (prompt by prompt, so one prompt state is held at a time) and yields the first
+    member's answers; anything else is the first member's engine."""
+
+    def __init__(self, members: list[Member], groups: list[Group], copy_on_use: bool = True,
+                 records: list | None = None, shard=None, merge: bool = False):
+        self.members, self.groups = members, groups
+        # per member: its harness.sweep.records.Records (answers kept across a kill), or None
+        self.records = records or [None] * len(members)
+        # shard: a harness.sweep.shards.Shard, answering its prompts only (the others: []);
+        # merge: every answer is recorded (by the shards), none is computed
+        self.shard, self.merge = shard, merge
+        self.calls: list[Call] = []
+        self.streams: list[Stream] = []
+        self.copy_on_use = copy_on_use  # False only in the test that plants the sharing bug
+        self.first = next(i for g in groups for i in g.members)
+        self.tokenizer = MemoTokenizer(members[self.first].engine.tokenizer)
+        # per member: its method's rule budget, and the samples that fit it (None: no rule)
+        self.budgets = {k: rule_budget(members[k].setting.method)
+                        for g in groups for k in g.members}
+        self.identical = {k: None if b is None else 0 for k, b in self.budgets.items()}
+        self.gained: dict[int, dict] = {}  # per member: what its last answer added (a tally)
+        # settings decoded together (harness.sweep.decode): the smallest any member allows
+        self.decode_batch = min(members[k].setting.runner.get("sweep_decode_batch", 1)
+                                for g in groups for k in g.members)
+
+    def __getattr__(self, name: str):
+        return getattr(self.members[self.first].engine, name)
+
+    def generate_many(self, prompts: list[list[int]], max_new_tokens: int | list[int],
+                      stop_ids: set[int] | None = None, min_new_tokens: int = 0,
+                      queries: list[list[int]] | None = None) -> Iterator[list[int]]:
+        first = self.members[self.first].engine
+        stop_ids = first.stop_token_ids() if stop_ids is None else stop_ids
+        limits = (list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple))
+                  else [max_new_tokens] * len(prompts))
+        call = Call([list(p) for p in prompts], limits,
+                    None if queries is None else [list(q) for q in queries],
+                    [[] for _ in self.members])
+        self.calls.append(call)
+        for i, prompt in enumerate(call.prompts):
+            if self.shard is not None and not self.shard.owns(i, len(call.prompts)):
+                for outputs in call.outputs:
+                    outputs.append([])  # another shard's sample
+                yield []
+                continue
+            query = None if queries is None else call.queries[i]
+            key = sweep_records.prompt_key(prompt, query, limits[i])
+            where = (len(self.calls) - 1, i, key)
+            reuse = self._reuse(len(prompt) + len(query or []) + limits[i])
+            done = functools.partial(self._done, call, where)
+            with Decoder(self.decode_batch, stop_ids, min_new_tokens, done,
+                         self.copy_on_use) as decoder:
+                for group in self.groups:
+                    self._answer(group, call, where, prompt, limits[i], query, reuse, decoder)
+            for k, donor in reuse.items():  # the full cache's answer, by rule
+                if len(call.outputs[k]) == i + 1:  # recorded before a restart
+                    continue
+                out, gained = call.outputs[donor][i], self.gained[donor]
+                sweep_records.apply(self.members[k].engine, gained)
+                call.outputs[k].append(list(out))
+                if self.records[k]:
+                    self.records[k].append(*where, out, gained)
+            for forward in {id(g.forward): g.forward for g in self.groups if g.forward}.values():
+                forward.release()  # one prompt's recording held at a time
+            yield call.outputs[self.first][i]
+
+    def stream_scores(self, ids: torch.Tensor, prompt_tokens: int,
+                      score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Every member's `Engine.stream_scores` of one token stream: the members whose steps
+        can share a forward in lockstep, `decode_batch` at a time (harness.core.batch.stream_requests),
+        the others alone. Returns the first member's; the others' are kept for their passes."""
+        final = int(ids.numel())
+        scores: dict[int, torch.Tensor] = {}
+        together = []
+        for k in (k for g in self.groups for k in g.members):
+            engine = self.members[k].engine
+            if decodes_alone(engine, self.decode_batch):
+                scores[k] = engine.stream_scores(ids, prompt_tokens, score)
+            else:
+                together.append(k)
+        for start in range(0, len(together), self.decode_batch):
+            chunk = together[start:start + self.decode_batch]
+            with contextlib.ExitStack() as stack:  # closing it accounts every request
+                requests = [stack.enter_context(self.members[k].engine.request(final_tokens=final))
+                            for k in chunk]
+                rows = batching.stream_requests(requests, ids, prompt_tokens, score)
+            scores.update(zip(chunk, rows))
+        self.streams.append(Stream(ids.clone(), prompt_tokens, scores))
+        for group in self.groups:
+            group.streams += 1
+        return scores[self.first]
+
+    def _reuse(self, seq_tokens: int) -> dict[int, int]:
+        """member -> the member whose answer it takes for a sequence of `seq_tokens` tokens:
+        every member identical to the full cache by its method's rule (`rule_budget`) takes the
+        answer of the first such member (or of a full-cache reference) with the same arithmetic;
+        each such sample is counted in `identical_to_full`."""
+        donors: dict[str, int] = {}
+        reuse: dict[int, int] = {}
+        order = sorted((k for g in self.groups for k in g.members),
+                       key=lambda k: self.members[k].setting.method.capabilities.compresses)
+        for k in order:
+            setting = self.members[k].setting
+            rule = self.budgets[k] is not None and seq_tokens <= self.budgets[k]
+            if rule:
+                self.identical[k] += 1
+            if setting.runner.get("diagnostics"):  # its fidelity figures are its own
+                continue
+            if rule or not setting.method.capabilities.compresses:
+                key = donor_key(setting)
+                if key in donors and rule:
+                    reuse[k] = donors[key]
+                donors.setdefault(key, k)
+        return reuse
+
+    def _answer(self, group: Group, call: Call, where: tuple[int, int, str], prompt: list[int],
+                limit: int, query, reuse: dict[int, int], decoder: Decoder) -> None:
+        kept = {k: self.records[k].get(*where) for k in group.members if self.records[k]}
+        missing = [k for k in group.members if kept.get(k) is None]
+        todo = [k for k in missing if k not in reuse]  # the others: after every group
+        if self.merge and missing:
+            raise ConfigError(f"merging shards: sample {where[1]} of call {where[0]} has no "
+                              f"record for {self.members[missing[0]].setting.label} (its shard "
+                              "did not finish, or the shards split the samples differently); "
+                              "run that shard again")
+        if not missing and any(kept[k].get("shared") for k in group.members):
+            group.shared_prefills += 1  # as the shard that answered it counted it
+        shared = (self._prefill(group, prompt) if group.prefill_engine is not None and todo
+                  else None)
+        for k in group.members:
+            engine = self.members[k].engine
+            if kept.get(k) is not None:  # answered before a restart: counted as it was
+                sweep_records.apply(engine, kept[k]["tally"])
+                call.outputs[k].append(kept[k]["output"])
+                self.gained[k] = kept[k]["tally"]
+            elif k not in reuse:
+                decoder.add(k, engine, prompt, limit, query, shared)
+
+    def _done(self, call: Call, where: tuple[int, int, str], k: int, out: list[int],
+              gained: dict, shared: bool) -> None:
+        """Member k's answer to this prompt, its request closed and accounted."""
+        call.outputs[k].append(out)
+        self.gained[k] = gained
+        if self.records[k]:
+            self.records[k].append(*where, out, gained, shared=shared)
+
+    def _prefill(self, group: Group, prompt: list[int]):
+        """The group's prompt state once the prompt is fed, before its end: (snapshot, last
+        logits, what the prefill added to the prefill engine's accounting: its timed chunks,
+        tokens and transfers); the recording each member replays into its own request, when
+        the replayed state cannot be copied; or None when the group is one setting feeding its
+        own prompt, or its state cannot be copied and it replays no forward (each member then
+        prefills for itself). The state comes from the group's shared forward, replayed
+        (harness.sweep.replay), or else from the group's own forward."""
+        engine = group.prefill_engine
+        while group.forward is not None:
+            before = sweep_records.tally(engine)
+            recording = group.forward.record(prompt, group.eager)
+            try:
+                with engine.request(account=False) as req:
+                    logits = sweep_replay.replay_prompt(req, recording)
+                    snapshot = None if group.per_member else _scored_snapshot(req)
+            except sweep_replay.Diverged as exc:  # the other recording, else its own forward
+                if group.eager:
+                    group.forward, group.replay_refused = None, str(exc)
+                group.eager = True
+                continue
+            if snapshot is None:  # replayed alike, but the state cannot be handed over
+                group.per_member = True
+                group.shared_prefills += 1
+                return recording
+            sweep_records.apply(engine, recording.cost)  # the forward's cost is its own too
+            return self._handed(group, snapshot, logits, before)
+        if len(group.members) == 1:
+            return None
+        before = sweep_records.tally(engine)
+        with engine.request(account=False) as req:
+            logits = req.feed_prompt(prompt)
+            snapshot = _scored_snapshot(req)
+        return self._handed(group, snapshot, logits, before)
+
+    def _handed(self, group: Group, snapshot, logits, before: dict):
+        engine = group.prefill_engine
+        if snapshot is None:
+            group.own_prefills += 1
+            return None
+        group.shared_prefills += 1
+        return snapshot, logits, sweep_records.added(engine, before)
+
+
+def _scored_snapshot(req):
+    """The request's prompt state once its layers have scored the prompt (what no prompt-end
+    knob changes, `KVLayer.score_prompt`: done once for the whole group), or None."""
+    score_prompt(req.cache.kv_layers)
+    return req.snapshot()
+
+
+class Replay:
+    """A member's engine for its own task pass: `generate_many` answers and `stream_scores`
+    scores from the first pass (the same prompts and streams, checked); anything else is the
+    member's engine."""
+
+    def __init__(self, engine: Engine, calls: list[Call], index: int, tokenizer=None,
+                 streams: list[Stream] = ()):
+        self._engine, self._calls, self._index = engine, list(calls), index
+        self._streams = list(streams)
+        self.tokenizer = tokenizer or engine.tokenizer
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+    def generate_many(self, prompts, max_new_tokens, stop_ids=None, min_new_tokens=0,
+                      queries=None) -> Iterator[list[int]]:
+        if not self._calls:
+            raise RuntimeError("the task asked more of generate_many in a sweep member's pass "
+                               "than in the first pass")
+        call = self._calls.pop(0)
+        limits = (list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple))
+                  else [max_new_tokens] * len(prompts))
+        asked = ([list(p) for p in prompts], limits,
+                 None if queries is None else [list(q) for q in queries])
+        if asked != (call.prompts, call.limits, call.queries):
+            raise RuntimeError("the task sent a sweep member other prompts than the first pass "
+                               "(its samples must not depend on the method)")
+        yield from call.outputs[self._index]
+
+    def stream_scores(self, ids: torch.Tensor, prompt_tokens: int, score) -> torch.Tensor:
+        if not self._streams:
+            raise RuntimeError("the task asked more of stream_scores in a sweep member's pass "
+                               "than in the first pass")
+        stream = self._streams.pop(0)
+        if prompt_tokens != stream.prompt_tokens or not torch.equal(ids, stream.ids):
+            raise RuntimeError("the task sent a sweep member another stream than the first pass "
+                               "(its text must not depend on the method)")
+        return stream.scores[self._index]
+
+
+def needs_own_pass(setting) -> bool:
+    """Whether the setting is evaluated by its own task pass (prompts decoded together, a device
+    KV limit queueing requests), outside the shared one."""
+    return (setting.runner.get("batch_size", 1) != 1
+            or setting.runner.get("kv_device_limit_mib") is not None)
+
+
+def answer_shard(members: list[Member], info, records: list, shard) -> list[Group]:
+    """A shard's part (harness.sweep.shards): its samples answered and recorded for every
+    member (none evaluated by its own pass), nothing scored; the merge does the rest."""
+    groups = plan_groups(members, info)
+    fan = FanOut(members, groups, records=records, shard=shard)
+    members[fan.first].setting.task.evaluate(fan)
+    return groups
+
+
+def evaluate(members: list[Member], info, copy_on_use: bool = True, records: list | None = None,
+             merge: bool = False) -> Iterator[tuple[int, Any, list[Group]]]:
+    """(member index, its TaskResult, the prefill groups of the shared pass), each member as
+    soon as its result is complete (so its folder can be written before the next is computed).
+    `records[i]`: member i's per-sample records (harness.sweep.records), or None; `merge`:
+    every answer of the shared pass is in them (the shards' merge), none is computed."""
+    for m in members:
+        m.own_pass = m.own_pass or needs_own_pass(m.setting)
+    groups = plan_groups(members, info)
+    if groups:
+        fan = FanOut(members, groups, copy_on_use, records, merge=merge)
+        first = fan.first
+        result = members[first].setting.task.evaluate(fan)
+        for k, count in fan.identical.items():
+            members[k].identical_to_full = count
+            if not decodes_alone(members[k].engine, fan.decode_batch):
+                members[k].decode_batch = fan.decode_batch
+        yield first, result, groups
+        for i in [i for g in groups for i in g.members if i != first]:
+            replay = Replay(members[i].engine, fan.calls, i, fan.tokenizer, fan.streams)
+            yield i, members[i].setting.task.evaluate(replay), groups
+    for i, m in enumerate(members):
+        if m.own_pass:
+            yield i, m.setting.task.evaluate(m.engine), groups

@@ -1,0 +1,247 @@
+"""One dense forward of a prompt for many methods: recorded once, replayed into each setting's
+own layers (harness.sweep.execute).
+
+Under runner.prefill=dense a layer holds the prompt in full while it is fed and attends over
+all of it, so every method's forward of a prompt computes the same hidden states; what differs
+is what its layers record on the way (accumulated attention, the last queries, token ids, ...).
+`record_prompt` feeds the prompt once through layers that hold the full cache and keep every
+call the model makes on them: the new keys and values, the attention input (`prefetch`), the
+query, attention's mask, arguments and output, the attention block's input and output.
+`replay_prompt` makes the same calls, in the model's order, on a setting's fresh layers, as its
+own forward would, without running the model: the linear layers of a prompt are computed once
+per sweep instead of once per method.
+
+Checked, not assumed. During replay each layer's attention output must equal the recorded one
+bit for bit; where it does not (a method whose layers attend otherwise while a prompt is held),
+that setting's own forward would have computed other hidden states from that layer on:
+`Diverged` is raised and the caller prefills that setting itself. A layer that hands attention
+exactly the recorded inputs (query, keys, values, mask, arguments) gets the recorded output
+without recomputing it; a layer that computes attention itself (its probabilities feed its
+scores) computes it, and its result is compared. A recording is made with the model's attention
+or with the eager computation of methods.scoring.attention_with_probs (`Recorder.eager`): the
+sweep replays the first into every setting, and the second into those whose layers attend that
+way (harness.sweep.execute.Forward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from harness.sweep import records as sweep_records
+from harness.core.prompting import open_prompt
+from methods.base import KVMethod
+from methods.capabilities import Capabilities
+from methods.layer import KVLayer
+from methods.model import ModelInfo
+from methods.scoring import attention_with_probs
+
+
+class Diverged(Exception):
+    """A setting's layers do not attend over a held prompt as the recording did."""
+
+
+@dataclass
+class LayerCall:
+    """What the model gave one layer, and what attention returned, in one prefill forward."""
+
+    keys_new: torch.Tensor | None = None  # (B, H_kv, q, D) given to `update`
+    values_new: torch.Tensor | None = None
+    position_ids: torch.Tensor | None = None  # as `update` received them
+    keys: torch.Tensor | None = None  # (B, H_kv, T, D) what attention saw: the prompt so far
+    values: torch.Tensor | None = None
+    module: Any = None  # the model's attention module
+    base: Callable | None = None  # the model's attention function
+    query: torch.Tensor | None = None  # (B, H_q, q, D)
+    mask: torch.Tensor | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    out: torch.Tensor | None = None  # (B, q, H_q, D) attention's output
+    eager: bool = False  # computed by attention_with_probs, not by `base`
+    hidden: torch.Tensor | None = None  # the attention input (prefetch), with lookahead
+    hidden_positions: torch.Tensor | None = None
+    residual: torch.Tensor | None = None  # the attention block's input and output, observed
+    block_out: torch.Tensor | None = None
+
+
+@dataclass
+class Recording:
+    """One prompt's dense forward: per chunk, its ids and each layer's call."""
+
+    chunks: list[tuple[torch.Tensor, list[LayerCall]]]  # (ids (1, q), per layer)
+    logits: torch.Tensor  # (1, 1, V) the prompt's last logits
+    cost: dict[str, Any]  # what the forward added to its engine's accounting (sweep_records)
+
+
+class _RecorderLayer(KVLayer):
+    """Holds the full cache and keeps every call of the current prompt."""
+
+    def __init__(self, layer_idx: int, info: ModelInfo, eager: bool):
+        super().__init__(layer_idx, info)
+        self.eager = eager
+        self.calls: list[LayerCall] = []  # one per forward
+        self.current: LayerCall | None = None
+
+    def _call(self) -> LayerCall:
+        if self.current is None:
+            self.current = LayerCall()
+            self.calls.append(self.current)
+        return self.current
+
+    def prefetch(self, hidden_states, position_ids, ahead: bool) -> None:
+        if not ahead:
+            call = self._call()
+            call.hidden, call.hidden_positions = hidden_states, position_ids
+
+    def update(self, keys, values, position_ids):
+        call = self._call()
+        call.keys_new, call.values_new, call.position_ids = keys, values, position_ids
+        self.append_kv(keys, values)
+        call.keys, call.values = self.keys, self.values
+        return call.keys, call.values
+
+    def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
+        call = self._call()
+        if self.eager:
+            out = attention_with_probs(query, keys, values, attention_mask, kwargs["scaling"])[0]
+        else:
+            out = base(module, query, keys, values, attention_mask, **kwargs)[0]
+        call.module, call.base, call.query, call.mask = module, base, query, attention_mask
+        call.kwargs, call.out, call.eager = dict(kwargs), out, self.eager
+        return out, None
+
+    def observe_attention_block(self, residual, attention_output) -> None:
+        call = self._call()  # copies: a model may add to its residual stream in place
+        call.residual, call.block_out = residual.clone(), attention_output.clone()
+
+    def after_forward(self) -> None:
+        self.current = None
+
+
+@dataclass(kw_only=True)
+class Recorder(KVMethod):
+    """The full cache, recording (not a user-facing method: it is never discovered)."""
+
+    name: ClassVar[str] = "sweep_recorder"
+    provenance: ClassVar[str] = "reference"
+    operating_point: ClassVar[str] = "records one dense forward for the settings of a sweep"
+    axis_keys: ClassVar[tuple[str, ...]] = ()
+    eager: bool = False
+    # layers attending with the model's attention even when `eager`: the protocol's dense
+    # layers, which every method leaves to the full cache
+    base_layers: tuple[int, ...] = ()
+    # what the settings replaying it are called with: attention inputs one layer ahead, the
+    # attention block's input and output
+    lookahead: bool = False
+    observes: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.capabilities = Capabilities(compresses=False, lookahead=self.lookahead,
+                                         observes_attention_block=self.observes)
+
+    def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
+        return _RecorderLayer(layer_idx, info, self.eager and layer_idx not in self.base_layers)
+
+    make_dense_layer = make_layer  # `base_layers` already says how a dense layer attends
+
+
+def recorder_for(methods: list[KVMethod], eager: bool,
+                 dense_layers: tuple[int, ...] = ()) -> Recorder:
+    """A recorder for settings of these methods to replay: it records what any of them is called
+    with; `eager`: its attention is methods.scoring.attention_with_probs but on `dense_layers`
+    (the protocol's)."""
+    caps = [m.capabilities for m in methods]
+    return Recorder(eager=eager, base_layers=tuple(dense_layers),
+                    lookahead=any(c.lookahead for c in caps),
+                    observes=any(c.observes_attention_block for c in caps))
+
+
+def recording_settings(settings):
+    """A recorder engine's settings from a setting's: the same forward (chunking, protocol),
+    its K/V held contiguous on the device (what attention computes does not depend on it)."""
+    return dataclasses.replace(settings, kv_layout="contiguous", kv_offload="none",
+                               kv_device_limit_mib=None, check_budget=False,
+                               diagnostics_every=0, batch_size=1)
+
+
+def record_prompt(engine, prompt: list[int]) -> Recording:
+    """Feed `prompt` once through `engine` (its method a `Recorder`) and keep every call."""
+    before = sweep_records.tally(engine)
+    with engine.request(account=False) as req:
+        logits = req.feed_prompt(prompt)
+        layers = req.cache.kv_layers
+        ids = torch.as_tensor(prompt, dtype=torch.long, device=engine.device)[None]
+        chunk = engine.prefill_chunk()
+        pieces = [ids[:, s:s + chunk] for s in range(0, ids.shape[1], chunk)]
+        chunks = [(piece, [kv.calls[c] for kv in layers]) for c, piece in enumerate(pieces)]
+    return Recording(chunks, logits, sweep_records.added(engine, before))
+
+
+def replay_prompt(req, recording: Recording) -> torch.Tensor:
+    """`req.feed_prompt(prompt)` from the recording: every layer of the request is called as the
+    model's forward would call it, chunk by chunk; returns the prompt's last logits `(1, 1, V)`.
+    Raises `Diverged` when a layer's attention output differs from the recording's."""
+    engine, cache = req.engine, req.cache
+    layers = cache.kv_layers
+    tokens = sum(ids.shape[1] for ids, _ in recording.chunks)
+    open_prompt(layers, None if req.declared_final else req.pos + tokens)
+    engine.transfers.begin_step(decode=False)
+    lookahead = engine.method.capabilities.lookahead or engine.tier.offload
+    for ids, calls in recording.chunks:
+        with engine.timer.region("prefill"):
+            if cache.needs_token_ids:
+                for kv in layers:
+                    kv.observe_token_ids(ids)
+            for kv, call in zip(layers, calls):
+                _replay_layer(cache, kv, call, lookahead, call.eager)
+            for kv in layers:
+                kv.after_forward()
+            if engine.settings.check_budget:
+                engine.ledger.check_step(layers)
+        req.pos += ids.shape[1]
+    return recording.logits.clone()
+
+
+def _replay_layer(cache, kv: KVLayer, call: LayerCall, lookahead: bool, eager: bool) -> None:
+    if lookahead:
+        kv.prefetch(call.hidden, call.hidden_positions, ahead=False)
+        if kv.next_layer is not None:
+            kv.next_layer.prefetch(call.hidden, call.hidden_positions, ahead=True)
+    keys, values = cache.replay_update(kv.layer_idx, call.keys_new, call.values_new,
+                                       call.position_ids)
+    mask = cache.layer_mask(kv.layer_idx, call.base, call.query)
+    base = call.base if eager else _recorded(call)
+    out = kv.attend(call.module, call.query, keys, values, mask, base=base, **call.kwargs)[0]
+    if not torch.equal(out, call.out):
+        raise Diverged(f"layer {kv.layer_idx}: its attention over the held prompt differs from "
+                       "dense attention")
+    if cache.observes_attention_block:
+        kv.observe_attention_block(call.residual, call.block_out)
+
+
+def _recorded(call: LayerCall) -> Callable:
+    """The model's attention function, answering from the recording when given exactly the
+    recorded inputs (then its output is the recorded one), computing otherwise."""
+
+    def attention(module, query, keys, values, attention_mask, **kwargs):
+        if (module is call.module and _same(query, call.query) and _same(keys, call.keys)
+                and _same(values, call.values) and _same(attention_mask, call.mask)
+                and kwargs.keys() == call.kwargs.keys()
+                and all(_same(v, call.kwargs[k]) for k, v in kwargs.items())):
+            return call.out, None
+        return call.base(module, query, keys, values, attention_mask, **kwargs)
+
+    return attention
+
+
+def _same(a, b) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    return a == b
