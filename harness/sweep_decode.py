@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from harness import sweep_records, sweep_replay
+from harness import forward, sweep_records, sweep_replay
 from harness.batch import decode_requests
 
 
@@ -82,7 +82,7 @@ class Decoder:
                 snapshot, logits, cost = shared
                 req.restore(snapshot, consume=not self.copy_on_use)
                 sweep_records.apply(engine, cost)  # what this prefill costs it alone
-                engine.transfers.begin_step(decode=False)
+                forward.begin_step([engine], decode=False)  # the prompt's, as its prefill
                 req.close_prompt()
                 logits = logits.clone()
             if query:
