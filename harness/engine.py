@@ -5,9 +5,9 @@ prompt in `prefill_chunk_tokens` chunks with explicit positions, `step` feeds on
 step), `generate` is greedy decoding with stop tokens. Every region is timed (CUDA events on GPU).
 Each forward runs through the one forward driver (`harness.forward`): the method evicts after it,
 every layer's budget is checked (`harness.accounting`), decode steps enter the attended-fraction
-accounting; and when a request ends the engine records the KV tokens and bytes
-each layer really holds next to its allowance. The run protocol (dense layers, prefill mode) is the
-same for every method (`EngineSettings.protocol`).
+accounting; and when a request ends the engine records the KV tokens and bytes each layer really
+holds next to its allowance. The run protocol (dense layers, prefill mode) is the same for every
+method (`EngineSettings.protocol`).
 """
 
 from __future__ import annotations
