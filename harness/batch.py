@@ -123,13 +123,14 @@ class BatchRequest:
     def __init__(self, engine: "Engine", caches: list[hf_adapter.MethodCache], cache):
         self.engine, self.caches, self.cache = engine, caches, cache
         self.routing: Routing = cache.routing
-        self.rows = [forward.Row(engine, c.kv_layers) for c in caches]  # one per sequence
+        # one per sequence: its layers and its position (tokens fed so far)
+        self.sequences = [forward.BatchSequence(engine, c.kv_layers) for c in caches]
         self.first_token_at: list[float] = []  # perf_counter when each first token was chosen
 
     @property
     def pos(self) -> list[int]:
         """Tokens fed so far, per sequence."""
-        return [row.pos for row in self.rows]
+        return [seq.pos for seq in self.sequences]
 
     def _forward(self, seqs: list[int], pieces: list[list[int]], keep: list[int], decode: bool):
         """One batched forward (harness.forward): row r feeds `pieces[r]` to sequence `seqs[r]`
@@ -143,14 +144,14 @@ class BatchRequest:
             for r, (s, p) in enumerate(zip(seqs, pieces)):
                 ids[r, :len(p)] = torch.as_tensor(p, dtype=torch.long)
                 # padding rows continue the positions (never stored, never attended)
-                start = self.rows[s].pos
+                start = self.sequences[s].pos
                 positions[r] = torch.arange(start, start + width)
             self.routing.set(seqs, [len(p) for p in pieces])
             index = torch.as_tensor(keep, dtype=torch.long, device=device)
             return hf_adapter.forward(self.engine.model, ids, positions, self.cache,
                                       logits_to_keep=index)
 
-        return forward.run(compute, [self.rows[s] for s in seqs], [len(p) for p in pieces],
+        return forward.run(compute, [self.sequences[s] for s in seqs], [len(p) for p in pieces],
                            decode, self.engine.timer)[0]
 
     def prefill(self, prompts: list[list[int]], all_logits: bool = False, prompt_ends: bool = True):

@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 
 
 class Fed(Protocol):
-    """A sequence a forward feeds: a request (harness.engine.Request), a batch's row (`Row`) or
-    the API cache (harness.api.MethodKVCache)."""
+    """A sequence a forward feeds: a request (harness.engine.Request), a batch's sequence
+    (`BatchSequence`) or the API cache (harness.api.MethodKVCache)."""
 
     engine: Any  # harness.engine.Engine: whose accounting the sequence enters
     pos: int  # tokens fed so far
@@ -47,7 +47,7 @@ class Fed(Protocol):
 
 
 @dataclass
-class Row:
+class BatchSequence:
     """One sequence of a batch (harness.batch.BatchRequest): its own layers and position."""
 
     engine: Any
