@@ -47,6 +47,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from harness.core import forward
 from harness.core import hf_adapter
 from harness.core.accounting import KVLedger
 from harness.report.methods_table import serving_requirements
@@ -260,7 +261,9 @@ class MethodKVCache(hf_adapter.MethodCache):
     def batch_select_indices(self, *args, **kwargs):
         self._one_sequence("reindexed over a batch")
 
-    # --- the engine's Request._forward, split around the model's forward ---------------------
+    # --- the forward driver (harness.core.forward), split around the model's own forward -----------
+    # transformers' generate calls the model itself: the driver cannot wrap that call as
+    # `forward.run` does, so its halves run from the model's hooks (hf_adapter.watch_forwards).
     def before_forward(self, input_ids: torch.Tensor | None, q_len: int) -> None:
         self._check_open()
         self._unbind()  # a forward that raised left its binding
@@ -270,7 +273,8 @@ class MethodKVCache(hf_adapter.MethodCache):
                               "runner's runner.batch_size)")
         prompt = q_len > 1 or self.pos == 0
         engine = self.engine
-        engine.transfers.begin_step(decode=not prompt)
+        forward.start()
+        forward.begin_step([engine], decode=not prompt)
         if prompt:
             open_prompt(self.kv_layers, self.pos + q_len)
         if self.needs_token_ids:
@@ -291,13 +295,7 @@ class MethodKVCache(hf_adapter.MethodCache):
         self._forward = None
         engine = self.engine
         with stack:
-            if not prompt:
-                engine.attended.add_step(self.kv_layers)
-            for kv in self.kv_layers:  # eviction happens after attention has used the tokens
-                kv.after_forward()
-            if engine.settings.check_budget:
-                engine.ledger.check_step(self.kv_layers)
-            self.pos += q_len
+            forward.finish([self], [q_len], decode=not prompt)
             if prompt:
                 engine.prefill_tokens += q_len
                 close_prompt(engine, self.kv_layers)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from harness.core import forward
 from harness.core import hf_adapter
 from harness.core.profiling import Timer
 from harness.core.progress import progress
@@ -123,29 +124,36 @@ class BatchRequest:
     def __init__(self, engine: "Engine", caches: list[hf_adapter.MethodCache], cache):
         self.engine, self.caches, self.cache = engine, caches, cache
         self.routing: Routing = cache.routing
-        self.pos = [0] * len(caches)  # tokens fed so far, per sequence
+        # one per sequence: its layers and its position (tokens fed so far)
+        self.sequences = [forward.BatchSequence(engine, c.kv_layers) for c in caches]
         self.first_token_at: list[float] = []  # perf_counter when each first token was chosen
 
+    @property
+    def pos(self) -> list[int]:
+        """Tokens fed so far, per sequence."""
+        return [seq.pos for seq in self.sequences]
+
     def _forward(self, seqs: list[int], pieces: list[list[int]], keep: list[int], decode: bool):
-        """One batched forward: row r feeds `pieces[r]` to sequence `seqs[r]` (right-padded).
-        Returns logits `(B, len(keep), V)` at the (padded) row indices `keep`."""
-        width = max(len(p) for p in pieces)
-        device = self.engine.device
-        ids = torch.zeros(len(pieces), width, dtype=torch.long, device=device)
-        positions = torch.zeros(len(pieces), width, dtype=torch.long, device=device)
-        for r, (s, p) in enumerate(zip(seqs, pieces)):
-            ids[r, :len(p)] = torch.as_tensor(p, dtype=torch.long)
-            # padding rows continue the positions (never stored, never attended)
-            positions[r] = torch.arange(self.pos[s], self.pos[s] + width)
-        self.routing.set(seqs, [len(p) for p in pieces])
-        index = torch.as_tensor(keep, dtype=torch.long, device=device)
-        logits = hf_adapter.forward(self.engine.model, ids, positions, self.cache, logits_to_keep=index)
-        for s, p in zip(seqs, pieces):
-            if p:
-                account_forward(self.engine, self.caches[s].kv_layers, decode)
-        for s, p in zip(seqs, pieces):
-            self.pos[s] += len(p)
-        return logits
+        """One batched forward (harness.core.forward): row r feeds `pieces[r]` to sequence `seqs[r]`
+        (right-padded). Returns fp32 logits `(B, len(keep), V)` at the (padded) row indices
+        `keep`."""
+        def compute() -> torch.Tensor:
+            width = max(len(p) for p in pieces)
+            device = self.engine.device
+            ids = torch.zeros(len(pieces), width, dtype=torch.long, device=device)
+            positions = torch.zeros(len(pieces), width, dtype=torch.long, device=device)
+            for r, (s, p) in enumerate(zip(seqs, pieces)):
+                ids[r, :len(p)] = torch.as_tensor(p, dtype=torch.long)
+                # padding rows continue the positions (never stored, never attended)
+                start = self.sequences[s].pos
+                positions[r] = torch.arange(start, start + width)
+            self.routing.set(seqs, [len(p) for p in pieces])
+            index = torch.as_tensor(keep, dtype=torch.long, device=device)
+            return hf_adapter.forward(self.engine.model, ids, positions, self.cache,
+                                      logits_to_keep=index)
+
+        return forward.run(compute, [self.sequences[s] for s in seqs], [len(p) for p in pieces],
+                           decode, self.engine.timer)[0]
 
     def prefill(self, prompts: list[list[int]], all_logits: bool = False, prompt_ends: bool = True):
         """Feed every prompt (ragged; one per sequence, possibly empty) in chunks, then tell the
@@ -160,14 +168,13 @@ class BatchRequest:
                 open_prompt(cache.kv_layers, self.pos[s] + len(prompt))
         last = [None] * len(prompts)
         rows: list[list[torch.Tensor]] = [[] for _ in prompts]
-        self.engine.transfers.begin_step(decode=False)
+        forward.begin_step([self.engine], decode=False)
         for start in range(0, max(len(p) for p in prompts), chunk):
             pieces = [p[start:start + chunk] for p in prompts]
             ends = sorted({len(piece) - 1 for piece, p in zip(pieces, prompts)
                            if piece and start + len(piece) == len(p)})
             keep = list(range(max(len(piece) for piece in pieces))) if all_logits else ends or [0]
-            with self.engine.timer.region("prefill"):
-                logits = self._forward(seqs, pieces, keep, decode=False).float()
+            logits = self._forward(seqs, pieces, keep, decode=False)
             for s, (piece, p) in enumerate(zip(pieces, prompts)):
                 if all_logits:
                     rows[s].append(logits[s, :len(piece)])
@@ -185,9 +192,8 @@ class BatchRequest:
 
     def step(self, seqs: list[int], tokens: list[int]) -> torch.Tensor:
         """One decode step for the sequences `seqs`: logits `(len(seqs), V)`."""
-        self.engine.transfers.begin_step(decode=True)
-        with self.engine.timer.region("decode"):
-            logits = self._forward(seqs, [[t] for t in tokens], [0], decode=True)[:, 0].float()
+        forward.begin_step([self.engine], decode=True)
+        logits = self._forward(seqs, [[t] for t in tokens], [0], decode=True)[:, 0]
         self.engine.decode_tokens += len(seqs)
         return logits
 
@@ -242,17 +248,6 @@ def greedy_rows(logits, active: list[int], outs: list[list[int]], stop_ids: set[
             if outs[s][-1] not in stop_ids and len(outs[s]) < limits[s]
             and not (finished and finished(s, outs[s]))]
     return tokens, keep
-
-
-def account_forward(engine: "Engine", kv_layers: list, decode: bool) -> None:
-    """What follows one forward for one sequence: a decode step enters the attended-fraction
-    accounting, the method evicts (attention has used the tokens), the budget is checked."""
-    if decode:
-        engine.attended.add_step(kv_layers)
-    for kv in kv_layers:
-        kv.after_forward()
-    if engine.settings.check_budget:
-        engine.ledger.check_step(kv_layers)
 
 
 def decode_requests(requests: list["Request"], logits: list[torch.Tensor], limits: list[int],
@@ -312,23 +307,17 @@ class Lockstep:
     def step(self, active: list[int], tokens: list[int]) -> torch.Tensor:
         """Feed `tokens[r]` to request `active[r]`; returns logits `(len(active), V)` (fp32)."""
         device = self.lead.device
-        for s in active:
-            self.requests[s].engine.transfers.begin_step(decode=True)
+        fed = [self.requests[s] for s in active]
+        forward.begin_step([req.engine for req in fed], decode=True)
         ids = torch.as_tensor([[t] for t in tokens], dtype=torch.long, device=device)
-        positions = torch.as_tensor([[self.requests[s].pos] for s in active], dtype=torch.long,
-                                    device=device)
+        positions = torch.as_tensor([[req.pos] for req in fed], dtype=torch.long, device=device)
         self.cache.routing.set(active, [1] * len(active))
-        with self.timer.region("decode"):
-            out = hf_adapter.forward(self.lead.model, ids, positions, self.cache,
-                                     logits_to_keep=1)
-            for s in active:
-                req = self.requests[s]
-                account_forward(req.engine, req.cache.kv_layers, decode=True)
-            rows = out[:, 0].float()
+        out, _ = forward.run(lambda: hf_adapter.forward(self.lead.model, ids, positions,
+                                                        self.cache, logits_to_keep=1),
+                             fed, [1] * len(fed), decode=True, timer=self.timer)
+        rows = out[:, 0]  # (len(active), V)
         step_ms = self.timer.values("decode")[-1]
-        for s in active:
-            req = self.requests[s]
-            req.pos += 1
+        for req in fed:
             req.decode_steps += 1
             req.engine.decode_tokens += 1
             req.engine.timer.add("decode", [step_ms])

@@ -3,10 +3,11 @@
 Read top to bottom: a `Request` owns one fresh method cache bound to the model; `prefill` feeds a
 prompt in `prefill_chunk_tokens` chunks with explicit positions, `step` feeds one token (a decode
 step), `generate` is greedy decoding with stop tokens. Every region is timed (CUDA events on GPU).
-Every layer's budget is checked after every forward (`harness.core.accounting`), decode steps enter the
-attended-fraction accounting, and when a request ends the engine records the KV tokens and bytes
-each layer really holds next to its allowance. The run protocol (dense layers, prefill mode) is the
-same for every method (`EngineSettings.protocol`).
+Each forward runs through the one forward driver (`harness.core.forward`): the method evicts after it,
+every layer's budget is checked (`harness.core.accounting`), decode steps enter the attended-fraction
+accounting; and when a request ends the engine records the KV tokens and bytes each layer really
+holds next to its allowance. The run protocol (dense layers, prefill mode) is the same for every
+method (`EngineSettings.protocol`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Callable, Iterator
 import torch
 
 from harness.core import batch as batching
+from harness.core import forward
 from harness.core import hf_adapter
 from harness.core import serving
 from harness.core.prompting import close_prompt, open_prompt
@@ -27,7 +29,6 @@ from harness.core.diagnostics import Diagnostics
 from harness.core.profiling import SpeedSummary, Timer
 from harness.core.progress import progress
 from kvcore.errors import ConfigError
-from kvcore.guards import check_stop
 from kvcore.offload import Tier, TransferLedger
 from kvcore.paged import DEFAULT_BLOCK_TOKENS, PagedKV, PagedRows
 from kvcore.storage import Rows
@@ -253,26 +254,26 @@ class Request:
         diag = engine.diagnostics
         self.shadow = diag.shadow(engine.info) if diag is not None else None
 
+    @property
+    def kv_layers(self) -> list:
+        return self.cache.kv_layers
+
     def _forward(self, ids: torch.Tensor, all_logits: bool, sample: bool = False,
                  decode: bool = False):
-        """One forward over the method's cache; then the method evicts and every layer's budget is
-        checked. With `sample`, also returns the positions each layer attended (read before
-        eviction). Only `decode` steps enter the attended-fraction accounting."""
-        check_stop()  # a signal whose KeyboardInterrupt a finalizer swallowed stops here
-        t = ids.shape[1]
-        positions = torch.arange(self.pos, self.pos + t, device=ids.device).unsqueeze(0)
-        positions = positions.expand(ids.shape[0], -1)
-        logits = hf_adapter.forward(self.engine.model, ids, positions, self.cache,
-                                    logits_to_keep=0 if all_logits else 1)
-        attended = [kv.kept_positions().clone() for kv in self.cache.kv_layers] if sample else None
-        if decode:
-            self.engine.attended.add_step(self.cache.kv_layers)
-        for kv in self.cache.kv_layers:  # eviction happens after attention has used the tokens
-            kv.after_forward()
-        if self.engine.settings.check_budget:
-            self.engine.ledger.check_step(self.cache.kv_layers)
-        self.pos += t
-        return logits, attended
+        """One forward of `ids` `(B, T)` over the method's cache (harness.core.forward: then the
+        method evicts and every layer's budget is checked), timed as a prefill or `decode`
+        region. Returns fp32 logits and, with `sample`, the positions each layer attended (read
+        before eviction). Only `decode` steps enter the attended-fraction accounting."""
+        def compute() -> torch.Tensor:
+            t = ids.shape[1]
+            positions = torch.arange(self.pos, self.pos + t, device=ids.device).unsqueeze(0)
+            positions = positions.expand(ids.shape[0], -1)
+            return hf_adapter.forward(self.engine.model, ids, positions, self.cache,
+                                      logits_to_keep=0 if all_logits else 1)
+
+        logits, attended = forward.run(compute, [self], [ids.shape[1]], decode,
+                                       self.engine.timer, sample)
+        return logits, attended[0] if sample else None
 
     def _shadow_forward(self, ids: torch.Tensor, record: bool) -> torch.Tensor:
         """The same tokens through the full-cache shadow (diagnostics only; not timed)."""
@@ -314,11 +315,10 @@ class Request:
         if prompt_ends:
             open_prompt(self.cache.kv_layers,
                         None if self.declared_final else self.pos + ids.shape[1])
-        self.engine.transfers.begin_step(decode=False)
+        forward.begin_step([self.engine], decode=False)
         for start in range(0, ids.shape[1], chunk):
             piece = ids[:, start:start + chunk]
-            with self.engine.timer.region("prefill"):
-                outs.append(self._forward(piece, all_logits)[0].float())
+            outs.append(self._forward(piece, all_logits)[0])
             if self.shadow is not None:
                 self._shadow_forward(piece, record=False)
         self.engine.prefill_tokens += ids.numel()
@@ -333,10 +333,8 @@ class Request:
         ids = self._as_ids(token).reshape(-1, 1)
         diag = self.engine.diagnostics
         sample = diag is not None and diag.sampled(self.decode_steps)
-        self.engine.transfers.begin_step(decode=True)
-        with self.engine.timer.region("decode"):
-            logits, attended = self._forward(ids, all_logits=False, sample=sample, decode=True)
-            logits = logits.float()
+        forward.begin_step([self.engine], decode=True)
+        logits, attended = self._forward(ids, all_logits=False, sample=sample, decode=True)
         self.decode_steps += 1
         self.engine.decode_tokens += ids.shape[0]
         if self.shadow is not None:

@@ -304,7 +304,10 @@ def watch_forwards(model, owner) -> list:
     """Hooks on `model` calling `owner.before_forward(input_ids, q_len)` and
     `owner.after_forward()` around every forward given `owner` as its cache (transformers'
     `generate` passes it at every step; a caller's own loop does the same). `owner` is held
-    weakly: the hooks never keep a cache alive. Returns the handles (`.remove()`)."""
+    weakly: the hooks never keep a cache alive. Returns the handles (`.remove()`).
+    The owner runs the forward driver's halves there (harness.core.forward.start / finish): the
+    model's forward is called by transformers, not by the driver, so these hooks are the only
+    place around it; this module keeps to transformers' seams and leaves the steps to the owner."""
     ref = weakref.ref(owner)
 
     def given(kwargs) -> bool:

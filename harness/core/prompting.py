@@ -8,6 +8,8 @@ while it is fed (`KVLayer.holding_prompt`) and compress it once when it ends, wh
 
 from __future__ import annotations
 
+from harness.core.forward import check_budget
+
 
 def open_prompt(layers, final_tokens: int | None) -> None:
     """A prompt is about to be fed to one sequence's `layers`: under `runner.prefill=dense` they
@@ -38,5 +40,4 @@ def close_prompt(engine, layers) -> None:
     for kv in layers:
         kv.prompt_open = False
         kv.on_prefill_end()
-    if engine.settings.check_budget:
-        engine.ledger.check_step(layers)
+    check_budget(engine, layers)

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from harness.core import forward
 from harness.sweep import records as sweep_records
 from harness.sweep import replay as sweep_replay
 from harness.core.batch import decode_requests
@@ -83,7 +84,7 @@ class Decoder:
                 snapshot, logits, cost = shared
                 req.restore(snapshot, consume=not self.copy_on_use)
                 sweep_records.apply(engine, cost)  # what this prefill costs it alone
-                engine.transfers.begin_step(decode=False)
+                forward.begin_step([engine], decode=False)  # the prompt's, as its prefill
                 req.close_prompt()
                 logits = logits.clone()
             if query:

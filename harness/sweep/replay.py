@@ -26,11 +26,13 @@ way (harness.sweep.execute.Forward).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 import torch
 
+from harness.core import forward
 from harness.sweep import records as sweep_records
 from harness.core.prompting import open_prompt
 from methods.base import KVMethod
@@ -182,27 +184,29 @@ def record_prompt(engine, prompt: list[int]) -> Recording:
 
 def replay_prompt(req, recording: Recording) -> torch.Tensor:
     """`req.feed_prompt(prompt)` from the recording: every layer of the request is called as the
-    model's forward would call it, chunk by chunk; returns the prompt's last logits `(1, 1, V)`.
-    Raises `Diverged` when a layer's attention output differs from the recording's."""
-    engine, cache = req.engine, req.cache
-    layers = cache.kv_layers
+    model's forward would call it, chunk by chunk, each chunk one forward of the driver
+    (harness.core.forward: the replay computes its layers); returns the prompt's last logits
+    `(1, 1, V)`. Raises `Diverged` when a layer's attention output differs from the recording's."""
+    engine = req.engine
     tokens = sum(ids.shape[1] for ids, _ in recording.chunks)
-    open_prompt(layers, None if req.declared_final else req.pos + tokens)
-    engine.transfers.begin_step(decode=False)
+    open_prompt(req.kv_layers, None if req.declared_final else req.pos + tokens)
+    forward.begin_step([engine], decode=False)
     lookahead = engine.method.capabilities.lookahead or engine.tier.offload
     for ids, calls in recording.chunks:
-        with engine.timer.region("prefill"):
-            if cache.needs_token_ids:
-                for kv in layers:
-                    kv.observe_token_ids(ids)
-            for kv, call in zip(layers, calls):
-                _replay_layer(cache, kv, call, lookahead, call.eager)
-            for kv in layers:
-                kv.after_forward()
-            if engine.settings.check_budget:
-                engine.ledger.check_step(layers)
-        req.pos += ids.shape[1]
+        forward.run(functools.partial(_replay_forward, req.cache, ids, calls, lookahead),
+                    [req], [ids.shape[1]], decode=False, timer=engine.timer)
     return recording.logits.clone()
+
+
+def _replay_forward(cache, ids: torch.Tensor, calls: list[LayerCall], lookahead: bool) -> None:
+    """One chunk's forward `ids` `(1, q)` from its recorded calls, layer by layer, as the model
+    makes them (token ids first: hf_adapter.forward hands them over before the model runs)."""
+    layers = cache.kv_layers
+    if cache.needs_token_ids:
+        for kv in layers:
+            kv.observe_token_ids(ids)
+    for kv, call in zip(layers, calls):
+        _replay_layer(cache, kv, call, lookahead, call.eager)
 
 
 def _replay_layer(cache, kv: KVLayer, call: LayerCall, lookahead: bool, eager: bool) -> None:
