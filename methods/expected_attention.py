@@ -119,6 +119,8 @@ class ExpectedAttention(BudgetedMethod):
 
 
 class ExpectedAttentionLayer(EvictionLayer):
+    state_fields = ("moments",)
+
     def __init__(self, layer_idx: int, info: ModelInfo, method: ExpectedAttention):
         super().__init__(layer_idx, info, method)
         self.moments = QueryMoments()

@@ -150,6 +150,9 @@ def is_punctuation(text: str) -> bool:
 class FastGenLayer(EvictionLayer):
     """The template's storage (ragged heads) and accounting; the policies instead of a budget."""
 
+    state_fields = ("window_queries", "scaling", "policy", "local_tokens", "next_kinds",
+                    "fallback_rows")
+
     selects_top_scores: ClassVar[bool] = False  # policy sets, not a top-k (tests/methods/test_fastgen.py)
 
     def __init__(self, layer_idx: int, info: ModelInfo, method: FastGen):

@@ -191,6 +191,8 @@ class InfiniGen(KVMethod):
 
 
 class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
+    unforkable = "its K/V are on the host tier (a host store, transfers in flight)"
+
     eviction_policy = property(lambda self: self.m.eviction)
 
     def __init__(self, layer_idx: int, info: ModelInfo, method: InfiniGen):

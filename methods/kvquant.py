@@ -298,6 +298,9 @@ class KVQuantLayer(KVLayer):
     value zero/scale `(1, 1, T, 1)` fp16, sparse outliers, and the exact first tokens
     `(1, H_kv, T_0, D)`."""
 
+    state_fields = ("exact_k", "exact_v", "codes", "outliers", "step_cache", "pending_k",
+                    "pending_v")
+
     def __init__(self, layer_idx: int, info: ModelInfo, method: KVQuant):
         super().__init__(layer_idx, info)
         self.method = method

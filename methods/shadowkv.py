@@ -239,6 +239,8 @@ class ShadowKVLayer(SelectionLayer):
     of chunks per KV head: the outlier chunks (scored +inf), the top landmark chunks, and the
     local window (protected), rebuilt and fetched by `fetch`."""
 
+    unforkable = "its values are on the host tier (a host store, transfers in flight)"
+
     def __init__(self, layer_idx: int, info: ModelInfo, method: ShadowKV):
         super().__init__(layer_idx, info, method)
         self.unit_tokens = method.chunk_size  # the template chooses chunks

@@ -122,6 +122,8 @@ class StreamingLLM(BudgetedMethod):
 
 
 class StreamingLLMLayer(EvictionLayer):
+    state_fields = ("sink_keys", "offset")
+
     def __init__(self, layer_idx: int, info: ModelInfo, method: StreamingLLM):
         super().__init__(layer_idx, info, method)
         # the sinks as the model rotated them (slots 0..S-1 never move), in fp32 with their

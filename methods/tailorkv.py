@@ -316,6 +316,8 @@ class TopKOffloadLayer(SelectionLayer):
     per decode step (methods/selection.py: one set per KV head, the sinks, the recent window and
     the generated tokens protected, the rest of the grant chosen among the prompt rows between)."""
 
+    unforkable = "its prompt's K/V are on the host tier (a host store, transfers in flight)"
+
     def __init__(self, layer_idx: int, info: ModelInfo, method: TailorKV):
         super().__init__(layer_idx, info, method)
         self.store: HostKVStore | None = None  # every prompt token, exact

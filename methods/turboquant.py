@@ -218,6 +218,8 @@ class TurboQuantLayer(KVLayer):
     """One layer of one sequence: quantized blocks of keys and values, and the exact tail
     `(1, H_kv, T_e, D)` (T_e < block_tokens between steps)."""
 
+    state_fields = ("k_store", "v_store", "tail_k", "tail_v", "step_cache")
+
     def __init__(self, layer_idx: int, info: ModelInfo, key_q: tq.Quantizer,
                  value_q: tq.Quantizer):
         super().__init__(layer_idx, info)
