@@ -168,6 +168,8 @@ class InfiniGen(KVMethod):
         # a cap above most counts, so that alpha's threshold decides how many tokens are fetched
         return {"budget_ratio": 0.5}
 
+    artefact_names = ("_art",)  # what `prepare` sets
+
     def prepare(self, ctx) -> dict:
         self._art, facts = prepare_skewing(self, ctx)
         # which implementation speculates (its speed depends on it; configurations the C kernel

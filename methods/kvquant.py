@@ -220,6 +220,8 @@ class KVQuant(KVMethod):
         return "\n\n".join(sidefiles.read_text("method.calibration_path", f) for f in files)
 
     # --- offline calibration ------------------------------------------------------------------
+    artefact_names = ("_cal", "_inv_freq", "_rope")  # what `prepare` sets
+
     def prepare(self, ctx) -> dict:
         if ctx.rope_inv_freq is None:
             raise ConfigError("method=kvquant un-rotates keys: this model has no plain RoPE (none "

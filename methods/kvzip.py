@@ -185,6 +185,9 @@ class KVzip(BudgetedMethod):
         # chunks shorter than the prompt, so that the later-chunk instruction runs too
         return {"budget_tokens": max(8, seq_tokens // 6), "chunk_tokens": 24}
 
+    # what `prepare` sets
+    artefact_names = ("_forward", "_prompts", "_head_scores", "_kept_heads")
+
     def prepare(self, ctx) -> dict:
         self._forward = ctx.capture
         self._prompts = reconstruction_prompts(ctx.tokenizer, ctx.vocab_size)

@@ -195,6 +195,8 @@ class ShadowKV(KVMethod):
             return self.sparse_budget_tokens
         return budget_for(basis_tokens, self.budget_ratio, self.budget_tokens)
 
+    artefact_names = ("_inv_freq",)  # what `prepare` sets
+
     def prepare(self, ctx) -> dict:
         if ctx.rope_inv_freq is None:
             raise ConfigError("method=shadowkv: the model's RoPE is scaled in a way that cannot be "

@@ -112,6 +112,12 @@ class SqueezeAttention(BudgetedMethod):
     def prepare(self, ctx) -> dict:
         return self.inner.prepare(ctx)
 
+    def artefacts(self) -> dict:
+        return self.inner.artefacts()  # its scorer's, made by the scorer's prepare
+
+    def adopt_artefacts(self, artefacts: dict) -> None:
+        self.inner.adopt_artefacts(artefacts)
+
     def needs_rope(self) -> bool:
         return self.inner.needs_rope()
 

@@ -102,6 +102,8 @@ class StreamingLLM(BudgetedMethod):
     def bounds_positions(self) -> bool:
         return self.rerotate
 
+    artefact_names = ("_inv_freq",)  # what `prepare` sets
+
     def prepare(self, ctx) -> dict:
         if self.rerotate and ctx.rope_inv_freq is None:
             raise ConfigError("method=streaming_llm with method.rerotate=true needs plain RoPE "

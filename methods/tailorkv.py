@@ -225,6 +225,8 @@ class TailorKV(KVMethod):
         return budget_for(basis_tokens, self.budget_ratio, self.budget_tokens)
 
     # --- offline identification ------------------------------------------------------------
+    artefact_names = ("_quant",)  # what `prepare` sets
+
     def prepare(self, ctx) -> dict:
         info = ctx.info
         official = official_quant_layers(getattr(ctx, "model_id", None))

@@ -147,6 +147,8 @@ class TurboQuant(KVMethod):
                                     self.block_tokens, g)
         return keys, values
 
+    artefact_names = ("_quantizers",)  # what `prepare` sets
+
     def prepare(self, ctx) -> dict[str, Any]:
         """Draws the rotations and QJL matrices (seeded) and computes the codebooks; records them."""
         self._quantizers = self.quantizers(ctx.info.head_dim)
