@@ -137,8 +137,8 @@ class KVLayer:
         """Every per-request state attribute of this class: each class's own `state_fields`,
         base classes first."""
         names: list[str] = []
-        for klass in reversed(cls.__mro__):
-            for name in klass.__dict__.get("state_fields", ()):
+        for klass in reversed(cls.__mro__):  # each class's own declaration, not an inherited one
+            for name in vars(klass).get("state_fields", ()):
                 if name not in names:
                     names.append(name)
         return tuple(names)
@@ -158,7 +158,7 @@ class KVLayer:
             return None, f"{kind}: {self.unforkable}"
         values = {}
         for name in self.state_names():
-            value = copy_state(getattr(self, name, ABSENT)) if hasattr(self, name) else ABSENT
+            value = copy_state(getattr(self, name)) if hasattr(self, name) else ABSENT
             if value is UNFORKABLE:
                 return None, (f"{kind}.{name} holds a {type(getattr(self, name)).__name__}, "
                               "which is not copied")
@@ -208,7 +208,7 @@ class KVLayer:
             if value is UNFORKABLE:
                 return None
             state.append((name, "absent" if value is ABSENT else value))
-        return (type(self).__module__, type(self).__qualname__, self.layer_idx, tuple(state))
+        return type(self), self.layer_idx, tuple(state)
 
     # --- protocol (read by every method alike) ------------------------------------------------
     def holding_prompt(self) -> bool:
