@@ -14,12 +14,14 @@ from harness import hf_adapter
 from kvcore.storage import Rows
 from kvcore.errors import ConfigError
 from methods import build_method, method_class
+from methods.model import ModelInfo
 from methods.protocol import Protocol
 from tests.conftest import make_engine
 from tests.methods.contract.common import METHODS, get_model, skip_if_refused
 from tests.methods.contract.knobs import alternatives
 
-PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, Protocol)
+# immutable values compared by value (ModelInfo: each fresh set of layers may get its own)
+PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, Protocol, ModelInfo)
 
 
 def same(a, b, swap: dict[int, object]) -> bool:
