@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvcore.errors import BudgetViolation, ConfigError, OutputError, UnsupportedCombination
 from harness.report.loggers import log_run
-from harness.report.methods_table import serving_requirements
+from harness.report.methods_table import capability_values, serving_requirements
 from harness.core.projection import project
 from harness.store.schema import stamp
 from harness.config.runner import plain
@@ -109,8 +109,8 @@ def build_metrics(session, setting, engine, result, t_start: float,
         "model": {**model_section(spec, info, engine.device),
                   "parameters": models.parameter_count(session.model)},
         "method": {**method_section(setting),
-                   "capabilities": vars(method.capabilities) if hasattr(method.capabilities, "__dict__")
-                   else {}, "prepare": setting.prepared, "side_files": setting.side_files,
+                   "capabilities": capability_values(method.capabilities),
+                   "prepare": setting.prepared, "side_files": setting.side_files,
                    "serving": serving_requirements(method)},
         "task": {"name": setting.task_name, "options": setting.task.options()},
         "protocol": {**result.protocol, "dense_layers": list(engine.dense_layers),

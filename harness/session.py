@@ -154,7 +154,8 @@ class Session:
         self.settings = settings
         self.model = self.tokenizer = None
         self._checking_tokenizer = None  # loaded by the first `validate`
-        # KVMethod.prepare_key -> (the attributes `prepare` set, its facts, the side files read)
+        # KVMethod.prepare_key -> (its artefacts, KVMethod.artefacts; its facts; the side files
+        # read)
         self._prepared: dict[str, tuple[dict, dict, list]] = {}
         from harness.core import hf_adapter
         from harness.core import models
@@ -220,7 +221,7 @@ class Session:
     def _prepare(self, setting: Setting) -> None:
         """`prepare` the setting's method, or give it the artefacts of a setting prepared
         before with the same `KVMethod.prepare_key` (its prepare read only what this one's
-        reads alike): the attributes that prepare set, its facts and the side files read."""
+        reads alike): its artefacts (`KVMethod.artefacts`), its facts and the side files read."""
         from harness.core import hf_adapter
         from harness.core import models
 
@@ -229,25 +230,16 @@ class Session:
         done = self._prepared.get(key) if key is not None else None
         if done is not None:
             artefacts, facts, side_files = done
-            vars(method).update(artefacts)
+            method.adopt_artefacts(artefacts)
             setting.prepared = dict(facts)
             setting.side_files += [f for f in side_files if f not in setting.side_files]
             return
-        with _recording(setting), prepare_made(method) as made:
+        with _recording(setting):
             setting.prepared = hf_adapter.prepare(method, self.model, self.tokenizer, self.info,
                                                   data_dir=models.SHARED_DIR / "data")
         if key is not None:
-            self._prepared[key] = (made, dict(setting.prepared), list(setting.side_files))
-
-
-@contextmanager
-def prepare_made(method):
-    """The attributes of `method` that the block set or replaced (its `prepare`'s artefacts),
-    filled in when the block ends."""
-    before = dict(vars(method))
-    made: dict[str, Any] = {}
-    yield made
-    made.update({k: v for k, v in vars(method).items() if k not in before or before[k] is not v})
+            self._prepared[key] = (method.artefacts(), dict(setting.prepared),
+                                   list(setting.side_files))
 
 
 @contextmanager

@@ -99,6 +99,8 @@ class HeadwiseLayer(EvictionLayer):
     `seen` tokens, compensation included) and compensate (bool).
     """
 
+    state_fields = ("s_tokens", "s_sinks", "sinks", "comp_count")
+
     compress_at = "forward"  # after every prefill chunk and decode step
     # Per-head counts come from the head classes, not from a layer budget split over heads: the
     # shared contract holds each head to `head_allowed_tokens`; the kept sets are checked by the

@@ -70,6 +70,11 @@ class KVMethod:
     # (harness.session; tests/methods/contract/test_prepare_knobs.py holds every other knob to
     # changing nothing `prepare` makes). None: each setting prepares itself.
     prepare_knobs: ClassVar[tuple[str, ...] | None] = None
+    # The attributes its `prepare` sets (its artefacts: calibrated tables, RoPE frequencies,
+    # head classes): what a sweep hands to another setting of the same `prepare_key` instead of
+    # preparing it again (`artefacts` / `adopt_artefacts`, harness.session). A method with a
+    # `prepare` declares every attribute it sets (tests/methods/contract/test_artefacts.py).
+    artefact_names: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         for reason in seed_reasons(self) + self.check_hyperparameters():
@@ -195,6 +200,21 @@ class KVMethod:
     def prepare(self, ctx: PrepareContext) -> dict[str, Any]:
         """Offline step (idempotent; may cache artefacts on disk). Returns facts for metrics.json."""
         return {}
+
+    def artefacts(self) -> dict[str, Any]:
+        """What `prepare` made (`artefact_names`), by name: another setting of the same
+        `prepare_key` takes them with `adopt_artefacts` instead of preparing."""
+        return {name: getattr(self, name) for name in self.artefact_names}
+
+    def adopt_artefacts(self, artefacts: dict[str, Any]) -> None:
+        """Take another setting's `artefacts()` as this method's own (shared, not copied: a
+        method is read-only during a run)."""
+        unknown = sorted(set(artefacts) - set(self.artefact_names))
+        if unknown:
+            raise ValueError(f"method={self.name} declares no artefact {unknown[0]!r} "
+                             f"(artefact_names: {', '.join(self.artefact_names) or 'none'})")
+        for name, value in artefacts.items():
+            setattr(self, name, value)
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
         """A fresh per-request state object for one decoder layer (default: the full cache)."""

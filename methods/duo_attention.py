@@ -145,6 +145,8 @@ class DuoAttention(HeadwiseMethod):
                                        1)
         return self.sink_tokens + self.window_tokens
 
+    artefact_names = ("_retrieval", "_retrieval_fraction")  # what `prepare` sets
+
     def prepare(self, ctx) -> dict:
         info = ctx.info
         n_heads = info.num_layers * info.num_kv_heads

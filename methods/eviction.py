@@ -151,6 +151,9 @@ class TokenRows:
 class EvictionLayer(TokenRows, KVLayer):
     """Per-request, per-layer state of a scored-eviction method (see the module docstring)."""
 
+    state_fields = ("token_state", "kept_count", "positions", "store", "pending", "granted",
+                    "appended", "picked", "ragged")
+
     # keeps the protected tokens and the top of score() (the shared contract recomputes that
     # set at every compression); False for a method keeping something else (KVMerger merges)
     selects_top_scores: ClassVar[bool] = True

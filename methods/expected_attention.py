@@ -101,6 +101,8 @@ class ExpectedAttention(BudgetedMethod):
     def compressing_hyperparameters(cls, seq_tokens: int) -> dict:
         return {"budget_tokens": max(8, seq_tokens // 6)}
 
+    artefact_names = ("_inv_freq",)  # what `prepare` sets
+
     def prepare(self, ctx) -> dict:
         if ctx.rope_inv_freq is None:
             raise ConfigError("method=expected_attention averages RoPE rotations: this model has "
@@ -119,6 +121,8 @@ class ExpectedAttention(BudgetedMethod):
 
 
 class ExpectedAttentionLayer(EvictionLayer):
+    state_fields = ("moments",)
+
     def __init__(self, layer_idx: int, info: ModelInfo, method: ExpectedAttention):
         super().__init__(layer_idx, info, method)
         self.moments = QueryMoments()

@@ -114,6 +114,8 @@ class FastGen(KVMethod):
         # a random tiny model attends diffusely: a low threshold so that heads compress
         return {"recovery_ratio": 0.5, "window_tokens": 8}
 
+    artefact_names = ("token_kinds",)  # what `prepare` sets
+
     def prepare(self, ctx: PrepareContext) -> dict[str, Any]:
         """The kind of every id (module docstring): `token_kinds` `(V,)` uint8, SPECIAL | PUNCT."""
         tok = ctx.tokenizer
@@ -149,6 +151,9 @@ def is_punctuation(text: str) -> bool:
 
 class FastGenLayer(EvictionLayer):
     """The template's storage (ragged heads) and accounting; the policies instead of a budget."""
+
+    state_fields = ("window_queries", "scaling", "policy", "local_tokens", "next_kinds",
+                    "fallback_rows")
 
     selects_top_scores: ClassVar[bool] = False  # policy sets, not a top-k (tests/methods/test_fastgen.py)
 

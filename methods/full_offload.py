@@ -53,6 +53,8 @@ class FullOffload(KVMethod):
 
 
 class FullOffloadLayer(KVLayer):
+    unforkable = "its K/V are on the host tier (a host store, transfers in flight)"
+
     def __init__(self, layer_idx: int, info: ModelInfo, method: FullOffload):
         super().__init__(layer_idx, info)
         self.method = method

@@ -114,6 +114,8 @@ class HeadKV(SnapKV):
                 reasons.append(str(exc))
         return reasons
 
+    artefact_names = ("_shares",)  # what `prepare` sets
+
     def prepare(self, ctx) -> dict:
         if self.head_scores_path:
             scores, facts = load_head_scores(self.head_scores_path, ctx.info), {

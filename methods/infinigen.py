@@ -168,6 +168,8 @@ class InfiniGen(KVMethod):
         # a cap above most counts, so that alpha's threshold decides how many tokens are fetched
         return {"budget_ratio": 0.5}
 
+    artefact_names = ("_art",)  # what `prepare` sets
+
     def prepare(self, ctx) -> dict:
         self._art, facts = prepare_skewing(self, ctx)
         # which implementation speculates (its speed depends on it; configurations the C kernel
@@ -191,6 +193,8 @@ class InfiniGen(KVMethod):
 
 
 class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
+    unforkable = "its K/V are on the host tier (a host store, transfers in flight)"
+
     eviction_policy = property(lambda self: self.m.eviction)
 
     def __init__(self, layer_idx: int, info: ModelInfo, method: InfiniGen):

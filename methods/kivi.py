@@ -164,6 +164,8 @@ class KIVILayer(KVLayer):
     """One layer's KIVI cache. Shapes: residuals `(B, H_kv, T, D)`; quantized keys are stored
     transposed `(B, H_kv, D, T)` so their token groups lie along the last axis."""
 
+    state_fields = ("k_quant", "v_store", "k_residual", "v_residual", "pending", "step_cache")
+
     def __init__(self, layer_idx: int, info: ModelInfo, method: KIVI):
         # `method`: KIVI, or any method with its quantization knobs (TailorKV's quantized layers)
         super().__init__(layer_idx, info)

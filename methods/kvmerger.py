@@ -134,6 +134,8 @@ class KVMergerLayer(EvictionLayer):
     """The scored-eviction template's storage, prompt-end timing and decode appends; the prompt
     is merged by the threshold rule instead of cut to a budget."""
 
+    state_fields = ("merged_size",)
+
     selects_top_scores: ClassVar[bool] = False  # merged sets, not the top scores (its own test)
 
     def __init__(self, layer_idx: int, info: ModelInfo, method: KVMerger):

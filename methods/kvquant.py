@@ -220,6 +220,8 @@ class KVQuant(KVMethod):
         return "\n\n".join(sidefiles.read_text("method.calibration_path", f) for f in files)
 
     # --- offline calibration ------------------------------------------------------------------
+    artefact_names = ("_cal", "_inv_freq", "_rope")  # what `prepare` sets
+
     def prepare(self, ctx) -> dict:
         if ctx.rope_inv_freq is None:
             raise ConfigError("method=kvquant un-rotates keys: this model has no plain RoPE (none "
@@ -297,6 +299,9 @@ class KVQuantLayer(KVLayer):
     """One layer of one sequence: packed key/value codes per token `(1, H_kv, T, D * bits / 8)`,
     value zero/scale `(1, 1, T, 1)` fp16, sparse outliers, and the exact first tokens
     `(1, H_kv, T_0, D)`."""
+
+    state_fields = ("exact_k", "exact_v", "codes", "outliers", "step_cache", "pending_k",
+                    "pending_v")
 
     def __init__(self, layer_idx: int, info: ModelInfo, method: KVQuant):
         super().__init__(layer_idx, info)

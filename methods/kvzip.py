@@ -185,6 +185,9 @@ class KVzip(BudgetedMethod):
         # chunks shorter than the prompt, so that the later-chunk instruction runs too
         return {"budget_tokens": max(8, seq_tokens // 6), "chunk_tokens": 24}
 
+    # what `prepare` sets
+    artefact_names = ("_forward", "_prompts", "_head_scores", "_kept_heads")
+
     def prepare(self, ctx) -> dict:
         self._forward = ctx.capture
         self._prompts = reconstruction_prompts(ctx.tokenizer, ctx.vocab_size)
@@ -312,6 +315,7 @@ class _TokenIds:
     """Layer 0 keeps the request's token ids (Capabilities.needs_token_ids) and starts the
     reconstruction when the prompt ends (the engine tells layers in order, layer 0 first)."""
 
+    state_fields = ("ids_seen", "reconstruction")
     method: KVzip
     layer_idx: int
 
@@ -330,6 +334,8 @@ class _TokenIds:
 
 
 class KVzipLayer(_TokenIds, EvictionLayer):
+    state_fields = ("kvzip_scores", "system_tokens")
+
     def __init__(self, layer_idx: int, info: ModelInfo, method: KVzip):
         super().__init__(layer_idx, info, method)
         self.ids_seen: list[torch.Tensor] = []  # layer 0: this sequence's ids (B=1, q) per forward

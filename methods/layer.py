@@ -9,10 +9,12 @@ Shapes: keys/values `(B, H_kv, T, D)`, query `(B, H_q, q_len, D)`.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
 
 import torch
 
+from kvcore.paged import PagedRows
 from kvcore.storage import ContiguousRows, HeadBlocks, Rows, grown_capacity
 from methods.kernels import ragged_attention, ragged_attention_cpu
 from methods.model import ModelInfo
@@ -20,6 +22,65 @@ from methods.protocol import Protocol
 from methods.scoring import plain_attention, plain_decode_row
 
 AttentionFn = Callable[..., tuple[torch.Tensor, Any]]
+
+
+@dataclass
+class LayerState:
+    """A copy of one layer's per-request state (`KVLayer.fork`), restored by `KVLayer.adopt`
+    into a layer of the same class: `values` maps each declared state attribute to its copy
+    (`ABSENT` for one the layer had not set yet)."""
+
+    layer_type: type
+    values: dict[str, Any]
+
+
+ABSENT = object()  # a declared state attribute the layer has not set (yet)
+UNFORKABLE = object()  # what `copy_state` gives for a value it cannot copy
+# immutable values, shared by a copy as they are
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, Protocol)
+
+
+def copy_state(value, copy: bool = True):
+    """A copy of one state value safe to mutate independently (tensors cloned, `Rows` forked by
+    their layout, containers rebuilt), or UNFORKABLE for any other object (a host store, an
+    in-flight transfer). `copy=False`: tensors and storage handed over as they are."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if copy else value
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, Rows):
+        return value.fork() if copy else value
+    if isinstance(value, (list, tuple)):
+        items = [copy_state(v, copy) for v in value]
+        if any(v is UNFORKABLE for v in items):
+            return UNFORKABLE
+        if isinstance(value, list):
+            return items
+        if hasattr(type(value), "_make"):  # a namedtuple (KIVI's packed parts) keeps its type
+            return type(value)._make(items)
+        return tuple(items)
+    if type(value) is dict:
+        items = {k: copy_state(v, copy) for k, v in value.items()}
+        return UNFORKABLE if any(v is UNFORKABLE for v in items.values()) else items
+    return UNFORKABLE
+
+
+def describe_state(value):
+    """A fresh state value as a comparable key (tensors by dtype, shape and content, storage
+    only when empty), or UNFORKABLE for what cannot be described that way."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", value.dtype, tuple(value.shape), tuple(value.flatten().tolist()))
+    if isinstance(value, _PLAIN):
+        return value
+    if isinstance(value, Rows):
+        return ("rows", type(value).__name__) if value.length == 0 else UNFORKABLE
+    if isinstance(value, (list, tuple)):
+        items = tuple(describe_state(v) for v in value)
+        return UNFORKABLE if any(v is UNFORKABLE for v in items) else (type(value).__name__, items)
+    if type(value) is dict:
+        items = tuple((k, describe_state(v)) for k, v in value.items())
+        return UNFORKABLE if any(v is UNFORKABLE for _, v in items) else ("dict", items)
+    return UNFORKABLE
 
 
 class KVLayer:
@@ -34,7 +95,21 @@ class KVLayer:
       * `mask_sizes(q_len)` is called before `update` and describes what `update` will return:
         `(kept + q_len, seen - kept)`;
       * `update()` returns the K/V to attend over this step (kept + new).
+
+    What a layer holds is of two kinds. Its per-request state, declared by name in
+    `state_fields` (each class names the attributes it adds; `state_names()` gathers them over
+    the class hierarchy), is what `fork` copies and `adopt` restores (a request rewound, a sweep
+    handing one prompt state to each setting). Everything else is set when it is built (from
+    its method and the model's info) or bound by the request (tier, protocol, next layer) and
+    stays the adopting layer's own (tests/methods/contract/test_fork.py holds every other
+    attribute to its fresh value after a request).
     """
+
+    state_fields: ClassVar[tuple[str, ...]] = ("seen_tokens", "_kv", "prompt_open",
+                                               "final_tokens")
+    # Why this layer's state is never forked (held on the host tier, in flight); None: it is
+    # forked whenever every declared state value can be copied (`copy_state`).
+    unforkable: ClassVar[str | None] = None
 
     def __init__(self, layer_idx: int, info: ModelInfo):
         self.layer_idx = layer_idx
@@ -55,6 +130,85 @@ class KVLayer:
         # being fed, and the length a ratio budget is a fraction of (budget_basis="final").
         self.prompt_open = False
         self.final_tokens: int | None = None
+
+    # --- per-request state: fork / adopt -------------------------------------------------------
+    @classmethod
+    def state_names(cls) -> tuple[str, ...]:
+        """Every per-request state attribute of this class: each class's own `state_fields`,
+        base classes first."""
+        names: list[str] = []
+        for klass in reversed(cls.__mro__):  # each class's own declaration, not an inherited one
+            for name in vars(klass).get("state_fields", ()):
+                if name not in names:
+                    names.append(name)
+        return tuple(names)
+
+    def fork(self) -> LayerState | None:
+        """A copy of this layer's per-request state, or None when it cannot be copied
+        (`fork_refusal` says why; the caller then feeds the prompt again)."""
+        return self._forked()[0]
+
+    def fork_refusal(self) -> str | None:
+        """Why `fork` returns None now, or None when it copies the state."""
+        return self._forked()[1]
+
+    def _forked(self) -> tuple[LayerState | None, str | None]:
+        kind = type(self).__name__
+        if self.unforkable is not None:
+            return None, f"{kind}: {self.unforkable}"
+        values = {}
+        for name in self.state_names():
+            value = copy_state(getattr(self, name)) if hasattr(self, name) else ABSENT
+            if value is UNFORKABLE:
+                return None, (f"{kind}.{name} holds a {type(getattr(self, name)).__name__}, "
+                              "which is not copied")
+            values[name] = value
+        return LayerState(type(self), values), None
+
+    def adopt(self, state: LayerState, consume: bool = False) -> None:
+        """Take `state` (`fork` of a layer of this class, this request's or another engine's) as
+        this layer's own; `consume=True` hands its tensors over instead of copying them (the
+        state is not used again). What is not state (method, info, tier, protocol, next layer)
+        stays this layer's. K/V stored in another engine's block pools are rewritten into this
+        engine's (its pool figures count them)."""
+        if state.layer_type is not type(self):
+            raise ValueError(f"a {state.layer_type.__name__} state restores into a layer of its "
+                             f"class, not a {type(self).__name__}")
+        for name, value in state.values.items():
+            if value is ABSENT:
+                if hasattr(self, name):
+                    delattr(self, name)
+            elif name == "_kv":
+                setattr(self, name, {n: self._own_rows(n, rows, consume)
+                                     for n, rows in value.items()})
+            else:
+                setattr(self, name, copy_state(value, copy=not consume))
+
+    def _own_rows(self, name: str, rows: Rows, consume: bool) -> Rows:
+        """`rows` as this layer's K/V storage: paged rows of another engine's pools are rewritten
+        into this layer's pool, anything else forked (or handed over when consumed)."""
+        paged = getattr(self.tier, "paged", None)
+        if paged is None or not isinstance(rows, PagedRows) \
+                or rows.pool is paged.pool(self.layer_idx, name):
+            return rows if consume else rows.fork()
+        mine = paged.rows(self.layer_idx, name)
+        if rows.view() is not None:
+            mine.assign(rows.view(), rows.lengths() if rows.ragged else None)
+        return mine
+
+    def prompt_state_key(self) -> tuple | None:
+        """What the state this fresh layer records while a dense prompt is fed depends on beyond
+        its method's knobs (read by harness.sweep.execute.prefill_key): the layer's class and
+        place and its fresh state. Fresh layers of two settings with equal prefill keys and
+        equal prompt-state keys record the same prompt state, so one's `fork` is the other's.
+        None: this layer cannot tell (its settings each feed their own prompts)."""
+        state = []
+        for name in self.state_names():
+            value = describe_state(getattr(self, name)) if hasattr(self, name) else ABSENT
+            if value is UNFORKABLE:
+                return None
+            state.append((name, "absent" if value is ABSENT else value))
+        return type(self), self.layer_idx, tuple(state)
 
     # --- protocol (read by every method alike) ------------------------------------------------
     def holding_prompt(self) -> bool:

@@ -102,6 +102,8 @@ class MiniCacheLayer(KVLayer):
     """Unmerged tokens in KVLayer's own buffers; the upper layer of a pair also holds the merged
     store of both layers, which the lower layer reads and fills through `next_layer`."""
 
+    state_fields = ("merged_tokens", "store", "retained", "threshold")
+
     def __init__(self, layer_idx: int, info: ModelInfo, method: MiniCache, role: str | None):
         super().__init__(layer_idx, info)
         self.method, self.role = method, role

@@ -116,6 +116,8 @@ class QFilters(BudgetedMethod):
     def compressing_hyperparameters(cls, seq_tokens: int) -> dict:
         return {"budget_tokens": max(4, seq_tokens // 6), "window_tokens": 2}
 
+    artefact_names = ("_filters",)  # what `prepare` sets
+
     def prepare(self, ctx) -> dict:
         t0 = time.time()
         if self.filters_path:

@@ -167,6 +167,8 @@ def scored_allowance(num_tokens: int, page_size: int, budget: int, min_pages: in
 
 
 class QuestLayer(SelectionLayer):
+    state_fields = ("page_min", "page_max")
+
     def __init__(self, layer_idx: int, info: ModelInfo, method: Quest):
         super().__init__(layer_idx, info, method)
         self.unit_tokens = method.page_size  # the template chooses pages

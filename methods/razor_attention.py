@@ -122,6 +122,8 @@ class RazorAttention(HeadwiseMethod):
         window = max(self.min_window_tokens, int(seen / self.compression_ratio))
         return self.sink_tokens + window + 1
 
+    artefact_names = ("_retrieval", "_retrieval_fraction")  # what `prepare` sets
+
     def prepare(self, ctx) -> dict:
         info = ctx.info
         n_heads = info.num_layers * info.num_kv_heads

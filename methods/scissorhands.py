@@ -103,6 +103,8 @@ class Scissorhands(BudgetedMethod):
 
 
 class ScissorhandsLayer(EvictionLayer):
+    state_fields = ("rows_seen",)
+
     def __init__(self, layer_idx: int, info: ModelInfo, method: Scissorhands):
         super().__init__(layer_idx, info, method)
         self.rows_seen = 0  # queries so far (the ring position of the history)

@@ -91,6 +91,8 @@ def first_true(mask: torch.Tensor, n: int) -> torch.Tensor:
 class SelectionLayer(KVLayer):
     """Per-request, per-layer state of a selecting method (see the module docstring)."""
 
+    state_fields = ("selection", "_allowed", "_attended", "_selected")
+
     unit_tokens = 1
     # a row selecting for one query head scores each unit at least that head's largest q.k
     # (unscaled) over the unit's tokens: an upper bound (Quest's criticality); the shared

@@ -195,6 +195,8 @@ class ShadowKV(KVMethod):
             return self.sparse_budget_tokens
         return budget_for(basis_tokens, self.budget_ratio, self.budget_tokens)
 
+    artefact_names = ("_inv_freq",)  # what `prepare` sets
+
     def prepare(self, ctx) -> dict:
         if ctx.rope_inv_freq is None:
             raise ConfigError("method=shadowkv: the model's RoPE is scaled in a way that cannot be "
@@ -238,6 +240,8 @@ class ShadowKVLayer(SelectionLayer):
     """Exact until its prompt is compressed; then per decode step (methods/selection.py) one set
     of chunks per KV head: the outlier chunks (scored +inf), the top landmark chunks, and the
     local window (protected), rebuilt and fetched by `fetch`."""
+
+    unforkable = "its values are on the host tier (a host store, transfers in flight)"
 
     def __init__(self, layer_idx: int, info: ModelInfo, method: ShadowKV):
         super().__init__(layer_idx, info, method)

@@ -88,6 +88,8 @@ class SnapKV(BudgetedMethod):
 
 
 class SnapKVLayer(EvictionLayer):
+    state_fields = ("window_queries", "scaling")
+
     def __init__(self, layer_idx: int, info: ModelInfo, method: SnapKV):
         super().__init__(layer_idx, info, method)
         self.window_queries: torch.Tensor | None = None  # (B, H_q, <=w, D) the last queries seen

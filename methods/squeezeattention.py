@@ -112,6 +112,12 @@ class SqueezeAttention(BudgetedMethod):
     def prepare(self, ctx) -> dict:
         return self.inner.prepare(ctx)
 
+    def artefacts(self) -> dict:
+        return self.inner.artefacts()  # its scorer's, made by the scorer's prepare
+
+    def adopt_artefacts(self, artefacts: dict) -> None:
+        self.inner.adopt_artefacts(artefacts)
+
     def needs_rope(self) -> bool:
         return self.inner.needs_rope()
 
@@ -133,6 +139,8 @@ class SqueezeAttention(BudgetedMethod):
 class SqueezedLayer(EvictionLayer):
     """Mixed in before a scorer's layer class: the allocation, the similarity, the timing."""
 
+    state_fields = ("similarity_sum", "similarity_tokens", "budget_factor")
+
     def __init__(self, layer_idx: int, info: ModelInfo, method: BudgetedMethod,
                  squeeze: SqueezeAttention):
         super().__init__(layer_idx, info, method)
@@ -140,6 +148,11 @@ class SqueezedLayer(EvictionLayer):
         self.similarity_sum: torch.Tensor | float = 0.0  # sum over tokens of cos(x_in, x_mid)
         self.similarity_tokens = 0
         self.budget_factor: float | None = None  # set at the end of each prompt
+
+    def prompt_state_key(self) -> tuple | None:
+        # its scorer's part of the layer is built by an inner method of its own (holding the
+        # squeeze's budget), which the sweep's prefill key does not read: never shared
+        return None
 
     def observe_attention_block(self, residual, attention_output) -> None:
         mid = residual.float() + attention_output.float()

@@ -102,6 +102,8 @@ class StreamingLLM(BudgetedMethod):
     def bounds_positions(self) -> bool:
         return self.rerotate
 
+    artefact_names = ("_inv_freq",)  # what `prepare` sets
+
     def prepare(self, ctx) -> dict:
         if self.rerotate and ctx.rope_inv_freq is None:
             raise ConfigError("method=streaming_llm with method.rerotate=true needs plain RoPE "
@@ -122,6 +124,8 @@ class StreamingLLM(BudgetedMethod):
 
 
 class StreamingLLMLayer(EvictionLayer):
+    state_fields = ("sink_keys", "offset")
+
     def __init__(self, layer_idx: int, info: ModelInfo, method: StreamingLLM):
         super().__init__(layer_idx, info, method)
         # the sinks as the model rotated them (slots 0..S-1 never move), in fp32 with their

@@ -225,6 +225,8 @@ class TailorKV(KVMethod):
         return budget_for(basis_tokens, self.budget_ratio, self.budget_tokens)
 
     # --- offline identification ------------------------------------------------------------
+    artefact_names = ("_quant",)  # what `prepare` sets
+
     def prepare(self, ctx) -> dict:
         info = ctx.info
         official = official_quant_layers(getattr(ctx, "model_id", None))
@@ -315,6 +317,8 @@ class TopKOffloadLayer(SelectionLayer):
     its recent window, the per-channel max |K| and every later token; top-k prompt rows fetched
     per decode step (methods/selection.py: one set per KV head, the sinks, the recent window and
     the generated tokens protected, the rest of the grant chosen among the prompt rows between)."""
+
+    unforkable = "its prompt's K/V are on the host tier (a host store, transfers in flight)"
 
     def __init__(self, layer_idx: int, info: ModelInfo, method: TailorKV):
         super().__init__(layer_idx, info, method)

@@ -119,6 +119,8 @@ class TidalSelectionLayer(KVLayer):
 class TidalReuseLayer(SelectionLayer):
     """Attends, per KV head, the top-k tokens of its selection layer's attention."""
 
+    state_fields = ("handed",)  # the selection layer's attention of this forward
+
     scores_are_attention: ClassVar[bool] = True
 
     def __init__(self, layer_idx: int, info: ModelInfo, method: TidalDecode, source: int):

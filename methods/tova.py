@@ -56,6 +56,8 @@ class TOVA(BudgetedMethod):
 
 
 class TOVALayer(EvictionLayer):
+    state_fields = ("last_row",)
+
     last_row: torch.Tensor  # (B, 1, T) this forward's last-query attention, mean over all heads
 
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):

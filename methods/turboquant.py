@@ -147,6 +147,8 @@ class TurboQuant(KVMethod):
                                     self.block_tokens, g)
         return keys, values
 
+    artefact_names = ("_quantizers",)  # what `prepare` sets
+
     def prepare(self, ctx) -> dict[str, Any]:
         """Draws the rotations and QJL matrices (seeded) and computes the codebooks; records them."""
         self._quantizers = self.quantizers(ctx.info.head_dim)
@@ -217,6 +219,8 @@ class _Store:
 class TurboQuantLayer(KVLayer):
     """One layer of one sequence: quantized blocks of keys and values, and the exact tail
     `(1, H_kv, T_e, D)` (T_e < block_tokens between steps)."""
+
+    state_fields = ("k_store", "v_store", "tail_k", "tail_v", "step_cache")
 
     def __init__(self, layer_idx: int, info: ModelInfo, key_q: tq.Quantizer,
                  value_q: tq.Quantizer):

@@ -30,9 +30,9 @@ from harness.core.profiling import SpeedSummary, Timer
 from harness.core.progress import progress
 from kvcore.errors import ConfigError
 from kvcore.offload import Tier, TransferLedger
-from kvcore.paged import DEFAULT_BLOCK_TOKENS, PagedKV, PagedRows
-from kvcore.storage import Rows
+from kvcore.paged import DEFAULT_BLOCK_TOKENS, PagedKV
 from methods.base import KVMethod
+from methods.layer import LayerState
 from methods.model import ModelInfo
 from methods.protocol import Protocol
 
@@ -345,65 +345,30 @@ class Request:
 
     # --- rewinding (several continuations of one prefilled context) -------------------------
     def snapshot(self) -> "RequestSnapshot | None":
-        """Clone the method's per-layer state and the position so the request can be rewound.
-
-        A method keeps its per-request state in its KVLayers: tensors are cloned; plain values,
-        the engine's method/info/tier and the request's own layers are kept by reference; any
-        other object (a host KV store, an in-flight transfer, prepared artefacts) makes the state
-        unforkable and None is returned (the caller then prefills again). Never with a
-        diagnostics shadow cache.
-        """
+        """Fork every layer's per-request state (`KVLayer.fork`) and the position so the request
+        can be rewound, or None when a layer's state cannot be forked (the caller then prefills
+        again). Never with a diagnostics shadow cache."""
         if self.shadow is not None:
             return None
-        refs = self._refs()
-        shared = {id(r): r for r in refs}
         states = []
         for kv in self.cache.kv_layers:
-            state = _clone_state(kv.__dict__, shared)
-            if state is _UNFORKABLE:
+            state = kv.fork()
+            if state is None:
                 return None
             states.append(state)
-        return RequestSnapshot(self.pos, self.decode_steps, states, refs)
+        return RequestSnapshot(self.pos, self.decode_steps, states)
 
     def restore(self, snapshot: "RequestSnapshot", consume: bool = False) -> None:
-        """Rewind to `snapshot` (`consume=True` hands its tensors over instead of cloning).
+        """Rewind to `snapshot` (`consume=True` hands its tensors over instead of copying them).
 
         A snapshot taken in another engine's request (a sweep handing one prompt state to each
-        setting, harness.sweep.execute) is restored with that engine's method, tier and layers
-        replaced by this request's own, position for position (`RequestSnapshot.refs`)."""
-        shared = {id(old): new for old, new in zip(snapshot.refs, self._refs())}
-        if len(snapshot.refs) != len(self._refs()):
+        setting, harness.sweep.execute) is adopted by this request's layers, position for
+        position: each keeps its own method, tier and protocol (`KVLayer.adopt`)."""
+        if len(snapshot.states) != len(self.cache.kv_layers):
             raise ValueError("a snapshot restores into a request of the same model only")
-        foreign = snapshot.refs[2] is not self.engine.tier  # another engine's storage
         for kv, state in zip(self.cache.kv_layers, snapshot.states):
-            rows = state.get("_kv")
-            state = _clone_state({k: v for k, v in state.items() if k != "_kv"}, shared,
-                                 copy=not consume)
-            if rows is not None:
-                state["_kv"] = {name: self._own_rows(kv.layer_idx, name, r, foreign, consume)
-                                for name, r in rows.items()}
-            if "protocol" in kv.__dict__:  # this engine's run protocol, not the snapshot's
-                state["protocol"] = kv.protocol
-            kv.__dict__.clear()
-            kv.__dict__.update(state)
+            kv.adopt(state, consume)
         self.pos, self.decode_steps = snapshot.pos, snapshot.decode_steps
-
-    def _own_rows(self, layer_idx: int, name: str, rows: Rows, foreign: bool, consume: bool
-                  ) -> Rows:
-        """A layer's K/V storage for this request: paged rows of another engine are rewritten
-        into this engine's block pools (its pool figures count them), anything else forked."""
-        paged = self.engine.tier.paged
-        if not foreign or paged is None or not isinstance(rows, PagedRows):
-            return rows if consume else rows.fork()
-        mine = paged.rows(layer_idx, name)
-        if rows.view() is not None:
-            mine.assign(rows.view(), rows.lengths() if rows.ragged else None)
-        return mine
-
-    def _refs(self) -> list:
-        """What a layer's state refers to without owning it, in a fixed order."""
-        engine = self.engine
-        return [engine.method, engine.info, engine.tier, *self.cache.kv_layers]
 
     def generate(self, prompt, max_new_tokens: int, stop_ids: set[int] | None = None,
                  min_new_tokens: int = 0, query=None) -> list[int]:
@@ -432,36 +397,4 @@ class Request:
 class RequestSnapshot:
     pos: int
     decode_steps: int
-    states: list[dict]  # one cloned KVLayer.__dict__ per layer
-    refs: list  # what the states refer to without owning (Request._refs of the source request)
-
-
-_UNFORKABLE = object()
-_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, Protocol)  # immutable
-
-
-def _clone_state(value, shared: dict[int, object], copy: bool = True):
-    """A copy of a KV layer's state safe to mutate independently, or _UNFORKABLE. `shared`:
-    objects referred to, not owned, by id -> the object the copy refers to instead. With
-    `copy=False` tensors and storage are handed over as they are (the references still mapped)."""
-    if id(value) in shared:
-        return shared[id(value)]
-    if isinstance(value, torch.Tensor):
-        return value.clone() if copy else value
-    if isinstance(value, _PLAIN):
-        return value
-    if isinstance(value, Rows):  # K/V storage (kvcore.storage): copied by its layout
-        return value.fork() if copy else value
-    if isinstance(value, (list, tuple)):
-        items = [_clone_state(v, shared, copy) for v in value]
-        if any(v is _UNFORKABLE for v in items):
-            return _UNFORKABLE
-        if isinstance(value, list):
-            return items
-        if hasattr(type(value), "_make"):  # a namedtuple (KIVI's packed parts) keeps its type
-            return type(value)._make(items)
-        return tuple(items)
-    if type(value) is dict:
-        items = {k: _clone_state(v, shared, copy) for k, v in value.items()}
-        return _UNFORKABLE if any(v is _UNFORKABLE for v in items.values()) else items
-    return _UNFORKABLE
+    states: list[LayerState]  # one KVLayer.fork per layer

@@ -35,7 +35,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -581,8 +581,9 @@ def run(args: list[str]) -> Path:
     folder = model_folder(session.spec)  # converted before the prompt checks need its tokenizer
     session.validate(setting)
     OmegaConf.set_struct(cfg, False)  # the vllm section is this engine's, not the schema's
-    cfg = OmegaConf.merge(cfg, {"vllm": {k: v for k, v in vars(knobs).items()
-                                         if k not in ("python", "start_timeout_s")}})
+    cfg = OmegaConf.merge(cfg, {"vllm": {f.name: getattr(knobs, f.name)
+                                         for f in fields(knobs)
+                                         if f.name not in ("python", "start_timeout_s")}})
     identity = config_hash(cfg)
     plugin = setting.method_name in PLUGIN_METHODS
     out = output_dir(setting.runner, setting.task_name, session.spec.name,

@@ -101,11 +101,16 @@ def index_page() -> str:
     return "\n".join(["# Methods", "", GENERATED_MARK, "", LEGEND, "", table(""), ""])
 
 
+def capability_values(capabilities) -> dict:
+    """A method's declared capabilities (methods.capabilities.Capabilities), field by field."""
+    return {f.name: getattr(capabilities, f.name) for f in dataclasses.fields(capabilities)}
+
+
 def page(name: str) -> str:
     cls = method_class(name)
     needs = serving_requirements(cls)
     knobs = [f"- `{f.name}`: `{_default(f)!r}`" for f in dataclasses.fields(cls)]
-    caps = [f"- `{k}`: `{v!r}`" for k, v in vars(cls.capabilities).items()]
+    caps = [f"- `{k}`: `{v!r}`" for k, v in capability_values(cls.capabilities).items()]
     doc = importlib.import_module(cls.__module__).__doc__ or ""
     return "\n".join([
         f"# `{name}`", "",

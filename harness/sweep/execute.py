@@ -65,7 +65,6 @@ from harness.core.engine import Engine
 from harness.core.prompting import score_prompt
 from harness.sweep.decode import Decoder, decodes_alone
 from kvcore.errors import ConfigError
-from kvcore.storage import Rows
 from methods.base import KVMethod
 from methods.protocol import Protocol
 
@@ -75,7 +74,6 @@ _NOT_COMPUTE = ("output_dir", "results_root", "debug", "skip_existing", "overwri
 # Runner keys read only once a prompt is over (each setting's own engine and layers apply them
 # after the shared prefill is handed over): they never split a prefill group.
 _AFTER_PROMPT = ("decode_interval_tokens",)
-_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, Protocol)
 
 
 @dataclass
@@ -219,36 +217,15 @@ def donor_key(setting) -> str:
                       default=str)
 
 
-def fresh_layers_agree(lead: KVMethod, other: KVMethod, info, protocol: Protocol) -> bool:
-    """Whether `other`'s fresh layers equal `lead`'s but for their method (so that a prompt state
-    recorded by `lead`'s layers is `other`'s too, once its references are swapped)."""
+def prompt_states_agree(lead: KVMethod, other: KVMethod, info, protocol: Protocol) -> bool:
+    """Whether `other`'s fresh layers record the prompt state `lead`'s record (each layer's
+    `KVLayer.prompt_state_key`, equal and known for every layer), so that a state forked from
+    `lead`'s layers is adopted by `other`'s."""
     from harness.core.hf_adapter import MethodCache
 
-    mine = MethodCache(lead, info, None, protocol).kv_layers
-    theirs = MethodCache(other, info, None, protocol).kv_layers
-    swap = {id(lead): other, **{id(a): b for a, b in zip(mine, theirs)}}
-    return all(type(a) is type(b) and _same(a.__dict__, b.__dict__, swap)
-               for a, b in zip(mine, theirs))
-
-
-def _same(a, b, swap: dict[int, object]) -> bool:
-    if id(a) in swap:
-        return swap[id(a)] is b
-    if a is b:
-        return True
-    if type(a) is not type(b):
-        return False
-    if isinstance(a, torch.Tensor):
-        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
-    if isinstance(a, _PLAIN):
-        return a == b
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y, swap) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k], swap) for k in a)
-    if isinstance(a, Rows):
-        return a.length == b.length == 0
-    return False
+    mine = [kv.prompt_state_key() for kv in MethodCache(lead, info, None, protocol).kv_layers]
+    theirs = [kv.prompt_state_key() for kv in MethodCache(other, info, None, protocol).kv_layers]
+    return None not in mine and mine == theirs
 
 
 def plan_groups(members: list[Member], info) -> list[Group]:
@@ -262,8 +239,8 @@ def plan_groups(members: list[Member], info) -> list[Group]:
         group = leads.get(key) if key is not None else None
         if group is not None:
             lead = members[group.members[0]]
-            if fresh_layers_agree(lead.setting.method, m.setting.method, info,
-                                  m.engine.settings.protocol):
+            if prompt_states_agree(lead.setting.method, m.setting.method, info,
+                                   m.engine.settings.protocol):
                 group.members.append(i)
                 continue
         group = Group([i])

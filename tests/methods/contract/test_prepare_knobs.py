@@ -2,13 +2,13 @@
 setting of a sweep equal in them, the others taking its artefacts (harness.session). That is
 only right when every other knob changes nothing `prepare` makes: each is set to other valid
 values on a tiny Llama, at the method's defaults (where the calibration runs), and the
-attributes `prepare` set and the facts it returned (but wall times) must be equal."""
+artefacts `prepare` made (`KVMethod.artefacts`) and the facts it returned (but wall times) must
+be equal."""
 
 import pytest
 import torch
 
 from harness.core import hf_adapter
-from harness.session import prepare_made
 from kvcore.errors import ConfigError
 from methods import available_methods, build_method, method_class
 from tests.methods.contract.common import get_model
@@ -21,9 +21,9 @@ CASES = [pytest.param(name, knob, id=f"{name}.{knob}") for name in DECLARING
 
 
 def prepared(model, method) -> tuple[dict, dict]:
-    """(the attributes `prepare` set, its facts without wall times)."""
-    with prepare_made(method) as made:  # what a sweep hands to settings of the same key
-        facts = hf_adapter.prepare(method, model, None)
+    """(the artefacts `prepare` made, its facts without wall times)."""
+    facts = hf_adapter.prepare(method, model, None)
+    made = method.artefacts()  # what a sweep hands to settings of the same key
     return made, {k: v for k, v in facts.items() if not k.endswith(("_s", "_ms"))}
 
 
