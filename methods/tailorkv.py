@@ -75,6 +75,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from kvcore.storage import ContiguousRows
 from methods import _sidefiles as sidefiles
 from methods.base import KVMethod
 from methods.budget import budget_for, check_budget
@@ -320,13 +321,25 @@ class TopKOffloadLayer(SelectionLayer):
         # every prompt token, exact: the layer's host store (`host_kv`, made at the first update)
         self.sink_k = self.sink_v = None  # (B, H_kv, <= sink_tokens, D) the first tokens
         self.recent_k = self.recent_v = None  # (B, H_kv, <= recent_tokens, D) the last prompt ones
-        self.gen_k = self.gen_v = None  # (B, H_kv, g, D) every token after the prompt, exact
+        # every token after the prompt, exact, on the device: appended in place (amortised
+        # growth), not concatenated to the whole of it at every step
+        self.generated = {"keys": ContiguousRows(), "values": ContiguousRows()}
         self.key_absmax: torch.Tensor | None = None  # (B, H_kv, D) max |K| per channel (prompt)
         self.prompt_tokens: int | None = None  # set when the (first) prompt ends
         self.grant: tuple[int, int, int] = (0, 0, 0)  # (s, r, k) from the rule at the prompt end
 
+    @property
+    def gen_k(self) -> torch.Tensor | None:
+        """The generated tokens' keys `(B, H_kv, g, D)` (None before the first)."""
+        return self.generated["keys"].view()
+
+    @property
+    def gen_v(self) -> torch.Tensor | None:
+        """The generated tokens' values `(B, H_kv, g, D)` (None before the first)."""
+        return self.generated["values"].view()
+
     def _gen_len(self) -> int:
-        return 0 if self.gen_k is None else self.gen_k.shape[2]
+        return self.generated["keys"].length
 
     def on_prefill_end(self) -> None:
         """The first prompt is over: fix the sinks, the recent window and the split (s, r, k)."""
@@ -361,7 +374,8 @@ class TopKOffloadLayer(SelectionLayer):
             out = host.past_and_new(keys, values)
             self._keep_prompt_rows(keys, values)
             return out
-        self.gen_k, self.gen_v = _append(self.gen_k, keys), _append(self.gen_v, values)
+        self.generated["keys"].append(keys)
+        self.generated["values"].append(values)
         if q_len > 1:
             past_k, past_v = (t.wait() for t in host.fetch())
             return torch.cat([past_k, self.gen_k], 2), torch.cat([past_v, self.gen_v], 2)
@@ -424,6 +438,11 @@ class TopKOffloadLayer(SelectionLayer):
                 torch.cat([values[:, :, :s], fetched_v, values[:, :, s:]], 2))
 
     # --- accounting --------------------------------------------------------------------------
+    def release(self) -> None:
+        super().release()
+        for rows in self.generated.values():
+            rows.release()
+
     def kept_tokens(self) -> int:
         return self.seen_tokens  # all held (the prompt on the host, later tokens on the device)
 
