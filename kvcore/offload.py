@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -216,7 +217,7 @@ class HostKVStore:
     `take` hands it to the step that attends it (else fetches every stored row then)."""
 
     def __init__(self, tier: Tier, layer_idx: int, parts: tuple[str, ...] = KV_PARTS,
-                 growth=host_capacity):
+                 growth: Callable[[int, int], int] = host_capacity):
         self.tier, self.layer_idx, self.parts, self.growth = tier, layer_idx, parts, growth
         self.buffers: dict[str, torch.Tensor] = {}  # part -> (capacity, B, H_kv, D)
         self.length = 0
@@ -429,7 +430,7 @@ class PagedHostKVStore(HostKVStore):
 
 
 def host_store(tier: Tier, layer_idx: int, parts: tuple[str, ...] = KV_PARTS,
-               growth=host_capacity) -> HostKVStore:
+               growth: Callable[[int, int], int] = host_capacity) -> HostKVStore:
     """A layer's host store in the run's layout (runner.kv_layout; `growth` sizes the contiguous
     layout's buffers, blocks size themselves)."""
     if tier.paged is not None:

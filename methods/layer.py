@@ -110,7 +110,8 @@ class KVLayer:
     def values(self, tensor: torch.Tensor | None) -> None:
         self.kv_rows("values").assign(tensor)
 
-    def host_kv(self, parts: tuple[str, ...] = KV_PARTS, growth=host_capacity) -> HostKVStore:
+    def host_kv(self, parts: tuple[str, ...] = KV_PARTS,
+                growth: Callable[[int, int], int] = host_capacity) -> HostKVStore:
         """The layer's rows on the host tier (`parts`: K and V, or values only), made at the
         first call in the run's layout (kvcore.offload.host_store; `growth` sizes a contiguous
         store's buffers): the one place a layer keeps K/V on the host, so its bytes moved go
