@@ -1,10 +1,13 @@
 """The tiered KV store: full K/V on the slow tier, only what a method selects moves to compute.
 
-* `HostKVStore`: one layer's K/V on the host — pinned memory when computing on CUDA (so copies
-  can be asynchronous), plain CPU tensors otherwise. Stored token-major `(T, B, H_kv, D)`, so the
-  whole layer (`fetch()`) is one contiguous pinned block; selected rows (`fetch(index)`) are
-  gathered on the host into a contiguous pinned staging buffer. Either is copied host-to-device on
-  the tier's side stream and handed to attention as a `(B, H_kv, T, D)` view.
+* `HostKVStore`: one layer's rows on the host tier, the one place any layer keeps K/V there
+  (a layer gets it through `KVLayer.host_kv`): K and V, or values only (`parts`) — pinned memory
+  when computing on CUDA (so copies can be asynchronous), plain CPU tensors otherwise. Stored
+  token-major `(T, B, H_kv, D)` with amortised growth, so the whole layer (`fetch()`) is one
+  contiguous pinned block per part; selected rows (`fetch(index)`) are gathered on the host into
+  a contiguous pinned staging buffer. Either is copied host-to-device on the tier's side stream
+  and handed to attention as a `(B, H_kv, T, D)` view. It keeps the one fetch in flight: started
+  one layer ahead (`prefetch`), handed to the step that attends it (`take`, `past_and_new`).
 * `PagedHostKVStore` (runner.kv_layout=paged): the same interface over blocks of host pools
   shared by every sequence (kvcore.paged); `host_store` picks the store of the run's layout.
 * `Transfer`: an in-flight copy; the consumer calls `wait()`: the *consuming stream* waits on the
@@ -30,6 +33,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -189,19 +193,49 @@ class Transfer:
         return self.tensor
 
 
-class HostKVStore:
-    """One layer's K/V on the host, token-major `(capacity, B, H_kv, D)` with amortised growth:
-    the valid rows `[:length]` are one contiguous block. Methods see `(B, H_kv, T, D)`."""
+KV_PARTS = ("keys", "values")  # what a layer's host rows hold: K and V (ShadowKV: values only)
 
-    def __init__(self, tier: Tier, layer_idx: int):
-        self.tier, self.layer_idx = tier, layer_idx
-        self.keys: torch.Tensor | None = None  # (capacity, B, H_kv, D)
-        self.values: torch.Tensor | None = None
+
+def host_capacity(rows_needed: int, capacity: int = 0) -> int:
+    """Rows a growing host store allocates for `rows_needed`: twice that, at least 256 (a decode
+    step appends one row: O(1) amortised copies per row)."""
+    return max(256, 2 * rows_needed)
+
+
+def fitted_capacity(rows_needed: int, capacity: int = 0) -> int:
+    """Exactly `rows_needed` rows: for rows written once and never grown (ShadowKV's values)."""
+    return rows_needed
+
+
+class HostKVStore:
+    """One layer's rows on the host tier: one token-major buffer `(capacity, B, H_kv, D)` per part
+    (`parts`: K and V, or values only), grown by `growth(rows_needed, capacity)` (amortised: no
+    per-step copy of what is held), so the valid rows `[:length]` of a part are one contiguous
+    block. Methods see `(B, H_kv, T, D)`; every tuple in or out has one entry per part, in order.
+
+    It also holds the one fetch in flight (`pending`): `prefetch` starts it (one layer ahead),
+    `take` hands it to the step that attends it (else fetches every stored row then)."""
+
+    def __init__(self, tier: Tier, layer_idx: int, parts: tuple[str, ...] = KV_PARTS,
+                 growth: Callable[[int, int], int] = host_capacity):
+        self.tier, self.layer_idx, self.parts, self.growth = tier, layer_idx, parts, growth
+        self.buffers: dict[str, torch.Tensor] = {}  # part -> (capacity, B, H_kv, D)
         self.length = 0
+        self.pending: tuple | None = None  # transfers in flight, one per part
         self._written = None  # CUDA event: device->host writes done (host reads must wait)
         # CUDA event: the last host->device copy reading the buffers is done (host writes over
         # stored rows wait for it; copies run in order on the tier's one side stream)
         self._read = None
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """The keys' buffer `(capacity, B, H_kv, D)` (None before the first append)."""
+        return self.buffers.get("keys")
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """The values' buffer `(capacity, B, H_kv, D)` (None before the first append)."""
+        return self.buffers.get("values")
 
     def _host_ready(self) -> None:
         """Host-side reads (gather, growth, compaction) need the queued device->host writes."""
@@ -216,68 +250,96 @@ class HostKVStore:
             self._read.synchronize()
             self._read = None
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Write new rows `(B, H_kv, t, D)` (device -> host); counted as device-to-host bytes."""
-        b, h, t, d = keys.shape
-        if self.keys is None or self.length + t > self.keys.shape[0]:
-            self._host_ready()
-            cap = max(256, 2 * (self.length + t))
-            grown_k = self.tier.host_tensor((cap, b, h, d), keys.dtype)
-            grown_v = self.tier.host_tensor((cap, b, h, d), values.dtype)
-            if self.keys is not None:
-                grown_k[: self.length] = self.keys[: self.length]
-                grown_v[: self.length] = self.values[: self.length]
-            self.keys, self.values = grown_k, grown_v
-        # token-major rows: the permuted source is made contiguous on its own device first
-        self.keys[self.length:self.length + t].copy_(keys.permute(2, 0, 1, 3),
-                                                     non_blocking=self.tier.cuda)
-        self.values[self.length:self.length + t].copy_(values.permute(2, 0, 1, 3),
-                                                       non_blocking=self.tier.cuda)
-        self.tier.ledger.d2h(keys.nbytes + values.nbytes)
+    def _reserve(self, rows_needed: int, like: tuple[torch.Tensor, ...]) -> None:
+        """Buffers of at least `rows_needed` rows holding the stored ones (grown when short)."""
+        capacity = self.buffers[self.parts[0]].shape[0] if self.buffers else 0
+        if rows_needed <= capacity:
+            return
+        self._host_ready()
+        rows = self.growth(rows_needed, capacity)
+        for name, x in zip(self.parts, like, strict=True):
+            b, h, _, d = x.shape
+            grown = self.tier.host_tensor((rows, b, h, d), x.dtype)
+            if name in self.buffers:
+                grown[: self.length] = self.buffers[name][: self.length]
+            self.buffers[name] = grown
+
+    def append(self, *new: torch.Tensor) -> None:
+        """Write new rows `(B, H_kv, t, D)`, one per part (device -> host); counted as
+        device-to-host bytes."""
+        t = new[0].shape[2]
+        self._reserve(self.length + t, new)
+        for name, x in zip(self.parts, new):
+            # token-major rows: the permuted source is made contiguous on its own device first
+            self.buffers[name][self.length:self.length + t].copy_(x.permute(2, 0, 1, 3),
+                                                                  non_blocking=self.tier.cuda)
+        self.tier.ledger.d2h(sum(x.nbytes for x in new))
         self.length += t
         if self.tier.cuda:
             self._written = torch.cuda.Event()
             self._written.record(torch.cuda.current_stream(self.tier.device))
 
-    def all_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stored K/V as `(B, H_kv, T, D)` views of the host buffers."""
-        return (self.keys[: self.length].permute(1, 2, 0, 3),
-                self.values[: self.length].permute(1, 2, 0, 3))
+    def all_rows(self) -> tuple[torch.Tensor, ...]:
+        """The stored rows as `(B, H_kv, T, D)` views of the host buffers, one per part."""
+        return tuple(self.buffers[name][: self.length].permute(1, 2, 0, 3) for name in self.parts)
 
-    def _gather(self, index: torch.Tensor, out_k=None, out_v=None):
-        """Rows `index (B, H_kv, n)` per head, token-major `(n, B, H_kv, D)` (contiguous)."""
+    def _gather(self, index: torch.Tensor, out: dict[str, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, ...]:
+        """Rows `index (B, H_kv, n)` per head, token-major `(n, B, H_kv, D)` (contiguous), one
+        per part (into `out[part]` when given)."""
         index = index.to("cpu")  # the host gathers: selection indices must be on the host
         b, h, n = index.shape
         # One row copy per (token, head): the store is (T, B, H_kv, D), so row t of head (b, h)
         # is flat row t*B*H + b*H + h (an element-wise gather with an expanded index is several
         # times slower on CPU).
         flat = (index.permute(2, 0, 1) * (b * h) + torch.arange(b * h).view(b, h)).reshape(-1)
-        out = []
-        for store, target in ((self.keys, out_k), (self.values, out_v)):
+        got = []
+        for name in self.parts:
+            store = self.buffers[name]
+            target = None if out is None else out[name].view(-1, store.shape[-1])
             rows = store[: self.length].reshape(-1, store.shape[-1])  # (T*B*H, D), a view
-            got = torch.index_select(rows, 0, flat, out=None if target is None
-                                     else target.view(-1, store.shape[-1]))
-            out.append(got.view(n, b, h, store.shape[-1]))
-        return out[0], out[1]
+            got.append(torch.index_select(rows, 0, flat, out=target).view(n, b, h, -1))
+        return tuple(got)
 
-    def fetch(self, index: torch.Tensor | None = None) -> tuple["Transfer", "Transfer"]:
-        """Start moving rows to the device: all of them (one contiguous pinned block), or
-        `index (B, H_kv, n)` per head (gathered on the host into a contiguous pinned staging
-        buffer first). `wait()` on the transfers gives `(B, H_kv, n, D)` views."""
+    def fetch(self, index: torch.Tensor | None = None) -> tuple["_HeadMajor", ...]:
+        """Start moving rows to the device: all of them (one contiguous pinned block per part),
+        or `index (B, H_kv, n)` per head (gathered on the host into a contiguous pinned staging
+        buffer first). `wait()` on the transfers (one per part) gives `(B, H_kv, n, D)` views."""
         if index is None:
             # the stored rows themselves: the copy waits (on the side stream) for the last
             # device->host write only, not for everything queued on the current stream
-            keys, values = self.keys[: self.length], self.values[: self.length]
-            moves = (self.tier.to_device(self.layer_idx, keys, self._written),
-                     self.tier.to_device(self.layer_idx, values, self._written))
-            self._read = moves[1].event  # None on the CPU tier (synchronous copies)
-            return _HeadMajor(moves[0]), _HeadMajor(moves[1])
+            moves = tuple(self.tier.to_device(self.layer_idx, self.buffers[name][: self.length],
+                                              self._written) for name in self.parts)
+            self._read = moves[-1].event  # None on the CPU tier (synchronous copies)
+            return tuple(_HeadMajor(move) for move in moves)
         self._host_ready()  # the host gathers: written rows first
-        shape = (index.shape[-1], *self.keys.shape[1:])
-        keys, values = self._gather(index, self.tier.host_tensor(shape, self.keys.dtype),
-                                    self.tier.host_tensor(shape, self.values.dtype))
-        return (_HeadMajor(self.tier.to_device(self.layer_idx, keys, None)),
-                _HeadMajor(self.tier.to_device(self.layer_idx, values, None)))
+        staged = {name: self.tier.host_tensor((index.shape[-1], *self.buffers[name].shape[1:]),
+                                              self.buffers[name].dtype) for name in self.parts}
+        return tuple(_HeadMajor(self.tier.to_device(self.layer_idx, rows, None))
+                     for rows in self._gather(index, staged))
+
+    def prefetch(self, index: torch.Tensor | None = None) -> None:
+        """Start `fetch(index)` for the step that will attend it (`take`), unless a fetch is
+        already in flight or nothing is stored."""
+        if self.pending is None and self.length:
+            self.pending = self.fetch(index)
+
+    def take(self) -> tuple | None:
+        """The rows this step attends before its new ones: the fetch in flight (handed over),
+        else every stored row, fetched now; None when nothing is stored."""
+        pending, self.pending = self.pending, None
+        if pending is None and self.length:
+            pending = self.fetch()
+        return pending
+
+    def past_and_new(self, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What attention sees this step, per part: the rows `take` gives (prefetched, else all
+        stored rows) followed by the new rows `(B, H_kv, q, D)`, which are then stored."""
+        past = self.take()
+        self.append(*new)
+        if past is None:
+            return new
+        return tuple(torch.cat([rows.wait(), x], dim=2) for rows, x in zip(past, new))
 
     def fetch_channels(self, channels: torch.Tensor) -> "_HeadMajor":
         """Start moving a few key channels of every stored token: `channels (B, H_kv, c)` per
@@ -293,71 +355,66 @@ class HostKVStore:
     def keep(self, index: torch.Tensor) -> None:
         """Compact the store to `index (B, H_kv, n)` per head (pool eviction; host-side only)."""
         self._host_ready()
-        kept_k, kept_v = self._gather(index)
+        kept = self._gather(index)
         self._reads_done()  # rows [:n] are overwritten below
         n = index.shape[-1]
-        self.keys[:n] = kept_k
-        self.values[:n] = kept_v
+        for name, rows in zip(self.parts, kept):
+            self.buffers[name][:n] = rows
         self.length = n
 
-    def past_and_new(self, pending, keys: torch.Tensor, values: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """What attention sees this step: the rows fetched earlier (`pending`, else all stored
-        rows fetched now) followed by the new K/V, which are then written to the host."""
-        past = pending or (self.fetch() if self.length else None)
-        self.append(keys, values)
-        if past is None:
-            return keys, values
-        return (torch.cat([past[0].wait(), keys], dim=2),
-                torch.cat([past[1].wait(), values], dim=2))
-
     def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return 2 * self.keys[: self.length].nbytes
+        """Bytes of the stored rows (every part; the unused capacity not counted)."""
+        return sum(buffer[: self.length].nbytes for buffer in self.buffers.values())
 
     def release(self) -> None:
-        """The request is over: drop the buffers."""
+        """The request is over: drop the buffers (and any fetch in flight)."""
         self._host_ready()
-        self.keys = self.values = None
-        self.length = 0
+        self.buffers, self.length, self.pending = {}, 0, None
 
 
 class PagedHostKVStore(HostKVStore):
-    """One layer's K/V on the host in blocks of the run's host pools (runner.kv_layout=paged,
+    """One layer's rows on the host in blocks of the run's host pools (runner.kv_layout=paged,
     kvcore.paged), shared by every sequence: `HostKVStore`'s interface. Costs of paging here: a
     device->host write goes through a (synchronous) host copy before it is scattered into blocks,
     and a fetch gathers the blocks (or the selected rows) into a contiguous staging tensor (pinned
     on CUDA) before the host->device copy."""
 
-    def __init__(self, tier: Tier, layer_idx: int):
-        self.tier, self.layer_idx = tier, layer_idx
+    def __init__(self, tier: Tier, layer_idx: int, parts: tuple[str, ...] = KV_PARTS):
+        self.tier, self.layer_idx, self.parts = tier, layer_idx, parts
+        self.pending = None
         self.rows = {name: tier.paged.rows(layer_idx, name, "host", tier.host_tensor)
-                     for name in ("keys", "values")}
+                     for name in parts}
 
     @property
     def length(self) -> int:
-        return self.rows["keys"].length
+        return self.rows[self.parts[0]].length
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        for name, x in (("keys", keys), ("values", values)):
+    def append(self, *new: torch.Tensor) -> None:
+        for name, x in zip(self.parts, new, strict=True):
             self.rows[name].append(x.to("cpu"))
-        self.tier.ledger.d2h(keys.nbytes + values.nbytes)
+        self.tier.ledger.d2h(sum(x.nbytes for x in new))
 
-    def all_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stored K/V `(B, H_kv, T, D)`, gathered from the blocks."""
-        return self.rows["keys"].view(), self.rows["values"].view()
+    def all_rows(self) -> tuple[torch.Tensor, ...]:
+        """The stored rows `(B, H_kv, T, D)`, gathered from the blocks."""
+        return tuple(self.rows[name].view() for name in self.parts)
 
-    def fetch(self, index: torch.Tensor | None = None) -> tuple["Transfer", "Transfer"]:
+    def fetch(self, index: torch.Tensor | None = None) -> tuple[Transfer, ...]:
         transfers = []
-        for name in ("keys", "values"):
+        for name in self.parts:
             rows = self.rows[name].view()  # (B, H_kv, T, D)
             if index is not None:
                 rows = gather_rows(rows, index.to("cpu"))
             staged = self.tier.host_tensor(rows.shape, rows.dtype)
             staged.copy_(rows)  # on the host: nothing on the device writes it
             transfers.append(self.tier.to_device(self.layer_idx, staged, None))
-        return transfers[0], transfers[1]
+        return tuple(transfers)
+
+    def fetch_channels(self, channels: torch.Tensor) -> Transfer:
+        keys = self.rows["keys"].view()  # (B, H_kv, T, D)
+        index = channels.to("cpu")[:, :, None].expand(*keys.shape[:3], channels.shape[-1])
+        staged = self.tier.host_tensor(index.shape, keys.dtype)
+        torch.gather(keys, 3, index, out=staged)  # (B, H_kv, T, c)
+        return self.tier.to_device(self.layer_idx, staged, None)
 
     def keep(self, index: torch.Tensor) -> None:
         for rows in self.rows.values():
@@ -367,14 +424,18 @@ class PagedHostKVStore(HostKVStore):
         return sum(rows.used_bytes() for rows in self.rows.values())
 
     def release(self) -> None:
+        self.pending = None
         for rows in self.rows.values():
             rows.release()
 
 
-def host_store(tier: Tier, layer_idx: int) -> HostKVStore:
-    """A layer's host store in the run's layout (runner.kv_layout)."""
-    paged = tier.paged is not None
-    return PagedHostKVStore(tier, layer_idx) if paged else HostKVStore(tier, layer_idx)
+def host_store(tier: Tier, layer_idx: int, parts: tuple[str, ...] = KV_PARTS,
+               growth: Callable[[int, int], int] = host_capacity) -> HostKVStore:
+    """A layer's host store in the run's layout (runner.kv_layout; `growth` sizes the contiguous
+    layout's buffers, blocks size themselves)."""
+    if tier.paged is not None:
+        return PagedHostKVStore(tier, layer_idx, parts)
+    return HostKVStore(tier, layer_idx, parts, growth)
 
 
 class _HeadMajor:

@@ -8,15 +8,15 @@ gathered on the host and copied to the device on the tier's side stream, overlap
 previous layer's remaining compute; its `update` returns those rows + the new tokens
 (`mask_sizes` says so) and `attend` gets them (the rows' text order is the method's). A forward
 with nothing chosen (a prompt, a dense layer or step) gets every stored row: fetched whole,
-ahead where the layer started it (`fetch_all`). Off the host, every token stays in the layer's
-default storage and the same rows are masked instead.
+ahead where the layer started it (`fetch_all`). The rows and the fetch in flight are the
+layer's host store's (`KVLayer.host_kv`). Off the host, every token stays in the layer's default
+storage and the same rows are masked instead.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvcore.offload import host_store
 from methods.scoring import gather_tokens
 
 
@@ -27,9 +27,12 @@ class HostTierLayer:
 
     def init_host(self, on_host: bool) -> None:
         self.system = on_host
-        self.store = None  # kvcore.offload.HostKVStore (paged layout: PagedHostKVStore)
-        self.pending = None  # (Transfer, Transfer) in flight
         self.fetched: torch.Tensor | None = None  # (B, H_kv, n) slots moved for this step
+
+    @property
+    def pending(self) -> tuple | None:
+        """The host store's fetch in flight (transfers of K and V), if any."""
+        return None if self.host is None else self.host.pending
 
     def rows_to_fetch(self) -> torch.Tensor | None:
         """`(B, H_kv, n)` slots this decode step attends (may read the count: the step's one host
@@ -42,12 +45,13 @@ class HostTierLayer:
             return
         rows = self.rows_to_fetch()
         if rows is not None:
-            self.fetched, self.pending = rows, self.store.fetch(rows)
+            self.fetched = rows
+            self.host.prefetch(rows)
 
     def fetch_all(self) -> None:
         """Start moving every stored row (a forward attending them all)."""
-        if self.system and self.pending is None and self.store is not None:
-            self.pending = self.store.fetch()
+        if self.system and self.host is not None:
+            self.host.prefetch()
 
     def mask_sizes(self, q_len: int) -> tuple[int, int]:
         if self.system and q_len == 1:
@@ -73,16 +77,17 @@ class HostTierLayer:
             return (self.keys, self.values) if self.keys is not None else None
         if q_len == 1:
             self.launch_fetch()
-        pending, self.pending = self.pending, None
-        if pending is None and self.store is not None:  # nothing chosen: every stored row
-            pending, self.fetched = self.store.fetch(), None
+        if self.host is None:
+            return None
+        if self.host.pending is None:  # nothing chosen: every stored row
+            self.fetched = None
+        pending = self.host.take()
         return None if pending is None else (pending[0].wait(), pending[1].wait())
 
     def hold(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Store the new K/V `(B, H_kv, q, D)` on the layer's tier, then `hold_extra`."""
         if self.system:
-            self.store = self.store or host_store(self.tier, self.layer_idx)
-            self.store.append(keys, values)
+            self.host_kv().append(keys, values)
         else:
             self.kv_rows("keys").append(keys)
             self.kv_rows("values").append(values)
@@ -94,7 +99,7 @@ class HostTierLayer:
     def keep_held(self, index: torch.Tensor) -> None:
         """Keep only the stored rows `index (B, H_kv, n)` (ascending) on the layer's tier."""
         if self.system:
-            self.store.keep(index)
+            self.host.keep(index)
         else:
             self.keys = gather_tokens(self.keys, index.to(self.keys.device))
             self.values = gather_tokens(self.values, index.to(self.values.device))
@@ -107,12 +112,7 @@ class HostTierLayer:
 
     def held_bytes(self) -> tuple[int, int]:
         """(all, on the device) bytes of the stored K/V (valid tokens)."""
-        if self.store is not None:
-            return int(self.store.nbytes()), 0
+        if self.host is not None:
+            return int(self.host.nbytes()), 0
         used = self.storage_stats().get("kv_bytes_used", 0)
         return used, used
-
-    def release(self) -> None:
-        super().release()
-        if self.store is not None:
-            self.store.release()

@@ -66,7 +66,6 @@ from typing import Callable, ClassVar
 
 import torch
 
-from kvcore.offload import HostKVStore, host_store
 from kvcore.storage import ContiguousRows, Rows, doubled_capacity
 from methods.budget import BudgetedMethod
 from methods.layer import KVLayer, exact_attention
@@ -151,7 +150,7 @@ class TokenRows:
 class EvictionLayer(TokenRows, KVLayer):
     """Per-request, per-layer state of a scored-eviction method (see the module docstring)."""
 
-    state_fields = ("token_state", "kept_count", "positions", "store", "pending", "granted",
+    state_fields = ("token_state", "kept_count", "positions", "granted",
                     "appended", "picked", "ragged")
 
     # keeps the protected tokens and the top of score() (the shared contract recomputes that
@@ -168,8 +167,6 @@ class EvictionLayer(TokenRows, KVLayer):
         self.token_state: dict[str, Rows] = {}  # positions + new_state(), see append_tokens
         self.kept_count = 0  # tokens kept
         self.positions: torch.Tensor | None = None  # (B, H_kv, T) text positions of kept tokens
-        self.store: HostKVStore | None = None  # the kept K/V on the host tier (runner.kv_offload=cpu)
-        self.pending = None  # (Transfer, Transfer): the kept set prefetched one layer ahead
         # prefill_end: (the rule's budget, tokens seen) when the prompt was compressed
         self.granted: tuple[int, int] | None = None
         # the one token this forward appended, as given (K, V, positions; rows nothing rewrites
@@ -211,9 +208,9 @@ class EvictionLayer(TokenRows, KVLayer):
         return self.tier is not None and self.tier.offload
 
     def prefetch(self, hidden_states, position_ids, ahead: bool) -> None:
-        if (self.offloaded() and hidden_states.shape[1] == 1 and self.store is not None
-                and self.store.length and self.pending is None):
-            self.pending = self.store.fetch()
+        # runner.kv_offload=cpu: the kept K/V live in the layer's host store (`host_kv`)
+        if self.offloaded() and hidden_states.shape[1] == 1 and self.host is not None:
+            self.host.prefetch()  # the kept set, one layer ahead
 
     def update(self, keys, values, position_ids):
         b, h, q, _ = keys.shape
@@ -223,9 +220,7 @@ class EvictionLayer(TokenRows, KVLayer):
         if self.offloaded():
             self.kept_count = append_tokens(self._rows_for, new)
             self._views()
-            self.store = self.store or host_store(self.tier, self.layer_idx)
-            pending, self.pending = self.pending, None
-            return self.store.past_and_new(pending, keys, values)
+            return self.host_kv().past_and_new(keys, values)
         extent = append_tokens(self._rows_for, {"keys": keys, "values": values, **new})
         self.kept_count = self.kept_count + q if self.ragged else extent  # every head grew by q
         self.appended = ({"keys": keys, "values": values, "positions": new["positions"]}
@@ -241,11 +236,6 @@ class EvictionLayer(TokenRows, KVLayer):
 
     def kept_tokens(self) -> int:
         return self.kept_count
-
-    def release(self) -> None:
-        super().release()
-        if self.store is not None:
-            self.store.release()
 
     def kept_positions(self) -> torch.Tensor:
         if self.positions is None:
@@ -363,7 +353,7 @@ class EvictionLayer(TokenRows, KVLayer):
         else:
             index = self.guarded_scores(budget).topk(budget, dim=-1).indices.sort(dim=-1).values
             if self.offloaded():
-                self.store.keep(index)
+                self.host.keep(index)
             self.kept_count = keep_tokens(self._token_rows(), index)
         self._views()
 
@@ -420,7 +410,7 @@ class EvictionLayer(TokenRows, KVLayer):
     # --- accounting -------------------------------------------------------------------------
     def stats(self) -> dict[str, int]:
         if self.offloaded():
-            held = 0 if self.store is None else self.store.nbytes()
+            held = 0 if self.host is None else self.host.nbytes()
             return {"kv_tokens": self.kept_tokens(), "kv_bytes": held, "kv_bytes_device": 0}
         storage = self.storage_stats()
         return {"kv_tokens": self.kept_tokens(), "kv_bytes": storage.get("kv_bytes_used", 0),

@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvcore.offload import HostKVStore, host_store
 from kvcore.storage import KV_LAYOUTS
 from methods.base import KVMethod
 from methods.capabilities import Capabilities, ServingNeeds
@@ -53,40 +52,33 @@ class FullOffload(KVMethod):
 
 
 class FullOffloadLayer(KVLayer):
+    """Every token's K/V in the layer's host store (`KVLayer.host_kv`), all of it fetched at
+    every decode step (one layer ahead with `prefetch`)."""
     unforkable = "its K/V are on the host tier (a host store, transfers in flight)"
 
     def __init__(self, layer_idx: int, info: ModelInfo, method: FullOffload):
         super().__init__(layer_idx, info)
         self.method = method
-        self.store: HostKVStore | None = None
-        self.pending = None  # (Transfer, Transfer) of this step's fetch
 
     def prefetch(self, hidden_states, position_ids, ahead: bool) -> None:
-        if hidden_states.shape[1] != 1 or self.store is None or self.pending is not None:
+        if hidden_states.shape[1] != 1 or self.host is None:
             return
         if ahead and not self.method.prefetch:
             return
-        self.pending = self.store.fetch()
+        self.host.prefetch()
 
     def update(self, keys, values, position_ids):
-        if self.store is None:
-            self.store = host_store(self.tier, self.layer_idx)
-        pending, self.pending = self.pending, None
         self.seen_tokens += keys.shape[-2]
-        return self.store.past_and_new(pending, keys, values)
+        return self.host_kv().past_and_new(keys, values)
 
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
         # the full cache's own attention arithmetic: the logits equal full's bit for bit
         return exact_attention(module, query, keys, values, attention_mask, base, **kwargs)
 
     def kept_tokens(self) -> int:
-        return 0 if self.store is None else self.store.length
-
-    def release(self) -> None:
-        if self.store is not None:
-            self.store.release()
+        return 0 if self.host is None else self.host.length
 
     def stats(self) -> dict[str, int]:
         return {"kv_tokens": self.kept_tokens(),
-                "kv_bytes": 0 if self.store is None else self.store.nbytes(),
+                "kv_bytes": 0 if self.host is None else self.host.nbytes(),
                 "kv_bytes_device": 0}  # fetched copies are transient (freed after the step)

@@ -416,7 +416,7 @@ class InfiniGenLayer(HostTierLayer, PooledLayer, SelectionLayer):
         if self.system and ranked and self.m.zero_count == "all" and bool(unmasked.any()):
             # a count of 0 (zero_count=all): the official row attends every token; the rows
             # come from the host now, synchronously (the speculation could not know)
-            keys, values = (t.wait() for t in self.store.fetch())
+            keys, values = (t.wait() for t in self.host.fetch())
         elif self.system:  # what each head attends of the fetched rows, the new token last
             rows = self.fetched.repeat_interleave(sets.shape[1] // self.fetched.shape[1], 1)
             sets = torch.cat([sets.gather(2, rows), new], 2)

@@ -14,6 +14,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
+from kvcore.offload import KV_PARTS, HostKVStore, host_capacity, host_store
 from kvcore.paged import PagedRows
 from kvcore.storage import ContiguousRows, HeadBlocks, Rows, grown_capacity
 from methods.kernels import ragged_attention, ragged_attention_cpu
@@ -105,8 +106,10 @@ class KVLayer:
     attribute to its fresh value after a request).
     """
 
+    # `host`: the layer's host store (KVLayer.host_kv), per request; a store holding rows is
+    # not copied, so a layer on the host tier never forks (its prompt state is replayed)
     state_fields: ClassVar[tuple[str, ...]] = ("seen_tokens", "_kv", "prompt_open",
-                                               "final_tokens")
+                                               "final_tokens", "host")
     # Why this layer's state is never forked (held on the host tier, in flight); None: it is
     # forked whenever every declared state value can be copied (`copy_state`).
     unforkable: ClassVar[str | None] = None
@@ -119,6 +122,8 @@ class KVLayer:
         # (runner.kv_layout, via the tier): a decode step writes its row in place instead of
         # concatenating (copying) the whole cache. See `keys` / `values`.
         self._kv: dict[str, Rows] = {}
+        # K/V (or values only) on the host tier: the layer's one host store, made by `host_kv`
+        self.host: HostKVStore | None = None
         # The request's context, set once by the cache that builds its layers
         # (harness.core.hf_adapter.MethodCache) right after `make_layer`, whose signature a method
         # keeps free of it: the request's kvcore.offload.Tier (placement, ledger, side stream),
@@ -261,6 +266,17 @@ class KVLayer:
     def values(self, tensor: torch.Tensor | None) -> None:
         self.kv_rows("values").assign(tensor)
 
+    def host_kv(self, parts: tuple[str, ...] = KV_PARTS,
+                growth: Callable[[int, int], int] = host_capacity) -> HostKVStore:
+        """The layer's rows on the host tier (`parts`: K and V, or values only), made at the
+        first call in the run's layout (kvcore.offload.host_store; `growth` sizes a contiguous
+        store's buffers): the one place a layer keeps K/V on the host, so its bytes moved go
+        through the tier's ledger and its bytes held are `host.nbytes()`. Made on first use: the
+        tier is set after the layer is built."""
+        if self.host is None:
+            self.host = host_store(self.tier, self.layer_idx, parts, growth)
+        return self.host
+
     def storage_stats(self) -> dict[str, int]:
         """The K/V storage's figures for the waste accounting (harness.core.accounting):
         `kv_bytes_used` (valid tokens) and `kv_bytes_allocated` (with the unused capacity or
@@ -271,9 +287,12 @@ class KVLayer:
                 "kv_bytes_allocated": sum(rows.allocated_bytes() for rows in self._kv.values())}
 
     def release(self) -> None:
-        """Give the storage back (paged: blocks return to the pool); called when a request ends."""
+        """Give the storage back (paged: blocks return to the pool; the host store's buffers
+        too); called when a request ends."""
         for rows in self._kv.values():
             rows.release()
+        if self.host is not None:
+            self.host.release()
 
     # --- cache seam -------------------------------------------------------------------------
     def update(self, keys: torch.Tensor, values: torch.Tensor, position_ids: torch.Tensor | None

@@ -17,8 +17,9 @@ At the end of a prompt (`on_prefill_end`; the prompt itself is prefilled densely
 3. Per KV head and chunk: landmark = mean of the chunk's post-RoPE keys; a chunk's badness is the
    minimum cosine similarity between its landmark and its keys. The O chunks with the lowest
    minimum are outliers: their exact K and V stay on the device and they are always attended.
-4. Every value of the n_ctx chunked tokens goes to the host tier (kvcore.offload.Tier: pinned
-   memory on CUDA); only landmarks of the non-outlier chunks stay on the device.
+4. Every value of the n_ctx chunked tokens goes to the host tier (the layer's host store, values
+   only: kvcore.offload.HostKVStore, pinned memory on CUDA); only landmarks of the non-outlier
+   chunks stay on the device.
 
 Each decode step (per layer): the new token's exact K/V join the local window (generated tokens are
 never compressed, as in the paper and the official code; the window is attended whole). Per query head p = softmax_j(s q . m_j) over the
@@ -81,6 +82,7 @@ from typing import ClassVar
 import torch
 
 from kvcore.errors import ConfigError
+from kvcore.offload import fitted_capacity
 from methods.base import KVMethod
 from methods.budget import budget_for, check_budget
 from methods.capabilities import Capabilities, ServingNeeds
@@ -214,28 +216,6 @@ class ShadowKV(KVMethod):
         return ShadowKVLayer(layer_idx, info, self)
 
 
-class HostValues:
-    """The chunked tokens' values `(B, H_kv, n_ctx, D)` on the host tier; sparse row fetches."""
-
-    def __init__(self, tier, layer_idx: int, values: torch.Tensor):
-        self.tier, self.layer_idx = tier, layer_idx
-        self.values = tier.host_tensor(values.shape, values.dtype)
-        self.values.copy_(values)  # synchronous: the device copy is dropped right after
-        tier.ledger.d2h(values.nbytes)
-
-    def fetch(self, rows: torch.Tensor | None = None):
-        """Start moving rows `(B, H_kv, n)` (gathered on the host into a staging buffer), or all."""
-        if rows is None:
-            return self.tier.to_device(self.layer_idx, self.values)
-        index = rows.to("cpu")[..., None].expand(*rows.shape, self.values.shape[-1])
-        staged = self.tier.host_tensor(index.shape, self.values.dtype)
-        torch.gather(self.values, 2, index, out=staged)
-        return self.tier.to_device(self.layer_idx, staged)
-
-    def nbytes(self) -> int:
-        return self.values.nbytes
-
-
 class ShadowKVLayer(SelectionLayer):
     """Exact until its prompt is compressed; then per decode step (methods/selection.py) one set
     of chunks per KV head: the outlier chunks (scored +inf), the top landmark chunks, and the
@@ -257,7 +237,7 @@ class ShadowKVLayer(SelectionLayer):
         self.outlier_rows: torch.Tensor | None = None  # (B, H, O*c) chunked-token rows of outliers
         self.outlier_keys: torch.Tensor | None = None  # (B, H, O*c, D) exact post-RoPE
         self.outlier_values: torch.Tensor | None = None  # (B, H, O*c, D)
-        self.host: HostValues | None = None
+        # the chunked tokens' values live in the layer's host store (`host_kv`, values only)
         # self.keys / self.values / self.positions then hold the exact local window
         self.grant_chunks = (0, 0)  # (selected, outlier) chunks per KV head, from the rule
 
@@ -327,7 +307,8 @@ class ShadowKVLayer(SelectionLayer):
         self.outlier_values = gather_tokens(values, self.outlier_rows)
         if self.tier is None:
             raise RuntimeError("shadowkv: the layer has no tier (build it through the engine)")
-        self.host = HostValues(self.tier, self.layer_idx, values[:, :, :n_ctx])
+        # written once, never grown: a buffer of exactly the chunked tokens
+        self.host_kv(("values",), fitted_capacity).append(values[:, :, :n_ctx])
         self.keys, self.values = keys[:, :, n_ctx:].clone(), values[:, :, n_ctx:].clone()
         self.positions = self.positions[n_ctx:]
         self.compressed = True
@@ -335,7 +316,7 @@ class ShadowKVLayer(SelectionLayer):
     def _reconstruct(self, rows: torch.Tensor | None):
         """Keys rebuilt from the factors and rotated at their positions, and values fetched from
         the host: of `rows (B, H, n)` of the chunked region, or of all of it (outliers exact)."""
-        pending = self.host.fetch(rows)  # start the value copy first, rebuild keys meanwhile
+        (pending,) = self.host.fetch(rows)  # start the value copy first, rebuild keys meanwhile
         b, h = self.sv.shape[:2]
         if rows is None:
             u = self.u[:, None].expand(b, h, *self.u.shape[1:])  # (B, H, n_ctx, r)

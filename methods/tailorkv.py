@@ -26,12 +26,12 @@ for keys and values (`k_bits`, `v_bits`), held on the device (on the host tier w
 runner.kv_offload=cpu, as KIVI).
 
 Sparse layers, as the official `TailorKVCache`: every prompt token's exact K/V on the host tier
-(kvcore.offload.HostKVStore); on the device the first `sink_tokens` (8) and the last
-`recent_tokens` (56) *prompt* tokens, exact, the per-channel max |K| over the prompt (B, H_kv, D),
-and every token after the prompt (generated tokens, exact, never evicted). Prompt chunks attend
-densely (the official prefill is dense). At each decode step, per KV head, attention runs over the
-sinks, the recent prompt tokens, every generated token and the top k prompt tokens between sinks
-and recent window, chosen in two fetches from the host:
+(the layer's host store: kvcore.offload.HostKVStore); on the device the first `sink_tokens` (8)
+and the last `recent_tokens` (56) *prompt* tokens, exact, the per-channel max |K| over the prompt
+(B, H_kv, D), and every token after the prompt (generated tokens, exact, never evicted). Prompt
+chunks attend densely (the official prefill is dense). At each decode step, per KV head, attention
+runs over the sinks, the recent prompt tokens, every generated token and the top k prompt tokens
+between sinks and recent window, chosen in two fetches from the host:
   1. q_bar = the mean query of the KV head's group; channel score |q_bar_c| * max_t |K[t, c]|; the
      top `key_channels` channels (official `num_channel` 8, whatever head_dim is) of every stored
      prompt key are fetched (`HostKVStore.fetch_channels`);
@@ -75,7 +75,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvcore.offload import HostKVStore
+from kvcore.storage import ContiguousRows
 from methods import _sidefiles as sidefiles
 from methods.base import KVMethod
 from methods.budget import budget_for, check_budget
@@ -322,20 +322,32 @@ class TopKOffloadLayer(SelectionLayer):
 
     def __init__(self, layer_idx: int, info: ModelInfo, method: TailorKV):
         super().__init__(layer_idx, info, method)
-        self.store: HostKVStore | None = None  # every prompt token, exact
+        # every prompt token, exact: the layer's host store (`host_kv`, made at the first update)
         self.sink_k = self.sink_v = None  # (B, H_kv, <= sink_tokens, D) the first tokens
         self.recent_k = self.recent_v = None  # (B, H_kv, <= recent_tokens, D) the last prompt ones
-        self.gen_k = self.gen_v = None  # (B, H_kv, g, D) every token after the prompt, exact
+        # every token after the prompt, exact, on the device: appended in place (amortised
+        # growth), not concatenated to the whole of it at every step
+        self.generated = {"keys": ContiguousRows(), "values": ContiguousRows()}
         self.key_absmax: torch.Tensor | None = None  # (B, H_kv, D) max |K| per channel (prompt)
         self.prompt_tokens: int | None = None  # set when the (first) prompt ends
         self.grant: tuple[int, int, int] = (0, 0, 0)  # (s, r, k) from the rule at the prompt end
 
+    @property
+    def gen_k(self) -> torch.Tensor | None:
+        """The generated tokens' keys `(B, H_kv, g, D)` (None before the first)."""
+        return self.generated["keys"].view()
+
+    @property
+    def gen_v(self) -> torch.Tensor | None:
+        """The generated tokens' values `(B, H_kv, g, D)` (None before the first)."""
+        return self.generated["values"].view()
+
     def _gen_len(self) -> int:
-        return 0 if self.gen_k is None else self.gen_k.shape[2]
+        return self.generated["keys"].length
 
     def on_prefill_end(self) -> None:
         """The first prompt is over: fix the sinks, the recent window and the split (s, r, k)."""
-        if self.prompt_tokens is not None or self.store is None:
+        if self.prompt_tokens is not None or self.host is None:
             return
         n = self.prompt_tokens = self.seen_tokens
         budget = min(n, self.method.prompt_budget(self.basis_tokens(n)))
@@ -359,17 +371,17 @@ class TopKOffloadLayer(SelectionLayer):
         stored. After: new tokens stay exact on the device; a decode step returns the device
         rows (sinks, recent prompt tokens, generated ones), `fetch` adds the chosen prompt rows;
         a later prompt chunk attends everything."""
-        if self.store is None:
-            self.store = HostKVStore(self.tier, self.layer_idx)
+        host = self.host_kv()
         q_len = keys.shape[-2]
         self.seen_tokens += q_len
         if self.prompt_tokens is None:
-            out = self.store.past_and_new(None, keys, values)
+            out = host.past_and_new(keys, values)
             self._keep_prompt_rows(keys, values)
             return out
-        self.gen_k, self.gen_v = _append(self.gen_k, keys), _append(self.gen_v, values)
+        self.generated["keys"].append(keys)
+        self.generated["values"].append(values)
         if q_len > 1:
-            past_k, past_v = (t.wait() for t in self.store.fetch())
+            past_k, past_v = (t.wait() for t in host.fetch())
             return torch.cat([past_k, self.gen_k], 2), torch.cat([past_v, self.gen_v], 2)
         return (torch.cat([self.sink_k, self.recent_k, self.gen_k], 2),
                 torch.cat([self.sink_v, self.recent_v, self.gen_v], 2))
@@ -415,7 +427,7 @@ class TopKOffloadLayer(SelectionLayer):
             return scores
         q_bar = query[:, :, 0].float().view(b, h_kv, h_q // h_kv, d).mean(2)  # (B, H_kv, D)
         top_c = (q_bar.abs() * self.key_absmax.float()).topk(self.method.key_channels, -1).indices
-        partial = self.store.fetch_channels(top_c).wait()[:, :, s:n - r]  # (B, H_kv, n-r-s, c)
+        partial = self.host.fetch_channels(top_c).wait()[:, :, s:n - r]  # (B, H_kv, n-r-s, c)
         scores[:, :, 0, s:n - r] = (partial.float() * q_bar.gather(-1, top_c)[:, :, None]).sum(-1)
         return scores
 
@@ -425,11 +437,16 @@ class TopKOffloadLayer(SelectionLayer):
         s, _, k = self.grant
         if not k:
             return keys, values
-        fetched_k, fetched_v = (t.wait() for t in self.store.fetch(slots[:, :, s:s + k]))
+        fetched_k, fetched_v = (t.wait() for t in self.host.fetch(slots[:, :, s:s + k]))
         return (torch.cat([keys[:, :, :s], fetched_k, keys[:, :, s:]], 2),
                 torch.cat([values[:, :, :s], fetched_v, values[:, :, s:]], 2))
 
     # --- accounting --------------------------------------------------------------------------
+    def release(self) -> None:
+        super().release()
+        for rows in self.generated.values():
+            rows.release()
+
     def kept_tokens(self) -> int:
         return self.seen_tokens  # all held (the prompt on the host, later tokens on the device)
 
@@ -437,7 +454,7 @@ class TopKOffloadLayer(SelectionLayer):
         device = [self.sink_k, self.sink_v, self.recent_k, self.recent_v, self.gen_k, self.gen_v,
                   self.key_absmax]
         device_bytes = int(sum(t.nbytes for t in device if t is not None))
-        host_bytes = 0 if self.store is None else int(self.store.nbytes())
+        host_bytes = 0 if self.host is None else int(self.host.nbytes())
         return {"kv_tokens": self.seen_tokens, "kv_bytes": host_bytes + device_bytes,
                 "kv_bytes_device": device_bytes, **self.selection_stats()}
 

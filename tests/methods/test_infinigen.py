@@ -91,7 +91,7 @@ def test_speculation_with_own_input_and_all_columns_is_exact(tiny4, cache_dir, s
             layer = req.cache.kv_layers[2]
             slots, counts = layer.speculate(captured["x"], captured["pos"])  # layer 2's own input
             chosen = slots[..., : int(counts.max())].sort(-1).values
-            keys = layer.store.all_rows()[0]  # 41 stored tokens (the step's token included)
+            keys = layer.host.all_rows()[0]  # 41 stored tokens (the step's token included)
     finally:
         handle.remove()
     x = captured["x"]
@@ -271,7 +271,7 @@ def _own_input_step(model, method, prefill=40):
             req.step(ids[:, prefill])
             layer = req.cache.kv_layers[2]
             slots, counts = layer.speculate(captured["x"], captured["pos"])
-            keys = layer.store.all_rows()[0] if layer.system else layer.keys
+            keys = layer.host.all_rows()[0] if layer.system else layer.keys
     finally:
         handle.remove()
     from methods.rope import rotate

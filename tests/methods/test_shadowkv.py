@@ -76,7 +76,7 @@ def test_outlier_is_the_chunk_with_an_orthogonal_key_and_factors_are_exact_at_fu
     assert torch.allclose(keys, post[:, :, rows[0, 0]], atol=1e-5)
     assert torch.equal(vals, values[:, :, rows[0, 0]])
     # the chunked region's values live on the host tier; the local window (4 chunks) on the device
-    assert layer.host.values.shape == (1, 1, chunks * c, d)
+    assert layer.host.all_rows()[0].shape == (1, 1, chunks * c, d)
     assert layer.keys.shape[2] == 4 * c and layer.kept_tokens() == (chunks + 4) * c
 
 
@@ -284,8 +284,9 @@ def test_host_tier_on_cuda_gives_the_cpu_result():
         layer.tier = Tier(torch.device(device), TransferLedger(1), offload=True)
         post = rotate(pre, torch.arange(80).float(), inv_freq).to(device)
         feed_prompt(layer, post, values.to(device))
-        assert layer.host.values.device.type == "cpu"
-        assert layer.host.values.is_pinned() == (device == "cuda")
+        (held,) = layer.host.all_rows()  # (B, H_kv, n_ctx, D) views of the host buffer
+        assert held.device.type == "cpu"
+        assert held.is_pinned() == (device == "cuda")
         rows = chunk_rows(torch.tensor([[[1, 4], [0, 2]]], device=device), 8)
         out.append([t.cpu() for t in layer._reconstruct(rows)])
     assert torch.allclose(out[0][0], out[1][0], atol=1e-4)

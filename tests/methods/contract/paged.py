@@ -24,8 +24,7 @@ def assert_paged(layers, name):
     """Every K/V storage of the request was paged (device rows and host stores)."""
     for kv in layers:
         assert all(isinstance(r, PagedRows) for r in kv._kv.values()), name
-        store = getattr(kv, "store", None)
-        assert store is None or isinstance(store, PagedHostKVStore), name
+        assert kv.host is None or isinstance(kv.host, PagedHostKVStore), name
 
 
 def decode(engine, prompt, steps):
