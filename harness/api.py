@@ -47,12 +47,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from harness.core import forward
-from harness.core import hf_adapter
+from harness.core import forward, hf_adapter
 from harness.core.accounting import KVLedger
 from harness.report.methods_table import serving_requirements
 from harness.core.prompting import close_prompt, open_prompt
-from harness.config.runner import check_runner, engine_settings, protocol_reasons
+from harness.config.runner import RunnerSettings, engine_settings, protocol_reasons
 from harness.run import kv_figures
 from kvcore.errors import ConfigError
 from methods import build_method
@@ -82,17 +81,12 @@ class GenerateLoop:
 
 def runner_options(dense_layers=(), budget_basis: str = "final", kv_offload: str = "none",
                    check_budget: bool = True, decode_interval_tokens: int | None = None
-                   ) -> dict[str, Any]:
-    """The runner's declared defaults (conf/runner/default.yaml) with the protocol knobs this
-    API takes; every other runner knob keeps its default (batch 1, contiguous storage, dense
-    prefill)."""
-    from harness.config.config_check import yaml_defaults
-
-    runner = dict(yaml_defaults("runner", "default"))
-    runner.update(dense_layers=list(dense_layers), budget_basis=budget_basis,
-                  kv_offload=kv_offload, check_budget=check_budget,
-                  decode_interval_tokens=decode_interval_tokens)
-    return runner
+                   ) -> RunnerSettings:
+    """The runner's settings (checked) with the protocol knobs this API takes; every other
+    runner knob keeps its default (batch 1, contiguous storage, dense prefill)."""
+    return RunnerSettings(dense_layers=list(dense_layers), budget_basis=budget_basis,
+                          kv_offload=kv_offload, check_budget=check_budget,
+                          decode_interval_tokens=decode_interval_tokens)
 
 
 def cache(model, tokenizer, method: str | KVMethod, *, dense_layers=(),
@@ -119,7 +113,6 @@ def cache(model, tokenizer, method: str | KVMethod, *, dense_layers=(),
                           "built by methods.build_method")
     runner = runner_options(dense_layers, budget_basis, kv_offload, check_budget,
                             decode_interval_tokens)
-    check_runner(runner)
     dtype = next(model.parameters()).dtype
     try:
         info = hf_adapter.model_info(model.config, dtype)
@@ -127,7 +120,7 @@ def cache(model, tokenizer, method: str | KVMethod, *, dense_layers=(),
         raise ConfigError(f"model {type(model).__name__}: its config does not describe a "
                           f"decoder the harness can size ({exc})") from None
     settings = engine_settings(runner)
-    reasons = (method.validate(info, runner)
+    reasons = (method.validate(info, runner.as_dict())
                + protocol_reasons(method, GenerateLoop(), info, settings.protocol, runner))
     if reasons:
         raise ConfigError("; ".join(dict.fromkeys(reasons)))  # each once

@@ -24,7 +24,7 @@ from harness.report.loggers import log_run
 from harness.report.methods_table import capability_values, serving_requirements
 from harness.core.projection import project
 from harness.store.schema import stamp
-from harness.config.runner import plain
+from harness.config.runner import RunnerSettings, plain
 from harness.session import Session
 from harness.config.multirun import multirun_job, record_status, resolve_output
 from methods.protocol import compression_timing
@@ -35,11 +35,11 @@ ACCOUNTING = ("harness.core.accounting: held = bytes on every tier / full cache 
               "layers = all but the effective dense layers")
 
 
-def output_dir(runner: dict[str, Any], task: str, model_name: str, method: str) -> Path:
-    if runner.get("output_dir"):
-        return Path(runner["output_dir"])
+def output_dir(runner: RunnerSettings, task: str, model_name: str, method: str) -> Path:
+    if runner.output_dir:
+        return Path(runner.output_dir)
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S-%f")
-    return Path(runner.get("results_root") or "results") / task / model_name / method / stamp
+    return Path(runner.results_root) / task / model_name / method / stamp
 
 
 def seed_everything(seed: int) -> None:
@@ -57,12 +57,12 @@ def run(cfg: DictConfig) -> Path:
     session = Session.of([cfg])
     setting = session.settings[0]
     runner = setting.runner
-    if runner.get("shards", 1) != 1:
-        raise ConfigError(f"runner.shards={runner['shards']} splits the samples of a multirun "
+    if runner.shards != 1:
+        raise ConfigError(f"runner.shards={runner.shards} splits the samples of a multirun "
                           "(python -m harness -m ...); a single run is one process: add -m or "
                           "drop it")
-    if runner.get("sweep_decode_batch", 1) != 1:
-        raise ConfigError(f"runner.sweep_decode_batch={runner['sweep_decode_batch']} decodes the "
+    if runner.sweep_decode_batch != 1:
+        raise ConfigError(f"runner.sweep_decode_batch={runner.sweep_decode_batch} decodes the "
                           "settings of a multirun together (python -m harness -m ..., through "
                           "the sweep engine); a single run has one setting (runner.batch_size "
                           "batches its samples): add -m or drop it")
@@ -77,10 +77,10 @@ def run(cfg: DictConfig) -> Path:
 
     from harness.core.profiling import reset_peak_memory
 
-    if runner.get("threads"):
-        torch.set_num_threads(int(runner["threads"]))
-    seed_everything(int(runner["seed"]))
-    session.load(runner["attn_impl"])
+    if runner.threads:
+        torch.set_num_threads(runner.threads)
+    seed_everything(runner.seed)
+    session.load(runner.attn_impl)
     engine = session.engine(setting)
     reset_peak_memory(engine.device)
     result = setting.task.evaluate(engine)
@@ -105,7 +105,7 @@ def build_metrics(session, setting, engine, result, t_start: float,
         "speed": engine.speed().as_dict(),
         "memory": peak_memory(engine.device),
         "kv": kv_figures(engine, method),
-        "transfer": {"kv_offload": runner.get("kv_offload", "none"), **engine.transfers.summary()},
+        "transfer": {"kv_offload": runner.kv_offload, **engine.transfers.summary()},
         "model": {**model_section(spec, info, engine.device),
                   "parameters": models.parameter_count(session.model)},
         "method": {**method_section(setting),
@@ -114,7 +114,7 @@ def build_metrics(session, setting, engine, result, t_start: float,
                    "serving": serving_requirements(method)},
         "task": {"name": setting.task_name, "options": setting.task.options()},
         "protocol": {**result.protocol, "dense_layers": list(engine.dense_layers),
-                     "dense_layers_runner": list(runner.get("dense_layers") or []),
+                     "dense_layers_runner": list(runner.dense_layers),
                      "prefill": engine.settings.protocol.prefill,
                      "budget_basis": engine.settings.protocol.budget_basis,
                      "decode_interval_tokens": engine.settings.protocol.decode_interval_tokens,
@@ -122,10 +122,10 @@ def build_metrics(session, setting, engine, result, t_start: float,
                      "accounting": ACCOUNTING,
                      "attention_kernel": ("the method's own eager attention with probabilities "
                                           "(needs_attn_scores)" if method.capabilities.needs_attn_scores
-                                          else runner["attn_impl"]),
-                     "prefill_chunk_tokens": runner["prefill_chunk_tokens"],
-                     "batch_size": runner["batch_size"], "attn_impl": runner["attn_impl"],
-                     "positions": "text positions, explicit position_ids", "seed": runner["seed"]},
+                                          else runner.attn_impl),
+                     "prefill_chunk_tokens": runner.prefill_chunk_tokens,
+                     "batch_size": runner.batch_size, "attn_impl": runner.attn_impl,
+                     "positions": "text positions, explicit position_ids", "seed": runner.seed},
         "env": environment(Path(__file__).resolve().parents[1]),
         "run": {**run_section(t_start, setting.identity), **(run_extra or {})},
     }
@@ -167,7 +167,7 @@ def write_result(setting, out: Path, metrics: dict[str, Any], result, engine) ->
     from harness.store.results import RunFolder
 
     cfg, runner = setting.cfg, setting.runner
-    key = "runner.output_dir" if runner.get("output_dir") else "runner.results_root"
+    key = "runner.output_dir" if runner.output_dir else "runner.results_root"
     try:
         folder = RunFolder(out)
     except OSError as exc:
@@ -180,7 +180,7 @@ def write_result(setting, out: Path, metrics: dict[str, Any], result, engine) ->
             folder.write_jsonl("samples.jsonl", result.samples)
         folder.write_json("metrics.json", metrics)  # the result, before any mirror
         mirror(cfg, folder, out, metrics, result.samples)
-        final = folder.commit(overwrite=bool(runner.get("overwrite")))
+        final = folder.commit(overwrite=runner.overwrite)
     except OSError as exc:  # disk full, permissions: nothing half-written is left behind
         folder.abandon()
         raise OutputError(f"writing results to {out} failed ({exc.strerror or exc}); nothing was "

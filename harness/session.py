@@ -12,14 +12,15 @@ engine themselves, build them from plain parts (`setting`, `of_methods`, task `O
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness.config.runner import (check_prompts, check_runner, checking_tokenizer, engine_settings,
-                            plain, protocol_from, protocol_reasons, split_name, storage_reasons)
+from harness.config.runner import (RunnerSettings, check_prompts, checking_tokenizer, engine_settings,
+                            plain, protocol_reasons, split_name, storage_reasons)
 from kvcore.errors import ConfigError
 from tasks.base import Task
 
@@ -31,7 +32,7 @@ class Setting:
     """One composed and checked config: a method and its knobs, a task, the runner."""
 
     cfg: DictConfig
-    runner: dict[str, Any]
+    runner: RunnerSettings
     model_cfg: dict[str, Any]
     method_name: str
     method: Any  # methods.base.KVMethod
@@ -59,8 +60,7 @@ def compose(cfg: DictConfig, choices: dict[str, str] | None = None) -> Setting:
     from tasks import build_task
 
     check_config(cfg)  # every key declared (`+` keys too), no NaN/inf, types of YAML knobs
-    runner = plain(cfg.runner)
-    check_runner(runner)
+    runner = RunnerSettings.of(plain(cfg.runner))
     choices = choices or {}
     method_name, method_opts = split_name("method", cfg.method, choices.get("method"))
     task_name, task_opts = split_name("task", cfg.task, choices.get("task"))
@@ -74,14 +74,7 @@ def compose(cfg: DictConfig, choices: dict[str, str] | None = None) -> Setting:
 def runner_of(**knobs: Any) -> dict[str, Any]:
     """The runner's declared defaults (conf/runner/default.yaml) with `knobs` changed, for a
     caller that composes no Hydra config (`setting`)."""
-    from harness.config.config_check import yaml_defaults
-
-    runner = dict(yaml_defaults("runner", "default"))
-    unknown = sorted(set(knobs) - set(runner))
-    if unknown:
-        raise ConfigError(f"runner.{unknown[0]} is not a runner key; allowed: {', '.join(runner)}")
-    runner.update(knobs)
-    return runner
+    return RunnerSettings.of(knobs).as_dict()
 
 
 @dataclass(kw_only=True)
@@ -96,18 +89,19 @@ class OwnFeed(Task):
     batches: ClassVar[bool] = True
 
 
-def setting(model_cfg: dict[str, Any], runner: dict[str, Any], method, task: Task) -> Setting:
+def setting(model_cfg: dict[str, Any], runner: Mapping[str, Any], method, task: Task) -> Setting:
     """One setting from plain parts, for a caller that composes no Hydra config (lm-eval's
     --model_args, a benchmark): the model group's keys, a full runner (`runner_of`), a built
     method (methods.build_method) and a task (`OwnFeed` where the caller feeds the engine
-    itself). The runner is checked as `compose` checks it; the rest by `Session.validate`."""
+    itself). The runner is checked as `compose` checks it (a key left out keeps its default);
+    the rest by `Session.validate`."""
     from harness.config.multirun import config_hash
 
-    check_runner(runner)
-    cfg = OmegaConf.create({"model": dict(model_cfg), "runner": dict(runner),
+    checked = RunnerSettings.of(runner)
+    cfg = OmegaConf.create({"model": dict(model_cfg), "runner": checked.as_dict(),
                             "method": {"name": method.name, **method.hyperparameters()},
                             "task": {"name": task.name, **task.options()}})
-    return Setting(cfg, dict(runner), dict(model_cfg), method.name, method, task.name, task,
+    return Setting(cfg, checked, dict(model_cfg), method.name, method, task.name, task,
                    config_hash(cfg))
 
 
@@ -143,10 +137,10 @@ class Session:
             if s.model_cfg != first.model_cfg:
                 raise ConfigError(f"a sweep shares one model: model={s.model_cfg.get('name')} "
                                   f"differs from model={first.model_cfg.get('name')}")
-            if s.runner["attn_impl"] != first.runner["attn_impl"]:
+            if s.runner.attn_impl != first.runner.attn_impl:
                 raise ConfigError(f"a sweep loads the model once, with one attention: "
-                                  f"runner.attn_impl={s.runner['attn_impl']} differs from "
-                                  f"{first.runner['attn_impl']}")
+                                  f"runner.attn_impl={s.runner.attn_impl} differs from "
+                                  f"{first.runner.attn_impl}")
             if s.task_name != first.task_name or s.task.options() != first.task.options():
                 raise ConfigError(f"a sweep shares one task: task={s.task_name} "
                                   f"{s.task.options()} differs from task={first.task_name} "
@@ -174,15 +168,15 @@ class Session:
         order (a caller that needs no step in between)."""
         for s in self.settings:
             self.validate(s)
-        self.load(self.settings[0].runner["attn_impl"])
+        self.load(self.settings[0].runner.attn_impl)
         return [self.engine(s) for s in self.settings]
 
     def reasons(self, setting: Setting) -> list[str]:
         """Why this setting cannot run on this model (method x task x protocol x storage)."""
 
         runner, method, task = setting.runner, setting.method, setting.task
-        return (method.validate(self.info, runner) + task.validate(self.info, method)
-                + protocol_reasons(method, task, self.info, protocol_from(runner), runner)
+        return (method.validate(self.info, runner.as_dict()) + task.validate(self.info, method)
+                + protocol_reasons(method, task, self.info, runner.protocol(), runner)
                 + storage_reasons(runner, self.info, self.spec.device))
 
     def validate(self, setting: Setting) -> None:

@@ -22,7 +22,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -33,6 +33,9 @@ from harness.store.results import (SWEEP_MARK, check_output_dir, check_writable,
                                    write_json_atomic)
 from harness.store.schema import SchemaError, load
 from kvcore.errors import ConfigError
+
+if TYPE_CHECKING:
+    from harness.config.runner import RunnerSettings
 
 CONF = CONF_DIR
 
@@ -75,23 +78,23 @@ def find_complete(search_dir: Path, identity: str) -> Path | None:
     return None
 
 
-def resolve_output(runner: dict[str, Any], out: Path, identity: str) -> Path | None:
+def resolve_output(runner: RunnerSettings, out: Path, identity: str) -> Path | None:
     """Before weights load: the complete run to reuse (`runner.skip_existing`), or None after
     checking that `out` may be written. An explicit `runner.output_dir` is reused only when it
     holds a complete run of this very config, and replaced only under `runner.overwrite=true`."""
-    explicit = bool(runner.get("output_dir"))
+    explicit = bool(runner.output_dir)
     if explicit and multirun_job() is not None:
         raise ConfigError("runner.output_dir cannot be used with a sweep (-m): every member would "
                           "write the same folder")
-    if runner.get("skip_existing"):
+    if runner.skip_existing:
         done = (out if run_hash(out) == identity else None) if explicit else \
             find_complete(out.parent, identity)
         if done is not None:
             return done
     if explicit:
-        check_output_dir(out, bool(runner.get("overwrite")))
+        check_output_dir(out, runner.overwrite)
         return None
-    root = runner.get("results_root") or "results"
+    root = runner.results_root
     outer = inside_a_run(out)
     if outer is not None:
         raise ConfigError(f"runner.results_root={root} is inside the run folder {outer}: a run "

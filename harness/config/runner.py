@@ -1,27 +1,28 @@
-"""The runner's settings (`runner:` in the config), checked before anything loads: each knob's
-type and range (`check_runner`), the protocol they make (`protocol_from`), the method x task x
-protocol combinations that cannot give a real result (`protocol_reasons`), the KV storage they
-size (`storage_reasons`), the tokenizer checks before weights (`check_prompts`) and the engine's
-settings (`engine_settings`). One place, read by the session (harness.session), the API and
-lm-eval; `harness.run` only runs what they passed.
+"""The runner's settings (`runner:` in the config) as one typed, frozen `RunnerSettings`, built
+and checked once before anything loads (each knob's type, range and combination); the method x
+task x protocol combinations that cannot give a real result (`protocol_reasons`), the KV storage
+they size (`storage_reasons`), the tokenizer checks before weights (`check_prompts`) and the
+engine's settings (`engine_settings`). One place, read by the session (harness.session), the API
+and lm-eval; `harness.run` only runs what they passed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-from typing import Any
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness.config.config_check import group_options, yaml_defaults
+from harness.config.config_check import closest, group_options
 from harness.core.serving import check_admission
 from kvcore.errors import ConfigError
 from kvcore.paged import DEFAULT_BLOCK_TOKENS
-from kvcore.storage import KV_LAYOUTS
-from methods.protocol import BUDGET_BASES, PREFILL_MODES, Protocol
-
-ATTN_IMPLS = ("sdpa", "eager")
-KV_OFFLOADS = ("none", "cpu")
+from kvcore.typecheck import check_types
+from methods.protocol import Protocol
 
 
 def plain(node) -> dict[str, Any]:
@@ -52,98 +53,136 @@ def _choice(group: str) -> str:
         return "?"
 
 
+AttnImpl = Literal["sdpa", "eager"]
+KvOffload = Literal["none", "cpu"]
+ATTN_IMPLS = typing.get_args(AttnImpl)
+KV_OFFLOADS = typing.get_args(KvOffload)
 MAX_SHARDS = 1000  # a SLURM array's default index limit; local shards: one per CPU at most
+_POSITIVE = ("prefill_chunk_tokens", "batch_size", "threads", "kv_block_tokens", "shards",
+             "sweep_decode_batch", "decode_interval_tokens")  # > 0 (or null, where typed so)
 
 
-def check_runner(runner: dict[str, Any]) -> None:
-    def positive_int(key: str, allow_none: bool = False) -> None:
-        value = runner.get(key)
-        if value is None and allow_none:
-            return
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+@dataclass(frozen=True)
+class RunnerSettings:
+    """The runner's settings (conf/runner/default.yaml, in its order, with its defaults; a test
+    holds the two to each other): built once from the composed config (`of`), checked when built
+    (types by kvcore.typecheck, as method knobs, then ranges and combinations), read as
+    attributes. `as_dict()` is the plain mapping, for what records or groups the runner."""
+
+    results_root: str = "results"  # run folders land in <results_root>/<task>/<model>/...
+    output_dir: str | None = None  # the run folder exactly (a new or empty folder)
+    overwrite: bool = False  # replace a previous run at output_dir
+    prefill_chunk_tokens: int = 512  # tokens per prefill forward (a memory knob)
+    batch_size: int = 1  # requests decoded together
+    attn_impl: AttnImpl = "sdpa"  # the model's attention kernel
+    seed: int = 0  # torch, numpy and Python seed; numpy's legacy seeding takes [0, 2**32)
+    threads: int | None = None  # torch intra-op threads (None: all cores)
+    check_budget: bool = True  # fail when a layer holds more KV than its budget
+    debug: bool = False  # full Python tracebacks for errors
+    diagnostics: bool = False  # attention-mass recall + KL vs a shadow full cache
+    diagnostics_every_steps: int = 16  # sample every N decode steps (with diagnostics only)
+    kv_offload: KvOffload = "none"  # cpu: full K/V on the host
+    kv_layout: Literal["contiguous", "paged"] = "contiguous"  # paged: blocks of a shared pool
+    kv_block_tokens: int = DEFAULT_BLOCK_TOKENS  # tokens per block (kv_layout=paged only)
+    kv_device_limit_mib: float | None = None  # device KV limit, MiB (paged; None: no limit)
+    kv_admission: Literal["request", "layerkv"] = "request"  # how requests are admitted under it
+    sweep_engine: bool = True  # a multirun prefills each prompt once for every setting
+    shards: int = 1  # a multirun's samples split over this many processes
+    sweep_decode_batch: int = 1  # a sweep's settings decoded together (a memory knob)
+    skip_existing: bool = False  # reuse a complete run with the same resolved config
+    dense_layers: tuple[int, ...] = ()  # layers every method leaves uncompressed
+    prefill: Literal["dense", "chunked", "sparse"] = "dense"  # how a prompt meets the method
+    budget_basis: Literal["final", "seen"] = "final"  # what a budget_ratio is a fraction of
+    decode_interval_tokens: int | None = None  # recompress every N decoded tokens (None: never)
+
+    @classmethod
+    def of(cls, runner: Mapping[str, Any]) -> "RunnerSettings":
+        """The settings from a runner mapping (the composed config's, or one built in code);
+        a key it leaves out keeps its default. One ConfigError line for an unknown key or a bad
+        value."""
+        allowed = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in runner if k not in allowed]
+        if unknown:
+            near = closest(unknown[0], allowed)
+            hint = f"; the closest allowed name is runner.{near}" if near else ""
+            raise ConfigError(f"runner.{unknown[0]} is not a runner key{hint}; allowed: "
+                              f"{', '.join(allowed)}")
+        return cls(**runner)
+
+    def __post_init__(self) -> None:
+        check_types(type(self), self._given(), "runner")
+        object.__setattr__(self, "dense_layers", tuple(self.dense_layers))  # a list from YAML
+        for check in (_check_positive, _check_ranges, _check_combinations):
+            check(self)
+
+    def _given(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def as_dict(self) -> dict[str, Any]:
+        """The plain mapping in conf/runner/default.yaml's order, as the composed config holds
+        it (dense_layers a list): what records, groups or identifies the runner."""
+        return {**self._given(), "dense_layers": list(self.dense_layers)}
+
+    def protocol(self) -> Protocol:
+        """The protocol these settings make (the same for every method of a comparison)."""
+        return Protocol(dense_layers=self.dense_layers, prefill=self.prefill,
+                        budget_basis=self.budget_basis,
+                        decode_interval_tokens=self.decode_interval_tokens)
+
+
+def _default(key: str) -> Any:
+    return RunnerSettings.__dataclass_fields__[key].default
+
+
+def _check_positive(r: RunnerSettings) -> None:
+    keys = _POSITIVE + (("diagnostics_every_steps",) if r.diagnostics else ())
+    for key in keys:
+        value = getattr(r, key)
+        if value is not None and value <= 0:
             raise ConfigError(f"runner.{key}={value!r} must be a positive integer")
 
-    def one_of(key: str, allowed: tuple, default: Any = None) -> None:
-        if runner.get(key, default) not in allowed:
-            raise ConfigError(f"runner.{key}={runner.get(key)!r}; allowed: {', '.join(allowed)}")
 
-    positive_int("prefill_chunk_tokens")
-    positive_int("batch_size")
-    positive_int("threads", allow_none=True)
-    for key in ("shards", "sweep_decode_batch"):  # a runner dict built in code (lm-eval, the
-        if key in runner:  # API) may leave them out
-            positive_int(key)
-    if runner.get("shards", 1) > MAX_SHARDS:
-        raise ConfigError(f"runner.shards={runner['shards']}: allowed 1..{MAX_SHARDS} (one process "
+def _check_ranges(r: RunnerSettings) -> None:
+    if r.shards > MAX_SHARDS:
+        raise ConfigError(f"runner.shards={r.shards}: allowed 1..{MAX_SHARDS} (one process "
                           "or SLURM array task each; SLURM's default MaxArraySize is 1001)")
     cpus = os.cpu_count() or 1
-    if runner.get("threads") is not None and runner["threads"] > cpus:
-        raise ConfigError(f"runner.threads={runner['threads']} is more than this machine's {cpus} "
+    if r.threads is not None and r.threads > cpus:
+        raise ConfigError(f"runner.threads={r.threads} is more than this machine's {cpus} "
                           f"CPUs; allowed: 1..{cpus} (or null: all of them)")
-    if runner.get("batch_size") != 1 and runner.get("diagnostics"):
-        raise ConfigError(f"runner.batch_size={runner.get('batch_size')} with runner.diagnostics: "
-                          "the fidelity shadow cache follows one sequence; use runner.batch_size=1")
-    one_of("kv_offload", KV_OFFLOADS, "none")
-    one_of("kv_layout", KV_LAYOUTS, "contiguous")
-    if "kv_block_tokens" in runner:
-        positive_int("kv_block_tokens")
-        if (runner.get("kv_layout", "contiguous") != "paged"
-                and runner["kv_block_tokens"] != DEFAULT_BLOCK_TOKENS):
-            raise ConfigError(f"runner.kv_block_tokens={runner['kv_block_tokens']} applies to "
-                              "runner.kv_layout=paged only (contiguous buffers have no blocks); "
-                              "set runner.kv_layout=paged or drop it")
-    check_admission(runner)
-    one_of("attn_impl", ATTN_IMPLS)
-    if runner.get("diagnostics"):
-        positive_int("diagnostics_every_steps")
-    elif runner.get("diagnostics_every_steps", _declared("diagnostics_every_steps")) != \
-            _declared("diagnostics_every_steps"):
-        raise ConfigError(f"runner.diagnostics_every_steps={runner['diagnostics_every_steps']} "
+    if not 0 <= r.seed < 2**32:  # numpy's legacy seeding (seed_everything)
+        raise ConfigError(f"runner.seed={r.seed!r} must be an integer in [0, 2**32 - 1]")
+    if any(i < 0 for i in r.dense_layers):
+        raise ConfigError(f"runner.dense_layers={list(r.dense_layers)!r} must be a list of layer "
+                          "indices >= 0 (e.g. [0,1]) or []")
+    for key in ("output_dir", "results_root"):
+        value = getattr(r, key)
+        if value is not None and not value.strip():
+            default = ("null: <results_root>/<task>/<model>/<method>/<time>"
+                       if key == "output_dir" else "the default: results")
+            raise ConfigError(f"runner.{key}={value!r} is empty; give a folder (or {default})")
+
+
+def _check_combinations(r: RunnerSettings) -> None:
+    if r.batch_size != 1 and r.diagnostics:
+        raise ConfigError(f"runner.batch_size={r.batch_size} with runner.diagnostics: the "
+                          "fidelity shadow cache follows one sequence; use runner.batch_size=1")
+    if r.kv_layout != "paged" and r.kv_block_tokens != _default("kv_block_tokens"):
+        raise ConfigError(f"runner.kv_block_tokens={r.kv_block_tokens} applies to "
+                          "runner.kv_layout=paged only (contiguous buffers have no blocks); "
+                          "set runner.kv_layout=paged or drop it")
+    check_admission(r.as_dict())
+    if not r.diagnostics and r.diagnostics_every_steps != _default("diagnostics_every_steps"):
+        raise ConfigError(f"runner.diagnostics_every_steps={r.diagnostics_every_steps} "
                           "applies with runner.diagnostics=true only; set it or drop this")
-    if runner.get("overwrite") is True and not runner.get("output_dir"):
+    if r.overwrite and not r.output_dir:
         raise ConfigError("runner.overwrite=true applies to runner.output_dir only (a run under "
                           "runner.results_root always gets a new folder); set "
                           "runner.output_dir or drop it")
-    seed = runner.get("seed")
-    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**32:
-        # numpy's legacy seeding (seed_everything) takes 0 .. 2**32 - 1 only
-        raise ConfigError(f"runner.seed={seed!r} must be an integer in [0, 2**32 - 1]")
-    dense = runner.get("dense_layers")
-    if dense is not None and (not isinstance(dense, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in dense)):
-        raise ConfigError(f"runner.dense_layers={dense!r} must be a list of layer indices >= 0 "
-                          "(e.g. [0,1]) or []")
-    one_of("prefill", PREFILL_MODES, "dense")
-    one_of("budget_basis", BUDGET_BASES, "final")
-    positive_int("decode_interval_tokens", allow_none=True)
-    for key in ("check_budget", "debug", "diagnostics", "skip_existing", "overwrite",
-                "sweep_engine"):
-        if not isinstance(runner.get(key, False), bool):
-            raise ConfigError(f"runner.{key}={runner.get(key)!r} must be a boolean (true or false)")
-    for key in ("output_dir", "results_root"):
-        if runner.get(key) is not None and not isinstance(runner[key], str):
-            raise ConfigError(f"runner.{key}={runner[key]!r} must be a path (a string)")
-        if isinstance(runner.get(key), str) and not runner[key].strip():
-            default = ("null: <results_root>/<task>/<model>/<method>/<time>"
-                       if key == "output_dir" else "the default: results")
-            raise ConfigError(f"runner.{key}={runner[key]!r} is empty; give a folder (or "
-                              f"{default})")
-
-
-def _declared(key: str) -> Any:
-    """A runner knob's declared default (conf/runner/default.yaml)."""
-    return yaml_defaults("runner", "default").get(key)
-
-
-def protocol_from(runner: dict[str, Any]) -> Protocol:
-    return Protocol(dense_layers=tuple(runner.get("dense_layers") or ()),
-                    prefill=runner.get("prefill", "dense"),
-                    budget_basis=runner.get("budget_basis", "final"),
-                    decode_interval_tokens=runner.get("decode_interval_tokens"))
 
 
 def protocol_reasons(method, task, info, protocol: Protocol,
-                     runner: dict[str, Any] | None = None) -> list[str]:
+                     runner: RunnerSettings | None = None) -> list[str]:
     """Method x task x protocol combinations that cannot give a real result (before weights)."""
     caps, reasons = method.capabilities, []
     beyond = [i for i in protocol.dense_layers if i >= info.num_layers]
@@ -153,13 +192,13 @@ def protocol_reasons(method, task, info, protocol: Protocol,
     if protocol.prefill not in caps.prefill_modes:
         reasons.append(f"runner.prefill={protocol.prefill} but method={method.name} can only run "
                        f"with runner.prefill={'|'.join(caps.prefill_modes)}")
-    batch = int(runner.get("batch_size", 1)) if runner else 1
+    batch = runner.batch_size if runner else 1
     if batch > 1 and not task.batches:
         reasons.append(f"runner.batch_size={batch} but task={task.name} feeds one sequence at a "
                        "time (it scores one stream or rewinds a shared context); use "
                        "runner.batch_size=1")
-    if runner and runner.get("kv_device_limit_mib") is not None and not task.batches:
-        reasons.append(f"runner.kv_device_limit_mib={runner['kv_device_limit_mib']} but "
+    if runner and runner.kv_device_limit_mib is not None and not task.batches:
+        reasons.append(f"runner.kv_device_limit_mib={runner.kv_device_limit_mib} but "
                        f"task={task.name} does not send its requests through the serving "
                        "scheduler (it feeds one stream or rewinds a shared context); use "
                        "runner.kv_device_limit_mib=null")
@@ -183,7 +222,7 @@ def protocol_reasons(method, task, info, protocol: Protocol,
                        "runner.prefill=sparse (every prompt row under the budget)"
                        .replace("{method.name}", method.name))
     elif caps.compresses and protocol.prefill == "chunked" and "decode" not in phases and runner:
-        longest, chunk = task.longest_prompt_tokens(), runner.get("prefill_chunk_tokens")
+        longest, chunk = task.longest_prompt_tokens(), runner.prefill_chunk_tokens
         if longest is not None and chunk and longest <= chunk:
             reasons.append(f"runner.prefill=chunked: method={method.name} compresses after each "
                            f"prefill chunk, but task={task.name} (with these options) scores "
@@ -214,42 +253,40 @@ def decode_interval_reasons(method, task, protocol: Protocol) -> list[str]:
     return []
 
 
-def storage_reasons(runner: dict[str, Any], info, device) -> list[str]:
+def storage_reasons(runner: RunnerSettings, info, device) -> list[str]:
     """KV storage sized by runner knobs that cannot fit the model or the machine (before
     weights): a paged block longer than any sequence can be, or the first block of every layer
     and sequence beyond the memory available (kvcore.guards estimates every later allocation)."""
     from kvcore.guards import available_bytes, fmt_bytes
 
-    if runner.get("kv_layout", "contiguous") != "paged":
+    if runner.kv_layout != "paged":
         return []
-    block = runner.get("kv_block_tokens", DEFAULT_BLOCK_TOKENS)
+    block = runner.kv_block_tokens
     if info.max_positions and block > info.max_positions:
         return [f"runner.kv_block_tokens={block} is larger than the model's max positions "
                 f"({info.max_positions}): no sequence fills one block; allowed: 1.."
                 f"{info.max_positions}"]
-    first = runner.get("batch_size", 1) * block * info.kv_bytes_per_token()
-    if runner.get("kv_offload", "none") == "cpu":
+    first = runner.batch_size * block * info.kv_bytes_per_token()
+    if runner.kv_offload == "cpu":
         first *= 2  # the host tier pages the same blocks
     free = available_bytes(device)
     if free is not None and first > free:
         return [f"runner.kv_block_tokens={block} with runner.batch_size="
-                f"{runner.get('batch_size', 1)}: one block per layer and sequence needs "
+                f"{runner.batch_size}: one block per layer and sequence needs "
                 f"{fmt_bytes(first)} but {fmt_bytes(free)} of {device.type} memory is available"]
     return []
 
 
-def engine_settings(runner: dict[str, Any]):
+def engine_settings(runner: RunnerSettings):
     from harness.core.engine import EngineSettings
 
     return EngineSettings(
-        prefill_chunk_tokens=runner["prefill_chunk_tokens"], batch_size=runner["batch_size"],
-        check_budget=bool(runner.get("check_budget", True)),
-        diagnostics_every=int(runner["diagnostics_every_steps"]) if runner.get("diagnostics") else 0,
-        kv_offload=runner.get("kv_offload", "none"), protocol=protocol_from(runner),
-        kv_layout=runner.get("kv_layout", "contiguous"),
-        kv_block_tokens=runner.get("kv_block_tokens", DEFAULT_BLOCK_TOKENS),
-        kv_device_limit_mib=runner.get("kv_device_limit_mib"),
-        kv_admission=runner.get("kv_admission", "request"))
+        prefill_chunk_tokens=runner.prefill_chunk_tokens, batch_size=runner.batch_size,
+        check_budget=runner.check_budget,
+        diagnostics_every=runner.diagnostics_every_steps if runner.diagnostics else 0,
+        kv_offload=runner.kv_offload, protocol=runner.protocol(), kv_layout=runner.kv_layout,
+        kv_block_tokens=runner.kv_block_tokens, kv_device_limit_mib=runner.kv_device_limit_mib,
+        kv_admission=runner.kv_admission)
 
 
 def check_prompts(task, spec, info, method, config, tokenizer=None) -> None:

@@ -135,8 +135,6 @@ def check_knobs(knobs: VllmKnobs) -> None:
 
 def check_setting(setting) -> None:
     """What vLLM cannot run, refused in one line before anything starts."""
-    from harness.config.config_check import yaml_defaults
-
     if setting.method_name not in ("full", *PLUGIN_METHODS):
         raise ConfigError(f"method={setting.method_name}: the vLLM engine runs the full cache, "
                           "in vLLM's own KV formats (vllm.kv_cache_dtype="
@@ -155,9 +153,9 @@ def check_setting(setting) -> None:
         raise ConfigError(f"task.mode={setting.task.mode}: the vLLM engine scores perplexity from "
                           "its prompt log-probabilities over the whole text (task.mode=streaming); "
                           "chunked windows need our engine's logits")
-    declared = yaml_defaults("runner", "default")
-    for key, value in setting.runner.items():
-        if key not in RUNNER_KNOBS and key in declared and value != declared[key]:
+    declared = type(setting.runner)().as_dict()  # the runner's defaults
+    for key, value in setting.runner.as_dict().items():
+        if key not in RUNNER_KNOBS and value != declared[key]:
             raise ConfigError(f"runner.{key}={value!r} configures our engine; the vLLM engine "
                               f"takes runner.{'|'.join(RUNNER_KNOBS)} and vllm.* knobs only")
 
@@ -527,7 +525,7 @@ def build_metrics(session, setting, engine: VllmEngine, result, facts: dict[str,
                      "engine": "vllm", "attn_impl": "vllm cpu_attn",
                      "attention_kernel": f"vLLM CPU attention, KV {knobs.kv_cache_dtype}",
                      "decoding": "greedy (temperature 0), vLLM sampler",
-                     "positions": "text positions (vLLM)", "seed": setting.runner["seed"]},
+                     "positions": "text positions (vLLM)", "seed": setting.runner.seed},
         "engine": {"name": "vllm", **facts, "max_model_len": engine_max_len(knobs, info),
                    "worker": "scripts/vllm_worker.py (JSON lines over stdin/stdout)"},
         "env": environment(ROOT),
@@ -592,7 +590,7 @@ def run(args: list[str]) -> Path:
     if done is not None:
         print(f"skipped: a complete result for this config ({identity}) exists at {done}")
         return done
-    seed_everything(int(setting.runner["seed"]))
+    seed_everything(setting.runner.seed)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -601,7 +599,7 @@ def run(args: list[str]) -> Path:
         log_path = Path(tmp) / "vllm.log"
         dtype = str(session.spec.dtype).replace("torch.", "")
         with started(knobs, folder, dtype, engine_max_len(knobs, session.info),
-                     int(setting.runner["seed"]), log_path,
+                     setting.runner.seed, log_path,
                      pool={"method": setting.method_name,
                            "method_knobs": plugin_knobs(setting.method)} if plugin else None
                      ) as (worker, facts):
@@ -610,7 +608,7 @@ def run(args: list[str]) -> Path:
         metrics = build_metrics(session, setting, engine, result, facts, knobs, identity,
                                 t_start, log_path)
         final = write_run(out, cfg, metrics, result.samples, log_path,
-                          bool(setting.runner.get("overwrite")))
+                          setting.runner.overwrite)
     print(summary(metrics, final))
     return final
 

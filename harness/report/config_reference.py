@@ -40,14 +40,13 @@ def allowed_constants() -> dict[str, tuple]:
     breaks the generator instead of leaving the page wrong)."""
     from harness.report.loggers import MODES
     from harness.core.models import DTYPES
-    from harness.config.runner import ATTN_IMPLS, KV_OFFLOADS
-    from harness.core.serving import ADMISSIONS
-    from methods.protocol import BUDGET_BASES, PREFILL_MODES
+    from harness.config.runner import RunnerSettings
+    from kvcore.typecheck import field_types
 
-    return {"runner.attn_impl": ATTN_IMPLS, "runner.kv_offload": KV_OFFLOADS,
-            "runner.kv_admission": ADMISSIONS, "runner.prefill": PREFILL_MODES,
-            "runner.budget_basis": BUDGET_BASES, "runner.kv_layout": ("contiguous", "paged"),
-            "model.dtype": tuple(DTYPES), "logger.mode": (None, *MODES)}
+    choices = {f"runner.{key}": typing.get_args(tp)  # the runner's choice knobs (`Literal`)
+               for key, tp in field_types(RunnerSettings).items()
+               if typing.get_origin(tp) is typing.Literal}
+    return {**choices, "model.dtype": tuple(DTYPES), "logger.mode": (None, *MODES)}
 
 
 def yaml_comments(path: Path) -> dict[str, str]:

@@ -166,9 +166,8 @@ def shares_prefill(setting) -> bool:
     """Whether this setting's runner feeds a prompt the one way a prefill can be shared: dense,
     one sequence at a time, no device limit, no host tier, no diagnostics shadow."""
     r = setting.runner
-    return (r.get("prefill", "dense") == "dense" and r.get("batch_size", 1) == 1
-            and r.get("kv_device_limit_mib") is None and r.get("kv_offload", "none") == "none"
-            and not r.get("diagnostics"))
+    return (r.prefill == "dense" and r.batch_size == 1 and r.kv_device_limit_mib is None
+            and r.kv_offload == "none" and not r.diagnostics)
 
 
 def prefill_key(setting) -> str:
@@ -176,7 +175,7 @@ def prefill_key(setting) -> str:
     method = setting.method
     knobs = {k: v for k, v in method.hyperparameters().items()
              if k not in method.prompt_end_knobs}
-    runner = {k: v for k, v in setting.runner.items()
+    runner = {k: v for k, v in setting.runner.as_dict().items()
               if k not in _NOT_COMPUTE and k not in _AFTER_PROMPT}
     return json.dumps([method.name, knobs, runner], sort_keys=True, default=str)
 
@@ -212,7 +211,7 @@ def rule_budget(method: KVMethod) -> int | None:
 def donor_key(setting) -> str:
     """Settings with equal keys compute a full cache's answer with the same arithmetic: the
     same runner (what it computes) and the same attention kernel."""
-    runner = {k: v for k, v in setting.runner.items() if k not in _NOT_COMPUTE}
+    runner = {k: v for k, v in setting.runner.as_dict().items() if k not in _NOT_COMPUTE}
     return json.dumps([runner, setting.method.capabilities.needs_attn_scores], sort_keys=True,
                       default=str)
 
@@ -261,7 +260,7 @@ def forward_key(setting) -> str | None:
     the same runner), or None: it feeds prompts otherwise."""
     if not shares_prefill(setting):
         return None
-    runner = {k: v for k, v in setting.runner.items()
+    runner = {k: v for k, v in setting.runner.as_dict().items()
               if k not in _NOT_COMPUTE and k not in _AFTER_PROMPT}
     return json.dumps(runner, sort_keys=True, default=str)
 
@@ -332,7 +331,7 @@ class FanOut:
         self.identical = {k: None if b is None else 0 for k, b in self.budgets.items()}
         self.gained: dict[int, dict] = {}  # per member: what its last answer added (a tally)
         # settings decoded together (harness.sweep.decode): the smallest any member allows
-        self.decode_batch = min(members[k].setting.runner.get("sweep_decode_batch", 1)
+        self.decode_batch = min(members[k].setting.runner.sweep_decode_batch
                                 for g in groups for k in g.members)
 
     def __getattr__(self, name: str):
@@ -416,7 +415,7 @@ class FanOut:
             rule = self.budgets[k] is not None and seq_tokens <= self.budgets[k]
             if rule:
                 self.identical[k] += 1
-            if setting.runner.get("diagnostics"):  # its fidelity figures are its own
+            if setting.runner.diagnostics:  # its fidelity figures are its own
                 continue
             if rule or not setting.method.capabilities.compresses:
                 key = donor_key(setting)
@@ -550,8 +549,7 @@ class Replay:
 def needs_own_pass(setting) -> bool:
     """Whether the setting is evaluated by its own task pass (prompts decoded together, a device
     KV limit queueing requests), outside the shared one."""
-    return (setting.runner.get("batch_size", 1) != 1
-            or setting.runner.get("kv_device_limit_mib") is not None)
+    return setting.runner.batch_size != 1 or setting.runner.kv_device_limit_mib is not None
 
 
 def answer_shard(members: list[Member], info, records: list, shard) -> list[Group]:

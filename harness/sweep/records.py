@@ -25,19 +25,22 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harness.store.schema import json_safe
 from kvcore.errors import ConfigError
+
+if TYPE_CHECKING:
+    from harness.config.runner import RunnerSettings
 
 FOLDER = "_sweep_records"
 _TRANSFER_COUNTS = ("bytes_h2d", "bytes_d2h", "copies_h2d", "copies_d2h",
                     "exposed_ms_resolved", "transfer_ms_resolved")
 
 
-def record_path(runner: dict[str, Any], identity: str, shard=None) -> Path:
+def record_path(runner: RunnerSettings, identity: str, shard=None) -> Path:
     """The setting's record file; a shard's (harness.sweep.shards.Shard) is its own."""
-    root = Path(runner.get("results_root") or "results")
+    root = Path(runner.results_root)
     part = "" if shard is None else f".shard-{shard.index}-of-{shard.count}"
     return root / FOLDER / f"{identity}{part}.jsonl"
 
@@ -249,7 +252,7 @@ class Records:
             path.unlink(missing_ok=True)
 
 
-def strays(runner: dict[str, Any], identity: str, count: int) -> list[Path]:
+def strays(runner: RunnerSettings, identity: str, count: int) -> list[Path]:
     """Record files of this setting that a sweep split into `count` shards (1: unsharded) would
     neither resume nor merge: those of a sweep split otherwise (a killed one), named before
     work so they are not left to be resumed later by surprise."""

@@ -92,13 +92,13 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True,
     import torch
 
     first = composed[todo[0]].runner
-    if first.get("threads"):
-        torch.set_num_threads(int(first["threads"]))
-    seed_everything(int(first["seed"]))
-    session.load(first["attn_impl"])
+    if first.threads:
+        torch.set_num_threads(first.threads)
+    seed_everything(first.seed)
+    session.load(first.attn_impl)
     members = []
     for i in todo:
-        seed_everything(int(composed[i].runner["seed"]))  # as a single run seeds before prepare
+        seed_everything(composed[i].runner.seed)  # as a single run seeds before prepare
         members.append(sweep_engine.Member(composed[i], session.engine(composed[i])))
     records = [records[i] for i in todo]
     resumed = sum(r.resumed for r in records if r)
@@ -200,7 +200,7 @@ def setting_records(setting, shard, merge: int, count: int):
     split otherwise lies beside them."""
     from harness.sweep.records import Records, owner, record_path, strays
 
-    if setting.runner.get("diagnostics"):
+    if setting.runner.diagnostics:
         return None
     stray = strays(setting.runner, setting.identity, count)
     if stray:

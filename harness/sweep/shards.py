@@ -64,11 +64,11 @@ def shard_reasons(setting, count: int) -> list[str]:
                    "one stream or a rewound context, not as independent prompts; run it with "
                    "runner.shards=1")
     if needs_own_pass(setting):
-        why.append(f"runner.shards={count} with runner.batch_size={runner.get('batch_size')}, "
-                   f"runner.kv_device_limit_mib={runner.get('kv_device_limit_mib')} or a method "
+        why.append(f"runner.shards={count} with runner.batch_size={runner.batch_size}, "
+                   f"runner.kv_device_limit_mib={runner.kv_device_limit_mib} or a method "
                    "with model hooks: such a setting runs its own task pass, not sample by "
                    "sample; use runner.shards=1")
-    if runner.get("diagnostics"):
+    if runner.diagnostics:
         why.append(f"runner.shards={count} with runner.diagnostics=true: the fidelity shadow "
                    "keeps no per-sample records; use runner.shards=1")
     return why

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from harness.core import batch as batching
-from harness.config.runner import protocol_reasons
+from harness.config.runner import RunnerSettings, protocol_reasons
 from harness.run import run
 from methods import build_method
 from methods.protocol import Protocol
@@ -67,7 +67,8 @@ def test_tasks_that_cannot_batch_are_refused_before_loading(tiny_model):
     method = build_method("full")
     for name, refused in (("perplexity", True), ("multiturn", True), ("ruler", False),
                           ("xsum", False), ("longbench", False)):
-        reasons = protocol_reasons(method, build_task(name), info, Protocol(), {"batch_size": 4})
+        reasons = protocol_reasons(method, build_task(name), info, Protocol(),
+                                   RunnerSettings(batch_size=4))
         assert bool(reasons) == refused, (name, reasons)
         if refused:
             assert "runner.batch_size=4" in reasons[0] and f"task={name}" in reasons[0]

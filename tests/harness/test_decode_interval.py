@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from harness.config.runner import check_runner, decode_interval_reasons
+from harness.config.runner import RunnerSettings, decode_interval_reasons
 from kvcore.errors import ConfigError
 from methods import available_methods, build_method, method_class
 from methods.protocol import Protocol
@@ -89,8 +89,8 @@ def test_refused_for_methods_that_do_not_declare_it_and_tasks_without_decode():
     runner = {"prefill_chunk_tokens": 512, "batch_size": 1, "attn_impl": "sdpa", "seed": 0}
     for bad in (0, -3, "8", True):
         with pytest.raises(ConfigError, match="runner.decode_interval_tokens="):
-            check_runner({**runner, "decode_interval_tokens": bad})
-    check_runner({**runner, "decode_interval_tokens": None})
+            RunnerSettings.of({**runner, "decode_interval_tokens": bad})
+    RunnerSettings.of({**runner, "decode_interval_tokens": None})
 
 
 def test_settings_differing_only_in_the_interval_share_a_prefill(tmp_path):

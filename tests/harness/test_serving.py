@@ -9,7 +9,7 @@ import torch
 
 from harness.core import hf_adapter
 from harness.core import serving
-from harness.config.runner import check_runner, protocol_reasons
+from harness.config.runner import RunnerSettings, protocol_reasons
 from harness.run import run
 from kvcore.errors import ConfigError
 from kvcore.paged import BlockPool, DeviceBudget, DeviceMemoryExceeded
@@ -104,7 +104,7 @@ def test_refusals_before_weights(tiny_model):
     assert any("runner.kv_admission=layerkv" in r and "make_host_layer" in r for r in reasons)
     assert build_method("full").validate(info, runner) == []
     reasons = protocol_reasons(build_method("full"), build_task("perplexity"), info, Protocol(),
-                               {"batch_size": 1, "kv_device_limit_mib": 64})
+                               RunnerSettings(kv_layout="paged", kv_device_limit_mib=64))
     assert any("runner.kv_device_limit_mib=64" in r and "task=perplexity" in r for r in reasons)
     base = {"prefill_chunk_tokens": 8, "batch_size": 1, "attn_impl": "sdpa", "seed": 0}
     for bad, key in (({"kv_device_limit_mib": 64}, "kv_layout=paged"),
@@ -112,7 +112,7 @@ def test_refusals_before_weights(tiny_model):
                      ({"kv_admission": "layerkv"}, "needs a device limit"),
                      ({"kv_admission": "vllm"}, "allowed: request, layerkv")):
         with pytest.raises(ConfigError, match=key):
-            check_runner({**base, **bad})
+            RunnerSettings.of({**base, **bad})
 
 
 def test_runner_end_to_end_under_layerkv_gives_the_same_answers(tmp_path):

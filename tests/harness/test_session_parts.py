@@ -32,8 +32,8 @@ def test_rows_get_their_own_runner_knobs(no_weights):
         {"name": "stories260k", "device": "cpu"},
         {layout: build_method("full") for layout in ("contiguous", "paged")},
         row_knobs={"paged": {"kv_layout": "paged"}}, prefill_chunk_tokens=64)
-    assert [s.runner["kv_layout"] for s in settings.values()] == ["contiguous", "paged"]
-    assert {s.runner["prefill_chunk_tokens"] for s in settings.values()} == {64}
+    assert [s.runner.kv_layout for s in settings.values()] == ["contiguous", "paged"]
+    assert {s.runner.prefill_chunk_tokens for s in settings.values()} == {64}
     assert session.model is None  # validated only
 
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from harness.config.runner import RunnerSettings
 from harness.sweep.records import FOLDER, Records, owner, record_path, strays
 from harness.sweep.shards import Shard
 from kvcore.errors import ConfigError
@@ -23,7 +24,7 @@ def setting(identity="aaaa1111", method="h2o", label="h2o(budget_tokens=24)"):
 def written(tmp_path, who=None, shard=None, answers=2):
     """A record file of `who` with `answers` records, as a sweep writes it."""
     who = who or setting()
-    path = record_path({"results_root": str(tmp_path)}, who.identity, shard)
+    path = record_path(RunnerSettings(results_root=str(tmp_path)), who.identity, shard)
     rec = Records(path, owner(who, shard))
     for i in range(answers):
         rec.append(0, i, f"key{i}", [1, 2, 3], {"prefill_tokens": 5})
@@ -73,7 +74,7 @@ def test_a_malformed_record_is_named_by_file_and_line(tmp_path, line, why):
 
 @pytest.mark.parametrize("content", ["", "a user's notes\n", '{"kind": "something else"}\n'])
 def test_a_file_the_project_did_not_write_is_refused(tmp_path, content):
-    path = record_path({"results_root": str(tmp_path)}, "aaaa1111")
+    path = record_path(RunnerSettings(results_root=str(tmp_path)), "aaaa1111")
     path.parent.mkdir(parents=True)
     path.write_text(content + '{"identity": "aaaa1111"}\n')
     with pytest.raises(ConfigError, match="does not say it holds kv-harness sweep records"):
@@ -93,7 +94,7 @@ def test_a_line_cut_by_a_kill_is_dropped_and_the_next_record_starts_clean(tmp_pa
 def test_a_records_file_that_is_a_link_is_refused_and_its_target_untouched(tmp_path):
     users = tmp_path / "users_notes.txt"
     users.write_text("precious\n")
-    path = record_path({"results_root": str(tmp_path / "results")}, "aaaa1111")
+    path = record_path(RunnerSettings(results_root=str(tmp_path / "results")), "aaaa1111")
     path.parent.mkdir(parents=True)
     path.symlink_to(users)
     with pytest.raises(ConfigError, match="link"):
@@ -106,7 +107,7 @@ def test_a_records_file_that_is_a_link_is_refused_and_its_target_untouched(tmp_p
 
 
 def test_a_fifo_is_refused_not_waited_on(tmp_path):
-    path = record_path({"results_root": str(tmp_path)}, "aaaa1111")
+    path = record_path(RunnerSettings(results_root=str(tmp_path)), "aaaa1111")
     path.parent.mkdir(parents=True)
     os.mkfifo(path)
     with pytest.raises(ConfigError, match="not a regular file"):
@@ -114,7 +115,7 @@ def test_a_fifo_is_refused_not_waited_on(tmp_path):
 
 
 def test_records_of_a_sweep_split_otherwise_are_strays(tmp_path):
-    runner = {"results_root": str(tmp_path)}
+    runner = RunnerSettings(results_root=str(tmp_path))
     written(tmp_path, shard=Shard(0, 2))
     written(tmp_path, shard=Shard(1, 2))
     assert strays(runner, "aaaa1111", 2) == []
@@ -141,7 +142,7 @@ def test_a_sweep_names_stray_and_foreign_records_before_work(tmp_path, no_weight
                     f"runner.results_root={root}") for b in (24, 48)]
     first, second = (compose(c, None) for c in cfgs)
     written(root, first, shard=Shard(0, 2))
-    foreign = record_path({"results_root": str(root)}, second.identity)
+    foreign = record_path(RunnerSettings(results_root=str(root)), second.identity)
     written(root, first).rename(foreign)
     before = sorted(p.name for p in (root / FOLDER).iterdir())
     outcomes = run_sweep(cfgs)
