@@ -14,7 +14,7 @@ per-token arrival times out. The harness tokenizes, builds the prompts and score
 its own engine; only the forward passes and the KV cache are vLLM's.
 
 What runs: the full cache in vLLM's KV formats (`vllm.kv_cache_dtype`: auto = the model dtype,
-fp8, fp8_e4m3, fp8_e5m2); the generating tasks through `generate_many` (greedy) and streaming
+fp8, fp8_e4m3, fp8_e5m2); the generating tasks through `generate` (greedy) and streaming
 perplexity through vLLM's prompt log-probabilities (every token's log-probability given all
 before it: the full cache's teacher-forced NLL). `method=quest` runs our Quest inside vLLM's
 CPU attention through the project's vLLM plugin (scripts/kvh_vllm_plugin; docs/vllm.md): its
