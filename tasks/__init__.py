@@ -16,7 +16,7 @@ from tasks.base import Task, TaskResult
 
 __all__ = ["Task", "TaskResult", "available_tasks", "build_task", "task_class"]
 
-_NOT_TASKS = {"base", "prompts", "text_sources"}
+_NOT_TASKS = {"base", "engine_api", "prompts", "text_sources"}
 
 
 def available_tasks() -> list[str]:

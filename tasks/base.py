@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 from kvcore.errors import ConfigError
 from methods.base import KVMethod
 from methods.model import ModelInfo
+from tasks.engine_api import TaskEngine
 
 
 def content_id(prompt: Any, reference: Any) -> str:
@@ -36,9 +37,13 @@ class Task:
     # falls back to "the first number" for a new task.
     main_metric: ClassVar[str]
     higher_is_better: ClassVar[bool]
-    # Sends independent prompts through `engine.generate_many`, so runner.batch_size > 1 decodes
+    # Sends independent prompts through `engine.generate`, so runner.batch_size > 1 decodes
     # them together (harness.core.batch); False: one stream or a rewound context, batch 1 only.
     batches: ClassVar[bool] = False
+    # Asks its engine for more than tasks.engine_api.TaskEngine (a request of its own, fed turn by
+    # turn or rewound): it is always given the setting's own harness.core.engine.Engine, and a sweep
+    # evaluates it per setting (harness.sweep.execute) instead of answering its requests at once.
+    needs_live_engine: ClassVar[bool] = False
     # The option that makes part of the input a prompt where phases() has none (named in the
     # runner's refusal of a prompt-only method), or None.
     prompt_option: ClassVar[str | None] = None
@@ -87,5 +92,7 @@ class Task:
     def check_data(self) -> None:
         """Check that data files exist and are readable (before weights load); raise ConfigError."""
 
-    def evaluate(self, engine) -> TaskResult:
+    def evaluate(self, engine: TaskEngine) -> TaskResult:
+        """The task's samples through `engine` (the setting's own Engine when the task declares
+        `needs_live_engine`), scored."""
         raise NotImplementedError

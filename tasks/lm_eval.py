@@ -29,10 +29,13 @@ import json
 import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvcore.errors import ConfigError
 from tasks.base import Task, TaskResult, content_id
+
+if TYPE_CHECKING:
+    from harness.core.engine import Engine
 
 SCORING = ("stepwise", "chunked")
 DEFAULT_FEWSHOT_SEED = 1234  # lm-eval's default fewshot_random_seed: prompts match lm-eval runs
@@ -43,6 +46,9 @@ class LMEval(Task):
     name: ClassVar[str] = "lm_eval"
     main_metric: ClassVar[str] = "acc_mean"  # mean acc over task.names (one name: its acc)
     higher_is_better: ClassVar[bool] = True
+    # lm-eval's requests are served by KVHarnessLM over the engine itself (requests, batches,
+    # rewound contexts, its accounting)
+    needs_live_engine: ClassVar[bool] = True
     names: list[str] = field(default_factory=lambda: ["copa"])  # lm-eval task names
     num_fewshot: int | None = 5  # examples per prompt (null: each task's own default, 0 here)
     scoring: str = "stepwise"  # stepwise | chunked
@@ -177,7 +183,7 @@ class LMEval(Task):
         # later folders override earlier ones: your own task of a standard name wins
         return TaskManager(include_path=folders + own, include_defaults=False)
 
-    def evaluate(self, engine) -> TaskResult:
+    def evaluate(self, engine: "Engine") -> TaskResult:
         import lm_eval
         from lm_eval import simple_evaluate
 

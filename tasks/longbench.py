@@ -46,6 +46,7 @@ from methods.base import KVMethod
 from methods.model import ModelInfo
 from tasks._longbench_config import DATASETS, HUB_ARCHIVE, HUB_REPO, DatasetSpec
 from tasks.base import Task, TaskResult, content_id
+from tasks.engine_api import GenerationRequest, TaskEngine
 from tasks.text_sources import data_root, jsonl_objects
 
 CHAT_MODES = ("auto", "always", "never")
@@ -229,7 +230,7 @@ class LongBench(Task):
             return True
         return spec.chat_template and has_template
 
-    def evaluate(self, engine) -> TaskResult:
+    def evaluate(self, engine: TaskEngine) -> TaskResult:
         plan, reasons = self._lengths(engine.info, engine.method)
         if reasons:
             raise ConfigError("; ".join(reasons))
@@ -303,8 +304,9 @@ class LongBench(Task):
                             len(kept) < len(body)))
         # pred.py's samsum call sets min_length = prompt + 1, which masks its EOS ids (newline
         # included) at the first step: the first token is never a stop token there.
-        outs = engine.generate_many([p[0] for p in prompts], gen, stop_ids,
-                                    min_new_tokens=1 if spec.stop_at_newline else 0)
+        outs = engine.generate(GenerationRequest(
+            [p[0] for p in prompts], gen, stop_ids,
+            min_new_tokens=1 if spec.stop_at_newline else 0))
         samples = []
         for index, (row, (ids, untruncated, truncated), new_ids) in enumerate(
                 zip(rows, prompts, progress(outs, f"longbench {dataset}", "sample", len(rows)))):

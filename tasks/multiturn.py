@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvcore.errors import ConfigError
 from kvcore.guards import PROMPT_HOST_BYTES_PER_TOKEN, size_reason
@@ -42,6 +42,9 @@ from tasks.base import Task, TaskResult, content_id
 from tasks.prompts import (CHAT_OPTIONS, HAYSTACKS, KEY_WORDS, NEEDLE, RULER_DEPTHS, PromptFormat,
                            clean_prediction, haystack_with_needles, is_int, largest_fitting,
                            load_haystack_words, magic_number, string_match_all)
+
+if TYPE_CHECKING:
+    from harness.core.engine import Engine
 
 ANSWER_MODES = ("append",)
 DEFAULT_CONTEXT_TOKENS = 1024
@@ -111,6 +114,8 @@ class MultiTurn(Task):
     name: ClassVar[str] = "multiturn"
     main_metric: ClassVar[str] = "accuracy"  # needles retrieved over every turn, %
     higher_is_better: ClassVar[bool] = True
+    # one request per conversation, fed turn by turn (Engine.request)
+    needs_live_engine: ClassVar[bool] = True
     context_tokens: int | None = None  # tokens of the shared context; None: min(1024, what fits)
     turns: int = 4  # needles = questions per conversation
     samples: int = 2  # conversations (contexts)
@@ -277,7 +282,7 @@ class MultiTurn(Task):
 
     # -- evaluation --
 
-    def evaluate(self, engine) -> TaskResult:
+    def evaluate(self, engine: "Engine") -> TaskResult:
         tok, limit = engine.tokenizer, engine.info.max_positions
         bounded = engine.method.bounds_positions()
         stop_ids = engine.stop_token_ids()

@@ -26,6 +26,7 @@ from harness.core.progress import progress
 from methods.base import KVMethod
 from methods.model import ModelInfo
 from tasks.base import Task, TaskResult, content_id
+from tasks.engine_api import ScoreStreamRequest
 from tasks.text_sources import TEXT_DATASETS, load_text
 
 MODES = ("chunked", "streaming")
@@ -59,6 +60,12 @@ class Perplexity(Task):
     window_tokens: int | None = None  # chunked: tokens per window (None: min(1024, max positions))
     block_tokens: int = 256  # streaming mode: tokens per point of the NLL curve
     prefill_tokens: int | None = None  # streaming: the first P tokens as one prompt (None: none)
+
+    @property
+    def needs_live_engine(self) -> bool:
+        """Chunked windows are each a request of their own, prefilled with every logit; a
+        stream is a `ScoreStreamRequest`."""
+        return self.mode == "chunked"
 
     def check_options(self) -> list[str]:
         reasons = []
@@ -171,7 +178,7 @@ class Perplexity(Task):
     def _streaming(self, engine, ids: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
         prompt = self.prefill_tokens or 0
         # the prompt's end is the prompt-end hook: prompt compressors act there
-        nll = engine.stream_scores(ids, prompt, token_nll)
+        nll = engine.score_stream(ScoreStreamRequest(ids, prompt, token_nll))
         return nll, [{"id": 0, **_scored(ids.tolist(), max(prompt, 1), nll)}]
 
 

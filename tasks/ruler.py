@@ -53,6 +53,7 @@ from harness.core.progress import progress
 from methods.base import KVMethod
 from methods.model import ModelInfo
 from tasks.base import Task, TaskResult, content_id
+from tasks.engine_api import GenerationRequest, TaskEngine
 from tasks.prompts import (CHAT_OPTIONS, CWE_WORDS, HAYSTACKS, KEY_WORDS, NEEDLE, NOISE_SENTENCE,
                            RULER_DEPTHS, PromptFormat, clean_prediction, distinct,
                            haystack_with_needles, is_int, join_keys, largest_fitting,
@@ -456,7 +457,7 @@ class Ruler(Task):
 
     # -- evaluation --
 
-    def evaluate(self, engine) -> TaskResult:
+    def evaluate(self, engine: TaskEngine) -> TaskResult:
         tok = engine.tokenizer
         fmt = PromptFormat(tok, self.chat_template)
         stop_ids = engine.stop_token_ids()
@@ -465,12 +466,13 @@ class Ruler(Task):
         rows = []
         if self.query == "agnostic":
             cuts = [query_start(s, fmt) for s in samples]
-            outs = engine.generate_many([s.input_ids[:c] for s, c in zip(samples, cuts)],
+            request = GenerationRequest([s.input_ids[:c] for s, c in zip(samples, cuts)],
                                         [s.max_new_tokens for s in samples], stop_ids,
                                         queries=[s.input_ids[c:] for s, c in zip(samples, cuts)])
         else:
-            outs = engine.generate_many([s.input_ids for s in samples],
+            request = GenerationRequest([s.input_ids for s in samples],
                                         [s.max_new_tokens for s in samples], stop_ids)
+        outs = engine.generate(request)
         for s, out in zip(samples, progress(outs, "ruler", "sample", total=len(samples))):
             answer_ids = [t for t in out if t not in stop_ids]
             prediction = clean_prediction(tok.decode(answer_ids, skip_special_tokens=True))

@@ -36,6 +36,7 @@ from kvcore.errors import ConfigError
 from harness.core.metrics import rouge_scores
 from harness.core.progress import progress
 from tasks.base import Task, TaskResult, content_id
+from tasks.engine_api import GenerationRequest, TaskEngine
 from tasks.text_sources import data_root, jsonl_objects
 
 HUB_DATASET = "EdinburghNLP/xsum"
@@ -126,7 +127,7 @@ class XSum(Task):
                  for row in rows]
         return items, f"hf://datasets/{HUB_DATASET} (test)"
 
-    def evaluate(self, engine) -> TaskResult:
+    def evaluate(self, engine: TaskEngine) -> TaskResult:
         if not getattr(self, "_items", None):
             self.check_data()
         positions = engine.info.max_positions
@@ -141,7 +142,8 @@ class XSum(Task):
             fitting += fits
             skipped += not fits
         todo = [p for p in planned if p[3]]
-        outs = iter(engine.generate_many([p[1] for p in todo], [p[2] for p in todo]))
+        outs = iter(engine.generate(GenerationRequest([p[1] for p in todo],
+                                                      [p[2] for p in todo])))
         outs = iter(progress(outs, "xsum", "item", total=len(todo)))
         samples, scored = [], []
         for item, ids, gen, fits in planned:

@@ -35,6 +35,7 @@ from methods.base import KVMethod
 from methods.layer import LayerState
 from methods.model import ModelInfo
 from methods.protocol import Protocol
+from tasks.engine_api import GenerationRequest, ScoreStreamRequest, TaskEngine, encode_with
 
 
 @dataclass(frozen=True)
@@ -52,8 +53,10 @@ class EngineSettings:
     protocol: Protocol = Protocol()  # dense layers and prefill mode, the same for every method
 
 
-class Engine:
-    """Model + tokenizer + KV method + settings. Holds run-level speed and KV accounting."""
+class Engine(TaskEngine):
+    """Model + tokenizer + KV method + settings. Holds run-level speed and KV accounting. What
+    a task asks of it: `TaskEngine` (tasks.engine_api); `request` and `batch` for a task that
+    declares `needs_live_engine`, and for callers feeding it themselves."""
 
     def __init__(self, model, tokenizer, method: KVMethod, info: ModelInfo,
                  settings: EngineSettings | None = None):
@@ -132,13 +135,18 @@ class Engine:
     def generate_many(self, prompts: list[list[int]], max_new_tokens: int | list[int],
                       stop_ids: set[int] | None = None, min_new_tokens: int = 0,
                       queries: list[list[int]] | None = None) -> Iterator[list[int]]:
-        """Greedy continuations of `prompts`, in order, `settings.batch_size` at a time (batch 1:
-        one `Request` each, the reference path). Yields one list of new ids per prompt.
-        `queries[i]` (query-agnostic protocol): fed after prompt i is over and its method has
-        compressed it, before generating; None: the question is part of the prompt."""
-        stop_ids = self.stop_token_ids() if stop_ids is None else stop_ids
-        limits = (list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple))
-                  else [max_new_tokens] * len(prompts))
+        """`generate` with the request's fields as arguments."""
+        return self.generate(GenerationRequest(prompts, max_new_tokens, stop_ids, min_new_tokens,
+                                               queries))
+
+    def generate(self, request: GenerationRequest) -> Iterator[list[int]]:
+        """Greedy continuations of the request's prompts, in order, `settings.batch_size` at a
+        time (batch 1: one `Request` each, the reference path). Yields one list of new ids per
+        prompt. A query (query-agnostic protocol) is fed after its prompt is over and its
+        method has compressed it, before generating."""
+        prompts, limits, queries = request.prompts, request.max_new_tokens, request.queries
+        min_new_tokens = request.min_new_tokens
+        stop_ids = self.stop_token_ids() if request.stop_ids is None else request.stop_ids
         if self.settings.kv_device_limit_mib is not None:
             yield from self._serve(prompts, limits, stop_ids, min_new_tokens, queries)
             return
@@ -159,11 +167,16 @@ class Engine:
 
     def stream_scores(self, ids: torch.Tensor, prompt_tokens: int,
                       score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """`score_stream` with the request's fields as arguments."""
+        return self.score_stream(ScoreStreamRequest(ids, prompt_tokens, score))
+
+    def score_stream(self, request: ScoreStreamRequest) -> torch.Tensor:
         """Teacher-forced scores of one token stream `ids` `(T,)` (streaming perplexity): its
         first `prompt_tokens` tokens one prompt (prefilled; its end compresses), then one decode
-        step per token. `score(logits (N, V), targets (N,)) -> (N,)` scores each next token from
-        the logits before it. Returns `(T - max(prompt_tokens, 1),)`. The budget basis of a
-        ratio budget is the whole stream."""
+        step per token; `score` scores each next token from the logits before it. Returns
+        `(T - max(prompt_tokens, 1),)`. The budget basis of a ratio budget is the whole
+        stream."""
+        ids, prompt_tokens, score = request.ids, request.prompt_tokens, request.score
         first = max(prompt_tokens, 1)
         out = torch.empty(ids.numel() - first)
         device = self.device
@@ -217,9 +230,7 @@ class Engine:
 
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         """Token ids with the tokenizer's own default for special tokens unless told otherwise."""
-        kwargs = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
-        # verbose=False: whole texts are tokenized once and cut afterwards (no length warning).
-        return self.tokenizer(text, verbose=False, **kwargs)["input_ids"]
+        return encode_with(self.tokenizer, text, add_special_tokens)
 
     def stop_token_ids(self) -> set[int]:
         ids = set()

@@ -14,7 +14,7 @@ per-token arrival times out. The harness tokenizes, builds the prompts and score
 its own engine; only the forward passes and the KV cache are vLLM's.
 
 What runs: the full cache in vLLM's KV formats (`vllm.kv_cache_dtype`: auto = the model dtype,
-fp8, fp8_e4m3, fp8_e5m2); the generating tasks through `generate_many` (greedy) and streaming
+fp8, fp8_e4m3, fp8_e5m2); the generating tasks through `generate` (greedy) and streaming
 perplexity through vLLM's prompt log-probabilities (every token's log-probability given all
 before it: the full cache's teacher-forced NLL). `method=quest` runs our Quest inside vLLM's
 CPU attention through the project's vLLM plugin (scripts/kvh_vllm_plugin; docs/vllm.md): its
@@ -41,6 +41,7 @@ from typing import Any, Iterator
 
 from harness.sweep.shards import arm_parent_death_signal
 from kvcore.errors import ConfigError
+from tasks.engine_api import GenerationRequest, ScoreStreamRequest, TaskEngine, encode_with
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = ROOT / "scripts" / "vllm_worker.py"
@@ -51,8 +52,8 @@ METHOD_NAME = "vllm"  # the board's row name; the KV format is its variant
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 KV_BYTES = {"fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}  # per element; auto = the model dtype's
 TURBOQUANT = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
-# Tasks whose engine calls this engine serves: generate_many (RULER, LongBench, XSum),
-# stream_scores (streaming perplexity) and request (multi-turn: a conversation, turn by turn).
+# Tasks whose engine calls this engine serves: generate (RULER, LongBench, XSum), score_stream
+# (streaming perplexity) and request (multi-turn: a conversation, turn by turn).
 TASKS = ("ruler", "longbench", "xsum", "perplexity", "multiturn")
 # Runner knobs that still mean something here; every other must keep its declared default.
 RUNNER_KNOBS = ("results_root", "output_dir", "overwrite", "seed", "debug", "skip_existing")
@@ -345,9 +346,10 @@ def started(knobs: VllmKnobs, model_dir: str, dtype: str, max_model_len: int, se
         worker.close()
 
 
-class VllmEngine:
-    """The engine calls the tasks make (harness.core.engine.Engine's generate_many, stream_scores,
-    encode, stop_token_ids), served by a vLLM worker; greedy decoding, full cache."""
+class VllmEngine(TaskEngine):
+    """What a task asks of its engine (tasks.engine_api.TaskEngine: generate, score_stream,
+    encode, stop_token_ids) and multi-turn's `request`, served by a vLLM worker; greedy
+    decoding, full cache."""
 
     def __init__(self, worker: VllmWorker, tokenizer, info, method, model_dir: str):
         self.worker, self.tokenizer, self.info, self.method = worker, tokenizer, info, method
@@ -359,8 +361,7 @@ class VllmEngine:
         self.generate_s = 0.0
 
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
-        kwargs = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
-        return self.tokenizer(text, verbose=False, **kwargs)["input_ids"]
+        return encode_with(self.tokenizer, text, add_special_tokens)
 
     def stop_token_ids(self) -> set[int]:
         """The tokenizer's EOS and the model folder's generation config's, as our engine's."""
@@ -381,18 +382,20 @@ class VllmEngine:
 
     def generate_many(self, prompts, max_new_tokens, stop_ids=None, min_new_tokens: int = 0,
                       queries=None) -> Iterator[list[int]]:
+        """`generate` with the request's fields as arguments."""
+        return self.generate(GenerationRequest(prompts, max_new_tokens, stop_ids, min_new_tokens,
+                                               queries))
+
+    def generate(self, request: GenerationRequest) -> Iterator[list[int]]:
         """Greedy continuations, in order; all prompts go to vLLM at once (its scheduler batches
         them, `vllm.max_num_seqs` at a time). A query (query-agnostic protocol) follows its
         prompt: with the full cache nothing is compressed in between, so it is one prompt."""
-        if min_new_tokens:
+        if request.min_new_tokens:
             raise ConfigError("min_new_tokens: the vLLM engine's worker does not take it")
-        stop_ids = self.stop_token_ids() if stop_ids is None else stop_ids
-        limits = (list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple))
-                  else [max_new_tokens] * len(prompts))
-        requests = [{"prompt_ids": [int(t) for t in p] + [int(t) for t in (queries[i] if queries
-                                                                          else [])],
+        stop_ids = self.stop_token_ids() if request.stop_ids is None else request.stop_ids
+        requests = [{"prompt_ids": [int(t) for t in p] + [int(t) for t in request.query(i) or []],
                      "max_new_tokens": int(n), "stop_token_ids": sorted(int(s) for s in stop_ids)}
-                    for i, (p, n) in enumerate(zip(prompts, limits))]
+                    for i, (p, n) in enumerate(zip(request.prompts, request.max_new_tokens))]
         answer = self.worker.call({"op": "generate", "requests": requests})
         self.generate_s += answer["wall_s"]
         for out in answer["outputs"]:
@@ -408,11 +411,16 @@ class VllmEngine:
             self.itl_ms += [1000 * (b - a) for a, b in zip(times, times[1:])]
 
     def stream_scores(self, ids, prompt_tokens: int, score=None):
+        """`score_stream` with the request's fields as arguments."""
+        return self.score_stream(ScoreStreamRequest(ids, prompt_tokens, score))
+
+    def score_stream(self, request: ScoreStreamRequest):
         """Teacher-forced NLL of every token from max(prompt_tokens, 1) on, from vLLM's prompt
         log-probabilities (`score` is our engine's logits scorer; vLLM returns the
         log-probability itself: NLL = -log p, the same quantity)."""
         import torch
 
+        ids, prompt_tokens = request.ids, request.prompt_tokens
         answer = self.worker.call({"op": "prompt_logprobs", "ids": [int(t) for t in ids]})
         self.generate_s += answer["wall_s"]
         self.prompt_tokens += len(ids)

@@ -9,17 +9,8 @@ with absolute imports (a package never shadows a top-level module of the same na
 
 from __future__ import annotations
 
-from typing import Any
-
 from harness.lm_eval.model import KVHarnessLM
 
-__all__ = ["KVHarnessLM", "offline_task_dir"]
-
-
-def __getattr__(name: str) -> Any:
-    # Lazy, so that `python -m harness.lm_eval.tasks` does not import its own module twice.
-    if name == "offline_task_dir":
-        from harness.lm_eval.tasks import offline_task_dir
-
-        return offline_task_dir
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# The offline task folder is `harness.lm_eval.tasks.offline_task_dir`, imported from there: this
+# package does not import that module, or `python -m harness.lm_eval.tasks` would import it twice.
+__all__ = ["KVHarnessLM"]

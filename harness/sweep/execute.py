@@ -1,11 +1,23 @@
 """Prefill once, compress many: one task pass answers every setting of a sweep.
 
-The settings of a sweep share the model and the task (harness.session). The task is evaluated
-once through a `FanOut` in place of an engine: each prompt it sends to `generate_many` is
-prefilled once per *prefill group*, and every setting of the group continues from its own copy
-of that prompt state: it compresses it (the prompt's end), is fed the query, decodes. Each
-other setting then runs its own task pass over a `Replay` of its answers, so its rows and
-metrics come from its own task code and its own engine's accounting, as in a single run.
+The settings of a sweep share the model and the task (harness.session). A task hands its work
+to the engine it is given as data (tasks.engine_api: a `GenerationRequest`, a
+`ScoreStreamRequest`), so one pass of the task's code can have its requests answered for every
+setting: the shared pass runs over a `SharedPassEngine`, and each other setting's pass over an
+`AnsweredEngine` holding its answers, so its rows and metrics come from its own task code and
+its own engine's accounting, as in a single run. A task that needs a live engine
+(`Task.needs_live_engine`: multi-turn's conversations, lm-eval) and a setting whose runner
+decodes its prompts together (batches, a device KV limit) is evaluated by its own pass over its
+own engine instead (`own_pass_reason`: printed, and recorded in metrics.json `run.sweep`).
+
+Where one (setting, prompt) runs: `harness.sweep.decode.Decoder.add` opens the setting's request
+on its own engine, gives it its prompt state (its copy of the group's shared prefill, the
+recorded forward replayed into it, or its own prefill), compresses it at the prompt's end and
+feeds the query; it decodes there, alone, or batched with other settings in `Decoder.flush`.
+The path to it from `python -m harness -m ...` (hydra_plugins/kvh_sweep) is
+`harness.sweep.run.run_sweep` -> `evaluate` -> the task's `evaluate(SharedPassEngine)` ->
+`SharedPassEngine.generate` (prompt by prompt; `_prompt_states` makes each group's shared
+prefill) -> `Decoder.add`.
 
 Prefill groups. Under runner.prefill=dense a layer holds the prompt in full while it is fed and
 compresses it once, at its end (harness.core.prompting); what a layer has recorded by then depends on
@@ -27,16 +39,15 @@ with eager attention, then to a forward of its own, and the reason is recorded.
 
 A group whose prompt state cannot be copied (a host KV store, an object of the method's own)
 replays the forward once to check it, then into each member's own request. A setting gets its
-own prefill when its runner feeds prompts otherwise (chunked or sparse prefill, batches, a
-device KV limit, an offloaded cache, a diagnostics shadow; batches and a device limit are
-evaluated by their own task pass and engine).
+own prefill when its runner feeds prompts otherwise (chunked or sparse prefill, an offloaded
+cache, a diagnostics shadow).
 What the shared prefill cost (its timed chunks, its tokens, the bytes it moved between tiers;
 with a replay, the recorded forward's and the replay's time) is counted in every setting's
 figures, as a single run of it would count it. The settings' answers to one prompt are
 decoded one at a time, or `runner.sweep_decode_batch` of them together, one batched forward
 per step (harness.sweep.decode).
 
-One token stream (streaming perplexity, `stream_scores`) is teacher-forced through every
+One token stream (streaming perplexity, `score_stream`) is teacher-forced through every
 setting: no prompt is shared (each setting's layers act on every token), but the settings step
 in lockstep, `runner.sweep_decode_batch` at a time, one batched forward per token.
 
@@ -54,7 +65,7 @@ import contextlib
 import functools
 import json
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -67,6 +78,7 @@ from harness.sweep.decode import Decoder, decodes_alone
 from kvcore.errors import ConfigError
 from methods.base import KVMethod
 from methods.protocol import Protocol
+from tasks.engine_api import GenerationRequest, ScoreStreamRequest, TaskEngine, encode_with
 
 # Runner keys that say where or how results are written or shown, not what is computed.
 _NOT_COMPUTE = ("output_dir", "results_root", "debug", "skip_existing", "overwrite", "threads",
@@ -82,11 +94,16 @@ class Member:
 
     setting: Any  # harness.session.Setting
     engine: Engine
-    own_pass: bool = False  # evaluated by its own task pass (batches, device limit)
+    # why it is evaluated by its own task pass (a task needing a live engine, batches, a device
+    # limit: `own_pass_reason`), or None: its answers come from the shared pass
+    own_pass: str | None = None
     # samples whose sequence fits the method's rule budget (rule_budget): the full cache's
     # answer, computed once per sample; None: its method has no such rule, or its own pass
     identical_to_full: int | None = None
     decode_batch: int = 1  # settings its decode steps ran with, at most (harness.sweep.decode)
+
+    def __post_init__(self) -> None:
+        self.own_pass = self.own_pass or own_pass_reason(self.setting)
 
 
 @dataclass
@@ -106,7 +123,7 @@ class Group:
     # member replays the forward into its own request, once the group's replay of the prompt
     # has shown that its layers attend as the recording did
     per_member: bool = False
-    streams: int = 0  # token streams its members were scored on (FanOut.stream_scores)
+    streams: int = 0  # token streams its members were scored on (SharedPassEngine.score_stream)
 
 
 class Forward:
@@ -145,20 +162,17 @@ class Forward:
 
 @dataclass
 class Call:
-    """One `generate_many` call of the task and every member's answers to it."""
+    """One `generate` request of the task and every member's answers to it."""
 
-    prompts: list[list[int]]
-    limits: list[int]
-    queries: list[list[int]] | None
+    request: GenerationRequest
     outputs: list[list[list[int]]] = field(default_factory=list)  # per member, per prompt
 
 
 @dataclass
 class Stream:
-    """One `stream_scores` call of the task and every member's scores of it."""
+    """One `score_stream` request of the task and every member's scores of it."""
 
-    ids: torch.Tensor  # (T,)
-    prompt_tokens: int
+    request: ScoreStreamRequest
     scores: dict[int, torch.Tensor]  # member -> (T - max(prompt_tokens, 1),)
 
 
@@ -282,16 +296,27 @@ def _share_forwards(members: list[Member], groups: list[Group]) -> None:
 
 class MemoTokenizer:
     """The tokenizer, remembering the ids of each text it encoded: every setting's task pass
-    builds the same samples, so they are tokenized once, in the first pass. Only plain calls
-    (a text, `add_special_tokens`, `verbose`) are remembered; each caller gets its own lists."""
+    builds the same samples, so they are tokenized once, in the shared pass. Only plain calls
+    (a text, `add_special_tokens`, `verbose`) are remembered; each caller gets its own lists.
+    It answers what tasks ask of a tokenizer (encoding, `decode`, the chat template, the BOS
+    and EOS ids) and nothing else: a task asking more fails by name here, not silently."""
 
     _PLAIN_KWARGS = {"add_special_tokens", "verbose"}
 
     def __init__(self, tokenizer):
         self._tokenizer, self._encoded = tokenizer, {}
 
-    def __getattr__(self, name: str):
-        return getattr(self._tokenizer, name)
+    @property
+    def chat_template(self):
+        return getattr(self._tokenizer, "chat_template", None)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return getattr(self._tokenizer, "bos_token_id", None)
+
+    @property
+    def eos_token_id(self):
+        return getattr(self._tokenizer, "eos_token_id", None)
 
     def __len__(self) -> int:
         return len(self._tokenizer)
@@ -306,11 +331,18 @@ class MemoTokenizer:
 
         return BatchEncoding({k: list(v) for k, v in self._encoded[key].items()})
 
+    def decode(self, ids, **kwargs) -> str:
+        return self._tokenizer.decode(ids, **kwargs)
 
-class FanOut:
-    """The engine a sweep's first task pass sees: `generate_many` answers every prompt for every
+    def apply_chat_template(self, messages, **kwargs):
+        return self._tokenizer.apply_chat_template(messages, **kwargs)
+
+
+class SharedPassEngine(TaskEngine):
+    """The engine of a sweep's shared task pass: `generate` answers every prompt for every
     member (prompt by prompt, so one prompt state is held at a time) and yields the first
-    member's answers; anything else is the first member's engine."""
+    member's answers; `score_stream` scores the stream for every member. Its facts are the first
+    member's."""
 
     def __init__(self, members: list[Member], groups: list[Group], copy_on_use: bool = True,
                  records: list | None = None, shard=None, merge: bool = False):
@@ -324,7 +356,9 @@ class FanOut:
         self.streams: list[Stream] = []
         self.copy_on_use = copy_on_use  # False only in the test that plants the sharing bug
         self.first = next(i for g in groups for i in g.members)
-        self.tokenizer = MemoTokenizer(members[self.first].engine.tokenizer)
+        lead = members[self.first].engine
+        self.tokenizer = None if lead.tokenizer is None else MemoTokenizer(lead.tokenizer)
+        self.info, self.method = lead.info, lead.method
         # per member: its method's rule budget, and the samples that fit it (None: no rule)
         self.budgets = {k: rule_budget(members[k].setting.method)
                         for g in groups for k in g.members}
@@ -334,59 +368,49 @@ class FanOut:
         self.decode_batch = min(members[k].setting.runner.sweep_decode_batch
                                 for g in groups for k in g.members)
 
-    def __getattr__(self, name: str):
-        return getattr(self.members[self.first].engine, name)
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        return encode_with(self.tokenizer, text, add_special_tokens)
 
-    def generate_many(self, prompts: list[list[int]], max_new_tokens: int | list[int],
-                      stop_ids: set[int] | None = None, min_new_tokens: int = 0,
-                      queries: list[list[int]] | None = None) -> Iterator[list[int]]:
-        first = self.members[self.first].engine
-        stop_ids = first.stop_token_ids() if stop_ids is None else stop_ids
-        limits = (list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple))
-                  else [max_new_tokens] * len(prompts))
-        call = Call([list(p) for p in prompts], limits,
-                    None if queries is None else [list(q) for q in queries],
-                    [[] for _ in self.members])
+    def stop_token_ids(self) -> set[int]:
+        return self.members[self.first].engine.stop_token_ids()
+
+    def generate(self, request: GenerationRequest) -> Iterator[list[int]]:
+        """Each prompt answered for every member before the next: one (setting, prompt) runs
+        in `Decoder.add` (harness.sweep.decode: its request opened on its own engine, given its
+        prompt state, compressed, fed the query, decoded alone or with other settings)."""
+        stop_ids = self.stop_token_ids() if request.stop_ids is None else request.stop_ids
+        call = Call(request, [[] for _ in self.members])
         self.calls.append(call)
-        for i, prompt in enumerate(call.prompts):
-            if self.shard is not None and not self.shard.owns(i, len(call.prompts)):
+        for i, prompt in enumerate(request.prompts):
+            if self.shard is not None and not self.shard.owns(i, len(request.prompts)):
                 for outputs in call.outputs:
                     outputs.append([])  # another shard's sample
                 yield []
                 continue
-            query = None if queries is None else call.queries[i]
-            key = sweep_records.prompt_key(prompt, query, limits[i])
-            where = (len(self.calls) - 1, i, key)
-            reuse = self._reuse(len(prompt) + len(query or []) + limits[i])
+            query, limit = request.query(i), request.max_new_tokens[i]
+            where = (len(self.calls) - 1, i, sweep_records.prompt_key(prompt, query, limit))
+            reuse = self._reuse(len(prompt) + len(query or []) + limit)
             done = functools.partial(self._done, call, where)
-            with Decoder(self.decode_batch, stop_ids, min_new_tokens, done,
+            with Decoder(self.decode_batch, stop_ids, request.min_new_tokens, done,
                          self.copy_on_use) as decoder:
-                for group in self.groups:
-                    self._answer(group, call, where, prompt, limits[i], query, reuse, decoder)
-            for k, donor in reuse.items():  # the full cache's answer, by rule
-                if len(call.outputs[k]) == i + 1:  # recorded before a restart
-                    continue
-                out, gained = call.outputs[donor][i], self.gained[donor]
-                sweep_records.apply(self.members[k].engine, gained)
-                call.outputs[k].append(list(out))
-                if self.records[k]:
-                    self.records[k].append(*where, out, gained)
+                for k, state in self._prompt_states(call, where, prompt, reuse):
+                    decoder.add(k, self.members[k].engine, prompt, limit, query, state)
+            self._take_rule_answers(call, where, reuse)
             for forward in {id(g.forward): g.forward for g in self.groups if g.forward}.values():
                 forward.release()  # one prompt's recording held at a time
             yield call.outputs[self.first][i]
 
-    def stream_scores(self, ids: torch.Tensor, prompt_tokens: int,
-                      score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """Every member's `Engine.stream_scores` of one token stream: the members whose steps
+    def score_stream(self, request: ScoreStreamRequest) -> torch.Tensor:
+        """Every member's `Engine.score_stream` of one token stream: the members whose steps
         can share a forward in lockstep, `decode_batch` at a time (harness.core.batch.stream_requests),
         the others alone. Returns the first member's; the others' are kept for their passes."""
-        final = int(ids.numel())
+        final = int(request.ids.numel())
         scores: dict[int, torch.Tensor] = {}
         together = []
         for k in (k for g in self.groups for k in g.members):
             engine = self.members[k].engine
             if decodes_alone(engine, self.decode_batch):
-                scores[k] = engine.stream_scores(ids, prompt_tokens, score)
+                scores[k] = engine.score_stream(request)
             else:
                 together.append(k)
         for start in range(0, len(together), self.decode_batch):
@@ -394,9 +418,11 @@ class FanOut:
             with contextlib.ExitStack() as stack:  # closing it accounts every request
                 requests = [stack.enter_context(self.members[k].engine.request(final_tokens=final))
                             for k in chunk]
-                rows = batching.stream_requests(requests, ids, prompt_tokens, score)
+                rows = batching.stream_requests(requests, request.ids, request.prompt_tokens,
+                                                request.score)
             scores.update(zip(chunk, rows))
-        self.streams.append(Stream(ids.clone(), prompt_tokens, scores))
+        kept = ScoreStreamRequest(request.ids.clone(), request.prompt_tokens, request.score)
+        self.streams.append(Stream(kept, scores))
         for group in self.groups:
             group.streams += 1
         return scores[self.first]
@@ -424,28 +450,46 @@ class FanOut:
                 donors.setdefault(key, k)
         return reuse
 
-    def _answer(self, group: Group, call: Call, where: tuple[int, int, str], prompt: list[int],
-                limit: int, query, reuse: dict[int, int], decoder: Decoder) -> None:
-        kept = {k: self.records[k].get(*where) for k in group.members if self.records[k]}
-        missing = [k for k in group.members if kept.get(k) is None]
-        todo = [k for k in missing if k not in reuse]  # the others: after every group
-        if self.merge and missing:
-            raise ConfigError(f"merging shards: sample {where[1]} of call {where[0]} has no "
-                              f"record for {self.members[missing[0]].setting.label} (its shard "
-                              "did not finish, or the shards split the samples differently); "
-                              "run that shard again")
-        if not missing and any(kept[k].get("shared") for k in group.members):
-            group.shared_prefills += 1  # as the shard that answered it counted it
-        shared = (self._prefill(group, prompt) if group.prefill_engine is not None and todo
-                  else None)
-        for k in group.members:
-            engine = self.members[k].engine
-            if kept.get(k) is not None:  # answered before a restart: counted as it was
-                sweep_records.apply(engine, kept[k]["tally"])
-                call.outputs[k].append(kept[k]["output"])
-                self.gained[k] = kept[k]["tally"]
-            elif k not in reuse:
-                decoder.add(k, engine, prompt, limit, query, shared)
+    def _prompt_states(self, call: Call, where: tuple[int, int, str], prompt: list[int],
+                       reuse: dict[int, int]) -> Iterator[tuple[int, Any]]:
+        """(member, its prompt state: what `Decoder.add` takes) for every member still to answer
+        this prompt, group by group, each group's shared prefill made as its turn comes. A
+        member answered before a restart takes its recorded answer instead; one identical to
+        the full cache by rule waits for its donor (`_take_rule_answers`)."""
+        for group in self.groups:
+            kept = {k: self.records[k].get(*where) for k in group.members if self.records[k]}
+            missing = [k for k in group.members if kept.get(k) is None]
+            todo = [k for k in missing if k not in reuse]
+            if self.merge and missing:
+                raise ConfigError(f"merging shards: sample {where[1]} of call {where[0]} has no "
+                                  f"record for {self.members[missing[0]].setting.label} (its "
+                                  "shard did not finish, or the shards split the samples "
+                                  "differently); run that shard again")
+            if not missing and any(kept[k].get("shared") for k in group.members):
+                group.shared_prefills += 1  # as the shard that answered it counted it
+            shared = (self._prefill(group, prompt) if group.prefill_engine is not None and todo
+                      else None)
+            for k in group.members:
+                if kept.get(k) is not None:  # answered before a restart: counted as it was
+                    sweep_records.apply(self.members[k].engine, kept[k]["tally"])
+                    call.outputs[k].append(kept[k]["output"])
+                    self.gained[k] = kept[k]["tally"]
+                elif k not in reuse:
+                    yield k, shared
+
+    def _take_rule_answers(self, call: Call, where: tuple[int, int, str],
+                           reuse: dict[int, int]) -> None:
+        """The members identical to the full cache by rule take their donor's answer to this
+        prompt, and its accounting."""
+        i = where[1]
+        for k, donor in reuse.items():
+            if len(call.outputs[k]) == i + 1:  # recorded before a restart
+                continue
+            out, gained = call.outputs[donor][i], self.gained[donor]
+            sweep_records.apply(self.members[k].engine, gained)
+            call.outputs[k].append(list(out))
+            if self.records[k]:
+                self.records[k].append(*where, out, gained)
 
     def _done(self, call: Call, where: tuple[int, int, str], k: int, out: list[int],
               gained: dict, shared: bool) -> None:
@@ -506,58 +550,72 @@ def _scored_snapshot(req):
     return req.snapshot()
 
 
-class Replay:
-    """A member's engine for its own task pass: `generate_many` answers and `stream_scores`
-    scores from the first pass (the same prompts and streams, checked); anything else is the
-    member's engine."""
+class AnsweredEngine(TaskEngine):
+    """A member's engine for its own task pass after the shared one: `generate` and
+    `score_stream` hand back the member's answers and scores from the shared pass (the task
+    must send the same requests, checked); its facts are the member's own engine's (the
+    tokenizer: the shared pass's, which remembers its encodings)."""
 
     def __init__(self, engine: Engine, calls: list[Call], index: int, tokenizer=None,
                  streams: list[Stream] = ()):
         self._engine, self._calls, self._index = engine, list(calls), index
         self._streams = list(streams)
         self.tokenizer = tokenizer or engine.tokenizer
+        self.info, self.method = engine.info, engine.method
 
-    def __getattr__(self, name: str):
-        return getattr(self._engine, name)
+    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
+        return encode_with(self.tokenizer, text, add_special_tokens)
 
-    def generate_many(self, prompts, max_new_tokens, stop_ids=None, min_new_tokens=0,
-                      queries=None) -> Iterator[list[int]]:
+    def stop_token_ids(self) -> set[int]:
+        return self._engine.stop_token_ids()
+
+    def generate(self, request: GenerationRequest) -> Iterator[list[int]]:
         if not self._calls:
-            raise RuntimeError("the task asked more of generate_many in a sweep member's pass "
-                               "than in the first pass")
+            raise RuntimeError("the task asked more of generate in a sweep member's pass than "
+                               "in the shared pass")
         call = self._calls.pop(0)
-        limits = (list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple))
-                  else [max_new_tokens] * len(prompts))
-        asked = ([list(p) for p in prompts], limits,
-                 None if queries is None else [list(q) for q in queries])
-        if asked != (call.prompts, call.limits, call.queries):
-            raise RuntimeError("the task sent a sweep member other prompts than the first pass "
+        if request != call.request:
+            raise RuntimeError("the task sent a sweep member other prompts than the shared pass "
                                "(its samples must not depend on the method)")
         yield from call.outputs[self._index]
 
-    def stream_scores(self, ids: torch.Tensor, prompt_tokens: int, score) -> torch.Tensor:
+    def score_stream(self, request: ScoreStreamRequest) -> torch.Tensor:
         if not self._streams:
-            raise RuntimeError("the task asked more of stream_scores in a sweep member's pass "
-                               "than in the first pass")
+            raise RuntimeError("the task asked more of score_stream in a sweep member's pass "
+                               "than in the shared pass")
         stream = self._streams.pop(0)
-        if prompt_tokens != stream.prompt_tokens or not torch.equal(ids, stream.ids):
-            raise RuntimeError("the task sent a sweep member another stream than the first pass "
-                               "(its text must not depend on the method)")
+        if not request.same_stream(stream.request):
+            raise RuntimeError("the task sent a sweep member another stream than the shared "
+                               "pass (its text must not depend on the method)")
         return stream.scores[self._index]
 
 
 def needs_own_pass(setting) -> bool:
-    """Whether the setting is evaluated by its own task pass (prompts decoded together, a device
-    KV limit queueing requests), outside the shared one."""
-    return setting.runner.batch_size != 1 or setting.runner.kv_device_limit_mib is not None
+    """Whether the setting's runner has it evaluated by its own task pass (prompts decoded
+    together, a device KV limit queueing requests), outside the shared one."""
+    return (setting.runner.batch_size != 1
+            or setting.runner.kv_device_limit_mib is not None)
+
+
+def own_pass_reason(setting) -> str | None:
+    """Why the setting is evaluated by its own task pass over its own engine, or None."""
+    runner = setting.runner
+    if setting.task.needs_live_engine:
+        return (f"task={setting.task_name} asks its engine for requests of its own "
+                "(Task.needs_live_engine): evaluated per setting, no prefill shared")
+    if runner.batch_size != 1:
+        return f"runner.batch_size={runner.batch_size} decodes its prompts together"
+    if runner.kv_device_limit_mib is not None:
+        return f"runner.kv_device_limit_mib={runner.kv_device_limit_mib} queues its requests"
+    return None
 
 
 def answer_shard(members: list[Member], info, records: list, shard) -> list[Group]:
     """A shard's part (harness.sweep.shards): its samples answered and recorded for every
     member (none evaluated by its own pass), nothing scored; the merge does the rest."""
     groups = plan_groups(members, info)
-    fan = FanOut(members, groups, records=records, shard=shard)
-    members[fan.first].setting.task.evaluate(fan)
+    shared = SharedPassEngine(members, groups, records=records, shard=shard)
+    members[shared.first].setting.task.evaluate(shared)
     return groups
 
 
@@ -566,22 +624,24 @@ def evaluate(members: list[Member], info, copy_on_use: bool = True, records: lis
     """(member index, its TaskResult, the prefill groups of the shared pass), each member as
     soon as its result is complete (so its folder can be written before the next is computed).
     `records[i]`: member i's per-sample records (harness.sweep.records), or None; `merge`:
-    every answer of the shared pass is in them (the shards' merge), none is computed."""
-    for m in members:
-        m.own_pass = m.own_pass or needs_own_pass(m.setting)
+    every answer of the shared pass is in them (the shards' merge), none is computed.
+    The shared pass's task code sends its requests to a `SharedPassEngine`, which answers them
+    for every member; each other member's task pass then runs over an `AnsweredEngine`. A member
+    with an own-pass reason (`own_pass_reason`) is evaluated over its own engine."""
     groups = plan_groups(members, info)
     if groups:
-        fan = FanOut(members, groups, copy_on_use, records, merge=merge)
-        first = fan.first
-        result = members[first].setting.task.evaluate(fan)
-        for k, count in fan.identical.items():
+        shared = SharedPassEngine(members, groups, copy_on_use, records, merge=merge)
+        first = shared.first
+        result = members[first].setting.task.evaluate(shared)
+        for k, count in shared.identical.items():
             members[k].identical_to_full = count
-            if not decodes_alone(members[k].engine, fan.decode_batch):
-                members[k].decode_batch = fan.decode_batch
+            if not decodes_alone(members[k].engine, shared.decode_batch):
+                members[k].decode_batch = shared.decode_batch
         yield first, result, groups
         for i in [i for g in groups for i in g.members if i != first]:
-            replay = Replay(members[i].engine, fan.calls, i, fan.tokenizer, fan.streams)
-            yield i, members[i].setting.task.evaluate(replay), groups
+            answered = AnsweredEngine(members[i].engine, shared.calls, i, shared.tokenizer,
+                                      shared.streams)
+            yield i, members[i].setting.task.evaluate(answered), groups
     for i, m in enumerate(members):
         if m.own_pass:
             yield i, m.setting.task.evaluate(m.engine), groups

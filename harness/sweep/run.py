@@ -110,6 +110,9 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True,
     if merge:
         print(f"sweep engine: merging the records of {merge} shards ({resumed} (setting, "
               "sample) answers)")
+    for m in members:
+        if m.own_pass and shard is None:
+            print(f"sweep engine: {m.setting.label}: its own task pass ({m.own_pass})")
     reset_peak_memory(members[0].engine.device)
     if shard is not None:
         groups = sweep_engine.answer_shard(members, session.info, records, shard)
@@ -129,6 +132,7 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True,
                            "prefill_replay_refused": group.replay_refused if group else None,
                            "shards": merge or 1,
                            "decode_batch": member.decode_batch,
+                           "own_task_pass": member.own_pass,
                            "identical_to_full": member.identical_to_full}}
         metrics = build_metrics(session, member.setting, member.engine, result, t_start, extra)
         folder = write_result(member.setting, outs[i], metrics, result, member.engine)
@@ -141,7 +145,7 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True,
 
 def replayed(group) -> bool:
     """Whether the group's prompt states came from a recorded forward (a task feeding no prompt
-    through `generate_many`, streaming perplexity, records none)."""
+    through `generate`, streaming perplexity, records none)."""
     return group is not None and group.forward is not None and group.shared_prefills > 0
 
 
@@ -188,9 +192,9 @@ def shared_summary(members, groups) -> str:
                         "setting(s))" if forward.recorded[True] else "")
                      + f", replayed into {len(same)} group(s) "
                        f"({sum(len(g.members) for g in same)} settings)")
-    own = [m.setting.label for m in members if m.own_pass]
-    if own:
-        lines.append(f"  own task pass    {', '.join(own)}")
+    for m in members:
+        if m.own_pass:
+            lines.append(f"  own task pass    {m.setting.label}: {m.own_pass}")
     return "\n".join(lines)
 
 

@@ -1,7 +1,7 @@
 """Shards: the samples of a sweep split over processes (or SLURM array tasks), each shard
 answering its samples for every setting, then one merge writing each setting's result.
 
-`runner.shards=n` splits every `generate_many` call of the task (its list of samples) into n
+`runner.shards=n` splits every `generate` request of the task (its list of samples) into n
 contiguous blocks: prompt i of N belongs to shard i*n // N. The split depends on the sample's
 index alone, so every setting gets the same samples in a shard and the union of the shards is
 the whole task; the tasks order their samples round-robin over their cells (RULER's sub-task x
@@ -13,7 +13,7 @@ stops it with one line) and writes each setting's folder as a single run does. W
 cannot carry is each process's own: the memory peak (and the paged pools' peaks) in a merged
 `metrics.json` are the merge's, `run.wall_s` its wall time.
 
-Only tasks whose samples are independent prompts through `engine.generate_many` shard
+Only tasks whose samples are independent prompts through `engine.generate` shard
 (`Task.batches`); a setting evaluated by its own task pass (runner.batch_size > 1, a device KV
 limit) or with diagnostics (no records) runs unsharded.
 """

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from kvcore.errors import ConfigError
-from harness.lm_eval import KVHarnessLM, offline_task_dir
+from harness.lm_eval import KVHarnessLM
+from harness.lm_eval.tasks import offline_task_dir
 from methods import build_method, method_class
 from tests.conftest import DATA, PROJECT, STORIES, make_engine, need_shared
 

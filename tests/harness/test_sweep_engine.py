@@ -501,3 +501,33 @@ def test_settings_streamed_together_equal_their_single_runs(prompt, tmp_path):
         assert mb["kv"] == ma["kv"] and mb["speed"] == ma["speed"]
         sweep = json.loads((b / "metrics.json").read_text())["run"]["sweep"]
         assert sweep["decode_batch"] == 2, (knobs, sweep)
+
+
+LIVE = {"multiturn": ["model=stories260k", "task=multiturn", "task.turns=2", "task.samples=2",
+                      "task.context_tokens=192", "task.max_new_tokens=4", "runner.threads=1"],
+        "perplexity": [*STREAM, "task.mode=chunked", "task.window_tokens=64",
+                       "runner.prefill=chunked", "runner.prefill_chunk_tokens=16"]}
+# a compressing method that acts on each task's tokens (chunked windows are prompts only)
+LIVE_METHOD = {"multiturn": ["method=snapkv", "method.budget_tokens=48"],
+               "perplexity": ["method=streaming_llm", "method.sink_tokens=4",
+                              "method.window_tokens=24"]}
+
+
+@pytest.mark.parametrize("task", sorted(LIVE))
+def test_a_task_needing_a_live_engine_runs_per_setting_and_equals_single_runs(task, tmp_path,
+                                                                             capsys):
+    """Multi-turn's conversations and chunked perplexity's windows are requests of their own
+    (`Task.needs_live_engine`): each setting is evaluated by its own task pass over its own
+    engine, which the sweep prints and records (`run.sweep.own_task_pass`), and each equals its
+    single run."""
+    need_shared(STORIES)
+    settings = [[*LIVE[task], "method=full"], [*LIVE[task], *LIVE_METHOD[task]]]
+    swept = assert_equal_to_single_runs(settings, tmp_path)
+    for folder in swept:
+        sweep = json.loads((folder / "metrics.json").read_text())["run"]["sweep"]
+        assert "Task.needs_live_engine" in sweep["own_task_pass"], sweep
+        assert sweep["prefill_shared_with"] == 0 and sweep["prompts_prefilled_once"] == 0
+    out = capsys.readouterr().out
+    assert re.search(r"own task pass +full.*: task=\w+ asks its engine for requests", out), out
+    assert re.search(r"own task pass +(snapkv|streaming_llm).*: task=\w+ asks its engine",
+                     out), out
