@@ -155,6 +155,10 @@ def check_setting(setting) -> None:
         raise ConfigError(f"task.mode={setting.task.mode}: the vLLM engine scores perplexity from "
                           "its prompt log-probabilities over the whole text (task.mode=streaming); "
                           "chunked windows need our engine's logits")
+    if setting.task.options().get("fidelity_tokens"):
+        raise ConfigError(f"task.fidelity_tokens={setting.task.fidelity_tokens}: the paired "
+                          "fidelity teacher-forces through our engine's caches; the vLLM engine "
+                          "records none: set task.fidelity_tokens=0")
     declared = yaml_defaults("runner", "default")
     for key, value in setting.runner.items():
         if key not in RUNNER_KNOBS and key in declared and value != declared[key]:

@@ -1,0 +1,300 @@
+"""Paired fidelity per sample (`task.fidelity_tokens` = K > 0): how far a setting's next-token
+distributions lie from the full cache's on the same sample, a finer signal than a greedy answer's
+pass/fail.
+
+For every sample of a generating task:
+  * the reference continuation: the full cache's greedy continuation of the same prompt and query,
+    its first K tokens (up to and including a stop token; the task's stop ids and
+    `min_new_tokens`);
+  * those tokens teacher-forced through the setting's cache from its state after the prompt and
+    query: per token KL(full || setting) of the next-token distributions (float64 log-softmax of
+    the float32 logits) and whether the two distributions' top tokens agree;
+  * where the sample has a gold answer (the task's `gold` token ids, its first K tokens), the mean
+    log-probability per token of those tokens under the setting and under the full cache, each
+    teacher-forced from the state after the prompt and query.
+A token stream (streaming perplexity) is compared token by token with a full-cache pass on the
+same stream, stepped alongside it.
+
+None of this is a sample of the setting: it runs after the task's answers, through an engine of
+its own (the setting's method, runner settings and model: `quiet_engine`), whose time, tokens and
+KV figures are never the setting's; its forwards are timed there, as `fidelity_ms`. The full
+cache's reference is computed once per sample and model and kept for the run (a sweep's settings
+share it): its K logit rows (K x vocabulary float32) per sample.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from harness import batch as batching
+
+# Per model: (sample key) -> Reference. Weak: a model's references go with it.
+_REFERENCES: "weakref.WeakKeyDictionary[Any, dict[tuple, Reference]]" = weakref.WeakKeyDictionary()
+KL_DIGITS = 8  # per-token KL kept in samples.jsonl to this many decimals
+TOP_PERCENTILE = 99  # llama.cpp's KLD statistics: mean, median, 99th percentile, same top %
+
+
+@dataclass(frozen=True)
+class Item:
+    """One sample as the fidelity pass needs it."""
+    prompt: list[int]
+    query: list[int] | None = None  # fed after the prompt is over (query-agnostic protocol)
+    gold: list[int] | None = None  # the gold answer's first K tokens; None: no gold answer
+
+
+@dataclass
+class Reference:
+    """The full cache on one sample."""
+    tokens: list[int]  # its greedy continuation, first K tokens
+    logits: torch.Tensor  # (len(tokens), V) float32: the distribution before each token
+    gold_logprob: float | None  # mean log-probability per gold token
+
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """(N, V) float64 log-softmax."""
+    return torch.log_softmax(logits.double(), dim=-1)
+
+
+def kl(full_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """(N,) KL(full || setting) in nats from (N, V) logit rows of each."""
+    full, other = log_probs(full_logits), log_probs(logits.to(full_logits.device))
+    return (full.exp() * (full - other)).sum(dim=-1).clamp(min=0)
+
+
+def top_agree(full_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """(N,) bool: the two distributions' most likely tokens are the same."""
+    return full_logits.argmax(dim=-1) == logits.to(full_logits.device).argmax(dim=-1)
+
+
+def quiet_engine(engine):
+    """An engine with `engine`'s model, method and runner settings whose accounting is its own
+    (nothing it runs is a sample of `engine`); one per engine, made once."""
+    from harness.engine import Engine
+
+    made = engine.__dict__.get("_fidelity_engine")
+    if made is None:
+        settings = dataclasses.replace(engine.settings, diagnostics_every=0)
+        made = Engine(engine.model, engine.tokenizer, engine.method, engine.info, settings)
+        engine.__dict__["_fidelity_engine"] = made
+    return made
+
+
+def full_engine(engine):
+    """The full cache on `engine`'s model (dense prefill in the same chunks), one per engine."""
+    from harness.engine import Engine, EngineSettings
+    from methods import build_method
+
+    made = engine.__dict__.get("_fidelity_full")
+    if made is None:
+        settings = EngineSettings(prefill_chunk_tokens=engine.settings.prefill_chunk_tokens,
+                                  check_budget=False)
+        made = Engine(engine.model, engine.tokenizer, build_method("full"), engine.info, settings)
+        engine.__dict__["_fidelity_full"] = made
+    return made
+
+
+def fidelity_ms(engine) -> float:
+    """Milliseconds the fidelity forwards of `engine`'s setting took (its own and the references
+    it computed)."""
+    total = 0.0
+    for key in ("_fidelity_engine", "_fidelity_full"):
+        made = engine.__dict__.get(key)
+        if made is not None:
+            total += sum(made.timer.values("prefill")) + sum(made.timer.values("decode"))
+    return total
+
+
+def _prompt_state(req, item: Item) -> torch.Tensor:
+    """Feed the prompt (its end compresses it) and the query; the last logits `(1, 1, V)`."""
+    logits = req.prefill(item.prompt)
+    if item.query:
+        logits = req.prefill(item.query, prompt_ends=False)
+    return logits
+
+
+def _forced(req, logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+    """Teacher-force `tokens` from `logits` (1, 1, V), the distribution before the first:
+    returns (len(tokens), V), the distribution before each (the last token is never fed)."""
+    rows = [logits[0, -1]]
+    for token in tokens[:-1]:
+        rows.append(req.step(token)[0, -1])
+    return torch.stack(rows).float()
+
+
+def gold_logprob(rows: torch.Tensor, gold: list[int]) -> float:
+    """Mean log-probability per token of `gold` under (len(gold), V) logit rows."""
+    picked = log_probs(rows).gather(-1, torch.as_tensor(gold, device=rows.device)[:, None])
+    return float(picked.mean())
+
+
+def _key(engine, item: Item, tokens: int, stop_ids: set[int], min_new_tokens: int) -> tuple:
+    return (engine.settings.prefill_chunk_tokens, tuple(item.prompt), tuple(item.query or ()),
+            tuple(item.gold or ()), tokens, tuple(sorted(stop_ids)), min_new_tokens)
+
+
+def reference(engine, item: Item, tokens: int, stop_ids: set[int], min_new_tokens: int = 0
+              ) -> Reference:
+    """The full cache's reference on `item` (computed once per sample and model)."""
+    cache = _REFERENCES.setdefault(engine.model, {})
+    key = _key(engine, item, tokens, stop_ids, min_new_tokens)
+    if key not in cache:
+        cache[key] = _compute_reference(full_engine(engine), item, tokens, stop_ids,
+                                        min_new_tokens)
+    return cache[key]
+
+
+def _compute_reference(full, item: Item, tokens: int, stop_ids: set[int],
+                       min_new_tokens: int) -> Reference:
+    with full.request() as req:
+        start = _prompt_state(req, item)
+        snapshot = req.snapshot() if item.gold else None  # the full cache always forks
+        logits, out, rows = start, [], []
+        while True:
+            row = logits[0, -1].float()
+            rows.append(row)
+            out.append(batching.greedy(row, stop_ids if len(out) < min_new_tokens else ()))
+            if out[-1] in stop_ids or len(out) >= tokens:
+                break
+            logits = req.step(out[-1])
+        gold = None
+        if item.gold:
+            req.restore(snapshot, consume=True)
+            gold = gold_logprob(_forced(req, start, item.gold), item.gold)
+    return Reference(out, torch.stack(rows), gold)
+
+
+def sample_fidelity(engine, item: Item, ref: Reference) -> dict[str, Any]:
+    """The setting's fidelity on one sample against the full cache's reference `ref`."""
+    quiet = quiet_engine(engine)
+    with quiet.request() as req:
+        start = _prompt_state(req, item)
+        snapshot = req.snapshot() if item.gold else None
+        rows = _forced(req, start, ref.tokens)
+        gold = None
+        if item.gold and snapshot is not None:
+            req.restore(snapshot, consume=True)
+            gold = gold_logprob(_forced(req, start, item.gold), item.gold)
+    if item.gold and gold is None:  # an unforkable state: the prompt again
+        with quiet.request() as req:
+            start = _prompt_state(req, item)
+            gold = gold_logprob(_forced(req, start, item.gold), item.gold)
+    return record(ref, rows, gold)
+
+
+def record(ref: Reference, rows: torch.Tensor, gold: float | None) -> dict[str, Any]:
+    """A sample's `fidelity` record from the setting's (n, V) rows on the reference tokens."""
+    per_token = kl(ref.logits, rows)
+    agree = top_agree(ref.logits, rows)
+    return {"tokens": len(ref.tokens), "kl_mean": float(per_token.mean()),
+            "kl_max": float(per_token.max()), "top_agree_ratio": float(agree.double().mean()),
+            "gold_logprob": gold, "gold_logprob_full": ref.gold_logprob,
+            "kl": [round(float(x), KL_DIGITS) for x in per_token],
+            "top_agree": [bool(x) for x in agree]}
+
+
+def fidelity_many(engine, items: list[Item], tokens: int, stop_ids: set[int] | None = None,
+                  min_new_tokens: int = 0) -> list[dict[str, Any]]:
+    """One `fidelity` record per item (Engine.fidelity_many)."""
+    stop_ids = engine.stop_token_ids() if stop_ids is None else set(stop_ids)
+    return [sample_fidelity(engine, item, reference(engine, item, tokens, stop_ids,
+                                                    min_new_tokens))
+            for item in items]
+
+
+def stream_fidelity(engine, ids: torch.Tensor, prompt_tokens: int) -> dict[str, Any]:
+    """A token stream `ids` (T,) as `Engine.stream_scores` feeds it, through the setting and a
+    full cache stepped alongside: the record of every scored token (T - max(prompt_tokens, 1))."""
+    quiet, full = quiet_engine(engine), full_engine(engine)
+    final = int(ids.numel())
+    rows, full_rows = [], []
+    with contextlib.ExitStack() as stack:
+        req = stack.enter_context(quiet.request(final_tokens=final))
+        ref = stack.enter_context(full.request(final_tokens=final))
+        ids = ids.to(engine.device)
+        if prompt_tokens:
+            rows.append(req.prefill(ids[:prompt_tokens])[0, -1].float())
+            full_rows.append(ref.prefill(ids[:prompt_tokens])[0, -1].float())
+        for t in range(prompt_tokens, final - 1):
+            rows.append(req.step(ids[t:t + 1])[0, -1].float())
+            full_rows.append(ref.step(ids[t:t + 1])[0, -1].float())
+    scored = torch.stack(full_rows)
+    return record(Reference(ids[max(prompt_tokens, 1):].tolist(), scored, None),
+                  torch.stack(rows), None)
+
+
+# --- metrics.json's `fidelity` section -------------------------------------------------------
+
+STATISTICS = ("kl_mean", "kl_median", f"kl_p{TOP_PERCENTILE}", "top_agree_percent",
+              "gold_logprob_mean", "gold_logprob_full_mean")
+
+
+def _padded(values: list[np.ndarray]) -> np.ndarray:
+    """(n, longest) rows padded with NaN."""
+    out = np.full((len(values), max(v.size for v in values)), np.nan)
+    for i, v in enumerate(values):
+        out[i, :v.size] = v
+    return out
+
+
+def _statistics(kl_rows: np.ndarray, agree_rows: np.ndarray, gold: np.ndarray,
+                gold_full: np.ndarray) -> np.ndarray:
+    """(..., statistics): the section's statistics of samples (..., n, tokens), padded with NaN,
+    their tokens pooled; `gold`, `gold_full` (..., n) NaN where a sample has no gold answer."""
+    flat = kl_rows.reshape(*kl_rows.shape[:-2], -1)
+    with warnings.catch_warnings():  # a mean of no gold answers is NaN: reported as None
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return np.stack([np.nanmean(flat, -1), np.nanmedian(flat, -1),
+                         np.nanpercentile(flat, TOP_PERCENTILE, axis=-1),
+                         100 * np.nanmean(agree_rows.reshape(flat.shape), -1),
+                         np.nanmean(gold, -1), np.nanmean(gold_full, -1)], axis=-1)
+
+
+def summary(samples: list[dict], resamples: int | None = None, seed: int | None = None
+            ) -> dict[str, Any] | None:
+    """llama.cpp's KLD statistics over every teacher-forced token of the run (mean, median and
+    99th percentile KL(full || setting), same top token %) and the mean gold log-probability per
+    sample, each with a 95 % percentile interval from the bootstrap over samples (a sample's
+    tokens resampled together, harness.stats' seed and resample count). None: no fidelity."""
+    from harness import stats
+
+    resamples = stats.RESAMPLES if resamples is None else resamples
+    seed = stats.SEED if seed is None else seed
+    rows = [s["fidelity"] for s in samples if s.get("fidelity") and s["fidelity"]["kl"]]
+    if not rows:
+        return None
+    kls = _padded([np.asarray(r["kl"], dtype=float) for r in rows])  # (n, K)
+    agrees = _padded([np.asarray(r["top_agree"], dtype=float) for r in rows])
+    gold = np.array([np.nan if r.get("gold_logprob") is None else r["gold_logprob"]
+                     for r in rows])
+    gold_full = np.array([np.nan if r.get("gold_logprob_full") is None
+                          else r["gold_logprob_full"] for r in rows])
+    point = _statistics(kls, agrees, gold, gold_full)
+    n = len(rows)
+    out: dict[str, Any] = {"samples": n, "tokens": int(np.isfinite(kls).sum()),
+                           "gold_samples": int(np.isfinite(gold).sum())}
+    if n >= 2:
+        rng = np.random.default_rng(seed)
+        step = max(1, 2_000_000 // kls.size)  # resamples drawn at once (memory bound)
+        parts = []
+        for start in range(0, resamples, step):
+            pick = rng.integers(0, n, size=(min(step, resamples - start), n))
+            parts.append(_statistics(kls[pick], agrees[pick], gold[pick], gold_full[pick]))
+        draws = np.concatenate(parts)
+    for i, name in enumerate(STATISTICS):
+        value = None if np.isnan(point[i]) else float(point[i])
+        ci = None
+        if n >= 2 and value is not None:
+            ci = list(stats.percentile(draws[:, i][np.isfinite(draws[:, i])]))
+        out[name] = {"value": value, "ci95": ci}
+    out["interval"] = (f"bootstrap over samples (a sample's tokens together); percentile, "
+                       f"{resamples} resamples, seed {seed}" if n >= 2
+                       else "none: fewer than 2 samples")
+    return out
