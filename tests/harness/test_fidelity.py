@@ -1,0 +1,152 @@
+"""Paired fidelity per sample (`task.fidelity_tokens`, harness.fidelity): the full cache against
+itself is exact, an aggressive eviction is not, the setting's own figures never change, and a
+sweep gives every setting what its single run gives."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from harness import fidelity
+from harness.run import run
+from tests.conftest import STORIES, need_shared
+from tests.helpers.runs import cfg_for, refused
+from tests.helpers.sweeps import TASK, assert_equal_to_single_runs, folder_figures
+
+K = 4
+EVICTING = ["method=streaming_llm", "method.budget_tokens=32"]  # 32 of ~310 prompt tokens
+STREAM = ["model=stories260k", "task=perplexity", "task.max_tokens=48", "runner.threads=1"]
+
+
+def single(tmp_path, name: str, *overrides):
+    need_shared(STORIES)
+    return run(cfg_for(*overrides, f"runner.output_dir={tmp_path}/{name}"))
+
+
+def records(folder) -> list[dict]:
+    return [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()]
+
+
+def section(folder) -> dict:
+    return json.loads((folder / "metrics.json").read_text())["fidelity"]
+
+
+def test_kl_of_a_distribution_with_itself_is_zero_and_otherwise_positive():
+    logits = torch.randn(3, 11)
+    assert torch.equal(fidelity.kl(logits, logits), torch.zeros(3, dtype=torch.float64))
+    other = logits.clone()
+    other[:, 0] += 2
+    p, q = torch.softmax(logits.double(), -1), torch.softmax(other.double(), -1)
+    assert torch.allclose(fidelity.kl(logits, other), (p * (p / q).log()).sum(-1))
+    assert fidelity.top_agree(logits, logits).all()
+
+
+def test_full_cache_against_itself_is_exact(tmp_path):
+    folder = single(tmp_path, "full", *TASK, "method=full", f"task.fidelity_tokens={K}")
+    rows = records(folder)
+    for row in rows:
+        fid = row["fidelity"]
+        assert 1 <= fid["tokens"] <= K and len(fid["kl"]) == fid["tokens"]
+        assert fid["kl"] == [0.0] * fid["tokens"] and fid["kl_max"] == 0.0
+        assert fid["top_agree_ratio"] == 1.0
+        assert fid["gold_logprob"] == fid["gold_logprob_full"] < 0
+    stats = section(folder)
+    assert stats["kl_mean"]["value"] == 0 and stats["kl_p99"]["value"] == 0
+    assert stats["top_agree_percent"]["value"] == 100
+    assert stats["samples"] == len(rows) and stats["gold_samples"] == len(rows)
+
+
+def test_an_aggressive_eviction_moves_the_distributions(tmp_path):
+    folder = single(tmp_path, "evict", *TASK, *EVICTING, f"task.fidelity_tokens={K}")
+    rows = records(folder)
+    # the first distribution is the dense prefill's own (the prompt is compressed at its end)
+    assert all(r["fidelity"]["kl"][0] == 0 for r in rows)
+    assert all(r["fidelity"]["kl_max"] > 1e-4 for r in rows)
+    assert all(r["fidelity"]["gold_logprob"] != r["fidelity"]["gold_logprob_full"] for r in rows)
+    stats = section(folder)
+    low, high = stats["kl_mean"]["ci95"]
+    assert 0 < low <= stats["kl_mean"]["value"] <= high
+
+
+def test_a_wrong_token_offset_is_caught(tmp_path, monkeypatch):
+    """Planted bug: the reference tokens fed one position early (each distribution then follows
+    one more token than the full cache's did): the full cache no longer equals itself."""
+    def early(req, logits, tokens):
+        rows = [logits[0, -1]]
+        for token in tokens[1:]:
+            rows.append(req.step(token)[0, -1])
+        return torch.stack(rows).float()
+
+    fidelity._REFERENCES.clear()
+    monkeypatch.setattr(fidelity, "_forced", early)
+    folder = single(tmp_path, "bug", *TASK, "method=full", f"task.fidelity_tokens={K}")
+    assert any(r["fidelity"]["kl_max"] > 0 for r in records(folder))
+    fidelity._REFERENCES.clear()
+
+
+def test_the_setting_figures_are_those_of_a_run_without_fidelity(tmp_path):
+    """Same accuracy, KV figures, token counts, protocol and samples with K = 0 and K > 0; only
+    the fidelity section (and its records) is added."""
+    off = folder_figures(single(tmp_path, "off", *TASK, *EVICTING))
+    on = folder_figures(single(tmp_path, "on", *TASK, *EVICTING, f"task.fidelity_tokens={K}"))
+    (m_off, s_off), (m_on, s_on) = off, on
+    assert "fidelity" in m_on and "fidelity" not in m_off
+    m_on.pop("fidelity")
+    for m in (m_on, m_off):  # the knob itself
+        m["task"]["options"].pop("fidelity_tokens")
+        m["uncertainty"].pop("interval", None)
+    assert m_on == m_off
+    assert [{k: v for k, v in r.items() if k != "fidelity"} for r in s_on] == s_off
+
+
+def test_streaming_perplexity_against_a_full_cache_pass(tmp_path):
+    full = records(single(tmp_path, "pf", *STREAM, "method=full", "task.fidelity_tokens=1"))[0]
+    assert full["fidelity"]["tokens"] == 47 == len(full["token_nll"])
+    assert full["fidelity"]["kl_max"] == 0 and full["fidelity"]["top_agree_ratio"] == 1
+    evict = records(single(tmp_path, "pe", *STREAM, "method=streaming_llm",
+                           "method.budget_tokens=16", "task.fidelity_tokens=1"))[0]
+    kl = evict["fidelity"]["kl"]
+    assert kl[:15] == [0.0] * 15 and max(kl) > 1e-4  # the first 16 tokens fit the budget
+
+
+def test_sweep_gives_each_setting_its_single_run_fidelity(tmp_path):
+    need_shared(STORIES)
+    knob = f"task.fidelity_tokens={K}"
+    settings = [[*TASK, knob, *EVICTING], [*TASK, knob, "method=snapkv", "method.budget_tokens=48"],
+                [*TASK, knob, "method=full"]]
+    swept = assert_equal_to_single_runs(settings, tmp_path)
+    assert all(section(f)["tokens"] > 0 for f in swept)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("task.fidelity_tokens=-1", "task.fidelity_tokens=-1 must be an integer >= 0"),
+    ("task.fidelity_tokens=x", "task.fidelity_tokens='x' must be an integer"),
+    ("task.fidelity_tokens=true", "task.fidelity_tokens=True must be an integer"),
+])
+def test_a_bad_value_is_refused_in_one_line(override, message, tmp_path):
+    assert message in refused(tmp_path, *TASK, override)
+
+
+def test_tasks_without_fidelity_refuse_it_by_name(tmp_path):
+    assert "task=multiturn records no paired fidelity" in refused(
+        tmp_path, "model=stories260k", "task=multiturn", "task.fidelity_tokens=4")
+    assert "task.mode=chunked records none" in refused(
+        tmp_path, *STREAM, "task.mode=chunked", "task.fidelity_tokens=4")
+
+
+def test_summary_pools_tokens_and_resamples_samples():
+    rows = [{"fidelity": {"kl": [0.0, 1.0], "top_agree": [True, False], "gold_logprob": -1.0,
+                          "gold_logprob_full": -0.5}},
+            {"fidelity": {"kl": [3.0], "top_agree": [True], "gold_logprob": None,
+                          "gold_logprob_full": None}}]
+    out = fidelity.summary(rows, resamples=200)
+    assert out["tokens"] == 3 and out["samples"] == 2 and out["gold_samples"] == 1
+    assert out["kl_mean"]["value"] == pytest.approx(4 / 3)
+    assert out["kl_median"]["value"] == 1.0
+    assert out["top_agree_percent"]["value"] == pytest.approx(200 / 3)
+    assert out["gold_logprob_mean"]["value"] == -1.0
+    low, high = out["kl_mean"]["ci95"]
+    assert low == pytest.approx(0.5) and high == pytest.approx(3.0)  # all of one, all of other
+    assert math.isfinite(out["kl_p99"]["value"])
+    assert fidelity.summary([{"id": 0}]) is None
