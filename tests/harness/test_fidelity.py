@@ -150,3 +150,45 @@ def test_summary_pools_tokens_and_resamples_samples():
     assert low == pytest.approx(0.5) and high == pytest.approx(3.0)  # all of one, all of other
     assert math.isfinite(out["kl_p99"]["value"])
     assert fidelity.summary([{"id": 0}]) is None
+
+
+def with_fidelity(folder, kl: float, gold_gap: float) -> None:
+    """Give a fake RULER run per-sample fidelity records and their metrics.json section."""
+    rows = records(folder)
+    for i, row in enumerate(rows):
+        per_token = [kl * (1 + (i % 3)), 0.0]
+        row["fidelity"] = {"tokens": 2, "kl_mean": sum(per_token) / 2, "kl_max": max(per_token),
+                           "top_agree_ratio": 0.5 if kl else 1.0, "kl": per_token,
+                           "top_agree": [not kl, True], "gold_logprob": -2.0 - gold_gap,
+                           "gold_logprob_full": -2.0}
+    (folder / "samples.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    metrics = json.loads((folder / "metrics.json").read_text())
+    metrics["fidelity"] = fidelity.summary(rows, resamples=200)
+    (folder / "metrics.json").write_text(json.dumps(metrics))
+
+
+def test_report_shows_fidelity_beside_accuracy_and_ranks_by_accuracy(tmp_path):
+    from harness import report
+    from tests.helpers.reports import ruler_run
+
+    runs = tmp_path / "runs"
+    with_fidelity(ruler_run(runs, "full", [1.0] * 20), 0.0, 0.0)
+    with_fidelity(ruler_run(runs, "h2o", [1.0] * 18 + [0.0] * 2, budget=0.2,
+                            started="2026-11-29T12:00:00"), 0.1, 0.5)
+    _, out, _ = report.build_report([str(runs)], runs / "out", resamples=200)
+    board = (out / "leaderboard.md").read_text()
+    head = next(line for line in board.splitlines() if line.startswith("| method"))
+    assert "ruler average · KL mean ↓" in head and "ruler average · same top % ↑" in head
+    h2o = next(line for line in board.splitlines() if line.startswith("| h2o"))
+    # pooled tokens: (0.1 x (7 x 1 + 7 x 2 + 6 x 3) / 20 + 0) / 2; one of two top tokens agree
+    assert "| 0.0975 [" in h2o and "| 50 [50, 50] |" in h2o
+    table = board.split("Paired fidelity with the full cache")[1]
+    row = next(line for line in table.splitlines() if line.startswith("| stories260k"))
+    assert "| 20 | 0.0975 [" in row and "| -0.5 [-0.5, -0.5] |" in row
+    csv_head = (out / "leaderboard.csv").read_text().splitlines()[0]
+    assert "ruler average · KL mean" in csv_head and "ruler average · KL mean ci95_low" in csv_head
+    compared = (out / "comparisons.csv").read_text().splitlines()
+    assert "fidelity_gold_logprob_difference" in compared[0]
+    assert ">KL mean ↓</th>" in (out / "report.html").read_text()
+    # the rank interval is still the task metric's (accuracy), in the task's own column
+    assert "| 90 [" in h2o and " n=20 #" in h2o.split(" · KL")[0]
