@@ -112,7 +112,7 @@ def fidelity_ms(engine) -> float:
     return total
 
 
-def _prompt_state(req, item: Item) -> torch.Tensor:
+def prompt_state(req, item: Item) -> torch.Tensor:
     """Feed the prompt (its end compresses it) and the query; the last logits `(1, 1, V)`."""
     logits = req.prefill(item.prompt)
     if item.query:
@@ -120,7 +120,7 @@ def _prompt_state(req, item: Item) -> torch.Tensor:
     return logits
 
 
-def _forced(req, logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+def forced(req, logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
     """Teacher-force `tokens` from `logits` (1, 1, V), the distribution before the first:
     returns (len(tokens), V), the distribution before each (the last token is never fed)."""
     rows = [logits[0, -1]]
@@ -154,7 +154,7 @@ def reference(engine, item: Item, tokens: int, stop_ids: set[int], min_new_token
 def _compute_reference(full, item: Item, tokens: int, stop_ids: set[int],
                        min_new_tokens: int) -> Reference:
     with full.request() as req:
-        start = _prompt_state(req, item)
+        start = prompt_state(req, item)
         snapshot = req.snapshot() if item.gold else None  # the full cache always forks
         logits, out, rows = start, [], []
         while True:
@@ -167,7 +167,7 @@ def _compute_reference(full, item: Item, tokens: int, stop_ids: set[int],
         gold = None
         if item.gold:
             req.restore(snapshot, consume=True)
-            gold = gold_logprob(_forced(req, start, item.gold), item.gold)
+            gold = gold_logprob(forced(req, start, item.gold), item.gold)
     return Reference(out, torch.stack(rows), gold)
 
 
@@ -175,18 +175,24 @@ def sample_fidelity(engine, item: Item, ref: Reference) -> dict[str, Any]:
     """The setting's fidelity on one sample against the full cache's reference `ref`."""
     quiet = quiet_engine(engine)
     with quiet.request() as req:
-        start = _prompt_state(req, item)
+        start = prompt_state(req, item)
         snapshot = req.snapshot() if item.gold else None
-        rows = _forced(req, start, ref.tokens)
+        rows = forced(req, start, ref.tokens)
         gold = None
         if item.gold and snapshot is not None:
             req.restore(snapshot, consume=True)
-            gold = gold_logprob(_forced(req, start, item.gold), item.gold)
+            gold = gold_logprob(forced(req, start, item.gold), item.gold)
     if item.gold and gold is None:  # an unforkable state: the prompt again
-        with quiet.request() as req:
-            start = _prompt_state(req, item)
-            gold = gold_logprob(_forced(req, start, item.gold), item.gold)
+        gold = gold_alone(engine, item)
     return record(ref, rows, gold)
+
+
+def gold_alone(engine, item: Item) -> float:
+    """The setting's mean gold log-probability on `item` from a prompt state of its own (where
+    the state after the reference tokens cannot be rewound)."""
+    with quiet_engine(engine).request() as req:
+        start = prompt_state(req, item)
+        return gold_logprob(forced(req, start, item.gold), item.gold)
 
 
 def record(ref: Reference, rows: torch.Tensor, gold: float | None) -> dict[str, Any]:

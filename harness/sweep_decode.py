@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 
 from harness import sweep_records, sweep_replay
-from harness.batch import decode_requests
+from harness.batch import Lockstep, decode_requests
 
 
 @dataclass
@@ -118,3 +118,86 @@ class Decoder:
         for e, out in zip(entries, outs):
             engine = e.request.engine
             self.done(e.member, out, sweep_records.added(engine, e.before), e.shared)
+
+
+# --- paired fidelity (task.fidelity_tokens) of a sweep's settings ------------------------------
+
+def fidelity_records(engines: list, items: list, tokens: int, stop_ids: set[int] | None,
+                     min_new_tokens: int, size: int) -> list[list[dict]]:
+    """Per engine (a sweep's settings), one `fidelity` record per item (harness.fidelity):
+    the full cache's reference is computed once per sample (every setting is fed the same
+    tokens), then the settings are teacher-forced `size` at a time in lockstep, one batched
+    forward per token (harness.batch.Lockstep), each row its own method and cache; a setting
+    that decodes alone (`decodes_alone`) is teacher-forced as its single run is. Batched rows
+    equal single ones within the reassociation of the batched matmuls."""
+    from harness import fidelity
+
+    stop_ids = engines[0].stop_token_ids() if stop_ids is None else set(stop_ids)
+    out: list[list[dict]] = [[] for _ in engines]
+    for item in items:
+        ref = fidelity.reference(engines[0], item, tokens, stop_ids, min_new_tokens)
+        for i, rec in enumerate(fidelity_together(engines, item, ref, size)):
+            out[i].append(rec)
+    return out
+
+
+def fidelity_together(engines: list, item, ref, size: int) -> list[dict]:
+    """One sample's fidelity record per engine, `size` engines' requests in lockstep."""
+    from harness import fidelity
+
+    out: list[dict | None] = [None] * len(engines)
+    together = []
+    for i, engine in enumerate(engines):
+        if decodes_alone(engine, size):
+            out[i] = fidelity.sample_fidelity(engine, item, ref)
+        else:
+            together.append(i)
+    for start in range(0, len(together), size):
+        chunk = together[start:start + size]
+        if len(chunk) == 1:  # a batch of one is the single run's own step
+            out[chunk[0]] = fidelity.sample_fidelity(engines[chunk[0]], item, ref)
+            continue
+        for i, rec in zip(chunk, _forced_together([engines[i] for i in chunk], item, ref)):
+            out[i] = rec
+    return out
+
+
+def _forced_together(engines: list, item, ref) -> list[dict]:
+    """The reference tokens (then the gold answer's, from the rewound prompt state) through
+    each engine's own request (its fidelity engine's: nothing is counted in the setting's
+    figures), one batched forward per token."""
+    from harness import fidelity
+
+    golds: list[float | None] = [None] * len(engines)
+    with contextlib.ExitStack() as stack:
+        reqs = [stack.enter_context(fidelity.quiet_engine(e).request()) for e in engines]
+        starts = [fidelity.prompt_state(req, item) for req in reqs]
+        snapshots = [req.snapshot() if item.gold else None for req in reqs]
+        rows = _lockstep(reqs, starts, ref.tokens)
+        forkable = [k for k, snap in enumerate(snapshots) if snap is not None]
+        for k in forkable:
+            reqs[k].restore(snapshots[k], consume=True)
+        if len(forkable) > 1:
+            gold_rows = _lockstep([reqs[k] for k in forkable], [starts[k] for k in forkable],
+                                  item.gold)
+        else:  # one request: its own steps, as its single run
+            gold_rows = [fidelity.forced(reqs[k], starts[k], item.gold) for k in forkable]
+        for k, got in zip(forkable, gold_rows):
+            golds[k] = fidelity.gold_logprob(got, item.gold)
+    for k, engine in enumerate(engines):
+        if item.gold and golds[k] is None:  # an unforkable state: the prompt again
+            golds[k] = fidelity.gold_alone(engine, item)
+    return [fidelity.record(ref, r, g) for r, g in zip(rows, golds)]
+
+
+def _lockstep(reqs: list, starts: list[torch.Tensor], tokens: list[int]) -> list[torch.Tensor]:
+    """Teacher-force `tokens` through every request together from its logits `starts[k]`
+    (1, 1, V): per request the (len(tokens), V) distributions before each token."""
+    steps = Lockstep(reqs)
+    rows = [[s[0, -1].float()] for s in starts]
+    everyone = list(range(len(reqs)))
+    for token in tokens[:-1]:
+        out = steps.step(everyone, [token] * len(reqs))
+        for k in everyone:
+            rows[k].append(out[k])
+    return [torch.stack(r) for r in rows]

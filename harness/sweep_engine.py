@@ -62,7 +62,7 @@ from harness import batch as batching
 from harness import sweep_records, sweep_replay
 from harness.engine import Engine
 from harness.prompting import score_prompt
-from harness.sweep_decode import Decoder, decodes_alone
+from harness.sweep_decode import Decoder, decodes_alone, fidelity_records
 from kvcore.errors import ConfigError
 from kvcore.storage import Rows
 from methods.base import KVMethod
@@ -345,6 +345,7 @@ class FanOut:
         self.shard, self.merge = shard, merge
         self.calls: list[Call] = []
         self.streams: list[Stream] = []
+        self.fidelity: list[tuple[list, dict[int, list[dict]]]] = []  # (items, per member)
         self.copy_on_use = copy_on_use  # False only in the test that plants the sharing bug
         self.first = next(i for g in groups for i in g.members)
         self.tokenizer = MemoTokenizer(members[self.first].engine.tokenizer)
@@ -423,6 +424,20 @@ class FanOut:
         for group in self.groups:
             group.streams += 1
         return scores[self.first]
+
+    def fidelity_many(self, items: list, tokens: int, stop_ids: set[int] | None = None,
+                      min_new_tokens: int = 0) -> list[dict]:
+        """Every member's `Engine.fidelity_many` of these samples (harness.fidelity): one full
+        cache reference per sample, the members teacher-forced `decode_batch` at a time in
+        lockstep (harness.sweep_decode.fidelity_records). Returns the first member's, keeps the
+        others' for their passes. A shard answers only: the merge records fidelity."""
+        if self.shard is not None:
+            return [{} for _ in items]
+        order = [k for g in self.groups for k in g.members]
+        per = fidelity_records([self.members[k].engine for k in order], items, tokens,
+                               stop_ids, min_new_tokens, self.decode_batch)
+        self.fidelity.append((list(items), dict(zip(order, per))))
+        return per[order.index(self.first)]
 
     def _reuse(self, seq_tokens: int) -> dict[int, int]:
         """member -> the member whose answer it takes for a sequence of `seq_tokens` tokens:
@@ -535,9 +550,10 @@ class Replay:
     member's engine."""
 
     def __init__(self, engine: Engine, calls: list[Call], index: int, tokenizer=None,
-                 streams: list[Stream] = ()):
+                 streams: list[Stream] = (), fidelity: list = ()):
         self._engine, self._calls, self._index = engine, list(calls), index
         self._streams = list(streams)
+        self._fidelity = list(fidelity)  # FanOut.fidelity
         self.tokenizer = tokenizer or engine.tokenizer
 
     def __getattr__(self, name: str):
@@ -567,6 +583,17 @@ class Replay:
             raise RuntimeError("the task sent a sweep member another stream than the first pass "
                                "(its text must not depend on the method)")
         return stream.scores[self._index]
+
+
+    def fidelity_many(self, items, tokens, stop_ids=None, min_new_tokens=0) -> list[dict]:
+        if not self._fidelity:
+            raise RuntimeError("the task asked more of fidelity_many in a sweep member's pass "
+                               "than in the first pass")
+        asked, records = self._fidelity.pop(0)
+        if list(items) != asked:
+            raise RuntimeError("the task sent a sweep member other fidelity samples than the "
+                               "first pass (its samples must not depend on the method)")
+        return records[self._index]
 
 
 def needs_own_pass(setting) -> bool:
@@ -604,7 +631,8 @@ def evaluate(members: list[Member], info, copy_on_use: bool = True, records: lis
                 members[k].decode_batch = fan.decode_batch
         yield first, result, groups
         for i in [i for g in groups for i in g.members if i != first]:
-            replay = Replay(members[i].engine, fan.calls, i, fan.tokenizer, fan.streams)
+            replay = Replay(members[i].engine, fan.calls, i, fan.tokenizer, fan.streams,
+                            fan.fidelity)
             yield i, members[i].setting.task.evaluate(replay), groups
     for i, m in enumerate(members):
         if m.own_pass:

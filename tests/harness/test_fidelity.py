@@ -8,11 +8,12 @@ import math
 import pytest
 import torch
 
-from harness import fidelity
+from harness import fidelity, sweep_decode
 from harness.run import run
 from tests.conftest import STORIES, need_shared
 from tests.helpers.runs import cfg_for, refused
-from tests.helpers.sweeps import TASK, assert_equal_to_single_runs, folder_figures
+from tests.helpers.sweeps import (TASK, assert_close, folder_figures, single_runs,
+                                  sweep_folders)
 
 K = 4
 EVICTING = ["method=streaming_llm", "method.budget_tokens=32"]  # 32 of ~310 prompt tokens
@@ -79,7 +80,7 @@ def test_a_wrong_token_offset_is_caught(tmp_path, monkeypatch):
         return torch.stack(rows).float()
 
     fidelity._REFERENCES.clear()
-    monkeypatch.setattr(fidelity, "_forced", early)
+    monkeypatch.setattr(fidelity, "forced", early)
     folder = single(tmp_path, "bug", *TASK, "method=full", f"task.fidelity_tokens={K}")
     assert any(r["fidelity"]["kl_max"] > 0 for r in records(folder))
     fidelity._REFERENCES.clear()
@@ -110,13 +111,47 @@ def test_streaming_perplexity_against_a_full_cache_pass(tmp_path):
     assert kl[:15] == [0.0] * 15 and max(kl) > 1e-4  # the first 16 tokens fit the budget
 
 
-def test_sweep_gives_each_setting_its_single_run_fidelity(tmp_path):
+SWEPT = [EVICTING, ["method=snapkv", "method.budget_tokens=48"],
+         ["method=h2o", "method.budget_tokens=24"], ["method=full"]]
+
+
+def sweep_against_single_runs(tmp_path, size: int) -> None:
+    settings = [[*TASK, f"task.fidelity_tokens={K}", *knobs] for knobs in SWEPT]
+    alone = single_runs(settings, tmp_path)
+    swept = sweep_folders([[*s, f"runner.sweep_decode_batch={size}"] for s in settings],
+                          tmp_path)
+    for knobs, a, b in zip(SWEPT, alone, swept):
+        (ma, sa), (mb, sb) = folder_figures(a), folder_figures(b)
+        assert section(b)["tokens"] > 0
+        if size == 1:  # every setting teacher-forced alone: bit for bit
+            assert sb == sa and mb == ma, knobs
+        else:  # batched rows: within the reassociation of the batched matmuls
+            assert_close(sb, sa, 1e-4, knobs[0])
+            assert_close(mb, ma, 1e-4, knobs[0])
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_sweep_gives_each_setting_its_single_run_fidelity(size, tmp_path, monkeypatch):
+    """A sweep's settings share one full-cache reference per sample; 3 at a time they are
+    teacher-forced in lockstep (one batched forward per token, the last batch partial)."""
     need_shared(STORIES)
-    knob = f"task.fidelity_tokens={K}"
-    settings = [[*TASK, knob, *EVICTING], [*TASK, knob, "method=snapkv", "method.budget_tokens=48"],
-                [*TASK, knob, "method=full"]]
-    swept = assert_equal_to_single_runs(settings, tmp_path)
-    assert all(section(f)["tokens"] > 0 for f in swept)
+    fidelity._REFERENCES.clear()
+    batched = []
+    real = sweep_decode._lockstep
+    monkeypatch.setattr(sweep_decode, "_lockstep",
+                        lambda reqs, *a: batched.append(len(reqs)) or real(reqs, *a))
+    sweep_against_single_runs(tmp_path, size)
+    assert (max(batched) == 3) if size > 1 else not batched
+
+
+def test_a_wrong_offset_in_the_lockstep_is_caught(tmp_path, monkeypatch):
+    """Planted bug: the settings stepped together are fed the reference one token early."""
+    need_shared(STORIES)
+    real = sweep_decode._lockstep
+    monkeypatch.setattr(sweep_decode, "_lockstep",
+                        lambda reqs, starts, tokens: real(reqs, starts, [*tokens[1:], 0]))
+    with pytest.raises(AssertionError):
+        sweep_against_single_runs(tmp_path, 3)
 
 
 @pytest.mark.parametrize("override, message", [
