@@ -77,26 +77,24 @@ def top_agree(full_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 def quiet_engine(engine):
     """An engine with `engine`'s model, method and runner settings whose accounting is its own
     (nothing it runs is a sample of `engine`); one per engine, made once."""
-    from harness.engine import Engine
-
     made = engine.__dict__.get("_fidelity_engine")
-    if made is None:
+    if made is None:  # (harness.engine.Engine, by the engine's type: engine imports this module)
         settings = dataclasses.replace(engine.settings, diagnostics_every=0)
-        made = Engine(engine.model, engine.tokenizer, engine.method, engine.info, settings)
+        made = type(engine)(engine.model, engine.tokenizer, engine.method, engine.info, settings)
         engine.__dict__["_fidelity_engine"] = made
     return made
 
 
 def full_engine(engine):
     """The full cache on `engine`'s model (dense prefill in the same chunks), one per engine."""
-    from harness.engine import Engine, EngineSettings
     from methods import build_method
 
     made = engine.__dict__.get("_fidelity_full")
-    if made is None:
-        settings = EngineSettings(prefill_chunk_tokens=engine.settings.prefill_chunk_tokens,
-                                  check_budget=False)
-        made = Engine(engine.model, engine.tokenizer, build_method("full"), engine.info, settings)
+    if made is None:  # the engine's settings class at its defaults (contiguous, no offload)
+        settings = type(engine.settings)(
+            prefill_chunk_tokens=engine.settings.prefill_chunk_tokens, check_budget=False)
+        made = type(engine)(engine.model, engine.tokenizer, build_method("full"), engine.info,
+                            settings)
         engine.__dict__["_fidelity_full"] = made
     return made
 
