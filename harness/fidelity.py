@@ -99,6 +99,19 @@ def full_engine(engine):
     return made
 
 
+def hold_peak(engine) -> None:
+    """Record `engine`'s peak memory before its first fidelity forward: metrics.json's `memory`
+    is the task's own (`task_peak_memory`), not the fidelity pass's."""
+    from harness.profiling import peak_memory
+
+    engine.__dict__.setdefault("_fidelity_peak", peak_memory(engine.device))
+
+
+def task_peak_memory(engine) -> dict[str, Any] | None:
+    """The peak memory `hold_peak` recorded (None: no fidelity pass ran on `engine`)."""
+    return engine.__dict__.get("_fidelity_peak")
+
+
 def fidelity_ms(engine) -> float:
     """Milliseconds the fidelity forwards of `engine`'s setting took (its own and the references
     it computed)."""
@@ -207,6 +220,7 @@ def record(ref: Reference, rows: torch.Tensor, gold: float | None) -> dict[str, 
 def fidelity_many(engine, items: list[Item], tokens: int, stop_ids: set[int] | None = None,
                   min_new_tokens: int = 0) -> list[dict[str, Any]]:
     """One `fidelity` record per item (Engine.fidelity_many)."""
+    hold_peak(engine)
     stop_ids = engine.stop_token_ids() if stop_ids is None else set(stop_ids)
     return [sample_fidelity(engine, item, reference(engine, item, tokens, stop_ids,
                                                     min_new_tokens))
@@ -216,6 +230,7 @@ def fidelity_many(engine, items: list[Item], tokens: int, stop_ids: set[int] | N
 def stream_fidelity(engine, ids: torch.Tensor, prompt_tokens: int) -> dict[str, Any]:
     """A token stream `ids` (T,) as `Engine.stream_scores` feeds it, through the setting and a
     full cache stepped alongside: the record of every scored token (T - max(prompt_tokens, 1))."""
+    hold_peak(engine)
     quiet, full = quiet_engine(engine), full_engine(engine)
     final = int(ids.numel())
     rows, full_rows = [], []

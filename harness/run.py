@@ -103,7 +103,7 @@ def build_metrics(session, setting, engine, result, t_start: float,
         "accuracy": result.metrics,
         "uncertainty": cell_uncertainty(setting.task_name, result.metrics, result.samples),
         "speed": engine.speed().as_dict(),
-        "memory": peak_memory(engine.device),
+        "memory": task_peak_memory(engine) or peak_memory(engine.device),
         "kv": kv_figures(engine, method),
         "transfer": {"kv_offload": runner.get("kv_offload", "none"), **engine.transfers.summary()},
         "model": {**model_section(spec, info, engine.device),
@@ -157,6 +157,13 @@ def fidelity_ms(engine) -> float:
     from harness import fidelity
 
     return fidelity.fidelity_ms(engine)
+
+
+def task_peak_memory(engine) -> dict[str, Any] | None:
+    """The peak memory before a fidelity pass ran (harness.fidelity), or None."""
+    from harness import fidelity
+
+    return fidelity.task_peak_memory(engine)
 
 
 def model_section(spec, info, device) -> dict[str, Any]:

@@ -132,6 +132,8 @@ def fidelity_records(engines: list, items: list, tokens: int, stop_ids: set[int]
     equal single ones within the reassociation of the batched matmuls."""
     from harness import fidelity
 
+    for engine in engines:
+        fidelity.hold_peak(engine)
     stop_ids = engines[0].stop_token_ids() if stop_ids is None else set(stop_ids)
     out: list[list[dict]] = [[] for _ in engines]
     for item in items:
