@@ -208,11 +208,15 @@ def gold_alone(engine, item: Item) -> float:
 
 def record(ref: Reference, rows: torch.Tensor, gold: float | None) -> dict[str, Any]:
     """A sample's `fidelity` record from the setting's (n, V) rows on the reference tokens."""
-    per_token = kl(ref.logits, rows)
-    agree = top_agree(ref.logits, rows)
-    return {"tokens": len(ref.tokens), "kl_mean": float(per_token.mean()),
+    return measured(kl(ref.logits, rows), top_agree(ref.logits, rows), gold, ref.gold_logprob)
+
+
+def measured(per_token: torch.Tensor, agree: torch.Tensor, gold: float | None,
+             gold_full: float | None) -> dict[str, Any]:
+    """A `fidelity` record from per-token KL (n,) and top-token agreement (n,) bool."""
+    return {"tokens": int(per_token.numel()), "kl_mean": float(per_token.mean()),
             "kl_max": float(per_token.max()), "top_agree_ratio": float(agree.double().mean()),
-            "gold_logprob": gold, "gold_logprob_full": ref.gold_logprob,
+            "gold_logprob": gold, "gold_logprob_full": gold_full,
             "kl": [round(float(x), KL_DIGITS) for x in per_token],
             "top_agree": [bool(x) for x in agree]}
 
@@ -227,26 +231,40 @@ def fidelity_many(engine, items: list[Item], tokens: int, stop_ids: set[int] | N
             for item in items]
 
 
+class StreamTally:
+    """Per-token KL and agreement of a stream, accumulated as the rows come (a long stream's
+    logits are never held)."""
+
+    def __init__(self):
+        self.kl: list[torch.Tensor] = []
+        self.agree: list[torch.Tensor] = []
+
+    def add(self, full_row: torch.Tensor, row: torch.Tensor) -> None:
+        """One position: (V,) logits of the full cache and of the setting."""
+        self.kl.append(kl(full_row[None], row[None])[0])
+        self.agree.append(top_agree(full_row[None], row[None])[0])
+
+    def record(self) -> dict[str, Any]:
+        return measured(torch.stack(self.kl), torch.stack(self.agree), None, None)
+
+
 def stream_fidelity(engine, ids: torch.Tensor, prompt_tokens: int) -> dict[str, Any]:
     """A token stream `ids` (T,) as `Engine.stream_scores` feeds it, through the setting and a
     full cache stepped alongside: the record of every scored token (T - max(prompt_tokens, 1))."""
     hold_peak(engine)
     quiet, full = quiet_engine(engine), full_engine(engine)
     final = int(ids.numel())
-    rows, full_rows = [], []
+    tally = StreamTally()
     with contextlib.ExitStack() as stack:
         req = stack.enter_context(quiet.request(final_tokens=final))
         ref = stack.enter_context(full.request(final_tokens=final))
         ids = ids.to(engine.device)
         if prompt_tokens:
-            rows.append(req.prefill(ids[:prompt_tokens])[0, -1].float())
-            full_rows.append(ref.prefill(ids[:prompt_tokens])[0, -1].float())
+            tally.add(ref.prefill(ids[:prompt_tokens])[0, -1].float(),
+                      req.prefill(ids[:prompt_tokens])[0, -1].float())
         for t in range(prompt_tokens, final - 1):
-            rows.append(req.step(ids[t:t + 1])[0, -1].float())
-            full_rows.append(ref.step(ids[t:t + 1])[0, -1].float())
-    scored = torch.stack(full_rows)
-    return record(Reference(ids[max(prompt_tokens, 1):].tolist(), scored, None),
-                  torch.stack(rows), None)
+            tally.add(ref.step(ids[t:t + 1])[0, -1].float(), req.step(ids[t:t + 1])[0, -1])
+    return tally.record()
 
 
 # --- metrics.json's `fidelity` section -------------------------------------------------------

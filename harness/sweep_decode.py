@@ -203,3 +203,49 @@ def _lockstep(reqs: list, starts: list[torch.Tensor], tokens: list[int]) -> list
         for k in everyone:
             rows[k].append(out[k])
     return [torch.stack(r) for r in rows]
+
+
+def stream_fidelity_records(engines: list, ids: torch.Tensor, prompt_tokens: int,
+                            size: int) -> list[dict]:
+    """Per engine, `Engine.stream_fidelity`'s record of one token stream: one full-cache pass
+    stepped alone (as in a single run), the settings that can share a forward `size` at a time
+    in lockstep beside it (one batched forward per token and batch), the others alone."""
+    from harness import fidelity
+
+    for engine in engines:
+        fidelity.hold_peak(engine)
+    together = [i for i, e in enumerate(engines) if not decodes_alone(e, size)]
+    if len(together) < 2:
+        together = []
+    out: dict[int, dict] = {i: fidelity.stream_fidelity(e, ids, prompt_tokens)
+                            for i, e in enumerate(engines) if i not in together}
+    if together:
+        out.update(zip(together, _streamed_together([engines[i] for i in together], ids,
+                                                    prompt_tokens, size)))
+    return [out[i] for i in range(len(engines))]
+
+
+def _streamed_together(engines: list, ids: torch.Tensor, prompt_tokens: int,
+                       size: int) -> list[dict]:
+    from harness import fidelity
+
+    final = int(ids.numel())
+    ids = ids.to(engines[0].device)
+    tallies = [fidelity.StreamTally() for _ in engines]
+    with contextlib.ExitStack() as stack:
+        full = stack.enter_context(fidelity.full_engine(engines[0]).request(final_tokens=final))
+        reqs = [stack.enter_context(fidelity.quiet_engine(e).request(final_tokens=final))
+                for e in engines]
+        if prompt_tokens:
+            full_row = full.prefill(ids[:prompt_tokens])[0, -1].float()
+            for req, tally in zip(reqs, tallies):
+                tally.add(full_row, req.prefill(ids[:prompt_tokens])[0, -1].float())
+        chunks = [list(range(s, min(s + size, len(reqs)))) for s in range(0, len(reqs), size)]
+        steps = [Lockstep([reqs[k] for k in chunk]) for chunk in chunks]
+        for t in range(prompt_tokens, final - 1):
+            full_row = full.step(ids[t:t + 1])[0, -1].float()
+            for chunk, lockstep in zip(chunks, steps):
+                rows = lockstep.step(list(range(len(chunk))), [int(ids[t])] * len(chunk))
+                for j, k in enumerate(chunk):
+                    tallies[k].add(full_row, rows[j])
+    return [tally.record() for tally in tallies]

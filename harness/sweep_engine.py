@@ -62,7 +62,8 @@ from harness import batch as batching
 from harness import sweep_records, sweep_replay
 from harness.engine import Engine
 from harness.prompting import score_prompt
-from harness.sweep_decode import Decoder, decodes_alone, fidelity_records
+from harness.sweep_decode import (Decoder, decodes_alone, fidelity_records,
+                                  stream_fidelity_records)
 from kvcore.errors import ConfigError
 from kvcore.storage import Rows
 from methods.base import KVMethod
@@ -439,6 +440,15 @@ class FanOut:
         self.fidelity.append((list(items), dict(zip(order, per))))
         return per[order.index(self.first)]
 
+    def stream_fidelity(self, ids: torch.Tensor, prompt_tokens: int) -> dict:
+        """Every member's `Engine.stream_fidelity` of one stream, in lockstep beside one
+        full-cache pass (harness.sweep_decode.stream_fidelity_records); the first member's."""
+        order = [k for g in self.groups for k in g.members]
+        per = stream_fidelity_records([self.members[k].engine for k in order], ids,
+                                      prompt_tokens, self.decode_batch)
+        self.fidelity.append(((ids.clone(), prompt_tokens), dict(zip(order, per))))
+        return per[order.index(self.first)]
+
     def _reuse(self, seq_tokens: int) -> dict[int, int]:
         """member -> the member whose answer it takes for a sequence of `seq_tokens` tokens:
         every member identical to the full cache by its method's rule (`rule_budget`) takes the
@@ -593,6 +603,16 @@ class Replay:
         if list(items) != asked:
             raise RuntimeError("the task sent a sweep member other fidelity samples than the "
                                "first pass (its samples must not depend on the method)")
+        return records[self._index]
+
+    def stream_fidelity(self, ids: torch.Tensor, prompt_tokens: int) -> dict:
+        if not self._fidelity:
+            raise RuntimeError("the task asked more of stream_fidelity in a sweep member's pass "
+                               "than in the first pass")
+        (stream, prompt), records = self._fidelity.pop(0)
+        if prompt != prompt_tokens or not torch.equal(ids, stream):
+            raise RuntimeError("the task sent a sweep member another stream than the first pass "
+                               "(its text must not depend on the method)")
         return records[self._index]
 
 

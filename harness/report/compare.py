@@ -105,9 +105,10 @@ def _attn(r: dict) -> str:
 
 def _cell_key(r: dict) -> tuple:
     """(model, protocol, task, metric, batch, task options): runs of one cell."""
+    options = without_neutral("task", r["_metrics"]["task"].get("options") or {})
+    options.pop("fidelity_tokens", None)  # adds records; changes no task metric
     return (r["model"], r["protocol"], r["task"], r["metric"], r["batch"],
-            json.dumps(without_neutral("task", r["_metrics"]["task"].get("options") or {}),
-                       sort_keys=True, default=str))
+            json.dumps(options, sort_keys=True, default=str))
 
 
 def _full_runs(rows: list[dict]) -> dict[tuple, list[dict]]:

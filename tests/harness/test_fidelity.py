@@ -144,6 +144,26 @@ def test_sweep_gives_each_setting_its_single_run_fidelity(size, tmp_path, monkey
     assert (max(batched) == 3) if size > 1 else not batched
 
 
+@pytest.mark.parametrize("size", [1, 2])
+def test_streams_swept_together_equal_their_single_runs(size, tmp_path):
+    """Streaming perplexity: one full-cache pass beside the settings, 2 at a time in lockstep
+    (the last batch partial), each equal to its single run."""
+    need_shared(STORIES)
+    settings = [[*STREAM, "task.fidelity_tokens=1", *knobs] for knobs in
+                (["method=full"], ["method=streaming_llm", "method.budget_tokens=16"],
+                 ["method=h2o", "method.budget_tokens=16"])]
+    alone = single_runs(settings, tmp_path)
+    swept = sweep_folders([[*s, f"runner.sweep_decode_batch={size}"] for s in settings],
+                          tmp_path)
+    for knobs, a, b in zip(settings, alone, swept):
+        (ma, sa), (mb, sb) = folder_figures(a), folder_figures(b)
+        assert_close(sb, sa, 1e-4, knobs[-1])
+        assert_close(mb, ma, 1e-4, knobs[-1])
+    # stepped alone the full cache equals its pass bit for bit; as a batched row, to rounding
+    assert records(swept[0])[0]["fidelity"]["kl_max"] <= (0 if size == 1 else 1e-9)
+    assert records(swept[1])[0]["fidelity"]["kl_max"] > 1e-4
+
+
 def test_a_wrong_offset_in_the_lockstep_is_caught(tmp_path, monkeypatch):
     """Planted bug: the settings stepped together are fed the reference one token early."""
     need_shared(STORIES)
