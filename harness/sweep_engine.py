@@ -40,6 +40,10 @@ One token stream (streaming perplexity, `stream_scores`) is teacher-forced throu
 setting: no prompt is shared (each setting's layers act on every token), but the settings step
 in lockstep, `runner.sweep_decode_batch` at a time, one batched forward per token.
 
+Paired fidelity (`task.fidelity_tokens`, harness.fidelity): every setting is fed the same
+reference tokens, so the settings are teacher-forced in lockstep, `runner.sweep_decode_batch` at
+a time (harness.sweep_decode.fidelity_records), from one full-cache reference per sample.
+
 Identical to the full cache by rule. A sample whose whole sequence (prompt, query, new tokens)
 fits a setting's token budget, where its method declares that such a budget keeps every token
 (`rule_budget`), is answered once for all such settings that compute alike (same runner, same
@@ -593,7 +597,6 @@ class Replay:
             raise RuntimeError("the task sent a sweep member another stream than the first pass "
                                "(its text must not depend on the method)")
         return stream.scores[self._index]
-
 
     def fidelity_many(self, items, tokens, stop_ids=None, min_new_tokens=0) -> list[dict]:
         if not self._fidelity:
