@@ -103,7 +103,7 @@ def build_metrics(session, setting, engine, result, t_start: float,
         "accuracy": result.metrics,
         "uncertainty": cell_uncertainty(setting.task_name, result.metrics, result.samples),
         "speed": engine.speed().as_dict(),
-        "memory": peak_memory(engine.device),
+        "memory": task_peak_memory(engine) or peak_memory(engine.device),
         "kv": kv_figures(engine, method),
         "transfer": {"kv_offload": runner.kv_offload, **engine.transfers.summary()},
         "model": {**model_section(spec, info, engine.device),
@@ -131,10 +131,39 @@ def build_metrics(session, setting, engine, result, t_start: float,
     }
     if engine.diagnostics is not None:
         metrics["diagnostics"] = engine.diagnostics.summary()
+    if setting.task.options().get("fidelity_tokens"):
+        metrics["fidelity"] = fidelity_section(setting, result.samples)
+        # its wall time (outside every figure of the setting), with the run's own
+        metrics["run"]["fidelity_ms"] = round(fidelity_ms(engine), 3)
     projected = project(plain(cfg.hardware), metrics["speed"], metrics["transfer"])
     if projected is not None:
         metrics["projected"] = projected
     return stamp(metrics)
+
+
+def fidelity_section(setting, samples: list[dict]) -> dict[str, Any]:
+    """metrics.json's `fidelity` (task.fidelity_tokens > 0, harness.core.fidelity): the KL and
+    top-token statistics with their intervals (harness.stats.fidelity)."""
+    from harness.stats import fidelity
+
+    section = fidelity.summary(samples) or {"samples": 0, "tokens": 0}
+    return {**section, "fidelity_tokens": setting.task.options()["fidelity_tokens"],
+            "reference": "the full cache on the same model (dense prefill, the run's chunks): "
+                         "its greedy continuation teacher-forced through the setting; not timed "
+                         "in the setting's figures"}
+
+
+def fidelity_ms(engine) -> float:
+    from harness.core import fidelity
+
+    return fidelity.fidelity_ms(engine)
+
+
+def task_peak_memory(engine) -> dict[str, Any] | None:
+    """The peak memory before a fidelity pass ran (harness.core.fidelity), or None."""
+    from harness.core import fidelity
+
+    return fidelity.task_peak_memory(engine)
 
 
 def model_section(spec, info, device) -> dict[str, Any]:
@@ -298,6 +327,15 @@ def summary(metrics: dict[str, Any], folder: Path) -> str:
     if diag and diag.get("steps_sampled"):
         lines.append(f"  fidelity  attention recall {_fmt(diag['attention_recall_mean'])}, "
                      f"KL(full||method) mean {_fmt(diag['kl_mean'])} over {diag['steps_sampled']} steps")
+    fid = metrics.get("fidelity")
+    if fid and fid.get("tokens"):
+        lines.append(f"  fidelity  KL(full||setting) mean {_fmt(fid['kl_mean']['value'])}, median "
+                     f"{_fmt(fid['kl_median']['value'])}, p99 {_fmt(fid['kl_p99']['value'])}, "
+                     f"same top token {_fmt(fid['top_agree_percent']['value'])} % over "
+                     f"{fid['tokens']} tokens of {fid['samples']} samples"
+                     + (f"; gold log-prob {_fmt(fid['gold_logprob_mean']['value'])} (full "
+                        f"{_fmt(fid['gold_logprob_full_mean']['value'])})"
+                        if fid.get("gold_samples") else ""))
     moved = metrics.get("transfer", {}).get("bytes_per_decode_step")
     if moved:
         lines.append(f"  transfer  {_fmt(moved / 2**20)} MiB host->device per decode step, exposed "

@@ -47,14 +47,32 @@ class Task:
     # The option that makes part of the input a prompt where phases() has none (named in the
     # runner's refusal of a prompt-only method), or None.
     prompt_option: ClassVar[str | None] = None
+    # Whether the task records paired fidelity per sample (`fidelity_tokens`, harness.core.fidelity).
+    fidelity: ClassVar[bool] = False
     limit: int | None = None  # at most this many samples (None: all)
+    # K > 0: per sample, the full cache's first K greedy tokens teacher-forced through the
+    # setting (KL to the full cache, top-token agreement, gold log-probability); 0: off
+    fidelity_tokens: int = 0
 
     def __post_init__(self) -> None:
         reasons = self.check_options()
         if self.limit is not None and (not isinstance(self.limit, int) or self.limit <= 0):
             reasons.append(f"task.limit={self.limit!r} must be a positive integer or null")
+        reasons += self.fidelity_reasons()
         if reasons:
             raise ConfigError(reasons[0])
+
+    def fidelity_reasons(self) -> list[str]:
+        value = self.fidelity_tokens
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            return [f"task.fidelity_tokens={value!r} must be an integer >= 0 (0: off; K > 0: the "
+                    "full cache's first K tokens teacher-forced through the setting per sample)"]
+        reasons = []
+        if value and not self.fidelity:
+            reasons.append(f"task.fidelity_tokens={self.fidelity_tokens}: task={self.name} records "
+                           "no paired fidelity (ruler, longbench, xsum and perplexity do); set "
+                           "task.fidelity_tokens=0")
+        return reasons
 
     @classmethod
     def option_names(cls) -> list[str]:
@@ -96,3 +114,20 @@ class Task:
         """The task's samples through `engine` (the setting's own Engine when the task declares
         `needs_live_engine`), scored."""
         raise NotImplementedError
+
+    def add_fidelity(self, engine, rows: list[dict], items: list, stop_ids: set[int] | None = None,
+                     min_new_tokens: int = 0) -> None:
+        """With `fidelity_tokens` > 0: each row's `fidelity` record (harness.core.fidelity), from
+        its item (harness.core.fidelity.Item: the prompt and query the row was answered from, its
+        gold answer's tokens), after every answer is in."""
+        if not self.fidelity_tokens:
+            return
+        records = engine.fidelity_many(items, self.fidelity_tokens, stop_ids, min_new_tokens)
+        for row, record in zip(rows, records, strict=True):
+            row["fidelity"] = record
+
+    def gold_tokens(self, engine, text: str | None) -> list[int] | None:
+        """The first `fidelity_tokens` tokens of a gold answer's text (no special tokens)."""
+        if not text:
+            return None
+        return engine.encode(text, add_special_tokens=False)[: self.fidelity_tokens] or None

@@ -25,7 +25,8 @@ from methods.base import KVMethod
 from methods.model import ModelInfo
 
 # Every member of TaskEngine (tests/tasks/test_engine_api.py holds each implementation to all).
-MEMBERS = ("tokenizer", "info", "method", "encode", "stop_token_ids", "generate", "score_stream")
+MEMBERS = ("tokenizer", "info", "method", "encode", "stop_token_ids", "generate", "score_stream",
+           "fidelity_many", "stream_fidelity")
 
 
 @dataclass
@@ -101,6 +102,17 @@ class TaskEngine(abc.ABC):
     @abc.abstractmethod
     def score_stream(self, request: ScoreStreamRequest) -> torch.Tensor:
         """The stream's scores `(T - max(prompt_tokens, 1),)`."""
+
+    @abc.abstractmethod
+    def fidelity_many(self, items: list, tokens: int, stop_ids: set[int] | None = None,
+                      min_new_tokens: int = 0) -> list[dict]:
+        """Paired fidelity to the full cache (`task.fidelity_tokens`): one record per
+        `harness.core.fidelity.Item` (a sample as it was answered, with its gold tokens), the
+        full cache's first `tokens` answer tokens teacher-forced through the setting's cache."""
+
+    @abc.abstractmethod
+    def stream_fidelity(self, ids: torch.Tensor, prompt_tokens: int) -> dict:
+        """A `ScoreStreamRequest`'s stream compared token by token with a full-cache pass."""
 
 
 def encode_with(tokenizer, text: str, add_special_tokens: bool | None = None) -> list[int]:

@@ -129,6 +129,7 @@ def chat_pieces(engine) -> tuple[list[int], list[int]]:
 @dataclass(kw_only=True)
 class LongBench(Task):
     name: ClassVar[str] = "longbench"
+    fidelity: ClassVar[bool] = True
     main_metric: ClassVar[str] = "average"  # mean of the datasets' LongBench scores
     higher_is_better: ClassVar[bool] = True
     batches: ClassVar[bool] = True
@@ -325,4 +326,12 @@ class LongBench(Task):
             if spec.first_line:
                 sample["scored_prediction"] = scored_text
             samples.append(sample)
+        if self.fidelity_tokens:
+            from harness.core.fidelity import Item
+
+            # the gold answer: the first reference, as the prediction would continue the prompt
+            items = [Item(list(p[0]), None, self.gold_tokens(engine, (row["answers"] or [""])[0]))
+                     for row, p in zip(rows, prompts)]
+            self.add_fidelity(engine, samples, items, stop_ids,
+                              min_new_tokens=1 if spec.stop_at_newline else 0)
         return samples

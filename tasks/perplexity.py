@@ -49,6 +49,7 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 @dataclass(kw_only=True)
 class Perplexity(Task):
     name: ClassVar[str] = "perplexity"
+    fidelity: ClassVar[bool] = True
     main_metric: ClassVar[str] = "ppl"
     higher_is_better: ClassVar[bool] = False
     prompt_option: ClassVar[str | None] = "task.prefill_tokens"
@@ -73,6 +74,10 @@ class Perplexity(Task):
             reasons.append(f"task.dataset={self.dataset!r}; allowed: {', '.join(TEXT_DATASETS)}")
         if self.mode not in MODES:
             reasons.append(f"task.mode={self.mode!r}; allowed: {', '.join(MODES)}")
+        if self.fidelity_tokens and self.mode == "chunked":
+            reasons.append(f"task.fidelity_tokens={self.fidelity_tokens} compares a stream token "
+                           "by token (task.mode=streaming); task.mode=chunked records none: set "
+                           "task.fidelity_tokens=0")
         if self.dataset == "text_file" and not self.path:
             reasons.append("task.dataset=text_file needs task.path=<a UTF-8 text file>")
         for key in ("max_tokens", "window_tokens", "block_tokens"):
@@ -179,7 +184,10 @@ class Perplexity(Task):
         prompt = self.prefill_tokens or 0
         # the prompt's end is the prompt-end hook: prompt compressors act there
         nll = engine.score_stream(ScoreStreamRequest(ids, prompt, token_nll))
-        return nll, [{"id": 0, **_scored(ids.tolist(), max(prompt, 1), nll)}]
+        sample = {"id": 0, **_scored(ids.tolist(), max(prompt, 1), nll)}
+        if self.fidelity_tokens:  # every scored token against a full-cache pass on the stream
+            sample["fidelity"] = engine.stream_fidelity(ids, prompt)
+        return nll, [sample]
 
 
 def _scored(ids: list[int], first: int, nll: torch.Tensor) -> dict:

@@ -262,6 +262,7 @@ class Ruler(Task):
     """RULER (Hsieh et al., arXiv 2404.06654): NIAH variants, variable tracking, common words."""
 
     name: ClassVar[str] = "ruler"
+    fidelity: ClassVar[bool] = True
     main_metric: ClassVar[str] = "average"  # mean string_match_all over sub-tasks, x100
     higher_is_better: ClassVar[bool] = True
     batches: ClassVar[bool] = True
@@ -457,6 +458,18 @@ class Ruler(Task):
 
     # -- evaluation --
 
+    def _fidelity_item(self, engine, sample: RulerSample, fmt: PromptFormat):
+        """The sample as it was answered (prompt, and the question after it when query-agnostic)
+        with its gold answer: the references joined as the answer lists them (", "), after the
+        answer prefix's space."""
+        from harness.core.fidelity import Item
+
+        gold = self.gold_tokens(engine, " " + ", ".join(sample.answers))
+        if self.query == "agnostic":
+            cut = query_start(sample, fmt)
+            return Item(list(sample.input_ids[:cut]), list(sample.input_ids[cut:]), gold)
+        return Item(list(sample.input_ids), None, gold)
+
     def evaluate(self, engine: TaskEngine) -> TaskResult:
         tok = engine.tokenizer
         fmt = PromptFormat(tok, self.chat_template)
@@ -482,6 +495,8 @@ class Ruler(Task):
                          "haystack_units": s.haystack_units, "generated_tokens": len(out),
                          "answers": s.answers, "prediction": prediction,
                          "score": string_match_all(prediction, s.answers)})
+        self.add_fidelity(engine, rows, [self._fidelity_item(engine, s, fmt) for s in samples]
+                          if self.fidelity_tokens else [], stop_ids)
         metrics = aggregate(rows, self.subtasks, lengths, self.depths)
         protocol = {
             "benchmark": "RULER (Hsieh et al. 2024, arXiv 2404.06654), independent implementation",

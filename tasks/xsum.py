@@ -84,6 +84,7 @@ def parse_items(raw: bytes, source: str) -> list[dict[str, Any]]:
 @dataclass(kw_only=True)
 class XSum(Task):
     name: ClassVar[str] = "xsum"
+    fidelity: ClassVar[bool] = True
     main_metric: ClassVar[str] = "rougeL"  # ROUGE-L F x100
     higher_is_better: ClassVar[bool] = True
     batches: ClassVar[bool] = True
@@ -161,6 +162,12 @@ class XSum(Task):
                             "skipped": False, "prediction": prediction,
                             "reference": item["summary_gt"], **rouge, "prompt_tokens": len(ids),
                             "max_new_tokens": gen, "new_tokens": len(new_ids)})
+        if self.fidelity_tokens:
+            from harness.core.fidelity import Item
+
+            self.add_fidelity(engine, [s for s in samples if not s["skipped"]],
+                              [Item(list(ids), None, self.gold_tokens(engine, item["summary_gt"]))
+                               for item, ids, _, _ in todo])
         if not scored:
             raise ConfigError(f"task=xsum: none of the {skipped} items read fits the model's "
                               f"{positions} positions with its generation length; use a model "

@@ -44,7 +44,8 @@ TOP_LEVEL = (*GROUPS, "hydra")
 # value is part of the identity.
 NEUTRAL = {"runner": {"kv_device_limit_mib": None, "kv_admission": "request",
                       "decode_interval_tokens": None},
-           "task": {"query": "aware", "prefill_tokens": None, "skip_samples": 0}}
+           "task": {"query": "aware", "prefill_tokens": None, "skip_samples": 0,
+                    "fidelity_tokens": 0}}
 
 
 def without_neutral(group: str, section: dict[str, Any]) -> dict[str, Any]:

@@ -190,6 +190,22 @@ class Engine(TaskEngine):
                 out[t + 1 - first] = score(logits, ids[t + 1:t + 2].to(device))[0]
         return out
 
+    def fidelity_many(self, items, tokens: int, stop_ids: set[int] | None = None,
+                      min_new_tokens: int = 0) -> list[dict]:
+        """Each sample's paired fidelity to the full cache (`task.fidelity_tokens`,
+        harness.core.fidelity: `items` are harness.core.fidelity.Item), through an engine of its own: no
+        time, token or KV figure of this engine changes."""
+        from harness.core import fidelity
+
+        return fidelity.fidelity_many(self, items, tokens, stop_ids, min_new_tokens)
+
+    def stream_fidelity(self, ids: torch.Tensor, prompt_tokens: int) -> dict:
+        """`stream_scores`'s stream compared token by token with a full-cache pass on it
+        (harness.core.fidelity), outside this engine's accounting."""
+        from harness.core import fidelity
+
+        return fidelity.stream_fidelity(self, ids, prompt_tokens)
+
     def _serve(self, prompts: list[list[int]], limits: list[int], stop_ids: set[int],
                min_new_tokens: int, queries: list[list[int]] | None) -> Iterator[list[int]]:
         """Every prompt arrives now; waves are admitted under the device limit (harness.core.serving)

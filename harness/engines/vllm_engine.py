@@ -154,6 +154,10 @@ def check_setting(setting) -> None:
         raise ConfigError(f"task.mode={setting.task.mode}: the vLLM engine scores perplexity from "
                           "its prompt log-probabilities over the whole text (task.mode=streaming); "
                           "chunked windows need our engine's logits")
+    if setting.task.options().get("fidelity_tokens"):
+        raise ConfigError(f"task.fidelity_tokens={setting.task.fidelity_tokens}: the paired "
+                          "fidelity teacher-forces through our engine's caches; the vLLM engine "
+                          "records none: set task.fidelity_tokens=0")
     declared = type(setting.runner)().as_dict()  # the runner's defaults
     for key, value in setting.runner.as_dict().items():
         if key not in RUNNER_KNOBS and value != declared[key]:
@@ -413,6 +417,14 @@ class VllmEngine(TaskEngine):
     def stream_scores(self, ids, prompt_tokens: int, score=None):
         """`score_stream` with the request's fields as arguments."""
         return self.score_stream(ScoreStreamRequest(ids, prompt_tokens, score))
+
+    def fidelity_many(self, items, tokens, stop_ids=None, min_new_tokens=0) -> list[dict]:
+        raise ConfigError("task.fidelity_tokens: the paired fidelity teacher-forces through our "
+                          "engine's caches; the vLLM engine records none")
+
+    def stream_fidelity(self, ids, prompt_tokens) -> dict:
+        raise ConfigError("task.fidelity_tokens: the paired fidelity teacher-forces through our "
+                          "engine's caches; the vLLM engine records none")
 
     def score_stream(self, request: ScoreStreamRequest):
         """Teacher-forced NLL of every token from max(prompt_tokens, 1) on, from vLLM's prompt

@@ -105,9 +105,10 @@ def _attn(r: dict) -> str:
 
 def _cell_key(r: dict) -> tuple:
     """(model, protocol, task, metric, batch, task options): runs of one cell."""
+    options = without_neutral("task", r["_metrics"]["task"].get("options") or {})
+    options.pop("fidelity_tokens", None)  # adds records; changes no task metric
     return (r["model"], r["protocol"], r["task"], r["metric"], r["batch"],
-            json.dumps(without_neutral("task", r["_metrics"]["task"].get("options") or {}),
-                       sort_keys=True, default=str))
+            json.dumps(options, sort_keys=True, default=str))
 
 
 def _full_runs(rows: list[dict]) -> dict[tuple, list[dict]]:
@@ -160,6 +161,7 @@ def comparisons(board: list[dict], rows: list[dict], resamples: int = stats.RESA
                      "setting": e["setting"], "variant": e["variant"], "column": column,
                      "higher": e["higher"][column], "entry": e, "reference_run": ref,
                      **_compare(by_run[ref], by_run[run], resamples)}
+                c["fidelity"] = fidelity_compare(by_run[run], resamples)
                 c["floor"] = (floors.get((model, protocol, column))
                               or floors.get((model, reference_protocol, column)))
                 out.append(c)
@@ -171,6 +173,33 @@ def comparisons(board: list[dict], rows: list[dict], resamples: int = stats.RESA
     for c in out:
         c.setdefault("verdict", "not paired")
     return out, every_floor
+
+
+# (record key, the full cache's own value on a sample: its KL to itself is 0, its top token
+# its own; its gold log-probability is recorded beside the setting's)
+FIDELITY_PAIRS = (("kl_mean", lambda f: 0.0), ("top_agree_ratio", lambda f: 1.0),
+                  ("gold_logprob", lambda f: f.get("gold_logprob_full")))
+
+
+def fidelity_compare(r: dict, resamples: int = stats.RESAMPLES) -> dict[str, Any] | None:
+    """Beside the accuracy comparison: the run's per-sample fidelity (task.fidelity_tokens,
+    harness.core.fidelity) against the full cache's on the same samples (each record holds both
+    sides: the full cache's reference of that very sample), paired bootstrap of the
+    difference (setting - full) per measure. None: the run recorded no fidelity."""
+    records = [s["fidelity"] for s in samples_of(r) or [] if s.get("fidelity")]
+    if not records:
+        return None
+    out = {}
+    for key, full_value in FIDELITY_PAIRS:
+        pairs = [(full_value(f), f[key]) for f in records
+                 if f.get(key) is not None and full_value(f) is not None]
+        if len(pairs) < 2:
+            continue
+        result = stats.paired(stats.design(np.array(pairs)), resamples)
+        out[key] = {"n": len(pairs), "full": result.reference, "value": result.value,
+                    "difference": result.difference,
+                    "difference_ci95": list(result.difference_ci95), "p_value": result.p_value}
+    return out or None
 
 
 def _reference(entries: list[dict]) -> dict | None:
@@ -394,6 +423,7 @@ def markdown(compared: list[dict], floors: list[dict], flagged: list[str],
             cells = [c["model"], c["protocol"], c["method"], c["setting"], c["column"]] + [""] * 7 \
                 + [f"not paired: {c['why']}"]
         out.append("| " + " | ".join(str(x).replace("|", "\\|") for x in cells) + " |")
+    out += fidelity_markdown(compared)
     out += ["", "Noise floors (the full cache run by another path, same samples):", ""]
     if not floors:
         out.append("- none measured (run the full cache with runner.attn_impl=eager beside "
@@ -410,9 +440,32 @@ def markdown(compared: list[dict], floors: list[dict], flagged: list[str],
     return "\n".join(out) + "\n"
 
 
+def fidelity_markdown(compared: list[dict]) -> list[str]:
+    """The paired fidelity table (runs with task.fidelity_tokens > 0), beside accuracy's."""
+    rows = [c for c in compared if c.get("fidelity")]
+    if not rows:
+        return []
+    out = ["", "Paired fidelity with the full cache (task.fidelity_tokens: per sample, the full "
+           "cache's first K greedy tokens teacher-forced through the setting; difference setting - "
+           "full per sample, paired bootstrap):", ""]
+    cols = ["model", "protocol", "method", "setting", "column", "n", "KL mean [95 %]",
+            "same top token (ratio) difference [95 %]", "gold log-prob difference [95 %]"]
+    out += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for c in rows:
+        fid = c["fidelity"]
+        parts = [f"{_f(fid[k]['difference'])} {_ci(fid[k]['difference_ci95'])}" if k in fid
+                 else "" for k, _ in FIDELITY_PAIRS]
+        n = max(v["n"] for v in fid.values())
+        cells = [c["model"], c["protocol"], c["method"], c["setting"], c["column"], n, *parts]
+        out.append("| " + " | ".join(str(x).replace("|", "\\|") for x in cells) + " |")
+    return out
+
+
 CSV_FIELDS = ("model", "protocol", "method", "setting", "variant", "column", "paired", "n",
               "n_unit", "reference", "value", "difference", "difference_ci95", "retained",
-              "retained_ci95", "test", "p_value", "q_value", "discordance", "verdict", "why")
+              "retained_ci95", "test", "p_value", "q_value", "discordance",
+              *(f"fidelity_{k}_{part}" for k, _ in FIDELITY_PAIRS
+                for part in ("difference", "difference_ci95")), "verdict", "why")
 
 
 def to_csv(compared: list[dict]) -> str:
@@ -423,7 +476,13 @@ def to_csv(compared: list[dict]) -> str:
     writer = csv.writer(buf)
     writer.writerow(CSV_FIELDS)
     for c in compared:
-        writer.writerow([" ".join(_f(v) for v in c[k]) if isinstance(c.get(k), (list, tuple))
-                         else _f(c[k]) if isinstance(c.get(k), float) else c.get(k, "")
+        flat = {**c, **_fidelity_fields(c.get("fidelity") or {})}
+        writer.writerow([" ".join(_f(v) for v in flat[k]) if isinstance(flat.get(k), (list, tuple))
+                         else _f(flat[k]) if isinstance(flat.get(k), float) else flat.get(k, "")
                          for k in CSV_FIELDS])
     return buf.getvalue()
+
+
+def _fidelity_fields(fid: dict) -> dict[str, Any]:
+    return {f"fidelity_{k}_{part}": v[part] for k, v in fid.items()
+            for part in ("difference", "difference_ci95")}

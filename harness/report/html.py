@@ -117,7 +117,17 @@ def _decode_td(e: dict) -> str:
     return _td(e.get("decode_ms"))
 
 
-def board_row(e: dict, column: str) -> str:
+def _fidelity_tds(e: dict, fid: list[str]) -> list[str]:
+    """The row's fidelity cells (value [95 %]; empty where its run recorded none)."""
+    out = []
+    for name in fid:
+        value = e.get("fidelity", {}).get(name)
+        out.append(_td(None if value is None else value[0],
+                       shown=None if value is None else leaderboard.shown(e, name)))
+    return out
+
+
+def board_row(e: dict, column: str, fid: list[str] = ()) -> str:
     cls = ("reference" if e["method"] == leaderboard.REFERENCE else
            "inactive" if e["active"] == "INACTIVE" else "")
     verdict = e.get("verdicts", {}).get(column, "")
@@ -129,17 +139,25 @@ def board_row(e: dict, column: str) -> str:
              _td(e["tasks"][column], shown=_value_text(e, column)),
              _td(e["n"].get(column)),
              _td((e.get("ranks", {}).get(column) or (None,))[0], shown=_rank_text(e, column)),
-             _td(verdict, True),
+             _td(verdict, True), *_fidelity_tds(e, fid),
              _td(e.get("kv_held")), _td(e.get("attended_fraction")), _decode_td(e),
              _td(None if moved is None else moved / 2**20), _td(e["active"], True)]
     return f'<tr class="setting {cls}">' + "".join(cells) + "</tr>"
 
 
-def _level_body(label: str, members: list[dict], column: str, note: str) -> str:
-    head = (f'<tr class="level"><th colspan="{len(BOARD_HEAD)}">{_e(label)} '
+def _level_body(label: str, members: list[dict], column: str, note: str,
+                fid: list[str] = ()) -> str:
+    head = (f'<tr class="level"><th colspan="{len(BOARD_HEAD) + len(fid)}">{_e(label)} '
             f'<span class="meta">· {len(members)} setting{"s" if len(members) != 1 else ""}'
             f'{_e(note)}</span></th></tr>')
-    return "<tbody>" + head + "".join(board_row(e, column) for e in members) + "</tbody>"
+    return "<tbody>" + head + "".join(board_row(e, column, fid) for e in members) + "</tbody>"
+
+
+def _board_head(fid: list[str]) -> tuple[str, ...]:
+    """BOARD_HEAD with the column's fidelity labels (task.fidelity_tokens) after "vs full"."""
+    at = BOARD_HEAD.index("vs full") + 1
+    labels = [name.rsplit(" · ", 1)[1] + leaderboard.arrow([], name) for name in fid]
+    return (*BOARD_HEAD[:at], *labels, *BOARD_HEAD[at:])
 
 
 def board_html(board: list[dict], answers: list[dict]) -> str:
@@ -152,16 +170,18 @@ def board_html(board: list[dict], answers: list[dict]) -> str:
         for column in sorted({c for e in entries for c in e["tasks"]}):
             out.append(f"<h3>{_e(model)} · <code>{_e(protocol)}</code> · "
                        f"{_e(column + leaderboard.arrow(entries, column))}</h3>")
+            fid = [name for name in leaderboard.fidelity_columns(entries)
+                   if name.startswith(column + " · ")]
             heads = "".join(f'<th class="{"text" if h in ("letters", "method", "setting", "vs full", "active") else ""}">'
-                            f"{_e(h)}</th>" for h in BOARD_HEAD)
+                            f"{_e(h)}</th>" for h in _board_head(fid))
             out.append(f'<table class="sortable board"><thead><tr>{heads}</tr></thead>')
             full = [e for e in entries if e["method"] == leaderboard.REFERENCE
                     and column in e["tasks"]]
             if full:
-                out.append(_level_body("full cache (reference)", full, column, ""))
+                out.append(_level_body("full cache (reference)", full, column, "", fid))
             for a in by_key.get((model, protocol, column), []):
                 out.append(_level_body(a["level"], a["members"], column,
-                                       f" · {a['apart']} of {a['pairs']} pairs told apart"))
+                                       f" · {a['apart']} of {a['pairs']} pairs told apart", fid))
             out.append("</table>")
     return "\n".join(out)
 

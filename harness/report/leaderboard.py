@@ -8,6 +8,10 @@ the higher-is-better task columns of a row that has them all. KV held, attended 
 decode ms and bytes moved are means over the row's runs. The CSV adds each row's budget level,
 how many settings shared its timed decode step (speed_shared) and its letters per task column.
 
+Runs with task.fidelity_tokens > 0 add, per task column, their fidelity to the full cache
+(KL mean and 99th percentile, same top token %, gold log-probability, each with its interval;
+harness.core.fidelity): shown beside the task's metric, which alone ranks.
+
 Every task cell carries its 95 % interval and n (`ci`, `n`; harness.report.compare attaches them
 to the rows) and, once compare.rank_intervals ran, its rank interval: markdown shows
 "value [low, high] n=N #best-worst". The mean column's interval combines the task columns'
@@ -26,7 +30,8 @@ from harness.config.config_check import without_neutral
 from harness.report.collect import REFERENCE, fmt
 
 # Task options that say where data lives, not what is measured.
-_NOT_SETTING = {"data_dir", "path", "include_path"}
+# (task.fidelity_tokens adds the fidelity columns; it changes no task metric.)
+_NOT_SETTING = {"data_dir", "path", "include_path", "fidelity_tokens"}
 KEY = ("model", "protocol", "method", "variant", "setting", "provenance", "operating_point",
        "batch")
 MEASURES = ("kv_held", "attended_fraction", "decode_ms", "bytes_per_step")
@@ -34,6 +39,11 @@ MEAN = "mean (higher-is-better tasks)"
 # Samples of the row's runs that fit its budget, so were the full cache's answer by the method's
 # rule (a sweep counts them): shown wherever a section has any, never folded into the scores.
 IDENTICAL = "identical_to_full"
+# A task column's fidelity to the full cache (task.fidelity_tokens, harness.core.fidelity): the
+# metrics.json statistic, its label and whether higher is better. Shown beside the task's
+# metric, never ranked: the board ranks by the task's metric.
+FIDELITY = (("kl_mean", "KL mean", False), ("kl_p99", "KL p99", False),
+            ("top_agree_percent", "same top %", True), ("gold_logprob_mean", "gold logprob", True))
 
 
 def _options(r: dict) -> dict[str, str]:
@@ -88,12 +98,40 @@ def build(rows: list[dict]) -> list[dict[str, Any]]:
         counted = [r["identical_to_full"] for r in latest.values()
                    if r.get("identical_to_full") is not None]
         entry[IDENTICAL] = sum(counted) if counted else None
+        entry["fidelity"] = fidelity_cells(latest)
         board.append(entry)
     _mean_column(board)
     board.sort(key=lambda e: (e["model"], e["protocol"], e["method"] != REFERENCE,
                               -(e["kv_held"] if e["kv_held"] is not None else 2), e["method"],
                               e["setting"]))
     return board
+
+
+def fidelity_column(column: str, label: str) -> str:
+    return f"{column} · {label}"
+
+
+def fidelity_cells(latest: dict[str, dict]) -> dict[str, tuple]:
+    """{fidelity column: (value, its 95 % interval or None)} of the row's runs that recorded
+    fidelity."""
+    out = {}
+    for column, r in latest.items():
+        section = r["_metrics"].get("fidelity") or {}
+        if not section.get("tokens"):
+            continue
+        for key, label, _ in FIDELITY:
+            stat = section.get(key) or {}
+            if stat.get("value") is not None:
+                out[fidelity_column(column, label)] = (stat["value"], stat.get("ci95"))
+    return out
+
+
+def fidelity_columns(entries: list[dict]) -> list[str]:
+    """The fidelity columns of these rows, by task column then FIDELITY's order."""
+    have = {c for e in entries for c in e.get("fidelity", {})}
+    tasks = sorted({c for e in entries for c in e["tasks"]})
+    return [fidelity_column(t, label) for t in tasks for _, label, _ in FIDELITY
+            if fidelity_column(t, label) in have]
 
 
 def _mean_column(board: list[dict]) -> None:
@@ -131,12 +169,15 @@ def header(entries: list[dict]) -> tuple[list[str], list[str]]:
     own = ["method", "setting"] + (["batch"] if any(e["batch"] != 1 for e in entries) else [])
     labels = [c for c in ("provenance", "operating_point", "variant") if any(e[c] for e in entries)]
     identical = [IDENTICAL] if any(e.get(IDENTICAL) is not None for e in entries) else []
-    return own, (tasks + ([MEAN] if len(tasks) > 1 else []) + list(MEASURES) + identical
-                 + ["active"] + labels)
+    return own, (tasks + ([MEAN] if len(tasks) > 1 else []) + fidelity_columns(entries)
+                 + list(MEASURES) + identical + ["active"] + labels)
 
 
 def cell(e: dict, column: str) -> Any:
-    """A task column's value (None where the row has no run of it), else the row's own field."""
+    """A task column's value (None where the row has no run of it), a fidelity column's, else
+    the row's own field."""
+    if column in e.get("fidelity", {}):
+        return e["fidelity"][column][0]
     return e["tasks"].get(column, e.get(column))
 
 
@@ -145,6 +186,9 @@ def shown(e: dict, column: str) -> str:
     value = cell(e, column)
     if column == "decode_ms" and value is not None and e.get("speed_shared"):
         return f"{fmt(value)} shared"  # one batched step of several settings: none's own
+    if column in e.get("fidelity", {}):
+        value, ci = e["fidelity"][column]
+        return fmt(value) + (f" [{fmt(ci[0])}, {fmt(ci[1])}]" if ci else "")
     ci = e.get("mean_ci") if column == MEAN else e.get("ci", {}).get(column)
     if column not in e["tasks"] and column != MEAN or value is None:
         return fmt(value)
@@ -158,6 +202,9 @@ def shown(e: dict, column: str) -> str:
 
 
 def arrow(entries: list[dict], column: str) -> str:
+    for _, label, higher in FIDELITY:
+        if column.endswith(" · " + label):
+            return " ↑" if higher else " ↓"
     for e in entries:
         if column in e["higher"]:
             return " ↑" if e["higher"][column] else " ↓"
@@ -181,17 +228,20 @@ def markdown(board: list[dict]) -> str:
 def to_csv(board: list[dict]) -> str:
     """One flat table: the key, every task column of the whole report, the measures."""
     tasks = sorted({c for e in board for c in e["tasks"]})
-    extra = [f"{c} {part}" for c in tasks for part in INTERVAL_PARTS]
+    fid = fidelity_columns(board)
+    extra = ([f"{c} {part}" for c in tasks for part in INTERVAL_PARTS]
+             + [f"{c} {part}" for c in fid for part in ("ci95_low", "ci95_high")])
     fields = (list(KEY) + tasks + [MEAN, *MEASURES, "active", "runs", IDENTICAL, "level",
-                                    "speed_shared"] + extra)
+                                    "speed_shared"] + fid + extra)
     buf = io.StringIO()
     writer = csv.writer(buf)
     writer.writerow(fields)
     for e in board:
         writer.writerow([fmt(e["tasks"].get(f) if f in tasks else
-                             " ".join(e["runs"]) if f == "runs" else e.get(f))
+                             " ".join(e["runs"]) if f == "runs" else cell(e, f))
                          for f in fields[:len(fields) - len(extra)]]
-                        + [fmt(v) for c in tasks for v in interval_parts(e, c)])
+                        + [fmt(v) for c in tasks for v in interval_parts(e, c)]
+                        + [fmt(v) for c in fid for v in fidelity_interval(e, c)])
     return buf.getvalue()
 
 
@@ -205,3 +255,9 @@ def interval_parts(e: dict, column: str) -> list:
     rank = e.get("ranks", {}).get(column) or (None, None)
     return [ci[0], ci[1], e.get("n", {}).get(column), rank[0], rank[1],
             e.get("letters", {}).get(column)]
+
+
+def fidelity_interval(e: dict, column: str) -> tuple:
+    """A fidelity cell's 95 % interval (None, None where it has none)."""
+    ci = (e.get("fidelity", {}).get(column) or (None, None))[1]
+    return tuple(ci) if ci else (None, None)

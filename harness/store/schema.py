@@ -64,8 +64,11 @@ OPTIONAL: dict[str, dict[str, str]] = {
     "logger": {"dir": STRING},
     # harness.stats.uncertainty.cell_uncertainty: the main metric's 95 % interval, n and its method
     "uncertainty": {"n": OPT_NUMBER, "ci95": OPT_LIST, "interval": STRING},
+    # harness.stats.fidelity.summary (task.fidelity_tokens > 0): KL to the full cache and agreement
+    "fidelity": {"samples": NUMBER, "tokens": NUMBER, "kl_mean": MAPPING,
+                 "top_agree_percent": MAPPING, "interval": STRING},
 }
-OPTIONAL_SECTIONS = ("diagnostics", "projected", "logger", "uncertainty")
+OPTIONAL_SECTIONS = ("diagnostics", "projected", "logger", "uncertainty", "fidelity")
 
 
 class SchemaError(ValueError):

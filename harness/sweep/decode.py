@@ -23,7 +23,7 @@ import torch
 from harness.core import forward
 from harness.sweep import records as sweep_records
 from harness.sweep import replay as sweep_replay
-from harness.core.batch import decode_requests
+from harness.core.batch import Lockstep, decode_requests
 
 
 @dataclass
@@ -120,3 +120,134 @@ class Decoder:
         for e, out in zip(entries, outs):
             engine = e.request.engine
             self.done(e.member, out, sweep_records.added(engine, e.before), e.shared)
+
+
+# --- paired fidelity (task.fidelity_tokens) of a sweep's settings ------------------------------
+
+def fidelity_records(engines: list, items: list, tokens: int, stop_ids: set[int] | None,
+                     min_new_tokens: int, size: int) -> list[list[dict]]:
+    """Per engine (a sweep's settings), one `fidelity` record per item (harness.core.fidelity):
+    the full cache's reference is computed once per sample (every setting is fed the same
+    tokens), then the settings are teacher-forced `size` at a time in lockstep, one batched
+    forward per token (harness.core.batch.Lockstep), each row its own method and cache; a setting
+    that decodes alone (`decodes_alone`) is teacher-forced as its single run is. Batched rows
+    equal single ones within the reassociation of the batched matmuls."""
+    from harness.core import fidelity
+
+    for engine in engines:
+        fidelity.hold_peak(engine)
+    stop_ids = engines[0].stop_token_ids() if stop_ids is None else set(stop_ids)
+    out: list[list[dict]] = [[] for _ in engines]
+    for item in items:
+        ref = fidelity.reference(engines[0], item, tokens, stop_ids, min_new_tokens)
+        for i, rec in enumerate(fidelity_together(engines, item, ref, size)):
+            out[i].append(rec)
+    return out
+
+
+def fidelity_together(engines: list, item, ref, size: int) -> list[dict]:
+    """One sample's fidelity record per engine, `size` engines' requests in lockstep."""
+    from harness.core import fidelity
+
+    out: list[dict | None] = [None] * len(engines)
+    together = []
+    for i, engine in enumerate(engines):
+        if decodes_alone(engine, size):
+            out[i] = fidelity.sample_fidelity(engine, item, ref)
+        else:
+            together.append(i)
+    for start in range(0, len(together), size):
+        chunk = together[start:start + size]
+        if len(chunk) == 1:  # a batch of one is the single run's own step
+            out[chunk[0]] = fidelity.sample_fidelity(engines[chunk[0]], item, ref)
+            continue
+        for i, rec in zip(chunk, _forced_together([engines[i] for i in chunk], item, ref)):
+            out[i] = rec
+    return out
+
+
+def _forced_together(engines: list, item, ref) -> list[dict]:
+    """The reference tokens (then the gold answer's, from the rewound prompt state) through
+    each engine's own request (its fidelity engine's: nothing is counted in the setting's
+    figures), one batched forward per token."""
+    from harness.core import fidelity
+
+    golds: list[float | None] = [None] * len(engines)
+    with contextlib.ExitStack() as stack:
+        reqs = [stack.enter_context(fidelity.quiet_engine(e).request()) for e in engines]
+        starts = [fidelity.prompt_state(req, item) for req in reqs]
+        snapshots = [req.snapshot() if item.gold else None for req in reqs]
+        rows = _lockstep(reqs, starts, ref.tokens)
+        forkable = [k for k, snap in enumerate(snapshots) if snap is not None]
+        for k in forkable:
+            reqs[k].restore(snapshots[k], consume=True)
+        if len(forkable) > 1:
+            gold_rows = _lockstep([reqs[k] for k in forkable], [starts[k] for k in forkable],
+                                  item.gold)
+        else:  # one request: its own steps, as its single run
+            gold_rows = [fidelity.forced(reqs[k], starts[k], item.gold) for k in forkable]
+        for k, got in zip(forkable, gold_rows):
+            golds[k] = fidelity.gold_logprob(got, item.gold)
+    for k, engine in enumerate(engines):
+        if item.gold and golds[k] is None:  # an unforkable state: the prompt again
+            golds[k] = fidelity.gold_alone(engine, item)
+    return [fidelity.record(ref, r, g) for r, g in zip(rows, golds)]
+
+
+def _lockstep(reqs: list, starts: list[torch.Tensor], tokens: list[int]) -> list[torch.Tensor]:
+    """Teacher-force `tokens` through every request together from its logits `starts[k]`
+    (1, 1, V): per request the (len(tokens), V) distributions before each token."""
+    steps = Lockstep(reqs)
+    rows = [[s[0, -1].float()] for s in starts]
+    everyone = list(range(len(reqs)))
+    for token in tokens[:-1]:
+        out = steps.step(everyone, [token] * len(reqs))
+        for k in everyone:
+            rows[k].append(out[k])
+    return [torch.stack(r) for r in rows]
+
+
+def stream_fidelity_records(engines: list, ids: torch.Tensor, prompt_tokens: int,
+                            size: int) -> list[dict]:
+    """Per engine, `Engine.stream_fidelity`'s record of one token stream: one full-cache pass
+    stepped alone (as in a single run), the settings that can share a forward `size` at a time
+    in lockstep beside it (one batched forward per token and batch), the others alone."""
+    from harness.core import fidelity
+
+    for engine in engines:
+        fidelity.hold_peak(engine)
+    together = [i for i, e in enumerate(engines) if not decodes_alone(e, size)]
+    if len(together) < 2:
+        together = []
+    out: dict[int, dict] = {i: fidelity.stream_fidelity(e, ids, prompt_tokens)
+                            for i, e in enumerate(engines) if i not in together}
+    if together:
+        out.update(zip(together, _streamed_together([engines[i] for i in together], ids,
+                                                    prompt_tokens, size)))
+    return [out[i] for i in range(len(engines))]
+
+
+def _streamed_together(engines: list, ids: torch.Tensor, prompt_tokens: int,
+                       size: int) -> list[dict]:
+    from harness.core import fidelity
+
+    final = int(ids.numel())
+    ids = ids.to(engines[0].device)
+    tallies = [fidelity.StreamTally() for _ in engines]
+    with contextlib.ExitStack() as stack:
+        full = stack.enter_context(fidelity.full_engine(engines[0]).request(final_tokens=final))
+        reqs = [stack.enter_context(fidelity.quiet_engine(e).request(final_tokens=final))
+                for e in engines]
+        if prompt_tokens:
+            full_row = full.prefill(ids[:prompt_tokens])[0, -1].float()
+            for req, tally in zip(reqs, tallies):
+                tally.add(full_row, req.prefill(ids[:prompt_tokens])[0, -1].float())
+        chunks = [list(range(s, min(s + size, len(reqs)))) for s in range(0, len(reqs), size)]
+        steps = [Lockstep([reqs[k] for k in chunk]) for chunk in chunks]
+        for t in range(prompt_tokens, final - 1):
+            full_row = full.step(ids[t:t + 1])[0, -1].float()
+            for chunk, lockstep in zip(chunks, steps):
+                rows = lockstep.step(list(range(len(chunk))), [int(ids[t])] * len(chunk))
+                for j, k in enumerate(chunk):
+                    tallies[k].add(full_row, rows[j])
+    return [tally.record() for tally in tallies]

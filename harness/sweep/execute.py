@@ -51,6 +51,10 @@ One token stream (streaming perplexity, `score_stream`) is teacher-forced throug
 setting: no prompt is shared (each setting's layers act on every token), but the settings step
 in lockstep, `runner.sweep_decode_batch` at a time, one batched forward per token.
 
+Paired fidelity (`task.fidelity_tokens`, harness.core.fidelity): every setting is fed the same
+reference tokens, so the settings are teacher-forced in lockstep, `runner.sweep_decode_batch` at
+a time (harness.sweep.decode.fidelity_records), from one full-cache reference per sample.
+
 Identical to the full cache by rule. A sample whose whole sequence (prompt, query, new tokens)
 fits a setting's token budget, where its method declares that such a budget keeps every token
 (`rule_budget`), is answered once for all such settings that compute alike (same runner, same
@@ -74,7 +78,8 @@ from harness.sweep import records as sweep_records
 from harness.sweep import replay as sweep_replay
 from harness.core.engine import Engine
 from harness.core.prompting import score_prompt
-from harness.sweep.decode import Decoder, decodes_alone
+from harness.sweep.decode import (Decoder, decodes_alone, fidelity_records,
+                                   stream_fidelity_records)
 from kvcore.errors import ConfigError
 from methods.base import KVMethod
 from methods.protocol import Protocol
@@ -354,6 +359,7 @@ class SharedPassEngine(TaskEngine):
         self.shard, self.merge = shard, merge
         self.calls: list[Call] = []
         self.streams: list[Stream] = []
+        self.fidelity: list[tuple[list, dict[int, list[dict]]]] = []  # (items, per member)
         self.copy_on_use = copy_on_use  # False only in the test that plants the sharing bug
         self.first = next(i for g in groups for i in g.members)
         lead = members[self.first].engine
@@ -426,6 +432,29 @@ class SharedPassEngine(TaskEngine):
         for group in self.groups:
             group.streams += 1
         return scores[self.first]
+
+    def fidelity_many(self, items: list, tokens: int, stop_ids: set[int] | None = None,
+                      min_new_tokens: int = 0) -> list[dict]:
+        """Every member's `Engine.fidelity_many` of these samples (harness.core.fidelity): one full
+        cache reference per sample, the members teacher-forced `decode_batch` at a time in
+        lockstep (harness.sweep.decode.fidelity_records). Returns the first member's, keeps the
+        others' for their passes. A shard answers only: the merge records fidelity."""
+        if self.shard is not None:
+            return [{} for _ in items]
+        order = [k for g in self.groups for k in g.members]
+        per = fidelity_records([self.members[k].engine for k in order], items, tokens,
+                               stop_ids, min_new_tokens, self.decode_batch)
+        self.fidelity.append((list(items), dict(zip(order, per))))
+        return per[order.index(self.first)]
+
+    def stream_fidelity(self, ids: torch.Tensor, prompt_tokens: int) -> dict:
+        """Every member's `Engine.stream_fidelity` of one stream, in lockstep beside one
+        full-cache pass (harness.sweep.decode.stream_fidelity_records); the first member's."""
+        order = [k for g in self.groups for k in g.members]
+        per = stream_fidelity_records([self.members[k].engine for k in order], ids,
+                                      prompt_tokens, self.decode_batch)
+        self.fidelity.append(((ids.clone(), prompt_tokens), dict(zip(order, per))))
+        return per[order.index(self.first)]
 
     def _reuse(self, seq_tokens: int) -> dict[int, int]:
         """member -> the member whose answer it takes for a sequence of `seq_tokens` tokens:
@@ -557,9 +586,10 @@ class AnsweredEngine(TaskEngine):
     tokenizer: the shared pass's, which remembers its encodings)."""
 
     def __init__(self, engine: Engine, calls: list[Call], index: int, tokenizer=None,
-                 streams: list[Stream] = ()):
+                 streams: list[Stream] = (), fidelity: list = ()):
         self._engine, self._calls, self._index = engine, list(calls), index
         self._streams = list(streams)
+        self._fidelity = list(fidelity)  # FanOut.fidelity
         self.tokenizer = tokenizer or engine.tokenizer
         self.info, self.method = engine.info, engine.method
 
@@ -588,6 +618,26 @@ class AnsweredEngine(TaskEngine):
             raise RuntimeError("the task sent a sweep member another stream than the shared "
                                "pass (its text must not depend on the method)")
         return stream.scores[self._index]
+
+    def fidelity_many(self, items, tokens, stop_ids=None, min_new_tokens=0) -> list[dict]:
+        if not self._fidelity:
+            raise RuntimeError("the task asked more of fidelity_many in a sweep member's pass "
+                               "than in the first pass")
+        asked, records = self._fidelity.pop(0)
+        if list(items) != asked:
+            raise RuntimeError("the task sent a sweep member other fidelity samples than the "
+                               "first pass (its samples must not depend on the method)")
+        return records[self._index]
+
+    def stream_fidelity(self, ids: torch.Tensor, prompt_tokens: int) -> dict:
+        if not self._fidelity:
+            raise RuntimeError("the task asked more of stream_fidelity in a sweep member's pass "
+                               "than in the first pass")
+        (stream, prompt), records = self._fidelity.pop(0)
+        if prompt != prompt_tokens or not torch.equal(ids, stream):
+            raise RuntimeError("the task sent a sweep member another stream than the first pass "
+                               "(its text must not depend on the method)")
+        return records[self._index]
 
 
 def needs_own_pass(setting) -> bool:
@@ -640,7 +690,7 @@ def evaluate(members: list[Member], info, copy_on_use: bool = True, records: lis
         yield first, result, groups
         for i in [i for g in groups for i in g.members if i != first]:
             answered = AnsweredEngine(members[i].engine, shared.calls, i, shared.tokenizer,
-                                      shared.streams)
+                                      shared.streams, shared.fidelity)
             yield i, members[i].setting.task.evaluate(answered), groups
     for i, m in enumerate(members):
         if m.own_pass:

@@ -58,7 +58,7 @@ def test_the_member_scan_sees_what_a_class_lacks():
             return []
 
     assert set(MEMBERS) - written_members(Partial) == {
-        "method", "stop_token_ids", "generate", "score_stream"}
+        "method", "stop_token_ids", "generate", "score_stream", "fidelity_many", "stream_fidelity"}
     with pytest.raises(TypeError, match="abstract"):
         Partial(None)
 
