@@ -70,6 +70,12 @@ class Engine(TaskEngine):
         every = self.settings.diagnostics_every
         self.diagnostics = Diagnostics(every) if every else None
         self.transfers = TransferLedger(info.num_layers)
+        # harness.core.fidelity's state for this setting (task.fidelity_tokens): its engine of
+        # its own, the full-cache reference's, the peak memory before the first fidelity forward
+        self.fidelity_quiet: Engine | None = None
+        self.fidelity_full: Engine | None = None
+        self.fidelity_peak: dict | None = None
+        self.fidelity_peak_held = False
         reasons = method.layout_reasons({"kv_layout": self.settings.kv_layout,
                                          "kv_offload": self.settings.kv_offload})
         if reasons:

@@ -74,14 +74,14 @@ def top_agree(full_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 def quiet_engine(engine):
     """An engine with `engine`'s model, method and runner settings whose accounting is its own
     (nothing it runs is a sample of `engine`); one per engine, made once."""
-    made = engine.__dict__.get("_fidelity_engine")
+    made = engine.fidelity_quiet
     if made is None:  # (harness.core.engine.Engine, by the engine's type: engine imports this module)
         # one request at a time: no batch, no admission under a device limit (where a batch's
         # requests wait), no diagnostics shadow; what a layer computes is the setting's own
         settings = dataclasses.replace(engine.settings, diagnostics_every=0, batch_size=1,
                                        kv_device_limit_mib=None, kv_admission="request")
         made = type(engine)(engine.model, engine.tokenizer, engine.method, engine.info, settings)
-        engine.__dict__["_fidelity_engine"] = made
+        engine.fidelity_quiet = made
     return made
 
 
@@ -89,13 +89,13 @@ def full_engine(engine):
     """The full cache on `engine`'s model (dense prefill in the same chunks), one per engine."""
     from methods import build_method
 
-    made = engine.__dict__.get("_fidelity_full")
+    made = engine.fidelity_full
     if made is None:  # the engine's settings class at its defaults (contiguous, no offload)
         settings = type(engine.settings)(
             prefill_chunk_tokens=engine.settings.prefill_chunk_tokens, check_budget=False)
         made = type(engine)(engine.model, engine.tokenizer, build_method("full"), engine.info,
                             settings)
-        engine.__dict__["_fidelity_full"] = made
+        engine.fidelity_full = made
     return made
 
 
@@ -104,20 +104,20 @@ def hold_peak(engine) -> None:
     is the task's own (`task_peak_memory`), not the fidelity pass's."""
     from harness.core.profiling import peak_memory
 
-    engine.__dict__.setdefault("_fidelity_peak", peak_memory(engine.device))
+    if not engine.fidelity_peak_held:
+        engine.fidelity_peak, engine.fidelity_peak_held = peak_memory(engine.device), True
 
 
 def task_peak_memory(engine) -> dict[str, Any] | None:
     """The peak memory `hold_peak` recorded (None: no fidelity pass ran on `engine`)."""
-    return engine.__dict__.get("_fidelity_peak")
+    return engine.fidelity_peak
 
 
 def fidelity_ms(engine) -> float:
     """Milliseconds the fidelity forwards of `engine`'s setting took (its own and the references
     it computed)."""
     total = 0.0
-    for key in ("_fidelity_engine", "_fidelity_full"):
-        made = engine.__dict__.get(key)
+    for made in (engine.fidelity_quiet, engine.fidelity_full):
         if made is not None:
             total += sum(made.timer.values("prefill")) + sum(made.timer.values("decode"))
     return total

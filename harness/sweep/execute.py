@@ -25,9 +25,10 @@ its method's class and knobs, except the knobs a method declares it reads from t
 on only (`KVMethod.prompt_end_knobs`, e.g. the budget), and on the runner (chunking, attention,
 layout, dense layers, ...; not the runner knobs read after the prompt only,
 `runner.decode_interval_tokens`: a restored layer keeps its own engine's protocol). Settings
-equal in all of that form a group and share one prompt state: each layer's whole state
-(`Request.snapshot`: K/V storage, per-token and per-layer records), which every setting restores
-as its own copy, its own method, tier and layers in place of the group's (`Request.restore`).
+equal in all of that (their fresh layers' `KVLayer.prompt_state_key`s agree) form a group and
+share one prompt state: each layer's declared per-request state (`KVLayer.fork`: K/V storage,
+per-token and per-layer records; `Request.snapshot`), which every setting's layers adopt as their
+own copy, keeping their own method, tier and protocol (`KVLayer.adopt`; `Request.restore`).
 
 One forward. The groups of settings whose runners feed prompts alike share more: the model's
 dense forward of each prompt is run once, recorded, and replayed into each group's layers

@@ -1,0 +1,100 @@
+"""The runs behind the fidelity validation: does per-sample paired fidelity (KL to the full
+cache, same top token, gold log-probability; `task.fidelity_tokens`) order settings that
+accuracy cannot, at the same n?
+
+Every method that takes a budget, at `budget_ratio` 0.5 (the level where the family report's top
+ten could not be ordered), and the full cache, on SmolLM2-135M with the family protocol (dense
+layers 0 and 1, dense prefill, budget basis final), RULER at 1024 tokens, four sub-tasks
+(niah_single, niah_multikey, niah_multivalue, vt), 25 samples each (n = 100, the same samples
+for every setting), fidelity over the full cache's first 12 answer tokens. The settings are
+split in two sweeps (A and B), each with the full cache, run side by side (one process each:
+a shard answers only and its merge would compute every fidelity record in one process).
+
+    python results/reports/fidelity_validation/make_runs.py A R &
+    python results/reports/fidelity_validation/make_runs.py B R
+    python -m harness.report.validation R --top 10 --out results/reports/fidelity_validation
+
+`--samples-per-cell 1` is the pilot (4 samples) that sized the run.
+"""
+import argparse
+import sys
+import time
+from pathlib import Path
+
+PROJECT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(PROJECT))
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from harness.sweep.run import run_sweep  # noqa: E402
+
+BUDGET_RATIO = 0.5
+FIDELITY_TOKENS = 12
+
+
+def settings() -> list[tuple[str, list[str]]]:
+    """The full cache and every method with a `budget_ratio` knob, at BUDGET_RATIO."""
+    from methods import available_methods, method_class
+
+    budgeted = [m for m in available_methods()
+                if "budget_ratio" in method_class(m).hyperparameter_names()]
+    out = [("full", [])] + [(m, [f"method.budget_ratio={BUDGET_RATIO}", *KNOBS.get(m, [])])
+                            for m in budgeted]
+    return [s for s in out if accepted(*s)]
+
+
+# ShadowKV compresses only prompts over its official 4096 tokens: at 1K it would never act.
+KNOBS = {"shadowkv": ["method.compress_above_tokens=0"]}
+
+
+def accepted(method: str, knobs: list[str]) -> bool:
+    """Whether the setting runs on this model and task (checked as a run checks it, before
+    weights); a refused one is named and left out."""
+    from harness.session import Session
+    from kvcore.errors import ConfigError
+
+    with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
+        cfg = compose(config_name="config", overrides=[*overrides("unused", 1),
+                                                       f"method={method}", *knobs])
+    try:
+        one = Session.of([cfg])
+        one.validate(one.settings[0])
+    except ConfigError as exc:
+        print(f"refused, left out: method={method} {' '.join(knobs)}: {exc}")
+        return False
+    return True
+
+
+def part(name: str, all_settings: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
+    """Half of the methods (alternating, so both halves mix method kinds), with the full cache."""
+    methods = all_settings[1:]
+    half = methods[0::2] if name == "A" else methods[1::2]
+    return [all_settings[0], *half]
+
+
+def overrides(root: str, samples_per_cell: int) -> list[str]:
+    return ["model=smollm2_135m", "task=ruler", "task.lengths=[1024]", "task.depths=[50]",
+            "task.subtasks=[niah_single,niah_multikey,niah_multivalue,vt]",
+            f"task.samples_per_cell={samples_per_cell}", f"task.fidelity_tokens={FIDELITY_TOKENS}",
+            "runner.sweep_decode_batch=10", "runner.dense_layers=[0,1]", "runner.threads=1",
+            f"runner.results_root={root}"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("part", choices=["A", "B"])
+    ap.add_argument("root")
+    ap.add_argument("--samples-per-cell", type=int, default=25)
+    args = ap.parse_args()
+    common = overrides(args.root, args.samples_per_cell)
+    chosen = part(args.part, settings())
+    with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
+        cfgs = [compose(config_name="config", overrides=[*common, f"method={m}", *knobs])
+                for m, knobs in chosen]
+    t0 = time.time()
+    for outcome in run_sweep(cfgs):
+        print(outcome.status, outcome.detail, flush=True)
+    print(f"part {args.part}: {len(cfgs)} settings, wall {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
