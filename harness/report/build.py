@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from harness.stats import intervals as stats
-from harness.report import budgets, collect, compare, figures, html, leaderboard
+from harness.report import budgets, collect, compare, figures, html, leaderboard, validation
 from harness.store.results import check_writable, write_text_atomic
 from kvcore.errors import ConfigError
 
@@ -98,6 +98,9 @@ def build_report(patterns: list[str], out: Path | None = None, warn=None,
         c["entry"].setdefault("verdicts", {})[c["column"]] = c["verdict"]
     paired = compare.markdown(compared, floors, compare.flags(board, compared),
                               compare.distinguishable(board), resamples)
+    # beside the paired fidelity table: does fidelity order settings accuracy cannot (columns
+    # with >= 3 settings carrying fidelity; "" otherwise)
+    paired += validation.section(board, rows, resamples)
     answers = budgets.attach(board, rows, floors, resamples)
     answer = budgets.markdown(answers)
     out.mkdir(parents=True, exist_ok=True)
