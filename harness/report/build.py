@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from harness.stats import intervals as stats
-from harness.report import budgets, collect, compare, figures, html, leaderboard, validation
+from harness.report import budgets, collect, compare, figures, html, leaderboard
 from harness.store.results import check_writable, write_text_atomic
 from kvcore.errors import ConfigError
 
@@ -99,7 +99,10 @@ def build_report(patterns: list[str], out: Path | None = None, warn=None,
     paired = compare.markdown(compared, floors, compare.flags(board, compared),
                               compare.distinguishable(board), resamples)
     # beside the paired fidelity table: does fidelity order settings accuracy cannot (columns
-    # with >= 3 settings carrying fidelity; "" otherwise)
+    # with >= 3 settings carrying fidelity; "" otherwise). Imported here: the package imports
+    # build, and `python -m harness.report.validation` must find validation not yet imported.
+    from harness.report import validation
+
     paired += validation.section(board, rows, resamples)
     answers = budgets.attach(board, rows, floors, resamples)
     answer = budgets.markdown(answers)

@@ -62,6 +62,7 @@ MIN_SETTINGS = 3  # a rank correlation over fewer settings says nothing
 FIGURES = {"accuracy": "accuracy drop", "kl_mean": "KL mean",
            "top_agree_ratio": "same-top ratio", "gold_logprob": "gold log-prob drop"}
 FIDELITY = ("kl_mean", "top_agree_ratio", "gold_logprob")
+SHOWN_PAIRS = 5  # ordered pairs named per figure in the markdown (all of them in the JSON)
 _CHUNK_CELLS = 4_000_000  # resamples x samples x settings drawn at once (memory bound)
 
 
@@ -414,7 +415,9 @@ def column_markdown(result: dict) -> list[str]:
     out.append("")
     for f, p in pairs.items():
         if p["which"]:
-            out.append(f"- ordered by {FIGURES[f]}: {'; '.join(p['which'])}")
+            more = len(p["which"]) - SHOWN_PAIRS
+            out.append(f"- ordered by {FIGURES[f]}: {'; '.join(p['which'][:SHOWN_PAIRS])}"
+                       + (f" (+{more} more in validation.json)" if more > 0 else ""))
     for f, found in result["contradictions"].items():
         out += [f"- contradiction: {x}" for x in found]
     if result["left_out"]:

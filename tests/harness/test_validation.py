@@ -10,7 +10,9 @@ from scipy import stats as sps
 
 from harness.report import validation
 from harness.report.build import build_report
+from tests.conftest import STORIES, need_shared
 from tests.helpers.reports import fake_run
+from tests.helpers.sweeps import TASK, sweep_folders
 
 RESAMPLES = 1000  # enough for a 95 % interval; keeps the 2-CPU machine free
 N = 40
@@ -155,3 +157,16 @@ def test_the_report_leaves_the_section_out_below_three_settings(tmp_path):
     planted(tmp_path / "runs", lambda i: np.ones(N), [0.1, 0.3])
     build_report([str(tmp_path / "runs")], tmp_path / "report", resamples=200)
     assert "Fidelity validation" not in (tmp_path / "report" / "leaderboard.md").read_text()
+
+
+def test_end_to_end_on_a_tiny_real_sweep(tmp_path):
+    """stories260k on RULER: the full cache and three evicting settings swept with
+    task.fidelity_tokens=4 are validated from their folders (the paired samples, n, k)."""
+    need_shared(STORIES)
+    knobs = [["method=full"], ["method=streaming_llm", "method.window_tokens=24"],
+             ["method=h2o", "method.budget_tokens=24"], ["method=snapkv", "method.budget_tokens=48"]]
+    sweep_folders([[*TASK, "task.fidelity_tokens=4", *k] for k in knobs], tmp_path)
+    result = only(validation.run([str(tmp_path / "sweep")], resamples=200)[0])
+    assert result["settings_k"] == 3 and result["n_samples"] == 2  # depths 25 and 75
+    assert all(s["kl_mean"] > 0 for s in result["settings"])  # 24 of ~310 tokens kept
+    assert result["pairs"]["kl_mean"]["total"] == 3
