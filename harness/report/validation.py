@@ -1,5 +1,5 @@
-"""Does per-sample fidelity order settings that accuracy cannot? `python -m harness.report.validation
-<runs dir> [--top 10] [--out folder]`.
+"""Does per-sample fidelity order settings that accuracy cannot?
+`python -m harness.report.validation <runs dir> [--top 10] [--out folder]`.
 
 Over the settings of one task column (one model, protocol and task; every setting scored on the
 full cache's samples, paired by content id as harness.stats.uncertainty.pair pairs them), each
@@ -86,7 +86,7 @@ class Column:
     names: list[str]  # (k,) the settings, the full cache left out
     runs: list[str]  # (k,)
     reference_run: str
-    score_sums: np.ndarray  # (n, k + 1) per sample, sum of its units' scores; column 0 the full cache
+    score_sums: np.ndarray  # (n, k + 1) per sample: its units' score sum; column 0: full cache
     score_counts: np.ndarray  # (n,) units per sample
     strata: np.ndarray  # (n,) stratum index of each sample
     weights: np.ndarray  # (S,) the task's weight of each stratum
@@ -107,13 +107,15 @@ def _figures_at(c: Column, picks: list[np.ndarray]) -> dict[str, np.ndarray]:
     b = picks[0].shape[0]
     score = np.zeros((b, c.score_sums.shape[1]))
     fid = {f: [np.zeros((b, len(c.names))), np.zeros((b, 1))] for f in c.fidelity}
+    # (n,) the samples every setting has the figure for
+    known = {f: np.isfinite(v).all(axis=1) for f, v in c.fidelity.items()}
+    filled = {f: np.where(known[f][:, None], v, 0.0) for f, v in c.fidelity.items()}  # (n, k)
     for s, pick in enumerate(picks):
         score += (c.weights[s] * c.score_sums[pick].sum(axis=1)
                   / c.score_counts[pick].sum(axis=1)[:, None])
-        for f, values in c.fidelity.items():
-            known = np.isfinite(values).all(axis=1)  # (n,) samples every setting has
-            fid[f][0] += np.where(known[:, None], values, 0.0)[pick].sum(axis=1)
-            fid[f][1] += known[pick].sum(axis=1)[:, None]
+        for f in c.fidelity:  # pooled over strata: the plain mean over the drawn samples
+            fid[f][0] += filled[f][pick].sum(axis=1)
+            fid[f][1] += known[f][pick].sum(axis=1)[:, None]
     score = np.exp(score) if c.transform == "exp" else score
     drop = score[:, :1] - score[:, 1:] if c.higher else score[:, 1:] - score[:, :1]
     out = {"accuracy": drop}
@@ -407,8 +409,10 @@ def column_markdown(result: dict) -> list[str]:
         c, p = result["correlations"].get(f), pairs.get(f)
         if c is None or p is None:
             continue
-        out.append(f"| {FIGURES[f]} | {_f(c['spearman'])}{_ci(c['spearman_ci95'])} | "
-                   f"{_f(c['kendall_tau_b'])}{_ci(c['kendall_ci95'])} | "
+        rho, tau = (_f(c[k]) or "undefined (a figure constant over settings)"
+                    for k in ("spearman", "kendall_tau_b"))
+        out.append(f"| {FIGURES[f]} | {rho}{_ci(c['spearman_ci95'])} | "
+                   f"{tau}{_ci(c['kendall_ci95'])} | "
                    f"{p['ordered']} of {p['total']} | {len(result['contradictions'][f])} |")
     if acc:
         out.append(f"| (accuracy itself) | | | {acc['ordered']} of {acc['total']} | |")
@@ -472,7 +476,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("paths", nargs="+", help="results folders, globs of run folders, or files")
     ap.add_argument("--top", type=int, default=TOP, help=f"settings in the pairs (default {TOP})")
     ap.add_argument("--out", type=Path, default=None,
-                    help="folder for validation.md / validation.json (default: <first>/_validation)")
+                    help="folder for validation.md / validation.json "
+                         "(default: <first folder>/_validation)")
     ap.add_argument("--resamples", type=int, default=stats.RESAMPLES)
     args = ap.parse_args(argv)
     out = args.out or (Path(args.paths[0]) / "_validation" if Path(args.paths[0]).is_dir()

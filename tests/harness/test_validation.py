@@ -164,7 +164,8 @@ def test_end_to_end_on_a_tiny_real_sweep(tmp_path):
     task.fidelity_tokens=4 are validated from their folders (the paired samples, n, k)."""
     need_shared(STORIES)
     knobs = [["method=full"], ["method=streaming_llm", "method.window_tokens=24"],
-             ["method=h2o", "method.budget_tokens=24"], ["method=snapkv", "method.budget_tokens=48"]]
+             ["method=h2o", "method.budget_tokens=24"],
+             ["method=snapkv", "method.budget_tokens=48"]]
     sweep_folders([[*TASK, "task.fidelity_tokens=4", *k] for k in knobs], tmp_path)
     result = only(validation.run([str(tmp_path / "sweep")], resamples=200)[0])
     assert result["settings_k"] == 3 and result["n_samples"] == 2  # depths 25 and 75
