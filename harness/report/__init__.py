@@ -21,7 +21,8 @@ reported; hidden folders (runs being written) are never read. Writes into --out 
 Modules: collect (runs -> rows, the axes), style (one colour/marker per method), figures,
 leaderboard, compare (intervals, comparisons with the full cache), budgets (budget levels,
 pairwise comparisons inside them), letters (the compact letter display), html, build (the
-command).
+command), validation (`python -m harness.report.validation`: does per-sample fidelity to the full
+cache order settings that accuracy cannot; a section of the report when >= 3 settings carry it).
 """
 
 from harness.report.build import build_report, check_out, main

@@ -98,6 +98,12 @@ def build_report(patterns: list[str], out: Path | None = None, warn=None,
         c["entry"].setdefault("verdicts", {})[c["column"]] = c["verdict"]
     paired = compare.markdown(compared, floors, compare.flags(board, compared),
                               compare.distinguishable(board), resamples)
+    # beside the paired fidelity table: does fidelity order settings accuracy cannot (columns
+    # with >= 3 settings carrying fidelity; "" otherwise). Imported here: the package imports
+    # build, and `python -m harness.report.validation` must find validation not yet imported.
+    from harness.report import validation
+
+    paired += validation.section(board, rows, resamples)
     answers = budgets.attach(board, rows, floors, resamples)
     answer = budgets.markdown(answers)
     out.mkdir(parents=True, exist_ok=True)
