@@ -51,7 +51,7 @@ from harness.core import forward, hf_adapter
 from harness.core.accounting import KVLedger
 from harness.report.methods_table import serving_requirements
 from harness.core.prompting import close_prompt, open_prompt
-from harness.config.runner import RunnerSettings, engine_settings, protocol_reasons
+from harness.config.runner import RunnerSettings, engine_settings, setting_reasons
 from harness.run import kv_figures
 from kvcore.errors import ConfigError
 from methods import build_method
@@ -120,8 +120,7 @@ def cache(model, tokenizer, method: str | KVMethod, *, dense_layers=(),
         raise ConfigError(f"model {type(model).__name__}: its config does not describe a "
                           f"decoder the harness can size ({exc})") from None
     settings = engine_settings(runner)
-    reasons = (method.validate(info, runner.as_dict())
-               + protocol_reasons(method, GenerateLoop(), info, settings.protocol, runner))
+    reasons = setting_reasons(method, GenerateLoop(), info, runner, next(model.parameters()).device)
     if reasons:
         raise ConfigError("; ".join(dict.fromkeys(reasons)))  # each once
     return MethodKVCache(model, tokenizer, method, info, settings)

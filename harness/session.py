@@ -19,8 +19,8 @@ from typing import Any, ClassVar
 
 from omegaconf import DictConfig, OmegaConf
 
-from harness.config.runner import (RunnerSettings, check_prompts, checking_tokenizer, engine_settings,
-                            plain, protocol_reasons, split_name, storage_reasons)
+from harness.config.runner import (RunnerSettings, check_prompts, checking_tokenizer,
+                                   engine_settings, plain, setting_reasons, split_name)
 from kvcore.errors import ConfigError
 from tasks.base import Task
 
@@ -174,10 +174,8 @@ class Session:
     def reasons(self, setting: Setting) -> list[str]:
         """Why this setting cannot run on this model (method x task x protocol x storage)."""
 
-        runner, method, task = setting.runner, setting.method, setting.task
-        return (method.validate(self.info, runner.as_dict()) + task.validate(self.info, method)
-                + protocol_reasons(method, task, self.info, runner.protocol(), runner)
-                + storage_reasons(runner, self.info, self.spec.device))
+        return setting_reasons(setting.method, setting.task, self.info, setting.runner,
+                               self.spec.device)
 
     def validate(self, setting: Setting) -> None:
         """Every check before weights load, one ConfigError naming the key."""

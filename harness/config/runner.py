@@ -253,6 +253,17 @@ def decode_interval_reasons(method, task, protocol: Protocol) -> list[str]:
     return []
 
 
+def setting_reasons(method, task, info, runner: RunnerSettings, device=None) -> list[str]:
+    """Why a setting cannot run on this model, before weights: method x task x protocol x
+    storage, the one list the CLI's `Session`, the API's `cache` and the benchmarks refuse by.
+    `task.validate` where the task has one (the API's `generate` loop has none); the storage
+    only where the device is known."""
+    task_reasons = task.validate(info, method) if hasattr(task, "validate") else []
+    return (method.validate(info, runner.as_dict()) + task_reasons
+            + protocol_reasons(method, task, info, runner.protocol(), runner)
+            + (storage_reasons(runner, info, device) if device is not None else []))
+
+
 def storage_reasons(runner: RunnerSettings, info, device) -> list[str]:
     """KV storage sized by runner knobs that cannot fit the model or the machine (before
     weights): a paged block longer than any sequence can be, or the first block of every layer
