@@ -19,6 +19,12 @@ by N, the n at which the CS reaches the wanted half-width, and the n of a fixed-
 deciding the same question with the same power; "saved" is that n minus the mean stopping n,
 and per task column the whole sweep's: a fixed-n sweep gives every setting one n, the n its
 hardest comparison needs.
+
+With `--fidelity-half-width KEY=H` (repeatable; KEY one of kl_mean, top_agree_ratio,
+gold_logprob, in that figure's own units: nats, a ratio, nats per token) it also sizes the paired
+fidelity figures (task.fidelity_tokens; harness.report.compare.fidelity_compare): per setting
+whose pilot recorded them, the n for a paired 95 % interval of half-width H around the
+difference to the full cache, scaled from the pilot's as above.
 """
 
 from __future__ import annotations
@@ -99,6 +105,64 @@ def plan(paths: list[str], half_width: float, resamples: int = stats.RESAMPLES,
         add_rounds(out, compared, rows, half_width, rounds["block"], rounds["max_n"],
                    rounds["alpha"], rounds["margin"])
     return out
+
+
+FIDELITY_KEYS = tuple(key for key, _ in compare.FIDELITY_PAIRS)
+
+
+def fidelity_targets(specs: list[str]) -> dict[str, float]:
+    """`KEY=H` options -> {key: half-width}; ConfigError naming a bad one."""
+    out = {}
+    for spec in specs:
+        key, _, value = spec.partition("=")
+        try:
+            width = float(value)
+        except ValueError:
+            width = math.nan
+        if key not in FIDELITY_KEYS or not (math.isfinite(width) and width >= MIN_HALF_WIDTH):
+            raise ConfigError(f"--fidelity-half-width {spec}: give KEY=H with KEY one of "
+                              f"{', '.join(FIDELITY_KEYS)} and H a finite number of at least "
+                              f"{MIN_HALF_WIDTH:g} in that figure's units")
+        out[key] = width
+    return out
+
+
+def plan_fidelity(paths: list[str], targets: dict[str, float],
+                  resamples: int = stats.RESAMPLES) -> list[dict]:
+    """One record per (setting with fidelity, figure of `targets`): the pilot's n and paired
+    half-width of the difference to the full cache, and the n for the wanted half-width."""
+    rows = collect.collect(paths, warn=lambda text: print(text, file=sys.stderr))
+    compare.attach(rows)
+    out = []
+    for r in rows:
+        got = compare.fidelity_compare(r, resamples)
+        for key, width in targets.items():
+            c = (got or {}).get(key)
+            if c is None or r["method"] == compare.REFERENCE:
+                continue
+            low, high = c["difference_ci95"]
+            pilot = (high - low) / 2
+            record = {"method": r["method"], "setting": r["budget"], "column": r["task"],
+                      "figure": key, "n": c["n"],
+                      "difference": c["difference"], "half_width": pilot, "wanted": width}
+            try:
+                record["needed"] = stats.n_for_half_width(c["n"], pilot, width)
+            except ValueError:
+                record["why"] = f"more than {stats.MAX_SAMPLES:.0e} samples"
+            out.append(record)
+    return out
+
+
+def fidelity_table(records: list[dict]) -> str:
+    cols = ["task", "method", "setting", "figure", "pilot n", "difference to full",
+            "pilot half-width", "wanted half-width", "n needed"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in records:
+        cells = [r["column"], r["method"], r["setting"], r["figure"], r["n"],
+                 f"{r['difference']:.4g}", f"{r['half_width']:.3g}", f"{r['wanted']:g}",
+                 r.get("needed", r.get("why"))]
+        lines.append("| " + " | ".join(str(c).replace("|", "\\|") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def check_rounds(block: int | None, max_n: int | None, alpha: float, margin: float) -> None:
@@ -227,6 +291,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the rounds' sample budget per setting")
     ap.add_argument("--alpha", type=float, default=0.05,
                     help="the rounds' error over every comparison (default 0.05)")
+    ap.add_argument("--fidelity-half-width", action="append", default=[], metavar="KEY=H",
+                    help="also size the paired fidelity figures: KEY one of "
+                         f"{', '.join(FIDELITY_KEYS)}, H the wanted half-width in its units")
     ap.add_argument("--margin", type=float, default=0.0,
                     help="the rounds' equivalence margin, in the metric's units (default 0)")
     args = ap.parse_args(argv)
@@ -235,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         rounds = {"block": args.rounds_block, "max_n": args.rounds_max_n,
                   "alpha": args.alpha, "margin": args.margin}
     try:
+        targets = fidelity_targets(args.fidelity_half_width)
         records = plan(args.paths, args.half_width, args.resamples, rounds)
+        fidelity = plan_fidelity(args.paths, targets, args.resamples) if targets else []
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -246,6 +315,11 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.write(table(records, args.half_width, args.rounds_max_n if rounds else None))
     for line in sweep_totals(records) if rounds else []:
         print(line)
+    if targets:
+        sys.stdout.write("\nPaired fidelity (difference to the full cache):\n\n"
+                         + (fidelity_table(fidelity) if fidelity
+                            else "no setting of the pilot recorded fidelity "
+                                 "(task.fidelity_tokens=0)\n"))
     return 0
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from harness.report import plan
-from tests.helpers.reports import ruler_run
+from tests.helpers.reports import fidelity_run, ruler_run
 
 
 def test_n_needed_from_a_pilot_halves_the_half_width_at_four_times_n(tmp_path, capsys):
@@ -131,3 +131,26 @@ def test_the_rounds_plan_saves_samples_on_a_clear_loss_and_says_so(tmp_path, cap
            f"{2 * fixed - expected:.0f})" in out
     assert plan.main([str(tmp_path), "--half-width", "5", "--rounds-block", "10"]) == 2
     assert "--rounds-block and --rounds-max-n go together" in capsys.readouterr().err
+
+
+def test_plan_sizes_the_fidelity_figures_from_a_pilot(tmp_path, capsys):
+    """--fidelity-half-width: the n for each paired fidelity figure scales as (h0 / h)^2."""
+    rng = np.random.default_rng(2)
+    scores = (rng.random(40) < 0.6).astype(float)
+    fidelity_run(tmp_path, "full", None, scores)
+    kl = rng.exponential(0.4, 40)
+    fidelity_run(tmp_path, "h2o", 0.2, scores, kl, 1 - kl / 4, -1.0 - kl)
+    targets = plan.fidelity_targets(["kl_mean=0.05", "gold_logprob=0.1"])
+    records = plan.plan_fidelity([str(tmp_path)], targets, resamples=2000)
+    assert [(r["method"], r["figure"]) for r in records] == [("h2o", "kl_mean"),
+                                                             ("h2o", "gold_logprob")]
+    kl_record = records[0]
+    assert kl_record["n"] == 40 and kl_record["difference"] == pytest.approx(kl.mean())
+    halved = plan.plan_fidelity([str(tmp_path)], {"kl_mean": kl_record["half_width"] / 2},
+                                resamples=2000)[0]
+    assert halved["needed"] == 160
+    assert plan.main([str(tmp_path), "--half-width", "5", "--resamples", "300",
+                      "--fidelity-half-width", "kl_mean=0.05"]) == 0
+    assert "n needed" in capsys.readouterr().out
+    err = refused(capsys, str(tmp_path), "--half-width", "5", "--fidelity-half-width", "kl=1")
+    assert "kl_mean, top_agree_ratio, gold_logprob" in err

@@ -42,3 +42,22 @@ def ruler_run(root, method, scores, budget=None, started="2026-11-29T10:00:00"):
              "score": float(s)} for i, s in enumerate(scores)]
     (folder / "samples.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     return folder
+
+
+def fidelity_run(root, method, budget, scores, kl=None, agree=None, gold=None):
+    """A RULER run of `method` at `budget`: per-sample scores (0/1) and, when `kl` is given,
+    per-sample fidelity records (KL mean, same-top ratio, gold log-prob vs the full cache's)."""
+    folder = fake_run(root, method, 0.0, 90.0, budget=budget, task="ruler",
+                      extra_acc={"average": 100 * float(np.mean(scores))})
+    rows = []
+    for i, s in enumerate(scores):
+        row = {"sample_id": f"{i:016x}", "subtask": "niah_single", "length_tokens": 512,
+               "score": float(s)}
+        if kl is not None:
+            row["fidelity"] = {"tokens": 4, "kl_mean": float(kl[i]), "kl_max": float(kl[i]),
+                               "top_agree_ratio": float(agree[i]),
+                               "gold_logprob": float(gold[i]), "gold_logprob_full": -1.0,
+                               "kl": [float(kl[i])] * 4, "top_agree": [1, 1, 1, 1]}
+        rows.append(row)
+    (folder / "samples.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return folder
