@@ -8,6 +8,7 @@ can validate everything before `load_model` spends time.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import importlib.util
@@ -559,10 +560,31 @@ def _sha256_of(path: Path, size: int, mtime_ns: int) -> str:
     return h.hexdigest()
 
 
+@contextlib.contextmanager
+def _exclusive(lock_file: Path):
+    """One process (or thread) at a time in the block: an advisory lock on `lock_file`."""
+    with lock_file.open("a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def ensure_gguf_converted(gguf: Path, folder: Path, description: str) -> Path:
-    """Convert a GGUF once into an HF folder (atomic: temp dir + rename); validate on reuse."""
+    """Convert a GGUF once into an HF folder (atomic: temp dir + rename); validate on reuse.
+    One process converts at a time: two runs started together on an empty cache would
+    otherwise each replace the folder the other is reading."""
     if _converted_ok(folder):
         return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive(folder.parent / f".{folder.name}.lock"):
+        if _converted_ok(folder):  # converted by another run while this one waited
+            return folder
+        return _convert_gguf(gguf, folder, description)
+
+
+def _convert_gguf(gguf: Path, folder: Path, description: str) -> Path:
     if folder.exists() and not (folder / _CONVERTED_MARK).is_file() and (
             not folder.is_dir() or any(folder.iterdir())):
         raise ConfigError(f"{folder} exists and is not a model this harness converted (it has no "

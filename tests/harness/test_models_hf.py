@@ -7,6 +7,7 @@ import errno
 import json
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -360,3 +361,26 @@ def test_an_unknown_rope_type_names_the_config_not_the_weights(tmp_path, no_weig
     message = refused(tmp_path, "model=hf", f"model.name_or_path={folder}", "task.max_tokens=40")
     assert "rope_type='bogus' is not a RoPE type this transformers builds; allowed: default" \
         in message
+
+
+def test_runs_started_together_convert_a_model_once(tmp_path, monkeypatch):
+    """Two runs on an empty cache: one converts, the other waits and reuses its folder (without
+    the lock each would convert and replace the folder the other was loading)."""
+    folder = tmp_path / "cache" / "model-q4"
+    calls = []
+
+    def convert(gguf, into, description):
+        calls.append(into)
+        time.sleep(0.5)  # both runs are past their first check by now
+        into.mkdir()
+        weights = into / "model.safetensors"
+        weights.write_bytes(b"w" * 100)
+        meta = {"weights_bytes": 100, "weights_sha256": models._sha256(weights)}
+        (into / models._CONVERTED_MARK).write_text(json.dumps(meta))
+        return into
+
+    monkeypatch.setattr(models, "_convert_gguf", convert)
+    with ThreadPoolExecutor(2) as pool:
+        done = list(pool.map(lambda _: models.ensure_gguf_converted(Path("m.gguf"), folder, "m"),
+                             range(2)))
+    assert done == [folder, folder] and calls == [folder]
