@@ -22,7 +22,9 @@ Modules: collect (runs -> rows, the axes), style (one colour/marker per method),
 leaderboard, compare (intervals, comparisons with the full cache), budgets (budget levels,
 pairwise comparisons inside them), letters (the compact letter display), html, build (the
 command), validation (`python -m harness.report.validation`: does per-sample fidelity to the full
-cache order settings that accuracy cannot; a section of the report when >= 3 settings carry it).
+cache order settings that accuracy cannot; a section of the report when >= 3 settings carry it),
+ledgers (a sweep run in rounds: its ledger's anytime-valid table, a section of the report over
+its runs).
 """
 
 from harness.report.build import build_report, check_out, main

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from harness.stats import intervals as stats
-from harness.report import budgets, collect, compare, figures, html, leaderboard
+from harness.report import budgets, collect, compare, figures, html, leaderboard, ledgers
 from harness.store.results import check_writable, write_text_atomic
 from kvcore.errors import ConfigError
 
@@ -81,6 +81,14 @@ def shown_runs(rows: list[dict], patterns: list[str]) -> None:
                     else f"{folder.parent.name}/{folder.name}")
 
 
+def shown_folder(folder: Path, patterns: list[str]) -> str:
+    """A folder as the report names it: relative to the first folder given when inside it,
+    else by its name (never the machine's absolute path)."""
+    first = Path(patterns[0]).resolve()
+    inside = first.is_dir() and (folder == first or first in folder.parents)
+    return str(Path(first.name) / folder.relative_to(first)) if inside else folder.name
+
+
 def build_report(patterns: list[str], out: Path | None = None, warn=None,
                  resamples: int = stats.RESAMPLES) -> tuple[list[dict], Path, list[Path]]:
     """Rows, the output folder and the figures made. ConfigError (bad paths, no valid run)."""
@@ -104,6 +112,9 @@ def build_report(patterns: list[str], out: Path | None = None, warn=None,
     from harness.report import validation
 
     paired += validation.section(board, rows, resamples)
+    paired += ledgers.section([r["_folder"] for r in rows],
+                              lambda home: shown_folder(home, patterns),
+                              warn or (lambda text: print(text, file=sys.stderr)))
     answers = budgets.attach(board, rows, floors, resamples)
     answer = budgets.markdown(answers)
     out.mkdir(parents=True, exist_ok=True)

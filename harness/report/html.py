@@ -264,7 +264,7 @@ def figures_html(made: list[Path]) -> str:
 
 
 def markdown_html(text: str) -> str:
-    """The comparisons' markdown (a table, list items, paragraphs) as HTML."""
+    """The comparisons' markdown (a table, "## " headings, list items, paragraphs) as HTML."""
     out, table = [], []
 
     def close() -> None:
@@ -284,7 +284,9 @@ def markdown_html(text: str) -> str:
                           for c in line.strip("|").split(" | ")])
             continue
         close()
-        if line.startswith("- "):
+        if line.startswith("## "):
+            out.append(f"<h3>{_e(line[3:])}</h3>")
+        elif line.startswith("- "):
             out.append(f"<li>{_e(line[2:])}</li>")
         elif line.strip():
             out.append(f"<p>{_e(line)}</p>")

@@ -31,11 +31,11 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable
 
+from harness.report.ledgers import LEDGER, TABLE, summary, table
 from harness.stats import sequential as sq
 from kvcore.errors import ConfigError
 from kvcore.typecheck import check_types
 
-LEDGER = "rounds.json"
 LEDGER_VERSION = 1
 # The keys a round sets on every job: a user's value would be silently replaced, so refused.
 OWNED = ("task.limit", "task.skip_samples", "runner.skip_existing", "runner.output_dir")
@@ -398,50 +398,6 @@ def _write(path: Path, ledger: dict) -> None:
 
     write_json_atomic(path, ledger)
     write_text_atomic(path.with_name(TABLE), table(ledger))
-
-
-TABLE = "rounds.md"
-
-
-def table(ledger: dict) -> str:
-    """Per setting: verdict, paired difference with the full cache and its CS at the setting's
-    n, the round it stopped (or "-": still undecided at max_n), and its top-k place."""
-    knobs = ledger["knobs"]
-    lines = [f"# Rounds: block {knobs['block']}, max_n {ledger['max_n']}, alpha {knobs['alpha']}, "
-             f"margin ±{knobs['margin_points']:g} points"
-             + (f", top {knobs['top_k']}" if knobs["top_k"] else ""), "",
-             *summary(ledger)[:1], "",
-             "| setting | level | verdict vs full | difference (points) | CS | n | stopped at round"
-             + (" | top k |" if knobs["top_k"] else " |"),
-             "|---|---|---|---|---|---|---|" + ("---|" if knobs["top_k"] else "")]
-    for name, r in sorted(ledger.get("reported", {}).items()):
-        v = r["versus_reference"]
-        cells = [name, ledger["levels"][name], r["verdict"], f"{v['mean']:+.1f}",
-                 f"[{v['low']:+.1f}, {v['high']:+.1f}]", str(r["n"]),
-                 str(r["round"]) if r["stopped"] else "-"]
-        cells += [r.get("membership", "")] if knobs["top_k"] else []
-        lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
-    for name, why in sorted(ledger.get("skipped", {}).items()):
-        lines.append(f"\n{name}: not run ({why})")
-    return "\n".join(lines) + "\n"
-
-
-def summary(ledger: dict) -> list[str]:
-    """One line per setting: verdict, interval at its stopping n, and the samples it used."""
-    reported = ledger.get("reported") or {}
-    used = sum(r["n"] for r in reported.values())
-    budget = ledger["max_n"] * len(reported)
-    lines = [f"rounds: {len(ledger['rounds'])} round(s), {ledger['status']}; {used} (setting, "
-             f"sample) answers of {budget} at max_n (saved {budget - used})"]
-    for name, why in sorted(ledger.get("skipped", {}).items()):
-        lines.append(f"  {name}: not run ({why})")
-    for name, r in sorted(reported.items()):
-        v = r["versus_reference"]
-        tail = f", top {ledger['knobs']['top_k']}: {r['membership']}" if "membership" in r else ""
-        lines.append(f"  {name}: {r['verdict']} vs full, difference {v['mean']:+.1f} points, "
-                     f"CS [{v['low']:+.1f}, {v['high']:+.1f}] at n={r['n']}"
-                     f"{' (stopped)' if r['stopped'] else ''}{tail}")
-    return lines
 
 
 # --- the command ---------------------------------------------------------------------------------

@@ -10,12 +10,12 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 from harness.sweep import rounds as rd
 from kvcore.errors import ConfigError
 from tests.conftest import PROJECT, STORIES, need_shared
+from tests.helpers.rounds import FakeLaunch
 
 
 @pytest.mark.parametrize("raw, match", [
@@ -51,39 +51,6 @@ def test_the_plan_has_settings_levels_and_one_reference():
                                   "method=snapkv method.budget_ratio=0.5"]
     assert p.levels["method=h2o method.budget_ratio=0.2"] == "budget_ratio=0.2"
     assert p.reference == ["task=ruler", "method=full"]  # no method knob of the settings
-
-
-# planted pass rates per method: the fake launcher scores sample i as a pass when u[i] < p
-PLANTED = {"full": 0.8, "same": 0.8, "bad": 0.05, "close": 0.7}
-U = np.random.default_rng(0).random(400)
-
-
-class FakeLaunch:
-    """Writes each job's run folder (RULER-shaped samples.jsonl) and status as a launcher would;
-    `cut_at`: raise when that round's batch comes (the process killed mid-sweep)."""
-
-    def __init__(self, sweep_dir, cut_at=None):
-        self.sweep_dir, self.cut_at, self.ran, self.batches = sweep_dir, cut_at, [], 0
-
-    def __call__(self, batch, first):
-        self.batches += 1
-        if self.batches == self.cut_at:
-            raise KeyboardInterrupt
-        for k, job in enumerate(batch):
-            o = dict(part.split("=", 1) for part in job)
-            method, offset, limit = o["method"], int(o["task.skip_samples"]), int(o["task.limit"])
-            status = self.sweep_dir / "status" / f"{first + k:04d}.json"
-            status.parent.mkdir(parents=True, exist_ok=True)
-            if method == "refused":  # as the harness skips a combination it cannot run
-                status.write_text(json.dumps({"status": "skipped", "detail": "no budget knob"}))
-                continue
-            self.ran += [(method, i) for i in range(offset, offset + limit)]
-            folder = rd.Path(o["runner.results_root"]) / method / f"run-{first + k}"
-            folder.mkdir(parents=True)
-            rows = [{"sample_id": f"s{i}", "subtask": "niah_single", "length_tokens": 320,
-                     "score": float(U[i] < PLANTED[method])} for i in range(offset, offset + limit)]
-            (folder / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-            status.write_text(json.dumps({"status": "ok", "detail": str(folder)}))
 
 
 def test_rounds_sample_the_undecided_only_and_resume_after_a_cut(tmp_path):
