@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from harness.core import batch as batching
+from harness.core.progress import progress
 
 # Per model: (sample key) -> Reference. Weak: a model's references go with it.
 _REFERENCES: "weakref.WeakKeyDictionary[Any, dict[tuple, Reference]]" = weakref.WeakKeyDictionary()
@@ -228,7 +229,7 @@ def fidelity_many(engine, items: list[Item], tokens: int, stop_ids: set[int] | N
     stop_ids = engine.stop_token_ids() if stop_ids is None else set(stop_ids)
     return [sample_fidelity(engine, item, reference(engine, item, tokens, stop_ids,
                                                     min_new_tokens))
-            for item in items]
+            for item in progress(items, "fidelity", "sample", total=len(items))]
 
 
 class StreamTally:

@@ -24,6 +24,7 @@ from harness.core import forward
 from harness.sweep import records as sweep_records
 from harness.sweep import replay as sweep_replay
 from harness.core.batch import Lockstep, decode_requests
+from harness.core.progress import progress
 
 
 @dataclass
@@ -138,7 +139,8 @@ def fidelity_records(engines: list, items: list, tokens: int, stop_ids: set[int]
         fidelity.hold_peak(engine)
     stop_ids = engines[0].stop_token_ids() if stop_ids is None else set(stop_ids)
     out: list[list[dict]] = [[] for _ in engines]
-    for item in items:
+    for item in progress(items, f"fidelity ({len(engines)} settings)", "sample",
+                         total=len(items)):
         ref = fidelity.reference(engines[0], item, tokens, stop_ids, min_new_tokens)
         for i, rec in enumerate(fidelity_together(engines, item, ref, size)):
             out[i].append(rec)
