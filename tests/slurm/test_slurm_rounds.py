@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -64,7 +65,14 @@ def test_rounds_run_as_slurm_arrays_and_resume(cluster, tmp_path):
         runs = list((tmp_path / "ledger" / f"round-0{number}").rglob("metrics.json"))
         assert len(runs) == 3
         assert all(json.loads(m.read_text())["run"]["sweep"]["shards"] == 2 for m in runs)
-    # every job SLURM ran: per round an array of two shard tasks and one merge
-    jobs = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID,State"], env=cluster,
-                          capture_output=True, text=True).stdout.split()
-    assert len(jobs) == 6 and all(j.endswith("|COMPLETED") for j in jobs)
+    # every job SLURM ran: per round an array of two shard tasks and one merge; the last merge
+    # may still be ending (its result is written before it exits), so its state is awaited
+    deadline = time.monotonic() + 120
+    while True:
+        jobs = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID,State"], env=cluster,
+                              capture_output=True, text=True).stdout.split()
+        ending = [j for j in jobs if j.endswith(("|RUNNING", "|COMPLETING"))]
+        if not ending or time.monotonic() > deadline:
+            break
+        time.sleep(2)
+    assert len(jobs) == 6 and all(j.endswith("|COMPLETED") for j in jobs), jobs
