@@ -68,25 +68,22 @@ def source_name(pattern: str) -> str:
     return path.name if path.is_absolute() or path.is_dir() else pattern
 
 
-def shown_runs(rows: list[dict], patterns: list[str]) -> None:
-    """Runs outside the first folder (another folder given, or an absolute glob) named by their
-    source folder's name and the path inside it, never by an absolute path."""
-    roots = [Path(p).resolve() for p in patterns[1:] if Path(p).is_dir()]
-    for r in rows:
-        if not Path(r["run"]).is_absolute() and not r["run"].startswith(".."):
-            continue
-        folder = Path(r["_folder"]).resolve()
-        root = next((q for q in roots if q in folder.parents), None)
-        r["run"] = (f"{root.name}/{folder.relative_to(root)}" if root
-                    else f"{folder.parent.name}/{folder.name}")
-
-
 def shown_folder(folder: Path, patterns: list[str]) -> str:
-    """A folder as the report names it: relative to the first folder given when inside it,
-    else by its name (never the machine's absolute path)."""
-    first = Path(patterns[0]).resolve()
-    inside = first.is_dir() and (folder == first or first in folder.parents)
-    return str(Path(first.name) / folder.relative_to(first)) if inside else folder.name
+    """A folder as the report names it: by the name of the folder given that holds it and the
+    path inside it, else by its parent's name and its own; never by an absolute path."""
+    folder = Path(folder).resolve()
+    roots = [Path(p).resolve() for p in patterns if Path(p).is_dir()]
+    root = next((q for q in roots if q == folder or q in folder.parents), None)
+    return (str(Path(root.name) / folder.relative_to(root)) if root
+            else f"{folder.parent.name}/{folder.name}")
+
+
+def shown_runs(rows: list[dict], patterns: list[str]) -> None:
+    """Runs outside the first folder (another folder given, or an absolute glob) named as
+    `shown_folder` names them."""
+    for r in rows:
+        if Path(r["run"]).is_absolute() or r["run"].startswith(".."):
+            r["run"] = shown_folder(r["_folder"], patterns)
 
 
 def build_report(patterns: list[str], out: Path | None = None, warn=None,
