@@ -2,7 +2,8 @@
 setting, each loading the model, building the task and prefilling every prompt) and through the
 sweep engine (harness.sweep.run: all of that once, each prompt's dense forward run once and
 replayed into every setting's layers), alternated in one process, CPU-seconds per (setting,
-sample) and their ratio.
+sample) and their ratio. The `fidelity` arm adds paired fidelity (task.fidelity_tokens) to the
+batched one: what it costs per (setting, sample).
 
     python benchmarks/sweep_cost.py [--model smollm2_135m] [--length 1024] [--limit 3]
         [--methods snapkv tova knorm] [--budgets 0.2 0.5] [--rounds 1] [--threads 1]
@@ -39,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def configs(args, root: Path, decode_batch: int = 1) -> list:
+def configs(args, root: Path, decode_batch: int = 1, fidelity_tokens: int = 0) -> list:
     from hydra import compose, initialize_config_dir
 
     task = (["task=ruler", f"task.lengths=[{args.length}]", "task.depths=[50]",
@@ -50,6 +51,8 @@ def configs(args, root: Path, decode_batch: int = 1) -> list:
               f"runner.results_root={root}"]
     if decode_batch > 1:
         common.append(f"runner.sweep_decode_batch={decode_batch}")
+    if fidelity_tokens:
+        common.append(f"task.fidelity_tokens={fidelity_tokens}")
     common += args.extra
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         return [compose(config_name="config", overrides=[*common, f"method={m}", *knobs])
@@ -165,9 +168,11 @@ def main() -> None:
                     "setting only (all samples), its cost per (setting, sample) taken from "
                     "those: a family of settings whose old path alone would outlast the session")
     ap.add_argument("--arms", nargs="+", default=["old", "sweep", "batched"],
-                    choices=["old", "sweep", "batched"], help="what runs, alternated in this "
-                    "order each round: one run per setting, the sweep engine decoding one "
-                    "setting at a time, and --decode-batch at a time")
+                    choices=["old", "sweep", "batched", "fidelity"], help="what runs, "
+                    "alternated in this order each round: one run per setting, the sweep engine "
+                    "decoding one setting at a time, --decode-batch at a time, and that with "
+                    "paired fidelity (task.fidelity_tokens=--fidelity-tokens)")
+    ap.add_argument("--fidelity-tokens", type=int, default=12, help="K of the fidelity arm")
     args = ap.parse_args()
     import torch
 
@@ -177,15 +182,16 @@ def main() -> None:
         args.limit = 1  # one stream
     args.settings = runnable(args)
     n_settings = len(args.settings)
-    every = {"old": (old_path, 1), "sweep": (sweep_path, 1),
-             "batched": (sweep_path, args.decode_batch)}
+    every = {"old": (old_path, 1, 0), "sweep": (sweep_path, 1, 0),
+             "batched": (sweep_path, args.decode_batch, 0),
+             "fidelity": (sweep_path, args.decode_batch, args.fidelity_tokens)}
     arms = [(name, *every[name]) for name in args.arms]
-    cost = {path: [] for path, _, _ in arms}
+    cost = {path: [] for path, *_ in arms}
     last = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for path, fn, decode_batch in arms:
-                cfgs = configs(args, Path(tmp) / f"{path}{r}", decode_batch)
+            for path, fn, decode_batch, fidelity_tokens in arms:
+                cfgs = configs(args, Path(tmp) / f"{path}{r}", decode_batch, fidelity_tokens)
                 if path == "old":
                     cfgs = cfgs[::args.old_every]
                 t0, c0 = time.perf_counter(), time.process_time()
@@ -214,10 +220,13 @@ def main() -> None:
           f"{args.threads} thread(s), {args.rounds} round(s){subset}; predictions of every arm "
           f"equal: {same})")
     labels = {"old": "old path", "sweep": "sweep engine",
-              "batched": f"sweep engine, {args.decode_batch} settings decoded together"}
+              "batched": f"sweep engine, {args.decode_batch} settings decoded together",
+              "fidelity": f"the same with fidelity (K = {args.fidelity_tokens})"}
     for path in cost:
         ratio = (f", {cpu['old'] / cpu[path]:.2f}x the old path"
                  if "old" in cpu and path != "old" else "")
+        if path == "fidelity" and "batched" in cpu:
+            ratio += f", +{cpu[path] - cpu['batched']:.2f} over the same without"
         print(f"  {labels[path]}: {cpu[path]:.2f} CPU-s per (setting, sample){ratio}")
     if parts:
         wall = statistics.median(w for _, w in cost[swept])

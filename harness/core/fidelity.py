@@ -17,7 +17,11 @@ same stream, stepped alongside it.
 
 None of this is a sample of the setting: it runs after the task's answers, through an engine of
 its own (the setting's method, runner settings and model: `quiet_engine`), whose time, tokens and
-KV figures are never the setting's; its forwards are timed there, as `fidelity_ms`. The full
+KV figures are never the setting's; its forwards are timed there, as `fidelity_ms`. In a sweep
+each setting's fidelity request starts from the prompt state its answer started from (its
+group's shared prefill, harness.sweep.execute), so the prompt's forward runs once per sample for
+all settings, not once per setting; `fidelity_ms` then counts what ran on the setting's fidelity
+engine, without that shared forward. The full
 cache's reference is computed once per sample and model and kept for the run (a sweep's settings
 share it): its K logit rows (K x vocabulary float32) per sample.
 """
@@ -28,7 +32,7 @@ import contextlib
 import dataclasses
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -132,6 +136,13 @@ def prompt_state(req, item: Item) -> torch.Tensor:
     return logits
 
 
+# How a fidelity request gets its prompt state: (open request, item) -> the last logits
+# (1, 1, V) after the prompt (compressed at its end) and the query. A run feeds the prompt
+# (`prompt_state`); a sweep hands each setting its group's shared prompt state, as its answers
+# got it (harness.sweep.execute).
+Start = Callable[[Any, Item], torch.Tensor]
+
+
 def forced(req, logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
     """Teacher-force `tokens` from `logits` (1, 1, V), the distribution before the first:
     returns (len(tokens), V), the distribution before each (the last token is never fed)."""
@@ -183,28 +194,29 @@ def _compute_reference(full, item: Item, tokens: int, stop_ids: set[int],
     return Reference(out, torch.stack(rows), gold)
 
 
-def sample_fidelity(engine, item: Item, ref: Reference) -> dict[str, Any]:
+def sample_fidelity(engine, item: Item, ref: Reference, start: Start = prompt_state
+                    ) -> dict[str, Any]:
     """The setting's fidelity on one sample against the full cache's reference `ref`."""
     quiet = quiet_engine(engine)
     with quiet.request() as req:
-        start = prompt_state(req, item)
+        start_logits = start(req, item)
         snapshot = req.snapshot() if item.gold else None
-        rows = forced(req, start, ref.tokens)
+        rows = forced(req, start_logits, ref.tokens)
         gold = None
         if item.gold and snapshot is not None:
             req.restore(snapshot, consume=True)
-            gold = gold_logprob(forced(req, start, item.gold), item.gold)
+            gold = gold_logprob(forced(req, start_logits, item.gold), item.gold)
     if item.gold and gold is None:  # an unforkable state: the prompt again
-        gold = gold_alone(engine, item)
+        gold = gold_alone(engine, item, start)
     return record(ref, rows, gold)
 
 
-def gold_alone(engine, item: Item) -> float:
+def gold_alone(engine, item: Item, start: Start = prompt_state) -> float:
     """The setting's mean gold log-probability on `item` from a prompt state of its own (where
     the state after the reference tokens cannot be rewound)."""
     with quiet_engine(engine).request() as req:
-        start = prompt_state(req, item)
-        return gold_logprob(forced(req, start, item.gold), item.gold)
+        logits = start(req, item)
+        return gold_logprob(forced(req, logits, item.gold), item.gold)
 
 
 def record(ref: Reference, rows: torch.Tensor, gold: float | None) -> dict[str, Any]:

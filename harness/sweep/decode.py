@@ -37,6 +37,40 @@ class Entry:
     shared: bool  # its prompt state came from the group's shared prefill
 
 
+def open_prompt(req, prompt: list[int], query: list[int] | None, shared, consume: bool,
+                charged: bool) -> torch.Tensor:
+    """Give an open request its prompt state and feed its query; the last logits (1, 1, V).
+    `shared`: the group's (snapshot, last logits, prefill cost), a recorded forward
+    (harness.sweep.replay.Recording) replayed into the request, or None: it prefills the prompt
+    itself. The prompt's end compresses it. `charged`: the shared prefill's cost is counted in
+    the request's engine, as its own prefill would be (not for a fidelity request, whose
+    engine counts nothing of the setting's)."""
+    engine = req.engine
+    if shared is None:
+        logits = req.prefill(prompt)
+    elif isinstance(shared, sweep_replay.Recording):  # replayed into this request
+        logits = sweep_replay.replay_prompt(req, shared)
+        if charged:
+            sweep_records.apply(engine, shared.cost)  # the recorded forward's cost
+        req.close_prompt()
+    else:
+        snapshot, logits, cost = shared
+        req.restore(snapshot, consume=consume)
+        if charged:
+            sweep_records.apply(engine, cost)  # what this prefill costs it alone
+        forward.begin_step([engine], decode=False)  # the prompt's, as its prefill
+        req.close_prompt()
+        logits = logits.clone()
+    if query:
+        logits = req.prefill(query, prompt_ends=False)
+    return logits
+
+
+# engine index -> how its fidelity requests get a sample's prompt state
+# (harness.core.fidelity.Start)
+StartOf = Callable[[int], Callable[[Any, Any], torch.Tensor]]
+
+
 def decodes_alone(engine, size: int) -> bool:
     """Whether this setting's decode steps must run as its own forwards."""
     return (size == 1 or engine.diagnostics is not None
@@ -75,21 +109,8 @@ class Decoder:
         before = sweep_records.tally(engine)
         req = stack.enter_context(engine.request())
         try:
-            if shared is None:
-                logits = req.prefill(prompt)
-            elif isinstance(shared, sweep_replay.Recording):  # replayed into this request
-                logits = sweep_replay.replay_prompt(req, shared)
-                sweep_records.apply(engine, shared.cost)  # the recorded forward's cost
-                req.close_prompt()
-            else:
-                snapshot, logits, cost = shared
-                req.restore(snapshot, consume=not self.copy_on_use)
-                sweep_records.apply(engine, cost)  # what this prefill costs it alone
-                forward.begin_step([engine], decode=False)  # the prompt's, as its prefill
-                req.close_prompt()
-                logits = logits.clone()
-            if query:
-                logits = req.prefill(query, prompt_ends=False)
+            logits = open_prompt(req, prompt, query, shared, consume=not self.copy_on_use,
+                                 charged=True)
         except BaseException:
             if alone:
                 stack.close()
@@ -126,14 +147,19 @@ class Decoder:
 # --- paired fidelity (task.fidelity_tokens) of a sweep's settings ------------------------------
 
 def fidelity_records(engines: list, items: list, tokens: int, stop_ids: set[int] | None,
-                     min_new_tokens: int, size: int) -> list[list[dict]]:
+                     min_new_tokens: int, size: int, start: StartOf | None = None
+                     ) -> list[list[dict]]:
     """Per engine (a sweep's settings), one `fidelity` record per item (harness.core.fidelity):
     the full cache's reference is computed once per sample (every setting is fed the same
     tokens), then the settings are teacher-forced `size` at a time in lockstep, one batched
     forward per token (harness.core.batch.Lockstep), each row its own method and cache; a setting
     that decodes alone (`decodes_alone`) is teacher-forced as its single run is. Batched rows
-    equal single ones within the reassociation of the batched matmuls."""
+    equal single ones within the reassociation of the batched matmuls. `start(i)`: how engine
+    i's requests get a sample's prompt state (harness.core.fidelity.Start; None: each feeds the
+    prompt itself)."""
     from harness.core import fidelity
+
+    start = start or (lambda i: fidelity.prompt_state)
 
     for engine in engines:
         fidelity.hold_peak(engine)
@@ -142,12 +168,12 @@ def fidelity_records(engines: list, items: list, tokens: int, stop_ids: set[int]
     for item in progress(items, f"fidelity ({len(engines)} settings)", "sample",
                          total=len(items)):
         ref = fidelity.reference(engines[0], item, tokens, stop_ids, min_new_tokens)
-        for i, rec in enumerate(fidelity_together(engines, item, ref, size)):
+        for i, rec in enumerate(fidelity_together(engines, item, ref, size, start)):
             out[i].append(rec)
     return out
 
 
-def fidelity_together(engines: list, item, ref, size: int) -> list[dict]:
+def fidelity_together(engines: list, item, ref, size: int, start: StartOf) -> list[dict]:
     """One sample's fidelity record per engine, `size` engines' requests in lockstep."""
     from harness.core import fidelity
 
@@ -155,20 +181,22 @@ def fidelity_together(engines: list, item, ref, size: int) -> list[dict]:
     together = []
     for i, engine in enumerate(engines):
         if decodes_alone(engine, size):
-            out[i] = fidelity.sample_fidelity(engine, item, ref)
+            out[i] = fidelity.sample_fidelity(engine, item, ref, start(i))
         else:
             together.append(i)
-    for start in range(0, len(together), size):
-        chunk = together[start:start + size]
+    for first in range(0, len(together), size):
+        chunk = together[first:first + size]
         if len(chunk) == 1:  # a batch of one is the single run's own step
-            out[chunk[0]] = fidelity.sample_fidelity(engines[chunk[0]], item, ref)
+            out[chunk[0]] = fidelity.sample_fidelity(engines[chunk[0]], item, ref,
+                                                     start(chunk[0]))
             continue
-        for i, rec in zip(chunk, _forced_together([engines[i] for i in chunk], item, ref)):
+        for i, rec in zip(chunk, _forced_together([engines[i] for i in chunk], item, ref,
+                                                  [start(i) for i in chunk])):
             out[i] = rec
     return out
 
 
-def _forced_together(engines: list, item, ref) -> list[dict]:
+def _forced_together(engines: list, item, ref, starts_of: list) -> list[dict]:
     """The reference tokens (then the gold answer's, from the rewound prompt state) through
     each engine's own request (its fidelity engine's: nothing is counted in the setting's
     figures), one batched forward per token."""
@@ -177,7 +205,7 @@ def _forced_together(engines: list, item, ref) -> list[dict]:
     golds: list[float | None] = [None] * len(engines)
     with contextlib.ExitStack() as stack:
         reqs = [stack.enter_context(fidelity.quiet_engine(e).request()) for e in engines]
-        starts = [fidelity.prompt_state(req, item) for req in reqs]
+        starts = [start(req, item) for start, req in zip(starts_of, reqs)]
         snapshots = [req.snapshot() if item.gold else None for req in reqs]
         rows = _lockstep(reqs, starts, ref.tokens)
         forkable = [k for k, snap in enumerate(snapshots) if snap is not None]
@@ -192,7 +220,7 @@ def _forced_together(engines: list, item, ref) -> list[dict]:
             golds[k] = fidelity.gold_logprob(got, item.gold)
     for k, engine in enumerate(engines):
         if item.gold and golds[k] is None:  # an unforkable state: the prompt again
-            golds[k] = fidelity.gold_alone(engine, item)
+            golds[k] = fidelity.gold_alone(engine, item, starts_of[k])
     return [fidelity.record(ref, r, g) for r, g in zip(rows, golds)]
 
 

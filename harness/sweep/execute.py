@@ -79,7 +79,7 @@ from harness.sweep import records as sweep_records
 from harness.sweep import replay as sweep_replay
 from harness.core.engine import Engine
 from harness.core.prompting import score_prompt
-from harness.sweep.decode import (Decoder, decodes_alone, fidelity_records,
+from harness.sweep.decode import (Decoder, decodes_alone, fidelity_records, open_prompt,
                                    stream_fidelity_records)
 from kvcore.errors import ConfigError
 from methods.base import KVMethod
@@ -374,6 +374,12 @@ class SharedPassEngine(TaskEngine):
         # settings decoded together (harness.sweep.decode): the smallest any member allows
         self.decode_batch = min(members[k].setting.runner.sweep_decode_batch
                                 for g in groups for k in g.members)
+        self.group_of = {k: g for g in groups for k in g.members}
+        # the fidelity pass's prompt states of one sample (`_fidelity_start`): group -> state,
+        # and how many of its members took it
+        self.fidelity_prompt: list[int] | None = None
+        self.fidelity_states: dict[int, Any] = {}
+        self.fidelity_taken: dict[int, int] = {}
 
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         return encode_with(self.tokenizer, text, add_special_tokens)
@@ -443,10 +449,41 @@ class SharedPassEngine(TaskEngine):
         if self.shard is not None:
             return [{} for _ in items]
         order = [k for g in self.groups for k in g.members]
-        per = fidelity_records([self.members[k].engine for k in order], items, tokens,
-                               stop_ids, min_new_tokens, self.decode_batch)
+        try:
+            per = fidelity_records([self.members[k].engine for k in order], items, tokens,
+                                   stop_ids, min_new_tokens, self.decode_batch,
+                                   lambda i: functools.partial(self._fidelity_start, order[i]))
+        finally:
+            self._release_fidelity_states()
         self.fidelity.append((list(items), dict(zip(order, per))))
         return per[order.index(self.first)]
+
+    def _fidelity_start(self, k: int, req, item) -> torch.Tensor:
+        """Member k's fidelity request given the sample's prompt state as its answer got it
+        (harness.sweep.decode.open_prompt): its group's shared prefill of the prompt, made once
+        per group and sample and counted in no figure (as the fidelity pass's forwards: its own
+        engine's), a recorded forward replayed, or the prompt fed. A group's state is dropped
+        once its last member took it (one made again if a member asks twice: a state that
+        cannot be rewound for the gold answer)."""
+        if item.prompt != self.fidelity_prompt:
+            self._release_fidelity_states()
+            self.fidelity_prompt = item.prompt
+        group = self.group_of[k]
+        key = id(group)
+        if key not in self.fidelity_states:
+            self.fidelity_states[key] = (None if group.prefill_engine is None
+                                         else self._prefill(group, item.prompt, count=False))
+        self.fidelity_taken[key] = self.fidelity_taken.get(key, 0) + 1
+        last = self.fidelity_taken[key] >= len(group.members)
+        state = self.fidelity_states.pop(key) if last else self.fidelity_states[key]
+        return open_prompt(req, item.prompt, item.query, state,
+                           consume=last, charged=False)
+
+    def _release_fidelity_states(self) -> None:
+        self.fidelity_prompt = None
+        self.fidelity_states, self.fidelity_taken = {}, {}
+        for forward in {id(g.forward): g.forward for g in self.groups if g.forward}.values():
+            forward.release()
 
     def stream_fidelity(self, ids: torch.Tensor, prompt_tokens: int) -> dict:
         """Every member's `Engine.stream_fidelity` of one stream, in lockstep beside one
@@ -529,14 +566,15 @@ class SharedPassEngine(TaskEngine):
         if self.records[k]:
             self.records[k].append(*where, out, gained, shared=shared)
 
-    def _prefill(self, group: Group, prompt: list[int]):
+    def _prefill(self, group: Group, prompt: list[int], count: bool = True):
         """The group's prompt state once the prompt is fed, before its end: (snapshot, last
         logits, what the prefill added to the prefill engine's accounting: its timed chunks,
         tokens and transfers); the recording each member replays into its own request, when
         the replayed state cannot be copied; or None when the group is one setting feeding its
         own prompt, or its state cannot be copied and it replays no forward (each member then
         prefills for itself). The state comes from the group's shared forward, replayed
-        (harness.sweep.replay), or else from the group's own forward."""
+        (harness.sweep.replay), or else from the group's own forward. `count`: whether it is a
+        prefill of the answers (counted in `run.sweep`), not of the fidelity pass."""
         engine = group.prefill_engine
         while group.forward is not None:
             before = sweep_records.tally(engine)
@@ -552,24 +590,24 @@ class SharedPassEngine(TaskEngine):
                 continue
             if snapshot is None:  # replayed alike, but the state cannot be handed over
                 group.per_member = True
-                group.shared_prefills += 1
+                group.shared_prefills += count
                 return recording
             sweep_records.apply(engine, recording.cost)  # the forward's cost is its own too
-            return self._handed(group, snapshot, logits, before)
+            return self._handed(group, snapshot, logits, before, count)
         if len(group.members) == 1:
             return None
         before = sweep_records.tally(engine)
         with engine.request(account=False) as req:
             logits = req.feed_prompt(prompt)
             snapshot = _scored_snapshot(req)
-        return self._handed(group, snapshot, logits, before)
+        return self._handed(group, snapshot, logits, before, count)
 
-    def _handed(self, group: Group, snapshot, logits, before: dict):
+    def _handed(self, group: Group, snapshot, logits, before: dict, count: bool):
         engine = group.prefill_engine
         if snapshot is None:
-            group.own_prefills += 1
+            group.own_prefills += count
             return None
-        group.shared_prefills += 1
+        group.shared_prefills += count
         return snapshot, logits, sweep_records.added(engine, before)
 
 

@@ -11,6 +11,7 @@ import torch
 from harness.core import fidelity
 from harness.stats import fidelity as fidelity_stats
 from harness.sweep import decode as sweep_decode
+from harness.sweep import execute as sweep_execute
 from harness.run import run
 from tests.conftest import STORIES, need_shared
 from tests.helpers.runs import cfg_for, refused
@@ -134,16 +135,46 @@ def sweep_against_single_runs(tmp_path, size: int) -> None:
 
 @pytest.mark.parametrize("size", [1, 3])
 def test_sweep_gives_each_setting_its_single_run_fidelity(size, tmp_path, monkeypatch):
-    """A sweep's settings share one full-cache reference per sample; 3 at a time they are
-    teacher-forced in lockstep (one batched forward per token, the last batch partial)."""
+    """A sweep's settings share one full-cache reference per sample and take their prompt states
+    from the sweep's shared prefill (no setting prefills the prompt again); 3 at a time they
+    are teacher-forced in lockstep (one batched forward per token, the last batch partial)."""
     need_shared(STORIES)
     fidelity._REFERENCES.clear()
     batched = []
     real = sweep_decode._lockstep
     monkeypatch.setattr(sweep_decode, "_lockstep",
                         lambda reqs, *a: batched.append(len(reqs)) or real(reqs, *a))
+    states = []  # what each fidelity request started from: the sweep's shared prompt states
+    opened = sweep_execute.open_prompt
+    monkeypatch.setattr(sweep_execute, "open_prompt", lambda req, prompt, query, shared, **kw:
+                        states.append(type(shared).__name__) or opened(req, prompt, query,
+                                                                       shared, **kw))
     sweep_against_single_runs(tmp_path, size)
     assert (max(batched) == 3) if size > 1 else not batched
+    # every setting's requests took a replayed prompt state (none fed the prompt itself)
+    assert states and "NoneType" not in states, states
+
+
+def test_unforkable_prompt_states_are_replayed_into_each_fidelity_request(tmp_path,
+                                                                         monkeypatch):
+    """Settings whose prompt state cannot be copied (a host-tier store: TailorKV; the method's
+    own query statistics: ExpectedAttention) get the recorded forward replayed into each
+    fidelity request, as their answers do, bit for bit their single runs' figures."""
+    need_shared(STORIES)
+    fidelity._REFERENCES.clear()
+    states = []
+    opened = sweep_execute.open_prompt
+    monkeypatch.setattr(sweep_execute, "open_prompt", lambda req, prompt, query, shared, **kw:
+                        states.append(type(shared).__name__) or opened(req, prompt, query,
+                                                                       shared, **kw))
+    settings = [[*TASK, f"task.fidelity_tokens={K}", "runner.sweep_decode_batch=1", *knobs]
+                for knobs in (["method=full"], ["method=tailorkv", "method.budget_ratio=0.3"],
+                              ["method=expected_attention", "method.budget_ratio=0.3"])]
+    alone = single_runs(settings, tmp_path)
+    swept = sweep_folders(settings, tmp_path)
+    for knobs, a, b in zip(settings, alone, swept):
+        assert folder_figures(b) == folder_figures(a), knobs[-2]
+    assert "Recording" in states, states
 
 
 @pytest.mark.parametrize("size", [1, 2])
