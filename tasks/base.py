@@ -115,14 +115,23 @@ class Task:
         `needs_live_engine`), scored."""
         raise NotImplementedError
 
-    def add_fidelity(self, engine, rows: list[dict], items: list, stop_ids: set[int] | None = None,
-                     min_new_tokens: int = 0) -> None:
-        """With `fidelity_tokens` > 0: each row's `fidelity` record (harness.core.fidelity), from
-        its item (harness.core.fidelity.Item: the prompt and query the row was answered from, its
-        gold answer's tokens), after every answer is in."""
+    def golds(self, engine, texts: list[str | None]) -> dict:
+        """What a `GenerationRequest` takes for paired fidelity: `fidelity_tokens` and each
+        prompt's gold answer tokens (`gold_tokens`); nothing when fidelity is off."""
+        if not self.fidelity_tokens:
+            return {}
+        return {"fidelity_tokens": self.fidelity_tokens,
+                "golds": [self.gold_tokens(engine, t) for t in texts]}
+
+    def add_fidelity(self, engine, rows: list[dict], request) -> None:
+        """With `fidelity_tokens` > 0: each row's `fidelity` record (harness.core.fidelity), one
+        per prompt of the request (`GenerationRequest.fidelity_items`: the prompt and query the
+        row was answered from, its gold answer's tokens), after every answer is in."""
         if not self.fidelity_tokens:
             return
-        records = engine.fidelity_many(items, self.fidelity_tokens, stop_ids, min_new_tokens)
+        items = request.fidelity_items()
+        records = engine.fidelity_many(items, self.fidelity_tokens, request.stop_ids,
+                                       request.min_new_tokens)
         for row, record in zip(rows, records, strict=True):
             row["fidelity"] = record
 

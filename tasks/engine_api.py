@@ -29,19 +29,32 @@ MEMBERS = ("tokenizer", "info", "method", "encode", "stop_token_ids", "generate"
            "fidelity_many", "stream_fidelity")
 
 
+@dataclass(frozen=True)
+class FidelityItem:
+    """One sample as paired fidelity needs it (`task.fidelity_tokens`, harness.core.fidelity)."""
+    prompt: list[int]
+    query: list[int] | None = None  # fed after the prompt is over (query-agnostic protocol)
+    gold: list[int] | None = None  # the gold answer's first K tokens; None: no gold answer
+
+
 @dataclass
 class GenerationRequest:
     """Greedy continuations of independent prompts: one list of new token ids per prompt, in
     order. `max_new_tokens`: per prompt (an int is the same for every prompt). `stop_ids`: None
     takes the engine's `stop_token_ids()`. `queries[i]` (query-agnostic protocol): fed after
     prompt i is over and its method has compressed it, before generating; None: any question is
-    part of the prompt."""
+    part of the prompt. `fidelity_tokens` K > 0: the task will ask paired fidelity of these
+    samples (`fidelity_many(request.fidelity_items(), ...)`), `golds[i]` the gold answer's
+    first K tokens of prompt i (None: none); an engine answering many settings computes it in
+    the same pass, while each prompt's forward is held (harness.sweep.execute)."""
 
     prompts: list[list[int]]
     max_new_tokens: list[int] | int
     stop_ids: frozenset[int] | None = None
     min_new_tokens: int = 0
     queries: list[list[int]] | None = None
+    fidelity_tokens: int = 0
+    golds: list[list[int] | None] | None = None
 
     def __post_init__(self) -> None:
         # normalized, so that two requests for the same work compare equal (a sweep checks it)
@@ -53,13 +66,23 @@ class GenerationRequest:
             self.stop_ids = frozenset(self.stop_ids)
         if self.queries is not None:
             self.queries = [list(q) for q in self.queries]
-        if len(self.max_new_tokens) != len(self.prompts) or (
-                self.queries is not None and len(self.queries) != len(self.prompts)):
+        if self.golds is not None:
+            self.golds = [None if g is None else list(g) for g in self.golds]
+        if len(self.max_new_tokens) != len(self.prompts) or any(
+                x is not None and len(x) != len(self.prompts) for x in (self.queries, self.golds)):
             raise ValueError(f"{len(self.prompts)} prompts, {len(self.max_new_tokens)} limits, "
-                             f"{'no' if self.queries is None else len(self.queries)} queries")
+                             f"{'no' if self.queries is None else len(self.queries)} queries, "
+                             f"{'no' if self.golds is None else len(self.golds)} golds")
 
     def query(self, i: int) -> list[int] | None:
         return None if self.queries is None else self.queries[i]
+
+    def fidelity_item(self, i: int) -> FidelityItem:
+        return FidelityItem(self.prompts[i], self.query(i),
+                            None if self.golds is None else self.golds[i])
+
+    def fidelity_items(self) -> list[FidelityItem]:
+        return [self.fidelity_item(i) for i in range(len(self.prompts))]
 
 
 @dataclass
@@ -107,7 +130,7 @@ class TaskEngine(abc.ABC):
     def fidelity_many(self, items: list, tokens: int, stop_ids: set[int] | None = None,
                       min_new_tokens: int = 0) -> list[dict]:
         """Paired fidelity to the full cache (`task.fidelity_tokens`): one record per
-        `harness.core.fidelity.Item` (a sample as it was answered, with its gold tokens), the
+        `FidelityItem` (a sample as it was answered, with its gold tokens), the
         full cache's first `tokens` answer tokens teacher-forced through the setting's cache."""
 
     @abc.abstractmethod

@@ -305,9 +305,12 @@ class LongBench(Task):
                             len(kept) < len(body)))
         # pred.py's samsum call sets min_length = prompt + 1, which masks its EOS ids (newline
         # included) at the first step: the first token is never a stop token there.
-        outs = engine.generate(GenerationRequest(
-            [p[0] for p in prompts], gen, stop_ids,
-            min_new_tokens=1 if spec.stop_at_newline else 0))
+        # fidelity's gold answer: the first reference, as the prediction would continue the prompt
+        request = GenerationRequest([p[0] for p in prompts], gen, stop_ids,
+                                    min_new_tokens=1 if spec.stop_at_newline else 0,
+                                    **self.golds(engine, [(row["answers"] or [""])[0]
+                                                          for row in rows]))
+        outs = engine.generate(request)
         samples = []
         for index, (row, (ids, untruncated, truncated), new_ids) in enumerate(
                 zip(rows, prompts, progress(outs, f"longbench {dataset}", "sample", len(rows)))):
@@ -326,12 +329,5 @@ class LongBench(Task):
             if spec.first_line:
                 sample["scored_prediction"] = scored_text
             samples.append(sample)
-        if self.fidelity_tokens:
-            from harness.core.fidelity import Item
-
-            # the gold answer: the first reference, as the prediction would continue the prompt
-            items = [Item(list(p[0]), None, self.gold_tokens(engine, (row["answers"] or [""])[0]))
-                     for row, p in zip(rows, prompts)]
-            self.add_fidelity(engine, samples, items, stop_ids,
-                              min_new_tokens=1 if spec.stop_at_newline else 0)
+        self.add_fidelity(engine, samples, request)
         return samples

@@ -458,18 +458,6 @@ class Ruler(Task):
 
     # -- evaluation --
 
-    def _fidelity_item(self, engine, sample: RulerSample, fmt: PromptFormat):
-        """The sample as it was answered (prompt, and the question after it when query-agnostic)
-        with its gold answer: the references joined as the answer lists them (", "), after the
-        answer prefix's space."""
-        from harness.core.fidelity import Item
-
-        gold = self.gold_tokens(engine, " " + ", ".join(sample.answers))
-        if self.query == "agnostic":
-            cut = query_start(sample, fmt)
-            return Item(list(sample.input_ids[:cut]), list(sample.input_ids[cut:]), gold)
-        return Item(list(sample.input_ids), None, gold)
-
     def evaluate(self, engine: TaskEngine) -> TaskResult:
         tok = engine.tokenizer
         fmt = PromptFormat(tok, self.chat_template)
@@ -477,14 +465,18 @@ class Ruler(Task):
         lengths = self.resolve_lengths(engine.info.max_positions)
         samples = self.build_samples(tok)
         rows = []
+        # the gold answer: the references joined as the answer lists them (", "), after the
+        # answer prefix's space
+        golds = self.golds(engine, [" " + ", ".join(s.answers) for s in samples])
         if self.query == "agnostic":
             cuts = [query_start(s, fmt) for s in samples]
             request = GenerationRequest([s.input_ids[:c] for s, c in zip(samples, cuts)],
                                         [s.max_new_tokens for s in samples], stop_ids,
-                                        queries=[s.input_ids[c:] for s, c in zip(samples, cuts)])
+                                        queries=[s.input_ids[c:] for s, c in zip(samples, cuts)],
+                                        **golds)
         else:
             request = GenerationRequest([s.input_ids for s in samples],
-                                        [s.max_new_tokens for s in samples], stop_ids)
+                                        [s.max_new_tokens for s in samples], stop_ids, **golds)
         outs = engine.generate(request)
         for s, out in zip(samples, progress(outs, "ruler", "sample", total=len(samples))):
             answer_ids = [t for t in out if t not in stop_ids]
@@ -495,8 +487,7 @@ class Ruler(Task):
                          "haystack_units": s.haystack_units, "generated_tokens": len(out),
                          "answers": s.answers, "prediction": prediction,
                          "score": string_match_all(prediction, s.answers)})
-        self.add_fidelity(engine, rows, [self._fidelity_item(engine, s, fmt) for s in samples]
-                          if self.fidelity_tokens else [], stop_ids)
+        self.add_fidelity(engine, rows, request)
         metrics = aggregate(rows, self.subtasks, lengths, self.depths)
         protocol = {
             "benchmark": "RULER (Hsieh et al. 2024, arXiv 2404.06654), independent implementation",

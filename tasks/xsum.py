@@ -143,8 +143,9 @@ class XSum(Task):
             fitting += fits
             skipped += not fits
         todo = [p for p in planned if p[3]]
-        outs = iter(engine.generate(GenerationRequest([p[1] for p in todo],
-                                                      [p[2] for p in todo])))
+        request = GenerationRequest([p[1] for p in todo], [p[2] for p in todo],
+                                    **self.golds(engine, [p[0]["summary_gt"] for p in todo]))
+        outs = iter(engine.generate(request))
         outs = iter(progress(outs, "xsum", "item", total=len(todo)))
         samples, scored = [], []
         for item, ids, gen, fits in planned:
@@ -162,12 +163,7 @@ class XSum(Task):
                             "skipped": False, "prediction": prediction,
                             "reference": item["summary_gt"], **rouge, "prompt_tokens": len(ids),
                             "max_new_tokens": gen, "new_tokens": len(new_ids)})
-        if self.fidelity_tokens:
-            from harness.core.fidelity import Item
-
-            self.add_fidelity(engine, [s for s in samples if not s["skipped"]],
-                              [Item(list(ids), None, self.gold_tokens(engine, item["summary_gt"]))
-                               for item, ids, _, _ in todo])
+        self.add_fidelity(engine, [s for s in samples if not s["skipped"]], request)
         if not scored:
             raise ConfigError(f"task=xsum: none of the {skipped} items read fits the model's "
                               f"{positions} positions with its generation length; use a model "

@@ -199,8 +199,8 @@ class Engine(TaskEngine):
     def fidelity_many(self, items, tokens: int, stop_ids: set[int] | None = None,
                       min_new_tokens: int = 0) -> list[dict]:
         """Each sample's paired fidelity to the full cache (`task.fidelity_tokens`,
-        harness.core.fidelity: `items` are harness.core.fidelity.Item), through an engine of its own: no
-        time, token or KV figure of this engine changes."""
+        harness.core.fidelity: `items` are tasks.engine_api.FidelityItem), through an engine of
+        its own: no time, token or KV figure of this engine changes."""
         from harness.core import fidelity
 
         return fidelity.fidelity_many(self, items, tokens, stop_ids, min_new_tokens)

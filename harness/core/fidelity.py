@@ -18,10 +18,11 @@ same stream, stepped alongside it.
 None of this is a sample of the setting: it runs after the task's answers, through an engine of
 its own (the setting's method, runner settings and model: `quiet_engine`), whose time, tokens and
 KV figures are never the setting's; its forwards are timed there, as `fidelity_ms`. In a sweep
-each setting's fidelity request starts from the prompt state its answer started from (its
-group's shared prefill, harness.sweep.execute), so the prompt's forward runs once per sample for
-all settings, not once per setting; `fidelity_ms` then counts what ran on the setting's fidelity
-engine, without that shared forward. The full
+it runs in the answers' pass, prompt by prompt: each setting's fidelity request starts from the
+prompt state its answer started from (its group's shared prefill, harness.sweep.execute), so the
+prompt's forward runs once per sample for the answers and the fidelity of all settings;
+`fidelity_ms` then counts what ran on the setting's fidelity engine, without that shared
+forward, and the sweep's process-wide memory figure includes the fidelity requests. The full
 cache's reference is computed once per sample and model and kept for the run (a sweep's settings
 share it): its K logit rows (K x vocabulary float32) per sample.
 """
@@ -38,18 +39,11 @@ import torch
 
 from harness.core import batch as batching
 from harness.core.progress import progress
+from tasks.engine_api import FidelityItem
 
 # Per model: (sample key) -> Reference. Weak: a model's references go with it.
 _REFERENCES: "weakref.WeakKeyDictionary[Any, dict[tuple, Reference]]" = weakref.WeakKeyDictionary()
 KL_DIGITS = 8  # per-token KL kept in samples.jsonl to this many decimals
-
-
-@dataclass(frozen=True)
-class Item:
-    """One sample as the fidelity pass needs it."""
-    prompt: list[int]
-    query: list[int] | None = None  # fed after the prompt is over (query-agnostic protocol)
-    gold: list[int] | None = None  # the gold answer's first K tokens; None: no gold answer
 
 
 @dataclass
@@ -128,7 +122,7 @@ def fidelity_ms(engine) -> float:
     return total
 
 
-def prompt_state(req, item: Item) -> torch.Tensor:
+def prompt_state(req, item: FidelityItem) -> torch.Tensor:
     """Feed the prompt (its end compresses it) and the query; the last logits `(1, 1, V)`."""
     logits = req.prefill(item.prompt)
     if item.query:
@@ -140,7 +134,7 @@ def prompt_state(req, item: Item) -> torch.Tensor:
 # (1, 1, V) after the prompt (compressed at its end) and the query. A run feeds the prompt
 # (`prompt_state`); a sweep hands each setting its group's shared prompt state, as its answers
 # got it (harness.sweep.execute).
-Start = Callable[[Any, Item], torch.Tensor]
+Start = Callable[[Any, FidelityItem], torch.Tensor]
 
 
 def forced(req, logits: torch.Tensor, tokens: list[int]) -> torch.Tensor:
@@ -158,12 +152,12 @@ def gold_logprob(rows: torch.Tensor, gold: list[int]) -> float:
     return float(picked.mean())
 
 
-def _key(engine, item: Item, tokens: int, stop_ids: set[int], min_new_tokens: int) -> tuple:
+def _key(engine, item: FidelityItem, tokens: int, stop_ids: set[int], min_new_tokens: int) -> tuple:
     return (engine.settings.prefill_chunk_tokens, tuple(item.prompt), tuple(item.query or ()),
             tuple(item.gold or ()), tokens, tuple(sorted(stop_ids)), min_new_tokens)
 
 
-def reference(engine, item: Item, tokens: int, stop_ids: set[int], min_new_tokens: int = 0
+def reference(engine, item: FidelityItem, tokens: int, stop_ids: set[int], min_new_tokens: int = 0
               ) -> Reference:
     """The full cache's reference on `item` (computed once per sample and model)."""
     cache = _REFERENCES.setdefault(engine.model, {})
@@ -174,7 +168,7 @@ def reference(engine, item: Item, tokens: int, stop_ids: set[int], min_new_token
     return cache[key]
 
 
-def _compute_reference(full, item: Item, tokens: int, stop_ids: set[int],
+def _compute_reference(full, item: FidelityItem, tokens: int, stop_ids: set[int],
                        min_new_tokens: int) -> Reference:
     with full.request() as req:
         start = prompt_state(req, item)
@@ -194,7 +188,7 @@ def _compute_reference(full, item: Item, tokens: int, stop_ids: set[int],
     return Reference(out, torch.stack(rows), gold)
 
 
-def sample_fidelity(engine, item: Item, ref: Reference, start: Start = prompt_state
+def sample_fidelity(engine, item: FidelityItem, ref: Reference, start: Start = prompt_state
                     ) -> dict[str, Any]:
     """The setting's fidelity on one sample against the full cache's reference `ref`."""
     quiet = quiet_engine(engine)
@@ -211,7 +205,7 @@ def sample_fidelity(engine, item: Item, ref: Reference, start: Start = prompt_st
     return record(ref, rows, gold)
 
 
-def gold_alone(engine, item: Item, start: Start = prompt_state) -> float:
+def gold_alone(engine, item: FidelityItem, start: Start = prompt_state) -> float:
     """The setting's mean gold log-probability on `item` from a prompt state of its own (where
     the state after the reference tokens cannot be rewound)."""
     with quiet_engine(engine).request() as req:
@@ -234,7 +228,7 @@ def measured(per_token: torch.Tensor, agree: torch.Tensor, gold: float | None,
             "top_agree": [bool(x) for x in agree]}
 
 
-def fidelity_many(engine, items: list[Item], tokens: int, stop_ids: set[int] | None = None,
+def fidelity_many(engine, items: list[FidelityItem], tokens: int, stop_ids: set[int] | None = None,
                   min_new_tokens: int = 0) -> list[dict[str, Any]]:
     """One `fidelity` record per item (Engine.fidelity_many)."""
     hold_peak(engine)

@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import torch
 
+from harness.core import fidelity
 from harness.core import forward
 from harness.sweep import records as sweep_records
 from harness.sweep import replay as sweep_replay
@@ -37,7 +38,7 @@ class Entry:
     shared: bool  # its prompt state came from the group's shared prefill
 
 
-def open_prompt(req, prompt: list[int], query: list[int] | None, shared, consume: bool,
+def give_prompt_state(req, prompt: list[int], query: list[int] | None, shared, consume: bool,
                 charged: bool) -> torch.Tensor:
     """Give an open request its prompt state and feed its query; the last logits (1, 1, V).
     `shared`: the group's (snapshot, last logits, prefill cost), a recorded forward
@@ -109,7 +110,7 @@ class Decoder:
         before = sweep_records.tally(engine)
         req = stack.enter_context(engine.request())
         try:
-            logits = open_prompt(req, prompt, query, shared, consume=not self.copy_on_use,
+            logits = give_prompt_state(req, prompt, query, shared, consume=not self.copy_on_use,
                                  charged=True)
         except BaseException:
             if alone:
@@ -157,71 +158,104 @@ def fidelity_records(engines: list, items: list, tokens: int, stop_ids: set[int]
     equal single ones within the reassociation of the batched matmuls. `start(i)`: how engine
     i's requests get a sample's prompt state (harness.core.fidelity.Start; None: each feeds the
     prompt itself)."""
-    from harness.core import fidelity
-
-    start = start or (lambda i: fidelity.prompt_state)
-
     for engine in engines:
         fidelity.hold_peak(engine)
     stop_ids = engines[0].stop_token_ids() if stop_ids is None else set(stop_ids)
+    start = start or (lambda i: fidelity.prompt_state)
     out: list[list[dict]] = [[] for _ in engines]
     for item in progress(items, f"fidelity ({len(engines)} settings)", "sample",
                          total=len(items)):
         ref = fidelity.reference(engines[0], item, tokens, stop_ids, min_new_tokens)
-        for i, rec in enumerate(fidelity_together(engines, item, ref, size, start)):
-            out[i].append(rec)
+        with FidelityBatch(item, ref, size) as batch:
+            for i, engine in enumerate(engines):
+                batch.add(i, engine, start(i))
+        for i in range(len(engines)):
+            out[i].append(batch.records[i])
     return out
 
 
-def fidelity_together(engines: list, item, ref, size: int, start: StartOf) -> list[dict]:
-    """One sample's fidelity record per engine, `size` engines' requests in lockstep."""
-    from harness.core import fidelity
+@dataclass
+class Forcing:
+    """A setting's fidelity request on one sample, started: its prompt state given, compressed,
+    the query fed."""
+    key: Any  # whose record it is
+    engine: Any  # the setting's engine (its fidelity engine ran the request)
+    request: Any  # open, on harness.core.fidelity.quiet_engine(engine)
+    logits: torch.Tensor  # (1, 1, V): the distribution before the first reference token
+    snapshot: Any  # its state now, to rewind for the gold answer; None: no gold, or unforkable
+    start: Any  # how it was started (harness.core.fidelity.Start): kept where the gold answer
+    # needs the prompt again (an unforkable state), else None
 
-    out: list[dict | None] = [None] * len(engines)
-    together = []
-    for i, engine in enumerate(engines):
-        if decodes_alone(engine, size):
-            out[i] = fidelity.sample_fidelity(engine, item, ref, start(i))
+
+class FidelityBatch:
+    """One sample's fidelity records of many settings (harness.core.fidelity): each setting's
+    request is started as its prompt state comes (`add`, a group's at a time in a sweep), then
+    `size` started requests are teacher-forced together, one batched forward per token
+    (harness.core.batch.Lockstep), each row its own method and cache; a batch of one, or a
+    setting that decodes alone (`decodes_alone`), steps as its single run does. Batched rows
+    equal single ones within the reassociation of the batched matmuls. Use as a context
+    manager: the requests still open at its end are forced then."""
+
+    def __init__(self, item, ref, size: int):
+        self.item, self.ref, self.size = item, ref, size
+        self.records: dict[Any, dict] = {}
+        self.pending: list[Forcing] = []
+        self.stack = contextlib.ExitStack()
+
+    def __enter__(self) -> "FidelityBatch":
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if kind is None:
+            self.flush()
         else:
-            together.append(i)
-    for first in range(0, len(together), size):
-        chunk = together[first:first + size]
-        if len(chunk) == 1:  # a batch of one is the single run's own step
-            out[chunk[0]] = fidelity.sample_fidelity(engines[chunk[0]], item, ref,
-                                                     start(chunk[0]))
-            continue
-        for i, rec in zip(chunk, _forced_together([engines[i] for i in chunk], item, ref,
-                                                  [start(i) for i in chunk])):
-            out[i] = rec
-    return out
+            self.stack.__exit__(kind, value, traceback)
 
+    def add(self, key, engine, start) -> None:
+        """Start `engine`'s request on the sample (`start`: harness.core.fidelity.Start)."""
+        if decodes_alone(engine, self.size):
+            self.records[key] = fidelity.sample_fidelity(engine, self.item, self.ref, start)
+            return
+        req = self.stack.enter_context(fidelity.quiet_engine(engine).request())
+        logits = start(req, self.item)
+        snapshot = req.snapshot() if self.item.gold else None
+        keep = start if self.item.gold and snapshot is None else None
+        self.pending.append(Forcing(key, engine, req, logits, snapshot, keep))
+        if len(self.pending) >= self.size:
+            self.flush()
 
-def _forced_together(engines: list, item, ref, starts_of: list) -> list[dict]:
-    """The reference tokens (then the gold answer's, from the rewound prompt state) through
-    each engine's own request (its fidelity engine's: nothing is counted in the setting's
-    figures), one batched forward per token."""
-    from harness.core import fidelity
+    def flush(self) -> None:
+        if self.pending:
+            entries, self.pending = self.pending, []
+            stack, self.stack = self.stack, contextlib.ExitStack()
+            with stack:
+                rows, golds = self._forced(entries)
+            for e, r, g in zip(entries, rows, golds):
+                if self.item.gold and g is None:  # an unforkable state: the prompt again
+                    g = fidelity.gold_alone(e.engine, self.item, e.start)
+                self.records[e.key] = fidelity.record(self.ref, r, g)
 
-    golds: list[float | None] = [None] * len(engines)
-    with contextlib.ExitStack() as stack:
-        reqs = [stack.enter_context(fidelity.quiet_engine(e).request()) for e in engines]
-        starts = [start(req, item) for start, req in zip(starts_of, reqs)]
-        snapshots = [req.snapshot() if item.gold else None for req in reqs]
-        rows = _lockstep(reqs, starts, ref.tokens)
-        forkable = [k for k, snap in enumerate(snapshots) if snap is not None]
+    def _forced(self, entries: list[Forcing]) -> tuple[list, list]:
+        """The reference tokens through each request, then, rewound, the gold answer's."""
+        item, reqs = self.item, [e.request for e in entries]
+        starts = [e.logits for e in entries]
+        rows = _steps(reqs, starts, self.ref.tokens)
+        golds: list[float | None] = [None] * len(entries)
+        forkable = [k for k, e in enumerate(entries) if e.snapshot is not None]
         for k in forkable:
-            reqs[k].restore(snapshots[k], consume=True)
-        if len(forkable) > 1:
-            gold_rows = _lockstep([reqs[k] for k in forkable], [starts[k] for k in forkable],
-                                  item.gold)
-        else:  # one request: its own steps, as its single run
-            gold_rows = [fidelity.forced(reqs[k], starts[k], item.gold) for k in forkable]
+            reqs[k].restore(entries[k].snapshot, consume=True)
+        gold_rows = _steps([reqs[k] for k in forkable], [starts[k] for k in forkable],
+                           item.gold) if forkable else []
         for k, got in zip(forkable, gold_rows):
             golds[k] = fidelity.gold_logprob(got, item.gold)
-    for k, engine in enumerate(engines):
-        if item.gold and golds[k] is None:  # an unforkable state: the prompt again
-            golds[k] = fidelity.gold_alone(engine, item, starts_of[k])
-    return [fidelity.record(ref, r, g) for r, g in zip(rows, golds)]
+        return rows, golds
+
+
+def _steps(reqs: list, starts: list[torch.Tensor], tokens: list[int]) -> list[torch.Tensor]:
+    """`_lockstep`, or for one request its own steps, as its single run."""
+    if len(reqs) == 1:
+        return [fidelity.forced(reqs[0], starts[0], tokens)]
+    return _lockstep(reqs, starts, tokens)
 
 
 def _lockstep(reqs: list, starts: list[torch.Tensor], tokens: list[int]) -> list[torch.Tensor]:
@@ -242,8 +276,6 @@ def stream_fidelity_records(engines: list, ids: torch.Tensor, prompt_tokens: int
     """Per engine, `Engine.stream_fidelity`'s record of one token stream: one full-cache pass
     stepped alone (as in a single run), the settings that can share a forward `size` at a time
     in lockstep beside it (one batched forward per token and batch), the others alone."""
-    from harness.core import fidelity
-
     for engine in engines:
         fidelity.hold_peak(engine)
     together = [i for i, e in enumerate(engines) if not decodes_alone(e, size)]
@@ -259,8 +291,6 @@ def stream_fidelity_records(engines: list, ids: torch.Tensor, prompt_tokens: int
 
 def _streamed_together(engines: list, ids: torch.Tensor, prompt_tokens: int,
                        size: int) -> list[dict]:
-    from harness.core import fidelity
-
     final = int(ids.numel())
     ids = ids.to(engines[0].device)
     tallies = [fidelity.StreamTally() for _ in engines]

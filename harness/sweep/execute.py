@@ -52,9 +52,12 @@ One token stream (streaming perplexity, `score_stream`) is teacher-forced throug
 setting: no prompt is shared (each setting's layers act on every token), but the settings step
 in lockstep, `runner.sweep_decode_batch` at a time, one batched forward per token.
 
-Paired fidelity (`task.fidelity_tokens`, harness.core.fidelity): every setting is fed the same
-reference tokens, so the settings are teacher-forced in lockstep, `runner.sweep_decode_batch` at
-a time (harness.sweep.decode.fidelity_records), from one full-cache reference per sample.
+Paired fidelity (`task.fidelity_tokens`, harness.core.fidelity; a request declares it:
+`GenerationRequest.fidelity_tokens`, `golds`) runs in the answers' pass: for each prompt, the
+full cache's reference once, then each setting's fidelity request starts from the same prompt
+state its answer got from its group (the prompt's forward and each group's replay serve both),
+and the settings are teacher-forced in lockstep, `runner.sweep_decode_batch` at a time
+(harness.sweep.decode.FidelityBatch), every setting fed the same reference tokens.
 
 Identical to the full cache by rule. A sample whose whole sequence (prompt, query, new tokens)
 fits a setting's token budget, where its method declares that such a budget keeps every token
@@ -79,8 +82,9 @@ from harness.sweep import records as sweep_records
 from harness.sweep import replay as sweep_replay
 from harness.core.engine import Engine
 from harness.core.prompting import score_prompt
-from harness.sweep.decode import (Decoder, decodes_alone, fidelity_records, open_prompt,
-                                   stream_fidelity_records)
+from harness.core import fidelity
+from harness.sweep.decode import (Decoder, FidelityBatch, decodes_alone, fidelity_records,
+                                   give_prompt_state, stream_fidelity_records)
 from kvcore.errors import ConfigError
 from methods.base import KVMethod
 from methods.protocol import Protocol
@@ -374,12 +378,9 @@ class SharedPassEngine(TaskEngine):
         # settings decoded together (harness.sweep.decode): the smallest any member allows
         self.decode_batch = min(members[k].setting.runner.sweep_decode_batch
                                 for g in groups for k in g.members)
-        self.group_of = {k: g for g in groups for k in g.members}
-        # the fidelity pass's prompt states of one sample (`_fidelity_start`): group -> state,
-        # and how many of its members took it
-        self.fidelity_prompt: list[int] | None = None
-        self.fidelity_states: dict[int, Any] = {}
-        self.fidelity_taken: dict[int, int] = {}
+        # fidelity records computed in the answers' pass (`_pass_fidelity`): sample key ->
+        # member -> record, taken by `fidelity_many`
+        self.fidelity_done: dict[tuple, dict[int, dict]] = {}
 
     def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
         return encode_with(self.tokenizer, text, add_special_tokens)
@@ -404,11 +405,20 @@ class SharedPassEngine(TaskEngine):
             where = (len(self.calls) - 1, i, sweep_records.prompt_key(prompt, query, limit))
             reuse = self._reuse(len(prompt) + len(query or []) + limit)
             done = functools.partial(self._done, call, where)
+            key, forcing = self._pass_fidelity(request, i, stop_ids)
             with Decoder(self.decode_batch, stop_ids, request.min_new_tokens, done,
-                         self.copy_on_use) as decoder:
-                for k, state in self._prompt_states(call, where, prompt, reuse):
-                    decoder.add(k, self.members[k].engine, prompt, limit, query, state)
+                         self.copy_on_use) as decoder, forcing or contextlib.nullcontext():
+                for group, state, todo in self._prompt_states(call, where, prompt, reuse,
+                                                              forcing is not None):
+                    for k in todo:
+                        decoder.add(k, self.members[k].engine, prompt, limit, query, state)
+                    if forcing is not None:  # from the same state: one forward serves both
+                        given = functools.partial(_given, state)
+                        for k in group.members:
+                            forcing.add(k, self.members[k].engine, given)
             self._take_rule_answers(call, where, reuse)
+            if forcing is not None:
+                self.fidelity_done[key] = forcing.records
             for forward in {id(g.forward): g.forward for g in self.groups if g.forward}.values():
                 forward.release()  # one prompt's recording held at a time
             yield call.outputs[self.first][i]
@@ -449,41 +459,35 @@ class SharedPassEngine(TaskEngine):
         if self.shard is not None:
             return [{} for _ in items]
         order = [k for g in self.groups for k in g.members]
-        try:
-            per = fidelity_records([self.members[k].engine for k in order], items, tokens,
-                                   stop_ids, min_new_tokens, self.decode_batch,
-                                   lambda i: functools.partial(self._fidelity_start, order[i]))
-        finally:
-            self._release_fidelity_states()
-        self.fidelity.append((list(items), dict(zip(order, per))))
-        return per[order.index(self.first)]
+        stop_ids = self.stop_token_ids() if stop_ids is None else set(stop_ids)
+        keys = [_fidelity_key(item, tokens, stop_ids, min_new_tokens) for item in items]
+        todo = [item for item, key in zip(items, keys) if key not in self.fidelity_done]
+        if todo:  # samples of a request that declared no fidelity: each setting prefills them
+            per = fidelity_records([self.members[k].engine for k in order], todo, tokens,
+                                   stop_ids, min_new_tokens, self.decode_batch)
+            for j, item in enumerate(todo):
+                key = _fidelity_key(item, tokens, stop_ids, min_new_tokens)
+                self.fidelity_done[key] = {k: per[n][j] for n, k in enumerate(order)}
+        records = {k: [self.fidelity_done[key][k] for key in keys] for k in order}
+        self.fidelity.append((list(items), records))
+        return records[self.first]
 
-    def _fidelity_start(self, k: int, req, item) -> torch.Tensor:
-        """Member k's fidelity request given the sample's prompt state as its answer got it
-        (harness.sweep.decode.open_prompt): its group's shared prefill of the prompt, made once
-        per group and sample and counted in no figure (as the fidelity pass's forwards: its own
-        engine's), a recorded forward replayed, or the prompt fed. A group's state is dropped
-        once its last member took it (one made again if a member asks twice: a state that
-        cannot be rewound for the gold answer)."""
-        if item.prompt != self.fidelity_prompt:
-            self._release_fidelity_states()
-            self.fidelity_prompt = item.prompt
-        group = self.group_of[k]
-        key = id(group)
-        if key not in self.fidelity_states:
-            self.fidelity_states[key] = (None if group.prefill_engine is None
-                                         else self._prefill(group, item.prompt, count=False))
-        self.fidelity_taken[key] = self.fidelity_taken.get(key, 0) + 1
-        last = self.fidelity_taken[key] >= len(group.members)
-        state = self.fidelity_states.pop(key) if last else self.fidelity_states[key]
-        return open_prompt(req, item.prompt, item.query, state,
-                           consume=last, charged=False)
-
-    def _release_fidelity_states(self) -> None:
-        self.fidelity_prompt = None
-        self.fidelity_states, self.fidelity_taken = {}, {}
-        for forward in {id(g.forward): g.forward for g in self.groups if g.forward}.values():
-            forward.release()
+    def _pass_fidelity(self, request: GenerationRequest, i: int, stop_ids: set[int]
+                       ) -> tuple[tuple | None, FidelityBatch | None]:
+        """Prompt i's fidelity in the answers' pass, when its request asks it (not in a shard:
+        its merge does it): its key and a batch (harness.sweep.decode.FidelityBatch) that each
+        member's request joins as its group's prompt state is made, from that state (a copy
+        each; None: it prefills the prompt), so the prompt's forward and each group's replay of
+        it serve the answers and the fidelity alike; the full cache's reference computed now."""
+        if not request.fidelity_tokens or self.shard is not None:
+            return None, None
+        item = request.fidelity_item(i)
+        key = _fidelity_key(item, request.fidelity_tokens, stop_ids, request.min_new_tokens)
+        if key in self.fidelity_done:
+            return None, None
+        ref = fidelity.reference(self.members[self.first].engine, item, request.fidelity_tokens,
+                                 set(stop_ids), request.min_new_tokens)
+        return key, FidelityBatch(item, ref, self.decode_batch)
 
     def stream_fidelity(self, ids: torch.Tensor, prompt_tokens: int) -> dict:
         """Every member's `Engine.stream_fidelity` of one stream, in lockstep beside one
@@ -518,9 +522,11 @@ class SharedPassEngine(TaskEngine):
         return reuse
 
     def _prompt_states(self, call: Call, where: tuple[int, int, str], prompt: list[int],
-                       reuse: dict[int, int]) -> Iterator[tuple[int, Any]]:
-        """(member, its prompt state: what `Decoder.add` takes) for every member still to answer
-        this prompt, group by group, each group's shared prefill made as its turn comes. A
+                       reuse: dict[int, int], need_state: bool
+                       ) -> Iterator[tuple[Group, Any, list[int]]]:
+        """(group, its prompt state: what `Decoder.add` takes, its members still to answer this
+        prompt), group by group, each group's shared prefill made as its turn comes (with
+        `need_state` also where none of its members answers: the fidelity pass starts from it). A
         member answered before a restart takes its recorded answer instead; one identical to
         the full cache by rule waits for its donor (`_take_rule_answers`)."""
         for group in self.groups:
@@ -534,15 +540,14 @@ class SharedPassEngine(TaskEngine):
                                   "differently); run that shard again")
             if not missing and any(kept[k].get("shared") for k in group.members):
                 group.shared_prefills += 1  # as the shard that answered it counted it
-            shared = (self._prefill(group, prompt) if group.prefill_engine is not None and todo
-                      else None)
+            shared = (self._prefill(group, prompt, count=bool(todo))
+                      if group.prefill_engine is not None and (todo or need_state) else None)
             for k in group.members:
                 if kept.get(k) is not None:  # answered before a restart: counted as it was
                     sweep_records.apply(self.members[k].engine, kept[k]["tally"])
                     call.outputs[k].append(kept[k]["output"])
                     self.gained[k] = kept[k]["tally"]
-                elif k not in reuse:
-                    yield k, shared
+            yield group, shared, todo
 
     def _take_rule_answers(self, call: Call, where: tuple[int, int, str],
                            reuse: dict[int, int]) -> None:
@@ -609,6 +614,18 @@ class SharedPassEngine(TaskEngine):
             return None
         group.shared_prefills += count
         return snapshot, logits, sweep_records.added(engine, before)
+
+
+def _given(state, req, item) -> torch.Tensor:
+    """A fidelity request (harness.core.fidelity.Start) given a copy of the prompt state its
+    setting's answer got."""
+    return give_prompt_state(req, item.prompt, item.query, state, consume=False, charged=False)
+
+
+def _fidelity_key(item, tokens: int, stop_ids: set[int], min_new_tokens: int) -> tuple:
+    """A sample's fidelity as a task asks it (`fidelity_many`)."""
+    return (tuple(item.prompt), tuple(item.query or ()), tuple(item.gold or ()), tokens,
+            tuple(sorted(stop_ids)), min_new_tokens)
 
 
 def _scored_snapshot(req):

@@ -15,8 +15,8 @@ from harness.sweep import execute as sweep_execute
 from harness.run import run
 from tests.conftest import STORIES, need_shared
 from tests.helpers.runs import cfg_for, refused
-from tests.helpers.sweeps import (TASK, assert_close, folder_figures, single_runs,
-                                  sweep_folders)
+from tests.helpers.sweeps import (TASK, assert_close, folder_figures, sharded_folders,
+                                  single_runs, sweep_folders)
 
 K = 4
 EVICTING = ["method=streaming_llm", "method.budget_tokens=32"]  # 32 of ~310 prompt tokens
@@ -145,14 +145,20 @@ def test_sweep_gives_each_setting_its_single_run_fidelity(size, tmp_path, monkey
     monkeypatch.setattr(sweep_decode, "_lockstep",
                         lambda reqs, *a: batched.append(len(reqs)) or real(reqs, *a))
     states = []  # what each fidelity request started from: the sweep's shared prompt states
-    opened = sweep_execute.open_prompt
-    monkeypatch.setattr(sweep_execute, "open_prompt", lambda req, prompt, query, shared, **kw:
+    opened = sweep_execute.give_prompt_state
+    monkeypatch.setattr(sweep_execute, "give_prompt_state", lambda req, prompt, query, shared, **kw:
                         states.append(type(shared).__name__) or opened(req, prompt, query,
                                                                        shared, **kw))
+    later = []  # samples left to a pass after the answers'
+    real_records = sweep_execute.fidelity_records
+    monkeypatch.setattr(sweep_execute, "fidelity_records", lambda engines, items, *a:
+                        later.extend(items) or real_records(engines, items, *a))
     sweep_against_single_runs(tmp_path, size)
     assert (max(batched) == 3) if size > 1 else not batched
-    # every setting's requests took a replayed prompt state (none fed the prompt itself)
+    # every setting's requests took a replayed prompt state (none fed the prompt itself), in
+    # the answers' own pass (each prompt's forward recorded once for both)
     assert states and "NoneType" not in states, states
+    assert not later
 
 
 def test_unforkable_prompt_states_are_replayed_into_each_fidelity_request(tmp_path,
@@ -163,8 +169,8 @@ def test_unforkable_prompt_states_are_replayed_into_each_fidelity_request(tmp_pa
     need_shared(STORIES)
     fidelity._REFERENCES.clear()
     states = []
-    opened = sweep_execute.open_prompt
-    monkeypatch.setattr(sweep_execute, "open_prompt", lambda req, prompt, query, shared, **kw:
+    opened = sweep_execute.give_prompt_state
+    monkeypatch.setattr(sweep_execute, "give_prompt_state", lambda req, prompt, query, shared, **kw:
                         states.append(type(shared).__name__) or opened(req, prompt, query,
                                                                        shared, **kw))
     settings = [[*TASK, f"task.fidelity_tokens={K}", "runner.sweep_decode_batch=1", *knobs]
@@ -175,6 +181,19 @@ def test_unforkable_prompt_states_are_replayed_into_each_fidelity_request(tmp_pa
     for knobs, a, b in zip(settings, alone, swept):
         assert folder_figures(b) == folder_figures(a), knobs[-2]
     assert "Recording" in states, states
+
+
+def test_shards_answer_and_their_merge_records_each_single_run_fidelity(tmp_path):
+    """Shards record answers only; the merge, which computes no answer, computes every
+    setting's fidelity afterwards, from the group's prompt states as a sweep's pass would."""
+    need_shared(STORIES)
+    fidelity._REFERENCES.clear()
+    settings = [[*TASK, f"task.fidelity_tokens={K}", *knobs] for knobs in SWEPT[:2]]
+    alone = single_runs(settings, tmp_path)
+    merged = sharded_folders(settings, tmp_path / "sharded")
+    for knobs, a, b in zip(settings, alone, merged):
+        assert section(b)["tokens"] > 0
+        assert folder_figures(b) == folder_figures(a), knobs[-2]
 
 
 @pytest.mark.parametrize("size", [1, 2])

@@ -13,7 +13,7 @@ from methods import available_methods, method_class
 from tests.conftest import PROJECT, STORIES, need_shared
 from tests.helpers.runs import cfg_for
 from tests.helpers.sweeps import (TASK, assert_close, assert_equal_to_single_runs, folder_figures,
-                                  single_runs, sweep_folders)
+                                  sharded_folders, single_runs, sweep_folders)
 
 PROMPT_TOKENS = 300  # RULER length 320 on stories260K: a niah prompt of about this many tokens
 
@@ -281,21 +281,6 @@ SHARDED = [*TASK[:4], "task.depths=[10,30,50,70,90]", *TASK[5:]]  # 5 samples: u
 SHARD_SETTINGS = [[*SHARDED, "method=snapkv", "method.budget_tokens=24"],
                   [*SHARDED, "method=h2o", "method.budget_tokens=24"],
                   [*SHARDED, "method=snapkv", "method.budget_tokens=48"]]
-
-
-def sharded_folders(overrides_list, root, count=2):
-    """Each shard of the settings in turn (as its own process would), then their merge."""
-    from harness.sweep.shards import Shard
-
-    cfgs = [cfg_for(*knobs, f"runner.results_root={root}", f"runner.shards={count}")
-            for knobs in overrides_list]
-    for i in range(count):
-        outcomes = run_sweep(cfgs, shard=Shard(i, count))
-        assert [o.status for o in outcomes] == ["ok"] * len(cfgs), [o.detail for o in outcomes]
-        assert not list(root.rglob("metrics.json"))  # a shard writes records, no result
-    outcomes = run_sweep(cfgs, merge=count)
-    assert [o.status for o in outcomes] == ["ok"] * len(cfgs), [o.detail for o in outcomes]
-    return [o.folder for o in outcomes]
 
 
 @pytest.fixture(scope="module")

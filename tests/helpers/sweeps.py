@@ -78,3 +78,18 @@ def assert_close(got, want, rel: float, where: str = "") -> None:
         assert got == pytest.approx(want, rel=rel, abs=rel), where
     else:
         assert got == want, where
+
+
+def sharded_folders(overrides_list, root, count=2):
+    """Each shard of the settings in turn (as its own process would), then their merge."""
+    from harness.sweep.shards import Shard
+
+    cfgs = [cfg_for(*knobs, f"runner.results_root={root}", f"runner.shards={count}")
+            for knobs in overrides_list]
+    for i in range(count):
+        outcomes = run_sweep(cfgs, shard=Shard(i, count))
+        assert [o.status for o in outcomes] == ["ok"] * len(cfgs), [o.detail for o in outcomes]
+        assert not list(root.rglob("metrics.json"))  # a shard writes records, no result
+    outcomes = run_sweep(cfgs, merge=count)
+    assert [o.status for o in outcomes] == ["ok"] * len(cfgs), [o.detail for o in outcomes]
+    return [o.folder for o in outcomes]
