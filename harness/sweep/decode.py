@@ -78,20 +78,17 @@ def decodes_alone(engine, size: int) -> bool:
             or engine.method.capabilities.observes_attention_block)
 
 
-class Decoder:
-    """One prompt's answers for every computed setting. `done(member, output, gained, shared)`
-    is called once a member's request is closed and accounted (`gained`: what it added to its
-    engine's accounting, harness.sweep.records). Use as a context manager: the requests still
-    open when it ends are decoded then; on an error they are closed unaccounted."""
+class Batched:
+    """Open requests gathered `size` at a time, then run together (`_run`, whose ExitStack
+    closes them). Use as a context manager: the requests still open at its end are run then; on
+    an error they are closed unrun."""
 
-    def __init__(self, size: int, stop_ids: set[int], min_new_tokens: int,
-                 done: Callable[[int, list[int], dict, bool], None], copy_on_use: bool = True):
-        self.size, self.stop_ids, self.min_new_tokens = size, stop_ids, min_new_tokens
-        self.done, self.copy_on_use = done, copy_on_use
-        self.pending: list[Entry] = []
+    def __init__(self, size: int):
+        self.size = size
+        self.pending: list = []
         self.stack = contextlib.ExitStack()
 
-    def __enter__(self) -> "Decoder":
+    def __enter__(self):
         return self
 
     def __exit__(self, kind, value, traceback) -> None:
@@ -99,6 +96,33 @@ class Decoder:
             self.flush()
         else:
             self.stack.__exit__(kind, value, traceback)
+
+    def _queue(self, entry) -> None:
+        self.pending.append(entry)
+        if len(self.pending) >= self.size:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            entries, self.pending = self.pending, []
+            stack, self.stack = self.stack, contextlib.ExitStack()
+            self._run(entries, stack)
+
+    def _run(self, entries: list, stack: contextlib.ExitStack) -> None:
+        raise NotImplementedError
+
+
+class Decoder(Batched):
+    """One prompt's answers for every computed setting. `done(member, output, gained, shared)`
+    is called once a member's request is closed and accounted (`gained`: what it added to its
+    engine's accounting, harness.sweep.records). Use as a context manager: the requests still
+    open when it ends are decoded then; on an error they are closed unaccounted."""
+
+    def __init__(self, size: int, stop_ids: set[int], min_new_tokens: int,
+                 done: Callable[[int, list[int], dict, bool], None], copy_on_use: bool = True):
+        super().__init__(size)
+        self.stop_ids, self.min_new_tokens = stop_ids, min_new_tokens
+        self.done, self.copy_on_use = done, copy_on_use
 
     def add(self, member: int, engine, prompt: list[int], limit: int, query, shared) -> None:
         """Open `member`'s request: its prompt state (`shared`: the group's (snapshot, last
@@ -118,19 +142,11 @@ class Decoder:
             raise
         entry = Entry(member, req, logits, limit, before, shared is not None)
         if alone:
-            self._finish([entry], stack)
+            self._run([entry], stack)
             return
-        self.pending.append(entry)
-        if len(self.pending) >= self.size:
-            self.flush()
+        self._queue(entry)
 
-    def flush(self) -> None:
-        if self.pending:
-            entries, self.pending = self.pending, []
-            stack, self.stack = self.stack, contextlib.ExitStack()
-            self._finish(entries, stack)
-
-    def _finish(self, entries: list[Entry], stack: contextlib.ExitStack) -> None:
+    def _run(self, entries: list[Entry], stack: contextlib.ExitStack) -> None:
         with stack:  # closing it accounts every request (Engine.request)
             if len(entries) == 1:
                 e = entries[0]
@@ -187,7 +203,7 @@ class Forcing:
     # needs the prompt again (an unforkable state), else None
 
 
-class FidelityBatch:
+class FidelityBatch(Batched):
     """One sample's fidelity records of many settings (harness.core.fidelity): each setting's
     request is started as its prompt state comes (`add`, a group's at a time in a sweep), then
     `size` started requests are teacher-forced together, one batched forward per token
@@ -197,19 +213,9 @@ class FidelityBatch:
     manager: the requests still open at its end are forced then."""
 
     def __init__(self, item, ref, size: int):
-        self.item, self.ref, self.size = item, ref, size
+        super().__init__(size)
+        self.item, self.ref = item, ref
         self.records: dict[Any, dict] = {}
-        self.pending: list[Forcing] = []
-        self.stack = contextlib.ExitStack()
-
-    def __enter__(self) -> "FidelityBatch":
-        return self
-
-    def __exit__(self, kind, value, traceback) -> None:
-        if kind is None:
-            self.flush()
-        else:
-            self.stack.__exit__(kind, value, traceback)
 
     def add(self, key, engine, start) -> None:
         """Start `engine`'s request on the sample (`start`: harness.core.fidelity.Start)."""
@@ -220,20 +226,15 @@ class FidelityBatch:
         logits = start(req, self.item)
         snapshot = req.snapshot() if self.item.gold else None
         keep = start if self.item.gold and snapshot is None else None
-        self.pending.append(Forcing(key, engine, req, logits, snapshot, keep))
-        if len(self.pending) >= self.size:
-            self.flush()
+        self._queue(Forcing(key, engine, req, logits, snapshot, keep))
 
-    def flush(self) -> None:
-        if self.pending:
-            entries, self.pending = self.pending, []
-            stack, self.stack = self.stack, contextlib.ExitStack()
-            with stack:
-                rows, golds = self._forced(entries)
-            for e, r, g in zip(entries, rows, golds):
-                if self.item.gold and g is None:  # an unforkable state: the prompt again
-                    g = fidelity.gold_alone(e.engine, self.item, e.start)
-                self.records[e.key] = fidelity.record(self.ref, r, g)
+    def _run(self, entries: list[Forcing], stack: contextlib.ExitStack) -> None:
+        with stack:
+            rows, golds = self._forced(entries)
+        for e, r, g in zip(entries, rows, golds):
+            if self.item.gold and g is None:  # an unforkable state: the prompt again
+                g = fidelity.gold_alone(e.engine, self.item, e.start)
+            self.records[e.key] = fidelity.record(self.ref, r, g)
 
     def _forced(self, entries: list[Forcing]) -> tuple[list, list]:
         """The reference tokens through each request, then, rewound, the gold answer's."""
