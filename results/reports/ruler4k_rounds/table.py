@@ -1,0 +1,171 @@
+"""The 4K table from a sweep in rounds: each setting's samples pooled over the rounds it ran
+(its folders in the ledger, `rounds.json`), accuracy and paired fidelity per setting, the
+ledger's anytime-valid verdict against the full cache, the pairs among the top ten that each
+figure orders, and what the rounds cost.
+
+    python results/reports/ruler4k_rounds/table.py R/A R/B > results/reports/ruler4k_rounds/table.md
+
+Figures per sample (larger is worse, as harness.report.validation orients them): accuracy drop
+(-100 x score), KL mean over the K teacher-forced tokens, top disagreement (1 - same-top ratio),
+gold log-prob drop (the full cache's mean gold log-probability minus the setting's).
+Intervals: 95 % percentile bootstrap over samples, stratified by sub-task (harness.stats
+RESAMPLES and SEED). Pairs: the paired difference on the two settings' common samples, its
+bootstrap p-value, Benjamini-Hochberg over the 45 pairs of each figure (FDR 5 %). The rounds
+chose each setting's n by its comparison with the full cache, so these fixed-n pair tests are
+descriptive; the ledger's confidence sequences are the ones valid under the rounds' looks.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+PROJECT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(PROJECT))
+from harness.report.ledgers import LEDGER  # noqa: E402
+from harness.stats import intervals as stats  # noqa: E402
+
+FIGURES = ("accuracy", "kl_mean", "top_disagree", "gold_drop")
+TOP = 10
+REFERENCE = "full"
+
+
+def worse(row: dict) -> dict[str, float]:
+    f = row.get("fidelity") or {}
+    gold = (f["gold_logprob_full"] - f["gold_logprob"]
+            if f.get("gold_logprob") is not None else np.nan)
+    return {"accuracy": -100.0 * row["score"], "kl_mean": f.get("kl_mean", np.nan),
+            "top_disagree": 1.0 - f.get("top_agree_ratio", np.nan), "gold_drop": gold}
+
+
+def name(label: str) -> str:
+    return dict(p.partition("=")[::2] for p in label.split()).get("method", label)
+
+
+def pooled(home: Path) -> tuple[dict, dict[str, dict[str, dict]], list[tuple]]:
+    """The ledger; per setting, sample id -> row, over every round it ran; per round (number,
+    settings with the full cache, answers, the sweep's wall seconds from its metrics.json)."""
+    ledger = json.loads((home / LEDGER).read_text())
+    rows: dict[str, dict[str, dict]] = {}
+    cost = []
+    for number, rnd in enumerate(ledger["rounds"], 1):
+        folders = rnd["folders"]
+        walls = set()
+        for label, rel in folders.items():
+            folder = home / rel
+            key = REFERENCE if label == REFERENCE else name(label)
+            for line in (folder / "samples.jsonl").read_text().splitlines():
+                row = json.loads(line)
+                rows.setdefault(key, {})[row["sample_id"]] = row
+            walls.add(json.loads((folder / "metrics.json").read_text())["run"]["wall_s"])
+        cost.append((number, len(folders), len(folders) * rnd["block"], max(walls)))
+    return ledger, rows, cost
+
+
+def draws(values: np.ndarray, strata: np.ndarray, resamples: int) -> np.ndarray:
+    """Bootstrap means of `values`, each stratum resampled within itself."""
+    rng = np.random.default_rng(stats.SEED)
+    out = np.zeros(resamples)
+    for s in np.unique(strata):
+        v = values[strata == s]
+        picks = rng.integers(0, len(v), size=(resamples, len(v)))
+        out += v[picks].sum(axis=1)
+    return out / len(values)
+
+
+def summary(rows: dict[str, dict], resamples: int) -> dict[str, tuple[float, float, float]]:
+    ids = sorted(rows)
+    strata = np.array([rows[i]["subtask"] for i in ids])
+    out = {}
+    for f in FIGURES:
+        v = np.array([worse(rows[i])[f] for i in ids], dtype=float)
+        keep = np.isfinite(v)
+        if not keep.any():
+            continue
+        d = draws(v[keep], strata[keep], resamples)
+        out[f] = (float(v[keep].mean()), *stats.percentile(d))
+    return out
+
+
+def pair(a: dict[str, dict], b: dict[str, dict], f: str, resamples: int) -> tuple[float, float, int]:
+    """Paired difference a - b of figure f on the common samples, bootstrap p, n."""
+    ids = sorted(set(a) & set(b))
+    d = np.array([worse(a[i])[f] - worse(b[i])[f] for i in ids], dtype=float)
+    strata = np.array([a[i]["subtask"] for i in ids])
+    keep = np.isfinite(d)
+    if not keep.any():
+        return np.nan, 1.0, 0
+    return float(d[keep].mean()), stats.bootstrap_p(draws(d[keep], strata[keep], resamples)), \
+        int(keep.sum())
+
+
+def main(roots: list[str], resamples: int = stats.RESAMPLES) -> None:
+    homes = sorted({p.parent for r in roots for p in Path(r).rglob(LEDGER)})
+    settings: dict[str, dict] = {}
+    verdicts: dict[str, dict] = {}
+    costs = ["| ledger | round | settings (with the full cache) | answers | sweep wall s | "
+             "wall-s per answer |", "|---|---|---|---|---|---|"]
+    lines = ["# RULER 4K in rounds: the table", ""]
+    for home in homes:
+        ledger, rows, cost = pooled(home)
+        costs += [f"| `{home.name}` | {r} | {s} | {a} | {w:.0f} | {w / a:.1f} |"
+                  for r, s, a, w in cost]
+        lines.append(f"- `{home.name}`: {len(ledger['rounds'])} round(s), {ledger['status']}; "
+                     f"{sum(r['n'] for r in ledger['reported'].values())} (setting, sample) "
+                     f"answers of {ledger['max_n'] * len(ledger['reported'])} at max_n")
+        ref = rows.pop(REFERENCE)
+        if REFERENCE in settings:  # the full cache of each ledger: the same answers
+            same = [i for i in ref if i in settings[REFERENCE]]
+            agree = sum(ref[i]["prediction"] == settings[REFERENCE][i]["prediction"]
+                        for i in same)
+            lines.append(f"  - its full cache answers {agree} of the {len(same)} samples both "
+                         "ledgers' full caches ran as the other's does")
+            settings[REFERENCE].update(ref)
+        else:
+            settings[REFERENCE] = ref
+        settings.update(rows)
+        verdicts.update({name(k): v for k, v in ledger["reported"].items()})
+    shown = {k: summary(v, resamples) for k, v in settings.items()}
+    order = sorted((k for k in settings if k != REFERENCE), key=lambda k: shown[k]["accuracy"][0])
+    lines += ["", "| setting | n | accuracy | vs full (ledger CS) | verdict | KL mean | same-top "
+              "| gold log-prob drop |", "|" + "---|" * 8]
+
+    def cell(k, f, digits=3, shown_as=lambda x: x):
+        """Figure f of setting k as shown (`shown_as`: a decreasing map turns the interval)."""
+        if f not in shown[k]:
+            return ""
+        m, lo, hi = (round(shown_as(x), digits) + 0.0 for x in shown[k][f])  # no "-0.0"
+        lo, hi = min(lo, hi), max(lo, hi)
+        return f"{m:.{digits}f} [{lo:.{digits}f}, {hi:.{digits}f}]"
+
+    for k in [REFERENCE, *order]:
+        v = verdicts.get(k)
+        vs = (f"{v['versus_reference']['mean']:+.1f} [{v['versus_reference']['low']:+.1f}, "
+              f"{v['versus_reference']['high']:+.1f}]" if v else "")
+        lines.append(f"| {k} | {len(settings[k])} | {cell(k, 'accuracy', 1, lambda x: -x)} "
+                     f"| {vs} | {v['verdict'] if v else 'reference'} "
+                     f"| {cell(k, 'kl_mean', 4)} | {cell(k, 'top_disagree', 3, lambda x: 1 - x)} "
+                     f"| {cell(k, 'gold_drop')} |")
+    top = order[:TOP]
+    lines += ["", f"Pairs among the top {len(top)} by accuracy ordered by each figure "
+              "(on their common samples; BH over the pairs of each figure, FDR 5 %):", "",
+              "| figure | ordered pairs | common n (min-max) |", "|---|---|---|"]
+    detail = []
+    for f in FIGURES:
+        rows = [(a, b, *pair(settings[a], settings[b], f, resamples))
+                for i, a in enumerate(top) for b in top[i + 1:]]
+        q, hit = stats.benjamini_hochberg([r[3] for r in rows], 0.05)
+        ns = [r[4] for r in rows]
+        lines.append(f"| {f} | {sum(hit)} of {len(rows)} | {min(ns)}-{max(ns)} |")
+        # d = a - b, larger is worse: d > 0 puts b first
+        detail.append(f"- {f}: " + ", ".join(f"{b} > {a}" if d > 0 else f"{a} > {b}"
+                                             for (a, b, d, _, _), h in zip(rows, hit) if h))
+    lines += ["", "Ordered (better first):", "", *detail, "", "What each round cost (one "
+              "process and thread per ledger, both on a 2-core machine):", "", *costs, ""]
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
