@@ -67,11 +67,6 @@ def give_prompt_state(req, prompt: list[int], query: list[int] | None, shared, c
     return logits
 
 
-# engine index -> how its fidelity requests get a sample's prompt state
-# (harness.core.fidelity.Start)
-StartOf = Callable[[int], Callable[[Any, Any], torch.Tensor]]
-
-
 def decodes_alone(engine, size: int) -> bool:
     """Whether this setting's decode steps must run as its own forwards."""
     return (size == 1 or engine.diagnostics is not None
@@ -164,27 +159,25 @@ class Decoder(Batched):
 # --- paired fidelity (task.fidelity_tokens) of a sweep's settings ------------------------------
 
 def fidelity_records(engines: list, items: list, tokens: int, stop_ids: set[int] | None,
-                     min_new_tokens: int, size: int, start: StartOf | None = None
-                     ) -> list[list[dict]]:
+                     min_new_tokens: int, size: int) -> list[list[dict]]:
     """Per engine (a sweep's settings), one `fidelity` record per item (harness.core.fidelity):
     the full cache's reference is computed once per sample (every setting is fed the same
     tokens), then the settings are teacher-forced `size` at a time in lockstep, one batched
     forward per token (harness.core.batch.Lockstep), each row its own method and cache; a setting
     that decodes alone (`decodes_alone`) is teacher-forced as its single run is. Batched rows
-    equal single ones within the reassociation of the batched matmuls. `start(i)`: how engine
-    i's requests get a sample's prompt state (harness.core.fidelity.Start; None: each feeds the
-    prompt itself)."""
+    equal single ones within the reassociation of the batched matmuls. Each request feeds the
+    prompt itself (a sweep's answers' pass starts them from its shared prompt states instead:
+    harness.sweep.execute)."""
     for engine in engines:
         fidelity.hold_peak(engine)
     stop_ids = engines[0].stop_token_ids() if stop_ids is None else set(stop_ids)
-    start = start or (lambda i: fidelity.prompt_state)
     out: list[list[dict]] = [[] for _ in engines]
     for item in progress(items, f"fidelity ({len(engines)} settings)", "sample",
                          total=len(items)):
         ref = fidelity.reference(engines[0], item, tokens, stop_ids, min_new_tokens)
         with FidelityBatch(item, ref, size) as batch:
             for i, engine in enumerate(engines):
-                batch.add(i, engine, start(i))
+                batch.add(i, engine, fidelity.prompt_state)
         for i in range(len(engines)):
             out[i].append(batch.records[i])
     return out
