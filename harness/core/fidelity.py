@@ -152,7 +152,9 @@ def gold_logprob(rows: torch.Tensor, gold: list[int]) -> float:
     return float(picked.mean())
 
 
-def _key(engine, item: FidelityItem, tokens: int, stop_ids: set[int], min_new_tokens: int) -> tuple:
+def sample_key(engine, item: FidelityItem, tokens: int, stop_ids: set[int],
+               min_new_tokens: int) -> tuple:
+    """One sample's fidelity as asked of `engine`'s model (its reference's key too)."""
     return (engine.settings.prefill_chunk_tokens, tuple(item.prompt), tuple(item.query or ()),
             tuple(item.gold or ()), tokens, tuple(sorted(stop_ids)), min_new_tokens)
 
@@ -161,7 +163,7 @@ def reference(engine, item: FidelityItem, tokens: int, stop_ids: set[int], min_n
               ) -> Reference:
     """The full cache's reference on `item` (computed once per sample and model)."""
     cache = _REFERENCES.setdefault(engine.model, {})
-    key = _key(engine, item, tokens, stop_ids, min_new_tokens)
+    key = sample_key(engine, item, tokens, stop_ids, min_new_tokens)
     if key not in cache:
         cache[key] = _compute_reference(full_engine(engine), item, tokens, stop_ids,
                                         min_new_tokens)

@@ -14,6 +14,7 @@ diagnostics shadow follows its own steps, or attention-block hooks are installed
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -73,7 +74,7 @@ def decodes_alone(engine, size: int) -> bool:
             or engine.method.capabilities.observes_attention_block)
 
 
-class Batched:
+class Batched(abc.ABC):
     """Open requests gathered `size` at a time, then run together (`_run`, whose ExitStack
     closes them). Use as a context manager: the requests still open at its end are run then; on
     an error they are closed unrun."""
@@ -103,8 +104,9 @@ class Batched:
             stack, self.stack = self.stack, contextlib.ExitStack()
             self._run(entries, stack)
 
+    @abc.abstractmethod
     def _run(self, entries: list, stack: contextlib.ExitStack) -> None:
-        raise NotImplementedError
+        """Run `entries` together; closing `stack` closes their requests."""
 
 
 class Decoder(Batched):

@@ -460,13 +460,15 @@ class SharedPassEngine(TaskEngine):
             return [{} for _ in items]
         order = [k for g in self.groups for k in g.members]
         stop_ids = self.stop_token_ids() if stop_ids is None else set(stop_ids)
-        keys = [_fidelity_key(item, tokens, stop_ids, min_new_tokens) for item in items]
-        todo = [item for item, key in zip(items, keys) if key not in self.fidelity_done]
+        lead = self.members[self.first].engine
+        keys = [fidelity.sample_key(lead, item, tokens, stop_ids, min_new_tokens)
+                for item in items]
+        todo = [(item, key) for item, key in zip(items, keys) if key not in self.fidelity_done]
         if todo:  # samples of a request that declared no fidelity: each setting prefills them
-            per = fidelity_records([self.members[k].engine for k in order], todo, tokens,
-                                   stop_ids, min_new_tokens, self.decode_batch)
-            for j, item in enumerate(todo):
-                key = _fidelity_key(item, tokens, stop_ids, min_new_tokens)
+            per = fidelity_records([self.members[k].engine for k in order],
+                                   [item for item, _ in todo], tokens, stop_ids,
+                                   min_new_tokens, self.decode_batch)
+            for j, (_, key) in enumerate(todo):
                 self.fidelity_done[key] = {k: per[n][j] for n, k in enumerate(order)}
         records = {k: [self.fidelity_done[key][k] for key in keys] for k in order}
         self.fidelity.append((list(items), records))
@@ -482,11 +484,13 @@ class SharedPassEngine(TaskEngine):
         if not request.fidelity_tokens or self.shard is not None:
             return None, None
         item = request.fidelity_item(i)
-        key = _fidelity_key(item, request.fidelity_tokens, stop_ids, request.min_new_tokens)
+        lead = self.members[self.first].engine
+        key = fidelity.sample_key(lead, item, request.fidelity_tokens, set(stop_ids),
+                                  request.min_new_tokens)
         if key in self.fidelity_done:
             return None, None
-        ref = fidelity.reference(self.members[self.first].engine, item, request.fidelity_tokens,
-                                 set(stop_ids), request.min_new_tokens)
+        ref = fidelity.reference(lead, item, request.fidelity_tokens, set(stop_ids),
+                                 request.min_new_tokens)
         return key, FidelityBatch(item, ref, self.decode_batch)
 
     def stream_fidelity(self, ids: torch.Tensor, prompt_tokens: int) -> dict:
@@ -620,12 +624,6 @@ def _given(state, req, item) -> torch.Tensor:
     """A fidelity request (harness.core.fidelity.Start) given a copy of the prompt state its
     setting's answer got."""
     return give_prompt_state(req, item.prompt, item.query, state, consume=False, charged=False)
-
-
-def _fidelity_key(item, tokens: int, stop_ids: set[int], min_new_tokens: int) -> tuple:
-    """A sample's fidelity as a task asks it (`fidelity_many`)."""
-    return (tuple(item.prompt), tuple(item.query or ()), tuple(item.gold or ()), tokens,
-            tuple(sorted(stop_ids)), min_new_tokens)
 
 
 def _scored_snapshot(req):
