@@ -1,4 +1,6 @@
-"""The task interface: options (a dataclass = conf/task/<name>.yaml) + `evaluate(engine)`."""
+"""The task interface: options (a dataclass = conf/task/<name>.yaml), the requests a task hands
+its engine as data (`requests`), and how it scores their answers (`score`); `evaluate(engine)`
+is the two through one engine (a task needing a live engine writes its own)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Any, ClassVar
 from kvcore.errors import ConfigError
 from methods.base import KVMethod
 from methods.model import ModelInfo
-from tasks.engine_api import TaskEngine
+from tasks.engine_api import Answer, TaskEngine, Work, answer
 
 
 def content_id(prompt: Any, reference: Any) -> str:
@@ -111,9 +113,21 @@ class Task:
         """Check that data files exist and are readable (before weights load); raise ConfigError."""
 
     def evaluate(self, engine: TaskEngine) -> TaskResult:
-        """The task's samples through `engine` (the setting's own Engine when the task declares
-        `needs_live_engine`), scored."""
-        raise NotImplementedError
+        """The task's samples through `engine`, scored: its requests answered one by one. A task
+        that `needs_live_engine` overrides this, and is given the setting's own Engine."""
+        work = self.requests(engine)
+        return self.score(engine, work, [answer(engine, r) for r in work.requests])
+
+    def requests(self, engine: TaskEngine) -> Work:
+        """What the task needs computed (tasks.engine_api), built from the engine's facts alone
+        (tokenizer, `encode`, `info`, `stop_token_ids`): never from its method, so one `Work`
+        serves every setting of a sweep. A task that needs a live engine has none."""
+        raise NotImplementedError(f"task={self.name} builds no requests (it needs a live engine)")
+
+    def score(self, engine: TaskEngine, work: Work, answers: list[Answer]) -> TaskResult:
+        """The task's result from `answers` (one per `work.requests`, in order); `engine`: the
+        setting's facts (its tokenizer decodes, its method is recorded)."""
+        raise NotImplementedError(f"task={self.name} scores no answers (it needs a live engine)")
 
     def golds(self, engine, texts: list[str | None]) -> dict:
         """What a `GenerationRequest` takes for paired fidelity: `fidelity_tokens` and each
@@ -123,16 +137,13 @@ class Task:
         return {"fidelity_tokens": self.fidelity_tokens,
                 "golds": [self.gold_tokens(engine, t) for t in texts]}
 
-    def add_fidelity(self, engine, rows: list[dict], request) -> None:
-        """With `fidelity_tokens` > 0: each row's `fidelity` record (harness.core.fidelity), one
-        per prompt of the request (`GenerationRequest.fidelity_items`: the prompt and query the
-        row was answered from, its gold answer's tokens), after every answer is in."""
-        if not self.fidelity_tokens:
+    @staticmethod
+    def add_fidelity(rows: list[dict], answered: Answer) -> None:
+        """Each row's `fidelity` record (harness.core.fidelity), one per prompt of the answered
+        request, where the request declared fidelity."""
+        if answered.fidelity is None:
             return
-        items = request.fidelity_items()
-        records = engine.fidelity_many(items, self.fidelity_tokens, request.stop_ids,
-                                       request.min_new_tokens)
-        for row, record in zip(rows, records, strict=True):
+        for row, record in zip(rows, answered.fidelity, strict=True):
             row["fidelity"] = record
 
     def gold_tokens(self, engine, text: str | None) -> list[int] | None:

@@ -1,12 +1,15 @@
 """What a task may ask of the engine it is given: `TaskEngine`, a closed interface.
 
 A task reads a few facts (the tokenizer, `encode`, the model's `info`, the `method`, the stop
-ids) and hands over its work as data: a `GenerationRequest` (greedy continuations of independent
-prompts, a query split off where the task has one) or a `ScoreStreamRequest` (one token stream
-teacher-forced and scored). Because the requests are data, an engine other than the model's own
-can answer them: a sweep answers one task pass's requests for every setting at once
-(harness.sweep.execute). Every implementation (harness.core.engine.Engine, the sweep's engines,
-harness.engines.vllm_engine.VllmEngine) writes out each member; none forwards what it lacks.
+ids) and hands over its work as data (`Task.requests` -> `Work`): `GenerationRequest`s (greedy
+continuations of independent prompts, a query split off where the task has one, the paired
+fidelity it wants) and `ScoreStreamRequest`s (one token stream teacher-forced and scored). It
+scores what comes back (`Task.score`, one `Answer` per request). Because the requests are data,
+something other than the model's own engine can answer them: a sweep answers each request for
+every setting at once (harness.sweep.execute), then scores each setting's answers with the
+task's own code. `answer` is how one engine answers one request. Every engine
+(harness.core.engine.Engine, harness.engines.vllm_engine.VllmEngine) writes out each member;
+none forwards what it lacks.
 
 A task that needs more (a request of its own, turn by turn: multi-turn's conversations, lm-eval's
 rewound contexts) declares `Task.needs_live_engine`; it is then always given the setting's own
@@ -21,6 +24,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from harness.core.progress import progress
 from methods.base import KVMethod
 from methods.model import ModelInfo
 
@@ -43,10 +47,10 @@ class GenerationRequest:
     order. `max_new_tokens`: per prompt (an int is the same for every prompt). `stop_ids`: None
     takes the engine's `stop_token_ids()`. `queries[i]` (query-agnostic protocol): fed after
     prompt i is over and its method has compressed it, before generating; None: any question is
-    part of the prompt. `fidelity_tokens` K > 0: the task will ask paired fidelity of these
-    samples (`fidelity_many(request.fidelity_items(), ...)`), `golds[i]` the gold answer's
-    first K tokens of prompt i (None: none); an engine answering many settings computes it in
-    the same pass, while each prompt's forward is held (harness.sweep.execute)."""
+    part of the prompt. `fidelity_tokens` K > 0: the answer carries each prompt's paired
+    fidelity (`Answer.fidelity`), `golds[i]` the gold answer's first K tokens of prompt i (None:
+    none); a sweep computes it in the answers' pass, while each prompt's forward is held
+    (harness.sweep.execute). `label`: what the progress bar calls it."""
 
     prompts: list[list[int]]
     max_new_tokens: list[int] | int
@@ -55,9 +59,10 @@ class GenerationRequest:
     queries: list[list[int]] | None = None
     fidelity_tokens: int = 0
     golds: list[list[int] | None] | None = None
+    label: str = "generate"
 
     def __post_init__(self) -> None:
-        # normalized, so that two requests for the same work compare equal (a sweep checks it)
+        # normalized, so that two requests for the same work compare equal
         self.prompts = [list(p) for p in self.prompts]
         limits = self.max_new_tokens
         self.max_new_tokens = (list(limits) if isinstance(limits, (list, tuple))
@@ -95,10 +100,32 @@ class ScoreStreamRequest:
     ids: torch.Tensor  # (T,)
     prompt_tokens: int
     score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    fidelity: bool = False  # each scored token against a full-cache pass on the stream
 
-    def same_stream(self, other: "ScoreStreamRequest") -> bool:
-        return (self.prompt_tokens == other.prompt_tokens and self.ids.shape == other.ids.shape
-                and bool(torch.equal(self.ids, other.ids)))
+
+Request = GenerationRequest | ScoreStreamRequest
+
+
+@dataclass
+class Answer:
+    """One request's answer: a `GenerationRequest`'s new tokens per prompt (`outputs`), or a
+    `ScoreStreamRequest`'s scores `(T - max(prompt_tokens, 1),)`; and the paired fidelity the
+    request declared (harness.core.fidelity: one record per prompt, or the stream's record),
+    None where it declared none."""
+
+    outputs: list[list[int]] | None = None
+    scores: torch.Tensor | None = None
+    fidelity: list[dict] | dict | None = None
+
+
+@dataclass
+class Work:
+    """A task's requests, built from its engine's facts alone (the same for every setting of a
+    sweep), and what its `score` needs besides their answers (the samples they came from; the
+    task's own)."""
+
+    requests: list[Request]
+    context: Any = None
 
 
 class TaskEngine(abc.ABC):
@@ -136,6 +163,21 @@ class TaskEngine(abc.ABC):
     @abc.abstractmethod
     def stream_fidelity(self, ids: torch.Tensor, prompt_tokens: int) -> dict:
         """A `ScoreStreamRequest`'s stream compared token by token with a full-cache pass."""
+
+
+def answer(engine: TaskEngine, request: Request) -> Answer:
+    """`engine`'s answer to one request, the fidelity it declares included."""
+    if isinstance(request, ScoreStreamRequest):
+        scores = engine.score_stream(request)
+        fidelity = (engine.stream_fidelity(request.ids, request.prompt_tokens)
+                    if request.fidelity else None)
+        return Answer(scores=scores, fidelity=fidelity)
+    outputs = list(progress(engine.generate(request), request.label, "prompt",
+                            total=len(request.prompts)))
+    fidelity = (engine.fidelity_many(request.fidelity_items(), request.fidelity_tokens,
+                                     request.stop_ids, request.min_new_tokens)
+                if request.fidelity_tokens else None)
+    return Answer(outputs=outputs, fidelity=fidelity)
 
 
 def encode_with(tokenizer, text: str, add_special_tokens: bool | None = None) -> list[int]:

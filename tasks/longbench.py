@@ -36,17 +36,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-import torch
-
 from kvcore.errors import ConfigError
 from harness.core.metrics import METRICS
 from harness.core.models import CHAT_TEMPLATE_KWARGS, chat_text
-from harness.core.progress import progress
 from methods.base import KVMethod
 from methods.model import ModelInfo
 from tasks._longbench_config import DATASETS, HUB_ARCHIVE, HUB_REPO, DatasetSpec
 from tasks.base import Task, TaskResult, content_id
-from tasks.engine_api import GenerationRequest, TaskEngine
+from tasks.engine_api import Answer, GenerationRequest, TaskEngine, Work
 from tasks.text_sources import data_root, jsonl_objects
 
 CHAT_MODES = ("auto", "always", "never")
@@ -231,7 +228,8 @@ class LongBench(Task):
             return True
         return spec.chat_template and has_template
 
-    def evaluate(self, engine: TaskEngine) -> TaskResult:
+    def requests(self, engine: TaskEngine) -> Work:
+        """One request per dataset (its prompts truncated in the middle to the model input cap)."""
         plan, reasons = self._lengths(engine.info, engine.method)
         if reasons:
             raise ConfigError("; ".join(reasons))
@@ -241,11 +239,19 @@ class LongBench(Task):
         if self.chat_template == "always" and not has_template:
             raise ConfigError("task.chat_template=always but this model's tokenizer has no chat "
                               "template; allowed here: auto, never")
+        built = [self._dataset_request(engine, dataset, plan[dataset],
+                                       self._uses_chat(DATASETS[dataset], has_template))
+                 for dataset in self.datasets]
+        return Work([b[0] for b in built], {"plan": plan, "has_template": has_template,
+                                             "prompts": [b[1] for b in built]})
+
+    def score(self, engine: TaskEngine, work: Work, answers: list[Answer]) -> TaskResult:
+        plan, has_template = work.context["plan"], work.context["has_template"]
         samples, per_dataset = [], {}
-        for dataset in self.datasets:
+        for dataset, prompts, answered in zip(self.datasets, work.context["prompts"], answers,
+                                              strict=True):
             spec = DATASETS[dataset]
-            scored = self._run_dataset(engine, dataset, spec, plan[dataset],
-                                       self._uses_chat(spec, has_template))
+            scored = self._score_dataset(engine, dataset, spec, prompts, answered)
             samples.extend(scored)
             per_dataset[dataset] = {
                 "score": round(100 * sum(s["score"] for s in scored) / len(scored), 4),
@@ -254,7 +260,7 @@ class LongBench(Task):
                 "metric": spec.metric,
                 "max_length_tokens": plan[dataset][0],
                 "max_new_tokens": plan[dataset][1],
-                "chat_template": scored[0]["chat_template"],
+                "chat_template": prompts["use_chat"],
             }
         metrics: dict[str, Any] = {d: per_dataset[d]["score"] for d in self.datasets}
         metrics["average"] = round(sum(metrics[d] for d in self.datasets) / len(self.datasets), 4)
@@ -279,8 +285,10 @@ class LongBench(Task):
         }
         return TaskResult(metrics=metrics, samples=samples, protocol=protocol)
 
-    def _run_dataset(self, engine, dataset: str, spec: DatasetSpec, lengths: tuple[int, int],
-                     use_chat: bool) -> list[dict]:
+    def _dataset_request(self, engine, dataset: str, lengths: tuple[int, int],
+                         use_chat: bool) -> tuple[GenerationRequest, dict]:
+        """One dataset's request, and its rows and prompts as `_score_dataset` reads them."""
+        spec = DATASETS[dataset]
         cap, gen = lengths
         prefix, suffix = chat_pieces(engine) if use_chat else ([], [])
         budget = cap - len(prefix) - len(suffix)
@@ -291,7 +299,6 @@ class LongBench(Task):
         stop_ids = set(engine.stop_token_ids())
         if spec.stop_at_newline:
             stop_ids.add(engine.encode("\n", add_special_tokens=False)[-1])
-        metric = METRICS[spec.metric]
         rows = self._rows[dataset][: self.limit] if self.limit else self._rows[dataset]
         prompts = []  # (ids, untruncated tokens, truncated?)
         for row in rows:
@@ -308,12 +315,18 @@ class LongBench(Task):
         # fidelity's gold answer: the first reference, as the prediction would continue the prompt
         request = GenerationRequest([p[0] for p in prompts], gen, stop_ids,
                                     min_new_tokens=1 if spec.stop_at_newline else 0,
+                                    label=f"longbench {dataset}",
                                     **self.golds(engine, [(row["answers"] or [""])[0]
                                                           for row in rows]))
-        outs = engine.generate(request)
+        return request, {"rows": rows, "prompts": prompts, "use_chat": use_chat}
+
+    def _score_dataset(self, engine, dataset: str, spec: DatasetSpec, built: dict,
+                       answered: Answer) -> list[dict]:
+        metric = METRICS[spec.metric]
+        rows, prompts, use_chat = built["rows"], built["prompts"], built["use_chat"]
         samples = []
         for index, (row, (ids, untruncated, truncated), new_ids) in enumerate(
-                zip(rows, prompts, progress(outs, f"longbench {dataset}", "sample", len(rows)))):
+                zip(rows, prompts, answered.outputs, strict=True)):
             prediction = engine.tokenizer.decode(new_ids, skip_special_tokens=True)
             scored_text = first_line(prediction) if spec.first_line else prediction
             score_one = (functools.partial(metric, all_classes=row["all_classes"])
@@ -329,5 +342,5 @@ class LongBench(Task):
             if spec.first_line:
                 sample["scored_prediction"] = scored_text
             samples.append(sample)
-        self.add_fidelity(engine, samples, request)
+        self.add_fidelity(samples, answered)
         return samples

@@ -26,7 +26,7 @@ from harness.core.progress import progress
 from methods.base import KVMethod
 from methods.model import ModelInfo
 from tasks.base import Task, TaskResult, content_id
-from tasks.engine_api import ScoreStreamRequest
+from tasks.engine_api import Answer, ScoreStreamRequest, Work
 from tasks.text_sources import TEXT_DATASETS, load_text
 
 MODES = ("chunked", "streaming")
@@ -146,11 +146,27 @@ class Perplexity(Task):
         return torch.tensor(ids, dtype=torch.long)
 
     def evaluate(self, engine) -> TaskResult:
+        if self.mode == "chunked":  # a live engine: each window a request of its own
+            ids = self._tokens(engine)
+            return self._result(engine, ids, *self._chunked(engine, ids))
+        return super().evaluate(engine)
+
+    def requests(self, engine) -> Work:
+        """Streaming: the text one `ScoreStreamRequest` (its first `prefill_tokens` a prompt)."""
         ids = self._tokens(engine)
-        if self.mode == "chunked":
-            nll, samples = self._chunked(engine, ids)
-        else:
-            nll, samples = self._streaming(engine, ids)
+        return Work([ScoreStreamRequest(ids, self.prefill_tokens or 0, token_nll,
+                                        fidelity=bool(self.fidelity_tokens))])
+
+    def score(self, engine, work: Work, answers: list[Answer]) -> TaskResult:
+        request, answered = work.requests[0], answers[0]
+        ids, nll = request.ids, answered.scores
+        sample = {"id": 0, **_scored(ids.tolist(), max(request.prompt_tokens, 1), nll)}
+        if answered.fidelity is not None:  # every scored token against a full-cache pass
+            sample["fidelity"] = answered.fidelity
+        return self._result(engine, ids, nll, [sample])
+
+    def _result(self, engine, ids: torch.Tensor, nll: torch.Tensor,
+                samples: list[dict]) -> TaskResult:
         mean = float(nll.mean())
         metrics = {"ppl": math.exp(mean), "nll_mean": mean, "tokens_scored": int(nll.numel()),
                    "tokens_used": int(ids.numel())}
@@ -179,15 +195,6 @@ class Perplexity(Task):
             nlls.append(nll)
             samples.append({"id": i, **_scored(window.tolist(), 1, nll)})
         return torch.cat(nlls), samples
-
-    def _streaming(self, engine, ids: torch.Tensor) -> tuple[torch.Tensor, list[dict]]:
-        prompt = self.prefill_tokens or 0
-        # the prompt's end is the prompt-end hook: prompt compressors act there
-        nll = engine.score_stream(ScoreStreamRequest(ids, prompt, token_nll))
-        sample = {"id": 0, **_scored(ids.tolist(), max(prompt, 1), nll)}
-        if self.fidelity_tokens:  # every scored token against a full-cache pass on the stream
-            sample["fidelity"] = engine.stream_fidelity(ids, prompt)
-        return nll, [sample]
 
 
 def _scored(ids: list[int], first: int, nll: torch.Tensor) -> dict:

@@ -53,7 +53,7 @@ from harness.core.progress import progress
 from methods.base import KVMethod
 from methods.model import ModelInfo
 from tasks.base import Task, TaskResult, content_id
-from tasks.engine_api import GenerationRequest, TaskEngine
+from tasks.engine_api import Answer, GenerationRequest, TaskEngine, Work
 from tasks.prompts import (CHAT_OPTIONS, CWE_WORDS, HAYSTACKS, KEY_WORDS, NEEDLE, NOISE_SENTENCE,
                            RULER_DEPTHS, PromptFormat, clean_prediction, distinct,
                            haystack_with_needles, is_int, join_keys, largest_fitting,
@@ -458,27 +458,34 @@ class Ruler(Task):
 
     # -- evaluation --
 
-    def evaluate(self, engine: TaskEngine) -> TaskResult:
+    def requests(self, engine: TaskEngine) -> Work:
+        """One request: every sample's prompt (its question split off under query=agnostic)."""
         tok = engine.tokenizer
         fmt = PromptFormat(tok, self.chat_template)
         stop_ids = engine.stop_token_ids()
-        lengths = self.resolve_lengths(engine.info.max_positions)
         samples = self.build_samples(tok)
-        rows = []
         # the gold answer: the references joined as the answer lists them (", "), after the
         # answer prefix's space
         golds = self.golds(engine, [" " + ", ".join(s.answers) for s in samples])
+        limits = [s.max_new_tokens for s in samples]
         if self.query == "agnostic":
             cuts = [query_start(s, fmt) for s in samples]
             request = GenerationRequest([s.input_ids[:c] for s, c in zip(samples, cuts)],
-                                        [s.max_new_tokens for s in samples], stop_ids,
+                                        limits, stop_ids,
                                         queries=[s.input_ids[c:] for s, c in zip(samples, cuts)],
-                                        **golds)
+                                        label="ruler", **golds)
         else:
-            request = GenerationRequest([s.input_ids for s in samples],
-                                        [s.max_new_tokens for s in samples], stop_ids, **golds)
-        outs = engine.generate(request)
-        for s, out in zip(samples, progress(outs, "ruler", "sample", total=len(samples))):
+            request = GenerationRequest([s.input_ids for s in samples], limits, stop_ids,
+                                        label="ruler", **golds)
+        return Work([request], samples)
+
+    def score(self, engine: TaskEngine, work: Work, answers: list[Answer]) -> TaskResult:
+        tok = engine.tokenizer
+        fmt = PromptFormat(tok, self.chat_template)
+        stop_ids = work.requests[0].stop_ids
+        lengths = self.resolve_lengths(engine.info.max_positions)
+        rows = []
+        for s, out in zip(work.context, answers[0].outputs, strict=True):
             answer_ids = [t for t in out if t not in stop_ids]
             prediction = clean_prediction(tok.decode(answer_ids, skip_special_tokens=True))
             rows.append({"id": s.id, "sample_id": content_id(list(s.input_ids), s.answers),
@@ -487,7 +494,7 @@ class Ruler(Task):
                          "haystack_units": s.haystack_units, "generated_tokens": len(out),
                          "answers": s.answers, "prediction": prediction,
                          "score": string_match_all(prediction, s.answers)})
-        self.add_fidelity(engine, rows, request)
+        self.add_fidelity(rows, answers[0])
         metrics = aggregate(rows, self.subtasks, lengths, self.depths)
         protocol = {
             "benchmark": "RULER (Hsieh et al. 2024, arXiv 2404.06654), independent implementation",

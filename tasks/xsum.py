@@ -34,9 +34,8 @@ from typing import Any, ClassVar
 
 from kvcore.errors import ConfigError
 from harness.core.metrics import rouge_scores
-from harness.core.progress import progress
 from tasks.base import Task, TaskResult, content_id
-from tasks.engine_api import GenerationRequest, TaskEngine
+from tasks.engine_api import Answer, GenerationRequest, TaskEngine, Work
 from tasks.text_sources import data_root, jsonl_objects
 
 HUB_DATASET = "EdinburghNLP/xsum"
@@ -128,11 +127,13 @@ class XSum(Task):
                  for row in rows]
         return items, f"hf://datasets/{HUB_DATASET} (test)"
 
-    def evaluate(self, engine: TaskEngine) -> TaskResult:
+    def requests(self, engine: TaskEngine) -> Work:
+        """One request: the items read that fit the model's positions with their generation
+        length (the others are recorded as skipped)."""
         if not getattr(self, "_items", None):
             self.check_data()
         positions = engine.info.max_positions
-        planned, skipped, fitting = [], 0, 0  # items read, in order: (item, ids, gen, fits)
+        planned, fitting = [], 0  # items read, in order: (item, ids, gen, fits)
         for item in self._items:
             if self.limit is not None and fitting >= self.limit:
                 break
@@ -141,12 +142,19 @@ class XSum(Task):
             fits = len(ids) + gen <= positions
             planned.append((item, ids, gen, fits))
             fitting += fits
-            skipped += not fits
         todo = [p for p in planned if p[3]]
-        request = GenerationRequest([p[1] for p in todo], [p[2] for p in todo],
+        if not todo:
+            raise ConfigError(f"task=xsum: none of the {len(planned)} items read fits the "
+                              f"model's {positions} positions with its generation length; use a "
+                              "model with more positions or lower task.max_new_tokens")
+        request = GenerationRequest([p[1] for p in todo], [p[2] for p in todo], label="xsum",
                                     **self.golds(engine, [p[0]["summary_gt"] for p in todo]))
-        outs = iter(engine.generate(request))
-        outs = iter(progress(outs, "xsum", "item", total=len(todo)))
+        return Work([request], planned)
+
+    def score(self, engine: TaskEngine, work: Work, answers: list[Answer]) -> TaskResult:
+        planned = work.context
+        skipped = sum(not p[3] for p in planned)
+        outs = iter(answers[0].outputs)
         samples, scored = [], []
         for item, ids, gen, fits in planned:
             if not fits:
@@ -163,11 +171,7 @@ class XSum(Task):
                             "skipped": False, "prediction": prediction,
                             "reference": item["summary_gt"], **rouge, "prompt_tokens": len(ids),
                             "max_new_tokens": gen, "new_tokens": len(new_ids)})
-        self.add_fidelity(engine, [s for s in samples if not s["skipped"]], request)
-        if not scored:
-            raise ConfigError(f"task=xsum: none of the {skipped} items read fits the model's "
-                              f"{positions} positions with its generation length; use a model "
-                              "with more positions or lower task.max_new_tokens")
+        self.add_fidelity([s for s in samples if not s["skipped"]], answers[0])
         metrics: dict[str, Any] = {k: round(sum(s[k] for s in scored) / len(scored), 4)
                                    for k in ROUGE_KEYS}
         metrics.update(scored=len(scored), skipped_too_long=skipped, items_read=len(samples))

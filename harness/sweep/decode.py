@@ -26,7 +26,6 @@ from harness.core import forward
 from harness.sweep import records as sweep_records
 from harness.sweep import replay as sweep_replay
 from harness.core.batch import Lockstep, decode_requests
-from harness.core.progress import progress
 
 
 @dataclass
@@ -159,31 +158,6 @@ class Decoder(Batched):
 
 
 # --- paired fidelity (task.fidelity_tokens) of a sweep's settings ------------------------------
-
-def fidelity_records(engines: list, items: list, tokens: int, stop_ids: set[int] | None,
-                     min_new_tokens: int, size: int) -> list[list[dict]]:
-    """Per engine (a sweep's settings), one `fidelity` record per item (harness.core.fidelity):
-    the full cache's reference is computed once per sample (every setting is fed the same
-    tokens), then the settings are teacher-forced `size` at a time in lockstep, one batched
-    forward per token (harness.core.batch.Lockstep), each row its own method and cache; a setting
-    that decodes alone (`decodes_alone`) is teacher-forced as its single run is. Batched rows
-    equal single ones within the reassociation of the batched matmuls. Each request feeds the
-    prompt itself (a sweep's answers' pass starts them from its shared prompt states instead:
-    harness.sweep.execute)."""
-    for engine in engines:
-        fidelity.hold_peak(engine)
-    stop_ids = engines[0].stop_token_ids() if stop_ids is None else set(stop_ids)
-    out: list[list[dict]] = [[] for _ in engines]
-    for item in progress(items, f"fidelity ({len(engines)} settings)", "sample",
-                         total=len(items)):
-        ref = fidelity.reference(engines[0], item, tokens, stop_ids, min_new_tokens)
-        with FidelityBatch(item, ref, size) as batch:
-            for i, engine in enumerate(engines):
-                batch.add(i, engine, fidelity.prompt_state)
-        for i in range(len(engines)):
-            out[i].append(batch.records[i])
-    return out
-
 
 @dataclass
 class Forcing:

@@ -1,23 +1,27 @@
-"""Prefill once, compress many: one task pass answers every setting of a sweep.
+"""Prefill once, compress many: one pass answers a task's requests for every setting of a sweep.
 
-The settings of a sweep share the model and the task (harness.session). A task hands its work
-to the engine it is given as data (tasks.engine_api: a `GenerationRequest`, a
-`ScoreStreamRequest`), so one pass of the task's code can have its requests answered for every
-setting: the shared pass runs over a `SharedPassEngine`, and each other setting's pass over an
-`AnsweredEngine` holding its answers, so its rows and metrics come from its own task code and
-its own engine's accounting, as in a single run. A task that needs a live engine
-(`Task.needs_live_engine`: multi-turn's conversations, lm-eval) and a setting whose runner
-decodes its prompts together (batches, a device KV limit) is evaluated by its own pass over its
-own engine instead (`own_pass_reason`: printed, and recorded in metrics.json `run.sweep`).
+The settings of a sweep share the model and the task (harness.session). A task hands over its
+work as data (`Task.requests`: `GenerationRequest`s, `ScoreStreamRequest`s; tasks.engine_api),
+built once from the model's facts, and scores the answers with its own code (`Task.score`,
+once per setting, over that setting's own engine and accounting, as in a single run). So the
+sweep is one loop, `evaluate`:
+
+    for each request of the task,
+      for each prompt,
+        for each prefill group (its shared prompt state made as its turn comes),
+          for each setting still to answer it: `Decoder.add`
 
 Where one (setting, prompt) runs: `harness.sweep.decode.Decoder.add` opens the setting's request
 on its own engine, gives it its prompt state (its copy of the group's shared prefill, the
 recorded forward replayed into it, or its own prefill), compresses it at the prompt's end and
 feeds the query; it decodes there, alone, or batched with other settings in `Decoder.flush`.
-The path to it from `python -m harness -m ...` (hydra_plugins/kvh_sweep) is
-`harness.sweep.run.run_sweep` -> `evaluate` -> the task's `evaluate(SharedPassEngine)` ->
-`SharedPassEngine.generate` (prompt by prompt; `_prompt_states` makes each group's shared
-prefill) -> `Decoder.add`.
+From `python -m harness -m ...` it is four hops: `SweepLauncher.launch`
+(hydra_plugins/kvh_sweep) -> `run_group` -> `harness.sweep.run.run_sweep` -> `evaluate` (here)
+-> `Decoder.add`. A stream (`ScoreStreamRequest`) is scored for every setting by
+`SharedPass.score_stream`. A task that needs a live engine (`Task.needs_live_engine`:
+multi-turn's conversations, lm-eval, chunked perplexity) and a setting whose runner decodes its
+prompts together (batches, a device KV limit) is evaluated by its own pass over its own engine
+instead (`own_pass_reason`: printed, and recorded in metrics.json `run.sweep`).
 
 Prefill groups. Under runner.prefill=dense a layer holds the prompt in full while it is fed and
 compresses it once, at its end (harness.core.prompting); what a layer has recorded by then depends on
@@ -83,12 +87,13 @@ from harness.sweep import replay as sweep_replay
 from harness.core.engine import Engine
 from harness.core.prompting import score_prompt
 from harness.core import fidelity
-from harness.sweep.decode import (Decoder, FidelityBatch, decodes_alone, fidelity_records,
-                                   give_prompt_state, stream_fidelity_records)
+from harness.core.progress import progress
+from harness.sweep.decode import (Decoder, FidelityBatch, decodes_alone, give_prompt_state,
+                                   stream_fidelity_records)
 from kvcore.errors import ConfigError
 from methods.base import KVMethod
 from methods.protocol import Protocol
-from tasks.engine_api import GenerationRequest, ScoreStreamRequest, TaskEngine, encode_with
+from tasks.engine_api import Answer, GenerationRequest, ScoreStreamRequest
 
 # Runner keys that say where or how results are written or shown, not what is computed.
 _NOT_COMPUTE = ("output_dir", "results_root", "debug", "skip_existing", "overwrite", "threads",
@@ -133,7 +138,7 @@ class Group:
     # member replays the forward into its own request, once the group's replay of the prompt
     # has shown that its layers attend as the recording did
     per_member: bool = False
-    streams: int = 0  # token streams its members were scored on (SharedPassEngine.score_stream)
+    streams: int = 0  # token streams its members were scored on (SharedPass.score_stream)
 
 
 class Forward:
@@ -172,18 +177,12 @@ class Forward:
 
 @dataclass
 class Call:
-    """One `generate` request of the task and every member's answers to it."""
+    """One `GenerationRequest` of the task and every member's answers to it."""
 
     request: GenerationRequest
-    outputs: list[list[list[int]]] = field(default_factory=list)  # per member, per prompt
-
-
-@dataclass
-class Stream:
-    """One `score_stream` request of the task and every member's scores of it."""
-
-    request: ScoreStreamRequest
-    scores: dict[int, torch.Tensor]  # member -> (T - max(prompt_tokens, 1),)
+    outputs: list[list[list[int]]]  # per member, per prompt
+    index: int  # the task's generation requests before it (a record's call index)
+    fidelity_keys: list[tuple | None] = field(default_factory=list)  # per prompt (sample_key)
 
 
 def shares_prefill(setting) -> bool:
@@ -304,55 +303,10 @@ def _share_forwards(members: list[Member], groups: list[Group]) -> None:
                 group.forward = forward
 
 
-class MemoTokenizer:
-    """The tokenizer, remembering the ids of each text it encoded: every setting's task pass
-    builds the same samples, so they are tokenized once, in the shared pass. Only plain calls
-    (a text, `add_special_tokens`, `verbose`) are remembered; each caller gets its own lists.
-    It answers what tasks ask of a tokenizer (encoding, `decode`, the chat template, the BOS
-    and EOS ids) and nothing else: a task asking more fails by name here, not silently."""
-
-    _PLAIN_KWARGS = {"add_special_tokens", "verbose"}
-
-    def __init__(self, tokenizer):
-        self._tokenizer, self._encoded = tokenizer, {}
-
-    @property
-    def chat_template(self):
-        return getattr(self._tokenizer, "chat_template", None)
-
-    @property
-    def bos_token_id(self) -> int | None:
-        return getattr(self._tokenizer, "bos_token_id", None)
-
-    @property
-    def eos_token_id(self):
-        return getattr(self._tokenizer, "eos_token_id", None)
-
-    def __len__(self) -> int:
-        return len(self._tokenizer)
-
-    def __call__(self, text, **kwargs):
-        if not isinstance(text, str) or set(kwargs) - self._PLAIN_KWARGS:
-            return self._tokenizer(text, **kwargs)
-        key = (text, tuple(sorted(kwargs.items())))
-        if key not in self._encoded:
-            self._encoded[key] = {k: list(v) for k, v in self._tokenizer(text, **kwargs).items()}
-        from transformers import BatchEncoding
-
-        return BatchEncoding({k: list(v) for k, v in self._encoded[key].items()})
-
-    def decode(self, ids, **kwargs) -> str:
-        return self._tokenizer.decode(ids, **kwargs)
-
-    def apply_chat_template(self, messages, **kwargs):
-        return self._tokenizer.apply_chat_template(messages, **kwargs)
-
-
-class SharedPassEngine(TaskEngine):
-    """The engine of a sweep's shared task pass: `generate` answers every prompt for every
-    member (prompt by prompt, so one prompt state is held at a time) and yields the first
-    member's answers; `score_stream` scores the stream for every member. Its facts are the first
-    member's."""
+class SharedPass:
+    """What the sweep's shared pass holds while it answers a task's requests for every member
+    (`evaluate` runs the loop): the prefill groups, the members' records, the answers so far,
+    the fidelity records made in the pass."""
 
     def __init__(self, members: list[Member], groups: list[Group], copy_on_use: bool = True,
                  records: list | None = None, shard=None, merge: bool = False):
@@ -362,75 +316,87 @@ class SharedPassEngine(TaskEngine):
         # shard: a harness.sweep.shards.Shard, answering its prompts only (the others: []);
         # merge: every answer is recorded (by the shards), none is computed
         self.shard, self.merge = shard, merge
-        self.calls: list[Call] = []
-        self.streams: list[Stream] = []
-        self.fidelity: list[tuple[list, dict[int, list[dict]]]] = []  # (items, per member)
+        self.calls = 0  # generation requests opened so far (a record's call index)
         self.copy_on_use = copy_on_use  # False only in the test that plants the sharing bug
-        self.first = next(i for g in groups for i in g.members)
-        lead = members[self.first].engine
-        self.tokenizer = None if lead.tokenizer is None else MemoTokenizer(lead.tokenizer)
-        self.info, self.method = lead.info, lead.method
+        self.order = [k for g in groups for k in g.members]
+        self.first = self.order[0]
         # per member: its method's rule budget, and the samples that fit it (None: no rule)
-        self.budgets = {k: rule_budget(members[k].setting.method)
-                        for g in groups for k in g.members}
+        self.budgets = {k: rule_budget(members[k].setting.method) for k in self.order}
         self.identical = {k: None if b is None else 0 for k, b in self.budgets.items()}
         self.gained: dict[int, dict] = {}  # per member: what its last answer added (a tally)
         # settings decoded together (harness.sweep.decode): the smallest any member allows
-        self.decode_batch = min(members[k].setting.runner.sweep_decode_batch
-                                for g in groups for k in g.members)
+        self.decode_batch = min(members[k].setting.runner.sweep_decode_batch for k in self.order)
         # fidelity records computed in the answers' pass (`_pass_fidelity`): sample key ->
-        # member -> record, taken by `fidelity_many`
+        # member -> record
         self.fidelity_done: dict[tuple, dict[int, dict]] = {}
 
-    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
-        return encode_with(self.tokenizer, text, add_special_tokens)
+    def stop_ids(self, request: GenerationRequest) -> set[int]:
+        return (self.members[self.first].engine.stop_token_ids() if request.stop_ids is None
+                else set(request.stop_ids))
 
-    def stop_token_ids(self) -> set[int]:
-        return self.members[self.first].engine.stop_token_ids()
+    def open_call(self, request: GenerationRequest) -> Call:
+        self.calls += 1
+        return Call(request, [[] for _ in self.members], self.calls - 1)
 
-    def generate(self, request: GenerationRequest) -> Iterator[list[int]]:
-        """Each prompt answered for every member before the next: one (setting, prompt) runs
-        in `Decoder.add` (harness.sweep.decode: its request opened on its own engine, given its
-        prompt state, compressed, fed the query, decoded alone or with other settings)."""
-        stop_ids = self.stop_token_ids() if request.stop_ids is None else request.stop_ids
-        call = Call(request, [[] for _ in self.members])
-        self.calls.append(call)
-        for i, prompt in enumerate(request.prompts):
-            if self.shard is not None and not self.shard.owns(i, len(request.prompts)):
-                for outputs in call.outputs:
-                    outputs.append([])  # another shard's sample
-                yield []
-                continue
-            query, limit = request.query(i), request.max_new_tokens[i]
-            where = (len(self.calls) - 1, i, sweep_records.prompt_key(prompt, query, limit))
-            reuse = self._reuse(len(prompt) + len(query or []) + limit)
-            done = functools.partial(self._done, call, where)
-            key, forcing = self._pass_fidelity(request, i, stop_ids)
-            with Decoder(self.decode_batch, stop_ids, request.min_new_tokens, done,
-                         self.copy_on_use) as decoder, forcing or contextlib.nullcontext():
-                for group, state, todo in self._prompt_states(call, where, prompt, reuse,
-                                                              forcing is not None):
-                    for k in todo:
-                        decoder.add(k, self.members[k].engine, prompt, limit, query, state)
-                    if forcing is not None:  # from the same state: one forward serves both
-                        given = functools.partial(_given, state)
-                        for k in group.members:
-                            forcing.add(k, self.members[k].engine, given)
-            self._take_rule_answers(call, where, reuse)
-            if forcing is not None:
-                self.fidelity_done[key] = forcing.records
-            for forward in {id(g.forward): g.forward for g in self.groups if g.forward}.values():
-                forward.release()  # one prompt's recording held at a time
-            yield call.outputs[self.first][i]
+    def owns(self, i: int, request: GenerationRequest) -> bool:
+        """Whether this pass answers prompt i (a shard answers its own prompts only)."""
+        return self.shard is None or self.shard.owns(i, len(request.prompts))
 
-    def score_stream(self, request: ScoreStreamRequest) -> torch.Tensor:
+    def skip(self, call: Call) -> None:
+        """Another shard's prompt: no answer here."""
+        for outputs in call.outputs:
+            outputs.append([])
+        call.fidelity_keys.append(None)
+
+    def note_members(self) -> None:
+        """What the pass learnt of each member: its samples identical to the full cache by
+        rule, and the settings its decode steps ran with."""
+        for k, count in self.identical.items():
+            self.members[k].identical_to_full = count
+            if not decodes_alone(self.members[k].engine, self.decode_batch):
+                self.members[k].decode_batch = self.decode_batch
+
+    @contextlib.contextmanager
+    def turn(self, call: Call, i: int) -> Iterator["Turn"]:
+        """Prompt i of the call, while every member answers it: what its members' requests
+        need (`Turn`: the decoder they join, the fidelity batch its groups' states feed); at
+        its end the answers decoded, the rule-identical members given theirs, the prompt's
+        fidelity records kept and its recorded forward released."""
+        request = call.request
+        prompt, query, limit = request.prompts[i], request.query(i), request.max_new_tokens[i]
+        where = (call.index, i, sweep_records.prompt_key(prompt, query, limit))
+        reuse = self._reuse(len(prompt) + len(query or []) + limit)
+        stop_ids = self.stop_ids(request)
+        key, forcing = self._pass_fidelity(request, i, stop_ids)
+        call.fidelity_keys.append(key)
+        with Decoder(self.decode_batch, stop_ids, request.min_new_tokens,
+                     functools.partial(self._done, call, where), self.copy_on_use) as decoder, \
+                forcing or contextlib.nullcontext():
+            yield Turn(self, call, where, reuse, decoder, forcing)
+        self._take_rule_answers(call, where, reuse)
+        if forcing is not None:
+            self.fidelity_done[key] = forcing.records
+        for forward in {id(g.forward): g.forward for g in self.groups if g.forward}.values():
+            forward.release()  # one prompt's recording held at a time
+
+    def answers(self, call: Call) -> dict[int, Answer]:
+        """Every member's answer to the call's request, its fidelity records included (a shard
+        keeps none: its merge computes them)."""
+        keyed = call.request.fidelity_tokens and self.shard is None
+        return {k: Answer(outputs=call.outputs[k],
+                          fidelity=[self.fidelity_done[key][k] for key in call.fidelity_keys]
+                          if keyed else None)
+                for k in self.order}
+
+    def score_stream(self, request: ScoreStreamRequest) -> dict[int, Answer]:
         """Every member's `Engine.score_stream` of one token stream: the members whose steps
         can share a forward in lockstep, `decode_batch` at a time (harness.core.batch.stream_requests),
-        the others alone. Returns the first member's; the others' are kept for their passes."""
+        the others alone; with the stream's fidelity where the request declares it
+        (harness.sweep.decode.stream_fidelity_records)."""
         final = int(request.ids.numel())
         scores: dict[int, torch.Tensor] = {}
         together = []
-        for k in (k for g in self.groups for k in g.members):
+        for k in self.order:
             engine = self.members[k].engine
             if decodes_alone(engine, self.decode_batch):
                 scores[k] = engine.score_stream(request)
@@ -444,43 +410,24 @@ class SharedPassEngine(TaskEngine):
                 rows = batching.stream_requests(requests, request.ids, request.prompt_tokens,
                                                 request.score)
             scores.update(zip(chunk, rows))
-        kept = ScoreStreamRequest(request.ids.clone(), request.prompt_tokens, request.score)
-        self.streams.append(Stream(kept, scores))
         for group in self.groups:
             group.streams += 1
-        return scores[self.first]
-
-    def fidelity_many(self, items: list, tokens: int, stop_ids: set[int] | None = None,
-                      min_new_tokens: int = 0) -> list[dict]:
-        """Every member's `Engine.fidelity_many` of these samples (harness.core.fidelity): one full
-        cache reference per sample, the members teacher-forced `decode_batch` at a time in
-        lockstep (harness.sweep.decode.fidelity_records). Returns the first member's, keeps the
-        others' for their passes. A shard answers only: the merge records fidelity."""
-        if self.shard is not None:
-            return [{} for _ in items]
-        order = [k for g in self.groups for k in g.members]
-        stop_ids = self.stop_token_ids() if stop_ids is None else set(stop_ids)
-        lead = self.members[self.first].engine
-        keys = [fidelity.sample_key(lead, item, tokens, stop_ids, min_new_tokens)
-                for item in items]
-        todo = [(item, key) for item, key in zip(items, keys) if key not in self.fidelity_done]
-        if todo:  # samples of a request that declared no fidelity: each setting prefills them
-            per = fidelity_records([self.members[k].engine for k in order],
-                                   [item for item, _ in todo], tokens, stop_ids,
-                                   min_new_tokens, self.decode_batch)
-            for j, (_, key) in enumerate(todo):
-                self.fidelity_done[key] = {k: per[n][j] for n, k in enumerate(order)}
-        records = {k: [self.fidelity_done[key][k] for key in keys] for k in order}
-        self.fidelity.append((list(items), records))
-        return records[self.first]
+        fidelity = dict.fromkeys(self.order)
+        if request.fidelity:
+            per = stream_fidelity_records([self.members[k].engine for k in self.order],
+                                          request.ids, request.prompt_tokens, self.decode_batch)
+            fidelity = dict(zip(self.order, per))
+        return {k: Answer(scores=scores[k], fidelity=fidelity[k]) for k in self.order}
 
     def _pass_fidelity(self, request: GenerationRequest, i: int, stop_ids: set[int]
                        ) -> tuple[tuple | None, FidelityBatch | None]:
         """Prompt i's fidelity in the answers' pass, when its request asks it (not in a shard:
-        its merge does it): its key and a batch (harness.sweep.decode.FidelityBatch) that each
-        member's request joins as its group's prompt state is made, from that state (a copy
-        each; None: it prefills the prompt), so the prompt's forward and each group's replay of
-        it serve the answers and the fidelity alike; the full cache's reference computed now."""
+        its merge does it): its key (harness.core.fidelity.sample_key), and a batch
+        (harness.sweep.decode.FidelityBatch) that each member's request joins as its group's
+        prompt state is made, from that state (a copy each; None: it prefills the prompt), so
+        the prompt's forward and each group's replay of it serve the answers and the fidelity
+        alike; the full cache's reference computed now. No batch: none asked, or the same
+        sample's records are made already."""
         if not request.fidelity_tokens or self.shard is not None:
             return None, None
         item = request.fidelity_item(i)
@@ -488,19 +435,10 @@ class SharedPassEngine(TaskEngine):
         key = fidelity.sample_key(lead, item, request.fidelity_tokens, set(stop_ids),
                                   request.min_new_tokens)
         if key in self.fidelity_done:
-            return None, None
+            return key, None
         ref = fidelity.reference(lead, item, request.fidelity_tokens, set(stop_ids),
                                  request.min_new_tokens)
         return key, FidelityBatch(item, ref, self.decode_batch)
-
-    def stream_fidelity(self, ids: torch.Tensor, prompt_tokens: int) -> dict:
-        """Every member's `Engine.stream_fidelity` of one stream, in lockstep beside one
-        full-cache pass (harness.sweep.decode.stream_fidelity_records); the first member's."""
-        order = [k for g in self.groups for k in g.members]
-        per = stream_fidelity_records([self.members[k].engine for k in order], ids,
-                                      prompt_tokens, self.decode_batch)
-        self.fidelity.append(((ids.clone(), prompt_tokens), dict(zip(order, per))))
-        return per[order.index(self.first)]
 
     def _reuse(self, seq_tokens: int) -> dict[int, int]:
         """member -> the member whose answer it takes for a sequence of `seq_tokens` tokens:
@@ -620,6 +558,33 @@ class SharedPassEngine(TaskEngine):
         return snapshot, logits, sweep_records.added(engine, before)
 
 
+@dataclass
+class Turn:
+    """One prompt of a call while every member answers it (`SharedPass.turn`)."""
+
+    shared: SharedPass
+    call: Call
+    where: tuple[int, int, str]  # (call index, prompt index, prompt key): a record's place
+    reuse: dict[int, int]  # member -> the member whose answer it takes (`SharedPass._reuse`)
+    decoder: Decoder
+    forcing: FidelityBatch | None
+
+    def states(self) -> Iterator[tuple[Group, Any, list[int]]]:
+        """(group, its prompt state, its members still to answer), group by group
+        (`SharedPass._prompt_states`)."""
+        request = self.call.request
+        return self.shared._prompt_states(self.call, self.where, request.prompts[self.where[1]],
+                                          self.reuse, self.forcing is not None)
+
+    def force(self, group: Group, state) -> None:
+        """The group's members' fidelity requests join the batch from the same prompt state
+        their answers got: one forward serves both."""
+        if self.forcing is not None:
+            given = functools.partial(_given, state)
+            for k in group.members:
+                self.forcing.add(k, self.shared.members[k].engine, given)
+
+
 def _given(state, req, item) -> torch.Tensor:
     """A fidelity request (harness.core.fidelity.Start) given a copy of the prompt state its
     setting's answer got."""
@@ -631,67 +596,6 @@ def _scored_snapshot(req):
     knob changes, `KVLayer.score_prompt`: done once for the whole group), or None."""
     score_prompt(req.cache.kv_layers)
     return req.snapshot()
-
-
-class AnsweredEngine(TaskEngine):
-    """A member's engine for its own task pass after the shared one: `generate` and
-    `score_stream` hand back the member's answers and scores from the shared pass (the task
-    must send the same requests, checked); its facts are the member's own engine's (the
-    tokenizer: the shared pass's, which remembers its encodings)."""
-
-    def __init__(self, engine: Engine, calls: list[Call], index: int, tokenizer=None,
-                 streams: list[Stream] = (), fidelity: list = ()):
-        self._engine, self._calls, self._index = engine, list(calls), index
-        self._streams = list(streams)
-        self._fidelity = list(fidelity)  # FanOut.fidelity
-        self.tokenizer = tokenizer or engine.tokenizer
-        self.info, self.method = engine.info, engine.method
-
-    def encode(self, text: str, add_special_tokens: bool | None = None) -> list[int]:
-        return encode_with(self.tokenizer, text, add_special_tokens)
-
-    def stop_token_ids(self) -> set[int]:
-        return self._engine.stop_token_ids()
-
-    def generate(self, request: GenerationRequest) -> Iterator[list[int]]:
-        if not self._calls:
-            raise RuntimeError("the task asked more of generate in a sweep member's pass than "
-                               "in the shared pass")
-        call = self._calls.pop(0)
-        if request != call.request:
-            raise RuntimeError("the task sent a sweep member other prompts than the shared pass "
-                               "(its samples must not depend on the method)")
-        yield from call.outputs[self._index]
-
-    def score_stream(self, request: ScoreStreamRequest) -> torch.Tensor:
-        if not self._streams:
-            raise RuntimeError("the task asked more of score_stream in a sweep member's pass "
-                               "than in the shared pass")
-        stream = self._streams.pop(0)
-        if not request.same_stream(stream.request):
-            raise RuntimeError("the task sent a sweep member another stream than the shared "
-                               "pass (its text must not depend on the method)")
-        return stream.scores[self._index]
-
-    def fidelity_many(self, items, tokens, stop_ids=None, min_new_tokens=0) -> list[dict]:
-        if not self._fidelity:
-            raise RuntimeError("the task asked more of fidelity_many in a sweep member's pass "
-                               "than in the first pass")
-        asked, records = self._fidelity.pop(0)
-        if list(items) != asked:
-            raise RuntimeError("the task sent a sweep member other fidelity samples than the "
-                               "first pass (its samples must not depend on the method)")
-        return records[self._index]
-
-    def stream_fidelity(self, ids: torch.Tensor, prompt_tokens: int) -> dict:
-        if not self._fidelity:
-            raise RuntimeError("the task asked more of stream_fidelity in a sweep member's pass "
-                               "than in the first pass")
-        (stream, prompt), records = self._fidelity.pop(0)
-        if prompt != prompt_tokens or not torch.equal(ids, stream):
-            raise RuntimeError("the task sent a sweep member another stream than the first pass "
-                               "(its text must not depend on the method)")
-        return records[self._index]
 
 
 def needs_own_pass(setting) -> bool:
@@ -714,38 +618,50 @@ def own_pass_reason(setting) -> str | None:
     return None
 
 
-def answer_shard(members: list[Member], info, records: list, shard) -> list[Group]:
-    """A shard's part (harness.sweep.shards): its samples answered and recorded for every
-    member (none evaluated by its own pass), nothing scored; the merge does the rest."""
-    groups = plan_groups(members, info)
-    shared = SharedPassEngine(members, groups, records=records, shard=shard)
-    members[shared.first].setting.task.evaluate(shared)
-    return groups
-
-
-def evaluate(members: list[Member], info, copy_on_use: bool = True, records: list | None = None,
-             merge: bool = False) -> Iterator[tuple[int, Any, list[Group]]]:
-    """(member index, its TaskResult, the prefill groups of the shared pass), each member as
-    soon as its result is complete (so its folder can be written before the next is computed).
+def evaluate(members: list[Member], groups: list[Group], copy_on_use: bool = True,
+             records: list | None = None, merge: bool = False, shard=None
+             ) -> Iterator[tuple[int, Any]]:
+    """(member index, its TaskResult), each member as soon as its result is complete (so its
+    folder can be written before the next is computed). `groups`: `plan_groups(members)`;
     `records[i]`: member i's per-sample records (harness.sweep.records), or None; `merge`:
-    every answer of the shared pass is in them (the shards' merge), none is computed.
-    The shared pass's task code sends its requests to a `SharedPassEngine`, which answers them
-    for every member; each other member's task pass then runs over an `AnsweredEngine`. A member
-    with an own-pass reason (`own_pass_reason`) is evaluated over its own engine."""
-    groups = plan_groups(members, info)
+    every answer of the shared pass is in them (the shards' merge), none is computed; `shard`
+    (harness.sweep.shards.Shard): its samples answered and recorded for every member, nothing
+    scored (it yields nothing: the merge does the rest).
+
+    The task's requests are built once (`Task.requests`), answered for every member, then each
+    member's answers are scored by the task's own code (`Task.score`). This loop is the sweep:
+    for each request, for each prompt, for each prefill group, for each setting,
+    `Decoder.add`. A member with an own-pass reason (`own_pass_reason`) is evaluated over its
+    own engine (`Task.evaluate`)."""
     if groups:
-        shared = SharedPassEngine(members, groups, copy_on_use, records, merge=merge)
-        first = shared.first
-        result = members[first].setting.task.evaluate(shared)
-        for k, count in shared.identical.items():
-            members[k].identical_to_full = count
-            if not decodes_alone(members[k].engine, shared.decode_batch):
-                members[k].decode_batch = shared.decode_batch
-        yield first, result, groups
-        for i in [i for g in groups for i in g.members if i != first]:
-            answered = AnsweredEngine(members[i].engine, shared.calls, i, shared.tokenizer,
-                                      shared.streams, shared.fidelity)
-            yield i, members[i].setting.task.evaluate(answered), groups
-    for i, m in enumerate(members):
-        if m.own_pass:
-            yield i, m.setting.task.evaluate(m.engine), groups
+        shared = SharedPass(members, groups, copy_on_use, records, shard, merge)
+        task = members[shared.first].setting.task
+        work = task.requests(members[shared.first].engine)
+        answers: dict[int, list[Answer]] = {k: [] for k in shared.order}
+        for request in work.requests:
+            if isinstance(request, ScoreStreamRequest):
+                answered = shared.score_stream(request)  # every setting, in lockstep
+            else:
+                call = shared.open_call(request)
+                for i, prompt in enumerate(progress(request.prompts, request.label, "prompt")):
+                    if not shared.owns(i, request):
+                        shared.skip(call)  # another shard's sample
+                        continue
+                    query, limit = request.query(i), request.max_new_tokens[i]
+                    with shared.turn(call, i) as turn:
+                        for group, state, todo in turn.states():
+                            for k in todo:  # one (setting, prompt)
+                                turn.decoder.add(k, members[k].engine, prompt, limit, query,
+                                                 state)
+                            turn.force(group, state)
+                answered = shared.answers(call)
+            for k in shared.order:
+                answers[k].append(answered[k])
+        shared.note_members()
+        if shard is None:
+            for k in shared.order:
+                yield k, task.score(members[k].engine, work, answers[k])
+    if shard is None:
+        for i, m in enumerate(members):
+            if m.own_pass:
+                yield i, m.setting.task.evaluate(m.engine)

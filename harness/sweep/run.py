@@ -114,15 +114,15 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True,
         if m.own_pass and shard is None:
             print(f"sweep engine: {m.setting.label}: its own task pass ({m.own_pass})")
     reset_peak_memory(members[0].engine.device)
+    groups = sweep_engine.plan_groups(members, session.info)
+    passes = sweep_engine.evaluate(members, groups, copy_on_use, records, bool(merge), shard)
     if shard is not None:
-        groups = sweep_engine.answer_shard(members, session.info, records, shard)
+        list(passes)  # a shard answers and records; it scores nothing
         print(shared_summary(members, groups))
         for i in todo:
             outcomes[i] = Outcome("ok", f"shard {shard.label} recorded")
         return outcomes
-    groups: list = []
-    for k, result, groups in sweep_engine.evaluate(members, session.info, copy_on_use, records,
-                                                   merge=bool(merge)):
+    for k, result in passes:
         i, member = todo[k], members[k]
         group = next((g for g in groups if k in g.members), None)
         extra = {"sweep": {"settings": len(todo),

@@ -11,13 +11,12 @@ import pytest
 import torch
 
 from harness.core.engine import Engine
-from harness.sweep.execute import AnsweredEngine, SharedPassEngine
 from harness.engines.vllm_engine import VllmEngine
 from tasks import available_tasks, build_task, task_class
 from tasks.engine_api import MEMBERS, GenerationRequest, ScoreStreamRequest, TaskEngine
 
 PROJECT = Path(__file__).resolve().parents[2]
-IMPLEMENTATIONS = (Engine, SharedPassEngine, AnsweredEngine, VllmEngine)
+IMPLEMENTATIONS = (Engine, VllmEngine)
 
 
 def written_members(cls: type) -> set[str]:
@@ -119,12 +118,3 @@ def test_a_generation_request_is_normalized_so_equal_work_compares_equal():
         GenerationRequest([[1], [2]], [3])
     with pytest.raises(ValueError, match="1 queries"):
         GenerationRequest([[1], [2]], 3, queries=[[4]])
-
-
-def test_a_stream_request_compares_its_stream():
-    ids = torch.tensor([1, 2, 3])
-    a = ScoreStreamRequest(ids, 1, None)
-    assert a.same_stream(ScoreStreamRequest(ids.clone(), 1, None))
-    assert not a.same_stream(ScoreStreamRequest(ids, 2, None))
-    assert not a.same_stream(ScoreStreamRequest(torch.tensor([1, 2, 4]), 1, None))
-    assert not a.same_stream(ScoreStreamRequest(torch.tensor([1, 2]), 1, None))

@@ -6,6 +6,7 @@ what it returns). A new task without an entry in TINY fails here until it gets o
 import math
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -14,6 +15,7 @@ from harness.stats.uncertainty import cell_uncertainty
 from kvcore.errors import ConfigError
 from methods import build_method
 from tasks import available_tasks, build_task, task_class
+from tasks.engine_api import answer
 from tests.conftest import DATA, PROJECT, STORIES, make_engine, need_shared
 from tests.helpers.validation import HUGE_MODEL
 
@@ -89,6 +91,33 @@ def test_evaluates_on_a_tiny_model_and_returns_its_main_metric(name, stories, mo
     assert cell["estimate"] == pytest.approx(value, abs=0.01, rel=1e-4)  # the official average
     if cell["ci95"] is not None:
         assert cell["ci95"][0] <= value + 0.01 and value - 0.01 <= cell["ci95"][1]
+
+
+def request_fields(request) -> list:
+    """A request as comparable data (a stream's tensor as a list)."""
+    return [v.tolist() if isinstance(v, torch.Tensor) else v
+            for v in vars(request).values() if not callable(v)]
+
+
+@pytest.mark.parametrize("name", [n for n in TASKS if task_class(n).needs_live_engine is not True])
+def test_requests_depend_on_the_model_not_the_method(name, stories, monkeypatch, tmp_path):
+    """A sweep builds a task's requests once, from its first setting's engine, and answers them
+    for every setting (harness.sweep.execute): they must not depend on the method. Scoring the
+    answers of those requests is the task's evaluate."""
+    need_shared(DATA)
+    monkeypatch.setenv("KVH_CACHE_DIR", str(tmp_path / "cache"))
+    model, tok = stories
+    task = build_task(name, **TINY[name])
+    task.check_data()
+    if task.needs_live_engine:
+        pytest.skip(f"task={name} with these options needs a live engine: it builds no requests")
+    full, evicting = (make_engine(model, build_method(m, **k), tok)
+                      for m, k in (("full", {}), ("streaming_llm", {"budget_tokens": 16})))
+    work, other = task.requests(full), task.requests(evicting)
+    assert [request_fields(r) for r in work.requests] == \
+        [request_fields(r) for r in other.requests]
+    answers = [answer(full, r) for r in work.requests]
+    assert task.score(full, work, answers).metrics == task.evaluate(full).metrics
 
 
 @pytest.mark.parametrize("task, options, expect", [
