@@ -92,6 +92,8 @@ class InfiniGen(KVMethod):
     serving_needs: ClassVar[ServingNeeds] = ServingNeeds(
         evicts_during_decode=False, needs_host_tier=True, needs_calibration=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("alpha", "budget_ratio")
+    # the fetch budget is read at decode steps only: a dense prompt is held whole until its end
+    prompt_end_knobs: ClassVar[tuple[str, ...]] = ("budget_ratio",)
     variant_keys: ClassVar[tuple[str, ...]] = (
         "partial_ratio", "dense_layers", "pool_capacity", "mode", "skewing", "column_score",
         "group_reduce", "shared_count", "speculation_input", "skew_per", "select_per",

@@ -119,6 +119,9 @@ class ShadowKV(KVMethod):
         "sparse_budget_tokens": "applies only when budget_ratio and budget_tokens are both null "
                                 "(the shared budget takes precedence; the compressing case sets "
                                 "one)"}
+    # the sparse budget is read at decode steps only: a dense prompt is compressed whole
+    prompt_end_knobs: ClassVar[tuple[str, ...]] = ("budget_ratio", "budget_tokens",
+                                                   "sparse_budget_tokens")
     budget_ratio: float | None = None
     budget_tokens: int | None = None
     sparse_budget_tokens: int = 2048

@@ -146,6 +146,8 @@ class TailorKV(KVMethod):
     prepare_knobs: ClassVar[tuple[str, ...]] = (
         "quant_layers", "dense_threshold", "probe_top_ratio", "probe_queries", "calibration_path",
         "calibration_tokens", "key_channels")
+    # the top-k budget is read at decode steps only: a dense prompt is offloaded whole
+    prompt_end_knobs: ClassVar[tuple[str, ...]] = ("budget_ratio", "budget_tokens", "topk_tokens")
     budget_ratio: float | None = None
     budget_tokens: int | None = None
     sink_tokens: int = 8

@@ -3,7 +3,8 @@
 ledger's anytime-valid verdict against the full cache, the pairs among the top ten that each
 figure orders, and what the rounds cost.
 
-    python results/reports/ruler4k_rounds/table.py R/A R/B > results/reports/ruler4k_rounds/table.md
+    python results/reports/ruler4k_rounds/table.py R/A R/B --floor R/floor \
+        > results/reports/ruler4k_rounds/table.md
 
 Figures per sample (larger is worse, as harness.report.validation orients them): accuracy drop
 (-100 x score), KL mean over the K teacher-forced tokens, top disagreement (1 - same-top ratio),
@@ -13,6 +14,10 @@ RESAMPLES and SEED). Pairs: the paired difference on the two settings' common sa
 bootstrap p-value, Benjamini-Hochberg over the 45 pairs of each figure (FDR 5 %). The rounds
 chose each setting's n by its comparison with the full cache, so these fixed-n pair tests are
 descriptive; the ledger's confidence sequences are the ones valid under the rounds' looks.
+The noise floor (`--floor`: the full cache run through eager attention, harness.report.compare's
+floor): its paired accuracy difference from the sdpa full cache on their common samples; a
+setting whose difference from the full cache lies within the floor's magnitude (the largest of
+|difference| and the interval's ends) is marked "within the floor".
 """
 from __future__ import annotations
 
@@ -101,7 +106,41 @@ def pair(a: dict[str, dict], b: dict[str, dict], f: str, resamples: int) -> tupl
         int(keep.sum())
 
 
-def main(roots: list[str], resamples: int = stats.RESAMPLES) -> None:
+def floor_rows(root: Path) -> dict[str, dict]:
+    """Sample id -> row of the newest finished run under `root` (the eager full cache)."""
+    runs = sorted(root.rglob("metrics.json"), key=lambda m: m.stat().st_mtime)
+    if not runs:
+        raise SystemExit(f"--floor {root}: no finished run (metrics.json) under it")
+    rows = [json.loads(line) for line in (runs[-1].parent / "samples.jsonl").read_text().splitlines()]
+    return {row["sample_id"]: row for row in rows}
+
+
+def floor_line(full: dict[str, dict], eager: dict[str, dict], resamples: int
+               ) -> tuple[str, float]:
+    """The floor's table line and its magnitude (points)."""
+    d, p, n = pair(eager, full, "accuracy", resamples)  # larger is worse: eager's drop
+    ids = sorted(set(full) & set(eager))
+    diff = np.array([worse(eager[i])["accuracy"] - worse(full[i])["accuracy"] for i in ids])
+    low, high = stats.percentile(draws(diff, np.array([full[i]["subtask"] for i in ids]),
+                                       resamples))
+    agree = sum(full[i]["prediction"] == eager[i]["prediction"] for i in ids)
+    magnitude = max(abs(d), abs(low), abs(high))
+    # the accuracy drop is -100 x score: eager's score minus sdpa's is -d
+    return (f"- **Noise floor** (the full cache through eager attention against sdpa, n = {n}): "
+            f"accuracy difference {-d:+.1f} [{-high:+.1f}, {-low:+.1f}] points (paired "
+            f"bootstrap, p = {p:.2f}); the two give the same answer on {agree} of {n} samples. "
+            f"Magnitude {magnitude:.1f} points.", magnitude)
+
+
+def verdict(v: dict | None, magnitude: float | None) -> str:
+    """The ledger's verdict, and whether the difference lies within the noise floor."""
+    if not v:
+        return "reference"
+    within = magnitude is not None and abs(v["versus_reference"]["mean"]) <= magnitude
+    return v["verdict"] + (" (within the floor)" if within else "")
+
+
+def main(roots: list[str], resamples: int = stats.RESAMPLES, floor: str | None = None) -> None:
     homes = sorted({p.parent for r in roots for p in Path(r).rglob(LEDGER)})
     settings: dict[str, dict] = {}
     verdicts: dict[str, dict] = {}
@@ -127,6 +166,10 @@ def main(roots: list[str], resamples: int = stats.RESAMPLES) -> None:
             settings[REFERENCE] = ref
         settings.update(rows)
         verdicts.update({name(k): v for k, v in ledger["reported"].items()})
+    magnitude = None
+    if floor is not None:
+        line, magnitude = floor_line(settings[REFERENCE], floor_rows(Path(floor)), resamples)
+        lines.append(line)
     shown = {k: summary(v, resamples) for k, v in settings.items()}
     order = sorted((k for k in settings if k != REFERENCE), key=lambda k: shown[k]["accuracy"][0])
     lines += ["", "| setting | n | accuracy | vs full (ledger CS) | verdict | KL mean | same-top "
@@ -145,7 +188,7 @@ def main(roots: list[str], resamples: int = stats.RESAMPLES) -> None:
         vs = (f"{v['versus_reference']['mean']:+.1f} [{v['versus_reference']['low']:+.1f}, "
               f"{v['versus_reference']['high']:+.1f}]" if v else "")
         lines.append(f"| {k} | {len(settings[k])} | {cell(k, 'accuracy', 1, lambda x: -x)} "
-                     f"| {vs} | {v['verdict'] if v else 'reference'} "
+                     f"| {vs} | {verdict(v, magnitude)} "
                      f"| {cell(k, 'kl_mean', 4)} | {cell(k, 'top_disagree', 3, lambda x: 1 - x)} "
                      f"| {cell(k, 'gold_drop')} |")
     top = order[:TOP]
@@ -168,4 +211,7 @@ def main(roots: list[str], resamples: int = stats.RESAMPLES) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    args = sys.argv[1:]
+    at = args.index("--floor") if "--floor" in args else None
+    main(args if at is None else args[:at] + args[at + 2:],
+         floor=None if at is None else args[at + 1])
