@@ -62,7 +62,7 @@ class KVMethod:
     path_variants: ClassVar[tuple[dict[str, Any], ...]] = ()
     # Knobs its layers read from the prompt's end on only: under runner.prefill=dense they change
     # nothing a layer records while a prompt is fed, so a sweep's settings that differ only in
-    # them share one prefill of each prompt (harness.sweep.execute). Declare a knob only when
+    # them share one prefill of each prompt (harness.sweep.plan). Declare a knob only when
     # its layers neither read it nor keep anything derived from it before `on_prefill_end`.
     prompt_end_knobs: ClassVar[tuple[str, ...]] = ()
     # The knobs its `prepare` reads, where preparing is costly (a calibration forward): a sweep's

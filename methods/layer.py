@@ -203,7 +203,7 @@ class KVLayer:
 
     def prompt_state_key(self) -> tuple | None:
         """What the state this fresh layer records while a dense prompt is fed depends on beyond
-        its method's knobs (read by harness.sweep.execute.prefill_key): the layer's class and
+        its method's knobs (read by harness.sweep.plan.prefill_key): the layer's class and
         place and its fresh state. Fresh layers of two settings with equal prefill keys and
         equal prompt-state keys record the same prompt state, so one's `fork` is the other's.
         None: this layer cannot tell (its settings each feed their own prompts)."""

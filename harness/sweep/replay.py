@@ -20,7 +20,7 @@ without recomputing it; a layer that computes attention itself (its probabilitie
 scores) computes it, and its result is compared. A recording is made with the model's attention
 or with the eager computation of methods.scoring.attention_with_probs (`Recorder.eager`): the
 sweep replays the first into every setting, and the second into those whose layers attend that
-way (harness.sweep.execute.Forward).
+way (harness.sweep.plan.Forward).
 """
 
 from __future__ import annotations

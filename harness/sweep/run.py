@@ -39,6 +39,7 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True,
     no folder (Outcome "ok", detail: the shard); `merge=n`: write every setting's folder from
     the records of its n shards, computing nothing."""
     from harness.sweep import execute as sweep_engine
+    from harness.sweep import plan as sweep_plan
     from harness.core.profiling import reset_peak_memory
     from harness.run import build_metrics, output_dir, seed_everything, write_result
     from harness.session import Session, compose
@@ -99,7 +100,7 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True,
     members = []
     for i in todo:
         seed_everything(composed[i].runner.seed)  # as a single run seeds before prepare
-        members.append(sweep_engine.Member(composed[i], session.engine(composed[i])))
+        members.append(sweep_plan.Member(composed[i], session.engine(composed[i])))
     records = [records[i] for i in todo]
     resumed = sum(r.resumed for r in records if r)
     if resumed and not merge:
@@ -114,7 +115,7 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True,
         if m.own_pass and shard is None:
             print(f"sweep engine: {m.setting.label}: its own task pass ({m.own_pass})")
     reset_peak_memory(members[0].engine.device)
-    groups = sweep_engine.plan_groups(members, session.info)
+    groups = sweep_plan.plan_groups(members, session.info)
     passes = sweep_engine.evaluate(members, groups, copy_on_use, records, bool(merge), shard)
     if shard is not None:
         list(passes)  # a shard answers and records; it scores nothing

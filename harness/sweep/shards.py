@@ -54,7 +54,7 @@ def owner(prompt: int, prompts: int, count: int) -> int:
 
 def shard_reasons(setting, count: int) -> list[str]:
     """Why this setting cannot be split into `count` shards (each reason names its key)."""
-    from harness.sweep.execute import needs_own_pass
+    from harness.sweep.plan import needs_own_pass
 
     if count == 1:
         return []

@@ -412,7 +412,7 @@ def test_a_sample_that_fits_the_budget_takes_the_full_caches_answer(tmp_path, mo
     ("streaming_llm", {"budget_tokens": 50}, None),  # its window is not what bounds it then
     ("kivi", {}, None), ("full", {}, None)])
 def test_the_rule_budget_is_the_configuration_the_contract_checks(name, knobs, budget):
-    from harness.sweep.execute import rule_budget
+    from harness.sweep.plan import rule_budget
     from methods import build_method
 
     assert rule_budget(build_method(name, **knobs)) == budget
