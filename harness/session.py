@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from harness.config.runner import (RunnerSettings, check_prompts, checking_tokenizer,
                                    engine_settings, plain, setting_reasons, split_name)
-from kvcore.errors import ConfigError
+from kvcore.errors import ConfigError, UnsupportedCombination, UnsupportedReason
 from tasks.base import Task
 
 log = logging.getLogger("harness")
@@ -183,7 +183,9 @@ class Session:
         with _recording(setting):
             reasons = self.reasons(setting)
         if reasons:  # each once (a side file is checked by kind, then read by its method)
-            raise ConfigError("; ".join(dict.fromkeys(reasons)))
+            unsupported = all(isinstance(r, UnsupportedReason) for r in reasons)
+            error = UnsupportedCombination if unsupported else ConfigError
+            raise error("; ".join(dict.fromkeys(reasons)))
         setting.task.check_data()
         if self._checking_tokenizer is None:  # one load for every setting
 

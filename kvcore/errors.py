@@ -17,5 +17,12 @@ class UnsupportedCombination(ConfigError):
     the combination with a one-line reason instead of failing."""
 
 
+class UnsupportedReason(str):
+    """A check's reason that names a valid setting this model cannot take (a budget below what
+    the method's fixed heads hold on it), not a bad input: a setting refused only for such
+    reasons is an `UnsupportedCombination` (a sweep skips it; a single run still exits with
+    the line)."""
+
+
 class OutputError(ConfigError):
     """Results could not be written (disk full, permissions); nothing partial is left."""

@@ -56,7 +56,7 @@ from pathlib import Path
 
 import torch
 
-from kvcore.errors import ConfigError
+from kvcore.errors import ConfigError, UnsupportedReason
 from kvcore.storage import KV_LAYOUTS
 from methods import _sidefiles as sidefiles
 from methods._head_probe import check_probe_knobs, probe_scores, select_retrieval
@@ -128,10 +128,11 @@ class DuoAttention(HeadwiseMethod):
         reasons = super().validate(info, runner)
         ratio, b = self.head_ratio(info), self.budget_ratio
         if self.retrieval_head_ratio is None and b is not None and ratio >= b and b < 1:
-            reasons.append(f"method.budget_ratio={b}: DuoAttention's retrieval heads alone hold "
-                           f"{ratio:g} of the cache on this model (official share for "
-                           f"{'GQA' if info.group_size > 1 else 'MHA'}); set "
-                           "method.retrieval_head_ratio below the budget")
+            reasons.append(UnsupportedReason(
+                f"method.budget_ratio={b}: DuoAttention's retrieval heads alone hold {ratio:g} "
+                f"of the cache on this model (official share for "
+                f"{'GQA' if info.group_size > 1 else 'MHA'}); set method.retrieval_head_ratio "
+                "below the budget"))
         if self.pattern_path:
             try:
                 load_duo_pattern(self.pattern_path, info)

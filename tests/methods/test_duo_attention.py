@@ -7,15 +7,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 
 from harness.core import hf_adapter
-from kvcore.errors import ConfigError
+from harness.sweep.run import run_sweep
+from kvcore.errors import ConfigError, UnsupportedReason
 from methods import build_method
 from methods._head_probe import select_retrieval
 from methods._headwise import HeadwiseLayer
 from methods.duo_attention import load_duo_pattern, sparsify_gates
 from methods.model import ModelInfo
-from tests.conftest import make_engine
+from tests.conftest import PROJECT, STORIES, make_engine, need_shared
 from tests.helpers.validation import one_reason
 from tests.methods.headwise_reference import masked_full_gap, streaming_positions
 
@@ -76,6 +78,27 @@ def test_official_defaults_half_the_heads_on_gqa_a_quarter_on_mha(tiny_model, tm
     # a budget below the official share is refused before weights load, with the reason
     reasons = build_method("duo_attention", budget_ratio=0.2).validate(gqa, {})
     assert any("retrieval heads alone hold 0.5" in r for r in reasons)
+    # ... as a combination this model cannot take (a sweep skips it), not a bad input
+    share = [r for r in reasons if "retrieval heads alone" in r]
+    assert share and all(isinstance(r, UnsupportedReason) for r in share)
+    assert not any("retrieval heads alone" in r
+                   for r in build_method("duo_attention", budget_ratio=0.6).validate(gqa, {}))
+
+
+def test_a_budget_below_the_head_share_is_skipped_in_a_sweep_not_failed(tmp_path):
+    """A sweep over budgets goes on past the ones this model's retrieval heads already exceed
+    (a rounds sweep stops on a failed member): the member is skipped with its reason."""
+    need_shared(STORIES)
+    cfgs = []
+    with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
+        for budget in ("0.1", "null"):
+            cfgs.append(compose(config_name="config", overrides=[
+                "model=stories260k", "task=perplexity", "task.max_tokens=48",
+                "method=duo_attention", f"method.budget_ratio={budget}",
+                "method.retrieval_head_ratio=null", f"runner.results_root={tmp_path}"]))
+    outcomes = run_sweep(cfgs)
+    assert [o.status for o in outcomes] == ["skipped", "ok"], outcomes
+    assert "retrieval heads alone hold" in outcomes[0].detail
 
 
 def test_learned_pattern_drives_the_heads(tiny_model, tmp_path):
