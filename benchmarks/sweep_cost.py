@@ -20,7 +20,7 @@ new Python process and its imports per setting as `runner.sweep_engine=false` do
 is a lower bound of the saving. Both paths write real result folders (under a temporary root);
 their predictions are compared (they must be equal). At the end: where the sweep's time goes
 (model load and task, shared prefills, decode steps, the rest: compression at each prompt's end,
-replaying each setting's task pass, writing results).
+scoring each setting's answers, writing results).
 """
 
 from __future__ import annotations
@@ -233,8 +233,8 @@ def main() -> None:
         rest = wall - parts["prefill_s"] - parts["decode_s"]
         print(f"  {labels[swept]}: wall {wall:.1f} s: prefills {parts['prefill_s']:.1f} s "
               f"(recorded forwards and replays), decode steps {parts['decode_s']:.1f} s, the "
-              f"rest {rest:.1f} s (model load, samples, compression at each prompt's end, task "
-              "passes, writing)")
+              f"rest {rest:.1f} s (model load, samples, compression at each prompt's end, "
+              "scoring, writing)")
 
 if __name__ == "__main__":
     main()
