@@ -13,7 +13,7 @@ SCANNED = ("harness", "tasks", "benchmarks")
 # file -> why it may call the sequence's steps itself
 ALLOWED = {
     "harness/session.py": "the entry path itself",
-    "harness/sweep/execute.py": "the sweep's shared-prefill and eager engines, over the model and "
+    "harness/sweep/plan.py": "the sweep's shared-prefill and eager engines, over the model and "
                                "methods its Session loaded and prepared",
     "harness/api.py": "the user's own model, already loaded: the cache runs the runner's checks "
                       "(method.validate, protocol_reasons) before it prepares",
