@@ -204,6 +204,13 @@ def main() -> None:
             return predictions(last[path][::args.old_every] if path != "old" else last[path])
         first = next(iter(last))
         same = all(agree(answers(first), answers(path)) for path in last)
+        for path in last:  # where they differ: the setting and the sample
+            for folder, p, q in zip(last[path][::args.old_every] if path != "old"
+                                    else last[path], answers(first), answers(path)):
+                for i, (x, y) in enumerate(zip(p, q)):
+                    if not agree([[x]], [[y]]):
+                        print(f"  differs: {path} vs {first}: {folder.parent.name} sample {i}: "
+                              f"{str(y)[:60]!r} vs {str(x)[:60]!r}")
         # settings decoded together each report the batched step's time: no breakdown there
         swept = "sweep" if "sweep" in last else None
         parts = breakdown(last[swept]) if swept else None

@@ -126,8 +126,11 @@ def floor_line(full: dict[str, dict], eager: dict[str, dict], resamples: int
     agree = sum(full[i]["prediction"] == eager[i]["prediction"] for i in ids)
     magnitude = max(abs(d), abs(low), abs(high))
     # the accuracy drop is -100 x score: eager's score minus sdpa's is -d
+    def pts(x: float) -> str:
+        return f"{round(x, 1) + 0.0:+.1f}"  # no "-0.0"
+
     return (f"- **Noise floor** (the full cache through eager attention against sdpa, n = {n}): "
-            f"accuracy difference {-d:+.1f} [{-high:+.1f}, {-low:+.1f}] points (paired "
+            f"accuracy difference {pts(-d)} [{pts(-high)}, {pts(-low)}] points (paired "
             f"bootstrap, p = {p:.2f}); the two give the same answer on {agree} of {n} samples. "
             f"Magnitude {magnitude:.1f} points.", magnitude)
 
