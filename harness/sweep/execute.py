@@ -327,6 +327,9 @@ class SharedPass:
             return self._handed(group, snapshot, logits, before, count)
         if len(group.members) == 1:
             return None
+        if group.own_each:  # shown unforkable by an earlier prompt: no group prefill to check
+            group.own_prefills += count
+            return None
         before = sweep_records.tally(engine)
         with engine.request(account=False) as req:
             logits = req.feed_prompt(prompt)
@@ -337,6 +340,7 @@ class SharedPass:
         engine = group.prefill_engine
         if snapshot is None:
             group.own_prefills += count
+            group.own_each = True
             return None
         group.shared_prefills += count
         return snapshot, logits, sweep_records.added(engine, before)

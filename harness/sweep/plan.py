@@ -74,6 +74,9 @@ class Group:
     # member replays the forward into its own request, once the group's replay of the prompt
     # has shown that its layers attend as the recording did
     per_member: bool = False
+    # its prompt state cannot be copied and it replays no forward: once its first prefill
+    # has shown it, each member prefills every prompt itself (no group prefill to check)
+    own_each: bool = False
     streams: int = 0  # token streams its members were scored on (SharedPass.score_stream)
 
 
