@@ -94,16 +94,23 @@ def summary(rows: dict[str, dict], resamples: int) -> dict[str, tuple[float, flo
     return out
 
 
-def pair(a: dict[str, dict], b: dict[str, dict], f: str, resamples: int) -> tuple[float, float, int]:
-    """Paired difference a - b of figure f on the common samples, bootstrap p, n."""
+def paired_draws(a: dict[str, dict], b: dict[str, dict], f: str, resamples: int
+                 ) -> tuple[float, np.ndarray, int]:
+    """Paired difference a - b of figure f on the common samples: its mean, its stratified
+    bootstrap draws, n (nan, no draws, 0: no common finite value)."""
     ids = sorted(set(a) & set(b))
     d = np.array([worse(a[i])[f] - worse(b[i])[f] for i in ids], dtype=float)
     strata = np.array([a[i]["subtask"] for i in ids])
     keep = np.isfinite(d)
     if not keep.any():
-        return np.nan, 1.0, 0
-    return float(d[keep].mean()), stats.bootstrap_p(draws(d[keep], strata[keep], resamples)), \
-        int(keep.sum())
+        return np.nan, np.array([]), 0
+    return float(d[keep].mean()), draws(d[keep], strata[keep], resamples), int(keep.sum())
+
+
+def pair(a: dict[str, dict], b: dict[str, dict], f: str, resamples: int) -> tuple[float, float, int]:
+    """Paired difference a - b of figure f on the common samples, bootstrap p, n."""
+    mean, drawn, n = paired_draws(a, b, f, resamples)
+    return mean, stats.bootstrap_p(drawn) if n else 1.0, n
 
 
 def floor_rows(root: Path) -> dict[str, dict]:
@@ -118,12 +125,9 @@ def floor_rows(root: Path) -> dict[str, dict]:
 def floor_line(full: dict[str, dict], eager: dict[str, dict], resamples: int
                ) -> tuple[str, float]:
     """The floor's table line and its magnitude (points)."""
-    d, p, n = pair(eager, full, "accuracy", resamples)  # larger is worse: eager's drop
-    ids = sorted(set(full) & set(eager))
-    diff = np.array([worse(eager[i])["accuracy"] - worse(full[i])["accuracy"] for i in ids])
-    low, high = stats.percentile(draws(diff, np.array([full[i]["subtask"] for i in ids]),
-                                       resamples))
-    agree = sum(full[i]["prediction"] == eager[i]["prediction"] for i in ids)
+    d, drawn, n = paired_draws(eager, full, "accuracy", resamples)  # larger is worse
+    p, (low, high) = stats.bootstrap_p(drawn), stats.percentile(drawn)
+    agree = sum(full[i]["prediction"] == eager[i]["prediction"] for i in set(full) & set(eager))
     magnitude = max(abs(d), abs(low), abs(high))
     # the accuracy drop is -100 x score: eager's score minus sdpa's is -d
     def pts(x: float) -> str:
