@@ -84,6 +84,7 @@ class Call:
     request: GenerationRequest
     outputs: list[list[list[int]]]  # per member, per prompt
     index: int  # the task's generation requests before it (a record's call index)
+    stop_ids: set[int]  # the request's, or the engine's where it names none
     fidelity_keys: list[tuple | None] = field(default_factory=list)  # per prompt (sample_key)
 
 
@@ -114,13 +115,11 @@ class SharedPass:
         # member -> record
         self.fidelity_done: dict[tuple, dict[int, dict]] = {}
 
-    def stop_ids(self, request: GenerationRequest) -> set[int]:
-        return (self.members[self.first].engine.stop_token_ids() if request.stop_ids is None
-                else set(request.stop_ids))
-
     def open_call(self, request: GenerationRequest) -> Call:
         self.calls += 1
-        return Call(request, [[] for _ in self.members], self.calls - 1)
+        stop_ids = (self.members[self.first].engine.stop_token_ids() if request.stop_ids is None
+                    else set(request.stop_ids))
+        return Call(request, [[] for _ in self.members], self.calls - 1, stop_ids)
 
     def owns(self, i: int, request: GenerationRequest) -> bool:
         """Whether this pass answers prompt i (a shard answers its own prompts only)."""
@@ -150,10 +149,9 @@ class SharedPass:
         prompt, query, limit = request.prompts[i], request.query(i), request.max_new_tokens[i]
         where = (call.index, i, sweep_records.prompt_key(prompt, query, limit))
         reuse = self._reuse(len(prompt) + len(query or []) + limit)
-        stop_ids = self.stop_ids(request)
-        key, forcing = self._pass_fidelity(request, i, stop_ids)
+        key, forcing = self._pass_fidelity(request, i, call.stop_ids)
         call.fidelity_keys.append(key)
-        with Decoder(self.decode_batch, stop_ids, request.min_new_tokens,
+        with Decoder(self.decode_batch, call.stop_ids, request.min_new_tokens,
                      functools.partial(self._done, call, where), self.copy_on_use) as decoder, \
                 forcing or contextlib.nullcontext():
             yield Turn(self, call, where, reuse, decoder, forcing)
@@ -216,11 +214,11 @@ class SharedPass:
             return None, None
         item = request.fidelity_item(i)
         lead = self.members[self.first].engine
-        key = fidelity.sample_key(lead, item, request.fidelity_tokens, set(stop_ids),
+        key = fidelity.sample_key(lead, item, request.fidelity_tokens, stop_ids,
                                   request.min_new_tokens)
         if key in self.fidelity_done:
             return key, None
-        ref = fidelity.reference(lead, item, request.fidelity_tokens, set(stop_ids),
+        ref = fidelity.reference(lead, item, request.fidelity_tokens, stop_ids,
                                  request.min_new_tokens)
         return key, FidelityBatch(item, ref, self.decode_batch)
 
