@@ -234,6 +234,13 @@ class EvictionLayer(TokenRows, KVLayer):
             slots = torch.arange(self.positions.shape[-1], device=self.positions.device)
             self.positions.masked_fill_(slots >= self.held_lengths()[..., None], PAD_POSITION)
 
+    def adopt(self, state, consume: bool = False) -> None:
+        super().adopt(state, consume)
+        # `positions` views the positions rows; adopted, it is a copy of the donor's view, and an
+        # in-place write to it (RazorAttention's compensation slot) would miss the rows it views
+        if "positions" in self.token_state:
+            self._views()
+
     def kept_tokens(self) -> int:
         return self.kept_count
 

@@ -92,6 +92,35 @@ def test_layers_fork_their_declared_state(name, request, monkeypatch, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(later, consumed)), f"{name}: consumed differently"
 
 
+@pytest.mark.parametrize("name", METHODS)
+def test_a_prompt_state_forked_before_its_end_compresses_as_its_own(name, request, monkeypatch,
+                                                                  tmp_path):
+    """A sweep forks the state a layer holds while the prompt is fed, and each setting adopts a
+    copy and compresses it (`close_prompt`): that copy must compress and decode as the original
+    does. Catches state that aliases other state (a view of the rows) and loses it in the copy."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("KVH_CACHE_DIR", str(tmp_path))
+    model = get_model("llama", request, layers=4)
+    method = build_method(name, **method_class(name).compressing_hyperparameters(48))
+    skip_if_refused(method, model)
+    engine = make_engine(model, method)
+    ids = torch.randint(3, 250, (48,), generator=torch.Generator().manual_seed(1))
+    with engine.request() as req:
+        req.feed_prompt(ids[:40])
+        snap = req.snapshot()
+        if snap is None:
+            pytest.skip(f"{name}: its prompt state is not forked (a sweep replays it)")
+        req.close_prompt()
+        own = [req.step(t) for t in ids[40:46]]
+    for consume in (False, True):
+        with engine.request() as req:
+            req.restore(snap, consume=consume)
+            req.close_prompt()
+            adopted = [req.step(t) for t in ids[40:46]]
+        assert all(torch.equal(a, b) for a, b in zip(own, adopted)), \
+            f"{name}: an adopted prompt state (consume={consume}) compressed differently"
+
+
 PROMPT_END = [pytest.param(name, knob, id=f"{name}.{knob}") for name in METHODS
               for knob in method_class(name).prompt_end_knobs]
 
