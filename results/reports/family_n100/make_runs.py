@@ -108,11 +108,16 @@ def main() -> None:
                     "from the records of its n shards")
     ap.add_argument("--part", choices=["family", "floor"], action="append",
                     help="only these sweeps (default both: the family, then the noise floor)")
+    ap.add_argument("--methods", nargs="+", help="the family's settings of only these methods "
+                    "(with the full cache): settings run again")
     args = ap.parse_args()
     common = common_overrides(args.task, args.root)
     parts = args.part or ["family", "floor"]
     settings_per_sweep = [family_settings(args.task) if part == "family" else [NOISE_FLOOR]
                           for part in parts]
+    if args.methods:
+        settings_per_sweep = [[s for s in settings if s[0] == "full" or s[0] in args.methods]
+                              for settings in settings_per_sweep]
     with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
         sweeps = [[compose(config_name="config", overrides=[*common, f"method={m}", *knobs])
                    for m, knobs in settings] for settings in settings_per_sweep]

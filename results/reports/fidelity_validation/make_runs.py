@@ -91,9 +91,13 @@ def main() -> None:
     ap.add_argument("part", choices=["A", "B"])
     ap.add_argument("root")
     ap.add_argument("--samples-per-cell", type=int, default=25)
+    ap.add_argument("--methods", nargs="+", help="only these of the part's methods (with the "
+                    "full cache): a setting run again")
     args = ap.parse_args()
     common = overrides(args.root, args.samples_per_cell)
     chosen = part(args.part, settings())
+    if args.methods:
+        chosen = [s for s in chosen if s[0] == "full" or s[0] in args.methods]
     with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
         cfgs = [compose(config_name="config", overrides=[*common, f"method={m}", *knobs])
                 for m, knobs in chosen]

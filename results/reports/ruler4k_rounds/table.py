@@ -3,8 +3,12 @@
 ledger's anytime-valid verdict against the full cache, the pairs among the top ten that each
 figure orders, and what the rounds cost.
 
-    python results/reports/ruler4k_rounds/table.py R/A R/B --floor R/floor \
-        > results/reports/ruler4k_rounds/table.md
+    python results/reports/ruler4k_rounds/table.py R/A R/B R/razor --floor R/floor \
+        --withdraw c6dc3180167e3558=razor_attention > results/reports/ruler4k_rounds/table.md
+
+`--withdraw LEDGER=METHOD` (repeatable): that ledger's rows and verdict of the method are left
+out (named in the table), e.g. runs made with a bug, the method run again in a ledger of its
+own. A method in two ledgers otherwise is an error.
 
 Figures per sample (larger is worse, as harness.report.validation orients them): accuracy drop
 (-100 x score), KL mean over the K teacher-forced tokens, top disagreement (1 - same-top ratio),
@@ -147,7 +151,8 @@ def verdict(v: dict | None, magnitude: float | None) -> str:
     return v["verdict"] + (" (within the floor)" if within else "")
 
 
-def main(roots: list[str], resamples: int = stats.RESAMPLES, floor: str | None = None) -> None:
+def main(roots: list[str], resamples: int = stats.RESAMPLES, floor: str | None = None,
+         withdrawn: tuple[tuple[str, str], ...] = ()) -> None:
     homes = sorted({p.parent for r in roots for p in Path(r).rglob(LEDGER)})
     settings: dict[str, dict] = {}
     verdicts: dict[str, dict] = {}
@@ -161,6 +166,17 @@ def main(roots: list[str], resamples: int = stats.RESAMPLES, floor: str | None =
         lines.append(f"- `{home.name}`: {len(ledger['rounds'])} round(s), {ledger['status']}; "
                      f"{sum(r['n'] for r in ledger['reported'].values())} (setting, sample) "
                      f"answers of {ledger['max_n'] * len(ledger['reported'])} at max_n")
+        for ledger_id, method in withdrawn:
+            if ledger_id == home.name and rows.pop(method, None) is not None:
+                reported = ledger["reported"]
+                for label in [k for k in reported if name(k) == method]:
+                    del reported[label]
+                lines.append(f"  - {method}: withdrawn from this ledger (its rows and verdict "
+                             "are left out; see the README)")
+        twice = sorted(set(rows) & set(settings) - {REFERENCE})
+        if twice:
+            raise SystemExit(f"{', '.join(twice)} in more than one ledger: --withdraw all but "
+                             "one")
         ref = rows.pop(REFERENCE)
         if REFERENCE in settings:  # the full cache of each ledger: the same answers
             same = [i for i in ref if i in settings[REFERENCE]]
@@ -218,7 +234,15 @@ def main(roots: list[str], resamples: int = stats.RESAMPLES, floor: str | None =
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    at = args.index("--floor") if "--floor" in args else None
-    main(args if at is None else args[:at] + args[at + 2:],
-         floor=None if at is None else args[at + 1])
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("roots", nargs="+", help="folders holding the ledgers (rounds.json)")
+    ap.add_argument("--floor", help="the noise floor's results root")
+    ap.add_argument("--withdraw", action="append", default=[], metavar="LEDGER=METHOD")
+    args = ap.parse_args()
+    bad = [w for w in args.withdraw if w.count("=") != 1]
+    if bad:
+        ap.error(f"--withdraw {bad[0]!r}: expected LEDGER=METHOD (a ledger id, a method name)")
+    main(args.roots, floor=args.floor,
+         withdrawn=tuple(tuple(w.split("=")) for w in args.withdraw))
