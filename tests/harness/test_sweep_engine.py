@@ -40,6 +40,12 @@ def knob_settings(name: str) -> list[list[str]]:
     return [first, second]
 
 
+# Paired fidelity over the full cache's first tokens in every run: the per-token KL to the full
+# cache compares each step's whole distribution, so a sweep that changes a setting's logits
+# without changing its greedy answer (8 tokens of a tiny model) still differs.
+FIDELITY = ["task.fidelity_tokens=4"]
+
+
 @pytest.fixture(scope="module")
 def full_alone(tmp_path_factory):
     """The full cache's single run per layout, made once for every method's sweep."""
@@ -47,7 +53,7 @@ def full_alone(tmp_path_factory):
 
     def get(layout: str):
         if layout not in made:
-            settings = [[*TASK, f"runner.kv_layout={layout}", "method=full"]]
+            settings = [[*TASK, *FIDELITY, f"runner.kv_layout={layout}", "method=full"]]
             made[layout] = (settings[0], single_runs(settings, tmp_path_factory.mktemp(layout))[0])
         return made[layout]
     return get
@@ -61,7 +67,8 @@ def test_sweep_equals_single_runs(name, layout, tmp_path, full_alone):
     (harness.sweep.replay) unless its layers attend otherwise (the reason is then recorded)."""
     need_shared(STORIES)
     runner = [f"runner.kv_layout={layout}"]
-    settings = [[*TASK, *runner, f"method={name}", *knobs] for knobs in knob_settings(name)]
+    settings = [[*TASK, *FIDELITY, *runner, f"method={name}", *knobs]
+                for knobs in knob_settings(name)]
     swept = assert_equal_to_single_runs(settings, tmp_path, given=[full_alone(layout)])
     for folder in swept[:len(settings)]:
         sweep = json.loads((folder / "metrics.json").read_text())["run"]["sweep"]
