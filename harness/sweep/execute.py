@@ -149,7 +149,7 @@ class SharedPass:
         prompt, query, limit = request.prompts[i], request.query(i), request.max_new_tokens[i]
         where = (call.index, i, sweep_records.prompt_key(prompt, query, limit))
         reuse = self._reuse(len(prompt) + len(query or []) + limit)
-        key, forcing = self._pass_fidelity(request, i, call.stop_ids)
+        key, forcing = self._pass_fidelity(request, i, call.stop_ids, where)
         call.fidelity_keys.append(key)
         with Decoder(self.decode_batch, call.stop_ids, request.min_new_tokens,
                      functools.partial(self._done, call, where), self.copy_on_use) as decoder, \
@@ -158,6 +158,9 @@ class SharedPass:
         self._take_rule_answers(call, where, reuse)
         if forcing is not None:
             self.fidelity_done[key] = forcing.records
+            for k, rec in forcing.records.items():
+                if self.records[k] and not self.merge:  # a resumed sweep takes it from there
+                    self.records[k].append_fidelity(*where, rec)
         for forward in {id(g.forward): g.forward for g in self.groups if g.forward}.values():
             forward.release()  # one prompt's recording held at a time
 
@@ -201,15 +204,16 @@ class SharedPass:
             fidelity = dict(zip(self.order, per))
         return {k: Answer(scores=scores[k], fidelity=fidelity[k]) for k in self.order}
 
-    def _pass_fidelity(self, request: GenerationRequest, i: int, stop_ids: set[int]
-                       ) -> tuple[tuple | None, FidelityBatch | None]:
+    def _pass_fidelity(self, request: GenerationRequest, i: int, stop_ids: set[int],
+                       where: tuple[int, int, str]) -> tuple[tuple | None, FidelityBatch | None]:
         """Prompt i's fidelity in the answers' pass, when its request asks it (not in a shard:
         its merge does it): its key (harness.core.fidelity.sample_key), and a batch
         (harness.sweep.decode.FidelityBatch) that each member's request joins as its group's
         prompt state is made, from that state (a copy each; None: it prefills the prompt), so
         the prompt's forward and each group's replay of it serve the answers and the fidelity
         alike; the full cache's reference computed now. No batch: none asked, or the same
-        sample's records are made already."""
+        sample's records are made already (in this pass, or recorded for every member before a
+        restart)."""
         if not request.fidelity_tokens or self.shard is not None:
             return None, None
         item = request.fidelity_item(i)
@@ -217,6 +221,11 @@ class SharedPass:
         key = fidelity.sample_key(lead, item, request.fidelity_tokens, stop_ids,
                                   request.min_new_tokens)
         if key in self.fidelity_done:
+            return key, None
+        kept = {k: self.records[k].fidelity_of(*where) if self.records[k] else None
+                for k in self.order}
+        if None not in kept.values():
+            self.fidelity_done[key] = kept
             return key, None
         ref = fidelity.reference(lead, item, request.fidelity_tokens, stop_ids,
                                  request.min_new_tokens)

@@ -3,7 +3,10 @@ it completes, so a killed sweep resumes where it stopped (harness.sweep.execute 
 
 A record holds the prompt's answer and what the request added to its engine's accounting (timed
 regions, tokens, the ledger's sample, the attended fraction's sums, transfers), so a resumed
-setting's metrics.json counts every sample once, as an uninterrupted run does; what cannot be
+setting's metrics.json counts every sample once, as an uninterrupted run does; a second line
+per prompt, written once the prompt's paired fidelity is made (`task.fidelity_tokens`, made in
+the answers' pass), holds the setting's fidelity record, so a resumed prompt whose every
+setting has both is neither prefilled nor teacher-forced again; what cannot be
 carried over a restart is the process's memory peak and, under runner.kv_layout=paged, the
 pools' peak figures (both are the resumed process's own). The file is
 `<results_root>/_sweep_records/<config hash>.jsonl` (a shard's: `<config hash>.shard-<i>-of-<n>
@@ -105,6 +108,7 @@ def apply(engine, gained: dict[str, Any]) -> None:
 KIND = "kv-harness sweep records"
 VERSION = 2
 _FIELDS = {"call": int, "prompt": int, "key": str, "output": list, "tally": dict, "shared": bool}
+_FIDELITY_FIELDS = {"call": int, "prompt": int, "key": str, "fidelity": dict}
 
 
 def owner(setting, shard=None) -> dict[str, Any]:
@@ -154,7 +158,7 @@ def _record(path: Path, number: int, line: str, identity: str) -> dict[str, Any]
     if rec.get("identity") != identity:
         raise _refuse(path, f"line {number} is a record of setting {rec.get('identity')!r}, "
                       f"not of {identity}")
-    for name, kind in _FIELDS.items():
+    for name, kind in (_FIDELITY_FIELDS if "fidelity" in rec else _FIELDS).items():
         if not isinstance(rec.get(name), kind) or (kind is int and isinstance(rec[name], bool)):
             raise _refuse(path, f"line {number} has no valid {name!r} ({kind.__name__})")
     return rec
@@ -169,6 +173,7 @@ class Records:
         self.path, self.paths = path, [] if path is None else [path]
         self.writer = writer
         self.done: dict[tuple[int, int, str], dict[str, Any]] = {}
+        self.fidelity: dict[tuple[int, int, str], dict[str, Any]] = {}  # where -> its record
         self.resumed = 0
         if path is None:
             return
@@ -177,7 +182,11 @@ class Records:
             self._check_header(lines[0])
             for number, line in enumerate(lines[1:], 2):
                 rec = _record(path, number, line, writer["identity"])
-                self.done[(rec["call"], rec["prompt"], rec["key"])] = rec
+                where = (rec["call"], rec["prompt"], rec["key"])
+                if "fidelity" in rec:
+                    self.fidelity[where] = rec["fidelity"]
+                else:
+                    self.done[where] = rec
         self.resumed = len(self.done)
 
     def _check_header(self, line: str) -> None:
@@ -219,13 +228,30 @@ class Records:
     def get(self, call: int, prompt: int, key: str) -> dict[str, Any] | None:
         return self.done.get((call, prompt, key))
 
+    def fidelity_of(self, call: int, prompt: int, key: str) -> dict[str, Any] | None:
+        return self.fidelity.get((call, prompt, key))
+
     def append(self, call: int, prompt: int, key: str, output: list[int],
                gained: dict[str, Any], shared: bool = False) -> None:
         """`shared`: the answer continued from its prefill group's one prefill of the prompt."""
         rec = {"identity": self.writer["identity"], "call": call, "prompt": prompt, "key": key,
                "output": output, "tally": gained, "shared": shared}
+        self._write(rec)
+        self.done[(call, prompt, key)] = rec
+
+    def append_fidelity(self, call: int, prompt: int, key: str, record: dict[str, Any]) -> None:
+        """The prompt's paired fidelity record of this setting (harness.core.fidelity), as
+        read back: what a resumed sweep takes instead of making it again."""
+        rec = json.loads(json.dumps(json_safe({"identity": self.writer["identity"],
+                                               "call": call, "prompt": prompt, "key": key,
+                                               "fidelity": record})))
+        self._write(rec)
+        self.fidelity[(call, prompt, key)] = rec["fidelity"]
+
+    def _write(self, rec: dict[str, Any]) -> None:
+        """One line appended (after the file's header, written first), flushed and synced."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        lines = [] if self.done or self._started() else [
+        lines = [] if self.done or self.fidelity or self._started() else [
             json.dumps({"kind": KIND, "version": VERSION, **self.writer})]
         lines.append(json.dumps(json_safe(rec)))
         try:  # never through a link: a records file planted as one must not reach its target
@@ -238,7 +264,6 @@ class Records:
             f.write("".join(line + "\n" for line in lines))
             f.flush()
             os.fsync(f.fileno())
-        self.done[(call, prompt, key)] = rec
 
     def _started(self) -> bool:
         """Whether the file already has its header (records, if any, follow it)."""

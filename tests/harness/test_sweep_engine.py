@@ -245,6 +245,37 @@ def test_a_killed_sweep_resumes_from_its_records(tmp_path, monkeypatch, capsys):
     assert not list((tmp_path / "sweep" / sweep_records.FOLDER).iterdir())  # done: removed
 
 
+def test_a_resumed_sweep_takes_recorded_fidelity_instead_of_making_it_again(tmp_path,
+                                                                           monkeypatch):
+    """Killed once the first prompt's fidelity records are written (both settings'): the next
+    start neither teacher-forces that prompt again nor computes its full-cache reference, and
+    every setting still equals its single run, fidelity included."""
+    from harness.core import fidelity
+    from harness.sweep import records as sweep_records
+
+    need_shared(STORIES)
+    settings = [[*TASK, *FIDELITY, "method=tova", f"method.budget_tokens={b}"] for b in (24, 48)]
+    alone = [folder_figures(f) for f in single_runs(settings, tmp_path)]
+    append, written = sweep_records.Records.append_fidelity, []
+
+    def killed_after_one_prompt(self, *args):
+        if len(written) == len(settings):
+            raise KeyboardInterrupt
+        written.append(args)
+        append(self, *args)
+
+    monkeypatch.setattr(sweep_records.Records, "append_fidelity", killed_after_one_prompt)
+    with pytest.raises(KeyboardInterrupt):
+        sweep_folders(settings, tmp_path)
+    monkeypatch.setattr(sweep_records.Records, "append_fidelity", append)
+    references, made = [], fidelity.reference
+    monkeypatch.setattr(fidelity, "reference",
+                        lambda *a, **kw: references.append(1) or made(*a, **kw))
+    resumed = sweep_folders(settings, tmp_path)
+    assert len(references) == 1  # the second prompt's only
+    assert [folder_figures(f) for f in resumed] == alone
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "paged"])
 @pytest.mark.parametrize("name", ["snapkv", "h2o", "tova"])
 def test_a_handed_over_prompt_state_decodes_to_the_same_logits(tiny_model, name, layout):

@@ -39,6 +39,16 @@ def test_records_read_back_by_their_own_setting(tmp_path):
     assert head["identity"] == "aaaa1111" and head["setting"] == "h2o(budget_tokens=24)"
 
 
+def test_fidelity_records_read_back_beside_the_answers(tmp_path):
+    path = written(tmp_path, answers=1)
+    Records(path, owner(setting())).append_fidelity(0, 0, "key0", {"kl_mean": 0.25,
+                                                                  "gold_logprob": None})
+    back = Records(path, owner(setting()))
+    assert back.resumed == 1 and back.get(0, 0, "key0")["output"] == [1, 2, 3]
+    assert back.fidelity_of(0, 0, "key0") == {"kl_mean": 0.25, "gold_logprob": None}
+    assert back.fidelity_of(0, 1, "key1") is None
+
+
 def test_a_file_of_another_setting_is_refused_naming_both(tmp_path):
     path = written(tmp_path, setting("bbbb2222", "snapkv", "snapkv(budget_tokens=24)"))
     mine = path.with_name("aaaa1111.jsonl")
@@ -62,6 +72,8 @@ def test_a_shards_file_is_not_another_shards(tmp_path):
      '"tally": {}, "shared": false}', "line 2 has no valid 'prompt'"),
     ('{"identity": "cccc", "call": 0, "prompt": 1, "key": "k", "output": [], "tally": {}, '
      '"shared": false}', "line 2 is a record of setting 'cccc'"),
+    ('{"identity": "aaaa1111", "call": 0, "prompt": 1, "key": "k", "fidelity": [0.1]}',
+     "line 2 has no valid 'fidelity'"),
 ])
 def test_a_malformed_record_is_named_by_file_and_line(tmp_path, line, why):
     path = written(tmp_path, answers=1)
@@ -100,7 +112,7 @@ def test_a_records_file_that_is_a_link_is_refused_and_its_target_untouched(tmp_p
     with pytest.raises(ConfigError, match="link"):
         Records(path, owner(setting()))
     fresh = Records.__new__(Records)  # a writer that never read it (the planted race)
-    fresh.path, fresh.writer, fresh.done = path, owner(setting()), {}
+    fresh.path, fresh.writer, fresh.done, fresh.fidelity = path, owner(setting()), {}, {}
     with pytest.raises(ConfigError, match="link"):
         fresh.append(0, 0, "k", [1], {})
     assert users.read_text() == "precious\n"
