@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -59,6 +60,8 @@ class HeadwiseMethod(KVMethod):
 
     budget_ratio: float | None = None
     budget_tokens: int | None = None  # refused: the head-wise budget is a share of the whole cache
+    # streaming heads are cut to their share when a dense prompt is compressed, not before
+    prompt_end_knobs: ClassVar[tuple[str, ...]] = ("budget_ratio",)
     probe_period_tokens: int = 2500  # Huawei's tool: 2500 random tokens
     probe_repeats: int = 4  # ... repeated 4 times (capped to the model's positions)
     probe_seed: int = 0
