@@ -49,8 +49,12 @@ def worse(row: dict) -> dict[str, float]:
             "top_disagree": 1.0 - f.get("top_agree_ratio", np.nan), "gold_drop": gold}
 
 
-def name(label: str) -> str:
-    return dict(p.partition("=")[::2] for p in label.split()).get("method", label)
+def name(ledger: dict, label: str) -> str:
+    """The method of a ledger's setting: the last `method=` of the common overrides and the
+    setting's own (a one-setting ledger labels its setting "setting")."""
+    parts = [*ledger["common"], *ledger["settings"].get(label, [])]
+    methods = [p.partition("=")[2] for p in parts if p.startswith("method=")]
+    return methods[-1] if methods else label
 
 
 def pooled(home: Path) -> tuple[dict, dict[str, dict[str, dict]], list[tuple]]:
@@ -64,7 +68,7 @@ def pooled(home: Path) -> tuple[dict, dict[str, dict[str, dict]], list[tuple]]:
         walls = set()
         for label, rel in folders.items():
             folder = home / rel
-            key = REFERENCE if label == REFERENCE else name(label)
+            key = REFERENCE if label == REFERENCE else name(ledger, label)
             for line in (folder / "samples.jsonl").read_text().splitlines():
                 row = json.loads(line)
                 rows.setdefault(key, {})[row["sample_id"]] = row
@@ -169,7 +173,7 @@ def main(roots: list[str], resamples: int = stats.RESAMPLES, floor: str | None =
         for ledger_id, method in withdrawn:
             if ledger_id == home.name and rows.pop(method, None) is not None:
                 reported = ledger["reported"]
-                for label in [k for k in reported if name(k) == method]:
+                for label in [k for k in reported if name(ledger, k) == method]:
                     del reported[label]
                 lines.append(f"  - {method}: withdrawn from this ledger (its rows and verdict "
                              "are left out; see the README)")
@@ -188,7 +192,7 @@ def main(roots: list[str], resamples: int = stats.RESAMPLES, floor: str | None =
         else:
             settings[REFERENCE] = ref
         settings.update(rows)
-        verdicts.update({name(k): v for k, v in ledger["reported"].items()})
+        verdicts.update({name(ledger, k): v for k, v in ledger["reported"].items()})
     magnitude = None
     if floor is not None:
         line, magnitude = floor_line(settings[REFERENCE], floor_rows(Path(floor)), resamples)
