@@ -242,18 +242,18 @@ class Records:
     def append_fidelity(self, call: int, prompt: int, key: str, record: dict[str, Any]) -> None:
         """The prompt's paired fidelity record of this setting (harness.core.fidelity), as
         read back: what a resumed sweep takes instead of making it again."""
-        rec = json.loads(json.dumps(json_safe({"identity": self.writer["identity"],
-                                               "call": call, "prompt": prompt, "key": key,
-                                               "fidelity": record})))
-        self._write(rec)
-        self.fidelity[(call, prompt, key)] = rec["fidelity"]
+        line = self._write({"identity": self.writer["identity"], "call": call, "prompt": prompt,
+                            "key": key, "fidelity": record})
+        self.fidelity[(call, prompt, key)] = json.loads(line)["fidelity"]
 
-    def _write(self, rec: dict[str, Any]) -> None:
-        """One line appended (after the file's header, written first), flushed and synced."""
+    def _write(self, rec: dict[str, Any]) -> str:
+        """One line appended (after the file's header, written first), flushed and synced;
+        returns the line as written."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
         lines = [] if self.done or self.fidelity or self._started() else [
             json.dumps({"kind": KIND, "version": VERSION, **self.writer})]
-        lines.append(json.dumps(json_safe(rec)))
+        line = json.dumps(json_safe(rec))
+        lines.append(line)
         try:  # never through a link: a records file planted as one must not reach its target
             fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW
                          | os.O_NONBLOCK, 0o644)
@@ -261,9 +261,10 @@ class Records:
             raise _refuse(self.path, "cannot be appended to (" + (exc.strerror or str(exc))
                           + "; a link is never followed)") from None
         with os.fdopen(fd, "a") as f:
-            f.write("".join(line + "\n" for line in lines))
+            f.write("".join(text + "\n" for text in lines))
             f.flush()
             os.fsync(f.fileno())
+        return line
 
     def _started(self) -> bool:
         """Whether the file already has its header (records, if any, follow it)."""
