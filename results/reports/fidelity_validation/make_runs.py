@@ -16,6 +16,15 @@ a shard answers only and its merge would compute every fidelity record in one pr
     python -m harness.report.validation R --top 10 --out results/reports/fidelity_validation
 
 `--samples-per-cell 1` is the pilot (4 samples) that sized the run.
+
+Parts C and D are the rest of the method family on the same samples: every setting of the family
+grid (benchmarks/sweep_cost.py's, as the family report runs it: each method at its defaults and,
+where it takes a budget, at 0.2 and 0.5) that A and B did not run, alternating between the two,
+each with the full cache. A part records each (setting, sample) as it completes: started again
+on the same root, it resumes.
+
+    python results/reports/fidelity_validation/make_runs.py C R &
+    python results/reports/fidelity_validation/make_runs.py D R
 """
 import argparse
 import sys
@@ -71,11 +80,34 @@ def accepted(method: str, knobs: list[str]) -> bool:
     return True
 
 
-def part(name: str, all_settings: list[tuple[str, list[str]]]) -> list[tuple[str, list[str]]]:
-    """Half of the methods (alternating, so both halves mix method kinds), with the full cache."""
-    methods = all_settings[1:]
-    half = methods[0::2] if name == "A" else methods[1::2]
-    return [all_settings[0], *half]
+def family() -> list[tuple[str, list[str]]]:
+    """The family grid's settings that `settings()` leaves out: each method at its defaults and
+    at budget_ratio 0.2 and 0.5 where it takes one, less METHODS at BUDGET_RATIO (run already,
+    a method whose default is BUDGET_RATIO included)."""
+    sys.path.insert(0, str(PROJECT / "benchmarks"))
+    import sweep_cost
+    from methods import build_method
+
+    grid = argparse.Namespace(task="ruler", methods=["all"], budgets=[0.2, 0.5], settings=None,
+                              model="smollm2_135m", length=1024, limit=1, threads=1,
+                              extra=["runner.dense_layers=[0,1]"])
+    out = []
+    for method, knobs in sweep_cost.runnable(grid):
+        ratios = [float(k.split("=", 1)[1]) for k in knobs if k.startswith("method.budget_ratio=")]
+        ratio = ratios[0] if ratios else getattr(build_method(method), "budget_ratio", None)
+        if method == "full" or (method in METHODS and ratio == BUDGET_RATIO):
+            continue
+        out.append((method, [*knobs, *KNOBS.get(method, [])]))
+    return [s for s in out if accepted(*s)]
+
+
+def part(name: str) -> list[tuple[str, list[str]]]:
+    """Half of the methods of A+B (the first validation) or C+D (the rest of the family),
+    alternating so that both halves mix method kinds, each with the full cache."""
+    first = settings()
+    methods = first[1:] if name in "AB" else family()
+    half = methods[0::2] if name in "AC" else methods[1::2]
+    return [first[0], *half]
 
 
 def overrides(root: str, samples_per_cell: int) -> list[str]:
@@ -88,16 +120,21 @@ def overrides(root: str, samples_per_cell: int) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("part", choices=["A", "B"])
+    ap.add_argument("part", choices=["A", "B", "C", "D"])
     ap.add_argument("root")
     ap.add_argument("--samples-per-cell", type=int, default=25)
     ap.add_argument("--methods", nargs="+", help="only these of the part's methods (with the "
                     "full cache): a setting run again")
+    ap.add_argument("--list", action="store_true", help="print the part's settings, run nothing")
     args = ap.parse_args()
     common = overrides(args.root, args.samples_per_cell)
-    chosen = part(args.part, settings())
+    chosen = part(args.part)
     if args.methods:
         chosen = [s for s in chosen if s[0] == "full" or s[0] in args.methods]
+    if args.list:
+        for method, knobs in chosen:
+            print(method, *knobs)
+        return
     with initialize_config_dir(config_dir=str(PROJECT / "conf"), version_base="1.3"):
         cfgs = [compose(config_name="config", overrides=[*common, f"method={m}", *knobs])
                 for m, knobs in chosen]
