@@ -20,6 +20,13 @@ class Capabilities:
 
     acts_during_decode: bool = True  # False: prefill-only compression
     needs_attn_scores: bool = False  # computes attention probabilities itself
+    # Its layers attend a held prompt themselves, with probabilities
+    # (methods.scoring.attention_with_probs), not through the model's attention: a sweep replays
+    # the prompt's eager recording into it from the start, with the other such settings
+    # (harness.sweep.replay.replay_prompts). Undeclared, the sweep finds out at the first
+    # prompt (the model-attention replay diverges); declared wrongly, the replay diverges and
+    # the setting prefills itself. Either way answers are the same; only time differs.
+    eager_prompt_attention: bool = False
     modes: tuple[str, ...] = ("system",)  # subset of {"simulate", "system"}
     offloads_kv: bool = False  # keeps the full K/V on the slow tier (kvcore.offload)
     needs_rope: bool = False  # re-rotates keys (needs a rotary model)

@@ -84,7 +84,7 @@ class FastGen(KVMethod):
         "r_l = r_f = 0.3, T 0.91..0.98 (0.95 in its profiling study); AlpacaEval, GSM8k, "
         "HumanEval, NQ, TQA at 512-token sequences")
     capabilities: ClassVar[Capabilities] = Capabilities(
-        needs_attn_scores=True, prefill_modes=("dense",),
+        needs_attn_scores=True, eager_prompt_attention=True, prefill_modes=("dense",),
         selects_tokens=True, kv_layouts=KV_LAYOUTS, needs_token_ids=True)
     serving_needs: ClassVar[ServingNeeds] = ServingNeeds(granularity="head", ragged_heads=True)
     axis_keys: ClassVar[tuple[str, ...]] = ("recovery_ratio",)

@@ -64,8 +64,8 @@ class H2O(BudgetedMethod):
     )
     # its `prepare` records which decode-attention kernel the run uses.
     capabilities: ClassVar[Capabilities] = Capabilities(
-        prefill_modes=PREFILL_MODES, needs_attn_scores=True, offloads_kv=True,
-        selects_tokens=True, kv_layouts=KV_LAYOUTS)
+        prefill_modes=PREFILL_MODES, needs_attn_scores=True, eager_prompt_attention=True,
+        offloads_kv=True, selects_tokens=True, kv_layouts=KV_LAYOUTS)
     min_budget_tokens: ClassVar[int] = 2  # one heavy hitter + one recent token
     variant_keys: ClassVar[tuple[str, ...]] = ("recent_ratio",)
     recent_ratio: float = 0.5

@@ -85,7 +85,7 @@ class KVMerger(KVMethod):
         "descriptions, unverified here); 50 % / 35 % KV; LongBench, ZeroScrolls"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        needs_attn_scores=True, acts_during_decode=False,
+        needs_attn_scores=True, eager_prompt_attention=True, acts_during_decode=False,
         prefill_modes=("dense",), selects_tokens=True, kv_layouts=KV_LAYOUTS)
     axis_keys: ClassVar[tuple[str, ...]] = ("similarity_threshold",)
     variant_keys: ClassVar[tuple[str, ...]] = ("recent_ratio", "heavy_ratio", "sigma")

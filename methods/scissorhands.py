@@ -73,7 +73,7 @@ class Scissorhands(BudgetedMethod):
         "no budget); paper: OPT-6.7B..66B, 2-5x compression, history 100, recent 10"
     )
     capabilities: ClassVar[Capabilities] = Capabilities(
-        prefill_modes=PREFILL_MODES, needs_attn_scores=True,
+        prefill_modes=PREFILL_MODES, needs_attn_scores=True, eager_prompt_attention=True,
         selects_tokens=True, kv_layouts=KV_LAYOUTS)
     variant_keys: ClassVar[tuple[str, ...]] = ("history_tokens", "recent_tokens")
     history_tokens: int = 100

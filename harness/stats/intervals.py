@@ -22,7 +22,6 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-from scipy import stats as sps
 
 from kvcore.errors import ConfigError
 
@@ -37,13 +36,23 @@ MEMORY_LIMIT_BYTES = 2 * 2**30
 MAX_SAMPLES = 10**12  # a sample size beyond this is no plan (and overflows float arithmetic)
 
 
+def _scipy_stats():
+    """scipy.stats, imported when an interval is first computed: importing it takes about a
+    second, and every run imports this module (through the results writer) before it checks
+    its configuration, so a refused command would wait for it."""
+    from scipy import stats
+
+    return stats
+
+
 # --- closed forms -----------------------------------------------------------------------------
+
 
 def wilson(successes: int, n: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
     """Wilson score interval of a proportion (scipy's `proportion_ci(method="wilson")`)."""
     if n <= 0:
         raise ValueError("wilson: n must be positive")
-    ci = sps.binomtest(int(successes), int(n)).proportion_ci(confidence, method="wilson")
+    ci = _scipy_stats().binomtest(int(successes), int(n)).proportion_ci(confidence, method="wilson")
     return float(ci.low), float(ci.high)
 
 
@@ -52,7 +61,7 @@ def clt_interval(values, confidence: float = CONFIDENCE) -> tuple[float, float]:
     x = np.asarray(values, dtype=float)
     if x.size < 2:
         raise ValueError("clt_interval: needs at least 2 values")
-    half = sps.t.ppf(0.5 + confidence / 2, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size)
+    half = _scipy_stats().t.ppf(0.5 + confidence / 2, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size)
     return float(x.mean() - half), float(x.mean() + half)
 
 
@@ -62,7 +71,7 @@ def mcnemar_exact(lost: int, gained: int) -> float:
     total = int(lost) + int(gained)
     if total == 0:
         return 1.0
-    return float(sps.binomtest(int(lost), total, 0.5).pvalue)
+    return float(_scipy_stats().binomtest(int(lost), total, 0.5).pvalue)
 
 
 def discordance(a, b) -> float:
@@ -124,7 +133,7 @@ def n_for_paired_binary(discordance_: float, difference: float, half_width: floa
     discordance minus the squared mean difference. ValueError beyond MAX_SAMPLES."""
     if not (half_width > 0 and math.isfinite(half_width)):
         raise ValueError("half_width must be a finite number above 0")
-    z = float(sps.norm.ppf(0.5 + confidence / 2))  # a Python float: overflow gives inf, quietly
+    z = float(_scipy_stats().norm.ppf(0.5 + confidence / 2))  # a Python float: overflow gives inf, quietly
     variance = max(discordance_ - difference ** 2, 0.0)
     n = z * z * variance / half_width / half_width  # inf, never 1 / 0, for a tiny width
     return _whole_n(n, f"a half-width of {half_width:g}")

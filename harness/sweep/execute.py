@@ -262,19 +262,25 @@ class SharedPass:
         `need_state` also where none of its members answers: the fidelity pass starts from it). A
         member answered before a restart takes its recorded answer instead; one identical to
         the full cache by rule waits for its donor (`_take_rule_answers`)."""
+        plans = []
         for group in self.groups:
             kept = {k: self.records[k].get(*where) for k in group.members if self.records[k]}
             missing = [k for k in group.members if kept.get(k) is None]
-            todo = [k for k in missing if k not in reuse]
             if self.merge and missing:
                 raise ConfigError(f"merging shards: sample {where[1]} of call {where[0]} has no "
                                   f"record for {self.members[missing[0]].setting.label} (its "
                                   "shard did not finish, or the shards split the samples "
                                   "differently); run that shard again")
+            todo = [k for k in missing if k not in reuse]
+            fed = group.prefill_engine is not None and bool(todo or need_state)
+            plans.append((group, kept, missing, todo, fed))
+        ready = self._replay_eager([(g, bool(todo)) for g, _, _, todo, fed in plans if fed],
+                                   prompt)
+        for group, kept, missing, todo, fed in plans:
             if not missing and any(kept[k].get("shared") for k in group.members):
                 group.shared_prefills += 1  # as the shard that answered it counted it
-            shared = (self._prefill(group, prompt, count=bool(todo))
-                      if group.prefill_engine is not None and (todo or need_state) else None)
+            shared = (ready.pop(id(group)) if id(group) in ready
+                      else self._prefill(group, prompt, count=bool(todo)) if fed else None)
             for k in group.members:
                 if kept.get(k) is not None:  # answered before a restart: counted as it was
                     sweep_records.apply(self.members[k].engine, kept[k]["tally"])
@@ -317,21 +323,11 @@ class SharedPass:
         while group.forward is not None:
             before = sweep_records.tally(engine)
             recording = group.forward.record(prompt, group.eager)
-            try:
-                with engine.request(account=False) as req:
-                    logits = sweep_replay.replay_prompt(req, recording)
-                    snapshot = None if group.per_member else _scored_snapshot(req)
-            except sweep_replay.Diverged as exc:  # the other recording, else its own forward
-                if group.eager:
-                    group.forward, group.replay_refused = None, str(exc)
-                group.eager = True
-                continue
-            if snapshot is None:  # replayed alike, but the state cannot be handed over
-                group.per_member = True
-                group.shared_prefills += count
-                return recording
-            sweep_records.apply(engine, recording.cost)  # the forward's cost is its own too
-            return self._handed(group, snapshot, logits, before, count)
+            with engine.request(account=False) as req:
+                logits = sweep_replay.replay_prompts([req], recording)[0]
+                snapshot = None if self._diverged(group, logits) else self._snapshot(group, req)
+            if not isinstance(logits, sweep_replay.Diverged):
+                return self._replayed(group, snapshot, logits, before, recording, count)
         if len(group.members) == 1:
             return None
         if group.own_each:  # shown unforkable by an earlier prompt: no group prefill to check
@@ -341,6 +337,62 @@ class SharedPass:
         with engine.request(account=False) as req:
             logits = req.feed_prompt(prompt)
             snapshot = _scored_snapshot(req)
+        return self._handed(group, snapshot, logits, before, count)
+
+    def _replay_eager(self, fed: list[tuple[Group, bool]], prompt: list[int]) -> dict[int, Any]:
+        """The prompt states of the groups replaying an eager recording (their layers compute
+        the held prompt's attention probabilities themselves), replayed together, layer by
+        layer, so that each layer's probabilities are computed once for all of them
+        (harness.sweep.replay.replay_prompts): id(group) -> what `_prefill` would return. `fed`:
+        (group, count) for the groups whose state this prompt needs. A group that diverges is
+        left to `_prefill`."""
+        by_forward: dict[int, list[tuple[Group, bool]]] = {}
+        for group, count in fed:
+            if group.eager and group.forward is not None and not group.per_member:
+                by_forward.setdefault(id(group.forward), []).append((group, count))
+        ready = {}
+        for together in (t for t in by_forward.values() if len(t) > 1):
+            groups = [g for g, _ in together]
+            recording = groups[0].forward.record(prompt, True)
+            befores = [sweep_records.tally(g.prefill_engine) for g in groups]
+            with contextlib.ExitStack() as stack:
+                reqs = [stack.enter_context(g.prefill_engine.request(account=False))
+                        for g in groups]
+                results = sweep_replay.replay_prompts(reqs, recording)
+                snapshots = [None if self._diverged(g, r) else self._snapshot(g, req)
+                             for g, r, req in zip(groups, results, reqs)]
+            for (group, count), logits, snapshot, before in zip(together, results, snapshots,
+                                                                  befores):
+                if not isinstance(logits, sweep_replay.Diverged):
+                    ready[id(group)] = self._replayed(group, snapshot, logits, before,
+                                                      recording, count)
+        return ready
+
+    @staticmethod
+    def _diverged(group: Group, result) -> bool:
+        """After a replay into the group: whether it diverged; then the group moves to the
+        eager recording, or from there to a forward of its own (the reason kept)."""
+        if not isinstance(result, sweep_replay.Diverged):
+            return False
+        if group.eager:
+            group.forward, group.replay_refused = None, str(result)
+        group.eager = True
+        return True
+
+    @staticmethod
+    def _snapshot(group: Group, req):
+        """The replayed request's prompt state to hand over, or None where each member replays
+        the forward into its own request."""
+        return None if group.per_member else _scored_snapshot(req)
+
+    def _replayed(self, group: Group, snapshot, logits, before: dict, recording, count: bool):
+        """What `_prefill` returns for a group whose replay went through."""
+        if snapshot is None:  # replayed alike, but the state cannot be handed over
+            group.per_member = True
+            group.shared_prefills += count
+            return recording
+        # the forward's cost is its own too
+        sweep_records.apply(group.prefill_engine, recording.cost)
         return self._handed(group, snapshot, logits, before, count)
 
     def _handed(self, group: Group, snapshot, logits, before: dict, count: bool):

@@ -230,6 +230,8 @@ def _share_forwards(members: list[Member], groups: list[Group]) -> None:
             forward = Forward(members[same[0].members[0]].engine, methods)
             for group in same:
                 group.forward = forward
+                lead = members[group.members[0]].setting.method
+                group.eager = lead.capabilities.eager_prompt_attention
 
 
 def needs_own_pass(setting) -> bool:

@@ -27,19 +27,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 import torch
 
 from harness.core import forward
+from harness.core.profiling import sync
 from harness.sweep import records as sweep_records
 from harness.core.prompting import open_prompt
 from methods.base import KVMethod
 from methods.capabilities import Capabilities
 from methods.layer import KVLayer
 from methods.model import ModelInfo
-from methods.scoring import attention_with_probs
+from methods.scoring import attention_with_probs, shared_attention
 
 
 class Diverged(Exception):
@@ -187,26 +189,64 @@ def replay_prompt(req, recording: Recording) -> torch.Tensor:
     model's forward would call it, chunk by chunk, each chunk one forward of the driver
     (harness.core.forward: the replay computes its layers); returns the prompt's last logits
     `(1, 1, V)`. Raises `Diverged` when a layer's attention output differs from the recording's."""
-    engine = req.engine
+    result = replay_prompts([req], recording)[0]
+    if isinstance(result, Diverged):
+        raise result
+    return result
+
+
+def replay_prompts(reqs: list, recording: Recording) -> list[torch.Tensor | Diverged]:
+    """`replay_prompt` into several requests at once, layer by layer: each recorded layer is
+    replayed into every request before the next, inside `methods.scoring.shared_attention`, so
+    the settings computing a held prompt's attention probabilities (those replaying the eager
+    recording) compute each layer's once. Per request, its logits or its `Diverged` (a request
+    that diverged is fed nothing more; the caller drops it). Each request's engine times its own
+    layers' share as its prefill."""
     tokens = sum(ids.shape[1] for ids, _ in recording.chunks)
-    open_prompt(req.kv_layers, None if req.declared_final else req.pos + tokens)
-    forward.begin_step([engine], decode=False)
-    lookahead = engine.method.capabilities.lookahead or engine.tier.offload
+    for req in reqs:
+        open_prompt(req.kv_layers, None if req.declared_final else req.pos + tokens)
+    forward.begin_step([req.engine for req in reqs], decode=False)
+    failed: dict[int, Diverged] = {}
     for ids, calls in recording.chunks:
-        forward.run(functools.partial(_replay_forward, req.cache, ids, calls, lookahead),
-                    [req], [ids.shape[1]], decode=False, timer=engine.timer)
-    return recording.logits.clone()
+        fed = [0 if i in failed else ids.shape[1] for i in range(len(reqs))]
+        ms = [0.0] * len(reqs)
+        forward.run(functools.partial(_replay_forward, reqs, ids, calls, failed, fed, ms),
+                    reqs, fed, decode=False)
+        for req, took, n in zip(reqs, ms, fed):
+            if n:
+                req.engine.timer.add("prefill", [took])
+    return [failed.get(i, recording.logits.clone()) for i in range(len(reqs))]
 
 
-def _replay_forward(cache, ids: torch.Tensor, calls: list[LayerCall], lookahead: bool) -> None:
-    """One chunk's forward `ids` `(1, q)` from its recorded calls, layer by layer, as the model
-    makes them (token ids first: hf_adapter.forward hands them over before the model runs)."""
-    layers = cache.kv_layers
-    if cache.needs_token_ids:
-        for kv in layers:
-            kv.observe_token_ids(ids)
-    for kv, call in zip(layers, calls):
-        _replay_layer(cache, kv, call, lookahead, call.eager)
+def _replay_forward(reqs: list, ids: torch.Tensor, calls: list[LayerCall],
+                    failed: dict[int, Diverged], fed: list[int], ms: list[float]) -> None:
+    """One chunk's forward `ids` `(1, q)` from its recorded calls, layer by layer as the model
+    makes them (token ids first: hf_adapter.forward hands them over before the model runs), each
+    layer into every request not `failed`. A request diverging here joins `failed` and its `fed`
+    becomes 0 (the driver then finishes no forward for it); `ms` gets each request's time."""
+    live = [i for i in range(len(reqs)) if i not in failed]
+    for i in live:
+        t0, cache = time.perf_counter(), reqs[i].cache
+        if cache.needs_token_ids:
+            for kv in cache.kv_layers:
+                kv.observe_token_ids(ids)
+        ms[i] += _since(t0, reqs[i].engine.device)
+    for layer, call in enumerate(calls):
+        with shared_attention():
+            for i in [i for i in live if i not in failed]:
+                t0, req = time.perf_counter(), reqs[i]
+                lookahead = req.engine.method.capabilities.lookahead or req.engine.tier.offload
+                try:
+                    _replay_layer(req.cache, req.kv_layers[layer], call, lookahead, call.eager)
+                except Diverged as exc:
+                    failed[i], fed[i] = exc, 0
+                ms[i] += _since(t0, req.engine.device)
+
+
+def _since(t0: float, device: torch.device) -> float:
+    """Milliseconds since `t0` (`time.perf_counter`), the device's queued work included."""
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3
 
 
 def _replay_layer(cache, kv: KVLayer, call: LayerCall, lookahead: bool, eager: bool) -> None:

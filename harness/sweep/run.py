@@ -131,6 +131,8 @@ def run_sweep(cfgs: list[DictConfig], copy_on_use: bool = True,
                            "prompts_prefilled_once": group.shared_prefills if group else 0,
                            "prefill_replayed": replayed(group),
                            "prefill_replay_refused": group.replay_refused if group else None,
+                           # the eager recording (its layers attend with probabilities)
+                           "prefill_replayed_eager": bool(replayed(group) and group.eager),
                            "shards": merge or 1,
                            "decode_batch": member.decode_batch,
                            "own_task_pass": member.own_pass,

@@ -9,7 +9,7 @@ import pytest
 from harness.run import run
 from harness.sweep.run import run_sweep
 from kvcore.errors import ConfigError
-from methods import available_methods, method_class
+from methods import available_methods, build_method, method_class
 from tests.conftest import PROJECT, STORIES, need_shared
 from tests.helpers.runs import cfg_for
 from tests.helpers.sweeps import (TASK, assert_close, assert_equal_to_single_runs, folder_figures,
@@ -79,6 +79,10 @@ def test_sweep_equals_single_runs(name, layout, tmp_path, full_alone):
         # cache's settings are one prefill group with the reference: no forward to replay)
         assert (sweep["prefill_replayed"] or sweep["prefill_replay_refused"] or own_pass
                 or name == "full"), sweep
+        # the recording it replays is the one its declaration names (Capabilities.
+        # eager_prompt_attention): declared wrongly, each prompt's first replay is wasted
+        declared = build_method(name).capabilities.eager_prompt_attention  # (a scorer's too)
+        assert not sweep["prefill_replayed"] or sweep["prefill_replayed_eager"] == declared, sweep
 
 
 def test_settings_of_several_methods_in_one_sweep(tmp_path, capsys):
@@ -98,6 +102,36 @@ def test_settings_of_several_methods_in_one_sweep(tmp_path, capsys):
     assert re.search(r"replayed +h2o", out) and re.search(r"replayed +full", out), out
     assert ("one forward      2 prompt(s) recorded once (and 2 with eager attention, for 1 "
             "setting(s)), replayed into 3 group(s) (4 settings)") in out, out
+
+
+EAGER = ["h2o", "scissorhands", "kvmerger"]  # each scores a held prompt by its probabilities
+
+
+def test_groups_replaying_the_eager_recording_compute_each_layers_probabilities_once(
+        tmp_path, monkeypatch):
+    """Settings whose layers attend a held prompt with probabilities (`eager_prompt_attention`)
+    replay the prompt's eager recording together, layer by layer: each layer's probabilities
+    are computed once for all of them (methods.scoring.shared_attention), once more by the
+    recording, not once per group; and each setting equals its single run (its probabilities
+    are the ones it would compute)."""
+    from methods import scoring
+
+    need_shared(STORIES)
+    settings = [[*TASK, f"method={name}", *knob_settings(name)[0]] for name in EAGER]
+    assert all(method_class(n).capabilities.eager_prompt_attention for n in EAGER)
+    alone = single_runs(settings, tmp_path)
+    prompt_calls, compute = [], scoring._attention_with_probs
+
+    def counted(query, *args):
+        if query.shape[2] > 1:  # a prompt's forward, not a decode step
+            prompt_calls.append(query.shape[2])
+        return compute(query, *args)
+    monkeypatch.setattr(scoring, "_attention_with_probs", counted)
+    swept = sweep_folders(settings, tmp_path)
+    for a, b in zip(alone, swept):
+        assert folder_figures(b) == folder_figures(a)
+    prompts, layers = 2, 5  # two needle depths; stories260K's layers
+    assert len(prompt_calls) == 2 * prompts * layers, prompt_calls  # recorded, replayed once
 
 
 # a method for each way a layer is called while a prompt is fed: the model's attention or
