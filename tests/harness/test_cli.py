@@ -137,3 +137,14 @@ def test_overriding_method_name_is_refused(tmp_path):
     assert ("method.name=pyramidkv overrides method=snapkv (whose settings were composed); "
             "choose it as method=pyramidkv") in proc.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_a_refused_command_imports_no_statistics_library():
+    """A configuration error is reported before anything slow: the run path imports scipy (about
+    a second) only when it computes an interval (harness.stats.intervals)."""
+    code = ("import sys, harness.run, harness.sweep.run; "
+            "print(sorted(m for m in ('scipy', 'transformers') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=PROJECT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
