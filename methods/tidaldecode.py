@@ -48,8 +48,8 @@ class TidalDecode(BudgetedMethod):
         "the paper's Llama-3-8B setting: selection at layer 2, re-selection at layer 13, "
         "layers 0-1 dense")
     capabilities: ClassVar[Capabilities] = Capabilities(
-        needs_attn_scores=True, eager_prompt_attention=True, sparse_prefill_chunked=True,
-        selects_tokens=True, kv_layouts=KV_LAYOUTS)
+        needs_attn_scores=True, sparse_prefill_chunked=True, selects_tokens=True,
+        kv_layouts=KV_LAYOUTS)
     serving_needs: ClassVar[ServingNeeds] = ServingNeeds(evicts_during_decode=False)
 
     # the direction test's stories260K has 5 layers: select at 1, the three after it reuse that

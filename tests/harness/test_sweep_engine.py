@@ -27,12 +27,12 @@ def cpu_dispatch(monkeypatch):
 
 def knob_settings(name: str) -> list[list[str]]:
     """Two settings of the method: compressing at two budgets where it has a budget knob, else
-    its defaults twice (identical settings share a prefill too)."""
+    its compressing knobs twice (identical settings share a prefill too)."""
     cls = method_class(name)
     knobs = cls.compressing_hyperparameters(PROMPT_TOKENS)
     first = [f"method.{k}={v}" for k, v in knobs.items()]
-    if "budget_tokens" in knobs:
-        second = [f"method.budget_tokens={knobs['budget_tokens'] * 2}"]
+    if "budget_tokens" in knobs:  # its other knobs kept (e.g. layers the model has)
+        second = [f"method.{k}={v * 2 if k == 'budget_tokens' else v}" for k, v in knobs.items()]
     elif "budget_ratio" in knobs:
         second = ["method.budget_ratio=0.5"]
     else:
@@ -83,6 +83,7 @@ def test_sweep_equals_single_runs(name, layout, tmp_path, full_alone):
         # eager_prompt_attention): declared wrongly, each prompt's first replay is wasted
         declared = build_method(name).capabilities.eager_prompt_attention  # (a scorer's too)
         assert not sweep["prefill_replayed"] or sweep["prefill_replayed_eager"] == declared, sweep
+        assert not (declared and sweep["prefill_replay_refused"]), sweep
 
 
 def test_settings_of_several_methods_in_one_sweep(tmp_path, capsys):
