@@ -47,12 +47,12 @@ def _scipy_stats():
 
 # --- closed forms -----------------------------------------------------------------------------
 
-
 def wilson(successes: int, n: int, confidence: float = CONFIDENCE) -> tuple[float, float]:
     """Wilson score interval of a proportion (scipy's `proportion_ci(method="wilson")`)."""
     if n <= 0:
         raise ValueError("wilson: n must be positive")
-    ci = _scipy_stats().binomtest(int(successes), int(n)).proportion_ci(confidence, method="wilson")
+    test = _scipy_stats().binomtest(int(successes), int(n))
+    ci = test.proportion_ci(confidence, method="wilson")
     return float(ci.low), float(ci.high)
 
 
@@ -61,7 +61,8 @@ def clt_interval(values, confidence: float = CONFIDENCE) -> tuple[float, float]:
     x = np.asarray(values, dtype=float)
     if x.size < 2:
         raise ValueError("clt_interval: needs at least 2 values")
-    half = _scipy_stats().t.ppf(0.5 + confidence / 2, x.size - 1) * x.std(ddof=1) / math.sqrt(x.size)
+    t = _scipy_stats().t.ppf(0.5 + confidence / 2, x.size - 1)
+    half = t * x.std(ddof=1) / math.sqrt(x.size)
     return float(x.mean() - half), float(x.mean() + half)
 
 
@@ -133,7 +134,8 @@ def n_for_paired_binary(discordance_: float, difference: float, half_width: floa
     discordance minus the squared mean difference. ValueError beyond MAX_SAMPLES."""
     if not (half_width > 0 and math.isfinite(half_width)):
         raise ValueError("half_width must be a finite number above 0")
-    z = float(_scipy_stats().norm.ppf(0.5 + confidence / 2))  # a Python float: overflow gives inf, quietly
+    # a Python float: overflow gives inf, quietly
+    z = float(_scipy_stats().norm.ppf(0.5 + confidence / 2))
     variance = max(discordance_ - difference ** 2, 0.0)
     n = z * z * variance / half_width / half_width  # inf, never 1 / 0, for a tiny width
     return _whole_n(n, f"a half-width of {half_width:g}")
