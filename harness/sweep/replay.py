@@ -225,6 +225,8 @@ def _replay_forward(reqs: list, ids: torch.Tensor, calls: list[LayerCall],
     layer into every request not `failed`. A request diverging here joins `failed` and its `fed`
     becomes 0 (the driver then finishes no forward for it); `ms` gets each request's time."""
     live = [i for i in range(len(reqs)) if i not in failed]
+    lookahead = [req.engine.method.capabilities.lookahead or req.engine.tier.offload
+                 for req in reqs]
     for i in live:
         t0, cache = time.perf_counter(), reqs[i].cache
         if cache.needs_token_ids:
@@ -235,9 +237,8 @@ def _replay_forward(reqs: list, ids: torch.Tensor, calls: list[LayerCall],
         with shared_attention():
             for i in [i for i in live if i not in failed]:
                 t0, req = time.perf_counter(), reqs[i]
-                lookahead = req.engine.method.capabilities.lookahead or req.engine.tier.offload
                 try:
-                    _replay_layer(req.cache, req.kv_layers[layer], call, lookahead, call.eager)
+                    _replay_layer(req.cache, req.kv_layers[layer], call, lookahead[i], call.eager)
                 except Diverged as exc:
                     failed[i], fed[i] = exc, 0
                 ms[i] += _since(t0, req.engine.device)
