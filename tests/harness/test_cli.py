@@ -9,22 +9,34 @@ import time
 
 import pytest
 
+from hydra.errors import ConfigCompositionException
+
+from kvcore.errors import ConfigError
 from tests.conftest import PROJECT
-from tests.helpers.runs import ST, cfg_for, cli
+from tests.helpers.runs import ST, cfg_for, cli, cli_here
+
+
+@pytest.mark.usefixtures("shared_folder")
+def test_the_process_prints_one_line_and_exits_2(tmp_path):
+    """The real process: what the tests below check in this process holds for `python -m
+    harness` itself (its exit status and stderr)."""
+    proc = cli("logger=nosuch", f"runner.results_root={tmp_path}")
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == "error: Could not find 'logger/nosuch'; allowed: none, wandb\n"
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.usefixtures("shared_folder")
 @pytest.mark.parametrize("args, expect", [
     (["model=nosuch"], "Could not find 'model/nosuch'"),
-    (["logger=nosuch"], "Could not find 'logger/nosuch'"),
     (["method=kivi", "method.k_bits=3"], "error: method.k_bits=3; allowed: 2, 4, 8"),
 ])
-def test_cli_one_line_and_debug_traceback(args, expect, tmp_path):
-    proc = cli(*args, f"runner.results_root={tmp_path}")
-    assert proc.returncode != 0 and expect in proc.stderr and "Traceback" not in proc.stderr
+def test_cli_one_line_and_debug_traceback(args, expect, tmp_path, monkeypatch):
+    status, _, err = cli_here(monkeypatch, *args, f"runner.results_root={tmp_path}")
+    assert status != 0 and expect in err and "Traceback" not in err
     if args[0].startswith("method="):
-        debug = cli(*args, "runner.debug=true", f"runner.results_root={tmp_path}")
-        assert debug.returncode != 0 and "Traceback" in debug.stderr
+        with pytest.raises(ConfigError, match="method.k_bits=3"):
+            cli_here(monkeypatch, *args, "runner.debug=true", f"runner.results_root={tmp_path}")
 
 
 def _ignore_sigint() -> None:
@@ -73,30 +85,33 @@ def test_interrupted_run_leaves_no_partial_result(sig, tmp_path):
     (["method=_shared"], "error: method='_shared' is not a method"),
     (["method=nosuch"], "error: Could not find 'method/nosuch'; allowed: "),  # any new method
 ])
-def test_hydra_errors_are_one_line_exit_2(args, expect, tmp_path):
-    proc = cli(*args, f"runner.results_root={tmp_path}")
-    assert proc.returncode == 2, proc.stderr
-    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()], proc.stderr
-    assert expect in proc.stderr and "_shared" not in proc.stderr.split("allowed:")[-1]
+def test_hydra_errors_are_one_line_exit_2(args, expect, tmp_path, monkeypatch):
+    status, _, err = cli_here(monkeypatch, *args, f"runner.results_root={tmp_path}")
+    assert status == 2, err
+    assert err.strip().splitlines() == [err.strip()], err
+    assert expect in err and "_shared" not in err.split("allowed:")[-1]
     assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.usefixtures("shared_folder")
-def test_help_offers_no_fragment(tmp_path):
-    proc = cli("--help")
-    assert proc.returncode == 0
-    assert "method (provenance: official code | paper | reconstruction | reference):" in proc.stdout
-    assert "  full              reference" in proc.stdout and "  h2o               official" in proc.stdout
-    assert "_shared" not in proc.stdout
+def test_help_offers_no_fragment(tmp_path, monkeypatch):
+    status, out, _ = cli_here(monkeypatch, "--help")
+    assert status == 0
+    assert "method (provenance: official code | paper | reconstruction | reference):" in out
+    assert "  full              reference" in out and "  h2o               official" in out
+    assert "_shared" not in out
 
 
 @pytest.mark.usefixtures("shared_folder")
-def test_hydra_full_error_and_debug_show_tracebacks(tmp_path):
+def test_hydra_full_error_and_debug_show_tracebacks(tmp_path, monkeypatch):
+    """Asked for, an error propagates (the interpreter prints its traceback) instead of the one
+    line."""
     root = f"runner.results_root={tmp_path}"
-    runner_error = cli(*ST, "method=kivi", "method.k_bits=3", root, env={"HYDRA_FULL_ERROR": "1"})
-    assert runner_error.returncode != 0 and "Traceback" in runner_error.stderr
-    hydra_error = cli(*ST, "runner.batchsize=2", "runner.debug=True", root)
-    assert hydra_error.returncode != 0 and "Traceback" in hydra_error.stderr
+    with pytest.raises(ConfigError, match="method.k_bits=3"):
+        cli_here(monkeypatch, *ST, "method=kivi", "method.k_bits=3", root,
+                 env={"HYDRA_FULL_ERROR": "1"})
+    with pytest.raises(ConfigCompositionException, match="runner.batchsize"):
+        cli_here(monkeypatch, *ST, "runner.batchsize=2", "runner.debug=True", root)
 
 
 def test_unquoted_tilde_gets_a_hint_to_quote_it():
@@ -130,12 +145,12 @@ def test_sigterm_during_a_long_prefill_leaves_nothing(tmp_path):
     assert not list(tmp_path.rglob("*")), "an interrupted run left files or folders"
 
 
-def test_overriding_method_name_is_refused(tmp_path):
-    proc = cli(*ST, "method=snapkv", "method.name=pyramidkv",
-               f"runner.results_root={tmp_path / 'r'}")
-    assert proc.returncode == 2, proc.stderr[-2000:]
+def test_overriding_method_name_is_refused(tmp_path, monkeypatch):
+    status, _, err = cli_here(monkeypatch, *ST, "method=snapkv", "method.name=pyramidkv",
+                              f"runner.results_root={tmp_path / 'r'}")
+    assert status == 2, err[-2000:]
     assert ("method.name=pyramidkv overrides method=snapkv (whose settings were composed); "
-            "choose it as method=pyramidkv") in proc.stderr
+            "choose it as method=pyramidkv") in err
     assert not (tmp_path / "r").exists()
 
 

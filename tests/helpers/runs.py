@@ -1,9 +1,12 @@
-"""Runs of the runner for tests: a composed config, the CLI in a subprocess, a refusal's one
-line, and a tiny local model folder."""
+"""Runs of the runner for tests: a composed config, the CLI in a subprocess or in this process,
+a refusal's one line, and a tiny local model folder."""
 
+import contextlib
+import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +31,32 @@ def cli(*args, module="harness", env=None, timeout=300):
     env = {**os.environ, "HYDRA_FULL_ERROR": "0", "WANDB_MODE": "offline", **(env or {})}
     return subprocess.run([sys.executable, "-m", module, *args], cwd=PROJECT, env=env,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def cli_here(monkeypatch, *args, env=None) -> tuple[int, str, str]:
+    """`python -m harness *args` run in this process (`harness.__main__.cli`, what the module
+    and the console script call): exit status, stdout, stderr. For commands refused before
+    anything loads, where a subprocess would spend its seconds importing torch and
+    transformers; `cli` above keeps the real process for what only a process shows (signals,
+    interpreter start). With tracebacks asked for, the error propagates as the CLI raises it. The
+    environment and signal handlers the CLI sets are put back."""
+    from harness.__main__ import cli as entry
+
+    monkeypatch.setattr(sys, "argv", ["harness", *args])
+    for key, value in {"HYDRA_FULL_ERROR": "0", "WANDB_MODE": "offline", **(env or {})}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("KVH_FULL_ERROR", raising=False)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    out, err, status = io.StringIO(), io.StringIO(), 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            entry()
+    except SystemExit as exc:
+        status = exc.code if isinstance(exc.code, int) else 1
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    return status, out.getvalue(), err.getvalue()
 
 
 def refused(tmp_path, *overrides) -> str:
