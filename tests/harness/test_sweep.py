@@ -17,7 +17,7 @@ from harness.run import run
 from kvcore.errors import ConfigError
 from tests.conftest import PROJECT, STORIES, need_shared
 from tests.helpers.reports import fake_run
-from tests.helpers.runs import ST
+from tests.helpers.runs import ST, cli_here
 
 BASE = ["model=stories260k", "task.max_tokens=60", "task.dataset=pg19"]
 
@@ -130,11 +130,12 @@ def test_wandb_offline_run_holds_the_metrics(tmp_path, monkeypatch, capfd):
     assert b"nll_per_block" in blob and b"kv_tokens_per_layer" in blob
 
 
-def test_sweep_with_output_dir_is_refused_in_one_line(tmp_path):
-    proc = cli("-m", "method=full,h2o", *BASE, f"runner.output_dir={tmp_path}/pinned",
-               f"runner.results_root={tmp_path}")
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines() == [
+def test_sweep_with_output_dir_is_refused_in_one_line(tmp_path, monkeypatch):
+    status, _, err = cli_here(monkeypatch, "-m", "method=full,h2o", *BASE,
+                              f"runner.output_dir={tmp_path}/pinned",
+                              f"runner.results_root={tmp_path}")
+    assert status == 2, err[-2000:]
+    assert err.strip().splitlines() == [
         "error: runner.output_dir cannot be used with a sweep (-m): every member would write the "
         "same folder. Drop it: each member gets its own folder under runner.results_root"]
     assert not list(tmp_path.iterdir())
@@ -178,13 +179,13 @@ def test_claimed_sweep_folders_are_unique(tmp_path):
     assert first == base and second == base.with_name("20261130-120000-2")
 
 
-def test_explicit_sweep_folder_with_earlier_statuses_is_refused(tmp_path):
+def test_explicit_sweep_folder_with_earlier_statuses_is_refused(tmp_path, monkeypatch):
     sweep = tmp_path / "s"
     (sweep / "status").mkdir(parents=True)
     (sweep / "status" / "0000.json").write_text('{"job": 0, "status": "failed", "detail": "old"}')
-    proc = cli("-m", "method=full", *BASE, f"runner.results_root={tmp_path}",
-               f"hydra.sweep.dir={sweep}")
-    assert proc.returncode == 2 and "already holds an earlier sweep's" in proc.stderr
+    status, _, err = cli_here(monkeypatch, "-m", "method=full", *BASE,
+                              f"runner.results_root={tmp_path}", f"hydra.sweep.dir={sweep}")
+    assert status == 2 and "already holds an earlier sweep's" in err
     assert not complete_runs(tmp_path)
 
 
@@ -219,35 +220,37 @@ def test_options_added_later_keep_earlier_runs_resumable():
 
 
 @pytest.mark.usefixtures("shared_folder")
-def test_sweep_into_a_users_folder_is_refused(tmp_path):
+def test_sweep_into_a_users_folder_is_refused(tmp_path, monkeypatch):
     users = tmp_path / "mine"
     users.mkdir()
     (users / "multirun.yaml").write_text("my own notes\n")
-    proc = cli("-m", *ST, "method=full,h2o", f"runner.results_root={tmp_path / 'r'}",
-               f"hydra.sweep.dir={users}")
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "is a non-empty folder that is not a sweep of this harness" in proc.stderr
+    status, _, err = cli_here(monkeypatch, "-m", *ST, "method=full,h2o",
+                              f"runner.results_root={tmp_path / 'r'}", f"hydra.sweep.dir={users}")
+    assert status == 2, err[-2000:]
+    assert "is a non-empty folder that is not a sweep of this harness" in err
     assert (users / "multirun.yaml").read_text() == "my own notes\n"
     assert sorted(p.name for p in users.iterdir()) == ["multirun.yaml"]
     assert not (tmp_path / "r").exists()
 
 
 @pytest.mark.usefixtures("shared_folder")
-def test_refused_sweep_leaves_no_sweep_folder(tmp_path):
+def test_refused_sweep_leaves_no_sweep_folder(tmp_path, monkeypatch):
     root = tmp_path / "r"
-    proc = cli("-m", *ST, "model=stories260k,hf", "model.path=/x", f"runner.results_root={root}")
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
-    assert "model.path is not a key of model=hf" in proc.stderr
+    status, _, err = cli_here(monkeypatch, "-m", *ST, "model=stories260k,hf", "model.path=/x",
+                              f"runner.results_root={root}")
+    assert status == 2, err[-2000:]
+    assert err.strip().splitlines() == [err.strip()]
+    assert "model.path is not a key of model=hf" in err
     assert not root.exists(), sorted(map(str, root.rglob("*")))
 
 
 @pytest.mark.usefixtures("shared_folder")
-def test_sweep_with_an_added_unknown_key_is_refused_before_any_member(tmp_path):
+def test_sweep_with_an_added_unknown_key_is_refused_before_any_member(tmp_path, monkeypatch):
     root = tmp_path / "r"
-    proc = cli("-m", *ST, "+runner.foo=1,2", f"runner.results_root={root}")
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "runner.foo is not a key of runner" in proc.stderr
+    status, _, err = cli_here(monkeypatch, "-m", *ST, "+runner.foo=1,2",
+                              f"runner.results_root={root}")
+    assert status == 2, err[-2000:]
+    assert "runner.foo is not a key of runner" in err
     assert not root.exists()
 
 

@@ -39,7 +39,10 @@ def cli_here(monkeypatch, *args, env=None) -> tuple[int, str, str]:
     anything loads, where a subprocess would spend its seconds importing torch and
     transformers; `cli` above keeps the real process for what only a process shows (signals,
     interpreter start). With tracebacks asked for, the error propagates as the CLI raises it. The
-    environment and signal handlers the CLI sets are put back."""
+    environment, signal handlers and Hydra's run config (which in-process runs read) that the
+    CLI sets are put back."""
+    from hydra.core.hydra_config import HydraConfig
+
     from harness.__main__ import cli as entry
 
     monkeypatch.setattr(sys, "argv", ["harness", *args])
@@ -47,6 +50,7 @@ def cli_here(monkeypatch, *args, env=None) -> tuple[int, str, str]:
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("KVH_FULL_ERROR", raising=False)
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    hydra_run = HydraConfig.instance().cfg
     out, err, status = io.StringIO(), io.StringIO(), 0
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -56,6 +60,7 @@ def cli_here(monkeypatch, *args, env=None) -> tuple[int, str, str]:
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+        HydraConfig.instance().cfg = hydra_run
     return status, out.getvalue(), err.getvalue()
 
 
