@@ -1,16 +1,12 @@
 """Architectures a method cannot serve are refused by the runner before any weights load, with one
 line naming the method and the architecture fact (ModelInfo from the config alone)."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 
 from harness.run import run
 from kvcore.errors import ConfigError
-from tests.conftest import PROJECT
-from tests.helpers.runs import cfg_for
+from tests.helpers.runs import cfg_for, cli_here
 from tests.models import deepseek_v2_config, family_config, gemma3_text_config
 
 
@@ -86,15 +82,13 @@ def test_servable_architectures_reach_weight_loading(config, overrides, no_weigh
                     f"runner.results_root={tmp_path / 'results'}"))
 
 
-def test_cli_refusal_is_one_line_and_exits_nonzero(tmp_path):
+def test_cli_refusal_is_one_line_and_exits_nonzero(tmp_path, monkeypatch):
     folder = model_folder(tmp_path, family_config("mistral"))
-    env = dict(os.environ, HYDRA_FULL_ERROR="0")
-    proc = subprocess.run([sys.executable, "-m", "harness", "model=hf", "method=h2o",
-                           f"model.name_or_path={folder}", f"runner.results_root={tmp_path / 'r'}"],
-                          cwd=PROJECT, env=env, capture_output=True, text=True, timeout=180)
-    assert proc.returncode != 0
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "sliding-window attention" in lines[0], proc.stderr
+    status, _, err = cli_here(monkeypatch, "model=hf", "method=h2o", f"model.name_or_path={folder}",
+                              f"runner.results_root={tmp_path / 'r'}")
+    assert status != 0
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "sliding-window attention" in lines[0], err
     assert not (tmp_path / "r").exists()
 
 

@@ -16,6 +16,7 @@ from harness.sweep import rounds as rd
 from kvcore.errors import ConfigError
 from tests.conftest import PROJECT, STORIES, need_shared
 from tests.helpers.rounds import FakeLaunch
+from tests.helpers.runs import cli_here
 
 
 @pytest.mark.parametrize("raw, match", [
@@ -121,26 +122,25 @@ def _cli(args, tmp_path):
                           capture_output=True, text=True, timeout=600)
 
 
-def test_the_cli_runs_rounds_and_resumes_on_stories260k(tmp_path):
+def test_the_cli_runs_rounds_and_resumes_on_stories260k(tmp_path, monkeypatch):
     need_shared(STORIES)
     ledger_dir = tmp_path / "ledger"
-    bad = _cli(["rounds.block=0"], tmp_path)
-    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
-        "error: rounds.block=0 must be an integer >= 1 (samples a round adds per setting)"]
-    stream = subprocess.run([sys.executable, "-m", "harness.sweep.rounds", "model=stories260k",
-                             "task=perplexity", "method=h2o,snapkv",
-                             f"runner.results_root={tmp_path}"], cwd=PROJECT,
-                            env={**os.environ, "PYTHONPATH": str(PROJECT)}, capture_output=True,
-                            text=True, timeout=600)
-    assert stream.returncode == 2 and stream.stderr.strip().splitlines()[-1] == (
+
+    def refused(*args):  # the command's refusals, in this process (no torch import to wait for)
+        status, _, err = cli_here(monkeypatch, *args, f"runner.results_root={tmp_path}",
+                                  entry=rd.main)
+        assert status == 2, err[-3000:]
+        assert not any(tmp_path.iterdir())  # refused before anything ran: nothing left behind
+        return err.strip().splitlines()[-1]
+
+    assert refused(*STORIES_RULER, "rounds.block=0") == (
+        "error: rounds.block=0 must be an integer >= 1 (samples a round adds per setting)")
+    assert refused("model=stories260k", "task=perplexity", "method=h2o,snapkv") == (
         "error: task=perplexity has no task.skip_samples (a window of its samples): rounds run "
         "on task=ruler")
-    assert not any(tmp_path.iterdir())  # refused before anything ran: nothing left behind
-    short = _cli(["rounds.block=2", "rounds.max_n=8"], tmp_path)  # 3 per cell x 2 cells
-    assert short.returncode == 2 and short.stderr.strip().splitlines()[-1] == (
+    assert refused(*STORIES_RULER, "rounds.block=2", "rounds.max_n=8") == (  # 3 a cell x 2 cells
         "error: rounds.max_n=8 is more than the task's 6 samples (task.samples_per_cell=3 x 2 "
         "cells); allowed: task.samples_per_cell >= 4, or a smaller rounds.max_n")
-    assert not any(tmp_path.iterdir())
     one = _cli(["rounds.block=2", "rounds.max_n=2", f"rounds.ledger_dir={ledger_dir}"], tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
     first = sorted(p.parent for p in (ledger_dir / "round-01").rglob("metrics.json"))

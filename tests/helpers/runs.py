@@ -33,9 +33,9 @@ def cli(*args, module="harness", env=None, timeout=300):
                           capture_output=True, text=True, timeout=timeout)
 
 
-def cli_here(monkeypatch, *args, env=None) -> tuple[int, str, str]:
+def cli_here(monkeypatch, *args, env=None, entry=None) -> tuple[int, str, str]:
     """`python -m harness *args` run in this process (`harness.__main__.cli`, what the module
-    and the console script call): exit status, stdout, stderr. For commands refused before
+    and the console script call; or another command's `entry`): exit status, stdout, stderr. For commands refused before
     anything loads, where a subprocess would spend its seconds importing torch and
     transformers; `cli` above keeps the real process for what only a process shows (signals,
     interpreter start). With tracebacks asked for, the error propagates as the CLI raises it. The
@@ -43,7 +43,7 @@ def cli_here(monkeypatch, *args, env=None) -> tuple[int, str, str]:
     CLI sets are put back."""
     from hydra.core.hydra_config import HydraConfig
 
-    from harness.__main__ import cli as entry
+    from harness.__main__ import cli
 
     monkeypatch.setattr(sys, "argv", ["harness", *args])
     for key, value in {"HYDRA_FULL_ERROR": "0", "WANDB_MODE": "offline", **(env or {})}.items():
@@ -54,7 +54,7 @@ def cli_here(monkeypatch, *args, env=None) -> tuple[int, str, str]:
     out, err, status = io.StringIO(), io.StringIO(), 0
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            entry()
+            (entry or cli)()
     except SystemExit as exc:
         status = exc.code if isinstance(exc.code, int) else 1
     finally:
