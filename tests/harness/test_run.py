@@ -1,20 +1,17 @@
 """The runner end to end: results on disk, and clear errors before any weights load."""
 
 import json
-import os
 import shutil
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from kvcore.errors import ConfigError
 from harness.run import run
-from tests.conftest import PROJECT, STORIES, need_shared
+from tests.conftest import STORIES, need_shared
 from tests.helpers.reports import fake_run
-from tests.helpers.runs import ST, cfg_for, refused
+from tests.helpers.runs import ST, cfg_for, cli_here, refused
 
 
 def test_stories_run_writes_complete_results(tmp_path):
@@ -67,23 +64,17 @@ def test_cuda_requested_without_cuda(no_weight_loading):
         run(cfg_for("model.device=cuda"))
 
 
-def _cli(*args):
-    env = dict(os.environ, HYDRA_FULL_ERROR="0")
-    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=PROJECT, env=env,
-                          capture_output=True, text=True, timeout=120)
-
-
 @pytest.mark.parametrize("args, expect", [
     (["method=nosuch"], "Could not find 'method/nosuch'"),
     (["task=nosuch"], "Could not find 'task/nosuch'"),
     (["method.budgte_ratio=0.2"], "budgte_ratio"),
     (["runner.prefill_chunk_tokens=-5"], "error: runner.prefill_chunk_tokens=-5 must be a positive"),
 ])
-def test_cli_errors_exit_nonzero_with_one_message(args, expect, tmp_path):
-    proc = _cli(*args, f"runner.results_root={tmp_path}")
-    assert proc.returncode != 0
-    assert expect in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_cli_errors_exit_nonzero_with_one_message(args, expect, tmp_path, monkeypatch):
+    status, _, err = cli_here(monkeypatch, *args, f"runner.results_root={tmp_path}")
+    assert status != 0
+    assert expect in err
+    assert "Traceback" not in err
     assert not any(tmp_path.iterdir())
 
 
