@@ -40,12 +40,13 @@ def cli_here(monkeypatch, *args, env=None, entry=None) -> tuple[int, str, str]:
     transformers; `cli` above keeps the real process for what only a process shows (signals,
     interpreter start). With tracebacks asked for, the error propagates as the CLI raises it. The
     environment, signal handlers and Hydra's run config (which in-process runs read) that the
-    CLI sets are put back."""
+    CLI sets are put back; Hydra's job logging is left off (`hydra/job_logging=none`): its
+    `dictConfig` closes every logging handler of the process, the test runner's included."""
     from hydra.core.hydra_config import HydraConfig
 
     from harness.__main__ import cli
 
-    monkeypatch.setattr(sys, "argv", ["harness", *args])
+    monkeypatch.setattr(sys, "argv", ["harness", *args, "hydra/job_logging=none"])
     for key, value in {"HYDRA_FULL_ERROR": "0", "WANDB_MODE": "offline", **(env or {})}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("KVH_FULL_ERROR", raising=False)
