@@ -87,20 +87,22 @@ def knob_acts(model, name: str, knob: str) -> bool | None:
     settings = cls.compressing_hyperparameters(SEQ_TOKENS)
     base = build_method(name, **settings)
     info = hf_adapter.model_info(model.config)
-    ref_logits, ref_state = behaviour(model, base)
-    tried = False
+    others = []  # the valid other values, found before anything runs (a file knob has none)
     for value in alternatives(name, knob, getattr(base, knob), settings):
         try:
             other = build_method(name, **{**settings, knob: value})
         except (ConfigError, TypeError, ValueError):
             continue
-        if other.validate(info, {"batch_size": 1}):
-            continue
-        tried = True
+        if not other.validate(info, {"batch_size": 1}):
+            others.append(other)
+    if not others:
+        return None
+    ref_logits, ref_state = behaviour(model, base)
+    for other in others:
         logits, state = behaviour(model, other)
         if not torch.equal(logits, ref_logits) or state != ref_state:
             return True
-    return False if tried else None
+    return False
 
 
 def knobs(name: str) -> list[str]:
