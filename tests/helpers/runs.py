@@ -35,13 +35,15 @@ def cli(*args, module="harness", env=None, timeout=300):
 
 def cli_here(monkeypatch, *args, env=None, entry=None) -> tuple[int, str, str]:
     """`python -m harness *args` run in this process (`harness.__main__.cli`, what the module
-    and the console script call; or another command's `entry`): exit status, stdout, stderr. For commands refused before
-    anything loads, where a subprocess would spend its seconds importing torch and
-    transformers; `cli` above keeps the real process for what only a process shows (signals,
-    interpreter start). With tracebacks asked for, the error propagates as the CLI raises it. The
-    environment, signal handlers and Hydra's run config (which in-process runs read) that the
-    CLI sets are put back; Hydra's job logging is left off (`hydra/job_logging=none`): its
-    `dictConfig` closes every logging handler of the process, the test runner's included."""
+    and the console script call; or another command's `entry`): exit status, stdout, stderr.
+
+    For commands refused before anything loads, where a subprocess would spend its seconds
+    importing torch and transformers; `cli` above keeps the real process for what only a
+    process shows (signals, interpreter start). With tracebacks asked for, the error propagates
+    as the CLI raises it. The environment, signal handlers and Hydra's run config (which
+    in-process runs read) that the CLI sets are put back. Hydra's job logging is left off
+    (`hydra/job_logging=none`): its `dictConfig` closes every logging handler of the process,
+    the test runner's included."""
     from hydra.core.hydra_config import HydraConfig
 
     from harness.__main__ import cli
