@@ -1,5 +1,7 @@
 """`python -m harness` (harness/__main__.py): one line per error (exit 2), tracebacks only on
-request, Hydra's errors and hints, `--help`, and SIGINT/SIGTERM leaving no partial result."""
+request, Hydra's errors and hints, `--help`, and SIGINT/SIGTERM leaving no partial result.
+Refusals run the CLI's entry in this process (`cli_here`); one test, the signals and the real
+runs keep a process of their own."""
 
 import os
 import signal
@@ -8,7 +10,6 @@ import sys
 import time
 
 import pytest
-
 from hydra.errors import ConfigCompositionException
 
 from kvcore.errors import ConfigError
