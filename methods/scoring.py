@@ -51,15 +51,18 @@ _SHARED: contextvars.ContextVar[list | None] = contextvars.ContextVar("shared_at
 
 
 @contextlib.contextmanager
-def shared_attention() -> Iterator[None]:
+def shared_attention(held: list | None = None) -> Iterator[list]:
     """Inside it, `attention_with_probs` called again with inputs equal to its previous call's
     returns that call's result (the same tensors: callers read them, never write them). A sweep
     replays one recorded layer into several settings' layers inside it (harness.sweep.replay):
     the settings whose layers score a held prompt by its attention probabilities then compute
-    them once per layer instead of once per setting. One result is held at a time."""
-    token = _SHARED.set([])
+    them once per layer instead of once per setting. One result is held at a time: the list
+    yielded, which a later `shared_attention(held)` starts from (the recording's own call,
+    replayed into the settings as it is recorded)."""
+    held = [] if held is None else held
+    token = _SHARED.set(held)
     try:
-        yield
+        yield held
     finally:
         _SHARED.reset(token)
 

@@ -29,7 +29,7 @@ import contextlib
 import hashlib
 import weakref
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from transformers import AttentionInterface, PretrainedConfig
@@ -49,6 +49,7 @@ ATTN_IMPLEMENTATIONS = {"sdpa": "kvh_sdpa", "eager": "kvh_eager"}
 _BOUND_ATTR = "_kvh_layer"
 _BRIDGE_ATTR = "_kvh_bridge"
 _LOOKAHEAD_ATTR = "_kvh_lookahead"  # [open requests, hook handles] while lookahead hooks are on
+_BLOCK_ATTR = "_kvh_block_hooks"  # the same for the attention-block hooks
 
 
 def eager_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -194,19 +195,25 @@ def _lookahead_hook(module, args, kwargs):
         layer.next_layer.prefetch(hidden, positions, ahead=True)
 
 
-@contextlib.contextmanager
-def lookahead(model) -> Iterator[None]:
-    """Forward pre-hooks on every attention module: layer i's input reaches layers i and i+1.
+def lookahead(model) -> contextlib.AbstractContextManager:
+    """Forward pre-hooks on every attention module: layer i's input reaches layers i and i+1
+    (shared by the requests open side by side, `_shared_hooks`)."""
+    return _shared_hooks(model, _LOOKAHEAD_ATTR, lambda: [
+        m.register_forward_pre_hook(_lookahead_hook, with_kwargs=True)
+        for m in attention_modules(model)])
 
-    Requests open side by side (a benchmark decoding several methods in lockstep) share one set
-    of hooks: each call is dispatched to whatever layer the forward bound, so a second set would
-    make every prefetch run twice."""
-    users = getattr(model, _LOOKAHEAD_ATTR, None)
+
+@contextlib.contextmanager
+def _shared_hooks(model, attr: str, register: Callable[[], list]) -> Iterator[None]:
+    """Hooks on the model that every open request shares: registered by the first, removed with
+    the last. Requests open side by side (a benchmark decoding several methods in lockstep, a
+    sweep replaying a prompt into settings while it is recorded) each ask for them, but each
+    call is dispatched to whatever layer the forward bound: a second set would make it run
+    twice."""
+    users = getattr(model, attr, None)  # [open requests, hook handles]
     if users is None:
-        handles = [m.register_forward_pre_hook(_lookahead_hook, with_kwargs=True)
-                   for m in attention_modules(model)]
-        users = [0, handles]
-        setattr(model, _LOOKAHEAD_ATTR, users)
+        users = [0, register()]
+        setattr(model, attr, users)
     users[0] += 1
     try:
         yield
@@ -215,7 +222,7 @@ def lookahead(model) -> Iterator[None]:
         if users[0] == 0:
             for handle in users[1]:
                 handle.remove()
-            delattr(model, _LOOKAHEAD_ATTR)
+            delattr(model, attr)
 
 
 def attention_modules(model) -> list[torch.nn.Module]:
@@ -262,15 +269,15 @@ def bind(model, cache: MethodCache, hooks: bool = True) -> Iterator[MethodCache]
     attrs = (_BOUND_ATTR, _BRIDGE_ATTR)
     previous = [[getattr(m, a, None) for a in attrs] for m in modules]
     observes = hooks and getattr(cache, "observes_attention_block", False)
-    handles = _attention_block_hooks(model) if observes else []
+    block_hooks = (_shared_hooks(model, _BLOCK_ATTR, lambda: _attention_block_hooks(model))
+                   if observes else contextlib.nullcontext())
     try:
-        for module, kv, bridge in zip(modules, cache.kv_layers, cache.layers):
-            setattr(module, _BOUND_ATTR, kv)
-            setattr(module, _BRIDGE_ATTR, bridge)
-        yield cache
+        with block_hooks:
+            for module, kv, bridge in zip(modules, cache.kv_layers, cache.layers):
+                setattr(module, _BOUND_ATTR, kv)
+                setattr(module, _BRIDGE_ATTR, bridge)
+            yield cache
     finally:
-        for handle in handles:
-            handle.remove()
         for module, prev in zip(modules, previous):
             for attr, value in zip(attrs, prev):
                 if value is None:

@@ -322,9 +322,8 @@ class SharedPass:
         engine = group.prefill_engine
         while group.forward is not None:
             before = sweep_records.tally(engine)
-            recording = group.forward.record(prompt, group.eager)
             with engine.request(account=False) as req:
-                logits = sweep_replay.replay_prompts([req], recording)[0]
+                recording, (logits,) = group.forward.replay(prompt, group.eager, [req])
                 snapshot = None if self._diverged(group, logits) else self._snapshot(group, req)
             if not isinstance(logits, sweep_replay.Diverged):
                 return self._replayed(group, snapshot, logits, before, recording, count)
@@ -353,12 +352,11 @@ class SharedPass:
         ready = {}
         for together in (t for t in by_forward.values() if len(t) > 1):
             groups = [g for g, _ in together]
-            recording = groups[0].forward.record(prompt, True)
             befores = [sweep_records.tally(g.prefill_engine) for g in groups]
             with contextlib.ExitStack() as stack:
                 reqs = [stack.enter_context(g.prefill_engine.request(account=False))
                         for g in groups]
-                results = sweep_replay.replay_prompts(reqs, recording)
+                recording, results = groups[0].forward.replay(prompt, True, reqs)
                 snapshots = [None if self._diverged(g, r) else self._snapshot(g, req)
                              for g, r, req in zip(groups, results, reqs)]
             for (group, count), logits, snapshot, before in zip(together, results, snapshots,

@@ -94,21 +94,28 @@ class Forward:
         self.recordings: dict[bool, sweep_replay.Recording] = {}
         self.recorded = {False: 0, True: 0}  # prompts recorded, per kind
 
-    def record(self, prompt: list[int], eager: bool) -> "sweep_replay.Recording":
+    def replay(self, prompt: list[int], eager: bool, reqs: list
+               ) -> tuple["sweep_replay.Recording", list]:
+        """The prompt's recording (`eager`: the eager one) and its replay into `reqs`: per
+        request, its last logits or its `Diverged` (harness.sweep.replay.replay_prompts). A
+        recording not held yet is made now, replayed into `reqs` as it is made."""
         if prompt != self.prompt:
             self.release()  # one prompt's recordings held at a time
             self.prompt = prompt
-        if eager not in self.recordings:
-            if eager not in self.engines:
-                lead = self.lead
-                self.engines[eager] = Engine(
-                    lead.model, lead.tokenizer,
-                    sweep_replay.recorder_for(self.methods, eager,
-                                              lead.settings.protocol.dense_layers),
-                    lead.info, sweep_replay.recording_settings(lead.settings))
-            self.recordings[eager] = sweep_replay.record_prompt(self.engines[eager], prompt)
-            self.recorded[eager] += 1
-        return self.recordings[eager]
+        if eager in self.recordings:
+            recording = self.recordings[eager]
+            return recording, sweep_replay.replay_prompts(reqs, recording)
+        if eager not in self.engines:
+            lead = self.lead
+            self.engines[eager] = Engine(
+                lead.model, lead.tokenizer,
+                sweep_replay.recorder_for(self.methods, eager,
+                                          lead.settings.protocol.dense_layers),
+                lead.info, sweep_replay.recording_settings(lead.settings))
+        recording, results = sweep_replay.record_replaying(self.engines[eager], prompt, reqs)
+        self.recordings[eager] = recording
+        self.recorded[eager] += 1
+        return recording, results
 
     def release(self) -> None:
         self.prompt, self.recordings = None, {}

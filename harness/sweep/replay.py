@@ -21,12 +21,17 @@ scores) computes it, and its result is compared. A recording is made with the mo
 or with the eager computation of methods.scoring.attention_with_probs (`Recorder.eager`): the
 sweep replays the first into every setting, and the second into those whose layers attend that
 way (harness.sweep.plan.Forward).
+
+A recording is replayed into the settings that ask for it first while it is made
+(`record_replaying`): each layer's call, once the model has made it on the recorder, is replayed
+into them before the model goes on to the next layer. The eager recording's probabilities of a
+layer are then computed once, for the recording and every setting replaying it, instead of once
+more for the settings (its time is taken out of the recording's own).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
@@ -68,6 +73,9 @@ class LayerCall:
     hidden_positions: torch.Tensor | None = None
     residual: torch.Tensor | None = None  # the attention block's input and output, observed
     block_out: torch.Tensor | None = None
+    # the eager attention's inputs and result (methods.scoring.shared_attention), held only
+    # until the settings replaying this call as it is recorded have taken it
+    held: list | None = None
 
 
 @dataclass
@@ -80,19 +88,35 @@ class Recording:
 
 
 class _RecorderLayer(KVLayer):
-    """Holds the full cache and keeps every call of the current prompt."""
+    """Holds the full cache and keeps every call of the current prompt; with `replaying`, hands
+    each call, once made, to the settings replayed as it is recorded (module docstring)."""
 
-    def __init__(self, layer_idx: int, info: ModelInfo, eager: bool):
+    def __init__(self, layer_idx: int, info: ModelInfo, eager: bool, observes: bool):
         super().__init__(layer_idx, info)
-        self.eager = eager
+        self.eager, self.observes = eager, observes
         self.calls: list[LayerCall] = []  # one per forward
         self.current: LayerCall | None = None
+        self.live: _Replay | None = None
+
+    def replaying(self, live: "_Replay") -> None:
+        """Replay every call of this request's forwards into `live` as it is made."""
+        self.live = live
 
     def _call(self) -> LayerCall:
         if self.current is None:
             self.current = LayerCall()
             self.calls.append(self.current)
         return self.current
+
+    def _made(self, call: LayerCall) -> None:
+        """The model has made this forward's whole call on the layer."""
+        if self.live is not None:
+            self.live.layer(self.layer_idx, call)
+
+    def observe_token_ids(self, ids: torch.Tensor) -> None:
+        # before the model runs: the settings replayed as it is recorded start their forward
+        if self.live is not None and self.layer_idx == 0:
+            self.live.begin_chunk(ids)
 
     def prefetch(self, hidden_states, position_ids, ahead: bool) -> None:
         if not ahead:
@@ -109,19 +133,29 @@ class _RecorderLayer(KVLayer):
     def attend(self, module, query, keys, values, attention_mask, base, **kwargs):
         call = self._call()
         if self.eager:
-            out = attention_with_probs(query, keys, values, attention_mask, kwargs["scaling"])[0]
+            with shared_attention() as held:
+                out = attention_with_probs(query, keys, values, attention_mask,
+                                           kwargs["scaling"])[0]
+            call.held = held if self.live is not None else None
         else:
             out = base(module, query, keys, values, attention_mask, **kwargs)[0]
         call.module, call.base, call.query, call.mask = module, base, query, attention_mask
         call.kwargs, call.out, call.eager = dict(kwargs), out, self.eager
+        if not self.observes:
+            self._made(call)
         return out, None
 
     def observe_attention_block(self, residual, attention_output) -> None:
+        if not self.observes:  # another open request's hooks: no setting here reads it
+            return
         call = self._call()  # copies: a model may add to its residual stream in place
         call.residual, call.block_out = residual.clone(), attention_output.clone()
+        self._made(call)
 
     def after_forward(self) -> None:
         self.current = None
+        if self.live is not None and self.next_layer is None:  # the forward's last layer
+            self.live.end_chunk()
 
 
 @dataclass(kw_only=True)
@@ -143,11 +177,15 @@ class Recorder(KVMethod):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        # token ids: the first layer's tell the settings replayed as it records that a forward
+        # starts (`record_replaying`)
         self.capabilities = Capabilities(compresses=False, lookahead=self.lookahead,
-                                         observes_attention_block=self.observes)
+                                         observes_attention_block=self.observes,
+                                         needs_token_ids=True)
 
     def make_layer(self, layer_idx: int, info: ModelInfo) -> KVLayer:
-        return _RecorderLayer(layer_idx, info, self.eager and layer_idx not in self.base_layers)
+        return _RecorderLayer(layer_idx, info, self.eager and layer_idx not in self.base_layers,
+                              self.observes)
 
     make_dense_layer = make_layer  # `base_layers` already says how a dense layer attends
 
@@ -173,22 +211,38 @@ def recording_settings(settings):
 
 def record_prompt(engine, prompt: list[int]) -> Recording:
     """Feed `prompt` once through `engine` (its method a `Recorder`) and keep every call."""
+    return record_replaying(engine, prompt, [])[0]
+
+
+def record_replaying(engine, prompt: list[int], reqs: list
+                     ) -> tuple[Recording, list[torch.Tensor | Diverged]]:
+    """`record_prompt`, and `replay_prompts` into `reqs` as it is made: each layer's call is
+    replayed into them as soon as the model has made it on the recorder (an eager layer's
+    probabilities are computed once for both). The recording's cost is its own forward's: the
+    time spent replaying into `reqs` is taken out of its chunks' prefill time."""
     before = sweep_records.tally(engine)
+    live = _Replay(reqs, len(prompt))
     with engine.request(account=False) as req:
-        logits = req.feed_prompt(prompt)
         layers = req.cache.kv_layers
+        for kv in layers:
+            kv.replaying(live)
+        logits = req.feed_prompt(prompt)
         ids = torch.as_tensor(prompt, dtype=torch.long, device=engine.device)[None]
         chunk = engine.prefill_chunk()
         pieces = [ids[:, s:s + chunk] for s in range(0, ids.shape[1], chunk)]
         chunks = [(piece, [kv.calls[c] for kv in layers]) for c, piece in enumerate(pieces)]
-    return Recording(chunks, logits, sweep_records.added(engine, before))
+    cost = sweep_records.added(engine, before)
+    if len(cost["prefill_ms"]) != len(live.hooks_ms):
+        raise RuntimeError("a recording's chunks and the forwards replayed during it differ")
+    cost["prefill_ms"] = [t - h for t, h in zip(cost["prefill_ms"], live.hooks_ms)]
+    return Recording(chunks, logits, cost), live.results(logits)
 
 
 def replay_prompt(req, recording: Recording) -> torch.Tensor:
     """`req.feed_prompt(prompt)` from the recording: every layer of the request is called as the
-    model's forward would call it, chunk by chunk, each chunk one forward of the driver
-    (harness.core.forward: the replay computes its layers); returns the prompt's last logits
-    `(1, 1, V)`. Raises `Diverged` when a layer's attention output differs from the recording's."""
+    model's forward would call it, chunk by chunk (harness.core.forward: the replay computes its
+    layers); returns the prompt's last logits `(1, 1, V)`. Raises `Diverged` when a layer's
+    attention output differs from the recording's."""
     result = replay_prompts([req], recording)[0]
     if isinstance(result, Diverged):
         raise result
@@ -202,46 +256,82 @@ def replay_prompts(reqs: list, recording: Recording) -> list[torch.Tensor | Dive
     recording) compute each layer's once. Per request, its logits or its `Diverged` (a request
     that diverged is fed nothing more; the caller drops it). Each request's engine times its own
     layers' share as its prefill."""
-    tokens = sum(ids.shape[1] for ids, _ in recording.chunks)
-    for req in reqs:
-        open_prompt(req.kv_layers, None if req.declared_final else req.pos + tokens)
-    forward.begin_step([req.engine for req in reqs], decode=False)
-    failed: dict[int, Diverged] = {}
+    live = _Replay(reqs, sum(ids.shape[1] for ids, _ in recording.chunks))
     for ids, calls in recording.chunks:
-        fed = [0 if i in failed else ids.shape[1] for i in range(len(reqs))]
-        ms = [0.0] * len(reqs)
-        forward.run(functools.partial(_replay_forward, reqs, ids, calls, failed, fed, ms),
-                    reqs, fed, decode=False)
-        for req, took, n in zip(reqs, ms, fed):
+        live.begin_chunk(ids)
+        for layer, call in enumerate(calls):
+            live.layer(layer, call)
+        live.end_chunk()
+    return live.results(recording.logits)
+
+
+class _Replay:
+    """Requests replaying one prompt's forward, chunk by chunk and layer by layer as the model
+    makes its calls: `begin_chunk`, then `layer` for each of the chunk's layer calls, then
+    `end_chunk` (harness.core.forward's start and finish around the layers). A request whose
+    attention output differs from the recording's is `failed` from then on."""
+
+    def __init__(self, reqs: list, tokens: int):
+        self.reqs = reqs
+        self.failed: dict[int, Diverged] = {}
+        self.lookahead = [req.engine.method.capabilities.lookahead or req.engine.tier.offload
+                          for req in reqs]
+        self.fed: list[int] = []  # this chunk's tokens per request (0: failed)
+        self.ms: list[float] = []  # this chunk's time per request
+        self.hooks_ms: list[float] = []  # per chunk, all the time spent here
+        self.device = reqs[0].engine.device if reqs else torch.device("cpu")
+        for req in reqs:
+            open_prompt(req.kv_layers, None if req.declared_final else req.pos + tokens)
+        forward.begin_step([req.engine for req in reqs], decode=False)
+
+    def begin_chunk(self, ids: torch.Tensor) -> None:
+        """A chunk's forward `ids` `(1, q)` starts: token ids first (hf_adapter.forward hands
+        them over before the model runs)."""
+        t_hook = time.perf_counter()
+        if self.reqs:
+            forward.start()
+        self.fed = [0 if i in self.failed else ids.shape[1] for i in range(len(self.reqs))]
+        self.ms = [0.0] * len(self.reqs)
+        for i in self._live():
+            t0, cache = time.perf_counter(), self.reqs[i].cache
+            if cache.needs_token_ids:
+                for kv in cache.kv_layers:
+                    kv.observe_token_ids(ids)
+            self.ms[i] += _since(t0, self.reqs[i].engine.device)
+        self.hooks_ms.append(_since(t_hook, self.device))
+
+    def layer(self, layer: int, call: LayerCall) -> None:
+        """The chunk's call on `layer`, into every request not failed; inside shared_attention,
+        given the recorder's own eager result where the call is replayed as it is recorded."""
+        t_hook = time.perf_counter()
+        with shared_attention(call.held):
+            for i in self._live():
+                t0, req = time.perf_counter(), self.reqs[i]
+                try:
+                    _replay_layer(req.cache, req.kv_layers[layer], call, self.lookahead[i],
+                                  call.eager)
+                except Diverged as exc:
+                    self.failed[i], self.fed[i] = exc, 0
+                self.ms[i] += _since(t0, req.engine.device)
+        call.held = None  # taken: the probabilities are the chunk's largest tensors
+        self.hooks_ms[-1] += _since(t_hook, self.device)
+
+    def end_chunk(self) -> None:
+        """The chunk's forward is over for the requests fed (the driver's finish), each timing
+        its layers' share as its prefill."""
+        t_hook = time.perf_counter()
+        forward.finish(self.reqs, self.fed, decode=False)
+        for req, took, n in zip(self.reqs, self.ms, self.fed):
             if n:
                 req.engine.timer.add("prefill", [took])
-    return [failed.get(i, recording.logits.clone()) for i in range(len(reqs))]
+        self.hooks_ms[-1] += _since(t_hook, self.device)
 
+    def results(self, logits: torch.Tensor) -> list[torch.Tensor | Diverged]:
+        """Per request, the prompt's last logits `(1, 1, V)` or its `Diverged`."""
+        return [self.failed.get(i, logits.clone()) for i in range(len(self.reqs))]
 
-def _replay_forward(reqs: list, ids: torch.Tensor, calls: list[LayerCall],
-                    failed: dict[int, Diverged], fed: list[int], ms: list[float]) -> None:
-    """One chunk's forward `ids` `(1, q)` from its recorded calls, layer by layer as the model
-    makes them (token ids first: hf_adapter.forward hands them over before the model runs), each
-    layer into every request not `failed`. A request diverging here joins `failed` and its `fed`
-    becomes 0 (the driver then finishes no forward for it); `ms` gets each request's time."""
-    live = [i for i in range(len(reqs)) if i not in failed]
-    lookahead = [req.engine.method.capabilities.lookahead or req.engine.tier.offload
-                 for req in reqs]
-    for i in live:
-        t0, cache = time.perf_counter(), reqs[i].cache
-        if cache.needs_token_ids:
-            for kv in cache.kv_layers:
-                kv.observe_token_ids(ids)
-        ms[i] += _since(t0, reqs[i].engine.device)
-    for layer, call in enumerate(calls):
-        with shared_attention():
-            for i in [i for i in live if i not in failed]:
-                t0, req = time.perf_counter(), reqs[i]
-                try:
-                    _replay_layer(req.cache, req.kv_layers[layer], call, lookahead[i], call.eager)
-                except Diverged as exc:
-                    failed[i], fed[i] = exc, 0
-                ms[i] += _since(t0, req.engine.device)
+    def _live(self) -> list[int]:
+        return [i for i in range(len(self.reqs)) if i not in self.failed]
 
 
 def _since(t0: float, device: torch.device) -> float:

@@ -212,17 +212,22 @@ class _Prefetcher(KVLayer):
         self.calls.append((id(self), self.layer_idx, ahead))
 
 
+    def observe_attention_block(self, residual, attention_output):
+        self.calls.append((id(self), self.layer_idx, "block"))
+
+
 class _PrefetchMethod(KVMethod):
     name = "prefetcher"
-    capabilities = Capabilities(lookahead=True)
+    capabilities = Capabilities(lookahead=True, observes_attention_block=True)
 
     def make_layer(self, layer_idx, info):
         return _Prefetcher(layer_idx, info)
 
 
-def test_requests_side_by_side_share_one_set_of_lookahead_hooks(tiny_model):
-    """Two lookahead requests open at once (lockstep benchmarks): each forward's bound layer is
-    called once per hook, never twice, and the hooks go when the last request closes."""
+def test_requests_side_by_side_share_one_set_of_hooks(tiny_model):
+    """Two requests with lookahead and attention-block hooks open at once (lockstep
+    benchmarks, a sweep replaying into settings while it records): each forward's bound layer
+    is called once per hook, never twice, and the hooks go when the last request closes."""
     engines = [make_engine(tiny_model, _PrefetchMethod()) for _ in range(2)]
     with engines[0].request() as a, engines[1].request() as b:
         a.prefill(torch.arange(3, 9))
@@ -231,10 +236,13 @@ def test_requests_side_by_side_share_one_set_of_lookahead_hooks(tiny_model):
         own = {id(kv) for kv in b.cache.kv_layers}
         assert {c[0] for c in _Prefetcher.calls} <= own
         layers = len(b.cache.kv_layers)
-        # layer i: once for itself, once ahead from layer i-1
-        assert len(_Prefetcher.calls) == 2 * layers - 1
-    hooks = [m._forward_pre_hooks for m in hf_adapter.attention_modules(tiny_model)]
-    assert all(len(h) == 0 for h in hooks) and not hasattr(tiny_model, "_kvh_lookahead")
+        # layer i: once for itself, once ahead from layer i-1, once its attention block
+        assert len(_Prefetcher.calls) == 3 * layers - 1, _Prefetcher.calls
+    modules = hf_adapter.attention_modules(tiny_model)
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in modules)
+    assert not any(hasattr(tiny_model, a) for a in ("_kvh_lookahead", "_kvh_block_hooks"))
+    decoders = hf_adapter.decoder_layers(tiny_model)
+    assert all(not d._forward_pre_hooks for d in decoders)
 
 
 

@@ -111,10 +111,10 @@ EAGER = ["h2o", "scissorhands", "kvmerger"]  # each scores a held prompt by its 
 def test_groups_replaying_the_eager_recording_compute_each_layers_probabilities_once(
         tmp_path, monkeypatch):
     """Settings whose layers attend a held prompt with probabilities (`eager_prompt_attention`)
-    replay the prompt's eager recording together, layer by layer: each layer's probabilities
-    are computed once for all of them (methods.scoring.shared_attention), once more by the
-    recording, not once per group; and each setting equals its single run (its probabilities
-    are the ones it would compute)."""
+    replay the prompt's eager recording together, layer by layer, as it is recorded: each
+    layer's probabilities are computed once, by the recording, for all of them
+    (methods.scoring.shared_attention), not once per group; and each setting equals its single
+    run (its probabilities are the ones it would compute)."""
     from methods import scoring
 
     need_shared(STORIES)
@@ -132,7 +132,7 @@ def test_groups_replaying_the_eager_recording_compute_each_layers_probabilities_
     for a, b in zip(alone, swept):
         assert folder_figures(b) == folder_figures(a)
     prompts, layers = 2, 5  # two needle depths; stories260K's layers
-    assert len(prompt_calls) == 2 * prompts * layers, prompt_calls  # recorded, replayed once
+    assert len(prompt_calls) == prompts * layers, prompt_calls  # the recording's, shared
 
 
 # a method for each way a layer is called while a prompt is fed: the model's attention or

@@ -103,3 +103,37 @@ def test_a_replay_that_skips_a_layer_call_is_caught(name, stories, monkeypatch, 
     monkeypatch.setattr(sweep_replay, "_replay_layer", planted)
     with pytest.raises((AssertionError, AttributeError, TypeError, RuntimeError)):
         assert_replay_continues_as_own_forward(stories[0], name, monkeypatch, tmp_path)
+
+
+def test_a_replay_made_while_recording_is_timed_as_the_settings_not_the_recordings(
+        stories, monkeypatch):
+    """Settings replayed as the prompt is recorded (`record_replaying`) run inside the
+    recording's forward: their time is theirs (each engine's prefill), and is taken out of the
+    recording's own cost, which every setting is charged as its forward. Planted: each
+    replayed layer call takes 20 ms more."""
+    import time
+
+    model = stories[0]
+    method = build_method("h2o", **method_class("h2o").compressing_hyperparameters(
+        PROMPT_TOKENS))
+    prompt = list(range(3, 3 + PROMPT_TOKENS))
+    real, slow_ms = sweep_replay._replay_layer, 20.0
+
+    def slow(*args):
+        time.sleep(slow_ms / 1e3)
+        return real(*args)
+
+    monkeypatch.setattr(sweep_replay, "_replay_layer", slow)
+    engines = [make_engine(model, method, chunk=CHUNK_TOKENS) for _ in range(2)]
+    recorder = Engine(model, None, sweep_replay.recorder_for([method], True), engines[0].info,
+                      sweep_replay.recording_settings(engines[0].settings))
+    with engines[0].request() as a, engines[1].request() as b:
+        recording, results = sweep_replay.record_replaying(recorder, prompt, [a, b])
+    assert all(isinstance(r, torch.Tensor) for r in results)
+    chunks, layers = PROMPT_TOKENS // CHUNK_TOKENS, model.config.num_hidden_layers
+    planted_ms = chunks * layers * slow_ms  # per setting
+    for engine in engines:
+        assert sum(engine.timer.values("prefill")) >= planted_ms
+    own = recording.cost["prefill_ms"]
+    assert len(own) == chunks and min(own) >= 0
+    assert sum(own) < planted_ms / 2, own  # neither setting's replay counted as the forward's
