@@ -258,6 +258,10 @@ class EvictionLayer(TokenRows, KVLayer):
         rows, clone it to keep it); None while every head holds `kept_tokens()`."""
         return self.held_lengths() if self.ragged else None
 
+    def _heads_alike(self) -> bool:
+        lengths = self.held_lengths()
+        return bool((lengths == lengths.flatten()[0]).all())
+
     def held_lengths(self) -> torch.Tensor:
         """Slots each KV head holds `(B, H_kv)`: its text tokens, plus a slot standing for
         evicted ones where a layer keeps one (RazorAttention's compensation token)."""
@@ -284,6 +288,10 @@ class EvictionLayer(TokenRows, KVLayer):
 
         def attend(module, query, keys, values, attention_mask, **kwargs):
             bias = self.slot_bias()
+            if bias is None and query.shape[2] > 1 and self._heads_alike():
+                # a chunk while every head holds the same tokens (a prompt before the first
+                # cut): the padded rows are the dense ones, attended as the full cache does
+                return base(module, query, keys, values, attention_mask, **kwargs)
             if bias is None and plain_attention(kwargs):
                 blocks = self._kv["keys"].in_place(), self._kv["values"].in_place()
                 return exact_attention(module, query, *blocks, None, base, **kwargs)
