@@ -259,6 +259,7 @@ class EvictionLayer(TokenRows, KVLayer):
         return self.held_lengths() if self.ragged else None
 
     def _heads_alike(self) -> bool:
+        """Every head of a ragged store holds the same count (a prompt before its first cut)."""
         lengths = self.held_lengths()
         return bool((lengths == lengths.flatten()[0]).all())
 
@@ -279,8 +280,9 @@ class EvictionLayer(TokenRows, KVLayer):
         return extent + q_len, self.seen_tokens - extent
 
     def over_heads(self, base):
-        """`base` (the model's attention) when every head holds the same count; ragged rows:
-        attention of each head over its own tokens (the chunk's new ones are each head's last):
+        """`base` (the model's attention) when every head holds the same count (a ragged store:
+        for a chunk of several tokens); ragged rows: attention of each head over its own tokens
+        (the chunk's new ones are each head's last):
         the ragged kernels for plain calls, else `base` with a per-head mask over the padded
         rows (their padding zeroed, never read)."""
         if not self.ragged:

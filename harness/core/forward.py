@@ -18,7 +18,7 @@ recorded prompt replayed into a setting's layers (harness.sweep.replay). A forwa
 `run` is 2 to 4, timed as the engine's "prefill" or "decode" region. transformers' `generate`
 calls the model itself, so the API cache runs `start` and `finish` from hooks around that call
 (hf_adapter.watch_forwards) instead of `run`; so does a replay, whose layer calls may come from a
-recording being made by another forward (harness.sweep.replay `_Replay`).
+recording being made by another forward (harness.sweep.replay `_PromptReplay`).
 """
 
 from __future__ import annotations

@@ -341,8 +341,9 @@ class SharedPass:
     def _replay_eager(self, fed: list[tuple[Group, bool]], prompt: list[int]) -> dict[int, Any]:
         """The prompt states of the groups replaying an eager recording (their layers compute
         the held prompt's attention probabilities themselves), replayed together, layer by
-        layer, so that each layer's probabilities are computed once for all of them
-        (harness.sweep.replay.replay_prompts): id(group) -> what `_prefill` would return. `fed`:
+        layer, as the recording is made, so that each layer's probabilities are computed once
+        for the recording and all of them (harness.sweep.replay.record_replaying):
+        id(group) -> what `_prefill` would return. `fed`:
         (group, count) for the groups whose state this prompt needs. A group that diverges is
         left to `_prefill`."""
         by_forward: dict[int, list[tuple[Group, bool]]] = {}

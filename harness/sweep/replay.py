@@ -96,9 +96,9 @@ class _RecorderLayer(KVLayer):
         self.eager, self.observes = eager, observes
         self.calls: list[LayerCall] = []  # one per forward
         self.current: LayerCall | None = None
-        self.live: _Replay | None = None
+        self.live: _PromptReplay | None = None
 
-    def replaying(self, live: "_Replay") -> None:
+    def replaying(self, live: "_PromptReplay") -> None:
         """Replay every call of this request's forwards into `live` as it is made."""
         self.live = live
 
@@ -221,7 +221,7 @@ def record_replaying(engine, prompt: list[int], reqs: list
     probabilities are computed once for both). The recording's cost is its own forward's: the
     time spent replaying into `reqs` is taken out of its chunks' prefill time."""
     before = sweep_records.tally(engine)
-    live = _Replay(reqs, len(prompt))
+    live = _PromptReplay(reqs, len(prompt))
     with engine.request(account=False) as req:
         layers = req.cache.kv_layers
         for kv in layers:
@@ -256,7 +256,7 @@ def replay_prompts(reqs: list, recording: Recording) -> list[torch.Tensor | Dive
     recording) compute each layer's once. Per request, its logits or its `Diverged` (a request
     that diverged is fed nothing more; the caller drops it). Each request's engine times its own
     layers' share as its prefill."""
-    live = _Replay(reqs, sum(ids.shape[1] for ids, _ in recording.chunks))
+    live = _PromptReplay(reqs, sum(ids.shape[1] for ids, _ in recording.chunks))
     for ids, calls in recording.chunks:
         live.begin_chunk(ids)
         for layer, call in enumerate(calls):
@@ -265,7 +265,7 @@ def replay_prompts(reqs: list, recording: Recording) -> list[torch.Tensor | Dive
     return live.results(recording.logits)
 
 
-class _Replay:
+class _PromptReplay:
     """Requests replaying one prompt's forward, chunk by chunk and layer by layer as the model
     makes its calls: `begin_chunk`, then `layer` for each of the chunk's layer calls, then
     `end_chunk` (harness.core.forward's start and finish around the layers). A request whose
