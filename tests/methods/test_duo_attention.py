@@ -263,9 +263,10 @@ def test_one_shared_ragged_store_holds_both_head_classes(compensate):
 
 
 def test_duo_equals_the_full_cache_masked_to_what_each_head_kept(stories, monkeypatch, tmp_path):
-    """tests/methods/headwise_reference.py: the full cache, its decode step masked per KV head to
-    the positions DuoAttention's head kept, gives DuoAttention's logits (retrieval heads every
-    token, streaming heads 4 sinks + 16 recent; an independent check of the ragged path)."""
+    """tests/methods/headwise_reference.py: the full cache, its decode step and a question fed
+    in one chunk masked per KV head to the positions DuoAttention's head kept, gives
+    DuoAttention's logits (retrieval heads every token, streaming heads 4 sinks + 16 recent;
+    an independent check of the ragged path)."""
     monkeypatch.setenv("KVH_CACHE_DIR", str(tmp_path))
     model, tok = stories
     method = build_method("duo_attention", sink_tokens=4, window_tokens=16,
