@@ -11,9 +11,11 @@ keep every token; streaming heads keep the first `sink_tokens` and the last `win
 each forward (a prefill chunk or a decode step: every head attends its cache + the new tokens
 causally) the streaming heads are cut back to sinks + window. A one-shot prefill therefore lets
 streaming heads see the whole prompt (official behaviour: accuracy is optimistic, which is why the
-official LongBench `pred.py` feeds the last 50 prompt tokens as decode steps); feed the prompt in
-chunks (runner chunking) or with `runner.prefill=sparse` to make them stream. Keys stay post-RoPE
-at their text positions.
+official LongBench `pred.py` feeds the last 50 prompt tokens as decode steps). Under the default
+`runner.prefill=dense` every head holds the prompt whole until it ends, whatever the chunk size
+(its chunks are then attended by the model's attention, as the full cache's); feed it with
+`runner.prefill=chunked` or `sparse` to make streaming heads stream. Keys stay post-RoPE at their
+text positions.
 Head identification (recorded in `prepare`'s facts as `head_identification`):
   * `learned_gates`: `pattern_path` given: the official pattern as `duo_attn/utils.py`
     `load_attn_pattern` reads it, a folder with `full_attention_heads.tsv` (np.savetxt of the

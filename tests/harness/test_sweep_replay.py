@@ -3,6 +3,8 @@ leaves them as the method's own forward does: for every method, on stories260K (
 so kept sets depend on the scores), with the prompt in three chunks, the layers then compress the
 prompt and decode; every decode step's logits, kept positions and held figures are equal."""
 
+import time
+
 import pytest
 import torch
 
@@ -111,8 +113,6 @@ def test_a_replay_made_while_recording_is_timed_as_the_settings_not_the_recordin
     recording's forward: their time is theirs (each engine's prefill), and is taken out of the
     recording's own cost, which every setting is charged as its forward. Planted: each
     replayed layer call takes 20 ms more."""
-    import time
-
     model = stories[0]
     method = build_method("h2o", **method_class("h2o").compressing_hyperparameters(
         PROMPT_TOKENS))

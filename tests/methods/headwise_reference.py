@@ -23,8 +23,8 @@ def masked_full_gap(model, tok, method, monkeypatch, prompt_tokens: int = 80,
     ids = ids[:prompt_tokens + query_tokens]
     prompt, after = ids[:prompt_tokens], [ids[prompt_tokens:prompt_tokens + 1],
                                           ids[prompt_tokens:]]
-    got, kept = [], None
-    for more in after:
+    got, kept = [], None  # kept: what the method held at the prompt's end (the same prompt:
+    for more in after:    # the same kept sets in both requests)
         with make_engine(model, method, tok).request() as req:
             req.prefill(prompt)
             kept = [kv.kept_positions().clone() for kv in req.cache.kv_layers]
