@@ -360,7 +360,9 @@ class ContiguousRows(Rows):
 
     def fork(self) -> "ContiguousRows":
         copy = ContiguousRows(self.growth)
-        copy.buffer = None if self.buffer is None else self.buffer.clone()
+        if self.buffer is not None:  # the same capacity; only the rows held are copied
+            copy.buffer = self.buffer.new_empty(self.buffer.shape)
+            copy.buffer[:, :, : self.length].copy_(self.buffer[:, :, : self.length])
         copy.length = self.length
         copy._lengths = None if self._lengths is None else self._lengths.clone()
         return copy

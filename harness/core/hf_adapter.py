@@ -110,8 +110,7 @@ class _BridgeLayer(DynamicLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         self.is_initialized = True
         if self.info is not None:
-            q_len = key_states.shape[-2]
-            self.sizes = (q_len, *self.kv.mask_sizes(q_len), self.kv.seen_tokens)
+            self.sizes = mask_sizes(self.kv, key_states.shape[-2])
         return self.kv.update(key_states, value_states, position_ids_from(kwargs))
 
     def own_mask(self, base, query: torch.Tensor):
@@ -153,6 +152,11 @@ class MethodCache(Cache):
         """The mask this layer's attention gets after `replay_update` (see `_BridgeLayer`)."""
         return self.layers[layer_idx].own_mask(base, query)
 
+    def layer_sizes(self, layer_idx: int) -> tuple[int, int, int, int] | None:
+        """`mask_sizes` of this layer's last update: with the layer, the attention function and
+        the query, all its mask is made from."""
+        return self.layers[layer_idx].sizes
+
 
 class BatchCache(Cache):
     """A batch of requests (`harness.core.batch`): one `FanOutLayer` per decoder layer, each routing
@@ -167,6 +171,12 @@ class BatchCache(Cache):
             layer.next_layer = nxt
         super().__init__(layers=[_BridgeLayer(layer) for layer in fan_out_layers])
 
+
+
+def mask_sizes(kv, q_len: int) -> tuple[int, int, int, int]:
+    """(q_len, kv_length, kv_offset, q_offset) of a layer's own mask for `q_len` new tokens,
+    read before its `update` (the KVLayer contract: they describe its output)."""
+    return (q_len, *kv.mask_sizes(q_len), kv.seen_tokens)
 
 
 def sequence_mask(info: ModelInfo, base, layer_idx: int, q_len: int, kv_length: int,

@@ -39,6 +39,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from harness.core import forward
+from harness.core.hf_adapter import mask_sizes
 from harness.core.profiling import sync
 from harness.sweep import records as sweep_records
 from harness.core.prompting import open_prompt
@@ -66,6 +67,7 @@ class LayerCall:
     base: Callable | None = None  # the model's attention function
     query: torch.Tensor | None = None  # (B, H_q, q, D)
     mask: torch.Tensor | None = None
+    sizes: tuple[int, int, int, int] | None = None  # what the mask was made from (mask_sizes)
     kwargs: dict[str, Any] = field(default_factory=dict)
     out: torch.Tensor | None = None  # (B, q, H_q, D) attention's output
     eager: bool = False  # computed by attention_with_probs, not by `base`
@@ -126,6 +128,7 @@ class _RecorderLayer(KVLayer):
     def update(self, keys, values, position_ids):
         call = self._call()
         call.keys_new, call.values_new, call.position_ids = keys, values, position_ids
+        call.sizes = mask_sizes(self, keys.shape[-2])
         self.append_kv(keys, values)
         call.keys, call.values = self.keys, self.values
         return call.keys, call.values
@@ -347,7 +350,10 @@ def _replay_layer(cache, kv: KVLayer, call: LayerCall, lookahead: bool, eager: b
             kv.next_layer.prefetch(call.hidden, call.hidden_positions, ahead=True)
     keys, values = cache.replay_update(kv.layer_idx, call.keys_new, call.values_new,
                                        call.position_ids)
-    mask = cache.layer_mask(kv.layer_idx, call.base, call.query)
+    # a layer's mask is made from its sizes, its index, the attention function and the query:
+    # at the recorder's sizes it is the recorded one (built once, and `_recorded` knows it as is)
+    mask = (call.mask if cache.layer_sizes(kv.layer_idx) == call.sizes
+            else cache.layer_mask(kv.layer_idx, call.base, call.query))
     base = call.base if eager else _recorded(call)
     out = kv.attend(call.module, call.query, keys, values, mask, base=base, **call.kwargs)[0]
     if not torch.equal(out, call.out):

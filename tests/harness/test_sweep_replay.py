@@ -137,3 +137,25 @@ def test_a_replay_made_while_recording_is_timed_as_the_settings_not_the_recordin
     own = recording.cost["prefill_ms"]
     assert len(own) == chunks and min(own) >= 0
     assert sum(own) < planted_ms / 2, own  # neither setting's replay counted as the forward's
+
+
+def test_a_layer_masked_otherwise_than_the_recorder_is_not_given_the_recorded_mask(stories):
+    """The replay hands a layer the recorded mask only at the recorder's sizes. Planted: layer 1
+    of the setting holds the same keys but places them one token later (`kv_offset` + 1), so its
+    own forward masks them otherwise and attends otherwise: the replay must diverge, not answer
+    it from the recording."""
+    model = stories[0]
+    method = build_method("full")
+    engine = make_engine(model, method, chunk=CHUNK_TOKENS)
+    recorder = Engine(model, None, sweep_replay.recorder_for([method], False), engine.info,
+                      sweep_replay.recording_settings(engine.settings))
+    prompt = list(range(3, 3 + PROMPT_TOKENS))
+    recording = sweep_replay.record_prompt(recorder, prompt)
+    with engine.request() as req:  # unplanted: it replays
+        assert torch.equal(sweep_replay.replay_prompt(req, recording), recording.logits)
+    with engine.request() as req:
+        layer = req.cache.kv_layers[1]
+        sizes = layer.mask_sizes
+        layer.mask_sizes = lambda q_len: (sizes(q_len)[0], sizes(q_len)[1] + 1)
+        with pytest.raises(sweep_replay.Diverged, match="layer 1"):
+            sweep_replay.replay_prompt(req, recording)
